@@ -1,0 +1,254 @@
+//! The compute seam: one [`Lane`] per device, and the host memory the pipeline stages into.
+//!
+//! Pipeline code sees only this module's types: host buffers, slot and accumulator indices,
+//! and tickets that say when asynchronous work is finished. It never sees streams, contexts or
+//! device pointers. The CPU backend ([`cpu`]) is synchronous (every ticket is done at once); the
+//! CUDA backend ([`cuda`]) queues copies and GEMMs on streams and completes tickets with events.
+//!
+//! Contract for every lane:
+//! - Slots (input tiles) and accumulators (output tiles) are allocated once, at construction,
+//!   from the [`Layout`](crate::plan::layout::Layout); a lane never allocates on the hot path.
+//! - `upload` and `download` return a [`Ticket`]; the host buffer passed in must not be touched
+//!   or dropped until `done`/`wait` says the ticket has completed. The device lane stage keeps
+//!   the buffer's lease alive exactly that long.
+//! - Work on one lane executes in the order it was issued as far as results are concerned: a
+//!   GEMM sees every upload issued before it, a download sees every GEMM before it, an upload
+//!   into a slot waits for GEMMs issued earlier that read the slot.
+
+pub mod cpu;
+pub mod cuda;
+
+use std::ptr::NonNull;
+
+use crate::error::Result;
+use crate::plan::Precision;
+
+/// Host memory owned by a backend (plain on the CPU, page-locked on a GPU), 4096-byte aligned.
+pub struct HostBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// Keeps the allocation alive; dropped (freed) with the buffer.
+    _owner: Box<dyn Send + Sync>,
+}
+
+// SAFETY: a HostBuf is the unique handle to its allocation (no aliasing handles exist), and the
+// owner it carries is Send + Sync, so moving or sharing it between threads is sound.
+unsafe impl Send for HostBuf {}
+unsafe impl Sync for HostBuf {}
+
+impl HostBuf {
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes for as long as `owner` lives, and
+    /// nothing else may access that memory while this HostBuf exists (other than DMA that the
+    /// lane contract orders).
+    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize, owner: Box<dyn Send + Sync>) -> HostBuf {
+        HostBuf {
+            ptr,
+            len,
+            _owner: owner,
+        }
+    }
+
+    /// Ordinary heap memory, 4096-aligned (backed by a Vec of pages).
+    pub fn heap(len: usize) -> HostBuf {
+        #[repr(C, align(4096))]
+        struct Page([u8; 4096]);
+        let pages = len.div_ceil(4096).max(1);
+        let mut v: Vec<Page> = Vec::with_capacity(pages);
+        // SAFETY: Page is plain bytes; zero-initialise every page before use.
+        unsafe {
+            std::ptr::write_bytes(v.as_mut_ptr(), 0, pages);
+            v.set_len(pages);
+        }
+        let ptr = NonNull::new(v.as_mut_ptr() as *mut u8).expect("Vec pointer is non-null");
+        // SAFETY: the Vec's heap block does not move when the Vec is moved into the Box, lives as
+        // long as the owner, and is `pages*4096 >= len` bytes.
+        unsafe { HostBuf::from_raw(ptr, len, Box::new(v)) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: valid for len bytes while self lives (from_raw contract).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and &mut self guarantees exclusive access from Rust code.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// Allocates the pipeline's host buffers: pinned memory on a GPU, heap memory on the CPU.
+pub trait HostAlloc: Send + Sync {
+    fn alloc_host(&self, bytes: usize) -> Result<HostBuf>;
+}
+
+/// Identifies asynchronous work issued on a lane.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ticket(pub u64);
+
+/// Where an upload lands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dst {
+    /// An input-tile slot (converted to the device input type if that differs).
+    Slot(usize),
+    /// An accumulator (C0 tiles; host compute type).
+    Acc(usize),
+}
+
+/// One GEMM on a lane: `acc = alpha·op(A)·op(B) + beta·acc`, row-major.
+///
+/// The slot for A holds the stored block densely: `m×k` (lda = k) or, if `a_trans`, `k×m`
+/// (lda = m). Likewise B: `k×n` or, if `b_trans`, `n×k`. The accumulator is `m×n` dense.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmDesc {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a_trans: bool,
+    pub b_trans: bool,
+    pub alpha: f64,
+    /// 0 replaces the accumulator, 1 accumulates, anything else scales C0.
+    pub beta: f64,
+}
+
+/// Device-side time and traffic, as the device measured it.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct DeviceStats {
+    pub gemm_s: f64,
+    pub h2d_s: f64,
+    pub d2h_s: f64,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub gemms: u64,
+}
+
+/// A device's worth of compute: slots, accumulators, and ordered asynchronous work.
+pub trait Lane: Send {
+    /// Human name ("cpu", "cuda:0 NVIDIA H200").
+    fn name(&self) -> String;
+    /// Called once on the thread that will drive the lane, before any other call.
+    fn bind_thread(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Copy the first `elems` host-compute-type elements of `src` into `dst`.
+    fn upload(&mut self, src: &HostBuf, elems: usize, dst: Dst) -> Result<Ticket>;
+    fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()>;
+    /// Copy the first `elems` elements of accumulator `acc` into `dst`.
+    fn download(&mut self, acc: usize, elems: usize, dst: &mut HostBuf) -> Result<Ticket>;
+    fn done(&mut self, t: Ticket) -> Result<bool>;
+    fn wait(&mut self, t: Ticket) -> Result<()>;
+    fn stats(&mut self) -> DeviceStats;
+}
+
+/// Which precision the lane computes in, and the host dtype it exchanges.
+pub fn describe_precision(p: Precision) -> &'static str {
+    match p {
+        Precision::Fp32 => "fp32 (SGEMM)",
+        Precision::Tf32 => "tf32 inputs, fp32 accumulate",
+        Precision::Bf16 => "bf16 inputs, fp32 accumulate and output",
+        Precision::Fp16 => "fp16 inputs, fp32 accumulate and output",
+        Precision::Fp64 => "fp64 (DGEMM)",
+    }
+}
+
+/// Round f32 values in place to what a reduced-precision GEMM input would see (TF32: 10-bit
+/// mantissa, round to nearest even; bf16; fp16). Used by the CPU backend to emulate those modes
+/// and by tests as the reference rounding.
+pub fn round_inputs(p: Precision, xs: &mut [f32]) {
+    match p {
+        Precision::Tf32 => xs.iter_mut().for_each(|x| {
+            if x.is_finite() {
+                let b = x.to_bits();
+                let r = b.wrapping_add(0xFFF + ((b >> 13) & 1)) & !0x1FFF;
+                *x = f32::from_bits(r);
+            }
+        }),
+        Precision::Bf16 => xs
+            .iter_mut()
+            .for_each(|x| *x = half::bf16::from_f32(*x).to_f32()),
+        Precision::Fp16 => xs
+            .iter_mut()
+            .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
+        Precision::Fp32 | Precision::Fp64 => {}
+    }
+}
+
+/// The backend chosen for a run: what the planner sizes for, the host allocator, and how to
+/// make the lanes.
+pub struct Selected {
+    pub target: crate::plan::layout::Target,
+    pub alloc: Box<dyn HostAlloc>,
+    pub threads: usize,
+    /// A one-line note for the user (e.g. why `auto` fell back to the CPU).
+    pub note: Option<String>,
+    #[allow(clippy::type_complexity)]
+    make: Box<
+        dyn Fn(&crate::plan::layout::Layout, Precision) -> Result<Vec<Box<dyn Lane>>> + Send + Sync,
+    >,
+    pub name: String,
+}
+
+impl Selected {
+    pub fn lanes(
+        &self,
+        layout: &crate::plan::layout::Layout,
+        p: Precision,
+    ) -> Result<Vec<Box<dyn Lane>>> {
+        (self.make)(layout, p)
+    }
+    pub fn is_cuda(&self) -> bool {
+        self.target.cuda
+    }
+}
+
+/// Number of worker threads `threads = 0` means.
+pub fn resolve_threads(threads: usize) -> usize {
+    if threads > 0 {
+        threads
+    } else {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    }
+}
+
+pub fn cpu_backend(threads: usize, note: Option<String>) -> Selected {
+    let threads = resolve_threads(threads);
+    Selected {
+        target: crate::plan::layout::Target::cpu(threads),
+        alloc: Box::new(cpu::CpuAlloc),
+        threads,
+        note,
+        make: Box::new(move |layout, _p| {
+            Ok(vec![
+                Box::new(cpu::CpuLane::new(layout, threads)?) as Box<dyn Lane>
+            ])
+        }),
+        name: format!("cpu ({threads} threads)"),
+    }
+}
+
+/// Choose the backend for `engine`: `cpu`, `cuda` (an error if no GPU is usable), or `auto`
+/// (every visible GPU if the driver loads and one exists, else the CPU with a note).
+pub fn select(engine: &crate::plan::Engine) -> Result<Selected> {
+    use crate::plan::BackendKind;
+    match engine.backend {
+        BackendKind::Cpu => Ok(cpu_backend(engine.threads, None)),
+        BackendKind::Cuda => cuda::select(engine),
+        BackendKind::Auto => match cuda::select(engine) {
+            Ok(s) => Ok(s),
+            Err(e) => Ok(cpu_backend(
+                engine.threads,
+                Some(format!("backend auto: using the CPU ({e})")),
+            )),
+        },
+    }
+}

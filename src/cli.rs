@@ -1,0 +1,293 @@
+//! The command line: clap definitions and one function per command. `main.rs` only parses,
+//! calls [`execute`] and turns an error into a message and an exit code.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::plan::size::fmt_bytes;
+use crate::plan::Plan;
+use crate::progress::Progress;
+use crate::run::{self, RunOptions};
+use crate::store::gen::{self, Dist, GenSpec};
+use crate::store::{npy, TiledFile};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "mgmm-stream",
+    version,
+    about = "Multiply matrices too big for GPU memory or host RAM, streaming tiles from disk"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a matrix file with deterministic synthetic data.
+    #[command(
+        after_help = "Example:\n  mgmm-stream gen data/A.mgt --rows 4096 --cols 3000 --dist normal --seed 1"
+    )]
+    Gen {
+        /// Output .mgt file (must not exist unless --force).
+        out: PathBuf,
+        #[arg(long)]
+        rows: u64,
+        #[arg(long)]
+        cols: u64,
+        /// Element type: f32, f64, f16, bf16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Storage tile edge (square tiles).
+        #[arg(long, default_value_t = 1024)]
+        tile: u64,
+        /// normal, uniform (in [-1, 1)), identity, arange (value = row·cols + col).
+        #[arg(long, default_value = "normal")]
+        dist: String,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Worker threads (0 = all cores).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Replace OUT if it exists.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Print a matrix file's header, shape, tile grid and size; --check verifies every tile.
+    #[command(after_help = "Example:\n  mgmm-stream info data/C.mgt --check")]
+    Info {
+        file: PathBuf,
+        /// Verify every storage tile against the stored CRC-32C table.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Convert a C-order f32/f64 .npy array into a tiled file (streaming).
+    #[command(after_help = "Example:\n  mgmm-stream import A.npy data/A.mgt --tile 1024")]
+    Import {
+        input: PathBuf,
+        output: PathBuf,
+        #[arg(long, default_value_t = 1024)]
+        tile: u64,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Convert a tiled file into a C-order .npy array (streaming; 16-bit data becomes f32).
+    #[command(
+        after_help = "Example:\n  mgmm-stream export data/C.mgt C.npy\n  python3 -c 'import numpy as np; print(np.load(\"C.npy\", mmap_mode=\"r\")[:2, :4])'"
+    )]
+    Export {
+        input: PathBuf,
+        output: PathBuf,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Resolve a plan and print what `run` would do: shapes, tiles, memory budgets, bytes moved,
+    /// and the lower bound on time.
+    #[command(after_help = "Example:\n  mgmm-stream plan examples/quickstart.toml")]
+    Plan { plan: PathBuf },
+    /// Run a plan: generate missing inputs, stream every step, write the outputs.
+    #[command(
+        after_help = "Example:\n  mgmm-stream run examples/quickstart.toml --report run.json"
+    )]
+    Run {
+        plan: PathBuf,
+        /// Print nothing but errors.
+        #[arg(long, short)]
+        quiet: bool,
+        /// Write the summary figures as JSON to this file.
+        #[arg(long)]
+        report: Option<PathBuf>,
+        /// Seconds between log lines when stderr is not a terminal.
+        #[arg(long, default_value_t = 5.0)]
+        log_every: f64,
+    },
+}
+
+fn refuse_existing(p: &Path, force: bool) -> Result<()> {
+    if p.exists() && !force {
+        return Err(Error::Usage(format!(
+            "{} already exists; choose another path or pass --force to replace it",
+            p.display()
+        )));
+    }
+    Ok(())
+}
+
+pub fn execute(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Command::Gen {
+            out,
+            rows,
+            cols,
+            dtype,
+            tile,
+            dist,
+            seed,
+            threads,
+            force,
+        } => {
+            refuse_existing(&out, force)?;
+            let dtype = DType::parse(&dtype).ok_or_else(|| {
+                Error::Usage(format!("--dtype {dtype}: use f32, f64, f16 or bf16"))
+            })?;
+            let dist = Dist::parse(&dist).ok_or_else(|| {
+                Error::Usage(format!("--dist {dist}: use one of {}", Dist::NAMES))
+            })?;
+            if tile == 0 || tile > crate::store::header::MAX_TILE_EDGE {
+                return Err(Error::Usage(format!(
+                    "--tile {tile}: must be between 1 and 65536"
+                )));
+            }
+            if rows == 0 || cols == 0 {
+                return Err(Error::Usage(format!(
+                    "{}: --rows and --cols must be at least 1",
+                    out.display()
+                )));
+            }
+            run::init_threads(threads);
+            let t = Instant::now();
+            let spec = GenSpec {
+                rows,
+                cols,
+                dtype,
+                tile: (tile.min(rows), tile.min(cols)),
+                dist,
+                seed,
+            };
+            let bytes = gen::generate(&out, &spec)?;
+            let s = t.elapsed().as_secs_f64();
+            eprintln!(
+                "wrote {} ({rows}×{cols} {dtype}): {} in {s:.2} s ({:.0} MB/s)",
+                out.display(),
+                fmt_bytes(bytes),
+                bytes as f64 / s / 1e6
+            );
+            Ok(())
+        }
+        Command::Info { file, check } => {
+            let f = TiledFile::open(&file)?;
+            let h = f.hdr;
+            println!("file:        {}", file.display());
+            println!("format:      MGMTILE1 v1, dtype {}", h.dtype);
+            println!("shape:       {} × {}", h.rows, h.cols);
+            println!(
+                "tiles:       {} × {} elements, grid {} × {} = {} tiles, stride {} bytes",
+                h.tile_rows,
+                h.tile_cols,
+                h.grid_rows(),
+                h.grid_cols(),
+                h.tiles(),
+                h.tile_stride
+            );
+            println!(
+                "data:        offset {}, {}",
+                h.data_offset,
+                fmt_bytes(h.data_end() - h.data_offset)
+            );
+            println!(
+                "checksums:   {}",
+                if h.has_checksums() {
+                    format!("CRC-32C per tile at offset {}", h.checksum_table_offset)
+                } else {
+                    "none".into()
+                }
+            );
+            println!(
+                "size:        {} ({} bytes)",
+                fmt_bytes(h.file_len()),
+                h.file_len()
+            );
+            if check {
+                if !h.has_checksums() {
+                    return Err(Error::format(&file, "has no checksum table; nothing to check (re-import or regenerate it to add one)"));
+                }
+                let t = Instant::now();
+                use rayon::prelude::*;
+                let gc = h.grid_cols();
+                let bad: Vec<Error> = (0..h.tiles())
+                    .into_par_iter()
+                    .filter_map(|i| f.verify_tile(i / gc, i % gc).err())
+                    .collect();
+                if let Some(e) = bad.into_iter().next() {
+                    return Err(e);
+                }
+                println!(
+                    "check:       all {} tiles OK ({:.2} s)",
+                    h.tiles(),
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            Ok(())
+        }
+        Command::Import {
+            input,
+            output,
+            tile,
+            force,
+        } => {
+            refuse_existing(&output, force)?;
+            if tile == 0 || tile > crate::store::header::MAX_TILE_EDGE {
+                return Err(Error::Usage(format!(
+                    "--tile {tile}: must be between 1 and 65536"
+                )));
+            }
+            if crate::plan::same_file(&input, &output) {
+                return Err(Error::Usage("input and output are the same file".into()));
+            }
+            let t = Instant::now();
+            let h = npy::import(&input, &output, (tile, tile))?;
+            eprintln!(
+                "imported {} → {} ({}×{} {}) in {:.2} s",
+                input.display(),
+                output.display(),
+                h.rows,
+                h.cols,
+                h.dtype,
+                t.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }
+        Command::Export {
+            input,
+            output,
+            force,
+        } => {
+            refuse_existing(&output, force)?;
+            if crate::plan::same_file(&input, &output) {
+                return Err(Error::Usage("input and output are the same file".into()));
+            }
+            let t = Instant::now();
+            npy::export(&input, &output)?;
+            eprintln!(
+                "exported {} → {} in {:.2} s",
+                input.display(),
+                output.display(),
+                t.elapsed().as_secs_f64()
+            );
+            Ok(())
+        }
+        Command::Plan { plan } => {
+            let p = Plan::load(&plan)?;
+            print!("{}", run::describe(&p)?);
+            Ok(())
+        }
+        Command::Run {
+            plan,
+            quiet,
+            report,
+            log_every,
+        } => {
+            let p = Plan::load(&plan)?;
+            let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
+            let rep = run::run_plan(&p, &RunOptions { report }, &progress)?;
+            if !quiet {
+                eprintln!("done in {:.2} s", rep.wall_s);
+            }
+            Ok(())
+        }
+    }
+}

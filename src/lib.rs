@@ -1,0 +1,36 @@
+//! mgmm-stream: multiply matrices too big for GPU memory or host RAM.
+//!
+//! Matrices live on disk as `.mgt` tiled files ([`store`]). A `plan.toml` names the inputs and
+//! the products to compute ([`plan`]); each product streams through a pipeline of stage threads
+//! ([`pipeline`]) onto one lane per device ([`backend`]):
+//!
+//! ```text
+//!             shared queue of output tiles
+//!                 │            │
+//!   per lane:  planner ──▶ prefetch ──▶ staging ──▶ device lane ──┐
+//!   per lane:  planner ──▶ prefetch ──▶ staging ──▶ device lane ──┼──▶ writeback ──▶ output.mgt
+//!                                                                 ┘
+//! ```
+//!
+//! | stage | input → output | thread | notes |
+//! |---|---|---|---|
+//! | planner | tile queue → `PlanOp` | one per lane | runs the lane's tile-cache model; decides loads and slots |
+//! | prefetch | `PlanOp` → `PlanOp` | one per lane | `madvise(WILLNEED)` on the blocks about to be staged |
+//! | staging | `PlanOp` → `LaneOp` | one per lane (+ rayon for copies) | leases a buffer from the pool, copies the block out of the map |
+//! | device lane | `LaneOp` → `Done` | one per lane | upload, GEMM, download; on CUDA three streams |
+//! | writeback | `Done` → file | one | writes the output tile, returns the buffer |
+//!
+//! Backpressure comes from bounded channels and fixed buffer pools sized by the plan's memory
+//! budget ([`plan::layout`]); the first error cancels every stage ([`pipeline::control`]).
+
+pub mod backend;
+pub mod cli;
+pub mod dtype;
+pub mod error;
+pub mod pipeline;
+pub mod plan;
+pub mod progress;
+pub mod run;
+pub mod store;
+
+pub use error::{Error, Result};

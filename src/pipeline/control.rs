@@ -1,0 +1,93 @@
+//! Cancellation and the first error, shared by every stage of a run.
+//!
+//! The first stage to fail records its error and cancels; every blocking operation in the
+//! pipeline (channel send/receive, pool lease) also waits on the cancel channel, so no thread
+//! stays blocked once a run is failing. Later errors (usually "cancelled" or a disconnected
+//! channel, consequences of the first) are dropped: the first one is the one reported.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use crossbeam_channel::{select, Receiver, Sender};
+
+use crate::error::{Error, Result};
+
+pub struct Control {
+    cancelled: AtomicBool,
+    tx: Mutex<Option<Sender<()>>>,
+    rx: Receiver<()>,
+    first: Mutex<Option<Error>>,
+}
+
+impl Default for Control {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Control {
+    pub fn new() -> Control {
+        let (tx, rx) = crossbeam_channel::bounded(0);
+        Control {
+            cancelled: AtomicBool::new(false),
+            tx: Mutex::new(Some(tx)),
+            rx,
+            first: Mutex::new(None),
+        }
+    }
+
+    /// Record `e` if it is the first real error, then cancel everything.
+    pub fn fail(&self, e: Error) {
+        if !matches!(e, Error::Cancelled) {
+            let mut f = self.first.lock().unwrap();
+            if f.is_none() {
+                *f = Some(e);
+            }
+        }
+        self.cancel();
+    }
+
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        self.tx.lock().unwrap().take();
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// A receiver that becomes ready (disconnected) when the run is cancelled.
+    pub fn signal(&self) -> &Receiver<()> {
+        &self.rx
+    }
+
+    pub fn take_error(&self) -> Option<Error> {
+        self.first.lock().unwrap().take()
+    }
+
+    /// Run a stage body; on error record it and cancel.
+    pub fn guard(&self, body: impl FnOnce() -> Result<()>) {
+        if let Err(e) = body() {
+            self.fail(e);
+        }
+    }
+
+    /// Blocking send that gives up on cancellation or a closed receiver.
+    pub fn send<T>(&self, tx: &Sender<T>, msg: T) -> Result<()> {
+        select! {
+            send(tx, msg) -> r => r.map_err(|_| Error::Cancelled),
+            recv(self.rx) -> _ => Err(Error::Cancelled),
+        }
+    }
+
+    /// Blocking receive: `None` when upstream is finished or the run is cancelled.
+    pub fn recv<T>(&self, rx: &Receiver<T>) -> Option<T> {
+        if self.is_cancelled() {
+            return None;
+        }
+        select! {
+            recv(rx) -> r => r.ok(),
+            recv(self.rx) -> _ => None,
+        }
+    }
+}

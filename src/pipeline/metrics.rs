@@ -1,0 +1,74 @@
+//! Per-stage counters, updated where the work happens and read by the progress display and the
+//! final report: items, bytes, busy time, and time blocked waiting for input or for room
+//! downstream. The stage with the largest busy share is the bottleneck.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Default)]
+pub struct StageMetrics {
+    pub name: String,
+    busy_ns: AtomicU64,
+    wait_in_ns: AtomicU64,
+    wait_out_ns: AtomicU64,
+    items: AtomicU64,
+    bytes: AtomicU64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct StageSnapshot {
+    pub name: String,
+    pub busy_s: f64,
+    pub wait_in_s: f64,
+    pub wait_out_s: f64,
+    pub items: u64,
+    pub bytes: u64,
+}
+
+fn ns(d: Duration) -> u64 {
+    d.as_nanos() as u64
+}
+
+impl StageMetrics {
+    pub fn new(name: impl Into<String>) -> Arc<StageMetrics> {
+        Arc::new(StageMetrics {
+            name: name.into(),
+            ..Default::default()
+        })
+    }
+    pub fn add_busy(&self, d: Duration) {
+        self.busy_ns.fetch_add(ns(d), Ordering::Relaxed);
+    }
+    pub fn add_wait_in(&self, d: Duration) {
+        self.wait_in_ns.fetch_add(ns(d), Ordering::Relaxed);
+    }
+    pub fn add_wait_out(&self, d: Duration) {
+        self.wait_out_ns.fetch_add(ns(d), Ordering::Relaxed);
+    }
+    pub fn add_item(&self, bytes: u64) {
+        self.items.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+    /// Time `f` as busy time.
+    pub fn busy<T>(&self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        self.add_busy(t.elapsed());
+        r
+    }
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+    pub fn snapshot(&self) -> StageSnapshot {
+        let s = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
+        StageSnapshot {
+            name: self.name.clone(),
+            busy_s: s(&self.busy_ns),
+            wait_in_s: s(&self.wait_in_ns),
+            wait_out_s: s(&self.wait_out_ns),
+            items: self.items.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+        }
+    }
+}

@@ -1,0 +1,516 @@
+//! The stages of a run, one struct each, each with a `run` that owns its channel ends.
+//!
+//! ```text
+//!  shared tile queue
+//!        │ (each lane's planner pulls the next output tile)
+//!   Planner ──PlanOp──▶ Prefetch ──PlanOp──▶ Staging ──LaneOp──▶ DeviceLane ──Done──▶ Writeback
+//!   (cache model,        (madvise            (lease buffer,       (upload, GEMM,       (write tile
+//!    slot choice)         WILLNEED)           copy from map)       download)            into output)
+//! ```
+//! A stage loops over its receiver, stops when upstream disconnects, leaves when downstream
+//! does, and reports its first error through [`Control`], which cancels the others.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+
+use super::control::Control;
+use super::metrics::StageMetrics;
+use super::pool::{Lease, Pool};
+use crate::backend::{round_inputs, Dst, GemmDesc, Lane, Ticket};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::plan::schedule::{OutTile, Schedule, Src, TileCache};
+use crate::plan::Precision;
+use crate::store::{Block, TiledFile, TiledWriter};
+
+/// Planner → prefetch → staging.
+#[derive(Debug)]
+pub enum PlanOp {
+    Load {
+        slot: usize,
+        src: Src,
+        block: Block,
+    },
+    Begin {
+        tile: OutTile,
+        acc: usize,
+        c0: Option<Block>,
+    },
+    Gemm {
+        desc: GemmDesc,
+        a_slot: usize,
+        b_slot: usize,
+        acc: usize,
+    },
+    End {
+        tile: OutTile,
+        acc: usize,
+    },
+}
+
+/// Staging → device lane: loads now carry filled host buffers.
+pub enum LaneOp {
+    Upload {
+        slot: usize,
+        buf: Lease,
+        elems: usize,
+    },
+    Begin {
+        acc: usize,
+        c0: Option<(Lease, usize)>,
+    },
+    Gemm {
+        desc: GemmDesc,
+        a_slot: usize,
+        b_slot: usize,
+        acc: usize,
+    },
+    End {
+        tile: OutTile,
+        acc: usize,
+    },
+}
+
+/// Device lane → writeback: a finished output tile in a host buffer.
+pub struct Done {
+    pub tile: OutTile,
+    pub buf: Lease,
+}
+
+/// Output tiles still to compute, handed out in schedule order to whichever lane asks first.
+pub struct TileQueue {
+    order: Vec<u32>,
+    next: AtomicUsize,
+}
+
+impl TileQueue {
+    pub fn new(order: Vec<u32>) -> TileQueue {
+        TileQueue {
+            order,
+            next: AtomicUsize::new(0),
+        }
+    }
+    pub fn pop(&self) -> Option<u32> {
+        let i = self.next.fetch_add(1, Ordering::SeqCst);
+        self.order.get(i).copied()
+    }
+    pub fn order(&self) -> &[u32] {
+        &self.order
+    }
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+}
+
+/// The input files of a step, with per-storage-tile "already verified" marks.
+pub struct Inputs {
+    pub a: TiledFile,
+    pub b: TiledFile,
+    pub c0: Option<TiledFile>,
+    verified: [Vec<std::sync::atomic::AtomicBool>; 3],
+    pub verify: bool,
+    pub nonfinite: AtomicU64,
+}
+
+impl Inputs {
+    pub fn new(a: TiledFile, b: TiledFile, c0: Option<TiledFile>, verify: bool) -> Inputs {
+        let marks = |f: Option<&TiledFile>| -> Vec<std::sync::atomic::AtomicBool> {
+            let n = f.map(|f| f.hdr.tiles() as usize).unwrap_or(0);
+            (0..n)
+                .map(|_| std::sync::atomic::AtomicBool::new(false))
+                .collect()
+        };
+        let verified = [marks(Some(&a)), marks(Some(&b)), marks(c0.as_ref())];
+        Inputs {
+            a,
+            b,
+            c0,
+            verified,
+            verify,
+            nonfinite: AtomicU64::new(0),
+        }
+    }
+    pub fn file(&self, s: Src) -> &TiledFile {
+        match s {
+            Src::A => &self.a,
+            Src::B => &self.b,
+            Src::C0 => self
+                .c0
+                .as_ref()
+                .expect("C0 is only requested when the step has one"),
+        }
+    }
+    /// Verify every storage tile `b` touches that has not been verified yet.
+    pub fn verify_block(&self, s: Src, b: &Block) -> Result<()> {
+        let f = self.file(s);
+        if !self.verify || !f.hdr.has_checksums() {
+            return Ok(());
+        }
+        let marks = &self.verified[s as usize];
+        let (tis, tjs) = f.tiles_of(b);
+        for ti in tis {
+            for tj in tjs.clone() {
+                let i = (ti * f.hdr.grid_cols() + tj) as usize;
+                if !marks[i].load(Ordering::Relaxed) {
+                    f.verify_tile(ti, tj)?;
+                    marks[i].store(true, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+pub struct Planner<'a> {
+    pub sched: &'a Schedule,
+    pub queue: &'a TileQueue,
+    pub slots: usize,
+    pub accs: usize,
+    pub alpha: f64,
+    pub beta: f64,
+    pub has_c0: bool,
+    pub out: Sender<PlanOp>,
+    pub m: Arc<StageMetrics>,
+}
+
+impl Planner<'_> {
+    pub fn run(self, ctl: &Control) -> Result<()> {
+        let mut cache = TileCache::new(self.slots);
+        let mut count = 0usize;
+        let s = self.sched;
+        while let Some(seq) = self.queue.pop() {
+            if ctl.is_cancelled() {
+                return Err(Error::Cancelled);
+            }
+            let t0 = Instant::now();
+            let tile = s.tiles[seq as usize];
+            let acc = count % self.accs;
+            count += 1;
+            let mut ops = vec![PlanOp::Begin {
+                tile,
+                acc,
+                c0: self.has_c0.then_some(tile.block),
+            }];
+            for kk in 0..s.gk {
+                let (a_slot, load_a) = cache.get((Src::A, tile.ti, kk));
+                if load_a {
+                    ops.push(PlanOp::Load {
+                        slot: a_slot,
+                        src: Src::A,
+                        block: s.a_block(&tile, kk),
+                    });
+                }
+                let (b_slot, load_b) = cache.get((Src::B, kk, tile.tj));
+                if load_b {
+                    ops.push(PlanOp::Load {
+                        slot: b_slot,
+                        src: Src::B,
+                        block: s.b_block(&tile, kk),
+                    });
+                }
+                let beta = if kk > 0 {
+                    1.0
+                } else if self.has_c0 {
+                    self.beta
+                } else {
+                    0.0
+                };
+                let desc = GemmDesc {
+                    m: tile.block.rows as usize,
+                    n: tile.block.cols as usize,
+                    k: s.kdepth(kk) as usize,
+                    a_trans: s.a_trans,
+                    b_trans: s.b_trans,
+                    alpha: self.alpha,
+                    beta,
+                };
+                ops.push(PlanOp::Gemm {
+                    desc,
+                    a_slot,
+                    b_slot,
+                    acc,
+                });
+            }
+            ops.push(PlanOp::End { tile, acc });
+            self.m.add_busy(t0.elapsed());
+            self.m.add_item(0);
+            for op in ops {
+                let t = Instant::now();
+                ctl.send(&self.out, op)?;
+                self.m.add_wait_out(t.elapsed());
+            }
+        }
+        Ok(())
+    }
+}
+
+pub struct Prefetch<'a> {
+    pub inputs: &'a Inputs,
+    pub rx: Receiver<PlanOp>,
+    pub out: Sender<PlanOp>,
+    pub m: Arc<StageMetrics>,
+}
+
+impl Prefetch<'_> {
+    pub fn run(self, ctl: &Control) -> Result<()> {
+        loop {
+            let t = Instant::now();
+            let Some(op) = ctl.recv(&self.rx) else { break };
+            self.m.add_wait_in(t.elapsed());
+            let t = Instant::now();
+            match &op {
+                PlanOp::Load { src, block, .. } => {
+                    let n = self.inputs.file(*src).will_need(block);
+                    self.m.add_item(n);
+                }
+                PlanOp::Begin {
+                    c0: Some(block), ..
+                } => {
+                    let n = self.inputs.file(Src::C0).will_need(block);
+                    self.m.add_item(n);
+                }
+                _ => {}
+            }
+            self.m.add_busy(t.elapsed());
+            let t = Instant::now();
+            ctl.send(&self.out, op)?;
+            self.m.add_wait_out(t.elapsed());
+        }
+        Ok(())
+    }
+}
+
+pub struct Staging<'a> {
+    pub inputs: &'a Inputs,
+    pub pool: Pool,
+    pub host_dt: DType,
+    /// Round inputs on the host to emulate a reduced-precision GEMM (CPU backend).
+    pub round: Option<Precision>,
+    pub rx: Receiver<PlanOp>,
+    pub out: Sender<LaneOp>,
+    pub m: Arc<StageMetrics>,
+}
+
+impl Staging<'_> {
+    fn fill(&self, ctl: &Control, src: Src, block: &Block) -> Result<(Lease, usize)> {
+        let t = Instant::now();
+        let mut lease = self.pool.lease(ctl)?;
+        self.m.add_wait_out(t.elapsed());
+        let t = Instant::now();
+        let elems = block.elems();
+        let bytes = elems * self.host_dt.size();
+        self.inputs.verify_block(src, block)?;
+        let f = self.inputs.file(src);
+        let dst = &mut lease.buf_mut().bytes_mut()[..bytes];
+        f.read_block(block, self.host_dt, dst)?;
+        if let Some(p) = self.round {
+            if let Ok(xs) = <[f32] as zerocopy::FromBytes>::mut_from_bytes(dst) {
+                round_inputs(p, xs);
+            }
+        }
+        self.m.add_busy(t.elapsed());
+        self.m.add_item((elems * f.dtype().size()) as u64);
+        Ok((lease, elems))
+    }
+
+    pub fn run(self, ctl: &Control) -> Result<()> {
+        loop {
+            let t = Instant::now();
+            let Some(op) = ctl.recv(&self.rx) else { break };
+            self.m.add_wait_in(t.elapsed());
+            let out = match op {
+                PlanOp::Load { slot, src, block } => {
+                    let (buf, elems) = self.fill(ctl, src, &block)?;
+                    LaneOp::Upload { slot, buf, elems }
+                }
+                PlanOp::Begin { acc, c0, .. } => {
+                    let c0 = match c0 {
+                        Some(b) => Some(self.fill(ctl, Src::C0, &b)?),
+                        None => None,
+                    };
+                    LaneOp::Begin { acc, c0 }
+                }
+                PlanOp::Gemm {
+                    desc,
+                    a_slot,
+                    b_slot,
+                    acc,
+                } => LaneOp::Gemm {
+                    desc,
+                    a_slot,
+                    b_slot,
+                    acc,
+                },
+                PlanOp::End { tile, acc } => LaneOp::End { tile, acc },
+            };
+            let t = Instant::now();
+            ctl.send(&self.out, out)?;
+            self.m.add_wait_out(t.elapsed());
+        }
+        Ok(())
+    }
+}
+
+pub struct DeviceLane<'a> {
+    pub lane: &'a mut dyn Lane,
+    pub out_pool: Pool,
+    pub host_dt: DType,
+    pub rx: Receiver<LaneOp>,
+    pub out: Sender<Done>,
+    pub m: Arc<StageMetrics>,
+    pub flops_issued: &'a AtomicU64,
+}
+
+struct Pending {
+    ups: Vec<(Ticket, Lease)>,
+    downs: Vec<(Ticket, Done)>,
+}
+
+impl DeviceLane<'_> {
+    /// Release finished uploads and forward finished downloads; with `all`, wait for everything.
+    fn settle(&mut self, p: &mut Pending, ctl: &Control, all: bool) -> Result<()> {
+        let mut i = 0;
+        while i < p.ups.len() {
+            if all {
+                self.lane.wait(p.ups[i].0)?;
+            }
+            if all || self.lane.done(p.ups[i].0)? {
+                p.ups.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < p.downs.len() {
+            let ready = if all {
+                self.lane.wait(p.downs[i].0)?;
+                true
+            } else {
+                self.lane.done(p.downs[i].0)?
+            };
+            if ready {
+                let (_, d) = p.downs.remove(i);
+                let t = Instant::now();
+                ctl.send(&self.out, d)?;
+                self.m.add_wait_out(t.elapsed());
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn run(mut self, ctl: &Control) -> Result<()> {
+        self.lane.bind_thread()?;
+        let mut p = Pending {
+            ups: Vec::new(),
+            downs: Vec::new(),
+        };
+        loop {
+            let op = match self.rx.try_recv() {
+                Ok(op) => op,
+                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Empty) => {
+                    // About to block: first let go of everything that is finished, so that
+                    // upstream stages waiting on our leases can proceed.
+                    self.settle(&mut p, ctl, true)?;
+                    let t = Instant::now();
+                    let Some(op) = ctl.recv(&self.rx) else { break };
+                    self.m.add_wait_in(t.elapsed());
+                    op
+                }
+            };
+            let t = Instant::now();
+            match op {
+                LaneOp::Upload { slot, buf, elems } => {
+                    let tk = self.lane.upload(buf.buf(), elems, Dst::Slot(slot))?;
+                    p.ups.push((tk, buf));
+                }
+                LaneOp::Begin { acc, c0 } => {
+                    if let Some((buf, elems)) = c0 {
+                        let tk = self.lane.upload(buf.buf(), elems, Dst::Acc(acc))?;
+                        p.ups.push((tk, buf));
+                    }
+                }
+                LaneOp::Gemm {
+                    desc,
+                    a_slot,
+                    b_slot,
+                    acc,
+                } => {
+                    self.lane.gemm(&desc, a_slot, b_slot, acc)?;
+                    self.flops_issued
+                        .fetch_add(2 * (desc.m * desc.n * desc.k) as u64, Ordering::Relaxed);
+                }
+                LaneOp::End { tile, acc } => {
+                    let mut buf = match self.out_pool.try_lease() {
+                        Some(b) => b,
+                        None => {
+                            self.settle(&mut p, ctl, true)?;
+                            let t = Instant::now();
+                            let b = self.out_pool.lease(ctl)?;
+                            self.m.add_wait_out(t.elapsed());
+                            b
+                        }
+                    };
+                    let elems = tile.block.elems();
+                    let tk = self.lane.download(acc, elems, buf.buf_mut())?;
+                    p.downs.push((tk, Done { tile, buf }));
+                    self.m.add_item((elems * self.host_dt.size()) as u64);
+                }
+            }
+            self.m.add_busy(t.elapsed());
+            self.settle(&mut p, ctl, false)?;
+        }
+        if !ctl.is_cancelled() {
+            self.settle(&mut p, ctl, true)?;
+        }
+        Ok(())
+    }
+}
+
+/// Called by writeback after a tile's data is written (the resume journal hooks in here).
+pub trait TileSink: Sync {
+    fn tile_written(&self, tile: &OutTile) -> Result<()>;
+}
+
+pub struct Writeback<'a> {
+    pub writer: &'a TiledWriter,
+    pub host_dt: DType,
+    pub rx: Receiver<Done>,
+    pub m: Arc<StageMetrics>,
+    pub sink: &'a dyn TileSink,
+    pub tiles_done: &'a AtomicU64,
+    pub flops_done: &'a AtomicU64,
+    pub k: u64,
+}
+
+impl Writeback<'_> {
+    pub fn run(self, ctl: &Control) -> Result<()> {
+        loop {
+            let t = Instant::now();
+            let Some(d) = ctl.recv(&self.rx) else { break };
+            self.m.add_wait_in(t.elapsed());
+            let t = Instant::now();
+            let b = d.tile.block;
+            let bytes = b.elems() * self.host_dt.size();
+            self.writer
+                .write_block(&b, self.host_dt, &d.buf.buf().bytes()[..bytes])?;
+            drop(d.buf);
+            self.sink.tile_written(&d.tile)?;
+            self.m.add_busy(t.elapsed());
+            self.m
+                .add_item(b.elems() as u64 * self.writer.hdr.dtype.size() as u64);
+            self.tiles_done.fetch_add(1, Ordering::Relaxed);
+            self.flops_done
+                .fetch_add(2 * b.rows * b.cols * self.k, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}

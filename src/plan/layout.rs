@@ -1,0 +1,253 @@
+//! Tile sizes and memory budgets for one step on one target, decided before the first tile
+//! moves.
+//!
+//! Every buffer the pipeline will ever hold is counted here: staging buffers (host, pinned on a
+//! GPU), output buffers (host), input-tile slots and accumulators (device memory on a GPU, host
+//! memory on the CPU backend). The `host_bytes` figure is the job's staging ceiling, and the
+//! pool sizes are what the pipeline allocates — it never allocates more. A plan that cannot fit
+//! is rejected here with the numbers, before any work.
+
+use super::size::fmt_bytes;
+use super::{Engine, Precision, Step, TileSpec};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// What the step will run on.
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub cuda: bool,
+    pub lanes: usize,
+    /// Per-lane device memory budget (CUDA only).
+    pub device_memory: u64,
+    pub label: String,
+}
+
+impl Target {
+    pub fn cpu(threads: usize) -> Target {
+        Target {
+            cuda: false,
+            lanes: 1,
+            device_memory: 0,
+            label: format!("cpu ({threads} threads)"),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Layout {
+    pub tm: u64,
+    pub tn: u64,
+    pub tk: u64,
+    /// Element type of staged inputs and of outputs on the host.
+    pub host_dt: DType,
+    /// Element type of input tiles in device slots.
+    pub dev_dt: DType,
+    pub staging_bufs: usize,
+    pub staging_buf_bytes: u64,
+    pub out_bufs: usize,
+    pub out_buf_bytes: u64,
+    /// Input-tile slots per lane (the device tile cache).
+    pub slots: usize,
+    pub slot_bytes: u64,
+    pub accs: usize,
+    pub acc_bytes: u64,
+    /// Device landing buffers for on-device conversion (bf16/fp16), per lane.
+    pub landing: usize,
+    pub landing_bytes: u64,
+    /// Host bytes held by all pools together (the staging ceiling).
+    pub host_bytes: u64,
+    /// Device bytes per lane (0 on the CPU).
+    pub device_bytes: u64,
+    /// Storage tile of the output file.
+    pub out_tile: (u64, u64),
+    pub lanes: usize,
+}
+
+const CPU_TILES: &[u64] = &[
+    1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32, 16, 8, 4, 2, 1,
+];
+const GPU_TILES: &[u64] = &[
+    8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1,
+];
+
+impl Layout {
+    pub fn new(step: &Step, engine: &Engine, target: &Target) -> Result<Layout> {
+        let candidates: Vec<(u64, u64, u64)> = match engine.tile {
+            TileSpec::Fixed { m, n, k } => vec![(m, n, k)],
+            TileSpec::Auto => {
+                let list = if target.cuda { GPU_TILES } else { CPU_TILES };
+                list.iter().map(|&t| (t, t, t)).collect()
+            }
+        };
+        let mut last = None;
+        for (m, n, k) in candidates {
+            let l = Self::with_tiles(
+                step,
+                engine,
+                target,
+                m.min(step.m),
+                n.min(step.n),
+                k.min(step.k),
+            );
+            if l.fits(engine, target) {
+                return Ok(l.grow(step, engine, target));
+            }
+            last = Some(l);
+        }
+        let l = last.expect("at least one candidate");
+        let what = if matches!(engine.tile, TileSpec::Fixed { .. }) {
+            "the requested tile"
+        } else {
+            "even the smallest tile"
+        };
+        let mut msg = format!(
+            "step {} (line {}): {what} ({}×{}×{}) does not fit: it needs {} of host memory",
+            step.index + 1,
+            step.line,
+            l.tm,
+            l.tn,
+            l.tk,
+            fmt_bytes(l.host_bytes)
+        );
+        if target.cuda {
+            msg += &format!(
+                " and {} of device memory per GPU",
+                fmt_bytes(l.device_bytes)
+            );
+        }
+        msg += &format!(
+            ", but engine.host_memory is {}{}; raise the budget or lower engine.tile",
+            fmt_bytes(engine.host_memory),
+            if target.cuda {
+                format!(
+                    " and the device budget is {}",
+                    fmt_bytes(target.device_memory)
+                )
+            } else {
+                String::new()
+            }
+        );
+        Err(Error::plan(&step.output, msg))
+    }
+
+    fn with_tiles(
+        step: &Step,
+        engine: &Engine,
+        target: &Target,
+        tm: u64,
+        tn: u64,
+        tk: u64,
+    ) -> Layout {
+        let host_dt = engine.precision.host_dtype();
+        let hs = host_dt.size() as u64;
+        let dev_dt = match (target.cuda, engine.precision) {
+            (true, Precision::Bf16) => DType::BF16,
+            (true, Precision::Fp16) => DType::F16,
+            _ => host_dt,
+        };
+        let in_elems = (tm * tk)
+            .max(tk * tn)
+            .max(if step.c0.is_some() { tm * tn } else { 0 });
+        let acc_bytes = tm * tn * hs;
+        let (landing, landing_bytes) = if dev_dt != host_dt {
+            (2, in_elems * hs)
+        } else {
+            (0, 0)
+        };
+        let mut l = Layout {
+            tm,
+            tn,
+            tk,
+            host_dt,
+            dev_dt,
+            staging_bufs: 2,
+            staging_buf_bytes: in_elems * hs,
+            out_bufs: 2,
+            out_buf_bytes: tm * tn * hs,
+            slots: 2,
+            slot_bytes: (tm * tk).max(tk * tn) * dev_dt.size() as u64,
+            accs: 2,
+            acc_bytes,
+            landing,
+            landing_bytes,
+            host_bytes: 0,
+            device_bytes: 0,
+            out_tile: (0, 0),
+            lanes: target.lanes,
+        };
+        let ot = step.out_tile.unwrap_or(0);
+        l.out_tile = if ot > 0 {
+            (ot.min(step.m), ot.min(step.n))
+        } else {
+            (tm, tn)
+        };
+        l.recount(target);
+        l
+    }
+
+    fn recount(&mut self, target: &Target) {
+        let lanes = self.lanes as u64;
+        let dev = self.slots as u64 * self.slot_bytes
+            + self.accs as u64 * self.acc_bytes
+            + self.landing as u64 * self.landing_bytes;
+        let staging = lanes * (self.staging_bufs as u64 * self.staging_buf_bytes)
+            + lanes * self.out_bufs as u64 * self.out_buf_bytes;
+        if target.cuda {
+            self.device_bytes = dev;
+            self.host_bytes = staging;
+        } else {
+            self.device_bytes = 0;
+            self.host_bytes = staging + dev;
+        }
+    }
+
+    fn fits(&self, engine: &Engine, target: &Target) -> bool {
+        self.host_bytes <= engine.host_memory
+            && (!target.cuda || self.device_bytes <= target.device_memory)
+    }
+
+    /// Spend the remaining budget on deeper staging and a larger tile cache.
+    fn grow(mut self, step: &Step, engine: &Engine, target: &Target) -> Layout {
+        // Distinct input tiles: growing the cache beyond this buys nothing.
+        let gm = step.m.div_ceil(self.tm);
+        let gn = step.n.div_ceil(self.tn);
+        let gk = step.k.div_ceil(self.tk);
+        let distinct = (gm * gk + gk * gn) as usize;
+        let stage_max = if target.cuda { 6 } else { 4 };
+        while self.staging_bufs < stage_max {
+            self.staging_bufs += 1;
+            self.recount(target);
+            if !self.fits(engine, target) {
+                self.staging_bufs -= 1;
+                self.recount(target);
+                break;
+            }
+        }
+        if target.cuda {
+            // An extra output buffer lets downloads overlap writeback.
+            self.out_bufs += 1;
+            self.recount(target);
+            if !self.fits(engine, target) {
+                self.out_bufs -= 1;
+                self.recount(target);
+            }
+        }
+        let spare = if target.cuda {
+            target.device_memory.saturating_sub(self.device_bytes)
+        } else {
+            engine.host_memory.saturating_sub(self.host_bytes)
+        };
+        let extra = (spare / self.slot_bytes.max(1)) as usize;
+        self.slots = (self.slots + extra).min(distinct.max(2));
+        self.recount(target);
+        self
+    }
+
+    pub fn grid(&self, step: &Step) -> (u64, u64, u64) {
+        (
+            step.m.div_ceil(self.tm),
+            step.n.div_ceil(self.tn),
+            step.k.div_ceil(self.tk),
+        )
+    }
+}

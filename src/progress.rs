@@ -1,0 +1,165 @@
+//! What a person watching a long job sees.
+//!
+//! On a terminal: indicatif bars — output tiles with ETA, GFLOP/s, read and write MB/s — and a
+//! line with each stage's busy share. When stderr is not a terminal (batch jobs, CI), indicatif
+//! hides itself, so a plain log line is printed every few seconds instead. `--quiet` prints
+//! nothing but errors. Everything here only reads the pipeline's counters.
+
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::pipeline::metrics::StageMetrics;
+
+/// Counters the display reads.
+pub struct Live<'a> {
+    pub tiles_total: u64,
+    pub flops_total: u64,
+    pub tiles_done: &'a AtomicU64,
+    pub flops_done: &'a AtomicU64,
+}
+
+enum Mode {
+    Bars(MultiProgress),
+    Log { every: Duration },
+    Quiet,
+}
+
+pub struct Progress {
+    mode: Mode,
+}
+
+impl Progress {
+    /// `quiet`: nothing. Otherwise bars on a terminal, log lines every `log_every` elsewhere.
+    pub fn new(quiet: bool, log_every: Duration) -> Progress {
+        let mode = if quiet {
+            Mode::Quiet
+        } else {
+            let mp = MultiProgress::with_draw_target(ProgressDrawTarget::stderr());
+            if mp.is_hidden() || !std::io::stderr().is_terminal() {
+                Mode::Log { every: log_every }
+            } else {
+                Mode::Bars(mp)
+            }
+        };
+        Progress { mode }
+    }
+
+    pub fn quiet() -> Progress {
+        Progress { mode: Mode::Quiet }
+    }
+
+    /// Print a line (above the bars when they are shown).
+    pub fn note(&self, msg: &str) {
+        match &self.mode {
+            Mode::Quiet => {}
+            Mode::Bars(mp) => mp.suspend(|| eprintln!("{msg}")),
+            Mode::Log { .. } => {
+                let _ = writeln!(std::io::stderr(), "{msg}");
+            }
+        }
+    }
+
+    pub fn is_quiet(&self) -> bool {
+        matches!(self.mode, Mode::Quiet)
+    }
+
+    /// Show progress of one step until `stop` disconnects.
+    pub fn watch(
+        &self,
+        label: &str,
+        live: &Live<'_>,
+        stages: &[Arc<StageMetrics>],
+        stop: &Receiver<()>,
+    ) {
+        let t0 = Instant::now();
+        let read_bytes = || -> u64 {
+            stages
+                .iter()
+                .filter(|m| m.name.starts_with("staging"))
+                .map(|m| m.bytes())
+                .sum()
+        };
+        let write_bytes = || -> u64 {
+            stages
+                .iter()
+                .filter(|m| m.name == "writeback")
+                .map(|m| m.bytes())
+                .sum()
+        };
+        let rates = || {
+            let el = t0.elapsed().as_secs_f64().max(1e-9);
+            (
+                live.flops_done.load(Ordering::Relaxed) as f64 / el / 1e9,
+                read_bytes() as f64 / el / 1e6,
+                write_bytes() as f64 / el / 1e6,
+            )
+        };
+        let shares = || -> String {
+            let el = t0.elapsed().as_secs_f64().max(1e-9);
+            stages
+                .iter()
+                .map(|m| format!("{} {:.0}%", m.name, 100.0 * m.snapshot().busy_s / el))
+                .collect::<Vec<_>>()
+                .join("  ")
+        };
+        match &self.mode {
+            Mode::Quiet => {
+                let _ = stop.recv();
+            }
+            Mode::Bars(mp) => {
+                let bar = mp.add(ProgressBar::new(live.tiles_total));
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "{prefix:>8} [{elapsed_precise}] {wide_bar} {pos}/{len} tiles ETA {eta} {msg}",
+                    )
+                    .expect("valid template"),
+                );
+                bar.set_prefix(label.to_string());
+                let stage_line = mp.add(ProgressBar::new(1));
+                stage_line.set_style(
+                    ProgressStyle::with_template("         {msg}").expect("valid template"),
+                );
+                loop {
+                    let (g, r, w) = rates();
+                    bar.set_position(live.tiles_done.load(Ordering::Relaxed));
+                    bar.set_message(format!(
+                        "{g:.1} GFLOP/s  read {r:.0} MB/s  write {w:.0} MB/s"
+                    ));
+                    stage_line.set_message(shares());
+                    match stop.recv_timeout(Duration::from_millis(200)) {
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        _ => break,
+                    }
+                }
+                bar.finish_and_clear();
+                stage_line.finish_and_clear();
+                mp.remove(&bar);
+                mp.remove(&stage_line);
+            }
+            Mode::Log { every } => loop {
+                match stop.recv_timeout(*every) {
+                    Err(RecvTimeoutError::Timeout) => {
+                        let done = live.tiles_done.load(Ordering::Relaxed);
+                        let (g, r, w) = rates();
+                        let el = t0.elapsed().as_secs_f64();
+                        let frac = live.flops_done.load(Ordering::Relaxed) as f64
+                            / live.flops_total.max(1) as f64;
+                        let eta = if frac > 0.0 { el / frac - el } else { f64::NAN };
+                        eprintln!(
+                            "{label}: {done}/{} tiles ({:.1}%), {g:.1} GFLOP/s, read {r:.0} MB/s, write {w:.0} MB/s, elapsed {el:.0}s, ETA {eta:.0}s | {}",
+                            live.tiles_total,
+                            100.0 * frac,
+                            shares()
+                        );
+                    }
+                    _ => break,
+                }
+            },
+        }
+    }
+}

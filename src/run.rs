@@ -1,0 +1,356 @@
+//! `run` and `plan`: from a resolved plan to finished output files and a report.
+//!
+//! This is the only place that chooses a backend, generates missing inputs, sizes each step
+//! (layout), and hands the step to the pipeline. It also renders the `plan` description and
+//! the end-of-run summary from the same figures the JSON report carries.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::backend::{self, Selected};
+use crate::error::{Error, Result};
+use crate::pipeline::{self, StepEnv, StepReport};
+use crate::plan::layout::Layout;
+use crate::plan::schedule::{traffic, Schedule};
+use crate::plan::size::fmt_bytes;
+use crate::plan::{Plan, Precision};
+use crate::progress::Progress;
+use crate::store::gen;
+
+pub struct RunOptions {
+    pub report: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RunReport {
+    pub plan: String,
+    pub backend: String,
+    pub generated: Vec<String>,
+    pub steps: Vec<StepReport>,
+    pub wall_s: f64,
+}
+
+/// Build the global rayon pool once (later calls keep the first pool).
+pub fn init_threads(threads: usize) -> usize {
+    let n = backend::resolve_threads(threads);
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global();
+    n
+}
+
+/// Generate every declared input that is missing and has a `generate` spec.
+pub fn generate_missing(plan: &Plan, progress: &Progress) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for d in &plan.matrices {
+        if let Some(spec) = &d.generate {
+            if !d.path.exists() {
+                if let Some(dir) = d.path.parent() {
+                    if !dir.as_os_str().is_empty() {
+                        std::fs::create_dir_all(dir)
+                            .map_err(|e| Error::io(dir, "cannot create directory", e))?;
+                    }
+                }
+                let t = Instant::now();
+                let bytes = gen::generate(&d.path, spec)?;
+                progress.note(&format!(
+                    "generated {} ({}×{} {}, {:?}, seed {}): {} in {:.2} s",
+                    d.path.display(),
+                    spec.rows,
+                    spec.cols,
+                    spec.dtype,
+                    spec.dist,
+                    spec.seed,
+                    fmt_bytes(bytes),
+                    t.elapsed().as_secs_f64()
+                ));
+                out.push(d.path.display().to_string());
+            }
+        }
+    }
+    Ok(out)
+}
+
+pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<RunReport> {
+    let t0 = Instant::now();
+    init_threads(plan.engine.threads);
+    let sel = backend::select(&plan.engine)?;
+    if let Some(n) = &sel.note {
+        progress.note(n);
+    }
+    let generated = generate_missing(plan, progress)?;
+    let mut steps = Vec::new();
+    for step in &plan.steps {
+        let layout = Layout::new(step, &plan.engine, &sel.target)?;
+        if let Some(dir) = step.output.parent() {
+            if !dir.as_os_str().is_empty() && !dir.exists() {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| Error::io(dir, "cannot create output directory", e))?;
+            }
+        }
+        let lanes = sel.lanes(&layout, plan.engine.precision)?;
+        let env = StepEnv {
+            layout: &layout,
+            alloc: sel.alloc.as_ref(),
+            lanes,
+            backend_name: sel.name.clone(),
+            precision: plan.engine.precision,
+            host_rounding: !sel.is_cuda(),
+            verify_inputs: plan.engine.verify_inputs,
+            durable: plan.engine.durable,
+            host_budget: plan.engine.host_memory,
+            progress,
+            todo: None,
+            sink: pipeline::NO_SINK,
+            writer: None,
+        };
+        let rep = pipeline::run_step(step, env)?;
+        progress.note(&format_summary(&rep));
+        steps.push(rep);
+    }
+    let report = RunReport {
+        plan: plan.path.display().to_string(),
+        backend: sel.name.clone(),
+        generated,
+        steps,
+        wall_s: t0.elapsed().as_secs_f64(),
+    };
+    if let Some(p) = &opts.report {
+        let s = serde_json::to_string_pretty(&report).expect("report serializes");
+        std::fs::write(p, s).map_err(|e| Error::io(p, "cannot write report", e))?;
+    }
+    Ok(report)
+}
+
+pub fn format_summary(r: &StepReport) -> String {
+    let mut s = format!(
+        "step {}: {} = {}  ({}×{}×{}, {}, {}, tile {}×{}×{})\n",
+        r.step,
+        r.output,
+        r.expr,
+        r.m,
+        r.n,
+        r.k,
+        r.precision,
+        r.backend,
+        r.tile[0],
+        r.tile[1],
+        r.tile[2]
+    );
+    s += &format!(
+        "  wall {:.3} s   {:.2} GFLOP/s   read {} ({:.0} MB/s)   written {}   flush {:.3} s\n",
+        r.wall_s,
+        r.gflops_per_s,
+        fmt_bytes(r.read_bytes),
+        r.read_bytes as f64 / r.wall_s / 1e6,
+        fmt_bytes(r.write_bytes),
+        r.flush_s
+    );
+    let pools: Vec<String> = r
+        .pools
+        .iter()
+        .map(|p| {
+            format!(
+                "{} {}×{} (peak {})",
+                p.name,
+                p.buffers,
+                fmt_bytes(p.buffer_bytes),
+                p.high_water
+            )
+        })
+        .collect();
+    s += &format!(
+        "  host memory: {}; peak {} of {} budget\n",
+        pools.join(", "),
+        fmt_bytes(r.host_peak_bytes),
+        fmt_bytes(r.host_budget_bytes)
+    );
+    for l in &r.lanes {
+        if l.name != "cpu" {
+            s += &format!(
+                "  {}: gemm {:.3} s ({} calls), H2D {} at {:.1} GB/s, D2H {} at {:.1} GB/s\n",
+                l.name,
+                l.stats.gemm_s,
+                l.stats.gemms,
+                fmt_bytes(l.stats.h2d_bytes),
+                l.stats.h2d_bytes as f64 / l.stats.h2d_s.max(1e-9) / 1e9,
+                fmt_bytes(l.stats.d2h_bytes),
+                l.stats.d2h_bytes as f64 / l.stats.d2h_s.max(1e-9) / 1e9
+            );
+        }
+    }
+    let shares: Vec<String> = r
+        .busy_shares
+        .iter()
+        .map(|(n, v)| format!("{n} {:.0}%", 100.0 * v))
+        .collect();
+    s += &format!("  busy: {}\n", shares.join(" | "));
+    s += &format!("  bottleneck: {}", r.bottleneck);
+    if r.nonfinite_inputs > 0 {
+        s += &format!(
+            "\n  note: {} NaN/Inf values in the inputs (computed as IEEE arithmetic says)",
+            r.nonfinite_inputs
+        );
+    }
+    s
+}
+
+/// Peak rates assumed for the lower bound in `plan` (documented in docs/PLAN.md).
+fn assumed_rate(sel: &Selected, p: Precision) -> (f64, &'static str) {
+    if sel.is_cuda() {
+        let per = match p {
+            Precision::Fp32 => 54e12,
+            Precision::Tf32 => 350e12,
+            Precision::Bf16 | Precision::Fp16 => 700e12,
+            Precision::Fp64 => 60e12,
+        };
+        (
+            per * sel.target.lanes as f64,
+            "H200 cuBLAS rates measured in docs/GPU.md",
+        )
+    } else {
+        let per_core = if p == Precision::Fp64 { 48e9 } else { 96e9 };
+        (per_core * sel.threads as f64, "AVX2 FMA peak, 3 GHz")
+    }
+}
+
+const DISK_READ: f64 = 1.6e9;
+const PCIE: f64 = 55e9;
+
+/// The text `mgmm-stream plan` prints.
+pub fn describe(plan: &Plan) -> Result<String> {
+    let sel = backend::select(&plan.engine)?;
+    let e = &plan.engine;
+    let mut s = format!("plan {}\n", plan.path.display());
+    if let Some(n) = &sel.note {
+        s += &format!("note: {n}\n");
+    }
+    s += &format!(
+        "engine: backend {} | precision {} ({}) | threads {} | host_memory {}{}\n",
+        sel.name,
+        e.precision.name(),
+        backend::describe_precision(e.precision),
+        sel.threads,
+        fmt_bytes(e.host_memory),
+        if sel.is_cuda() {
+            format!(
+                " | device budget {} per GPU",
+                fmt_bytes(sel.target.device_memory)
+            )
+        } else {
+            String::new()
+        }
+    );
+    s += "matrices:\n";
+    for d in &plan.matrices {
+        s += &format!(
+            "  {:<6} {}×{} {}  {}{}\n",
+            d.name,
+            d.rows,
+            d.cols,
+            d.dtype,
+            d.path.display(),
+            if d.generate.is_some() {
+                "  (missing: will be generated)"
+            } else {
+                ""
+            }
+        );
+    }
+    for step in &plan.steps {
+        let l = Layout::new(step, e, &sel.target)?;
+        let sched = Schedule::new(step, &l);
+        let t = traffic(step, &l, &sched);
+        let (gm, gn, gk) = l.grid(step);
+        s += &format!(
+            "step {} (line {}): {} = {}\n",
+            step.index + 1,
+            step.line,
+            step.output.display(),
+            step.expr
+        );
+        s += &format!(
+            "  shapes: op(A) {}×{}, op(B) {}×{}, C {}×{}{}  alpha {} beta {}\n",
+            step.m,
+            step.k,
+            step.k,
+            step.n,
+            step.m,
+            step.n,
+            step.c0
+                .as_ref()
+                .map(|c| format!(" + {}", c.name))
+                .unwrap_or_default(),
+            step.alpha,
+            step.beta
+        );
+        s += &format!(
+            "  compute tile {}×{}×{}: {} output tiles ({}×{}), {} k-steps each, {} GEMM calls; output storage tile {}×{}\n",
+            l.tm, l.tn, l.tk, gm * gn, gm, gn, gk, t.gemms, l.out_tile.0, l.out_tile.1
+        );
+        s += &format!(
+            "  host pools: staging {}×{} per lane, output {}×{} per lane{}  => host ceiling {} of {}\n",
+            l.staging_bufs,
+            fmt_bytes(l.staging_buf_bytes),
+            l.out_bufs,
+            fmt_bytes(l.out_buf_bytes),
+            if sel.is_cuda() { String::new() } else {
+                format!(", tile cache {}×{}, accumulators {}×{}", l.slots, fmt_bytes(l.slot_bytes), l.accs, fmt_bytes(l.acc_bytes))
+            },
+            fmt_bytes(l.host_bytes),
+            fmt_bytes(e.host_memory)
+        );
+        if sel.is_cuda() {
+            s += &format!(
+                "  device per GPU: tile cache {}×{} ({}), accumulators {}×{}{} => {}\n",
+                l.slots,
+                fmt_bytes(l.slot_bytes),
+                l.dev_dt,
+                l.accs,
+                fmt_bytes(l.acc_bytes),
+                if l.landing > 0 {
+                    format!(", landing {}×{}", l.landing, fmt_bytes(l.landing_bytes))
+                } else {
+                    String::new()
+                },
+                fmt_bytes(l.device_bytes)
+            );
+        }
+        s += &format!(
+            "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
+            fmt_bytes(t.read_bytes),
+            fmt_bytes(t.min_read_bytes),
+            t.tile_loads,
+            if sel.is_cuda() { "H2D" } else { "staged" },
+            fmt_bytes(t.h2d_bytes),
+            if sel.is_cuda() { "D2H" } else { "collected" },
+            fmt_bytes(t.d2h_bytes),
+            fmt_bytes(t.write_bytes)
+        );
+        let (rate, why) = assumed_rate(&sel, e.precision);
+        let tc = step.flops() / rate;
+        let td = (t.min_read_bytes + t.write_bytes) as f64 / DISK_READ;
+        let tp = if sel.is_cuda() {
+            (t.h2d_bytes.max(t.d2h_bytes)) as f64 / PCIE / sel.target.lanes as f64
+        } else {
+            0.0
+        };
+        s += &format!(
+            "  lower bound: {:.3e} FLOP at {:.1} TFLOP/s ({why}) = {:.3} s; cold disk at {:.1} GB/s = {:.3} s{} => at least {:.3} s\n",
+            step.flops(),
+            rate / 1e12,
+            tc,
+            DISK_READ / 1e9,
+            td,
+            if sel.is_cuda() { format!("; PCIe at {:.0} GB/s = {tp:.3} s", PCIE / 1e9) } else { String::new() },
+            tc.max(tp)
+        );
+    }
+    Ok(s)
+}
+
+pub fn default_log_every() -> Duration {
+    Duration::from_secs(5)
+}

@@ -1,0 +1,254 @@
+//! The fixed 4 KiB header of a `.mgt` tiled matrix file (format v1, docs/FORMAT.md).
+//!
+//! The on-disk struct is a zerocopy type of little-endian fields, so it is read straight out of
+//! a memory map and written without hand-rolled byte shuffling. [`Header`] is the validated,
+//! native view: nothing reaches the rest of the engine until every field has been checked
+//! against the file's real length, with checked arithmetic, so a lying header can neither
+//! overflow an offset nor trigger a huge allocation.
+
+use std::path::Path;
+
+use zerocopy::byteorder::little_endian::{U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+pub const MAGIC: [u8; 8] = *b"MGMTILE1";
+pub const VERSION: u32 = 1;
+/// Data and tile strides are aligned to this many bytes.
+pub const ALIGN: u64 = 4096;
+/// Flag bit 0: a CRC-32C per storage tile is stored at `checksum_table_offset`.
+pub const FLAG_CHECKSUMS: u64 = 1;
+const KNOWN_FLAGS: u64 = FLAG_CHECKSUMS;
+/// Upper bound on tile edge: a storage tile must stay far below any sane buffer size.
+pub const MAX_TILE_EDGE: u64 = 1 << 16;
+
+/// Byte-exact on-disk header: 72 bytes, every field alignment 1, no padding.
+#[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug)]
+#[repr(C)]
+pub struct RawHeader {
+    pub magic: [u8; 8],
+    pub version: U32,
+    pub dtype: U32,
+    pub rows: U64,
+    pub cols: U64,
+    pub tile_rows: U32,
+    pub tile_cols: U32,
+    pub data_offset: U64,
+    pub tile_stride: U64,
+    pub flags: U64,
+    pub checksum_table_offset: U64,
+}
+const _: () = assert!(std::mem::size_of::<RawHeader>() == 72);
+
+/// A validated header in native types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub dtype: DType,
+    pub rows: u64,
+    pub cols: u64,
+    pub tile_rows: u64,
+    pub tile_cols: u64,
+    pub data_offset: u64,
+    pub tile_stride: u64,
+    pub flags: u64,
+    pub checksum_table_offset: u64,
+}
+
+pub fn round_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+impl Header {
+    /// A fresh header with the canonical layout: data at 4096, stride = tile bytes rounded up
+    /// to 4096. Checksum table (if any) directly after the data.
+    pub fn new(
+        dtype: DType,
+        rows: u64,
+        cols: u64,
+        tile_rows: u64,
+        tile_cols: u64,
+        checksums: bool,
+    ) -> Header {
+        let tile_stride = round_up(tile_rows * tile_cols * dtype.size() as u64, ALIGN);
+        let mut h = Header {
+            dtype,
+            rows,
+            cols,
+            tile_rows,
+            tile_cols,
+            data_offset: ALIGN,
+            tile_stride,
+            flags: 0,
+            checksum_table_offset: 0,
+        };
+        if checksums {
+            h.flags |= FLAG_CHECKSUMS;
+            h.checksum_table_offset = round_up(h.data_end(), ALIGN);
+        }
+        h
+    }
+
+    pub fn grid_rows(&self) -> u64 {
+        self.rows.div_ceil(self.tile_rows)
+    }
+    pub fn grid_cols(&self) -> u64 {
+        self.cols.div_ceil(self.tile_cols)
+    }
+    pub fn tiles(&self) -> u64 {
+        self.grid_rows() * self.grid_cols()
+    }
+    pub fn elem(&self) -> usize {
+        self.dtype.size()
+    }
+    pub fn tile_offset(&self, ti: u64, tj: u64) -> u64 {
+        self.data_offset + (ti * self.grid_cols() + tj) * self.tile_stride
+    }
+    pub fn data_end(&self) -> u64 {
+        self.data_offset + self.tiles() * self.tile_stride
+    }
+    pub fn has_checksums(&self) -> bool {
+        self.flags & FLAG_CHECKSUMS != 0
+    }
+    /// Total file length this header implies.
+    pub fn file_len(&self) -> u64 {
+        if self.has_checksums() {
+            self.checksum_table_offset + self.tiles() * 4
+        } else {
+            self.data_end()
+        }
+    }
+
+    pub fn to_raw(&self) -> RawHeader {
+        RawHeader {
+            magic: MAGIC,
+            version: U32::new(VERSION),
+            dtype: U32::new(self.dtype.code()),
+            rows: U64::new(self.rows),
+            cols: U64::new(self.cols),
+            tile_rows: U32::new(self.tile_rows as u32),
+            tile_cols: U32::new(self.tile_cols as u32),
+            data_offset: U64::new(self.data_offset),
+            tile_stride: U64::new(self.tile_stride),
+            flags: U64::new(self.flags),
+            checksum_table_offset: U64::new(self.checksum_table_offset),
+        }
+    }
+
+    /// The full 4096-byte header block (fields, then zeros up to data_offset's first page).
+    pub fn to_block(&self) -> Vec<u8> {
+        let mut b = vec![0u8; ALIGN as usize];
+        self.to_raw()
+            .write_to_prefix(&mut b)
+            .expect("4096 bytes hold a 72-byte header");
+        b
+    }
+
+    /// Parse and validate `bytes` (the start of the file) against the file length `file_len`.
+    pub fn parse(path: &Path, bytes: &[u8], file_len: u64) -> Result<Header> {
+        let bad = |msg: String| Error::format(path, msg);
+        let (raw, _) = RawHeader::ref_from_prefix(bytes).map_err(|_| {
+            bad(format!(
+                "file is {file_len} bytes, too short for a .mgt header (72 bytes); it is truncated or not a tiled matrix file"
+            ))
+        })?;
+        if raw.magic != MAGIC {
+            return Err(bad(format!(
+                "wrong magic {:?} (expected \"MGMTILE1\"): not an mgmm-stream tiled matrix file; convert .npy files with `mgmm-stream import`",
+                String::from_utf8_lossy(&raw.magic)
+            )));
+        }
+        let version = raw.version.get();
+        if version != VERSION {
+            return Err(bad(format!(
+                "header field `version` is {version}; this build reads version {VERSION} only"
+            )));
+        }
+        let dtype = DType::from_code(raw.dtype.get()).ok_or_else(|| {
+            bad(format!(
+                "header field `dtype` is {} (known: 0=f32, 1=f64, 2=f16, 3=bf16)",
+                raw.dtype.get()
+            ))
+        })?;
+        let rows = raw.rows.get();
+        let cols = raw.cols.get();
+        let tile_rows = raw.tile_rows.get() as u64;
+        let tile_cols = raw.tile_cols.get() as u64;
+        for (name, v) in [("rows", rows), ("cols", cols)] {
+            if v == 0 {
+                return Err(bad(format!(
+                    "header field `{name}` is 0: empty matrices are not supported"
+                )));
+            }
+        }
+        for (name, v) in [("tile_rows", tile_rows), ("tile_cols", tile_cols)] {
+            if v == 0 || v > MAX_TILE_EDGE {
+                return Err(bad(format!(
+                    "header field `{name}` is {v}; it must be between 1 and {MAX_TILE_EDGE}"
+                )));
+            }
+        }
+        let data_offset = raw.data_offset.get();
+        if data_offset < ALIGN || data_offset % ALIGN != 0 {
+            return Err(bad(format!(
+                "header field `data_offset` is {data_offset}; it must be a non-zero multiple of {ALIGN}"
+            )));
+        }
+        let tile_stride = raw.tile_stride.get();
+        let tile_bytes = tile_rows * tile_cols * dtype.size() as u64; // ≤ 2^32·8, no overflow
+        if tile_stride < tile_bytes || tile_stride % ALIGN != 0 {
+            return Err(bad(format!(
+                "header field `tile_stride` is {tile_stride}; it must be a multiple of {ALIGN} and at least tile_rows·tile_cols·{} = {tile_bytes}",
+                dtype.size()
+            )));
+        }
+        let flags = raw.flags.get();
+        if flags & !KNOWN_FLAGS != 0 {
+            return Err(bad(format!(
+                "header field `flags` is {flags:#x}: unknown bits set; the file was written by a newer version"
+            )));
+        }
+        let tiles = rows
+            .div_ceil(tile_rows)
+            .checked_mul(cols.div_ceil(tile_cols));
+        let data_end = tiles
+            .and_then(|t| t.checked_mul(tile_stride))
+            .and_then(|b| b.checked_add(data_offset))
+            .ok_or_else(|| {
+                bad(format!(
+                    "header sizes overflow: {rows}×{cols} in {tile_rows}×{tile_cols} tiles of {tile_stride} bytes cannot be addressed"
+                ))
+            })?;
+        let checksum_table_offset = raw.checksum_table_offset.get();
+        let h = Header {
+            dtype,
+            rows,
+            cols,
+            tile_rows,
+            tile_cols,
+            data_offset,
+            tile_stride,
+            flags,
+            checksum_table_offset,
+        };
+        let needed = if h.has_checksums() {
+            if checksum_table_offset < data_end || checksum_table_offset % ALIGN != 0 {
+                return Err(bad(format!(
+                    "header field `checksum_table_offset` is {checksum_table_offset}; it must be a multiple of {ALIGN} at or after the end of the tile data ({data_end})"
+                )));
+            }
+            checksum_table_offset
+                .checked_add(h.tiles() * 4)
+                .ok_or_else(|| bad("header field `checksum_table_offset` overflows".into()))?
+        } else {
+            data_end
+        };
+        if file_len < needed {
+            return Err(bad(format!(
+                "file is {file_len} bytes but its header ({rows}×{cols} {dtype}, {tile_rows}×{tile_cols} tiles) needs {needed}: the file is truncated"
+            )));
+        }
+        Ok(h)
+    }
+}

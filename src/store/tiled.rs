@@ -1,0 +1,491 @@
+//! Reading and writing `.mgt` tiled matrix files through memory maps.
+//!
+//! [`TiledFile`] maps an input read-only and copies arbitrary row/column blocks out of it —
+//! compute tiles are independent of storage tiles, so a block may straddle any number of
+//! storage tiles, and edge tiles are partial. [`TiledWriter`] creates an output at its full
+//! length and writes blocks into a writable map; `finish` fills in the checksum table and makes
+//! the data durable. Both split large blocks across the rayon pool by rows.
+//!
+//! Memory-map safety: a map of a file that another process truncates raises SIGBUS, and one that
+//! another process writes is undefined behaviour. The engine never writes its inputs (outputs
+//! are always different files, which `plan` checks) and the docs tell users not to modify input
+//! files while a job runs; that is the guarantee every `unsafe` map below relies on.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
+use rayon::prelude::*;
+
+use super::header::{Header, ALIGN};
+use crate::dtype::{self, DType};
+use crate::error::{Error, Result};
+
+/// Blocks bigger than this are copied by several threads.
+const PAR_BYTES: usize = 1 << 20;
+/// `madvise(WILLNEED)` is capped by the readahead window; issue it in chunks of this size.
+const ADVISE_CHUNK: u64 = 8 << 20;
+
+/// A block of a matrix: rows `r0..r0+rows`, columns `c0..c0+cols`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Block {
+    pub r0: u64,
+    pub c0: u64,
+    pub rows: u64,
+    pub cols: u64,
+}
+
+impl Block {
+    pub fn elems(&self) -> usize {
+        (self.rows * self.cols) as usize
+    }
+}
+
+/// An input matrix file, validated and mapped read-only.
+pub struct TiledFile {
+    path: PathBuf,
+    file: File,
+    map: Mmap,
+    pub hdr: Header,
+}
+
+impl TiledFile {
+    pub fn open(path: &Path) -> Result<TiledFile> {
+        let file = File::open(path).map_err(|e| Error::io(path, "cannot open matrix file", e))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io(path, "cannot stat matrix file", e))?;
+        if !meta.is_file() {
+            return Err(Error::format(path, "is not a regular file"));
+        }
+        let len = meta.len();
+        let mut head = [0u8; 72];
+        let n =
+            read_prefix(&file, &mut head).map_err(|e| Error::io(path, "cannot read header", e))?;
+        let hdr = Header::parse(path, &head[..n], len)?;
+        // SAFETY: read-only shared map of a regular file whose length was just validated; inputs
+        // are never written by the engine and must not be truncated while a job runs (module doc).
+        let map = unsafe { MmapOptions::new().len(hdr.file_len() as usize).map(&file) }
+            .map_err(|e| Error::io(path, "cannot memory-map matrix file", e))?;
+        Ok(TiledFile {
+            path: path.to_path_buf(),
+            file,
+            map,
+            hdr,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+    pub fn rows(&self) -> u64 {
+        self.hdr.rows
+    }
+    pub fn cols(&self) -> u64 {
+        self.hdr.cols
+    }
+    pub fn dtype(&self) -> DType {
+        self.hdr.dtype
+    }
+
+    /// The raw bytes of storage tile (ti, tj), `tile_stride` long.
+    pub fn tile_bytes(&self, ti: u64, tj: u64) -> &[u8] {
+        let off = self.hdr.tile_offset(ti, tj) as usize;
+        &self.map[off..off + self.hdr.tile_stride as usize]
+    }
+
+    /// The stored checksum table, if the file has one.
+    pub fn checksum_table(&self) -> Option<Vec<u32>> {
+        if !self.hdr.has_checksums() {
+            return None;
+        }
+        let off = self.hdr.checksum_table_offset as usize;
+        let n = self.hdr.tiles() as usize;
+        Some(
+            self.map[off..off + 4 * n]
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        )
+    }
+
+    /// Verify storage tile (ti, tj) against the checksum table (no-op without one).
+    pub fn verify_tile(&self, ti: u64, tj: u64) -> Result<()> {
+        if !self.hdr.has_checksums() {
+            return Ok(());
+        }
+        let idx = (ti * self.hdr.grid_cols() + tj) as usize;
+        let off = self.hdr.checksum_table_offset as usize + 4 * idx;
+        let stored = u32::from_le_bytes(self.map[off..off + 4].try_into().unwrap());
+        let computed = crc32c::crc32c(self.tile_bytes(ti, tj));
+        if stored != computed {
+            return Err(Error::Checksum {
+                path: self.path.clone(),
+                ti,
+                tj,
+                stored,
+                computed,
+            });
+        }
+        Ok(())
+    }
+
+    /// Storage tiles that `b` touches, as (ti, tj) ranges.
+    pub fn tiles_of(&self, b: &Block) -> (std::ops::Range<u64>, std::ops::Range<u64>) {
+        let h = &self.hdr;
+        (
+            b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows),
+            b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols),
+        )
+    }
+
+    /// Byte ranges of the map that `b` reads (whole tile rows), for madvise.
+    fn ranges_of(&self, b: &Block) -> Vec<(u64, u64)> {
+        let h = &self.hdr;
+        let (tis, tjs) = self.tiles_of(b);
+        let row_bytes = h.tile_cols * h.elem() as u64;
+        let mut out = Vec::new();
+        for ti in tis {
+            let lo = b.r0.max(ti * h.tile_rows) - ti * h.tile_rows;
+            let hi = (b.r0 + b.rows).min((ti + 1) * h.tile_rows) - ti * h.tile_rows;
+            for tj in tjs.clone() {
+                let off = h.tile_offset(ti, tj);
+                out.push((off + lo * row_bytes, (hi - lo) * row_bytes));
+            }
+        }
+        out
+    }
+
+    /// Ask the kernel to read `b` ahead (asynchronous). Returns bytes advised.
+    pub fn will_need(&self, b: &Block) -> u64 {
+        let mut total = 0;
+        for (off, len) in self.ranges_of(b) {
+            let mut o = off;
+            while o < off + len {
+                let l = ADVISE_CHUNK.min(off + len - o);
+                // Advice failures are harmless (it is only a hint).
+                let _ = self
+                    .map
+                    .advise_range(Advice::WillNeed, o as usize, l as usize);
+                o += l;
+            }
+            total += len;
+        }
+        total
+    }
+
+    /// Drop `b`'s pages from this process's mappings (they stay in the page cache).
+    pub fn dont_need(&self, b: &Block) {
+        for (off, len) in self.ranges_of(b) {
+            // SAFETY: DontNeed on a read-only shared file map only discards this process's page
+            // table entries; later reads fault the same file data back in. No Rust reference
+            // into the map outlives this call in a way that observes the difference.
+            let _ = unsafe {
+                self.map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    off as usize,
+                    len as usize,
+                )
+            };
+        }
+    }
+
+    /// Copy block `b` into `dst` as a dense row-major `b.rows × b.cols` array of `out` elements.
+    pub fn read_block(&self, b: &Block, out: DType, dst: &mut [u8]) -> Result<()> {
+        let h = &self.hdr;
+        if b.r0 + b.rows > h.rows || b.c0 + b.cols > h.cols {
+            return Err(Error::format(
+                &self.path,
+                format!("block {b:?} is outside the {}×{} matrix", h.rows, h.cols),
+            ));
+        }
+        let oe = out.size();
+        let row_out = b.cols as usize * oe;
+        assert_eq!(dst.len(), b.rows as usize * row_out, "read_block: dst size");
+        if !supported(h.dtype, out) {
+            return Err(Error::format(
+                &self.path,
+                format!("cannot read {} data as {}", h.dtype, out),
+            ));
+        }
+        let copy_row = |r: u64, drow: &mut [u8]| {
+            let ti = r / h.tile_rows;
+            let rr = r % h.tile_rows;
+            let mut c = b.c0;
+            let end = b.c0 + b.cols;
+            while c < end {
+                let tj = c / h.tile_cols;
+                let cc = c % h.tile_cols;
+                let n = (h.tile_cols - cc).min(end - c);
+                let src_off =
+                    (h.tile_offset(ti, tj) + (rr * h.tile_cols + cc) * h.elem() as u64) as usize;
+                let src = &self.map[src_off..src_off + n as usize * h.elem()];
+                let d0 = (c - b.c0) as usize * oe;
+                dtype::convert(h.dtype, src, out, &mut drow[d0..d0 + n as usize * oe]);
+                c += n;
+            }
+        };
+        if dst.len() >= PAR_BYTES && b.rows > 1 {
+            dst.par_chunks_mut(row_out)
+                .enumerate()
+                .for_each(|(i, drow)| copy_row(b.r0 + i as u64, drow));
+        } else {
+            for (i, drow) in dst.chunks_mut(row_out).enumerate() {
+                copy_row(b.r0 + i as u64, drow);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn supported(from: DType, to: DType) -> bool {
+    from == to
+        || matches!(
+            (from, to),
+            (DType::F16, DType::F32)
+                | (DType::BF16, DType::F32)
+                | (DType::F32, DType::F64)
+                | (DType::F64, DType::F32)
+        )
+}
+
+fn read_prefix(f: &File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read_at(&mut buf[n..], n as u64)? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// A raw pointer that may cross threads; used only to write disjoint row ranges of one map.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+// SAFETY: the pointer is only dereferenced for disjoint byte ranges (distinct rows of a block),
+// so concurrent writers never alias.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn get(&self) -> *mut u8 {
+        self.0
+    }
+}
+
+/// An output matrix file being written.
+pub struct TiledWriter {
+    path: PathBuf,
+    file: File,
+    map: MmapMut,
+    pub hdr: Header,
+    /// Checksums of storage tiles already known (computed when a tile is written whole).
+    crcs: Mutex<Vec<Option<u32>>>,
+}
+
+impl TiledWriter {
+    /// Create `path` (replacing an existing file) at its full length, zero-filled.
+    pub fn create(path: &Path, hdr: Header) -> Result<TiledWriter> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(|e| Error::io(path, "cannot create output file", e))?;
+        Self::init(path, file, hdr, true)
+    }
+
+    /// Open an existing output with header `hdr` to continue writing it (resume).
+    pub fn reopen(path: &Path, hdr: Header) -> Result<TiledWriter> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::io(path, "cannot reopen output file", e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io(path, "cannot stat output file", e))?
+            .len();
+        let mut head = vec![0u8; 72];
+        let n =
+            read_prefix(&file, &mut head).map_err(|e| Error::io(path, "cannot read header", e))?;
+        let found = Header::parse(path, &head[..n], len)?;
+        if found != hdr {
+            return Err(Error::format(
+                path,
+                "existing output has a different header than this plan produces; rerun with --restart",
+            ));
+        }
+        Self::init(path, file, hdr, false)
+    }
+
+    fn init(path: &Path, file: File, hdr: Header, fresh: bool) -> Result<TiledWriter> {
+        if fresh {
+            file.write_all_at(&hdr.to_block(), 0)
+                .map_err(|e| Error::io(path, "cannot write header", e))?;
+            file.set_len(hdr.file_len())
+                .map_err(|e| Error::io(path, "cannot size output file", e))?;
+        }
+        // SAFETY: the output is a file this process just created or reopened for writing; the
+        // engine holds it for the duration of the job and nothing else may write or truncate
+        // it (the job takes an exclusive lock on it, see pipeline::journal).
+        let map = unsafe {
+            MmapOptions::new()
+                .len(hdr.file_len() as usize)
+                .map_mut(&file)
+        }
+        .map_err(|e| Error::io(path, "cannot memory-map output file", e))?;
+        let n = hdr.tiles() as usize;
+        Ok(TiledWriter {
+            path: path.to_path_buf(),
+            file,
+            map,
+            hdr,
+            crcs: Mutex::new(vec![None; n]),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The bytes of the whole data region, for writers that fill storage tiles directly.
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        let (a, b) = (self.hdr.data_offset as usize, self.hdr.data_end() as usize);
+        &mut self.map[a..b]
+    }
+
+    /// Write dense row-major `src` (`b.rows × b.cols` elements of `from`) into block `b`.
+    /// Takes `&self`: concurrent calls must write disjoint blocks (the writeback stage
+    /// guarantees that, one output tile per message).
+    pub fn write_block(&self, b: &Block, from: DType, src: &[u8]) -> Result<()> {
+        let h = &self.hdr;
+        assert!(
+            b.r0 + b.rows <= h.rows && b.c0 + b.cols <= h.cols,
+            "write_block: outside"
+        );
+        let ie = from.size();
+        let row_in = b.cols as usize * ie;
+        assert_eq!(src.len(), b.rows as usize * row_in, "write_block: src size");
+        let base = SendPtr(self.map.as_ptr() as *mut u8);
+        let map_len = self.map.len();
+        let write_row = |r: u64, srow: &[u8]| {
+            let ti = r / h.tile_rows;
+            let rr = r % h.tile_rows;
+            let mut c = b.c0;
+            let end = b.c0 + b.cols;
+            while c < end {
+                let tj = c / h.tile_cols;
+                let cc = c % h.tile_cols;
+                let n = (h.tile_cols - cc).min(end - c);
+                let off =
+                    (h.tile_offset(ti, tj) + (rr * h.tile_cols + cc) * h.elem() as u64) as usize;
+                let len = n as usize * h.elem();
+                assert!(off + len <= map_len);
+                // SAFETY: `off..off+len` lies inside the map (asserted) and belongs to row `r`
+                // of this block only; callers write disjoint blocks, and rows of one block are
+                // disjoint, so no two threads write the same bytes. The map is kept alive by
+                // `self` for the duration of the call.
+                let d = unsafe { std::slice::from_raw_parts_mut(base.get().add(off), len) };
+                let s0 = (c - b.c0) as usize * ie;
+                dtype::convert(from, &srow[s0..s0 + n as usize * ie], h.dtype, d);
+                c += n;
+            }
+        };
+        if src.len() >= PAR_BYTES && b.rows > 1 {
+            src.par_chunks(row_in)
+                .enumerate()
+                .for_each(|(i, s)| write_row(b.r0 + i as u64, s));
+        } else {
+            for (i, s) in src.chunks(row_in).enumerate() {
+                write_row(b.r0 + i as u64, s);
+            }
+        }
+        // A block that covers whole storage tiles lets us checksum them now, while hot in cache.
+        if h.has_checksums() {
+            let (tis, tjs) = (
+                b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows),
+                b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols),
+            );
+            for ti in tis {
+                for tj in tjs.clone() {
+                    let full_r = b.r0 <= ti * h.tile_rows
+                        && b.r0 + b.rows >= ((ti + 1) * h.tile_rows).min(h.rows);
+                    let full_c = b.c0 <= tj * h.tile_cols
+                        && b.c0 + b.cols >= ((tj + 1) * h.tile_cols).min(h.cols);
+                    if full_r && full_c {
+                        let off = h.tile_offset(ti, tj) as usize;
+                        let crc = crc32c::crc32c(&self.map[off..off + h.tile_stride as usize]);
+                        self.crcs.lock().unwrap()[(ti * h.grid_cols() + tj) as usize] = Some(crc);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Flush the bytes of block `b`'s storage tiles to disk (for the resume journal).
+    pub fn flush_block(&self, b: &Block) -> Result<()> {
+        let h = &self.hdr;
+        let tis = b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows);
+        let tjs = b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols);
+        for ti in tis {
+            let a = h.tile_offset(ti, tjs.start) as usize;
+            let z = h.tile_offset(ti, tjs.end - 1) as usize + h.tile_stride as usize;
+            self.map
+                .flush_range(a, z - a)
+                .map_err(|e| Error::io(&self.path, "cannot flush output tile to disk", e))?;
+        }
+        Ok(())
+    }
+
+    /// Compute missing checksums, write the table, and (if `durable`) flush everything to disk.
+    pub fn finish(mut self, durable: bool) -> Result<()> {
+        let h = self.hdr;
+        if h.has_checksums() {
+            let known = std::mem::take(&mut *self.crcs.lock().unwrap());
+            let gc = h.grid_cols();
+            let map = &self.map;
+            let table: Vec<u32> = known
+                .par_iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    c.unwrap_or_else(|| {
+                        let off = h.tile_offset(i as u64 / gc, i as u64 % gc) as usize;
+                        crc32c::crc32c(&map[off..off + h.tile_stride as usize])
+                    })
+                })
+                .collect();
+            let off = h.checksum_table_offset as usize;
+            for (i, c) in table.iter().enumerate() {
+                self.map[off + 4 * i..off + 4 * i + 4].copy_from_slice(&c.to_le_bytes());
+            }
+        }
+        if durable {
+            self.map
+                .flush()
+                .map_err(|e| Error::io(&self.path, "cannot flush output to disk", e))?;
+            self.file
+                .sync_all()
+                .map_err(|e| Error::io(&self.path, "cannot sync output to disk", e))?;
+        }
+        Ok(())
+    }
+
+    /// Mark storage tile checksums as unknown (after partial writes on resume).
+    pub fn forget_checksums(&self) {
+        self.crcs.lock().unwrap().iter_mut().for_each(|c| *c = None);
+    }
+}
+
+/// Round a byte count to the format's alignment.
+pub fn aligned(x: u64) -> u64 {
+    super::header::round_up(x, ALIGN)
+}
