@@ -141,25 +141,22 @@ impl Progress {
                 mp.remove(&bar);
                 mp.remove(&stage_line);
             }
-            Mode::Log { every } => loop {
-                match stop.recv_timeout(*every) {
-                    Err(RecvTimeoutError::Timeout) => {
-                        let done = live.tiles_done.load(Ordering::Relaxed);
-                        let (g, r, w) = rates();
-                        let el = t0.elapsed().as_secs_f64();
-                        let frac = live.flops_done.load(Ordering::Relaxed) as f64
-                            / live.flops_total.max(1) as f64;
-                        let eta = if frac > 0.0 { el / frac - el } else { f64::NAN };
-                        eprintln!(
-                            "{label}: {done}/{} tiles ({:.1}%), {g:.1} GFLOP/s, read {r:.0} MB/s, write {w:.0} MB/s, elapsed {el:.0}s, ETA {eta:.0}s | {}",
-                            live.tiles_total,
-                            100.0 * frac,
-                            shares()
-                        );
-                    }
-                    _ => break,
+            Mode::Log { every } => {
+                while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(*every) {
+                    let done = live.tiles_done.load(Ordering::Relaxed);
+                    let (g, r, w) = rates();
+                    let el = t0.elapsed().as_secs_f64();
+                    let frac = live.flops_done.load(Ordering::Relaxed) as f64
+                        / live.flops_total.max(1) as f64;
+                    let eta = if frac > 0.0 { el / frac - el } else { f64::NAN };
+                    eprintln!(
+                        "{label}: {done}/{} tiles ({:.1}%), {g:.1} GFLOP/s, read {r:.0} MB/s, write {w:.0} MB/s, elapsed {el:.0}s, ETA {eta:.0}s | {}",
+                        live.tiles_total,
+                        100.0 * frac,
+                        shares()
+                    );
                 }
-            },
+            }
         }
     }
 }

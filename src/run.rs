@@ -80,10 +80,15 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
     if let Some(n) = &sel.note {
         progress.note(n);
     }
+    // Size every step before doing any work: a plan that cannot fit fails here, untouched.
+    let layouts: Vec<Layout> = plan
+        .steps
+        .iter()
+        .map(|s| Layout::new(&plan.path, s, &plan.engine, &sel.target))
+        .collect::<Result<_>>()?;
     let generated = generate_missing(plan, progress)?;
     let mut steps = Vec::new();
-    for step in &plan.steps {
-        let layout = Layout::new(step, &plan.engine, &sel.target)?;
+    for (step, layout) in plan.steps.iter().zip(layouts) {
         if let Some(dir) = step.output.parent() {
             if !dir.as_os_str().is_empty() && !dir.exists() {
                 std::fs::create_dir_all(dir)
@@ -260,7 +265,7 @@ pub fn describe(plan: &Plan) -> Result<String> {
         );
     }
     for step in &plan.steps {
-        let l = Layout::new(step, e, &sel.target)?;
+        let l = Layout::new(&plan.path, step, e, &sel.target)?;
         let sched = Schedule::new(step, &l);
         let t = traffic(step, &l, &sched);
         let (gm, gn, gk) = l.grid(step);

@@ -71,7 +71,12 @@ const GPU_TILES: &[u64] = &[
 ];
 
 impl Layout {
-    pub fn new(step: &Step, engine: &Engine, target: &Target) -> Result<Layout> {
+    pub fn new(
+        plan: &std::path::Path,
+        step: &Step,
+        engine: &Engine,
+        target: &Target,
+    ) -> Result<Layout> {
         let candidates: Vec<(u64, u64, u64)> = match engine.tile {
             TileSpec::Fixed { m, n, k } => vec![(m, n, k)],
             TileSpec::Auto => {
@@ -127,7 +132,7 @@ impl Layout {
                 String::new()
             }
         );
-        Err(Error::plan(&step.output, msg))
+        Err(Error::plan(plan, msg))
     }
 
     fn with_tiles(

@@ -22,7 +22,7 @@ pub fn parse_size(s: &str) -> Option<u64> {
         _ => return None,
     };
     let b = v * mult;
-    if !(b.is_finite() && b >= 0.0 && b < 1.8e19) {
+    if !(b.is_finite() && (0.0..1.8e19).contains(&b)) {
         return None;
     }
     Some(b as u64)

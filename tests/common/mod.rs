@@ -1,0 +1,158 @@
+//! Helpers shared by the integration tests: temp dirs, generated inputs, an independent f64
+//! reference product, and running a plan through the library.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use mgmm_stream::dtype::DType;
+use mgmm_stream::plan::Plan;
+use mgmm_stream::progress::Progress;
+use mgmm_stream::run::{run_plan, RunOptions, RunReport};
+use mgmm_stream::store::gen::{generate, Dist, GenSpec};
+use mgmm_stream::store::{Block, TiledFile};
+
+pub fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().expect("temp dir")
+}
+
+pub fn gen(
+    path: &Path,
+    rows: u64,
+    cols: u64,
+    dtype: DType,
+    tile: (u64, u64),
+    dist: Dist,
+    seed: u64,
+) {
+    let spec = GenSpec {
+        rows,
+        cols,
+        dtype,
+        tile: (tile.0.min(rows), tile.1.min(cols)),
+        dist,
+        seed,
+    };
+    generate(path, &spec).expect("generate");
+}
+
+/// Whole matrix as f64, row-major.
+pub fn load(path: &Path) -> (usize, usize, Vec<f64>) {
+    let f = TiledFile::open(path).expect("open");
+    let (r, c) = (f.rows(), f.cols());
+    let mut bytes = vec![0u8; (r * c) as usize * 8];
+    let dt = f.dtype();
+    let mut tmp = vec![0u8; (r * c) as usize * dt.size()];
+    f.read_block(
+        &Block {
+            r0: 0,
+            c0: 0,
+            rows: r,
+            cols: c,
+        },
+        dt,
+        &mut tmp,
+    )
+    .expect("read");
+    for (i, ch) in tmp.chunks(dt.size()).enumerate() {
+        let v = mgmm_stream::dtype::get(dt, ch);
+        bytes[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+    }
+    let v = bytes
+        .chunks(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (r as usize, c as usize, v)
+}
+
+pub struct Mat {
+    pub rows: usize,
+    pub cols: usize,
+    pub v: Vec<f64>,
+}
+
+impl Mat {
+    pub fn load(p: &Path) -> Mat {
+        let (rows, cols, v) = load(p);
+        Mat { rows, cols, v }
+    }
+    /// op(X)[i][j]
+    pub fn at(&self, i: usize, j: usize, trans: bool) -> f64 {
+        if trans {
+            self.v[j * self.cols + i]
+        } else {
+            self.v[i * self.cols + j]
+        }
+    }
+    pub fn round(mut self, f: impl Fn(f32) -> f32) -> Mat {
+        self.v.iter_mut().for_each(|x| *x = f(*x as f32) as f64);
+        self
+    }
+}
+
+/// Independent f64 reference: returns (value, |alpha|·Σ|a||b| + |beta||c0|) for every element.
+#[allow(clippy::too_many_arguments)]
+pub fn reference(
+    a: &Mat,
+    at: bool,
+    b: &Mat,
+    bt: bool,
+    c0: Option<&Mat>,
+    alpha: f64,
+    beta: f64,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut val = vec![0.0; m * n];
+    let mut mag = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut sa) = (0.0, 0.0);
+            for p in 0..k {
+                let x = a.at(i, p, at) * b.at(p, j, bt);
+                s += x;
+                sa += x.abs();
+            }
+            let (mut v, mut g) = (alpha * s, alpha.abs() * sa);
+            if let Some(c) = c0 {
+                v += beta * c.v[i * n + j];
+                g += (beta * c.v[i * n + j]).abs();
+            }
+            val[i * n + j] = v;
+            mag[i * n + j] = g;
+        }
+    }
+    (val, mag)
+}
+
+/// Write `text` as plan.toml in `dir` and run it quietly.
+pub fn run_text(dir: &Path, text: &str) -> mgmm_stream::Result<RunReport> {
+    let p = dir.join("plan.toml");
+    std::fs::write(&p, text).unwrap();
+    let plan = Plan::load(&p)?;
+    run_plan(&plan, &RunOptions { report: None }, &Progress::quiet())
+}
+
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_mgmm-stream"))
+}
+
+/// Hash of a file's bytes (to prove inputs are unchanged).
+pub fn digest(p: &Path) -> u32 {
+    crc32c::crc32c(&std::fs::read(p).unwrap())
+}
+
+/// Stamp a test once per backend. CUDA copies are `#[ignore]`d: CI has no GPU, and lists them
+/// as not run; on the GPU machine run them with `--ignored`.
+#[macro_export]
+macro_rules! per_backend {
+    ($($name:ident => $f:path;)*) => {
+        mod cpu {
+            $( #[test] fn $name() { $f("cpu") } )*
+        }
+        mod cuda {
+            $( #[test] #[ignore = "needs a GPU: run on the GPU machine with --ignored"] fn $name() { $f("cuda") } )*
+        }
+    };
+}

@@ -1,0 +1,212 @@
+//! Pipeline behaviour beyond single products: out-of-core streaming within a memory budget,
+//! bitwise reproducibility, and prompt, clear failure when a stage errors.
+
+mod common;
+use common::*;
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use mgmm_stream::dtype::DType;
+use mgmm_stream::store::gen::Dist;
+use mgmm_stream::store::{Block, TiledFile};
+
+/// 1 GiB of inputs through a 64 MiB host budget: the product is right (checked on sampled
+/// elements against an f64 reference) and the pools never held more than the budget.
+fn out_of_core(backend: &str) {
+    let d = tmp();
+    let dir = d.path();
+    let (m, n, k) = (256u64, 256u64, 1u64 << 19);
+    gen(
+        &dir.join("A.mgt"),
+        m,
+        k,
+        DType::F32,
+        (256, 1024),
+        Dist::Uniform,
+        7,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        k,
+        n,
+        DType::F32,
+        (1024, 256),
+        Dist::Uniform,
+        8,
+    );
+    let budget = 64u64 << 20;
+    let text = format!(
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"{backend}\"\nhost_memory = \"64MiB\"\n"
+    );
+    let rep = run_text(dir, &text).expect("run");
+    let s = &rep.steps[0];
+    let input_bytes = (m * k + k * n) * 4;
+    assert!(
+        input_bytes >= 16 * budget,
+        "inputs must be many times the budget"
+    );
+    assert!(s.read_bytes >= input_bytes, "every input byte was staged");
+    assert!(
+        s.host_pool_bytes <= budget,
+        "pools allocated {} > budget {budget}",
+        s.host_pool_bytes
+    );
+    assert!(
+        s.host_peak_bytes <= budget,
+        "peak {} > budget {budget}",
+        s.host_peak_bytes
+    );
+    for p in &s.pools {
+        assert!(
+            p.high_water <= p.buffers,
+            "pool {} high water {} > {}",
+            p.name,
+            p.high_water,
+            p.buffers
+        );
+        assert!(p.high_water >= 1, "pool {} was used", p.name);
+    }
+    // Sampled check against f64.
+    let a = TiledFile::open(&dir.join("A.mgt")).unwrap();
+    let b = TiledFile::open(&dir.join("B.mgt")).unwrap();
+    let c = Mat::load(&dir.join("C.mgt"));
+    let row = |f: &TiledFile, blk: Block| -> Vec<f64> {
+        let mut buf = vec![0u8; blk.elems() * 8];
+        f.read_block(&blk, DType::F64, &mut buf).unwrap();
+        buf.chunks(8)
+            .map(|x| f64::from_le_bytes(x.try_into().unwrap()))
+            .collect()
+    };
+    for &(i, j) in &[(0u64, 0u64), (255, 255), (17, 200), (128, 3), (64, 129)] {
+        let ar = row(
+            &a,
+            Block {
+                r0: i,
+                c0: 0,
+                rows: 1,
+                cols: k,
+            },
+        );
+        let bc = row(
+            &b,
+            Block {
+                r0: 0,
+                c0: j,
+                rows: k,
+                cols: 1,
+            },
+        );
+        let (mut r, mut mag) = (0.0, 0.0);
+        for p in 0..k as usize {
+            r += ar[p] * bc[p];
+            mag += (ar[p] * bc[p]).abs();
+        }
+        let got = c.v[(i * n + j) as usize];
+        let allowed = (k as f64 + 2.0) * f32::EPSILON as f64 / 2.0 * mag;
+        assert!(
+            (got - r).abs() <= allowed,
+            "C[{i},{j}] = {got}, reference {r}, allowed {allowed:e}"
+        );
+    }
+}
+
+/// Two runs of one plan produce bitwise identical output.
+fn reproducible(backend: &str) {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        300,
+        517,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        517,
+        211,
+        DType::F32,
+        (100, 50),
+        Dist::Normal,
+        2,
+    );
+    let plan = |out: &str| {
+        format!(
+            "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+             [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
+             [engine]\nbackend = \"{backend}\"\ntile = [128, 96, 64]\nhost_memory = \"16MiB\"\n"
+        )
+    };
+    run_text(dir, &plan("C1.mgt")).unwrap();
+    run_text(dir, &plan("C2.mgt")).unwrap();
+    let c1 = std::fs::read(dir.join("C1.mgt")).unwrap();
+    let c2 = std::fs::read(dir.join("C2.mgt")).unwrap();
+    assert!(c1 == c2, "two runs of one plan differ");
+}
+
+/// A corrupt input tile stops the run promptly with an error naming the file and the tile; no
+/// thread hangs, and the run does not report success.
+fn corrupt_input_fails_fast(backend: &str) {
+    let d = tmp();
+    let dir = d.path().to_path_buf();
+    gen(
+        &dir.join("A.mgt"),
+        200,
+        200,
+        DType::F32,
+        (50, 50),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        200,
+        200,
+        DType::F32,
+        (50, 50),
+        Dist::Normal,
+        2,
+    );
+    // Flip one byte inside B's storage tile (2, 3).
+    let f = TiledFile::open(&dir.join("B.mgt")).unwrap();
+    let off = f.hdr.tile_offset(2, 3) + 100;
+    drop(f);
+    let mut bytes = std::fs::read(dir.join("B.mgt")).unwrap();
+    bytes[off as usize] ^= 0x40;
+    std::fs::write(dir.join("B.mgt"), &bytes).unwrap();
+    let text = format!(
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"{backend}\"\ntile = 64\n"
+    );
+    let (tx, rx) = mpsc::channel();
+    let dir2 = dir.clone();
+    std::thread::spawn(move || {
+        let r = run_text(&dir2, &text).map(|_| ());
+        let _ = tx.send(r.map_err(|e| e.to_string()));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("run must not hang");
+    let e = r.expect_err("a corrupt input must fail the run");
+    assert!(
+        e.contains("B.mgt") && e.contains("tile (2, 3)") && e.contains("checksum"),
+        "{e}"
+    );
+    assert_eq!(
+        digest(&dir.join("B.mgt")),
+        crc32c::crc32c(&bytes),
+        "input unchanged"
+    );
+}
+
+per_backend! {
+    out_of_core_one_gib_through_64_mib => super::out_of_core;
+    two_runs_are_bitwise_identical => super::reproducible;
+    corrupt_input_stops_the_run => super::corrupt_input_fails_fast;
+}
