@@ -89,6 +89,9 @@ pub enum Command {
     /// and the lower bound on time.
     #[command(after_help = "Example:\n  mgmm-stream plan examples/quickstart.toml")]
     Plan { plan: PathBuf },
+    /// List the CUDA GPUs this build can use (or say why there are none).
+    #[command(after_help = "Example:\n  mgmm-stream devices")]
+    Devices,
     /// Run a plan: generate missing inputs, stream every step, write the outputs.
     #[command(
         after_help = "Example:\n  mgmm-stream run examples/quickstart.toml --report run.json"
@@ -268,6 +271,25 @@ pub fn execute(cli: Cli) -> Result<()> {
                 output.display(),
                 t.elapsed().as_secs_f64()
             );
+            Ok(())
+        }
+        Command::Devices => {
+            match crate::backend::cuda::probe() {
+                Ok(devs) => {
+                    for d in devs {
+                        println!(
+                            "cuda:{}  {}  compute capability {}.{}  memory {} free of {}",
+                            d.ordinal,
+                            d.name,
+                            d.cc.0,
+                            d.cc.1,
+                            fmt_bytes(d.free),
+                            fmt_bytes(d.total)
+                        );
+                    }
+                }
+                Err(e) => println!("no usable GPU: {e}\nbackend = \"auto\" will use the CPU."),
+            }
             Ok(())
         }
         Command::Plan { plan } => {

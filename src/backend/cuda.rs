@@ -1,7 +1,642 @@
-//! CUDA backend (built in the CUDA issue). Until then selecting it is a clear error.
-use super::Selected;
-use crate::error::{Error, Result};
+//! The CUDA backend: one lane per GPU, each with its own context, three streams (H2D, GEMM,
+//! D2H), one cuBLAS handle, and every device buffer allocated once at start.
+//!
+//! This is the only module that touches cudarc. The pipeline sees slots, accumulators and
+//! tickets; here they are `CudaSlice<u8>` buffers and events:
+//! - uploads run on the H2D stream from pinned host buffers (the pool allocates pinned memory
+//!   through [`CudaAlloc`]), so they are true asynchronous DMA;
+//! - GEMMs run on the compute stream through `cublasGemmEx` (SGEMM, TF32, bf16/fp16 inputs with
+//!   fp32 accumulate, DGEMM);
+//! - downloads run on the D2H stream into pinned output buffers.
+//!
+//! Cross-stream ordering of device buffers (upload → GEMM → reuse of the slot; GEMM → download →
+//! next use of the accumulator) is enforced by cudarc's per-buffer event tracking, which is on
+//! because every context here has several streams. Host buffers are untracked by cudarc: each
+//! upload and download records an event, returned as the ticket, and the pipeline keeps the host
+//! buffer's lease alive until that event completes.
+//!
+//! cudarc panics when a CUDA library is missing, so [`probe`] checks that the driver, cuBLAS and
+//! NVRTC can be loaded before anything else touches them, and turns absence into an error.
 
-pub fn select(_engine: &crate::plan::Engine) -> Result<Selected> {
-    Err(Error::backend("cuda", "no CUDA support in this build yet"))
+use std::collections::{HashMap, VecDeque};
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
+};
+
+use super::{DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, Selected, Ticket};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::plan::layout::{Layout, Target};
+use crate::plan::size::fmt_bytes;
+use crate::plan::{Devices, Engine, Precision};
+
+const CONVERT_SRC: &str = include_str!("../../kernels/convert.cu");
+
+/// Memory left free per GPU when `device_memory = "auto"`: cuBLAS workspaces, the CUDA context,
+/// and other processes.
+pub fn auto_margin(free: u64) -> u64 {
+    (free / 20).max(2 << 30)
+}
+
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub free: u64,
+    pub total: u64,
+    pub cc: (i32, i32),
+}
+
+fn derr(what: &str, e: impl std::fmt::Display) -> Error {
+    Error::backend("cuda", format!("{what}: {e}"))
+}
+
+/// Check that the CUDA libraries load and list the devices. Never panics.
+pub fn probe() -> Result<Vec<DeviceInfo>> {
+    // SAFETY: these only attempt to dlopen the libraries and report success; no CUDA call is
+    // made through a missing library.
+    let (drv, blas, rtc) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+        )
+    };
+    if !drv {
+        return Err(Error::backend("cuda", "the CUDA driver library (libcuda.so.1) was not found: no NVIDIA driver on this machine"));
+    }
+    if !blas {
+        return Err(Error::backend(
+            "cuda",
+            "cuBLAS (libcublas.so.13) was not found; install the CUDA 13 runtime libraries",
+        ));
+    }
+    if !rtc {
+        return Err(Error::backend(
+            "cuda",
+            "NVRTC (libnvrtc.so.13) was not found; install the CUDA 13 runtime libraries",
+        ));
+    }
+    let n = match std::panic::catch_unwind(CudaContext::device_count) {
+        Ok(Ok(n)) => n,
+        Ok(Err(e)) => return Err(derr("cuInit/cuDeviceGetCount failed", e)),
+        Err(_) => {
+            return Err(Error::backend(
+                "cuda",
+                "the CUDA driver could not be initialised",
+            ))
+        }
+    };
+    if n <= 0 {
+        return Err(Error::backend(
+            "cuda",
+            "the driver loaded but reports no CUDA devices",
+        ));
+    }
+    let mut out = Vec::new();
+    for i in 0..n as usize {
+        let ctx = CudaContext::new(i).map_err(|e| derr(&format!("cannot open GPU {i}"), e))?;
+        let (free, total) = ctx.mem_get_info().map_err(|e| derr("cuMemGetInfo", e))?;
+        out.push(DeviceInfo {
+            ordinal: i,
+            name: ctx.name().unwrap_or_else(|_| "?".into()),
+            free: free as u64,
+            total: total as u64,
+            cc: ctx.compute_capability().unwrap_or((0, 0)),
+        });
+    }
+    Ok(out)
+}
+
+/// Pinned (page-locked, cached) host memory from the first selected GPU's context.
+pub struct CudaAlloc {
+    ctx: Arc<CudaContext>,
+}
+
+/// Owns a pinned allocation; never read, only kept alive and freed on drop.
+#[allow(dead_code)]
+struct Pinned(cudarc::driver::PinnedHostSlice<u8>);
+
+impl HostAlloc for CudaAlloc {
+    fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
+        let len = bytes.div_ceil(4096).max(1) * 4096;
+        // SAFETY: the memory is uninitialised bytes; every reader of a staging or output buffer
+        // reads only what a fill or a download wrote first. Flags 0 = cached (not
+        // write-combined: output buffers are read by the CPU) with PORTABLE so every GPU's
+        // context may use it.
+        let mut p = unsafe {
+            self.ctx
+                .alloc_pinned_with_flags::<u8>(len, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE)
+        }
+        .map_err(|e| {
+            derr(
+                &format!(
+                    "cannot allocate {} of pinned host memory (engine.host_memory)",
+                    fmt_bytes(len as u64)
+                ),
+                e,
+            )
+        })?;
+        let ptr = p.as_mut_ptr().map_err(|e| derr("pinned pointer", e))?;
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::backend("cuda", "null pinned pointer"))?;
+        // SAFETY: the pinned allocation lives as long as the owner box, which the HostBuf keeps;
+        // it is `len >= bytes` long.
+        Ok(unsafe { HostBuf::from_raw(ptr, bytes, Box::new(Pinned(p))) })
+    }
+}
+
+// SAFETY: PinnedHostSlice is Send + Sync in cudarc; the wrapper adds nothing.
+unsafe impl Send for Pinned {}
+unsafe impl Sync for Pinned {}
+
+pub fn select(engine: &Engine) -> Result<Selected> {
+    let devs = probe()?;
+    let chosen: Vec<DeviceInfo> = match &engine.devices {
+        Devices::All => devs.clone(),
+        Devices::List(l) => {
+            let mut v = Vec::new();
+            for &i in l {
+                let d = devs
+                    .iter()
+                    .find(|d| d.ordinal == i as usize)
+                    .ok_or_else(|| {
+                        Error::backend(
+                            "cuda",
+                            format!(
+                                "engine.devices lists GPU {i}, but only {} GPU(s) exist (0..{})",
+                                devs.len(),
+                                devs.len()
+                            ),
+                        )
+                    })?;
+                v.push(d.clone());
+            }
+            v
+        }
+    };
+    let min_free = chosen.iter().map(|d| d.free).min().unwrap_or(0);
+    let device_memory = match engine.device_memory {
+        Some(b) => {
+            if b > min_free {
+                return Err(Error::backend(
+                    "cuda",
+                    format!("engine.device_memory = {} but GPU(s) have only {} free; lower it or use \"auto\"", fmt_bytes(b), fmt_bytes(min_free)),
+                ));
+            }
+            b
+        }
+        None => min_free.saturating_sub(auto_margin(min_free)),
+    };
+    let ctx0 = CudaContext::new(chosen[0].ordinal).map_err(|e| derr("cannot open GPU", e))?;
+    let threads = super::resolve_threads(engine.threads);
+    let names: Vec<String> = chosen
+        .iter()
+        .map(|d| format!("cuda:{} {}", d.ordinal, d.name))
+        .collect();
+    let ordinals: Vec<usize> = chosen.iter().map(|d| d.ordinal).collect();
+    Ok(Selected {
+        target: Target {
+            cuda: true,
+            lanes: chosen.len(),
+            device_memory,
+            label: names.join(", "),
+        },
+        alloc: Box::new(CudaAlloc { ctx: ctx0 }),
+        threads,
+        note: None,
+        name: names.join(" + "),
+        make: Box::new(move |layout, p| {
+            ordinals
+                .iter()
+                .map(|&o| Ok(Box::new(CudaLane::new(o, layout, p)?) as Box<dyn Lane>))
+                .collect()
+        }),
+    })
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    H2d,
+    D2h,
+}
+
+pub struct CudaLane {
+    ordinal: usize,
+    name: String,
+    ctx: Arc<CudaContext>,
+    h2d: Arc<CudaStream>,
+    comp: Arc<CudaStream>,
+    d2h: Arc<CudaStream>,
+    blas: Option<CudaBlas>,
+    slots: Vec<CudaSlice<u8>>,
+    accs: Vec<CudaSlice<u8>>,
+    landing: Vec<CudaSlice<u8>>,
+    next_landing: usize,
+    convert: Option<CudaFunction>,
+    precision: Precision,
+    host_dt: DType,
+    dev_dt: DType,
+    tickets: HashMap<u64, (CudaEvent, CudaEvent, Kind, u64)>,
+    next_ticket: u64,
+    gemm_events: VecDeque<(CudaEvent, CudaEvent)>,
+    stats: DeviceStats,
+    /// Test-only fault injection: fail the GEMM after this many (MGMM_FAULT_GEMM_AFTER).
+    fault_after: Option<u64>,
+}
+
+// SAFETY: the lane is moved to its own thread once and used only there; cudarc's handles are
+// Send, and CudaBlas is Send + Sync.
+unsafe impl Send for CudaLane {}
+
+fn timing() -> Option<CUevent_flags> {
+    Some(CUevent_flags::CU_EVENT_DEFAULT)
+}
+
+impl CudaLane {
+    pub fn new(ordinal: usize, l: &Layout, precision: Precision) -> Result<CudaLane> {
+        let name = format!("cuda:{ordinal}");
+        let e = |what: &str| {
+            let name = name.clone();
+            let what = what.to_string();
+            move |err: cudarc::driver::DriverError| {
+                Error::backend(name.clone(), format!("{what}: {err}"))
+            }
+        };
+        let ctx = CudaContext::new(ordinal).map_err(e("cannot create context"))?;
+        let h2d = ctx.new_stream().map_err(e("cannot create stream"))?;
+        let comp = ctx.new_stream().map_err(e("cannot create stream"))?;
+        let d2h = ctx.new_stream().map_err(e("cannot create stream"))?;
+        let alloc = |n: usize, count: usize, what: &str| -> Result<Vec<CudaSlice<u8>>> {
+            (0..count)
+                .map(|i| {
+                    // SAFETY: device memory is uninitialised; every slot/accumulator is written
+                    // (upload or GEMM with beta = 0) before it is read.
+                    unsafe { comp.alloc::<u8>(n.max(1)) }.map_err(|err| {
+                        Error::backend(
+                            name.clone(),
+                            format!(
+                                "cannot allocate {what} {} of {count} ({} each, {} in all for this GPU): {err}; lower engine.device_memory or engine.tile",
+                                i + 1,
+                                fmt_bytes(n as u64),
+                                fmt_bytes(l.device_bytes)
+                            ),
+                        )
+                    })
+                })
+                .collect()
+        };
+        let slots = alloc(l.slot_bytes as usize, l.slots, "tile-cache slot")?;
+        let accs = alloc(l.acc_bytes as usize, l.accs, "accumulator")?;
+        let landing = alloc(l.landing_bytes as usize, l.landing, "landing buffer")?;
+        ctx.synchronize()
+            .map_err(e("synchronize after allocation"))?;
+        let blas = CudaBlas::new(comp.clone())
+            .map_err(|err| Error::backend(name.clone(), format!("cuBLAS handle: {err}")))?;
+        let convert = match precision {
+            Precision::Bf16 | Precision::Fp16 => {
+                let ptx = cudarc::nvrtc::compile_ptx(CONVERT_SRC).map_err(|err| {
+                    Error::backend(
+                        name.clone(),
+                        format!("NVRTC failed on kernels/convert.cu: {err}"),
+                    )
+                })?;
+                let module = ctx
+                    .load_module(ptx)
+                    .map_err(e("cannot load kernels/convert.cu"))?;
+                let f = if precision == Precision::Bf16 {
+                    "f32_to_bf16"
+                } else {
+                    "f32_to_f16"
+                };
+                Some(
+                    module
+                        .load_function(f)
+                        .map_err(e("cannot find conversion kernel"))?,
+                )
+            }
+            _ => None,
+        };
+        let fault_after = std::env::var("MGMM_FAULT_GEMM_AFTER")
+            .ok()
+            .and_then(|v| v.parse().ok());
+        Ok(CudaLane {
+            ordinal,
+            name: format!("cuda:{ordinal} {}", ctx.name().unwrap_or_default()),
+            ctx,
+            h2d,
+            comp,
+            d2h,
+            blas: Some(blas),
+            slots,
+            accs,
+            landing,
+            next_landing: 0,
+            convert,
+            precision,
+            host_dt: l.host_dt,
+            dev_dt: l.dev_dt,
+            tickets: HashMap::new(),
+            next_ticket: 1,
+            gemm_events: VecDeque::new(),
+            stats: DeviceStats::default(),
+            fault_after,
+        })
+    }
+
+    fn err(&self, what: &str, e: impl std::fmt::Display) -> Error {
+        Error::backend(format!("cuda:{}", self.ordinal), format!("{what}: {e}"))
+    }
+
+    fn ticket(&mut self, start: CudaEvent, end: CudaEvent, kind: Kind, bytes: u64) -> Ticket {
+        let t = self.next_ticket;
+        self.next_ticket += 1;
+        self.tickets.insert(t, (start, end, kind, bytes));
+        Ticket(t)
+    }
+
+    fn finish_ticket(&mut self, t: u64) -> Result<()> {
+        if let Some((s, e, kind, bytes)) = self.tickets.remove(&t) {
+            let ms = s.elapsed_ms(&e).map_err(|x| self.err("event timing", x))? as f64;
+            match kind {
+                Kind::H2d => {
+                    self.stats.h2d_s += ms * 1e-3;
+                    self.stats.h2d_bytes += bytes;
+                }
+                Kind::D2h => {
+                    self.stats.d2h_s += ms * 1e-3;
+                    self.stats.d2h_bytes += bytes;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Account GEMM time for completed GEMMs (front of the queue).
+    fn harvest_gemms(&mut self, all: bool) -> Result<()> {
+        while let Some((s, e)) = self.gemm_events.front() {
+            if !all
+                && !e
+                    .try_is_complete()
+                    .map_err(|x| self.err("event query", x))?
+            {
+                break;
+            }
+            let ms = s.elapsed_ms(e).map_err(|x| self.err("event timing", x))? as f64;
+            self.stats.gemm_s += ms * 1e-3;
+            self.gemm_events.pop_front();
+        }
+        Ok(())
+    }
+}
+
+impl Lane for CudaLane {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn bind_thread(&mut self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.err("bind context", e))
+    }
+
+    fn upload(&mut self, src: &HostBuf, elems: usize, dst: Dst) -> Result<Ticket> {
+        let hbytes = elems * self.host_dt.size();
+        let host = &src.bytes()[..hbytes];
+        let start = self
+            .h2d
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        match dst {
+            Dst::Acc(a) => {
+                let mut view = self.accs[a].slice_mut(..hbytes);
+                self.h2d
+                    .memcpy_htod(host, &mut view)
+                    .map_err(|e| self.err("H2D copy", e))?;
+            }
+            Dst::Slot(s) if self.dev_dt == self.host_dt => {
+                let mut view = self.slots[s].slice_mut(..hbytes);
+                self.h2d
+                    .memcpy_htod(host, &mut view)
+                    .map_err(|e| self.err("H2D copy", e))?;
+            }
+            Dst::Slot(s) => {
+                // Upload fp32 into a landing buffer, then round to 16 bits into the slot.
+                let li = self.next_landing;
+                self.next_landing = (li + 1) % self.landing.len();
+                {
+                    let mut view = self.landing[li].slice_mut(..hbytes);
+                    self.h2d
+                        .memcpy_htod(host, &mut view)
+                        .map_err(|e| self.err("H2D copy", e))?;
+                }
+                let f = self
+                    .convert
+                    .as_ref()
+                    .expect("conversion kernel is loaded for bf16/fp16");
+                let n = elems as u64;
+                let src_view = self.landing[li].slice(..hbytes);
+                let mut dst_view = self.slots[s].slice_mut(..elems * self.dev_dt.size());
+                let blocks = (elems.div_ceil(256)).min(65535 * 4) as u32;
+                let mut b = self.h2d.launch_builder(f);
+                b.arg(&src_view).arg(&mut dst_view).arg(&n);
+                // SAFETY: the kernel reads `n` f32 from the landing view and writes `n` u16 into
+                // the slot view; both views are at least that long (sized from the layout).
+                unsafe {
+                    b.launch(LaunchConfig {
+                        grid_dim: (blocks.max(1), 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .map_err(|e| self.err("conversion kernel launch", e))?;
+            }
+        }
+        let end = self
+            .h2d
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        // GEMMs issued from now on wait for this upload. cudarc's per-buffer tracking would
+        // insert the same wait inside the GEMM's timed region; doing it here keeps the GEMM
+        // timing events measuring the GEMM alone.
+        self.comp
+            .wait(&end)
+            .map_err(|e| self.err("stream wait", e))?;
+        Ok(self.ticket(start, end, Kind::H2d, hbytes as u64))
+    }
+
+    fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {
+        if let Some(n) = self.fault_after {
+            if self.stats.gemms >= n {
+                return Err(self.err("GEMM", "injected fault (MGMM_FAULT_GEMM_AFTER)"));
+            }
+        }
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        use blas_sys::cudaDataType::*;
+        let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
+        // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: pass B first.
+        let transa = if g.b_trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        let lda = if g.b_trans { k } else { n };
+        let transb = if g.a_trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        let ldb = if g.a_trans { m } else { k };
+        let (in_t, out_t, compute) = match self.precision {
+            Precision::Fp32 => (
+                CUDA_R_32F,
+                CUDA_R_32F,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            Precision::Tf32 => (
+                CUDA_R_32F,
+                CUDA_R_32F,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            ),
+            Precision::Bf16 => (
+                CUDA_R_16BF,
+                CUDA_R_32F,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            Precision::Fp16 => (
+                CUDA_R_16F,
+                CUDA_R_32F,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            Precision::Fp64 => (
+                CUDA_R_64F,
+                CUDA_R_64F,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+            ),
+        };
+        let (a32, b32) = (g.alpha as f32, g.beta as f32);
+        let (a64, b64) = (g.alpha, g.beta);
+        let (pa, pb): (*const c_void, *const c_void) = if self.precision == Precision::Fp64 {
+            (
+                &a64 as *const f64 as *const c_void,
+                &b64 as *const f64 as *const c_void,
+            )
+        } else {
+            (
+                &a32 as *const f32 as *const c_void,
+                &b32 as *const f32 as *const c_void,
+            )
+        };
+        let start = self
+            .comp
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        let ordinal = self.ordinal;
+        {
+            let (acc_buf, rest) = (&mut self.accs[acc], &self.slots);
+            let (ptr_b, _gb) = rest[b_slot].device_ptr(&self.comp);
+            let (ptr_a, _ga) = rest[a_slot].device_ptr(&self.comp);
+            let (ptr_c, _gc) = acc_buf.device_ptr_mut(&self.comp);
+            let blas = self.blas.as_ref().expect("handle lives until drop");
+            // SAFETY: all three buffers belong to this lane's context and are at least as large
+            // as the GEMM reads/writes (layout sizes slots for tm·tk and tk·tn elements and
+            // accumulators for tm·tn); alpha/beta point to live locals of the right type; the
+            // handle's stream is `comp`, on which the guards above record the accesses.
+            unsafe {
+                blas_result::gemm_ex(
+                    *blas.handle(),
+                    transa,
+                    transb,
+                    n,
+                    m,
+                    k,
+                    pa,
+                    ptr_b as *const c_void,
+                    in_t,
+                    lda,
+                    ptr_a as *const c_void,
+                    in_t,
+                    ldb,
+                    pb,
+                    ptr_c as *mut c_void,
+                    out_t,
+                    n,
+                    compute,
+                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| Error::backend(format!("cuda:{ordinal}"), format!("cublasGemmEx: {e}")))?;
+        }
+        let end = self
+            .comp
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        self.gemm_events.push_back((start, end));
+        self.stats.gemms += 1;
+        if self.gemm_events.len() > 64 {
+            self.harvest_gemms(false)?;
+        }
+        Ok(())
+    }
+
+    fn download(&mut self, acc: usize, elems: usize, dst: &mut HostBuf) -> Result<Ticket> {
+        let bytes = elems * self.host_dt.size();
+        // The download needs every GEMM issued so far on this accumulator; wait before the
+        // timing event so that D2H time is copy time only.
+        self.d2h
+            .join(&self.comp)
+            .map_err(|e| self.err("stream wait", e))?;
+        let start = self
+            .d2h
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        {
+            let view = self.accs[acc].slice(..bytes);
+            let host = &mut dst.bytes_mut()[..bytes];
+            self.d2h
+                .memcpy_dtoh(&view, host)
+                .map_err(|e| self.err("D2H copy", e))?;
+        }
+        let end = self
+            .d2h
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        Ok(self.ticket(start, end, Kind::D2h, bytes as u64))
+    }
+
+    fn done(&mut self, t: Ticket) -> Result<bool> {
+        let complete = match self.tickets.get(&t.0) {
+            None => true,
+            Some((_, e, _, _)) => e
+                .try_is_complete()
+                .map_err(|x| self.err("event query", x))?,
+        };
+        if complete {
+            self.finish_ticket(t.0)?;
+        }
+        Ok(complete)
+    }
+
+    fn wait(&mut self, t: Ticket) -> Result<()> {
+        if let Some((_, e, _, _)) = self.tickets.get(&t.0) {
+            e.synchronize().map_err(|x| self.err("event wait", x))?;
+        }
+        self.finish_ticket(t.0)
+    }
+
+    fn stats(&mut self) -> DeviceStats {
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.comp.synchronize();
+        let _ = self.harvest_gemms(true);
+        self.stats.clone()
+    }
+}
+
+impl Drop for CudaLane {
+    fn drop(&mut self) {
+        // Finish queued work before buffers are freed; drop the cuBLAS handle first (its Drop
+        // unwraps, so never let it run during a failing teardown of the context).
+        let _ = self.ctx.bind_to_thread();
+        let _ = self.ctx.synchronize();
+        self.blas.take();
+    }
 }

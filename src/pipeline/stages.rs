@@ -154,15 +154,18 @@ impl Inputs {
         }
         let marks = &self.verified[s as usize];
         let (tis, tjs) = f.tiles_of(b);
-        for ti in tis {
-            for tj in tjs.clone() {
-                let i = (ti * f.hdr.grid_cols() + tj) as usize;
-                if !marks[i].load(Ordering::Relaxed) {
-                    f.verify_tile(ti, tj)?;
-                    marks[i].store(true, Ordering::Relaxed);
-                }
-            }
-        }
+        let todo: Vec<(u64, u64)> = tis
+            .flat_map(|ti| tjs.clone().map(move |tj| (ti, tj)))
+            .filter(|&(ti, tj)| {
+                !marks[(ti * f.hdr.grid_cols() + tj) as usize].load(Ordering::Relaxed)
+            })
+            .collect();
+        use rayon::prelude::*;
+        todo.par_iter().try_for_each(|&(ti, tj)| {
+            f.verify_tile(ti, tj)?;
+            marks[(ti * f.hdr.grid_cols() + tj) as usize].store(true, Ordering::Relaxed);
+            Ok::<(), Error>(())
+        })?;
         Ok(())
     }
 }

@@ -43,6 +43,73 @@ impl Block {
     }
 }
 
+/// How block I/O moves bytes: positioned reads/writes (`pread`/`pwrite`, the default) or
+/// memcpy through the memory map (`MGMM_IO=mmap`, kept for comparison; see docs/GPU.md).
+pub fn use_mmap_io() -> bool {
+    static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| {
+        std::env::var("MGMM_IO")
+            .map(|v| v == "mmap")
+            .unwrap_or(false)
+    })
+}
+
+/// Contiguous pieces of a block in a tiled file: (file offset, offset in the dense row-major
+/// block buffer, length), all in bytes of the file's dtype. Adjacent pieces that are contiguous
+/// both in the file and in the buffer are merged, then long ones are split so threads share them.
+fn segments(h: &Header, b: &Block) -> Vec<(u64, usize, usize)> {
+    let es = h.elem() as u64;
+    let mut out: Vec<(u64, usize, usize)> = Vec::new();
+    for r in b.r0..b.r0 + b.rows {
+        let (ti, rr) = (r / h.tile_rows, r % h.tile_rows);
+        let mut c = b.c0;
+        let end = b.c0 + b.cols;
+        while c < end {
+            let (tj, cc) = (c / h.tile_cols, c % h.tile_cols);
+            let n = (h.tile_cols - cc).min(end - c);
+            let foff = h.tile_offset(ti, tj) + (rr * h.tile_cols + cc) * es;
+            let boff = (((r - b.r0) * b.cols + (c - b.c0)) * es) as usize;
+            let len = (n * es) as usize;
+            match out.last_mut() {
+                Some(last) if last.0 + last.2 as u64 == foff && last.1 + last.2 == boff => {
+                    last.2 += len
+                }
+                _ => out.push((foff, boff, len)),
+            }
+            c += n;
+        }
+    }
+    const PIECE: usize = 4 << 20;
+    if out.iter().any(|s| s.2 > PIECE) {
+        let mut split = Vec::with_capacity(out.len());
+        for (f, o, l) in out {
+            let mut d = 0;
+            while d < l {
+                let n = PIECE.min(l - d);
+                split.push((f + d as u64, o + d, n));
+                d += n;
+            }
+        }
+        out = split;
+    }
+    out
+}
+
+/// CRC-32C of `data`, computed by several threads and combined.
+pub fn par_crc32c(data: &[u8]) -> u32 {
+    const CHUNK: usize = 8 << 20;
+    if data.len() <= CHUNK {
+        return crc32c::crc32c(data);
+    }
+    let parts: Vec<(u32, usize)> = data
+        .par_chunks(CHUNK)
+        .map(|c| (crc32c::crc32c(c), c.len()))
+        .collect();
+    parts
+        .into_iter()
+        .fold(0u32, |acc, (c, l)| crc32c::crc32c_combine(acc, c, l))
+}
+
 /// An input matrix file, validated and mapped read-only.
 pub struct TiledFile {
     path: PathBuf,
@@ -213,6 +280,45 @@ impl TiledFile {
                 format!("cannot read {} data as {}", h.dtype, out),
             ));
         }
+        if !use_mmap_io() {
+            // pread each contiguous piece straight into the destination (same dtype), or into
+            // a scratch block that is then widened.
+            let same = h.dtype == out;
+            let mut scratch = if same {
+                Vec::new()
+            } else {
+                vec![0u8; b.elems() * h.elem()]
+            };
+            {
+                let raw: &mut [u8] = if same { &mut *dst } else { &mut scratch };
+                let base = SendPtr(raw.as_mut_ptr());
+                let raw_len = raw.len();
+                let segs = segments(h, b);
+                let file = &self.file;
+                let res: std::io::Result<()> =
+                    segs.par_iter().try_for_each(|&(foff, boff, len)| {
+                        assert!(boff + len <= raw_len);
+                        // SAFETY: segments of one block never overlap in the buffer (each byte of
+                        // the dense block belongs to exactly one row piece), and `raw` outlives
+                        // this parallel loop.
+                        let d =
+                            unsafe { std::slice::from_raw_parts_mut(base.get().add(boff), len) };
+                        file.read_exact_at(d, foff)
+                    });
+                res.map_err(|e| Error::io(&self.path, "cannot read tile data", e))?;
+            }
+            if !same {
+                let (ie, oe) = (h.elem(), out.size());
+                const ELEMS: usize = 1 << 16;
+                scratch
+                    .par_chunks(ELEMS * ie)
+                    .zip(dst.par_chunks_mut(ELEMS * oe))
+                    .for_each(|(s, d)| {
+                        dtype::convert(h.dtype, s, out, d);
+                    });
+            }
+            return Ok(());
+        }
         let copy_row = |r: u64, drow: &mut [u8]| {
             let ti = r / h.tile_rows;
             let rr = r % h.tile_rows;
@@ -374,6 +480,29 @@ impl TiledWriter {
         let ie = from.size();
         let row_in = b.cols as usize * ie;
         assert_eq!(src.len(), b.rows as usize * row_in, "write_block: src size");
+        if !use_mmap_io() {
+            let converted;
+            let raw: &[u8] = if from == h.dtype {
+                src
+            } else {
+                let mut v = vec![0u8; b.elems() * h.elem()];
+                const ELEMS: usize = 1 << 16;
+                src.par_chunks(ELEMS * ie)
+                    .zip(v.par_chunks_mut(ELEMS * h.elem()))
+                    .for_each(|(s, d)| {
+                        dtype::convert(from, s, h.dtype, d);
+                    });
+                converted = v;
+                &converted
+            };
+            let segs = segments(h, b);
+            let file = &self.file;
+            segs.par_iter()
+                .try_for_each(|&(foff, boff, len)| file.write_all_at(&raw[boff..boff + len], foff))
+                .map_err(|e| Error::io(&self.path, "cannot write output tile", e))?;
+            self.note_checksums(b, Some(raw));
+            return Ok(());
+        }
         let base = SendPtr(self.map.as_ptr() as *mut u8);
         let map_len = self.map.len();
         let write_row = |r: u64, srow: &[u8]| {
@@ -408,27 +537,47 @@ impl TiledWriter {
                 write_row(b.r0 + i as u64, s);
             }
         }
-        // A block that covers whole storage tiles lets us checksum them now, while hot in cache.
-        if h.has_checksums() {
-            let (tis, tjs) = (
-                b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows),
-                b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols),
-            );
-            for ti in tis {
-                for tj in tjs.clone() {
-                    let full_r = b.r0 <= ti * h.tile_rows
-                        && b.r0 + b.rows >= ((ti + 1) * h.tile_rows).min(h.rows);
-                    let full_c = b.c0 <= tj * h.tile_cols
-                        && b.c0 + b.cols >= ((tj + 1) * h.tile_cols).min(h.cols);
-                    if full_r && full_c {
-                        let off = h.tile_offset(ti, tj) as usize;
-                        let crc = crc32c::crc32c(&self.map[off..off + h.tile_stride as usize]);
-                        self.crcs.lock().unwrap()[(ti * h.grid_cols() + tj) as usize] = Some(crc);
-                    }
+        self.note_checksums(b, None);
+        Ok(())
+    }
+
+    /// Record checksums of storage tiles that block `b` covers entirely. With `raw` (the block
+    /// in file dtype) a tile that is exactly the block is checksummed from memory; otherwise the
+    /// tile is read back through the map.
+    fn note_checksums(&self, b: &Block, raw: Option<&[u8]>) {
+        let h = &self.hdr;
+        if !h.has_checksums() {
+            return;
+        }
+        let tis = b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows);
+        let tjs = b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols);
+        for ti in tis {
+            for tj in tjs.clone() {
+                let (tr0, tc0) = (ti * h.tile_rows, tj * h.tile_cols);
+                let (tr1, tc1) = (
+                    ((ti + 1) * h.tile_rows).min(h.rows),
+                    ((tj + 1) * h.tile_cols).min(h.cols),
+                );
+                let full_r = b.r0 <= tr0 && b.r0 + b.rows >= tr1;
+                let full_c = b.c0 <= tc0 && b.c0 + b.cols >= tc1;
+                if !(full_r && full_c) {
+                    continue;
                 }
+                let exact = (b.r0, b.c0, b.rows, b.cols) == (tr0, tc0, h.tile_rows, h.tile_cols);
+                let crc = match raw {
+                    Some(raw) if exact => {
+                        let c = par_crc32c(raw);
+                        let pad = h.tile_stride as usize - raw.len();
+                        crc32c::crc32c_append(c, &vec![0u8; pad])
+                    }
+                    _ => {
+                        let off = h.tile_offset(ti, tj) as usize;
+                        par_crc32c(&self.map[off..off + h.tile_stride as usize])
+                    }
+                };
+                self.crcs.lock().unwrap()[(ti * h.grid_cols() + tj) as usize] = Some(crc);
             }
         }
-        Ok(())
     }
 
     /// Flush the bytes of block `b`'s storage tiles to disk (for the resume journal).
@@ -459,7 +608,7 @@ impl TiledWriter {
                 .map(|(i, c)| {
                     c.unwrap_or_else(|| {
                         let off = h.tile_offset(i as u64 / gc, i as u64 % gc) as usize;
-                        crc32c::crc32c(&map[off..off + h.tile_stride as usize])
+                        par_crc32c(&map[off..off + h.tile_stride as usize])
                     })
                 })
                 .collect();
