@@ -133,8 +133,8 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
     let order: Vec<u32> = env
         .todo
         .unwrap_or_else(|| (0..sched.tiles.len() as u32).collect());
-    let queue = TileQueue::new(order);
     let nlanes = env.lanes.len();
+    let queue = TileQueue::new(order, nlanes);
 
     let mut staging_pools = Vec::new();
     for _ in 0..nlanes {
@@ -176,6 +176,19 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
     };
 
     let mut lane_stats: Vec<DeviceStats> = vec![DeviceStats::default(); nlanes];
+    let (outprep_tx, outprep_rx) = crossbeam_channel::bounded::<crate::store::Block>(4 * nlanes);
+    // Populating output pages is kernel work that one thread does at a few GB/s; with several
+    // lanes the GPUs outrun it, so give it a thread per lane (up to 4).
+    let outprep_threads = nlanes.clamp(1, 4);
+    let op_ms: Vec<Arc<StageMetrics>> = (0..outprep_threads)
+        .map(|i| {
+            StageMetrics::new(if outprep_threads > 1 {
+                format!("outprep[{i}]")
+            } else {
+                "outprep".into()
+            })
+        })
+        .collect();
     std::thread::scope(|s| {
         let ctl = &ctl;
         let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
@@ -195,6 +208,8 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
             let dm = StageMetrics::new(format!("lane{suffix}"));
             all_metrics.extend([pm.clone(), fm.clone(), sm.clone(), dm.clone()]);
             let planner = Planner {
+                lane: i,
+                outprep: outprep_tx.clone(),
                 sched: &sched,
                 queue: &queue,
                 slots: l.slots,
@@ -235,7 +250,18 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
             handles.push(s.spawn(move || ctl.guard(|| dlane.run(ctl))));
         }
         drop(done_tx);
+        drop(outprep_tx);
+        all_metrics.extend(op_ms.iter().cloned());
         all_metrics.push(wb_m.clone());
+        for m in &op_ms {
+            let outprep = OutPrep {
+                writer: &writer,
+                rx: outprep_rx.clone(),
+                m: m.clone(),
+            };
+            handles.push(s.spawn(move || ctl.guard(|| outprep.run(ctl))));
+        }
+        drop(outprep_rx);
         let wb = Writeback {
             writer: &writer,
             host_dt: l.host_dt,

@@ -10,7 +10,7 @@
 //! A stage loops over its receiver, stops when upstream disconnects, leaves when downstream
 //! does, and reports its first error through [`Control`], which cancels the others.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -80,22 +80,36 @@ pub struct Done {
     pub buf: Lease,
 }
 
-/// Output tiles still to compute, handed out in schedule order to whichever lane asks first.
+/// Output tiles still to compute. The schedule order is cut into one contiguous run per lane
+/// (contiguous output rows share A tiles, so each lane reads less); a lane takes from the front
+/// of its own run and, when that is empty, steals from the back of the longest other run — so a
+/// slower or busier GPU simply ends up with fewer tiles.
 pub struct TileQueue {
     order: Vec<u32>,
-    next: AtomicUsize,
+    runs: std::sync::Mutex<Vec<std::collections::VecDeque<u32>>>,
 }
 
 impl TileQueue {
-    pub fn new(order: Vec<u32>) -> TileQueue {
+    pub fn new(order: Vec<u32>, lanes: usize) -> TileQueue {
+        let lanes = lanes.max(1);
+        let per = order.len().div_ceil(lanes).max(1);
+        let mut runs: Vec<std::collections::VecDeque<u32>> = order
+            .chunks(per)
+            .map(|c| c.iter().copied().collect())
+            .collect();
+        runs.resize(lanes, Default::default());
         TileQueue {
             order,
-            next: AtomicUsize::new(0),
+            runs: std::sync::Mutex::new(runs),
         }
     }
-    pub fn pop(&self) -> Option<u32> {
-        let i = self.next.fetch_add(1, Ordering::SeqCst);
-        self.order.get(i).copied()
+    pub fn pop(&self, lane: usize) -> Option<u32> {
+        let mut runs = self.runs.lock().unwrap();
+        if let Some(t) = runs[lane].pop_front() {
+            return Some(t);
+        }
+        let victim = (0..runs.len()).max_by_key(|&i| runs[i].len())?;
+        runs[victim].pop_back()
     }
     pub fn order(&self) -> &[u32] {
         &self.order
@@ -171,6 +185,10 @@ impl Inputs {
 }
 
 pub struct Planner<'a> {
+    pub lane: usize,
+    /// Output blocks about to be computed, for the output prefault stage (a hint: dropped
+    /// rather than waited for when that stage is behind).
+    pub outprep: Sender<Block>,
     pub sched: &'a Schedule,
     pub queue: &'a TileQueue,
     pub slots: usize,
@@ -187,12 +205,13 @@ impl Planner<'_> {
         let mut cache = TileCache::new(self.slots);
         let mut count = 0usize;
         let s = self.sched;
-        while let Some(seq) = self.queue.pop() {
+        while let Some(seq) = self.queue.pop(self.lane) {
             if ctl.is_cancelled() {
                 return Err(Error::Cancelled);
             }
             let t0 = Instant::now();
             let tile = s.tiles[seq as usize];
+            let _ = self.outprep.try_send(tile.block);
             let acc = count % self.accs;
             count += 1;
             let mut ops = vec![PlanOp::Begin {
@@ -473,6 +492,29 @@ impl DeviceLane<'_> {
         }
         if !ctl.is_cancelled() {
             self.settle(&mut p, ctl, true)?;
+        }
+        Ok(())
+    }
+}
+
+/// Populates the output file's pages for tiles the planners just scheduled, so writeback copies
+/// into memory that is already mapped instead of taking a page fault per 4 KiB.
+pub struct OutPrep<'a> {
+    pub writer: &'a TiledWriter,
+    pub rx: Receiver<Block>,
+    pub m: Arc<StageMetrics>,
+}
+
+impl OutPrep<'_> {
+    pub fn run(self, ctl: &Control) -> Result<()> {
+        loop {
+            let t = Instant::now();
+            let Some(b) = ctl.recv(&self.rx) else { break };
+            self.m.add_wait_in(t.elapsed());
+            let t = Instant::now();
+            let n = self.writer.prefault(&b);
+            self.m.add_busy(t.elapsed());
+            self.m.add_item(n);
         }
         Ok(())
     }

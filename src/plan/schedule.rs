@@ -197,8 +197,10 @@ pub fn traffic(step: &Step, l: &Layout, sched: &Schedule) -> Traffic {
     let hs = l.host_dt.size() as u64;
     let ins = step.a.dtype.size() as u64;
     let mut caches: Vec<TileCache> = (0..l.lanes).map(|_| TileCache::new(l.slots)).collect();
+    let per = sched.tiles.len().div_ceil(l.lanes).max(1);
     for (i, ot) in sched.tiles.iter().enumerate() {
-        let cache = &mut caches[i % l.lanes];
+        // Lanes take contiguous runs of the schedule (see pipeline::stages::TileQueue).
+        let cache = &mut caches[(i / per).min(l.lanes - 1)];
         for kk in 0..sched.gk {
             for (src, b) in [
                 (Src::A, sched.a_block(ot, kk)),

@@ -142,29 +142,29 @@ pub fn generate(path: &Path, spec: &GenSpec) -> Result<u64> {
         spec.tile.1,
         true,
     );
-    let mut w = TiledWriter::create(path, hdr)?;
-    let band_bytes = (hdr.grid_cols() * hdr.tile_stride) as usize;
+    let w = TiledWriter::create(path, hdr)?;
     let es = spec.dtype.size();
     let (dist, seed, cols, rows) = (spec.dist, spec.seed, spec.cols, spec.rows);
-    w.data_mut()
-        .par_chunks_mut(band_bytes)
-        .enumerate()
-        .for_each(|(ti, band)| {
-            let mut vals = vec![0f64; cols as usize];
-            let r_start = ti as u64 * hdr.tile_rows;
-            let r_end = (r_start + hdr.tile_rows).min(rows);
-            for r in r_start..r_end {
-                row_values(dist, seed, r, cols, &mut vals);
-                let rr = r - r_start;
-                for (c, v) in vals.iter().enumerate() {
-                    let c = c as u64;
-                    let (tj, cc) = (c / hdr.tile_cols, c % hdr.tile_cols);
-                    let off =
-                        (tj * hdr.tile_stride + (rr * hdr.tile_cols + cc) * es as u64) as usize;
-                    dtype::put(spec.dtype, *v, &mut band[off..off + es]);
-                }
+    // One band of storage-tile rows at a time per thread: generate whole rows (the random
+    // stream is per row), lay them out as the band's tiles, write the band with one pwrite.
+    let band_bytes = (hdr.grid_cols() * hdr.tile_stride) as usize;
+    (0..hdr.grid_rows()).into_par_iter().try_for_each(|ti| {
+        let mut band = vec![0u8; band_bytes];
+        let mut vals = vec![0f64; cols as usize];
+        let r_start = ti * hdr.tile_rows;
+        let r_end = (r_start + hdr.tile_rows).min(rows);
+        for r in r_start..r_end {
+            row_values(dist, seed, r, cols, &mut vals);
+            let rr = r - r_start;
+            for (c, v) in vals.iter().enumerate() {
+                let c = c as u64;
+                let (tj, cc) = (c / hdr.tile_cols, c % hdr.tile_cols);
+                let off = (tj * hdr.tile_stride + (rr * hdr.tile_cols + cc) * es as u64) as usize;
+                dtype::put(spec.dtype, *v, &mut band[off..off + es]);
             }
-        });
+        }
+        w.write_raw(hdr.tile_offset(ti, 0), &band)
+    })?;
     w.finish(true)?;
     Ok(hdr.file_len())
 }

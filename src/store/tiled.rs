@@ -43,8 +43,20 @@ impl Block {
     }
 }
 
-/// How block I/O moves bytes: positioned reads/writes (`pread`/`pwrite`, the default) or
-/// memcpy through the memory map (`MGMM_IO=mmap`, kept for comparison; see docs/GPU.md).
+/// How output blocks are written: memcpy into the writable map, whose pages a prefault stage
+/// populated ahead of time (the default), or `pwrite` (`MGMM_WRITE=pwrite`). Buffered writes to
+/// one file serialise on the inode lock; copies into prefaulted pages do not.
+pub fn use_pwrite() -> bool {
+    static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| {
+        std::env::var("MGMM_WRITE")
+            .map(|v| v == "pwrite")
+            .unwrap_or(false)
+    })
+}
+
+/// How input blocks are read: positioned reads (`pread`, the default) or memcpy through the
+/// memory map (`MGMM_IO=mmap`, kept for comparison; docs/GPU.md has the measurement).
 pub fn use_mmap_io() -> bool {
     static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| {
@@ -54,45 +66,137 @@ pub fn use_mmap_io() -> bool {
     })
 }
 
-/// Contiguous pieces of a block in a tiled file: (file offset, offset in the dense row-major
-/// block buffer, length), all in bytes of the file's dtype. Adjacent pieces that are contiguous
-/// both in the file and in the buffer are merged, then long ones are split so threads share them.
-fn segments(h: &Header, b: &Block) -> Vec<(u64, usize, usize)> {
+/// The part of a block inside one storage tile, as a run of rows: `rows` rows of `row_len`
+/// bytes, starting at `file_off` (rows `file_pitch` apart in the file) and at `buf_off` (rows
+/// `buf_pitch` apart in the dense block buffer). Large runs are split by rows (≤ 4 MiB each).
+#[derive(Clone, Copy, Debug)]
+struct Group {
+    file_off: u64,
+    file_pitch: u64,
+    buf_off: usize,
+    buf_pitch: usize,
+    row_len: usize,
+    rows: usize,
+}
+
+fn groups(h: &Header, b: &Block) -> Vec<Group> {
     let es = h.elem() as u64;
-    let mut out: Vec<(u64, usize, usize)> = Vec::new();
-    for r in b.r0..b.r0 + b.rows {
-        let (ti, rr) = (r / h.tile_rows, r % h.tile_rows);
-        let mut c = b.c0;
-        let end = b.c0 + b.cols;
-        while c < end {
-            let (tj, cc) = (c / h.tile_cols, c % h.tile_cols);
-            let n = (h.tile_cols - cc).min(end - c);
-            let foff = h.tile_offset(ti, tj) + (rr * h.tile_cols + cc) * es;
-            let boff = (((r - b.r0) * b.cols + (c - b.c0)) * es) as usize;
-            let len = (n * es) as usize;
-            match out.last_mut() {
-                Some(last) if last.0 + last.2 as u64 == foff && last.1 + last.2 == boff => {
-                    last.2 += len
-                }
-                _ => out.push((foff, boff, len)),
-            }
-            c += n;
-        }
-    }
-    const PIECE: usize = 4 << 20;
-    if out.iter().any(|s| s.2 > PIECE) {
-        let mut split = Vec::with_capacity(out.len());
-        for (f, o, l) in out {
-            let mut d = 0;
-            while d < l {
-                let n = PIECE.min(l - d);
-                split.push((f + d as u64, o + d, n));
-                d += n;
+    let mut out = Vec::new();
+    let (tr, tc) = (h.tile_rows, h.tile_cols);
+    for ti in b.r0 / tr..(b.r0 + b.rows).div_ceil(tr) {
+        let ra = b.r0.max(ti * tr);
+        let rb = (b.r0 + b.rows).min((ti + 1) * tr);
+        for tj in b.c0 / tc..(b.c0 + b.cols).div_ceil(tc) {
+            let ca = b.c0.max(tj * tc);
+            let cb = (b.c0 + b.cols).min((tj + 1) * tc);
+            let g = Group {
+                file_off: h.tile_offset(ti, tj) + ((ra - ti * tr) * tc + (ca - tj * tc)) * es,
+                file_pitch: tc * es,
+                buf_off: (((ra - b.r0) * b.cols + (ca - b.c0)) * es) as usize,
+                buf_pitch: (b.cols * es) as usize,
+                row_len: ((cb - ca) * es) as usize,
+                rows: (rb - ra) as usize,
+            };
+            let per = ((4usize << 20) / g.file_pitch.max(1) as usize).max(1);
+            let mut r = 0;
+            while r < g.rows {
+                let n = per.min(g.rows - r);
+                out.push(Group {
+                    file_off: g.file_off + r as u64 * g.file_pitch,
+                    buf_off: g.buf_off + r * g.buf_pitch,
+                    rows: n,
+                    ..g
+                });
+                r += n;
             }
         }
-        out = split;
     }
     out
+}
+
+impl Group {
+    fn file_contiguous(&self) -> bool {
+        self.rows == 1 || self.row_len as u64 == self.file_pitch
+    }
+    fn buf_contiguous(&self) -> bool {
+        self.rows == 1 || self.row_len == self.buf_pitch
+    }
+    fn bytes(&self) -> usize {
+        self.rows * self.row_len
+    }
+}
+
+/// Read every group of a block from `file` into `raw` (the dense block, file dtype): one pread
+/// per group when the rows are contiguous in the file (scattered into the block from a scratch
+/// buffer if they are not contiguous there), one pread per row otherwise.
+fn read_groups(file: &File, gs: &[Group], raw: &mut [u8]) -> std::io::Result<()> {
+    let base = SendPtr(raw.as_mut_ptr());
+    let raw_len = raw.len();
+    gs.par_iter()
+        .try_for_each_init(Vec::new, |scratch: &mut Vec<u8>, g| {
+            let end = g.buf_off + (g.rows - 1) * g.buf_pitch + g.row_len;
+            assert!(end <= raw_len);
+            // SAFETY: groups of one block cover disjoint bytes of the dense block buffer (each
+            // element lies in exactly one storage tile), and `raw` outlives this loop.
+            let span = unsafe {
+                std::slice::from_raw_parts_mut(base.get().add(g.buf_off), end - g.buf_off)
+            };
+            if g.file_contiguous() && g.buf_contiguous() {
+                file.read_exact_at(&mut span[..g.bytes()], g.file_off)
+            } else if g.file_contiguous() {
+                scratch.resize(g.bytes(), 0);
+                file.read_exact_at(scratch, g.file_off)?;
+                for (r, row) in scratch.chunks_exact(g.row_len).enumerate() {
+                    span[r * g.buf_pitch..r * g.buf_pitch + g.row_len].copy_from_slice(row);
+                }
+                Ok(())
+            } else {
+                for r in 0..g.rows {
+                    let d = &mut span[r * g.buf_pitch..r * g.buf_pitch + g.row_len];
+                    file.read_exact_at(d, g.file_off + r as u64 * g.file_pitch)?;
+                }
+                Ok(())
+            }
+        })
+}
+
+/// Write every group of a block from `raw` (dense block, file dtype) into `file`.
+fn write_groups(file: &File, gs: &[Group], raw: &[u8]) -> std::io::Result<()> {
+    // Buffered writes to one file serialise on the inode lock in most filesystems, so by default
+    // a block is written by one thread in large sequential pieces; MGMM_WRITE_THREADS=par
+    // spreads pieces over the pool instead (docs/GPU.md has the measurement).
+    static PAR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let par = *PAR.get_or_init(|| {
+        std::env::var("MGMM_WRITE_THREADS")
+            .map(|v| v == "par")
+            .unwrap_or(false)
+    });
+    let one = |scratch: &mut Vec<u8>, g: &Group| -> std::io::Result<()> {
+        let src = &raw[g.buf_off..g.buf_off + (g.rows - 1) * g.buf_pitch + g.row_len];
+        if g.file_contiguous() && g.buf_contiguous() {
+            file.write_all_at(&src[..g.bytes()], g.file_off)
+        } else if g.file_contiguous() {
+            scratch.clear();
+            for r in 0..g.rows {
+                scratch.extend_from_slice(&src[r * g.buf_pitch..r * g.buf_pitch + g.row_len]);
+            }
+            file.write_all_at(scratch, g.file_off)
+        } else {
+            for r in 0..g.rows {
+                file.write_all_at(
+                    &src[r * g.buf_pitch..r * g.buf_pitch + g.row_len],
+                    g.file_off + r as u64 * g.file_pitch,
+                )?;
+            }
+            Ok(())
+        }
+    };
+    if par {
+        gs.par_iter().try_for_each_init(Vec::new, |s, g| one(s, g))
+    } else {
+        let mut scratch = Vec::new();
+        gs.iter().try_for_each(|g| one(&mut scratch, g))
+    }
 }
 
 /// CRC-32C of `data`, computed by several threads and combined.
@@ -291,21 +395,8 @@ impl TiledFile {
             };
             {
                 let raw: &mut [u8] = if same { &mut *dst } else { &mut scratch };
-                let base = SendPtr(raw.as_mut_ptr());
-                let raw_len = raw.len();
-                let segs = segments(h, b);
-                let file = &self.file;
-                let res: std::io::Result<()> =
-                    segs.par_iter().try_for_each(|&(foff, boff, len)| {
-                        assert!(boff + len <= raw_len);
-                        // SAFETY: segments of one block never overlap in the buffer (each byte of
-                        // the dense block belongs to exactly one row piece), and `raw` outlives
-                        // this parallel loop.
-                        let d =
-                            unsafe { std::slice::from_raw_parts_mut(base.get().add(boff), len) };
-                        file.read_exact_at(d, foff)
-                    });
-                res.map_err(|e| Error::io(&self.path, "cannot read tile data", e))?;
+                read_groups(&self.file, &groups(h, b), raw)
+                    .map_err(|e| Error::io(&self.path, "cannot read tile data", e))?;
             }
             if !same {
                 let (ie, oe) = (h.elem(), out.size());
@@ -462,12 +553,6 @@ impl TiledWriter {
         &self.path
     }
 
-    /// The bytes of the whole data region, for writers that fill storage tiles directly.
-    pub fn data_mut(&mut self) -> &mut [u8] {
-        let (a, b) = (self.hdr.data_offset as usize, self.hdr.data_end() as usize);
-        &mut self.map[a..b]
-    }
-
     /// Write dense row-major `src` (`b.rows × b.cols` elements of `from`) into block `b`.
     /// Takes `&self`: concurrent calls must write disjoint blocks (the writeback stage
     /// guarantees that, one output tile per message).
@@ -480,7 +565,7 @@ impl TiledWriter {
         let ie = from.size();
         let row_in = b.cols as usize * ie;
         assert_eq!(src.len(), b.rows as usize * row_in, "write_block: src size");
-        if !use_mmap_io() {
+        if use_pwrite() {
             let converted;
             let raw: &[u8] = if from == h.dtype {
                 src
@@ -495,10 +580,7 @@ impl TiledWriter {
                 converted = v;
                 &converted
             };
-            let segs = segments(h, b);
-            let file = &self.file;
-            segs.par_iter()
-                .try_for_each(|&(foff, boff, len)| file.write_all_at(&raw[boff..boff + len], foff))
+            write_groups(&self.file, &groups(h, b), raw)
                 .map_err(|e| Error::io(&self.path, "cannot write output tile", e))?;
             self.note_checksums(b, Some(raw));
             return Ok(());
@@ -578,6 +660,41 @@ impl TiledWriter {
                 self.crcs.lock().unwrap()[(ti * h.grid_cols() + tj) as usize] = Some(crc);
             }
         }
+    }
+
+    /// Populate (allocate and map for writing) the pages of the storage tiles block `b` will
+    /// write, so that the later copy into them runs at memory speed. A hint: errors (an old
+    /// kernel without MADV_POPULATE_WRITE) are ignored. Returns bytes populated.
+    pub fn prefault(&self, b: &Block) -> u64 {
+        if use_pwrite() {
+            return 0;
+        }
+        let h = &self.hdr;
+        let tis = b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows);
+        let tjs = b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols);
+        let mut total = 0;
+        for ti in tis {
+            let a = h.tile_offset(ti, tjs.start) as usize;
+            let z = h.tile_offset(ti, tjs.end - 1) as usize + h.tile_stride as usize;
+            if self
+                .map
+                .advise_range(Advice::PopulateWrite, a, z - a)
+                .is_ok()
+            {
+                total += (z - a) as u64;
+            }
+        }
+        total
+    }
+
+    /// Write raw file bytes at `offset` (whole storage tiles, already laid out).
+    pub fn write_raw(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+        assert!(
+            offset >= self.hdr.data_offset && offset + bytes.len() as u64 <= self.hdr.data_end()
+        );
+        self.file
+            .write_all_at(bytes, offset)
+            .map_err(|e| Error::io(&self.path, "cannot write matrix data", e))
     }
 
     /// Flush the bytes of block `b`'s storage tiles to disk (for the resume journal).
