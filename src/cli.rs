@@ -107,6 +107,9 @@ pub enum Command {
         /// Seconds between log lines when stderr is not a terminal.
         #[arg(long, default_value_t = 5.0)]
         log_every: f64,
+        /// Ignore journals from earlier runs and recompute every step (outputs are overwritten).
+        #[arg(long)]
+        restart: bool,
     },
 }
 
@@ -302,10 +305,11 @@ pub fn execute(cli: Cli) -> Result<()> {
             quiet,
             report,
             log_every,
+            restart,
         } => {
             let p = Plan::load(&plan)?;
             let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
-            let rep = run::run_plan(&p, &RunOptions { report }, &progress)?;
+            let rep = run::run_plan(&p, &RunOptions { report, restart }, &progress)?;
             if !quiet {
                 eprintln!("done in {:.2} s", rep.wall_s);
             }

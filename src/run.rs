@@ -9,18 +9,166 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use std::collections::BTreeMap;
+use std::path::Path;
+
 use crate::backend::{self, Selected};
 use crate::error::{Error, Result};
+use crate::pipeline::journal::{Fingerprint, Journal, State};
+use crate::pipeline::stages::TileSink;
 use crate::pipeline::{self, StepEnv, StepReport};
 use crate::plan::layout::Layout;
+use crate::plan::schedule::OutTile;
 use crate::plan::schedule::{traffic, Schedule};
 use crate::plan::size::fmt_bytes;
+use crate::plan::Step;
 use crate::plan::{Plan, Precision};
 use crate::progress::Progress;
 use crate::store::gen;
+use crate::store::{TiledFile, TiledWriter};
 
 pub struct RunOptions {
     pub report: Option<PathBuf>,
+    /// Discard journals and recompute every step from scratch.
+    pub restart: bool,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        RunOptions {
+            report: None,
+            restart: false,
+        }
+    }
+}
+
+/// Ignore SIGXFSZ so that exceeding the file-size limit is an EFBIG error we can report,
+/// not a silent kill.
+pub fn ignore_sigxfsz() {
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
+}
+
+/// Free bytes for unprivileged writers on the filesystem holding `dir`.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs writes into the struct we own; the path is a valid C string.
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (r == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn existing_dir(p: &Path) -> PathBuf {
+    let mut d = p
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    if d.as_os_str().is_empty() {
+        d = PathBuf::from(".");
+    }
+    while !d.exists() {
+        match d.parent() {
+            Some(p) if !p.as_os_str().is_empty() => d = p.to_path_buf(),
+            _ => return PathBuf::from("."),
+        }
+    }
+    d
+}
+
+/// Refuse to start when the files this plan will create do not fit on their filesystems.
+fn check_space(plan: &Plan, layouts: &[Layout]) -> Result<()> {
+    let mut need: BTreeMap<PathBuf, (u64, Vec<String>)> = BTreeMap::new();
+    for d in &plan.matrices {
+        if let (Some(g), false) = (&d.generate, d.path.exists()) {
+            let h = crate::store::Header::new(g.dtype, g.rows, g.cols, g.tile.0, g.tile.1, true);
+            let e = need.entry(existing_dir(&d.path)).or_default();
+            e.0 += h.file_len();
+            e.1.push(d.path.display().to_string());
+        }
+    }
+    for (s, l) in plan.steps.iter().zip(layouts) {
+        if !s.output.exists() {
+            let h = pipeline::output_header(s, l);
+            let e = need.entry(existing_dir(&s.output)).or_default();
+            e.0 += h.file_len();
+            e.1.push(s.output.display().to_string());
+        }
+    }
+    for (dir, (bytes, files)) in need {
+        if let Some(free) = free_bytes(&dir) {
+            if free < bytes {
+                return Err(Error::Usage(format!(
+                    "not enough disk space in {}: this plan needs {} more ({}) but {} is free; free some space or move the outputs elsewhere",
+                    dir.display(),
+                    fmt_bytes(bytes),
+                    files.join(", "),
+                    fmt_bytes(free)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Everything that determines a step's output bytes, for the journal.
+fn fingerprint(step: &Step, layout: &Layout, sel: &Selected, p: Precision) -> Result<Fingerprint> {
+    let mut fp = Fingerprint::new();
+    let h = pipeline::output_header(step, layout);
+    fp.insert(
+        "output".into(),
+        format!(
+            "{}×{} {} in {}×{} tiles",
+            h.rows, h.cols, h.dtype, h.tile_rows, h.tile_cols
+        ),
+    );
+    fp.insert("expr".into(), step.expr.clone());
+    fp.insert("alpha".into(), format!("{:?}", step.alpha));
+    fp.insert("beta".into(), format!("{:?}", step.beta));
+    fp.insert("precision".into(), p.name().into());
+    fp.insert(
+        "backend".into(),
+        if sel.is_cuda() {
+            "cuda".into()
+        } else {
+            "cpu".into()
+        },
+    );
+    fp.insert(
+        "compute tile".into(),
+        format!("{}×{}×{}", layout.tm, layout.tn, layout.tk),
+    );
+    let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+    for op in ops.into_iter().flatten() {
+        let f = crate::store::TiledFile::open(&op.path)?;
+        let len = f.hdr.file_len();
+        let head = crc32c::crc32c(&f.hdr.to_block());
+        let table = f
+            .checksum_table()
+            .map(|t| {
+                format!(
+                    "{:08x}",
+                    crc32c::crc32c(&t.iter().flat_map(|c| c.to_le_bytes()).collect::<Vec<u8>>())
+                )
+            })
+            .unwrap_or_else(|| "none".into());
+        fp.insert(
+            format!("input {}", op.name),
+            format!(
+                "{} ({len} bytes, header {head:08x}, tile checksums {table})",
+                op.path.display()
+            ),
+        );
+    }
+    Ok(fp)
+}
+
+struct JournalSink<'a>(&'a Journal);
+impl TileSink for JournalSink<'_> {
+    fn tile_written(&self, tile: &OutTile, crc: u32) -> Result<()> {
+        self.0.record(tile.seq, crc)
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -75,6 +223,7 @@ pub fn generate_missing(plan: &Plan, progress: &Progress) -> Result<Vec<String>>
 
 pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<RunReport> {
     let t0 = Instant::now();
+    ignore_sigxfsz();
     init_threads(plan.engine.threads);
     let sel = backend::select(&plan.engine)?;
     if let Some(n) = &sel.note {
@@ -86,6 +235,7 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
         .iter()
         .map(|s| Layout::new(&plan.path, s, &plan.engine, &sel.target))
         .collect::<Result<_>>()?;
+    check_space(plan, &layouts)?;
     let generated = generate_missing(plan, progress)?;
     let mut steps = Vec::new();
     for (step, layout) in plan.steps.iter().zip(layouts) {
@@ -95,7 +245,60 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
                     .map_err(|e| Error::io(dir, "cannot create output directory", e))?;
             }
         }
+        let fp = fingerprint(step, &layout, &sel, plan.engine.precision)?;
+        let (journal, state) = Journal::open(&step.output, &fp, opts.restart, plan.engine.durable)?;
+        let sched = Schedule::new(step, &layout);
+        let header = pipeline::output_header(step, &layout);
+        let (writer, todo, done_before) = match state {
+            State::Complete => {
+                progress.note(&format!(
+                    "step {}: {} is already complete (its journal says so); skipping. Use --restart to recompute it.",
+                    step.index + 1,
+                    step.output.display()
+                ));
+                continue;
+            }
+            State::Fresh => (TiledWriter::create(&step.output, header)?, None, 0),
+            State::Partial(done) => {
+                let writer = TiledWriter::reopen(&step.output, header)?;
+                let out = TiledFile::open(&step.output)?;
+                let mut finished = vec![false; sched.tiles.len()];
+                let mut bad = 0;
+                for (seq, crc) in done {
+                    let Some(t) = sched.tiles.get(seq as usize) else {
+                        continue;
+                    };
+                    let mut buf = vec![0u8; t.block.elems() * step.out_dtype.size()];
+                    out.read_block(&t.block, step.out_dtype, &mut buf)?;
+                    if crate::store::tiled::par_crc32c(&buf) == crc {
+                        finished[seq as usize] = true;
+                    } else {
+                        bad += 1;
+                    }
+                }
+                writer.forget_checksums();
+                let todo: Vec<u32> = (0..sched.tiles.len() as u32)
+                    .filter(|&i| !finished[i as usize])
+                    .collect();
+                let n_done = (sched.tiles.len() - todo.len()) as u64;
+                progress.note(&format!(
+                    "step {}: resuming {}: {n_done} of {} output tiles already done{}",
+                    step.index + 1,
+                    step.output.display(),
+                    sched.tiles.len(),
+                    if bad > 0 {
+                        format!(
+                            " ({bad} recorded tiles did not match their checksum and are redone)"
+                        )
+                    } else {
+                        String::new()
+                    }
+                ));
+                (writer, Some(todo), n_done)
+            }
+        };
         let lanes = sel.lanes(&layout, plan.engine.precision)?;
+        let sink = JournalSink(&journal);
         let env = StepEnv {
             layout: &layout,
             alloc: sel.alloc.as_ref(),
@@ -107,11 +310,13 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
             durable: plan.engine.durable,
             host_budget: plan.engine.host_memory,
             progress,
-            todo: None,
-            sink: pipeline::NO_SINK,
-            writer: None,
+            todo,
+            sink: &sink,
+            writer: Some(writer),
+            done_before,
         };
         let rep = pipeline::run_step(step, env)?;
+        journal.complete()?;
         progress.note(&format_summary(&rep));
         steps.push(rep);
     }

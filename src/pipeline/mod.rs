@@ -7,6 +7,7 @@
 //! returned; a failed run never reports success.
 
 pub mod control;
+pub mod journal;
 pub mod metrics;
 pub mod pool;
 pub mod stages;
@@ -93,11 +94,13 @@ pub struct StepEnv<'a> {
     pub sink: &'a dyn TileSink,
     /// Writer for an output that already exists (resume); `None` creates it.
     pub writer: Option<TiledWriter>,
+    /// Output tiles already finished before this run (resume), for progress.
+    pub done_before: u64,
 }
 
 struct NoSink;
 impl TileSink for NoSink {
-    fn tile_written(&self, _: &OutTile) -> Result<()> {
+    fn tile_written(&self, _: &OutTile, _: u32) -> Result<()> {
         Ok(())
     }
 }
@@ -153,8 +156,14 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
     )?;
 
     let ctl = Control::new();
-    let tiles_done = AtomicU64::new(0);
-    let flops_done = AtomicU64::new(0);
+    let all_flops: u64 = sched
+        .tiles
+        .iter()
+        .map(|t| 2 * t.block.rows * t.block.cols * step.k)
+        .sum();
+    let todo_flops = queue_flops(&sched, &queue, step.k);
+    let tiles_done = AtomicU64::new(env.done_before);
+    let flops_done = AtomicU64::new(all_flops - todo_flops);
     let flops_issued = AtomicU64::new(0);
     let mut all_metrics: Vec<Arc<StageMetrics>> = Vec::new();
     let wb_m = StageMetrics::new("writeback");
@@ -169,8 +178,8 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
     let lane_names: Vec<String> = lanes.iter().map(|l| l.name()).collect();
     let t0 = Instant::now();
     let live = Live {
-        tiles_total: queue.len() as u64,
-        flops_total: queue_flops(&sched, &queue, step.k),
+        tiles_total: queue.len() as u64 + env.done_before,
+        flops_total: all_flops,
         tiles_done: &tiles_done,
         flops_done: &flops_done,
     };
@@ -271,6 +280,7 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
             tiles_done: &tiles_done,
             flops_done: &flops_done,
             k: step.k,
+            durable: env.durable,
         };
         handles.push(s.spawn(move || ctl.guard(|| wb.run(ctl))));
         let metrics = all_metrics.clone();
@@ -298,7 +308,7 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
     if ctl.is_cancelled() {
         return Err(Error::Cancelled);
     }
-    let computed = tiles_done.load(Ordering::Relaxed);
+    let computed = tiles_done.load(Ordering::Relaxed) - env.done_before;
     if computed != queue.len() as u64 {
         return Err(Error::Usage(format!(
             "internal error: {computed} of {} output tiles were written",
@@ -363,7 +373,7 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
             false
         }
     });
-    let flops = live.flops_total as f64;
+    let flops = todo_flops as f64;
     Ok(StepReport {
         step: step.index + 1,
         expr: step.expr.clone(),

@@ -520,9 +520,10 @@ impl OutPrep<'_> {
     }
 }
 
-/// Called by writeback after a tile's data is written (the resume journal hooks in here).
+/// Called by writeback after a tile's data is written (and flushed, when durable) — the resume
+/// journal hooks in here. `data_crc` is the CRC-32C of the tile's bytes in the output dtype.
 pub trait TileSink: Sync {
-    fn tile_written(&self, tile: &OutTile) -> Result<()>;
+    fn tile_written(&self, tile: &OutTile, data_crc: u32) -> Result<()>;
 }
 
 pub struct Writeback<'a> {
@@ -534,6 +535,15 @@ pub struct Writeback<'a> {
     pub tiles_done: &'a AtomicU64,
     pub flops_done: &'a AtomicU64,
     pub k: u64,
+    /// Flush each tile's data before its journal record.
+    pub durable: bool,
+}
+
+/// Test-only fault injection: fail the write of the N-th output tile of this process
+/// (MGMM_FAULT_WRITE_AFTER=N), as a full disk would.
+fn injected_write_fault(written: u64) -> Option<std::io::Error> {
+    let n: u64 = std::env::var("MGMM_FAULT_WRITE_AFTER").ok()?.parse().ok()?;
+    (written >= n).then(|| std::io::Error::from_raw_os_error(libc::ENOSPC))
 }
 
 impl Writeback<'_> {
@@ -545,10 +555,21 @@ impl Writeback<'_> {
             let t = Instant::now();
             let b = d.tile.block;
             let bytes = b.elems() * self.host_dt.size();
-            self.writer
-                .write_block(&b, self.host_dt, &d.buf.buf().bytes()[..bytes])?;
+            if let Some(e) = injected_write_fault(self.m.snapshot().items) {
+                return Err(Error::io(
+                    self.writer.path(),
+                    "cannot write output tile (injected fault)",
+                    e,
+                ));
+            }
+            let data = &d.buf.buf().bytes()[..bytes];
+            self.writer.write_block(&b, self.host_dt, data)?;
+            let crc = crate::store::tiled::par_crc32c(data);
             drop(d.buf);
-            self.sink.tile_written(&d.tile)?;
+            if self.durable {
+                self.writer.flush_block(&b)?;
+            }
+            self.sink.tile_written(&d.tile, crc)?;
             self.m.add_busy(t.elapsed());
             self.m
                 .add_item(b.elems() as u64 * self.writer.hdr.dtype.size() as u64);

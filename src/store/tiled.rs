@@ -484,6 +484,9 @@ pub struct TiledWriter {
     pub hdr: Header,
     /// Checksums of storage tiles already known (computed when a tile is written whole).
     crcs: Mutex<Vec<Option<u32>>>,
+    /// The file's blocks are allocated (fallocate), so writes through the map cannot hit ENOSPC
+    /// (which a map reports as SIGBUS). Without it, writes go through pwrite.
+    prealloc: bool,
 }
 
 impl TiledWriter {
@@ -528,8 +531,22 @@ impl TiledWriter {
             file.write_all_at(&hdr.to_block(), 0)
                 .map_err(|e| Error::io(path, "cannot write header", e))?;
             file.set_len(hdr.file_len())
-                .map_err(|e| Error::io(path, "cannot size output file", e))?;
+                .map_err(|e| size_error(path, hdr.file_len(), e))?;
         }
+        // Reserve every block now: running out of space becomes an error here, before any
+        // work, instead of a SIGBUS from a write through the map hours later.
+        use std::os::fd::AsRawFd;
+        // SAFETY: fallocate on a descriptor we own, within the file's length; no memory involved.
+        let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, hdr.file_len() as libc::off_t) };
+        let prealloc = if r == 0 {
+            true
+        } else {
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => false,
+                _ => return Err(size_error(path, hdr.file_len(), e)),
+            }
+        };
         // SAFETY: the output is a file this process just created or reopened for writing; the
         // engine holds it for the duration of the job and nothing else may write or truncate
         // it (the job takes an exclusive lock on it, see pipeline::journal).
@@ -546,6 +563,7 @@ impl TiledWriter {
             map,
             hdr,
             crcs: Mutex::new(vec![None; n]),
+            prealloc,
         })
     }
 
@@ -565,7 +583,7 @@ impl TiledWriter {
         let ie = from.size();
         let row_in = b.cols as usize * ie;
         assert_eq!(src.len(), b.rows as usize * row_in, "write_block: src size");
-        if use_pwrite() {
+        if use_pwrite() || !self.prealloc {
             let converted;
             let raw: &[u8] = if from == h.dtype {
                 src
@@ -666,7 +684,7 @@ impl TiledWriter {
     /// write, so that the later copy into them runs at memory speed. A hint: errors (an old
     /// kernel without MADV_POPULATE_WRITE) are ignored. Returns bytes populated.
     pub fn prefault(&self, b: &Block) -> u64 {
-        if use_pwrite() {
+        if use_pwrite() || !self.prealloc {
             return 0;
         }
         let h = &self.hdr;
@@ -748,6 +766,19 @@ impl TiledWriter {
     /// Mark storage tile checksums as unknown (after partial writes on resume).
     pub fn forget_checksums(&self) {
         self.crcs.lock().unwrap().iter_mut().for_each(|c| *c = None);
+    }
+}
+
+fn size_error(path: &Path, len: u64, e: std::io::Error) -> Error {
+    let hint = match e.raw_os_error() {
+        Some(libc::ENOSPC) => format!("not enough disk space for the output ({len} bytes); free space or write the output elsewhere"),
+        Some(libc::EFBIG) => format!("the output ({len} bytes) exceeds the file-size limit (ulimit -f) or the filesystem's maximum"),
+        Some(libc::EDQUOT) => format!("disk quota exceeded reserving {len} bytes for the output"),
+        _ => format!("cannot reserve {len} bytes for the output"),
+    };
+    Error::Format {
+        path: path.to_path_buf(),
+        msg: format!("{hint}: {e}"),
     }
 }
 

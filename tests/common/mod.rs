@@ -131,7 +131,7 @@ pub fn run_text(dir: &Path, text: &str) -> mgmm_stream::Result<RunReport> {
     let p = dir.join("plan.toml");
     std::fs::write(&p, text).unwrap();
     let plan = Plan::load(&p)?;
-    run_plan(&plan, &RunOptions { report: None }, &Progress::quiet())
+    run_plan(&plan, &RunOptions::default(), &Progress::quiet())
 }
 
 pub fn bin() -> PathBuf {

@@ -1,0 +1,226 @@
+//! The resume journal: which output tiles are durably finished, beside the output file.
+//!
+//! `C.mgt.journal` starts with one text line — a magic word and a JSON fingerprint of everything
+//! that determines the output's bytes (output header, expression, alpha/beta, precision,
+//! backend kind, compute tile, and the identity of every input: size, header block, checksum
+//! table) — followed by fixed 16-byte binary records, one per finished output tile:
+//! `[u32 "JREC"][u32 tile seq][u32 CRC-32C of the tile's data][u32 CRC-32C of the first 12 bytes]`.
+//! A record is appended only after the tile's data has been written (and, with `durable`,
+//! flushed to disk), so a torn or missing record only ever costs redoing that tile. A record
+//! with seq `u32::MAX` marks the step complete.
+//!
+//! The journal file is locked (`flock`, exclusive, non-blocking) for the whole step, so a second
+//! run on the same output fails at once instead of interleaving writes.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::error::{Error, Result};
+
+const MAGIC: &str = "MGMJRNL1";
+const REC: u32 = u32::from_le_bytes(*b"JREC");
+pub const COMPLETE: u32 = u32::MAX;
+
+/// What determines an output's bytes, as named fields (so a mismatch can say what changed).
+pub type Fingerprint = BTreeMap<String, String>;
+
+/// What a journal says about an existing output.
+#[derive(Debug)]
+pub enum State {
+    /// Nothing usable: compute every tile.
+    Fresh,
+    /// These tiles (seq, data CRC) are finished.
+    Partial(Vec<(u32, u32)>),
+    /// The step finished earlier.
+    Complete,
+}
+
+pub struct Journal {
+    path: PathBuf,
+    file: Mutex<File>,
+    durable: bool,
+}
+
+pub fn journal_path(output: &Path) -> PathBuf {
+    let mut s = output.as_os_str().to_owned();
+    s.push(".journal");
+    PathBuf::from(s)
+}
+
+fn lock(file: &File, path: &Path) -> Result<()> {
+    // SAFETY: flock on a file descriptor we own; no memory is involved.
+    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(Error::Usage(format!(
+                "{}: another mgmm-stream run is writing this output (its journal is locked); wait for it to finish or stop it first",
+                path.display()
+            )));
+        }
+        return Err(Error::io(path, "cannot lock journal", e));
+    }
+    Ok(())
+}
+
+impl Journal {
+    /// Open (creating if needed) and lock the journal of `output`, and read its state against
+    /// `fp`. `restart` discards whatever it held. `output_exists` says whether the output file
+    /// is there at all (a journal without its output is meaningless).
+    pub fn open(
+        output: &Path,
+        fp: &Fingerprint,
+        restart: bool,
+        durable: bool,
+    ) -> Result<(Journal, State)> {
+        let path = journal_path(output);
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| Error::io(&path, "cannot open journal", e))?;
+        lock(&file, &path)?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)
+            .map_err(|e| Error::io(&path, "cannot read journal", e))?;
+        let header = format!(
+            "{MAGIC} {}\n",
+            serde_json::to_string(fp).expect("fingerprint serializes")
+        );
+        let output_exists = output.exists();
+        let state = if restart || bytes.is_empty() {
+            if output_exists && !restart && bytes.is_empty() {
+                return Err(Error::Usage(format!(
+                    "{}: the output exists but was not written by this plan (no journal); rerun with --restart to overwrite it, or choose another output path",
+                    output.display()
+                )));
+            }
+            State::Fresh
+        } else {
+            let nl = bytes
+                .iter()
+                .position(|&b| b == b'\n')
+                .unwrap_or(bytes.len());
+            let line = String::from_utf8_lossy(&bytes[..nl]).to_string();
+            let old: Option<Fingerprint> = line
+                .strip_prefix(&format!("{MAGIC} "))
+                .and_then(|j| serde_json::from_str(j).ok());
+            let Some(old) = old else {
+                return Err(Error::Usage(format!(
+                    "{}: not a journal this version understands; rerun with --restart to start the step over",
+                    path.display()
+                )));
+            };
+            if &old != fp {
+                let mut changes = Vec::new();
+                for k in old
+                    .keys()
+                    .chain(fp.keys())
+                    .collect::<std::collections::BTreeSet<_>>()
+                {
+                    let (a, b) = (old.get(k), fp.get(k));
+                    if a != b {
+                        changes.push(format!(
+                            "{k}: was {}, now {}",
+                            a.map(String::as_str).unwrap_or("(none)"),
+                            b.map(String::as_str).unwrap_or("(none)")
+                        ));
+                    }
+                }
+                return Err(Error::Usage(format!(
+                    "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
+                    path.display(),
+                    changes.join("; ")
+                )));
+            }
+            if !output_exists {
+                State::Fresh
+            } else {
+                let mut done = Vec::new();
+                let mut complete = false;
+                for rec in bytes[(nl + 1).min(bytes.len())..].chunks_exact(16) {
+                    let w =
+                        |i: usize| u32::from_le_bytes(rec[4 * i..4 * i + 4].try_into().unwrap());
+                    if w(0) != REC || crc32c::crc32c(&rec[..12]) != w(3) {
+                        break; // a torn write: everything after it is unknown
+                    }
+                    if w(1) == COMPLETE {
+                        complete = true;
+                    } else {
+                        done.push((w(1), w(2)));
+                    }
+                }
+                if complete {
+                    State::Complete
+                } else {
+                    State::Partial(done)
+                }
+            }
+        };
+        if matches!(state, State::Fresh) {
+            file.set_len(0)
+                .map_err(|e| Error::io(&path, "cannot reset journal", e))?;
+            use std::os::unix::fs::FileExt;
+            file.write_all_at(header.as_bytes(), 0)
+                .map_err(|e| Error::io(&path, "cannot write journal", e))?;
+            file.sync_all()
+                .map_err(|e| Error::io(&path, "cannot sync journal", e))?;
+        } else {
+            // Drop any torn tail so new records follow the last good one.
+            let nl = bytes.iter().position(|&b| b == b'\n').unwrap_or(0) + 1;
+            let good = match &state {
+                State::Partial(d) => d.len(),
+                _ => 0,
+            };
+            let keep = (nl + 16 * good) as u64;
+            if matches!(state, State::Partial(_)) {
+                file.set_len(keep)
+                    .map_err(|e| Error::io(&path, "cannot trim journal", e))?;
+            }
+        }
+        use std::io::Seek;
+        file.seek(std::io::SeekFrom::End(0))
+            .map_err(|e| Error::io(&path, "cannot seek journal", e))?;
+        Ok((
+            Journal {
+                path,
+                file: Mutex::new(file),
+                durable,
+            },
+            state,
+        ))
+    }
+
+    /// Append a record (after the tile's data is written and, if durable, flushed).
+    pub fn record(&self, seq: u32, data_crc: u32) -> Result<()> {
+        let mut rec = [0u8; 16];
+        rec[0..4].copy_from_slice(&REC.to_le_bytes());
+        rec[4..8].copy_from_slice(&seq.to_le_bytes());
+        rec[8..12].copy_from_slice(&data_crc.to_le_bytes());
+        let c = crc32c::crc32c(&rec[..12]);
+        rec[12..16].copy_from_slice(&c.to_le_bytes());
+        let mut f = self.file.lock().unwrap();
+        f.write_all(&rec)
+            .map_err(|e| Error::io(&self.path, "cannot append to journal", e))?;
+        if self.durable {
+            f.sync_data()
+                .map_err(|e| Error::io(&self.path, "cannot sync journal", e))?;
+        }
+        Ok(())
+    }
+
+    pub fn complete(&self) -> Result<()> {
+        self.record(COMPLETE, 0)?;
+        self.file
+            .lock()
+            .unwrap()
+            .sync_all()
+            .map_err(|e| Error::io(&self.path, "cannot sync journal", e))
+    }
+}

@@ -1,0 +1,258 @@
+//! Jobs survive: SIGKILL at random moments and resume to a bitwise-identical result, a write
+//! failure mid-run stops cleanly and resumes, journals from other plans or inputs are refused,
+//! a second writer fails at once, and the file-size limit is a clear error.
+
+mod common;
+use common::*;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use mgmm_stream::dtype::DType;
+use mgmm_stream::store::gen::{Dist, Rng};
+
+fn setup(dir: &Path, durable: bool) {
+    setup_tiles(dir, durable, "[96, 112, 128]");
+}
+
+fn setup_tiles(dir: &Path, durable: bool, tile: &str) {
+    gen(
+        &dir.join("A.mgt"),
+        1100,
+        1300,
+        DType::F32,
+        (100, 100),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        1300,
+        1200,
+        DType::F32,
+        (100, 100),
+        Dist::Normal,
+        2,
+    );
+    for (name, out) in [("plan.toml", "C.mgt"), ("ref.toml", "C_ref.mgt")] {
+        std::fs::write(
+            dir.join(name),
+            format!(
+                "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+                 [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
+                 [engine]\nbackend = \"cpu\"\ntile = {tile}\nhost_memory = \"32MiB\"\ndurable = {durable}\n"
+            ),
+        )
+        .unwrap();
+    }
+}
+
+fn run(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn sigkill_at_random_moments_then_resume_is_bitwise_identical() {
+    let d = tmp();
+    let dir = d.path();
+    setup_tiles(dir, true, "[48, 64, 128]");
+    let t = Instant::now();
+    let o = run(dir, &["run", "ref.toml", "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let full = t.elapsed();
+    let reference = std::fs::read(dir.join("C_ref.mgt")).unwrap();
+    let mut g = Rng::new(99, 0);
+    let mut killed = 0;
+    let journal = dir.join("C.mgt.journal");
+    let jlen = || std::fs::metadata(&journal).map(|m| m.len()).unwrap_or(0);
+    for i in 0..14 {
+        let before = jlen();
+        let mut child = Command::new(bin())
+            .args(["run", "plan.toml", "--quiet"])
+            .current_dir(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        if i % 2 == 0 {
+            // A purely random moment early in the run: startup, journal creation, first tiles.
+            std::thread::sleep(full.mul_f64(0.1 * g.unit()));
+        } else {
+            // A random moment after this run has finished at least one more tile.
+            let t = Instant::now();
+            while jlen() <= before && t.elapsed() < 2 * full && child.try_wait().unwrap().is_none()
+            {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            std::thread::sleep(full.mul_f64(0.05 * g.unit()));
+        }
+        if child.try_wait().unwrap().is_none() {
+            child.kill().unwrap(); // SIGKILL
+            killed += 1;
+        }
+        let _ = child.wait();
+    }
+    eprintln!("killed {killed} runs mid-way; an uninterrupted run took {full:?}");
+    assert!(
+        killed >= 10,
+        "only {killed} runs were still going when killed (full run took {full:?})"
+    );
+    let o = run(dir, &["run", "plan.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let out = std::fs::read(dir.join("C.mgt")).unwrap();
+    assert!(
+        out == reference,
+        "resumed output differs from an uninterrupted run"
+    );
+    let o = run(dir, &["info", "C.mgt", "--check"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn write_failure_stops_cleanly_and_resume_completes() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir, false);
+    assert!(run(dir, &["run", "ref.toml", "--quiet"]).status.success());
+    let o = Command::new(bin())
+        .args(["run", "plan.toml"])
+        .env("MGMM_FAULT_WRITE_AFTER", "20")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("C.mgt") && err.contains("No space left"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    let o = run(dir, &["run", "plan.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("resuming") && err.contains("20 of 132 output tiles already done"),
+        "{err}"
+    );
+    assert!(
+        std::fs::read(dir.join("C.mgt")).unwrap() == std::fs::read(dir.join("C_ref.mgt")).unwrap()
+    );
+    // A completed step is not recomputed.
+    let o = run(dir, &["run", "plan.toml"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("already complete"));
+}
+
+#[test]
+fn journal_from_different_inputs_is_refused_until_restart() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir, false);
+    let o = Command::new(bin())
+        .args(["run", "plan.toml"])
+        .env("MGMM_FAULT_WRITE_AFTER", "3")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    std::fs::remove_file(dir.join("B.mgt")).unwrap();
+    gen(
+        &dir.join("B.mgt"),
+        1300,
+        1200,
+        DType::F32,
+        (100, 100),
+        Dist::Normal,
+        3,
+    );
+    let before = digest(&dir.join("C.mgt"));
+    let o = run(dir, &["run", "plan.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("different plan or different inputs")
+            && err.contains("input B")
+            && err.contains("--restart"),
+        "{err}"
+    );
+    assert_eq!(
+        before,
+        digest(&dir.join("C.mgt")),
+        "a refused run must not touch the output"
+    );
+    let o = run(dir, &["run", "plan.toml", "--restart", "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn existing_output_without_journal_is_not_overwritten() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir, false);
+    std::fs::write(dir.join("C.mgt"), b"precious").unwrap();
+    let o = run(dir, &["run", "plan.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains("not written by this plan")
+            && err.contains("--restart"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(dir.join("C.mgt")).unwrap(), b"precious");
+}
+
+#[test]
+fn a_second_writer_fails_at_once() {
+    use std::os::fd::AsRawFd;
+    let d = tmp();
+    let dir = d.path();
+    setup(dir, false);
+    // Another run holds the journal lock.
+    let j = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("C.mgt.journal"))
+        .unwrap();
+    assert_eq!(
+        unsafe { libc::flock(j.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
+    let t = Instant::now();
+    let o = run(dir, &["run", "plan.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("another mgmm-stream run"),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(10));
+    assert!(!dir.join("C.mgt").exists());
+}
+
+#[test]
+fn file_size_limit_is_a_clear_error() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir, false);
+    let o = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -f 1000; exec {} run plan.toml",
+            bin().display()
+        ))
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("C.mgt") && err.contains("file-size limit"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"));
+}
