@@ -27,19 +27,11 @@ use crate::progress::Progress;
 use crate::store::gen;
 use crate::store::{TiledFile, TiledWriter};
 
+#[derive(Default)]
 pub struct RunOptions {
     pub report: Option<PathBuf>,
     /// Discard journals and recompute every step from scratch.
     pub restart: bool,
-}
-
-impl Default for RunOptions {
-    fn default() -> Self {
-        RunOptions {
-            report: None,
-            restart: false,
-        }
-    }
 }
 
 /// Ignore SIGXFSZ so that exceeding the file-size limit is an EFBIG error we can report,
