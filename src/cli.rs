@@ -110,6 +110,21 @@ pub enum Command {
         /// Ignore journals from earlier runs and recompute every step (outputs are overwritten).
         #[arg(long)]
         restart: bool,
+        /// After the run, check every product with Freivalds' test (see `verify`).
+        #[arg(long)]
+        verify: bool,
+    },
+    /// Check the outputs of a plan that has run: Freivalds' test, streaming, O(n²). Compares
+    /// C·x with α·op(A)·(op(B)·x) (+ β·C0·x) for random x, with a tolerance from the precision
+    /// and K; exits non-zero and names the rows that fail.
+    #[command(after_help = "Example:\n  mgmm-stream verify examples/quickstart.toml --rounds 3")]
+    Verify {
+        plan: PathBuf,
+        /// Random vectors to test with.
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
 }
 
@@ -121,6 +136,27 @@ fn refuse_existing(p: &Path, force: bool) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool) -> Result<()> {
+    let mut failed = Vec::new();
+    for step in &p.steps {
+        let rep = crate::verify::verify_step(step, p.engine.precision, rounds, seed)?;
+        if !quiet || !rep.pass {
+            eprintln!("{}", crate::verify::format(&rep));
+        }
+        if !rep.pass {
+            failed.push(format!("step {} ({})", rep.step, rep.output));
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Usage(format!(
+            "verification failed for {}: the output does not match the inputs; rerun that step with --restart",
+            failed.join(", ")
+        )))
+    }
 }
 
 pub fn execute(cli: Cli) -> Result<()> {
@@ -306,6 +342,7 @@ pub fn execute(cli: Cli) -> Result<()> {
             report,
             log_every,
             restart,
+            verify,
         } => {
             let p = Plan::load(&plan)?;
             let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
@@ -313,7 +350,15 @@ pub fn execute(cli: Cli) -> Result<()> {
             if !quiet {
                 eprintln!("done in {:.2} s", rep.wall_s);
             }
+            if verify {
+                verify_plan(&p, 2, 1, quiet)?;
+            }
             Ok(())
+        }
+        Command::Verify { plan, rounds, seed } => {
+            let p = Plan::load(&plan)?;
+            run::init_threads(p.engine.threads);
+            verify_plan(&p, rounds, seed, false)
         }
     }
 }

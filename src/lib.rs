@@ -32,5 +32,6 @@ pub mod plan;
 pub mod progress;
 pub mod run;
 pub mod store;
+pub mod verify;
 
 pub use error::{Error, Result};

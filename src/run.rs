@@ -52,6 +52,16 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     (r == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }
 
+fn read_only(dir: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as in free_bytes.
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    r == 0 && st.f_flag & libc::ST_RDONLY != 0
+}
+
 fn existing_dir(p: &Path) -> PathBuf {
     let mut d = p
         .parent()
@@ -89,6 +99,13 @@ fn check_space(plan: &Plan, layouts: &[Layout]) -> Result<()> {
         }
     }
     for (dir, (bytes, files)) in need {
+        if read_only(&dir) {
+            return Err(Error::Usage(format!(
+                "{} is on a read-only filesystem; cannot create {}",
+                dir.display(),
+                files.join(", ")
+            )));
+        }
         if let Some(free) = free_bytes(&dir) {
             if free < bytes {
                 return Err(Error::Usage(format!(
@@ -218,9 +235,6 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
     ignore_sigxfsz();
     init_threads(plan.engine.threads);
     let sel = backend::select(&plan.engine)?;
-    if let Some(n) = &sel.note {
-        progress.note(n);
-    }
     // Size every step before doing any work: a plan that cannot fit fails here, untouched.
     let layouts: Vec<Layout> = plan
         .steps
@@ -228,6 +242,9 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
         .map(|s| Layout::new(&plan.path, s, &plan.engine, &sel.target))
         .collect::<Result<_>>()?;
     check_space(plan, &layouts)?;
+    if let Some(n) = &sel.note {
+        progress.note(n);
+    }
     let generated = generate_missing(plan, progress)?;
     let mut steps = Vec::new();
     for (step, layout) in plan.steps.iter().zip(layouts) {
@@ -392,7 +409,7 @@ pub fn format_summary(r: &StepReport) -> String {
     s += &format!("  bottleneck: {}", r.bottleneck);
     if r.nonfinite_inputs > 0 {
         s += &format!(
-            "\n  note: {} NaN/Inf values in the inputs (computed as IEEE arithmetic says)",
+            "\n  note: {} NaN/Inf values seen while staging inputs (computed as IEEE arithmetic says; a tile staged twice counts twice)",
             r.nonfinite_inputs
         );
     }

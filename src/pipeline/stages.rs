@@ -308,6 +308,29 @@ impl Prefetch<'_> {
     }
 }
 
+fn count_nonfinite(dt: DType, bytes: &[u8]) -> u64 {
+    use rayon::prelude::*;
+    match dt {
+        DType::F32 => bytes
+            .par_chunks(1 << 20)
+            .map(|c| {
+                c.chunks_exact(4)
+                    .filter(|x| !f32::from_le_bytes([x[0], x[1], x[2], x[3]]).is_finite())
+                    .count() as u64
+            })
+            .sum(),
+        DType::F64 => bytes
+            .par_chunks(1 << 20)
+            .map(|c| {
+                c.chunks_exact(8)
+                    .filter(|x| !f64::from_le_bytes((*x).try_into().unwrap()).is_finite())
+                    .count() as u64
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
 pub struct Staging<'a> {
     pub inputs: &'a Inputs,
     pub pool: Pool,
@@ -331,6 +354,13 @@ impl Staging<'_> {
         let f = self.inputs.file(src);
         let dst = &mut lease.buf_mut().bytes_mut()[..bytes];
         f.read_block(block, self.host_dt, dst)?;
+        // NaN and Inf are computed as IEEE arithmetic says; count them for the summary.
+        let nonfinite = count_nonfinite(self.host_dt, dst);
+        if nonfinite > 0 {
+            self.inputs
+                .nonfinite
+                .fetch_add(nonfinite, Ordering::Relaxed);
+        }
         if let Some(p) = self.round {
             if let Ok(xs) = <[f32] as zerocopy::FromBytes>::mut_from_bytes(dst) {
                 round_inputs(p, xs);

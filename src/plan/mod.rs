@@ -204,7 +204,22 @@ impl Plan {
     /// Resolve plan text `src` as if read from `path` (paths are relative to its directory).
     pub fn from_str(path: &Path, src: &str) -> Result<Plan> {
         let perr = |m: String| Error::plan(path, m);
-        let raw: RawPlan = toml::from_str(src).map_err(|e| perr(format!("invalid plan: {e}")))?;
+        let raw: RawPlan = toml::from_str(src).map_err(|e| {
+            let at = e
+                .span()
+                .map(|sp| {
+                    let line = line_of(src, sp.start);
+                    let col = sp.start
+                        - src[..sp.start.min(src.len())]
+                            .rfind('\n')
+                            .map_or(0, |i| i + 1)
+                        + 1;
+                    let text = src.lines().nth(line - 1).unwrap_or("").trim();
+                    format!(" at line {line}, column {col} (`{text}`)")
+                })
+                .unwrap_or_default();
+            perr(format!("invalid plan{at}: {}", e.message().trim()))
+        })?;
         let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
         let base = if base.as_os_str().is_empty() {
             PathBuf::from(".")
@@ -353,6 +368,12 @@ impl Plan {
                 _ => {}
             }
             let output = base.join(&s.output);
+            if output.is_dir() {
+                return Err(perr(format!(
+                    "{at}: output {} is a directory; give a file path",
+                    output.display()
+                )));
+            }
             let out_dtype = engine.precision.host_dtype();
             let inputs = [Some(&a), Some(&b), c0.as_ref()];
             for op in inputs.into_iter().flatten() {

@@ -1,0 +1,271 @@
+//! The catalogue of bad input. Every case: non-zero exit, exactly one line of message that names
+//! the file, key, step or tile and what to do, no panic or backtrace, and every input file
+//! byte-identical afterwards.
+
+mod common;
+use common::*;
+
+use std::path::Path;
+use std::process::Command;
+
+use mgmm_stream::dtype::DType;
+use mgmm_stream::store::gen::Dist;
+
+const GOOD: &str = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[matrices.D]\npath = \"D.mgt\"\n";
+
+fn setup(dir: &Path) {
+    gen(
+        &dir.join("A.mgt"),
+        20,
+        30,
+        DType::F32,
+        (8, 8),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        30,
+        10,
+        DType::F32,
+        (8, 8),
+        Dist::Normal,
+        2,
+    );
+    gen(
+        &dir.join("D.mgt"),
+        30,
+        10,
+        DType::F64,
+        (8, 8),
+        Dist::Normal,
+        3,
+    );
+}
+
+/// Rewrite a copy of A.mgt with `f` applied to its bytes, as `name`.
+fn mutated(dir: &Path, name: &str, f: impl Fn(&mut Vec<u8>)) {
+    let mut b = std::fs::read(dir.join("A.mgt")).unwrap();
+    f(&mut b);
+    std::fs::write(dir.join(name), b).unwrap();
+}
+
+fn plan_with(dir: &Path, text: &str) {
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+}
+
+fn step(expr: &str) -> String {
+    format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"{expr}\"\n")
+}
+
+fn uses(file: &str) -> String {
+    format!("[matrices.X]\npath = \"{file}\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"X.T @ X\"\n")
+}
+
+struct Case {
+    name: &'static str,
+    prep: Box<dyn Fn(&Path)>,
+    args: Vec<&'static str>,
+    needles: Vec<&'static str>,
+}
+
+fn case(
+    name: &'static str,
+    prep: impl Fn(&Path) + 'static,
+    args: &[&'static str],
+    needles: &[&'static str],
+) -> Case {
+    Case {
+        name,
+        prep: Box::new(prep),
+        args: args.to_vec(),
+        needles: needles.to_vec(),
+    }
+}
+
+fn plan_case(name: &'static str, text: String, needles: &[&'static str]) -> Case {
+    case(
+        name,
+        move |d| plan_with(d, &text),
+        &["run", "p.toml"],
+        needles,
+    )
+}
+
+fn header_case(
+    name: &'static str,
+    file: &'static str,
+    f: fn(&mut Vec<u8>),
+    needles: &[&'static str],
+) -> Case {
+    case(
+        name,
+        move |d| {
+            mutated(d, file, f);
+            plan_with(d, &uses(file));
+        },
+        &["run", "p.toml"],
+        needles,
+    )
+}
+
+#[test]
+fn catalogue_of_bad_input() {
+    let cases = vec![
+        plan_case("malformed TOML", "[matrices.A\npath = 1".into(), &["p.toml", "invalid plan"]),
+        plan_case("unknown top-level key", format!("{GOOD}colour = \"blue\"\n"), &["p.toml", "colour"]),
+        plan_case("unknown engine key", format!("{}[engine]\nthreds = 2\n", step("A @ B")), &["p.toml", "threds"]),
+        plan_case("unknown step key", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpah = 2.0\n"), &["p.toml", "alpah"]),
+        plan_case("wrong type: threads", format!("{}[engine]\nthreads = \"many\"\n", step("A @ B")), &["p.toml", "threads"]),
+        plan_case("wrong type: alpha", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = \"one\"\n"), &["p.toml", "alpha"]),
+        plan_case("unknown matrix", step("A @ Z"), &["p.toml", "step 1", "unknown matrix `Z`"]),
+        plan_case("bad expression", step("A * B"), &["p.toml", "step 1", "X @ Y"]),
+        plan_case("shape mismatch", step("A @ A"), &["p.toml", "step 1", "20×30", "inner dimensions"]),
+        plan_case("dtype mismatch", step("A @ D"), &["p.toml", "`D` is f64", "same dtype"]),
+        plan_case("accumulate shape", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\naccumulate = \"A\"\n"), &["p.toml", "accumulate", "20×10"]),
+        plan_case("beta without accumulate", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nbeta = 2.0\n"), &["p.toml", "beta", "accumulate"]),
+        plan_case("output is an input", format!("{GOOD}[[step]]\noutput = \"B.mgt\"\nexpr = \"A @ B\"\n"), &["p.toml", "B.mgt", "new file"]),
+        plan_case("unknown backend", format!("{}[engine]\nbackend = \"tpu\"\n", step("A @ B")), &["p.toml", "engine.backend", "tpu"]),
+        plan_case("unknown precision", format!("{}[engine]\nprecision = \"fp8\"\n", step("A @ B")), &["p.toml", "engine.precision", "fp8"]),
+        plan_case("fp64 on f32 inputs", format!("{}[engine]\nprecision = \"fp64\"\n", step("A @ B")), &["p.toml", "fp64", "f32"]),
+        plan_case("bad size", format!("{}[engine]\nhost_memory = \"lots\"\n", step("A @ B")), &["p.toml", "engine.host_memory", "lots"]),
+        plan_case("empty device list", format!("{}[engine]\ndevices = []\n", step("A @ B")), &["p.toml", "engine.devices"]),
+        plan_case("budget too small", format!("[matrices.G]\npath = \"G.mgt\"\ngenerate = {{ rows = 3000, cols = 3000 }}\n[[step]]\noutput = \"C.mgt\"\nexpr = \"G @ G\"\n[engine]\nbackend = \"cpu\"\nhost_memory = \"1MiB\"\ntile = 2048\n"), &["p.toml", "does not fit", "host_memory"]),
+        plan_case("zero-sized generate", "[matrices.G]\npath = \"G.mgt\"\ngenerate = { rows = 0, cols = 5 }\n[[step]]\noutput = \"C.mgt\"\nexpr = \"G @ G\"\n".into(), &["p.toml", "matrices.G.generate", "at least 1"]),
+        plan_case("absurd generate size", "[matrices.G]\npath = \"G.mgt\"\ngenerate = { rows = 100000000000, cols = 100000000000 }\n[[step]]\noutput = \"C.mgt\"\nexpr = \"G @ G\"\n".into(), &["p.toml", "matrices.G.generate", "absurdly large"]),
+        plan_case("no steps", GOOD.into(), &["p.toml", "[[step]]"]),
+        plan_case("missing input file", uses("nope.mgt"), &["p.toml", "matrices.X", "nope.mgt", "does not exist"]),
+        case("directory as input", |d| { std::fs::create_dir(d.join("dir.mgt")).unwrap(); plan_with(d, &uses("dir.mgt")); }, &["run", "p.toml"], &["dir.mgt", "not a regular file"]),
+        header_case("truncated file", "trunc.mgt", |b| b.truncate(b.len() / 2), &["trunc.mgt", "truncated"]),
+        header_case("shorter than a header", "tiny.mgt", |b| b.truncate(10), &["tiny.mgt", "too short"]),
+        header_case("wrong magic", "magic.mgt", |b| b[0] = b'X', &["magic.mgt", "wrong magic"]),
+        header_case("wrong version", "version.mgt", |b| b[8] = 9, &["version.mgt", "version"]),
+        header_case("unknown dtype", "dtype.mgt", |b| b[12] = 7, &["dtype.mgt", "dtype"]),
+        header_case("sizes overflow", "huge.mgt", |b| b[16..24].copy_from_slice(&u64::MAX.to_le_bytes()), &["huge.mgt", "overflow"]),
+        header_case("zero columns", "zero.mgt", |b| b[24..32].copy_from_slice(&0u64.to_le_bytes()), &["zero.mgt", "`cols` is 0"]),
+        header_case("lying tile stride", "stride.mgt", |b| b[48..56].copy_from_slice(&0u64.to_le_bytes()), &["stride.mgt", "tile_stride"]),
+        header_case("unaligned data offset", "offset.mgt", |b| b[40..48].copy_from_slice(&100u64.to_le_bytes()), &["offset.mgt", "data_offset"]),
+        header_case("points past the end", "past.mgt", |b| b[40..48].copy_from_slice(&(1u64 << 40).to_le_bytes()), &["past.mgt", "checksum_table_offset"]),
+        header_case("unknown flags", "flags.mgt", |b| b[56] = 0x80, &["flags.mgt", "flags"]),
+        case("output in a read-only place", |d| plan_with(d, &format!("{GOOD}[[step]]\noutput = \"/proc/mgmm-out.mgt\"\nexpr = \"A @ B\"\n")), &["run", "p.toml"], &["/proc"]),
+        case("output is a directory", |d| { std::fs::create_dir(d.join("C.mgt")).unwrap(); plan_with(d, &step("A @ B")); }, &["run", "p.toml"], &["C.mgt", "is a directory"]),
+        case("gen: zero rows", |_| {}, &["gen", "Z.mgt", "--rows", "0", "--cols", "4"], &["Z.mgt", "at least 1"]),
+        case("gen: unknown dist", |_| {}, &["gen", "Z.mgt", "--rows", "4", "--cols", "4", "--dist", "cauchy"], &["--dist cauchy"]),
+        case("gen over an input", |_| {}, &["gen", "A.mgt", "--rows", "4", "--cols", "4"], &["A.mgt", "already exists"]),
+        case("export over an existing file", |_| {}, &["export", "A.mgt", "B.mgt"], &["B.mgt", "already exists"]),
+        case("import of a non-npy file", |_| {}, &["import", "A.mgt", "Z.mgt"], &["A.mgt", "not a .npy file"]),
+        case("info of a missing file", |_| {}, &["info", "missing.mgt"], &["missing.mgt", "cannot open"]),
+        case("verify before run", |d| plan_with(d, &step("A @ B")), &["verify", "p.toml"], &["C.mgt", "cannot open"]),
+    ];
+    assert!(cases.len() >= 25);
+    for c in cases {
+        let d = tmp();
+        let dir = d.path();
+        setup(dir);
+        (c.prep)(dir);
+        let inputs: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "mgt" || e == "toml"))
+            .map(|p| (p.clone(), std::fs::read(&p).unwrap()))
+            .collect();
+        let o = Command::new(bin())
+            .args(&c.args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        // The one-line note of `backend = "auto"` falling back to the CPU is information, not
+        // part of the error.
+        let err: String = String::from_utf8_lossy(&o.stderr)
+            .lines()
+            .filter(|l| !l.starts_with("backend auto: using the CPU"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(
+            !o.status.success(),
+            "{}: expected failure, got success:\n{err}",
+            c.name
+        );
+        assert!(
+            !err.contains("panicked") && !err.contains("backtrace"),
+            "{}: panic:\n{err}",
+            c.name
+        );
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{}: expected one line of message:\n{err}",
+            c.name
+        );
+        assert!(err.starts_with("error: "), "{}:\n{err}", c.name);
+        for n in &c.needles {
+            assert!(
+                err.contains(n),
+                "{}: message should mention {n:?}:\n{err}",
+                c.name
+            );
+        }
+        for (p, bytes) in inputs {
+            assert!(
+                std::fs::read(&p).unwrap() == bytes,
+                "{}: {} changed",
+                c.name,
+                p.display()
+            );
+        }
+        assert!(
+            !dir.join("C.mgt").is_file() || c.name == "output is a directory",
+            "{}: no output may be left",
+            c.name
+        );
+    }
+}
+
+#[test]
+fn nan_and_inf_are_computed_faithfully_and_counted() {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        4,
+        3,
+        DType::F32,
+        (4, 4),
+        Dist::Arange,
+        0,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        3,
+        2,
+        DType::F32,
+        (4, 4),
+        Dist::Identity,
+        0,
+    );
+    // A[1][2] = NaN, A[3][0] = +Inf.
+    let f = mgmm_stream::store::TiledFile::open(&dir.join("A.mgt")).unwrap();
+    let h = f.hdr;
+    drop(f);
+    let mut b = std::fs::read(dir.join("A.mgt")).unwrap();
+    let at = |r: u64, c: u64| (h.data_offset + (r * h.tile_cols + c) * 4) as usize;
+    b[at(1, 2)..at(1, 2) + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    b[at(3, 0)..at(3, 0) + 4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    std::fs::write(dir.join("A.mgt"), b).unwrap();
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\nverify_inputs = false\n";
+    let rep = run_text(dir, text).unwrap();
+    assert_eq!(rep.steps[0].nonfinite_inputs, 2);
+    let c = Mat::load(&dir.join("C.mgt"));
+    // C = A·[I; 0] keeps A's first two columns: row 1 has no NaN there (NaN·0 = NaN though).
+    assert!(
+        c.v[2].is_nan() && c.v[3].is_nan(),
+        "NaN·0 is NaN: row 1 is all NaN, {:?}",
+        &c.v[2..4]
+    );
+    assert!(
+        c.v[6].is_infinite() && c.v[7].is_nan(),
+        "Inf·1 = Inf, Inf·0 = NaN: {:?}",
+        &c.v[6..8]
+    );
+    assert_eq!((c.v[0], c.v[1]), (0.0, 1.0));
+}
