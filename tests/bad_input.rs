@@ -130,7 +130,7 @@ fn catalogue_of_bad_input() {
         plan_case("fp64 on f32 inputs", format!("{}[engine]\nprecision = \"fp64\"\n", step("A @ B")), &["p.toml", "fp64", "f32"]),
         plan_case("bad size", format!("{}[engine]\nhost_memory = \"lots\"\n", step("A @ B")), &["p.toml", "engine.host_memory", "lots"]),
         plan_case("empty device list", format!("{}[engine]\ndevices = []\n", step("A @ B")), &["p.toml", "engine.devices"]),
-        plan_case("budget too small", format!("[matrices.G]\npath = \"G.mgt\"\ngenerate = {{ rows = 3000, cols = 3000 }}\n[[step]]\noutput = \"C.mgt\"\nexpr = \"G @ G\"\n[engine]\nbackend = \"cpu\"\nhost_memory = \"1MiB\"\ntile = 2048\n"), &["p.toml", "does not fit", "host_memory"]),
+        plan_case("budget too small", "[matrices.G]\npath = \"G.mgt\"\ngenerate = { rows = 3000, cols = 3000 }\n[[step]]\noutput = \"C.mgt\"\nexpr = \"G @ G\"\n[engine]\nbackend = \"cpu\"\nhost_memory = \"1MiB\"\ntile = 2048\n".to_string(), &["p.toml", "does not fit", "host_memory"]),
         plan_case("zero-sized generate", "[matrices.G]\npath = \"G.mgt\"\ngenerate = { rows = 0, cols = 5 }\n[[step]]\noutput = \"C.mgt\"\nexpr = \"G @ G\"\n".into(), &["p.toml", "matrices.G.generate", "at least 1"]),
         plan_case("absurd generate size", "[matrices.G]\npath = \"G.mgt\"\ngenerate = { rows = 100000000000, cols = 100000000000 }\n[[step]]\noutput = \"C.mgt\"\nexpr = \"G @ G\"\n".into(), &["p.toml", "matrices.G.generate", "absurdly large"]),
         plan_case("no steps", GOOD.into(), &["p.toml", "[[step]]"]),
