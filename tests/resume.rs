@@ -256,3 +256,34 @@ fn file_size_limit_is_a_clear_error() {
     );
     assert!(!err.contains("panicked"));
 }
+
+/// A device failing mid-run (injected through the test-only hook MGMM_FAULT_GEMM_AFTER) stops
+/// the run with a message naming the device — no hang, no wrong result — and the next run
+/// resumes to the same bytes as an uninterrupted run. The CUDA twin runs on the GPU machine
+/// (tools/gpu_bench2.sh).
+#[test]
+fn device_failure_stops_cleanly_then_resume_is_identical() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir, false);
+    assert!(run(dir, &["run", "ref.toml", "--quiet"]).status.success());
+    let t = Instant::now();
+    let o = Command::new(bin())
+        .args(["run", "plan.toml"])
+        .env("MGMM_FAULT_GEMM_AFTER", "300")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("backend cpu") && err.contains("injected fault"),
+        "{err}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(60));
+    let o = run(dir, &["run", "plan.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && err.contains("resuming"), "{err}");
+    assert!(
+        std::fs::read(dir.join("C.mgt")).unwrap() == std::fs::read(dir.join("C_ref.mgt")).unwrap()
+    );
+}

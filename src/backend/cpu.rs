@@ -30,6 +30,9 @@ pub struct CpuLane {
     accs: Vec<HostBuf>,
     par: Par,
     stats: DeviceStats,
+    /// Test-only fault injection, as on CUDA lanes: fail the GEMM after this many
+    /// (MGMM_FAULT_GEMM_AFTER).
+    fault_after: Option<u64>,
 }
 
 impl CpuLane {
@@ -45,12 +48,16 @@ impl CpuLane {
         } else {
             Par::Seq
         };
+        let fault_after = std::env::var("MGMM_FAULT_GEMM_AFTER")
+            .ok()
+            .and_then(|v| v.parse().ok());
         Ok(CpuLane {
             dt: layout.host_dt,
             slots,
             accs,
             par,
             stats: DeviceStats::default(),
+            fault_after,
         })
     }
 }
@@ -105,6 +112,12 @@ impl Lane for CpuLane {
     }
 
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {
+        if self.fault_after.is_some_and(|n| self.stats.gemms >= n) {
+            return Err(Error::backend(
+                "cpu",
+                "GEMM: injected fault (MGMM_FAULT_GEMM_AFTER)",
+            ));
+        }
         let t0 = Instant::now();
         let bad = |_| Error::backend("cpu", "misaligned buffer");
         let (a, b) = (self.slots[a_slot].bytes(), self.slots[b_slot].bytes());

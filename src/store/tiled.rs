@@ -294,6 +294,20 @@ impl TiledFile {
         let off = self.hdr.checksum_table_offset as usize + 4 * idx;
         let stored = u32::from_le_bytes(self.map[off..off + 4].try_into().unwrap());
         let computed = crc32c::crc32c(self.tile_bytes(ti, tj));
+        // Unmap the tile behind us: verification is the only reader of input pages through the
+        // map, and without this every verified page would count in the process's RSS (as page
+        // cache, reclaimable, but alarming next to `host_memory`).
+        let off = self.hdr.tile_offset(ti, tj) as usize;
+        // SAFETY: DontNeed on a read-only shared file map only drops this process's page-table
+        // entries; the slice borrowed for the CRC above is no longer used, and later reads
+        // fault the same file data back in.
+        let _ = unsafe {
+            self.map.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                off,
+                self.hdr.tile_stride as usize,
+            )
+        };
         if stored != computed {
             return Err(Error::Checksum {
                 path: self.path.clone(),
@@ -348,22 +362,6 @@ impl TiledFile {
             total += len;
         }
         total
-    }
-
-    /// Drop `b`'s pages from this process's mappings (they stay in the page cache).
-    pub fn dont_need(&self, b: &Block) {
-        for (off, len) in self.ranges_of(b) {
-            // SAFETY: DontNeed on a read-only shared file map only discards this process's page
-            // table entries; later reads fault the same file data back in. No Rust reference
-            // into the map outlives this call in a way that observes the difference.
-            let _ = unsafe {
-                self.map.unchecked_advise_range(
-                    memmap2::UncheckedAdvice::DontNeed,
-                    off as usize,
-                    len as usize,
-                )
-            };
-        }
     }
 
     /// Copy block `b` into `dst` as a dense row-major `b.rows × b.cols` array of `out` elements.
