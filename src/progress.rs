@@ -8,7 +8,7 @@
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -17,6 +17,8 @@ use crate::pipeline::metrics::StageMetrics;
 
 /// Counters the display reads.
 pub struct Live<'a> {
+    /// When the step's stages started (rates and busy shares are measured from here).
+    pub started: std::time::Instant,
     pub tiles_total: u64,
     pub flops_total: u64,
     pub tiles_done: &'a AtomicU64,
@@ -76,7 +78,7 @@ impl Progress {
         stages: &[Arc<StageMetrics>],
         stop: &Receiver<()>,
     ) {
-        let t0 = Instant::now();
+        let t0 = live.started;
         let read_bytes = || -> u64 {
             stages
                 .iter()

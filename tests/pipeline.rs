@@ -205,8 +205,65 @@ fn corrupt_input_fails_fast(backend: &str) {
     );
 }
 
+/// A tiny device budget (GPU) or host budget (CPU) forces small compute tiles and a tile cache
+/// much smaller than the inputs, so tiles are evicted and reloaded: the product stays right.
+fn small_memory_forces_many_tiles(backend: &str) {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        900,
+        700,
+        DType::F32,
+        (128, 128),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        700,
+        800,
+        DType::F32,
+        (128, 128),
+        Dist::Normal,
+        2,
+    );
+    let text = format!(
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"{backend}\"\nhost_memory = \"4MiB\"\n{}",
+        if backend == "cuda" {
+            "device_memory = \"2MiB\"\n"
+        } else {
+            ""
+        }
+    );
+    let rep = run_text(dir, &text).expect("run");
+    let s = &rep.steps[0];
+    assert!(
+        s.tile[0] < 900 && s.tiles_total >= 4,
+        "budget must force several tiles: {:?}",
+        s.tile
+    );
+    assert!(
+        s.read_bytes > (900 * 700 + 700 * 800) * 4,
+        "a small cache re-reads tiles"
+    );
+    let a = Mat::load(&dir.join("A.mgt"));
+    let b = Mat::load(&dir.join("B.mgt"));
+    let c = Mat::load(&dir.join("C.mgt"));
+    let (r, mag) = reference(&a, false, &b, false, None, 1.0, 0.0, 900, 800, 700);
+    for i in 0..r.len() {
+        assert!(
+            (c.v[i] - r[i]).abs() <= 702.0 * f32::EPSILON as f64 / 2.0 * mag[i],
+            "element {i}"
+        );
+    }
+}
+
 per_backend! {
     out_of_core_one_gib_through_64_mib => super::out_of_core;
     two_runs_are_bitwise_identical => super::reproducible;
     corrupt_input_stops_the_run => super::corrupt_input_fails_fast;
+    small_memory_budget_forces_many_tiles => super::small_memory_forces_many_tiles;
 }

@@ -178,6 +178,7 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
     let lane_names: Vec<String> = lanes.iter().map(|l| l.name()).collect();
     let t0 = Instant::now();
     let live = Live {
+        started: t0,
         tiles_total: queue.len() as u64 + env.done_before,
         flops_total: all_flops,
         tiles_done: &tiles_done,
