@@ -80,6 +80,27 @@ impl Control {
         }
     }
 
+    /// `recv`, counting the time blocked as the stage's wait for input.
+    pub fn recv_timed<T>(&self, rx: &Receiver<T>, m: &super::metrics::StageMetrics) -> Option<T> {
+        let t = std::time::Instant::now();
+        let r = self.recv(rx);
+        m.add_wait_in(t.elapsed());
+        r
+    }
+
+    /// `send`, counting the time blocked as the stage's wait for room downstream.
+    pub fn send_timed<T>(
+        &self,
+        tx: &Sender<T>,
+        msg: T,
+        m: &super::metrics::StageMetrics,
+    ) -> Result<()> {
+        let t = std::time::Instant::now();
+        let r = self.send(tx, msg);
+        m.add_wait_out(t.elapsed());
+        r
+    }
+
     /// Blocking receive: `None` when upstream is finished or the run is cancelled.
     pub fn recv<T>(&self, rx: &Receiver<T>) -> Option<T> {
         if self.is_cancelled() {

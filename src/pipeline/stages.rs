@@ -263,9 +263,7 @@ impl Planner<'_> {
             self.m.add_busy(t0.elapsed());
             self.m.add_item(0);
             for op in ops {
-                let t = Instant::now();
-                ctl.send(&self.out, op)?;
-                self.m.add_wait_out(t.elapsed());
+                ctl.send_timed(&self.out, op, &self.m)?;
             }
         }
         Ok(())
@@ -281,10 +279,7 @@ pub struct Prefetch<'a> {
 
 impl Prefetch<'_> {
     pub fn run(self, ctl: &Control) -> Result<()> {
-        loop {
-            let t = Instant::now();
-            let Some(op) = ctl.recv(&self.rx) else { break };
-            self.m.add_wait_in(t.elapsed());
+        while let Some(op) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             match &op {
                 PlanOp::Load { src, block, .. } => {
@@ -300,9 +295,7 @@ impl Prefetch<'_> {
                 _ => {}
             }
             self.m.add_busy(t.elapsed());
-            let t = Instant::now();
-            ctl.send(&self.out, op)?;
-            self.m.add_wait_out(t.elapsed());
+            ctl.send_timed(&self.out, op, &self.m)?;
         }
         Ok(())
     }
@@ -372,10 +365,7 @@ impl Staging<'_> {
     }
 
     pub fn run(self, ctl: &Control) -> Result<()> {
-        loop {
-            let t = Instant::now();
-            let Some(op) = ctl.recv(&self.rx) else { break };
-            self.m.add_wait_in(t.elapsed());
+        while let Some(op) = ctl.recv_timed(&self.rx, &self.m) {
             let out = match op {
                 PlanOp::Load { slot, src, block } => {
                     let (buf, elems) = self.fill(ctl, src, &block)?;
@@ -401,9 +391,7 @@ impl Staging<'_> {
                 },
                 PlanOp::End { tile, acc } => LaneOp::End { tile, acc },
             };
-            let t = Instant::now();
-            ctl.send(&self.out, out)?;
-            self.m.add_wait_out(t.elapsed());
+            ctl.send_timed(&self.out, out, &self.m)?;
         }
         Ok(())
     }
@@ -448,9 +436,7 @@ impl DeviceLane<'_> {
             };
             if ready {
                 let (_, d) = p.downs.remove(i);
-                let t = Instant::now();
-                ctl.send(&self.out, d)?;
-                self.m.add_wait_out(t.elapsed());
+                ctl.send_timed(&self.out, d, &self.m)?;
             } else {
                 i += 1;
             }
@@ -472,9 +458,9 @@ impl DeviceLane<'_> {
                     // About to block: first let go of everything that is finished, so that
                     // upstream stages waiting on our leases can proceed.
                     self.settle(&mut p, ctl, true)?;
-                    let t = Instant::now();
-                    let Some(op) = ctl.recv(&self.rx) else { break };
-                    self.m.add_wait_in(t.elapsed());
+                    let Some(op) = ctl.recv_timed(&self.rx, &self.m) else {
+                        break;
+                    };
                     op
                 }
             };
@@ -537,10 +523,7 @@ pub struct OutPrep<'a> {
 
 impl OutPrep<'_> {
     pub fn run(self, ctl: &Control) -> Result<()> {
-        loop {
-            let t = Instant::now();
-            let Some(b) = ctl.recv(&self.rx) else { break };
-            self.m.add_wait_in(t.elapsed());
+        while let Some(b) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             let n = self.writer.prefault(&b);
             self.m.add_busy(t.elapsed());
@@ -578,10 +561,7 @@ fn injected_write_fault(written: u64) -> Option<std::io::Error> {
 
 impl Writeback<'_> {
     pub fn run(self, ctl: &Control) -> Result<()> {
-        loop {
-            let t = Instant::now();
-            let Some(d) = ctl.recv(&self.rx) else { break };
-            self.m.add_wait_in(t.elapsed());
+        while let Some(d) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             let b = d.tile.block;
             let bytes = b.elems() * self.host_dt.size();

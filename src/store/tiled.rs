@@ -214,6 +214,30 @@ pub fn par_crc32c(data: &[u8]) -> u32 {
         .fold(0u32, |acc, (c, l)| crc32c::crc32c_combine(acc, c, l))
 }
 
+/// The pieces of row `r` of block `b` in a tiled file: (file offset, byte offset of the piece
+/// within the block's row, elements), one per storage tile the row crosses.
+fn row_pieces<'a>(
+    h: &'a Header,
+    b: &'a Block,
+    r: u64,
+) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
+    let (ti, rr) = (r / h.tile_rows, r % h.tile_rows);
+    let es = h.elem() as u64;
+    let end = b.c0 + b.cols;
+    let mut c = b.c0;
+    std::iter::from_fn(move || {
+        if c >= end {
+            return None;
+        }
+        let (tj, cc) = (c / h.tile_cols, c % h.tile_cols);
+        let n = (h.tile_cols - cc).min(end - c);
+        let off = (h.tile_offset(ti, tj) + (rr * h.tile_cols + cc) * es) as usize;
+        let item = (off, (c - b.c0) as usize, n as usize);
+        c += n;
+        Some(item)
+    })
+}
+
 /// An input matrix file, validated and mapped read-only.
 pub struct TiledFile {
     path: PathBuf,
@@ -409,20 +433,9 @@ impl TiledFile {
             return Ok(());
         }
         let copy_row = |r: u64, drow: &mut [u8]| {
-            let ti = r / h.tile_rows;
-            let rr = r % h.tile_rows;
-            let mut c = b.c0;
-            let end = b.c0 + b.cols;
-            while c < end {
-                let tj = c / h.tile_cols;
-                let cc = c % h.tile_cols;
-                let n = (h.tile_cols - cc).min(end - c);
-                let src_off =
-                    (h.tile_offset(ti, tj) + (rr * h.tile_cols + cc) * h.elem() as u64) as usize;
-                let src = &self.map[src_off..src_off + n as usize * h.elem()];
-                let d0 = (c - b.c0) as usize * oe;
-                dtype::convert(h.dtype, src, out, &mut drow[d0..d0 + n as usize * oe]);
-                c += n;
+            for (off, col, n) in row_pieces(h, b, r) {
+                let src = &self.map[off..off + n * h.elem()];
+                dtype::convert(h.dtype, src, out, &mut drow[col * oe..(col + n) * oe]);
             }
         };
         if dst.len() >= PAR_BYTES && b.rows > 1 {
@@ -604,26 +617,15 @@ impl TiledWriter {
         let base = SendPtr(self.map.as_ptr() as *mut u8);
         let map_len = self.map.len();
         let write_row = |r: u64, srow: &[u8]| {
-            let ti = r / h.tile_rows;
-            let rr = r % h.tile_rows;
-            let mut c = b.c0;
-            let end = b.c0 + b.cols;
-            while c < end {
-                let tj = c / h.tile_cols;
-                let cc = c % h.tile_cols;
-                let n = (h.tile_cols - cc).min(end - c);
-                let off =
-                    (h.tile_offset(ti, tj) + (rr * h.tile_cols + cc) * h.elem() as u64) as usize;
-                let len = n as usize * h.elem();
+            for (off, col, n) in row_pieces(h, b, r) {
+                let len = n * h.elem();
                 assert!(off + len <= map_len);
                 // SAFETY: `off..off+len` lies inside the map (asserted) and belongs to row `r`
                 // of this block only; callers write disjoint blocks, and rows of one block are
                 // disjoint, so no two threads write the same bytes. The map is kept alive by
                 // `self` for the duration of the call.
                 let d = unsafe { std::slice::from_raw_parts_mut(base.get().add(off), len) };
-                let s0 = (c - b.c0) as usize * ie;
-                dtype::convert(from, &srow[s0..s0 + n as usize * ie], h.dtype, d);
-                c += n;
+                dtype::convert(from, &srow[col * ie..(col + n) * ie], h.dtype, d);
             }
         };
         if src.len() >= PAR_BYTES && b.rows > 1 {
