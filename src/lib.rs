@@ -5,20 +5,22 @@
 //! ([`pipeline`]) onto one lane per device ([`backend`]):
 //!
 //! ```text
-//!             shared queue of output tiles
+//!             shared queue of output tiles (each lane owns a run, steals when idle)
 //!                 │            │
 //!   per lane:  planner ──▶ prefetch ──▶ staging ──▶ device lane ──┐
 //!   per lane:  planner ──▶ prefetch ──▶ staging ──▶ device lane ──┼──▶ writeback ──▶ output.mgt
-//!                                                                 ┘
+//!                 └──────────── output blocks ──▶ outprep ────────┘        │
+//!                                                                     journal record
 //! ```
 //!
 //! | stage | input → output | thread | notes |
 //! |---|---|---|---|
 //! | planner | tile queue → `PlanOp` | one per lane | runs the lane's tile-cache model; decides loads and slots |
 //! | prefetch | `PlanOp` → `PlanOp` | one per lane | `madvise(WILLNEED)` on the blocks about to be staged |
-//! | staging | `PlanOp` → `LaneOp` | one per lane (+ rayon for copies) | leases a buffer from the pool, copies the block out of the map |
-//! | device lane | `LaneOp` → `Done` | one per lane | upload, GEMM, download; on CUDA three streams |
-//! | writeback | `Done` → file | one | writes the output tile, returns the buffer |
+//! | staging | `PlanOp` → `LaneOp` | one per lane (+ rayon for reads) | leases a buffer from the pool, `pread`s the block, verifies tile CRCs once |
+//! | device lane | `LaneOp` → `Done` | one per lane | upload, GEMM, download; on CUDA three streams and events |
+//! | outprep | output blocks → (pages) | one per lane, up to 4 | populates the output file's pages ahead of writeback |
+//! | writeback | `Done` → file | one (+ rayon for copies) | writes the tile, returns the buffer, appends the journal record |
 //!
 //! Backpressure comes from bounded channels and fixed buffer pools sized by the plan's memory
 //! budget ([`plan::layout`]); the first error cancels every stage ([`pipeline::control`]).

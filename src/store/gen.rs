@@ -156,11 +156,24 @@ pub fn generate(path: &Path, spec: &GenSpec) -> Result<u64> {
         for r in r_start..r_end {
             row_values(dist, seed, r, cols, &mut vals);
             let rr = r - r_start;
-            for (c, v) in vals.iter().enumerate() {
-                let c = c as u64;
-                let (tj, cc) = (c / hdr.tile_cols, c % hdr.tile_cols);
-                let off = (tj * hdr.tile_stride + (rr * hdr.tile_cols + cc) * es as u64) as usize;
-                dtype::put(spec.dtype, *v, &mut band[off..off + es]);
+            // One storage tile's piece of the row at a time: no per-element index arithmetic.
+            for (tj, seg) in vals.chunks(hdr.tile_cols as usize).enumerate() {
+                let base = (tj as u64 * hdr.tile_stride + rr * hdr.tile_cols * es as u64) as usize;
+                let dst = &mut band[base..base + seg.len() * es];
+                match spec.dtype {
+                    DType::F32 => dst
+                        .chunks_exact_mut(4)
+                        .zip(seg)
+                        .for_each(|(d, v)| d.copy_from_slice(&(*v as f32).to_le_bytes())),
+                    DType::F64 => dst
+                        .chunks_exact_mut(8)
+                        .zip(seg)
+                        .for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
+                    dt => dst
+                        .chunks_exact_mut(es)
+                        .zip(seg)
+                        .for_each(|(d, v)| dtype::put(dt, *v, d)),
+                }
             }
         }
         w.write_raw(hdr.tile_offset(ti, 0), &band)
