@@ -258,6 +258,12 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
         let (journal, state) = Journal::open(&step.output, &fp, opts.restart, plan.engine.durable)?;
         let sched = Schedule::new(step, &layout);
         let header = pipeline::output_header(step, &layout);
+        // A journal with no finished tile says nothing about the output (a kill may have landed
+        // while the output was being created): start the step afresh.
+        let state = match state {
+            State::Partial(done) if done.is_empty() => State::Fresh,
+            s => s,
+        };
         let (writer, todo, done_before) = match state {
             State::Complete => {
                 progress.note(&format!(

@@ -287,3 +287,32 @@ fn device_failure_stops_cleanly_then_resume_is_identical() {
         std::fs::read(dir.join("C.mgt")).unwrap() == std::fs::read(dir.join("C_ref.mgt")).unwrap()
     );
 }
+
+/// A kill while the output was being created (journal header written, output cut short) does
+/// not wedge the step: with no finished tile recorded, the next run starts the step afresh.
+#[test]
+fn kill_during_output_creation_restarts_the_step() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir, false);
+    assert!(run(dir, &["run", "ref.toml", "--quiet"]).status.success());
+    let o = Command::new(bin())
+        .args(["run", "plan.toml"])
+        .env("MGMM_FAULT_WRITE_AFTER", "0")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    // Simulate the kill landing inside output creation: only the header page survived.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("C.mgt"))
+        .unwrap();
+    f.set_len(4096).unwrap();
+    drop(f);
+    let o = run(dir, &["run", "plan.toml"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        std::fs::read(dir.join("C.mgt")).unwrap() == std::fs::read(dir.join("C_ref.mgt")).unwrap()
+    );
+}
