@@ -46,6 +46,7 @@ pub fn ignore_sigxfsz() {
 /// Free bytes for unprivileged writers on the filesystem holding `dir`.
 fn free_bytes(dir: &Path) -> Option<u64> {
     let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statvfs is a plain C struct of integers, for which all-zero bytes are valid.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: statvfs writes into the struct we own; the path is a valid C string.
     let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
@@ -56,6 +57,7 @@ fn read_only(dir: &Path) -> bool {
     let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
         return false;
     };
+    // SAFETY: statvfs is a plain C struct of integers, for which all-zero bytes are valid.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: as in free_bytes.
     let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
