@@ -249,7 +249,7 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
     }
     let generated = generate_missing(plan, progress)?;
     let mut steps = Vec::new();
-    for (step, layout) in plan.steps.iter().zip(layouts) {
+    'step: for (step, layout) in plan.steps.iter().zip(layouts) {
         if let Some(dir) = step.output.parent() {
             if !dir.as_os_str().is_empty() && !dir.exists() {
                 std::fs::create_dir_all(dir)
@@ -257,83 +257,121 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
             }
         }
         let fp = fingerprint(step, &layout, &sel, plan.engine.precision)?;
-        let (journal, state) = Journal::open(&step.output, &fp, opts.restart, plan.engine.durable)?;
-        let sched = Schedule::new(step, &layout);
-        let header = pipeline::output_header(step, &layout);
-        // A journal with no finished tile says nothing about the output (a kill may have landed
-        // while the output was being created): start the step afresh.
-        let state = match state {
-            State::Partial(done) if done.is_empty() => State::Fresh,
-            s => s,
-        };
-        let (writer, todo, done_before) = match state {
-            State::Complete => {
-                progress.note(&format!(
+        let mut reselected: Option<Selected> = None;
+        let rep = loop {
+            let sel_now: &Selected = reselected.as_ref().unwrap_or(&sel);
+            let (journal, state) =
+                Journal::open(&step.output, &fp, opts.restart, plan.engine.durable)?;
+            let sched = Schedule::new(step, &layout);
+            let header = pipeline::output_header(step, &layout);
+            // A journal with no finished tile says nothing about the output (a kill may have landed
+            // while the output was being created): start the step afresh.
+            let state = match state {
+                State::Partial(done) if done.is_empty() => State::Fresh,
+                s => s,
+            };
+            let (writer, todo, done_before) = match state {
+                State::Complete => {
+                    progress.note(&format!(
                     "step {}: {} is already complete (its journal says so); skipping. Use --restart to recompute it.",
                     step.index + 1,
                     step.output.display()
                 ));
-                continue;
-            }
-            State::Fresh => (TiledWriter::create(&step.output, header)?, None, 0),
-            State::Partial(done) => {
-                let writer = TiledWriter::reopen(&step.output, header)?;
-                let out = TiledFile::open(&step.output)?;
-                let mut finished = vec![false; sched.tiles.len()];
-                let mut bad = 0;
-                for (seq, crc) in done {
-                    let Some(t) = sched.tiles.get(seq as usize) else {
-                        continue;
-                    };
-                    let mut buf = vec![0u8; t.block.elems() * step.out_dtype.size()];
-                    out.read_block(&t.block, step.out_dtype, &mut buf)?;
-                    if crate::store::tiled::par_crc32c(&buf) == crc {
-                        finished[seq as usize] = true;
-                    } else {
-                        bad += 1;
-                    }
+                    continue 'step;
                 }
-                writer.forget_checksums();
-                let todo: Vec<u32> = (0..sched.tiles.len() as u32)
-                    .filter(|&i| !finished[i as usize])
-                    .collect();
-                let n_done = (sched.tiles.len() - todo.len()) as u64;
-                progress.note(&format!(
-                    "step {}: resuming {}: {n_done} of {} output tiles already done{}",
-                    step.index + 1,
-                    step.output.display(),
-                    sched.tiles.len(),
-                    if bad > 0 {
-                        format!(
+                State::Fresh => (TiledWriter::create(&step.output, header)?, None, 0),
+                State::Partial(done) => {
+                    let writer = TiledWriter::reopen(&step.output, header)?;
+                    let out = TiledFile::open(&step.output)?;
+                    let mut finished = vec![false; sched.tiles.len()];
+                    let mut bad = 0;
+                    for (seq, crc) in done {
+                        let Some(t) = sched.tiles.get(seq as usize) else {
+                            continue;
+                        };
+                        let mut buf = vec![0u8; t.block.elems() * step.out_dtype.size()];
+                        out.read_block(&t.block, step.out_dtype, &mut buf)?;
+                        if crate::store::tiled::par_crc32c(&buf) == crc {
+                            finished[seq as usize] = true;
+                        } else {
+                            bad += 1;
+                        }
+                    }
+                    writer.forget_checksums();
+                    let todo: Vec<u32> = (0..sched.tiles.len() as u32)
+                        .filter(|&i| !finished[i as usize])
+                        .collect();
+                    let n_done = (sched.tiles.len() - todo.len()) as u64;
+                    progress.note(&format!(
+                        "step {}: resuming {}: {n_done} of {} output tiles already done{}",
+                        step.index + 1,
+                        step.output.display(),
+                        sched.tiles.len(),
+                        if bad > 0 {
+                            format!(
                             " ({bad} recorded tiles did not match their checksum and are redone)"
                         )
-                    } else {
-                        String::new()
-                    }
+                        } else {
+                            String::new()
+                        }
+                    ));
+                    (writer, Some(todo), n_done)
+                }
+            };
+            let lanes = sel_now.lanes(&layout, plan.engine.precision)?;
+            let sink = JournalSink(&journal);
+            let env = StepEnv {
+                layout: &layout,
+                alloc: sel_now.alloc.as_ref(),
+                lanes,
+                backend_name: sel_now.name.clone(),
+                precision: plan.engine.precision,
+                host_rounding: !sel_now.is_cuda(),
+                verify_inputs: plan.engine.verify_inputs,
+                durable: plan.engine.durable,
+                host_budget: plan.engine.host_memory,
+                progress,
+                todo,
+                sink: &sink,
+                writer: Some(writer),
+                done_before,
+            };
+            match pipeline::run_step(step, env) {
+                Ok(rep) => {
+                    journal.complete()?;
+                    break rep;
+                }
+                // A GPU failed while others remain: its unfinished tiles are redone on the rest.
+                // The journal holds every tile written so far, so this is an ordinary resume with
+                // one device fewer; tiles are computed the same way on any GPU of the run.
+                Err(Error::Backend { backend, msg })
+                    if sel_now.is_cuda() && sel_now.ordinals.len() > 1 =>
+                {
+                    let failed: Option<usize> =
+                        backend.strip_prefix("cuda:").and_then(|o| o.parse().ok());
+                    let Some(failed) = failed.filter(|f| sel_now.ordinals.contains(f)) else {
+                        return Err(Error::Backend { backend, msg });
+                    };
+                    let rest: Vec<u32> = sel_now
+                        .ordinals
+                        .iter()
+                        .filter(|&&o| o != failed)
+                        .map(|&o| o as u32)
+                        .collect();
+                    progress.note(&format!(
+                    "step {}: GPU {failed} failed ({msg}); redoing its unfinished tiles on GPU(s) {rest:?}",
+                    step.index + 1
                 ));
-                (writer, Some(todo), n_done)
+                    drop(journal);
+                    let engine = crate::plan::Engine {
+                        devices: crate::plan::Devices::List(rest),
+                        ..plan.engine.clone()
+                    };
+                    reselected = Some(backend::cuda::select(&engine)?);
+                }
+                Err(e) => return Err(e),
             }
         };
-        let lanes = sel.lanes(&layout, plan.engine.precision)?;
-        let sink = JournalSink(&journal);
-        let env = StepEnv {
-            layout: &layout,
-            alloc: sel.alloc.as_ref(),
-            lanes,
-            backend_name: sel.name.clone(),
-            precision: plan.engine.precision,
-            host_rounding: !sel.is_cuda(),
-            verify_inputs: plan.engine.verify_inputs,
-            durable: plan.engine.durable,
-            host_budget: plan.engine.host_memory,
-            progress,
-            todo,
-            sink: &sink,
-            writer: Some(writer),
-            done_before,
-        };
-        let rep = pipeline::run_step(step, env)?;
-        journal.complete()?;
         progress.note(&format_summary(&rep));
         steps.push(rep);
     }

@@ -21,10 +21,14 @@ tile = 1024
 PLAN
 done
 $B/mgmm-stream run ref.toml --quiet
-echo "### injected fault after 100 GEMMs per lane" | tee -a $L
+echo "### injected fault after 100 GEMMs on every lane: nothing left to fail over to, so the run stops" | tee -a $L
 MGMM_FAULT_GEMM_AFTER=100 $B/mgmm-stream run res.toml 2>&1 | tail -2 | tee -a $L; echo "exit ${PIPESTATUS[0]}" | tee -a $L
 $B/mgmm-stream run res.toml 2>&1 | grep -E "resuming|wall" | tee -a $L
 cmp C_ref.mgt C_res.mgt && echo "fault, then resume: bitwise identical to an uninterrupted run" | tee -a $L
+echo "### GPU 1 fails after 50 GEMMs: its unfinished tiles are redone on GPU 0 in the same run" | tee -a $L
+rm -f C_res.mgt C_res.mgt.journal
+MGMM_FAULT_LANE=1 MGMM_FAULT_GEMM_AFTER=50 $B/mgmm-stream run res.toml 2>&1 | grep -E "failed|wall|error|done" | tee -a $L; echo "exit ${PIPESTATUS[0]}" | tee -a $L
+cmp C_ref.mgt C_res.mgt && echo "failover: bitwise identical to an uninterrupted run" | tee -a $L
 echo "### SIGKILL once the journal has records, 3 times" | tee -a $L
 rm -f C_res.mgt C_res.mgt.journal
 for i in 1 2 3; do

@@ -212,6 +212,7 @@ pub fn select(engine: &Engine) -> Result<Selected> {
         threads,
         note: None,
         name: names.join(" + "),
+        ordinals: ordinals.clone(),
         make: Box::new(move |layout, p| {
             ordinals
                 .iter()
@@ -323,9 +324,15 @@ impl CudaLane {
             }
             _ => None,
         };
+        // MGMM_FAULT_LANE=k restricts the injected fault to GPU k.
+        let fault_here = std::env::var("MGMM_FAULT_LANE")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .is_none_or(|k| k == ordinal);
         let fault_after = std::env::var("MGMM_FAULT_GEMM_AFTER")
             .ok()
-            .and_then(|v| v.parse().ok());
+            .and_then(|v| v.parse().ok())
+            .filter(|_| fault_here);
         Ok(CudaLane {
             ordinal,
             name: format!("cuda:{ordinal} {}", ctx.name().unwrap_or_default()),

@@ -194,6 +194,8 @@ pub struct Selected {
         dyn Fn(&crate::plan::layout::Layout, Precision) -> Result<Vec<Box<dyn Lane>>> + Send + Sync,
     >,
     pub name: String,
+    /// The GPU ordinals of the lanes (empty on the CPU).
+    pub ordinals: Vec<usize>,
 }
 
 impl Selected {
@@ -233,6 +235,7 @@ pub fn cpu_backend(threads: usize, note: Option<String>) -> Selected {
             ])
         }),
         name: format!("cpu ({threads} threads)"),
+        ordinals: Vec::new(),
     }
 }
 
