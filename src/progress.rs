@@ -23,6 +23,8 @@ pub struct Live<'a> {
     pub flops_total: u64,
     pub tiles_done: &'a AtomicU64,
     pub flops_done: &'a AtomicU64,
+    /// Each lane's name and its device statistics so far.
+    pub lanes: Vec<(String, &'a std::sync::Mutex<crate::backend::DeviceStats>)>,
 }
 
 enum Mode {
@@ -103,11 +105,22 @@ impl Progress {
         };
         let shares = || -> String {
             let el = t0.elapsed().as_secs_f64().max(1e-9);
-            stages
+            let mut parts: Vec<String> = stages
                 .iter()
                 .map(|m| format!("{} {:.0}%", m.name, 100.0 * m.snapshot().busy_s / el))
-                .collect::<Vec<_>>()
-                .join("  ")
+                .collect();
+            for (name, st) in &live.lanes {
+                let st = st.lock().unwrap().clone();
+                if st.gemms > 0 && !name.starts_with("cpu") {
+                    parts.push(format!(
+                        "{name}: gemm {:.0}%, H2D {:.1} GB/s, D2H {:.1} GB/s",
+                        100.0 * st.gemm_s / el,
+                        st.h2d_bytes as f64 / st.h2d_s.max(1e-9) / 1e9,
+                        st.d2h_bytes as f64 / st.d2h_s.max(1e-9) / 1e9
+                    ));
+                }
+            }
+            parts.join("  ")
         };
         match &self.mode {
             Mode::Quiet => {

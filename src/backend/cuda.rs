@@ -630,6 +630,11 @@ impl Lane for CudaLane {
         self.finish_ticket(t.0)
     }
 
+    fn live_stats(&mut self) -> DeviceStats {
+        let _ = self.harvest_gemms(false);
+        self.stats.clone()
+    }
+
     fn stats(&mut self) -> DeviceStats {
         let _ = self.ctx.bind_to_thread();
         let _ = self.comp.synchronize();

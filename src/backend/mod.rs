@@ -145,7 +145,12 @@ pub trait Lane: Send {
     fn download(&mut self, acc: usize, elems: usize, dst: &mut HostBuf) -> Result<Ticket>;
     fn done(&mut self, t: Ticket) -> Result<bool>;
     fn wait(&mut self, t: Ticket) -> Result<()>;
+    /// Final device statistics (may wait for queued work).
     fn stats(&mut self) -> DeviceStats;
+    /// Statistics of the work known to be finished so far, without waiting (for progress).
+    fn live_stats(&mut self) -> DeviceStats {
+        self.stats()
+    }
 }
 
 /// Which precision the lane computes in, and the host dtype it exchanges.

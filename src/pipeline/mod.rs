@@ -177,12 +177,15 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
     let mut lanes = env.lanes;
     let lane_names: Vec<String> = lanes.iter().map(|l| l.name()).collect();
     let t0 = Instant::now();
+    let lane_live: Vec<std::sync::Mutex<DeviceStats>> =
+        (0..nlanes).map(|_| Default::default()).collect();
     let live = Live {
         started: t0,
         tiles_total: queue.len() as u64 + env.done_before,
         flops_total: all_flops,
         tiles_done: &tiles_done,
         flops_done: &flops_done,
+        lanes: lane_names.iter().cloned().zip(lane_live.iter()).collect(),
     };
 
     let mut lane_stats: Vec<DeviceStats> = vec![DeviceStats::default(); nlanes];
@@ -253,6 +256,7 @@ pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
                 out: done_tx.clone(),
                 m: dm,
                 flops_issued: &flops_issued,
+                live: &lane_live[i],
             };
             handles.push(s.spawn(move || ctl.guard(|| planner.run(ctl))));
             handles.push(s.spawn(move || ctl.guard(|| prefetch.run(ctl))));

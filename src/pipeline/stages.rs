@@ -405,6 +405,8 @@ pub struct DeviceLane<'a> {
     pub out: Sender<Done>,
     pub m: Arc<StageMetrics>,
     pub flops_issued: &'a AtomicU64,
+    /// The lane's device statistics, refreshed now and then for the progress display.
+    pub live: &'a std::sync::Mutex<crate::backend::DeviceStats>,
 }
 
 struct Pending {
@@ -450,6 +452,7 @@ impl DeviceLane<'_> {
             ups: Vec::new(),
             downs: Vec::new(),
         };
+        let mut ops = 0u64;
         loop {
             let op = match self.rx.try_recv() {
                 Ok(op) => op,
@@ -505,6 +508,10 @@ impl DeviceLane<'_> {
             }
             self.m.add_busy(t.elapsed());
             self.settle(&mut p, ctl, false)?;
+            ops += 1;
+            if ops.is_multiple_of(16) {
+                *self.live.lock().unwrap() = self.lane.live_stats();
+            }
         }
         if !ctl.is_cancelled() {
             self.settle(&mut p, ctl, true)?;
