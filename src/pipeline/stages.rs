@@ -580,8 +580,7 @@ impl Writeback<'_> {
                 ));
             }
             let data = &d.buf.buf().bytes()[..bytes];
-            self.writer.write_block(&b, self.host_dt, data)?;
-            let crc = crate::store::tiled::par_crc32c(data);
+            let crc = self.writer.write_block(&b, self.host_dt, data)?;
             drop(d.buf);
             if self.durable {
                 self.writer.flush_block(&b)?;

@@ -582,69 +582,70 @@ impl TiledWriter {
         &self.path
     }
 
-    /// Write dense row-major `src` (`b.rows × b.cols` elements of `from`) into block `b`.
+    /// Write dense row-major `src` (`b.rows × b.cols` elements of `from`) into block `b`, and
+    /// return the CRC-32C of the block's bytes in the file's dtype (the resume journal records
+    /// it; a storage tile that is exactly the block reuses it for the checksum table).
     /// Takes `&self`: concurrent calls must write disjoint blocks (the writeback stage
     /// guarantees that, one output tile per message).
-    pub fn write_block(&self, b: &Block, from: DType, src: &[u8]) -> Result<()> {
+    pub fn write_block(&self, b: &Block, from: DType, src: &[u8]) -> Result<u32> {
         let h = &self.hdr;
         assert!(
             b.r0 + b.rows <= h.rows && b.c0 + b.cols <= h.cols,
             "write_block: outside"
         );
-        let ie = from.size();
-        let row_in = b.cols as usize * ie;
-        assert_eq!(src.len(), b.rows as usize * row_in, "write_block: src size");
+        assert_eq!(src.len(), b.elems() * from.size(), "write_block: src size");
+        let converted;
+        let raw: &[u8] = if from == h.dtype {
+            src
+        } else {
+            let mut v = vec![0u8; b.elems() * h.elem()];
+            const ELEMS: usize = 1 << 16;
+            src.par_chunks(ELEMS * from.size())
+                .zip(v.par_chunks_mut(ELEMS * h.elem()))
+                .for_each(|(s, d)| {
+                    dtype::convert(from, s, h.dtype, d);
+                });
+            converted = v;
+            &converted
+        };
+        let crc = par_crc32c(raw);
         if use_pwrite() || !self.prealloc {
-            let converted;
-            let raw: &[u8] = if from == h.dtype {
-                src
-            } else {
-                let mut v = vec![0u8; b.elems() * h.elem()];
-                const ELEMS: usize = 1 << 16;
-                src.par_chunks(ELEMS * ie)
-                    .zip(v.par_chunks_mut(ELEMS * h.elem()))
-                    .for_each(|(s, d)| {
-                        dtype::convert(from, s, h.dtype, d);
-                    });
-                converted = v;
-                &converted
-            };
             write_groups(&self.file, &groups(h, b), raw)
                 .map_err(|e| Error::io(&self.path, "cannot write output tile", e))?;
-            self.note_checksums(b, Some(raw));
-            return Ok(());
-        }
-        let base = SendPtr(self.map.as_ptr() as *mut u8);
-        let map_len = self.map.len();
-        let write_row = |r: u64, srow: &[u8]| {
-            for (off, col, n) in row_pieces(h, b, r) {
-                let len = n * h.elem();
-                assert!(off + len <= map_len);
-                // SAFETY: `off..off+len` lies inside the map (asserted) and belongs to row `r`
-                // of this block only; callers write disjoint blocks, and rows of one block are
-                // disjoint, so no two threads write the same bytes. The map is kept alive by
-                // `self` for the duration of the call.
-                let d = unsafe { std::slice::from_raw_parts_mut(base.get().add(off), len) };
-                dtype::convert(from, &srow[col * ie..(col + n) * ie], h.dtype, d);
-            }
-        };
-        if src.len() >= PAR_BYTES && b.rows > 1 {
-            src.par_chunks(row_in)
-                .enumerate()
-                .for_each(|(i, s)| write_row(b.r0 + i as u64, s));
         } else {
-            for (i, s) in src.chunks(row_in).enumerate() {
-                write_row(b.r0 + i as u64, s);
+            let base = SendPtr(self.map.as_ptr() as *mut u8);
+            let map_len = self.map.len();
+            let row = b.cols as usize * h.elem();
+            let write_row = |r: u64, srow: &[u8]| {
+                for (off, col, n) in row_pieces(h, b, r) {
+                    let len = n * h.elem();
+                    assert!(off + len <= map_len);
+                    // SAFETY: `off..off+len` lies inside the map (asserted) and belongs to row
+                    // `r` of this block only; callers write disjoint blocks, and rows of one
+                    // block are disjoint, so no two threads write the same bytes. The map is
+                    // kept alive by `self` for the duration of the call.
+                    let d = unsafe { std::slice::from_raw_parts_mut(base.get().add(off), len) };
+                    d.copy_from_slice(&srow[col * h.elem()..col * h.elem() + len]);
+                }
+            };
+            if raw.len() >= PAR_BYTES && b.rows > 1 {
+                raw.par_chunks(row)
+                    .enumerate()
+                    .for_each(|(i, s)| write_row(b.r0 + i as u64, s));
+            } else {
+                for (i, s) in raw.chunks(row).enumerate() {
+                    write_row(b.r0 + i as u64, s);
+                }
             }
         }
-        self.note_checksums(b, None);
-        Ok(())
+        self.note_checksums(b, Some((crc, raw.len())));
+        Ok(crc)
     }
 
-    /// Record checksums of storage tiles that block `b` covers entirely. With `raw` (the block
-    /// in file dtype) a tile that is exactly the block is checksummed from memory; otherwise the
-    /// tile is read back through the map.
-    fn note_checksums(&self, b: &Block, raw: Option<&[u8]>) {
+    /// Record checksums of storage tiles that block `b` covers entirely. With `raw` (the CRC
+    /// and length of the block's bytes in file dtype) a tile that is exactly the block extends
+    /// that CRC over its zero padding; otherwise the tile is read back through the map.
+    fn note_checksums(&self, b: &Block, raw: Option<(u32, usize)>) {
         let h = &self.hdr;
         if !h.has_checksums() {
             return;
@@ -665,9 +666,8 @@ impl TiledWriter {
                 }
                 let exact = (b.r0, b.c0, b.rows, b.cols) == (tr0, tc0, h.tile_rows, h.tile_cols);
                 let crc = match raw {
-                    Some(raw) if exact => {
-                        let c = par_crc32c(raw);
-                        let pad = h.tile_stride as usize - raw.len();
+                    Some((c, len)) if exact => {
+                        let pad = h.tile_stride as usize - len;
                         crc32c::crc32c_append(c, &vec![0u8; pad])
                     }
                     _ => {
