@@ -48,6 +48,16 @@ fn setup_tiles(dir: &Path, durable: bool, tile: &str) {
     }
 }
 
+/// `run plan.toml` with one test-only fault hook set in its environment.
+fn run_with(dir: &Path, env: (&str, &str)) -> std::process::Output {
+    Command::new(bin())
+        .args(["run", "plan.toml"])
+        .env(env.0, env.1)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
 fn run(dir: &Path, args: &[&str]) -> std::process::Output {
     Command::new(bin())
         .args(args)
@@ -120,12 +130,7 @@ fn write_failure_stops_cleanly_and_resume_completes() {
     let dir = d.path();
     setup(dir, false);
     assert!(run(dir, &["run", "ref.toml", "--quiet"]).status.success());
-    let o = Command::new(bin())
-        .args(["run", "plan.toml"])
-        .env("MGMM_FAULT_WRITE_AFTER", "20")
-        .current_dir(dir)
-        .output()
-        .unwrap();
+    let o = run_with(dir, ("MGMM_FAULT_WRITE_AFTER", "20"));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(
@@ -153,12 +158,7 @@ fn journal_from_different_inputs_is_refused_until_restart() {
     let d = tmp();
     let dir = d.path();
     setup(dir, false);
-    let o = Command::new(bin())
-        .args(["run", "plan.toml"])
-        .env("MGMM_FAULT_WRITE_AFTER", "3")
-        .current_dir(dir)
-        .output()
-        .unwrap();
+    let o = run_with(dir, ("MGMM_FAULT_WRITE_AFTER", "3"));
     assert!(!o.status.success());
     std::fs::remove_file(dir.join("B.mgt")).unwrap();
     gen(
@@ -268,12 +268,7 @@ fn device_failure_stops_cleanly_then_resume_is_identical() {
     setup(dir, false);
     assert!(run(dir, &["run", "ref.toml", "--quiet"]).status.success());
     let t = Instant::now();
-    let o = Command::new(bin())
-        .args(["run", "plan.toml"])
-        .env("MGMM_FAULT_GEMM_AFTER", "300")
-        .current_dir(dir)
-        .output()
-        .unwrap();
+    let o = run_with(dir, ("MGMM_FAULT_GEMM_AFTER", "300"));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
         !o.status.success() && err.contains("backend cpu") && err.contains("injected fault"),
@@ -296,12 +291,7 @@ fn kill_during_output_creation_restarts_the_step() {
     let dir = d.path();
     setup(dir, false);
     assert!(run(dir, &["run", "ref.toml", "--quiet"]).status.success());
-    let o = Command::new(bin())
-        .args(["run", "plan.toml"])
-        .env("MGMM_FAULT_WRITE_AFTER", "0")
-        .current_dir(dir)
-        .output()
-        .unwrap();
+    let o = run_with(dir, ("MGMM_FAULT_WRITE_AFTER", "0"));
     assert!(!o.status.success());
     // Simulate the kill landing inside output creation: only the header page survived.
     let f = std::fs::OpenOptions::new()
