@@ -346,7 +346,16 @@ pub fn execute(cli: Cli) -> Result<()> {
         } => {
             let p = Plan::load(&plan)?;
             let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
-            let rep = run::run_plan(&p, &RunOptions { report, restart }, &progress)?;
+            let rep = run::run_plan(
+                &p,
+                &RunOptions {
+                    report,
+                    restart,
+                    #[cfg(feature = "fault-injection")]
+                    faults: crate::backend::fault::FaultConfig::from_env(),
+                },
+                &progress,
+            )?;
             if !quiet {
                 eprintln!("done in {:.2} s", rep.wall_s);
             }

@@ -35,6 +35,18 @@ pub enum Error {
     #[error("backend {backend}: {msg}")]
     Backend { backend: String, msg: String },
 
+    /// A device (one lane of a backend) failed: the run may go on without it.
+    #[error("{device}: {what}: {source}")]
+    Device {
+        /// Index of the lane in the backend's lane list (what [`crate::backend::Backend::without`] takes).
+        lane: usize,
+        /// Human name of the device ("cuda:1", "sim:3").
+        device: String,
+        what: String,
+        #[source]
+        source: DeviceError,
+    },
+
     /// A stored checksum does not match the data.
     #[error("{path}: checksum mismatch in tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}; the file is corrupt — regenerate or re-import it")]
     Checksum {
@@ -50,7 +62,45 @@ pub enum Error {
     Cancelled,
 }
 
+/// What went wrong on a device, typed where the driver library gives a type.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error(transparent)]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error(transparent)]
+    Blas(#[from] cudarc::cublas::result::CublasError),
+    #[error(transparent)]
+    Nvrtc(#[from] cudarc::nvrtc::CompileError),
+    /// A failure the lane itself detected (or an injected fault in tests).
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<&str> for DeviceError {
+    fn from(s: &str) -> Self {
+        DeviceError::Other(s.to_string())
+    }
+}
+impl From<String> for DeviceError {
+    fn from(s: String) -> Self {
+        DeviceError::Other(s)
+    }
+}
+
 impl Error {
+    pub fn device(
+        lane: usize,
+        device: impl Into<String>,
+        what: impl Into<String>,
+        source: impl Into<DeviceError>,
+    ) -> Self {
+        Error::Device {
+            lane,
+            device: device.into(),
+            what: what.into(),
+            source: source.into(),
+        }
+    }
     pub fn io(path: impl Into<PathBuf>, what: &'static str, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),

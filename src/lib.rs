@@ -32,6 +32,7 @@ pub mod error;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;
+pub mod report;
 pub mod run;
 pub mod store;
 pub mod verify;

@@ -13,7 +13,7 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::pipeline::metrics::StageMetrics;
+use crate::pipeline::metrics::{StageKind, StageMetrics};
 
 /// Counters the display reads.
 pub struct Live<'a> {
@@ -23,6 +23,8 @@ pub struct Live<'a> {
     pub flops_total: u64,
     pub tiles_done: &'a AtomicU64,
     pub flops_done: &'a AtomicU64,
+    /// Whether the lanes are devices with their own engines worth showing (not the CPU).
+    pub show_devices: bool,
     /// Each lane's name and its device statistics so far.
     pub lanes: Vec<(String, &'a std::sync::Mutex<crate::backend::DeviceStats>)>,
 }
@@ -84,14 +86,14 @@ impl Progress {
         let read_bytes = || -> u64 {
             stages
                 .iter()
-                .filter(|m| m.name.starts_with("staging"))
+                .filter(|m| m.kind == StageKind::Staging)
                 .map(|m| m.bytes())
                 .sum()
         };
         let write_bytes = || -> u64 {
             stages
                 .iter()
-                .filter(|m| m.name == "writeback")
+                .filter(|m| m.kind == StageKind::Writeback)
                 .map(|m| m.bytes())
                 .sum()
         };
@@ -111,7 +113,7 @@ impl Progress {
                 .collect();
             for (name, st) in &live.lanes {
                 let st = st.lock().unwrap().clone();
-                if st.gemms > 0 && !name.starts_with("cpu") {
+                if st.gemms > 0 && live.show_devices {
                     parts.push(format!(
                         "{name}: gemm {:.0}%, H2D {:.1} GB/s, D2H {:.1} GB/s",
                         100.0 * st.gemm_s / el,

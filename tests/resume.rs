@@ -271,7 +271,7 @@ fn device_failure_stops_cleanly_then_resume_is_identical() {
     let o = run_with(dir, ("MGMM_FAULT_GEMM_AFTER", "300"));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
-        !o.status.success() && err.contains("backend cpu") && err.contains("injected fault"),
+        !o.status.success() && err.contains("cpu: GEMM") && err.contains("injected fault"),
         "{err}"
     );
     assert!(t.elapsed() < Duration::from_secs(60));

@@ -11,16 +11,83 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use zerocopy::FromBytes;
 
-use super::{DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, Ticket};
+use super::{
+    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Rounding,
+    Ticket,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
+use crate::plan::Precision;
 
-pub struct CpuAlloc;
+/// The CPU backend: one lane computing on `threads` rayon workers; slots and accumulators
+/// live in host memory and count against `engine.host_memory`.
+pub struct CpuBackend {
+    threads: usize,
+    note: Option<String>,
+    caps: Caps,
+}
 
-impl HostAlloc for CpuAlloc {
+const CPU_TILES: &[u64] = &[
+    1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32, 16, 8, 4, 2, 1,
+];
+
+/// faer measured 235-243 GFLOP/s per core (f32) on the development machine (Zen 5, AVX-512),
+/// BENCHMARKS.md; f64 is half.
+fn cpu_peak(p: Precision, threads: usize) -> f64 {
+    let per_core = if p == Precision::Fp64 { 120e9 } else { 240e9 };
+    per_core * threads as f64
+}
+
+impl CpuBackend {
+    pub fn new(threads: usize, note: Option<String>) -> CpuBackend {
+        let threads = super::resolve_threads(threads);
+        CpuBackend {
+            threads,
+            note,
+            caps: Caps {
+                kind: "cpu",
+                memory: MemorySpace::Host,
+                tile_ladder: CPU_TILES,
+                staging_depth: 4,
+                extra_out_buf: false,
+                lanes: 1,
+                device_memory: 0,
+                rounding: Rounding::InLane,
+                narrow_slots: false,
+                link_names: ("staged", "collected"),
+                link_rate: None,
+                peak_flops: cpu_peak,
+                peak_source: "faer f32 rate measured per core, BENCHMARKS.md",
+            },
+        }
+    }
+}
+
+impl HostAlloc for CpuBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         Ok(HostBuf::heap(bytes))
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", self.threads)
+    }
+    fn caps(&self) -> &Caps {
+        &self.caps
+    }
+    fn threads(&self) -> usize {
+        self.threads
+    }
+    fn note(&self) -> Option<String> {
+        self.note.clone()
+    }
+    fn lanes(&self, layout: &Layout, p: Precision) -> Result<Vec<Box<dyn Lane>>> {
+        Ok(vec![Box::new(CpuLane::new(layout, p, self.threads))])
+    }
+    fn without(&self, _lane: usize) -> Option<Result<Box<dyn Backend>>> {
+        None
     }
 }
 
@@ -30,13 +97,12 @@ pub struct CpuLane {
     accs: Vec<HostBuf>,
     par: Par,
     stats: DeviceStats,
-    /// Test-only fault injection, as on CUDA lanes: fail the GEMM after this many
-    /// (MGMM_FAULT_GEMM_AFTER).
-    fault_after: Option<u64>,
+    /// Reduced precision to emulate by rounding input slots on upload (C0 is never rounded).
+    round: Option<Precision>,
 }
 
 impl CpuLane {
-    pub fn new(layout: &Layout, threads: usize) -> Result<CpuLane> {
+    pub fn new(layout: &Layout, precision: Precision, threads: usize) -> CpuLane {
         let slots = (0..layout.slots)
             .map(|_| HostBuf::heap(layout.slot_bytes as usize))
             .collect();
@@ -48,17 +114,19 @@ impl CpuLane {
         } else {
             Par::Seq
         };
-        let fault_after = std::env::var("MGMM_FAULT_GEMM_AFTER")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        Ok(CpuLane {
+        let round = matches!(
+            precision,
+            Precision::Tf32 | Precision::Bf16 | Precision::Fp16
+        )
+        .then_some(precision);
+        CpuLane {
             dt: layout.host_dt,
             slots,
             accs,
             par,
             stats: DeviceStats::default(),
-            fault_after,
-        })
+            round,
+        }
     }
 }
 
@@ -77,6 +145,16 @@ macro_rules! gemm_typed {
                 MatRef::from_row_major_slice(&b[..g.k * g.n], g.k, g.n)
             };
             let c = &mut c[..g.m * g.n];
+            if alpha == 0.0 {
+                // Reference xGEMM: with alpha = 0 the product is not computed (so NaN/Inf in
+                // A or B do not reach C) and C = beta·C0 exactly.
+                if beta == 0.0 {
+                    c.fill(0.0);
+                } else if beta != 1.0 {
+                    c.iter_mut().for_each(|x| *x *= beta);
+                }
+                return;
+            }
             let accum = if beta == 0.0 {
                 Accum::Replace
             } else {
@@ -105,19 +183,20 @@ impl Lane for CpuLane {
             Dst::Slot(s) => &mut self.slots[s],
             Dst::Acc(a) => &mut self.accs[a],
         };
-        d.bytes_mut()[..n].copy_from_slice(&src.bytes()[..n]);
+        let d = &mut d.bytes_mut()[..n];
+        d.copy_from_slice(&src.bytes()[..n]);
+        if let (Some(p), Dst::Slot(_)) = (self.round, dst) {
+            // Emulate the reduced-precision GEMM input; accumulators (C0) keep full precision.
+            if let Ok(xs) = <[f32]>::mut_from_bytes(d) {
+                super::round_inputs(p, xs);
+            }
+        }
         self.stats.h2d_s += t0.elapsed().as_secs_f64();
         self.stats.h2d_bytes += n as u64;
         Ok(Ticket(0))
     }
 
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {
-        if self.fault_after.is_some_and(|n| self.stats.gemms >= n) {
-            return Err(Error::backend(
-                "cpu",
-                "GEMM: injected fault (MGMM_FAULT_GEMM_AFTER)",
-            ));
-        }
         let t0 = Instant::now();
         let bad = |_| Error::backend("cpu", "misaligned buffer");
         let (a, b) = (self.slots[a_slot].bytes(), self.slots[b_slot].bytes());

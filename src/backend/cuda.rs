@@ -30,10 +30,13 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 
-use super::{DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, Selected, Ticket};
+use super::{
+    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Rounding,
+    Ticket,
+};
 use crate::dtype::DType;
-use crate::error::{Error, Result};
-use crate::plan::layout::{Layout, Target};
+use crate::error::{DeviceError, Error, Result};
+use crate::plan::layout::Layout;
 use crate::plan::size::fmt_bytes;
 use crate::plan::{Devices, Engine, Precision};
 
@@ -156,16 +159,40 @@ impl HostAlloc for CudaAlloc {
 unsafe impl Send for Pinned {}
 unsafe impl Sync for Pinned {}
 
-pub fn select(engine: &Engine) -> Result<Selected> {
-    let devs = probe()?;
-    let chosen: Vec<DeviceInfo> = match &engine.devices {
-        Devices::All => devs.clone(),
-        Devices::List(l) => {
-            let mut v = Vec::new();
-            for &i in l {
-                let d = devs
-                    .iter()
+/// Every chosen GPU as one backend: a lane per GPU, pinned host memory from the first GPU's
+/// context (portable, so every lane may DMA from it).
+pub struct CudaBackend {
+    engine: Engine,
+    devices: Vec<DeviceInfo>,
+    alloc: CudaAlloc,
+    threads: usize,
+    caps: Caps,
+}
+
+const GPU_TILES: &[u64] = &[
+    8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1,
+];
+
+/// H200 cuBLAS rates measured in docs/GPU.md, per GPU.
+fn h200_peak(p: Precision, lanes: usize) -> f64 {
+    let per = match p {
+        Precision::Fp32 => 54e12,
+        Precision::Tf32 => 350e12,
+        Precision::Bf16 | Precision::Fp16 => 700e12,
+        Precision::Fp64 => 60e12,
+    };
+    per * lanes as f64
+}
+
+fn choose(engine: &Engine, devs: &[DeviceInfo]) -> Result<Vec<DeviceInfo>> {
+    match &engine.devices {
+        Devices::All => Ok(devs.to_vec()),
+        Devices::List(l) => l
+            .iter()
+            .map(|&i| {
+                devs.iter()
                     .find(|d| d.ordinal == i as usize)
+                    .cloned()
                     .ok_or_else(|| {
                         Error::backend(
                             "cuda",
@@ -175,51 +202,95 @@ pub fn select(engine: &Engine) -> Result<Selected> {
                                 devs.len()
                             ),
                         )
-                    })?;
-                v.push(d.clone());
+                    })
+            })
+            .collect(),
+    }
+}
+
+impl CudaBackend {
+    pub fn select(engine: &Engine) -> Result<CudaBackend> {
+        let devs = probe()?;
+        let chosen = choose(engine, &devs)?;
+        let min_free = chosen.iter().map(|d| d.free).min().unwrap_or(0);
+        let device_memory = match engine.device_memory {
+            Some(b) => {
+                if b > min_free {
+                    return Err(Error::backend(
+                        "cuda",
+                        format!("engine.device_memory = {} but GPU(s) have only {} free; lower it or use \"auto\"", fmt_bytes(b), fmt_bytes(min_free)),
+                    ));
+                }
+                b
             }
-            v
+            None => min_free.saturating_sub(auto_margin(min_free)),
+        };
+        let ctx0 = CudaContext::new(chosen[0].ordinal).map_err(|e| derr("cannot open GPU", e))?;
+        Ok(CudaBackend {
+            engine: engine.clone(),
+            threads: super::resolve_threads(engine.threads),
+            alloc: CudaAlloc { ctx: ctx0 },
+            caps: Caps {
+                kind: "cuda",
+                memory: MemorySpace::Device,
+                tile_ladder: GPU_TILES,
+                staging_depth: 6,
+                extra_out_buf: true,
+                lanes: chosen.len(),
+                device_memory,
+                rounding: Rounding::Device,
+                narrow_slots: true,
+                link_names: ("H2D", "D2H"),
+                link_rate: Some(55e9),
+                peak_flops: h200_peak,
+                peak_source: "H200 cuBLAS rates measured in docs/GPU.md",
+            },
+            devices: chosen,
+        })
+    }
+}
+
+impl HostAlloc for CudaBackend {
+    fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
+        self.alloc.alloc_host(bytes)
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> String {
+        self.devices
+            .iter()
+            .map(|d| format!("cuda:{} {}", d.ordinal, d.name))
+            .collect::<Vec<_>>()
+            .join(" + ")
+    }
+    fn caps(&self) -> &Caps {
+        &self.caps
+    }
+    fn threads(&self) -> usize {
+        self.threads
+    }
+    fn lanes(&self, layout: &Layout, p: Precision) -> Result<Vec<Box<dyn Lane>>> {
+        self.devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Ok(Box::new(CudaLane::new(i, d.ordinal, layout, p)?) as Box<dyn Lane>))
+            .collect()
+    }
+    fn without(&self, lane: usize) -> Option<Result<Box<dyn Backend>>> {
+        if self.devices.len() <= 1 || lane >= self.devices.len() {
+            return None;
         }
-    };
-    let min_free = chosen.iter().map(|d| d.free).min().unwrap_or(0);
-    let device_memory = match engine.device_memory {
-        Some(b) => {
-            if b > min_free {
-                return Err(Error::backend(
-                    "cuda",
-                    format!("engine.device_memory = {} but GPU(s) have only {} free; lower it or use \"auto\"", fmt_bytes(b), fmt_bytes(min_free)),
-                ));
-            }
-            b
-        }
-        None => min_free.saturating_sub(auto_margin(min_free)),
-    };
-    let ctx0 = CudaContext::new(chosen[0].ordinal).map_err(|e| derr("cannot open GPU", e))?;
-    let threads = super::resolve_threads(engine.threads);
-    let names: Vec<String> = chosen
-        .iter()
-        .map(|d| format!("cuda:{} {}", d.ordinal, d.name))
-        .collect();
-    let ordinals: Vec<usize> = chosen.iter().map(|d| d.ordinal).collect();
-    Ok(Selected {
-        target: Target {
-            cuda: true,
-            lanes: chosen.len(),
-            device_memory,
-            label: names.join(", "),
-        },
-        alloc: Box::new(CudaAlloc { ctx: ctx0 }),
-        threads,
-        note: None,
-        name: names.join(" + "),
-        ordinals: ordinals.clone(),
-        make: Box::new(move |layout, p| {
-            ordinals
-                .iter()
-                .map(|&o| Ok(Box::new(CudaLane::new(o, layout, p)?) as Box<dyn Lane>))
-                .collect()
-        }),
-    })
+        let rest: Vec<u32> = (self.devices.iter().enumerate())
+            .filter(|&(i, _)| i != lane)
+            .map(|(_, d)| d.ordinal as u32)
+            .collect();
+        let engine = Engine {
+            devices: Devices::List(rest),
+            ..self.engine.clone()
+        };
+        Some(CudaBackend::select(&engine).map(|b| Box::new(b) as Box<dyn Backend>))
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -248,8 +319,8 @@ pub struct CudaLane {
     next_ticket: u64,
     gemm_events: VecDeque<(CudaEvent, CudaEvent)>,
     stats: DeviceStats,
-    /// Test-only fault injection: fail the GEMM after this many (MGMM_FAULT_GEMM_AFTER).
-    fault_after: Option<u64>,
+    /// Index of this lane in the backend's lane list (for [`Error::Device`]).
+    lane: usize,
 }
 
 // SAFETY: the lane is moved to its own thread once and used only there; cudarc's handles are
@@ -261,13 +332,13 @@ fn timing() -> Option<CUevent_flags> {
 }
 
 impl CudaLane {
-    pub fn new(ordinal: usize, l: &Layout, precision: Precision) -> Result<CudaLane> {
+    pub fn new(lane: usize, ordinal: usize, l: &Layout, precision: Precision) -> Result<CudaLane> {
         let name = format!("cuda:{ordinal}");
         let e = |what: &str| {
             let name = name.clone();
             let what = what.to_string();
             move |err: cudarc::driver::DriverError| {
-                Error::backend(name.clone(), format!("{what}: {err}"))
+                Error::device(lane, name.clone(), what.clone(), err)
             }
         };
         let ctx = CudaContext::new(ordinal).map_err(e("cannot create context"))?;
@@ -280,14 +351,16 @@ impl CudaLane {
                     // SAFETY: device memory is uninitialised; every slot/accumulator is written
                     // (upload or GEMM with beta = 0) before it is read.
                     unsafe { comp.alloc::<u8>(n.max(1)) }.map_err(|err| {
-                        Error::backend(
+                        Error::device(
+                            lane,
                             name.clone(),
                             format!(
-                                "cannot allocate {what} {} of {count} ({} each, {} in all for this GPU): {err}; lower engine.device_memory or engine.tile",
+                                "cannot allocate {what} {} of {count} ({} each, {} in all for this GPU; lower engine.device_memory or engine.tile)",
                                 i + 1,
                                 fmt_bytes(n as u64),
                                 fmt_bytes(l.device_bytes)
                             ),
+                            err,
                         )
                     })
                 })
@@ -299,13 +372,15 @@ impl CudaLane {
         ctx.synchronize()
             .map_err(e("synchronize after allocation"))?;
         let blas = CudaBlas::new(comp.clone())
-            .map_err(|err| Error::backend(name.clone(), format!("cuBLAS handle: {err}")))?;
+            .map_err(|err| Error::device(lane, name.clone(), "cuBLAS handle", err))?;
         let convert = match precision {
             Precision::Bf16 | Precision::Fp16 => {
                 let ptx = cudarc::nvrtc::compile_ptx(CONVERT_SRC).map_err(|err| {
-                    Error::backend(
+                    Error::device(
+                        lane,
                         name.clone(),
-                        format!("NVRTC failed on kernels/convert.cu: {err}"),
+                        "NVRTC failed on kernels/convert.cu",
+                        err,
                     )
                 })?;
                 let module = ctx
@@ -324,15 +399,6 @@ impl CudaLane {
             }
             _ => None,
         };
-        // MGMM_FAULT_LANE=k restricts the injected fault to GPU k.
-        let fault_here = std::env::var("MGMM_FAULT_LANE")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .is_none_or(|k| k == ordinal);
-        let fault_after = std::env::var("MGMM_FAULT_GEMM_AFTER")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|_| fault_here);
         Ok(CudaLane {
             ordinal,
             name: format!("cuda:{ordinal} {}", ctx.name().unwrap_or_default()),
@@ -353,12 +419,12 @@ impl CudaLane {
             next_ticket: 1,
             gemm_events: VecDeque::new(),
             stats: DeviceStats::default(),
-            fault_after,
+            lane,
         })
     }
 
-    fn err(&self, what: &str, e: impl std::fmt::Display) -> Error {
-        Error::backend(format!("cuda:{}", self.ordinal), format!("{what}: {e}"))
+    fn err(&self, what: &str, e: impl Into<DeviceError>) -> Error {
+        Error::device(self.lane, format!("cuda:{}", self.ordinal), what, e)
     }
 
     fn ticket(&mut self, start: CudaEvent, end: CudaEvent, kind: Kind, bytes: u64) -> Ticket {
@@ -480,11 +546,6 @@ impl Lane for CudaLane {
     }
 
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {
-        if let Some(n) = self.fault_after {
-            if self.stats.gemms >= n {
-                return Err(self.err("GEMM", "injected fault (MGMM_FAULT_GEMM_AFTER)"));
-            }
-        }
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         use blas_sys::cudaDataType::*;
         let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);

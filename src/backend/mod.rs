@@ -17,10 +17,15 @@
 
 pub mod cpu;
 pub mod cuda;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
+#[cfg(feature = "fault-injection")]
+pub mod sim;
 
 use std::ptr::NonNull;
 
 use crate::error::Result;
+use crate::plan::layout::Layout;
 use crate::plan::Precision;
 
 /// Host memory owned by a backend (plain on the CPU, page-locked on a GPU), 4096-byte aligned.
@@ -186,34 +191,73 @@ pub fn round_inputs(p: Precision, xs: &mut [f32]) {
     }
 }
 
-/// The backend chosen for a run: what the planner sizes for, the host allocator, and how to
-/// make the lanes.
-pub struct Selected {
-    pub target: crate::plan::layout::Target,
-    pub alloc: Box<dyn HostAlloc>,
-    pub threads: usize,
-    /// A one-line note for the user (e.g. why `auto` fell back to the CPU).
-    pub note: Option<String>,
-    #[allow(clippy::type_complexity)]
-    make: Box<
-        dyn Fn(&crate::plan::layout::Layout, Precision) -> Result<Vec<Box<dyn Lane>>> + Send + Sync,
-    >,
-    pub name: String,
-    /// The GPU ordinals of the lanes (empty on the CPU).
-    pub ordinals: Vec<usize>,
+/// Where a lane's input-tile slots and accumulators live, which decides whose budget they count
+/// against in the layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemorySpace {
+    /// In host memory (the CPU backend): counted in `engine.host_memory`.
+    Host,
+    /// On a device with its own memory: counted in the per-device budget.
+    Device,
 }
 
-impl Selected {
-    pub fn lanes(
-        &self,
-        layout: &crate::plan::layout::Layout,
-        p: Precision,
-    ) -> Result<Vec<Box<dyn Lane>>> {
-        (self.make)(layout, p)
+/// Where inputs are rounded to a reduced precision (tf32, bf16, fp16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rounding {
+    /// The GEMM hardware rounds (tensor cores) or the lane converts on the device.
+    Device,
+    /// The lane rounds the slot copy on upload (CPU emulation); C0 is never rounded.
+    InLane,
+}
+
+/// What the planner and `plan` need to know about a backend; everything backend-specific above
+/// the [`Lane`] seam is read from here, never from the backend's name.
+#[derive(Clone, Debug)]
+pub struct Caps {
+    /// Short kind for the journal's fingerprint ("cpu", "cuda", "sim"): a step never mixes
+    /// results of two kinds.
+    pub kind: &'static str,
+    pub memory: MemorySpace,
+    /// Square tile edges tried by `tile = "auto"`, largest first.
+    pub tile_ladder: &'static [u64],
+    /// Most staging buffers per lane worth having.
+    pub staging_depth: usize,
+    /// Whether an extra output buffer (download overlapping writeback) is worth budget.
+    pub extra_out_buf: bool,
+    /// Lanes (devices) the backend drives.
+    pub lanes: usize,
+    /// Per-lane device memory budget (0 for [`MemorySpace::Host`]).
+    pub device_memory: u64,
+    pub rounding: Rounding,
+    /// Whether the lane converts bf16/fp16 inputs on the device (needs landing buffers and
+    /// slots in the narrow type).
+    pub narrow_slots: bool,
+    /// Names of the copy engines in reports ("H2D"/"D2H", or "staged"/"collected" on the CPU).
+    pub link_names: (&'static str, &'static str),
+    /// Host↔device link rate per lane for `plan`'s lower bound (None: no link).
+    pub link_rate: Option<f64>,
+    /// Peak FLOP rate per lane by precision for `plan`'s lower bound, and where it comes from.
+    pub peak_flops: fn(Precision, usize) -> f64,
+    pub peak_source: &'static str,
+}
+
+/// A compute backend: its capabilities, its host allocator, and the lanes it makes for a
+/// layout. The run loop, the planner and the pipeline see only this trait and [`Lane`].
+pub trait Backend: HostAlloc {
+    /// Human name ("cpu (2 threads)", "cuda:0 NVIDIA H200 + cuda:1 NVIDIA H200").
+    fn name(&self) -> String;
+    fn caps(&self) -> &Caps;
+    /// Worker threads for host-side work.
+    fn threads(&self) -> usize;
+    /// A one-line note for the user (e.g. why `auto` fell back to the CPU).
+    fn note(&self) -> Option<String> {
+        None
     }
-    pub fn is_cuda(&self) -> bool {
-        self.target.cuda
-    }
+    /// One lane per device, allocated for `layout`.
+    fn lanes(&self, layout: &Layout, p: Precision) -> Result<Vec<Box<dyn Lane>>>;
+    /// The same backend without lane `lane` (index into [`Backend::lanes`]' result), for
+    /// failover; `None` when nothing would be left.
+    fn without(&self, lane: usize) -> Option<Result<Box<dyn Backend>>>;
 }
 
 /// Number of worker threads `threads = 0` means.
@@ -227,36 +271,25 @@ pub fn resolve_threads(threads: usize) -> usize {
     }
 }
 
-pub fn cpu_backend(threads: usize, note: Option<String>) -> Selected {
-    let threads = resolve_threads(threads);
-    Selected {
-        target: crate::plan::layout::Target::cpu(threads),
-        alloc: Box::new(cpu::CpuAlloc),
-        threads,
-        note,
-        make: Box::new(move |layout, _p| {
-            Ok(vec![
-                Box::new(cpu::CpuLane::new(layout, threads)?) as Box<dyn Lane>
-            ])
-        }),
-        name: format!("cpu ({threads} threads)"),
-        ordinals: Vec::new(),
-    }
-}
-
 /// Choose the backend for `engine`: `cpu`, `cuda` (an error if no GPU is usable), or `auto`
 /// (every visible GPU if the driver loads and one exists, else the CPU with a note).
-pub fn select(engine: &crate::plan::Engine) -> Result<Selected> {
+pub fn select(engine: &crate::plan::Engine) -> Result<Box<dyn Backend>> {
     use crate::plan::BackendKind;
     match engine.backend {
-        BackendKind::Cpu => Ok(cpu_backend(engine.threads, None)),
-        BackendKind::Cuda => cuda::select(engine),
-        BackendKind::Auto => match cuda::select(engine) {
-            Ok(s) => Ok(s),
-            Err(e) => Ok(cpu_backend(
+        BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(engine.threads, None))),
+        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine)?)),
+        #[cfg(feature = "fault-injection")]
+        BackendKind::Sim => Ok(Box::new(sim::SimBackend::new(engine))),
+        #[cfg(not(feature = "fault-injection"))]
+        BackendKind::Sim => Err(crate::error::Error::Usage(
+            "engine.backend = \"sim\" (simulated devices) exists only in test builds (cargo feature fault-injection); use \"auto\", \"cpu\" or \"cuda\"".into(),
+        )),
+        BackendKind::Auto => match cuda::CudaBackend::select(engine) {
+            Ok(s) => Ok(Box::new(s)),
+            Err(e) => Ok(Box::new(cpu::CpuBackend::new(
                 engine.threads,
                 Some(format!("backend auto: using the CPU ({e})")),
-            )),
+            ))),
         },
     }
 }

@@ -6,8 +6,36 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// What a stage does; reports and the progress display select stages by kind, never by name.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StageKind {
+    #[default]
+    Planner,
+    Prefetch,
+    Staging,
+    Lane,
+    OutPrep,
+    Writeback,
+}
+
+impl StageKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            StageKind::Planner => "planner",
+            StageKind::Prefetch => "prefetch",
+            StageKind::Staging => "staging",
+            StageKind::Lane => "lane",
+            StageKind::OutPrep => "outprep",
+            StageKind::Writeback => "writeback",
+        }
+    }
+}
+
 #[derive(Default)]
 pub struct StageMetrics {
+    pub kind: StageKind,
+    /// Display name: the kind, with `[i]` for one of several instances.
     pub name: String,
     busy_ns: AtomicU64,
     wait_in_ns: AtomicU64,
@@ -18,6 +46,7 @@ pub struct StageMetrics {
 
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct StageSnapshot {
+    pub kind: StageKind,
     pub name: String,
     pub busy_s: f64,
     pub wait_in_s: f64,
@@ -31,9 +60,16 @@ fn ns(d: Duration) -> u64 {
 }
 
 impl StageMetrics {
-    pub fn new(name: impl Into<String>) -> Arc<StageMetrics> {
+    /// Metrics for instance `index` of `of` stages of this kind (no suffix when it is alone).
+    pub fn new(kind: StageKind, index: usize, of: usize) -> Arc<StageMetrics> {
+        let name = if of > 1 {
+            format!("{}[{index}]", kind.name())
+        } else {
+            kind.name().to_string()
+        };
         Arc::new(StageMetrics {
-            name: name.into(),
+            kind,
+            name,
             ..Default::default()
         })
     }
@@ -63,6 +99,7 @@ impl StageMetrics {
     pub fn snapshot(&self) -> StageSnapshot {
         let s = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
         StageSnapshot {
+            kind: self.kind,
             name: self.name.clone(),
             busy_s: s(&self.busy_ns),
             wait_in_s: s(&self.wait_in_ns),

@@ -19,11 +19,10 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use super::control::Control;
 use super::metrics::StageMetrics;
 use super::pool::{Lease, Pool};
-use crate::backend::{round_inputs, Dst, GemmDesc, Lane, Ticket};
+use crate::backend::{Dst, GemmDesc, Lane, Ticket};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::schedule::{OutTile, Schedule, Src, TileCache};
-use crate::plan::Precision;
 use crate::store::{Block, TiledFile, TiledWriter};
 
 /// Planner → prefetch → staging.
@@ -328,8 +327,6 @@ pub struct Staging<'a> {
     pub inputs: &'a Inputs,
     pub pool: Pool,
     pub host_dt: DType,
-    /// Round inputs on the host to emulate a reduced-precision GEMM (CPU backend).
-    pub round: Option<Precision>,
     pub rx: Receiver<PlanOp>,
     pub out: Sender<LaneOp>,
     pub m: Arc<StageMetrics>,
@@ -353,11 +350,6 @@ impl Staging<'_> {
             self.inputs
                 .nonfinite
                 .fetch_add(nonfinite, Ordering::Relaxed);
-        }
-        if let Some(p) = self.round {
-            if let Ok(xs) = <[f32] as zerocopy::FromBytes>::mut_from_bytes(dst) {
-                round_inputs(p, xs);
-            }
         }
         self.m.add_busy(t.elapsed());
         self.m.add_item((elems * f.dtype().size()) as u64);
@@ -559,26 +551,12 @@ pub struct Writeback<'a> {
     pub durable: bool,
 }
 
-/// Test-only fault injection: fail the write of the N-th output tile of this process
-/// (MGMM_FAULT_WRITE_AFTER=N), as a full disk would.
-fn injected_write_fault(written: u64) -> Option<std::io::Error> {
-    let n: u64 = std::env::var("MGMM_FAULT_WRITE_AFTER").ok()?.parse().ok()?;
-    (written >= n).then(|| std::io::Error::from_raw_os_error(libc::ENOSPC))
-}
-
 impl Writeback<'_> {
     pub fn run(self, ctl: &Control) -> Result<()> {
         while let Some(d) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             let b = d.tile.block;
             let bytes = b.elems() * self.host_dt.size();
-            if let Some(e) = injected_write_fault(self.m.snapshot().items) {
-                return Err(Error::io(
-                    self.writer.path(),
-                    "cannot write output tile (injected fault)",
-                    e,
-                ));
-            }
             let data = &d.buf.buf().bytes()[..bytes];
             let crc = self.writer.write_block(&b, self.host_dt, data)?;
             drop(d.buf);

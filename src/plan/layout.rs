@@ -9,29 +9,9 @@
 
 use super::size::fmt_bytes;
 use super::{Engine, Precision, Step, TileSpec};
+use crate::backend::{Caps, MemorySpace};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-
-/// What the step will run on.
-#[derive(Clone, Debug)]
-pub struct Target {
-    pub cuda: bool,
-    pub lanes: usize,
-    /// Per-lane device memory budget (CUDA only).
-    pub device_memory: u64,
-    pub label: String,
-}
-
-impl Target {
-    pub fn cpu(threads: usize) -> Target {
-        Target {
-            cuda: false,
-            lanes: 1,
-            device_memory: 0,
-            label: format!("cpu ({threads} threads)"),
-        }
-    }
-}
 
 #[derive(Clone, Debug)]
 pub struct Layout {
@@ -63,39 +43,29 @@ pub struct Layout {
     pub lanes: usize,
 }
 
-const CPU_TILES: &[u64] = &[
-    1024, 768, 512, 384, 256, 192, 128, 96, 64, 48, 32, 16, 8, 4, 2, 1,
-];
-const GPU_TILES: &[u64] = &[
-    8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1,
-];
-
 impl Layout {
     pub fn new(
         plan: &std::path::Path,
         step: &Step,
         engine: &Engine,
-        target: &Target,
+        caps: &Caps,
     ) -> Result<Layout> {
         let candidates: Vec<(u64, u64, u64)> = match engine.tile {
             TileSpec::Fixed { m, n, k } => vec![(m, n, k)],
-            TileSpec::Auto => {
-                let list = if target.cuda { GPU_TILES } else { CPU_TILES };
-                list.iter().map(|&t| (t, t, t)).collect()
-            }
+            TileSpec::Auto => caps.tile_ladder.iter().map(|&t| (t, t, t)).collect(),
         };
         let mut last = None;
         for (m, n, k) in candidates {
             let l = Self::with_tiles(
                 step,
                 engine,
-                target,
+                caps,
                 m.min(step.m),
                 n.min(step.n),
                 k.min(step.k),
             );
-            if l.fits(engine, target) {
-                return Ok(l.grow(step, engine, target));
+            if l.fits(engine, caps) {
+                return Ok(l.grow(step, engine, caps));
             }
             last = Some(l);
         }
@@ -114,7 +84,7 @@ impl Layout {
             l.tk,
             fmt_bytes(l.host_bytes)
         );
-        if target.cuda {
+        if caps.memory == MemorySpace::Device {
             msg += &format!(
                 " and {} of device memory per GPU",
                 fmt_bytes(l.device_bytes)
@@ -123,10 +93,10 @@ impl Layout {
         msg += &format!(
             ", but engine.host_memory is {}{}; raise the budget or lower engine.tile",
             fmt_bytes(engine.host_memory),
-            if target.cuda {
+            if caps.memory == MemorySpace::Device {
                 format!(
                     " and the device budget is {}",
-                    fmt_bytes(target.device_memory)
+                    fmt_bytes(caps.device_memory)
                 )
             } else {
                 String::new()
@@ -135,17 +105,10 @@ impl Layout {
         Err(Error::plan(plan, msg))
     }
 
-    fn with_tiles(
-        step: &Step,
-        engine: &Engine,
-        target: &Target,
-        tm: u64,
-        tn: u64,
-        tk: u64,
-    ) -> Layout {
+    fn with_tiles(step: &Step, engine: &Engine, caps: &Caps, tm: u64, tn: u64, tk: u64) -> Layout {
         let host_dt = engine.precision.host_dtype();
         let hs = host_dt.size() as u64;
-        let dev_dt = match (target.cuda, engine.precision) {
+        let dev_dt = match (caps.narrow_slots, engine.precision) {
             (true, Precision::Bf16) => DType::BF16,
             (true, Precision::Fp16) => DType::F16,
             _ => host_dt,
@@ -178,7 +141,7 @@ impl Layout {
             host_bytes: 0,
             device_bytes: 0,
             out_tile: (0, 0),
-            lanes: target.lanes,
+            lanes: caps.lanes,
         };
         let ot = step.out_tile.unwrap_or(0);
         l.out_tile = if ot > 0 {
@@ -186,18 +149,18 @@ impl Layout {
         } else {
             (tm, tn)
         };
-        l.recount(target);
+        l.recount(caps);
         l
     }
 
-    fn recount(&mut self, target: &Target) {
+    fn recount(&mut self, caps: &Caps) {
         let lanes = self.lanes as u64;
         let dev = self.slots as u64 * self.slot_bytes
             + self.accs as u64 * self.acc_bytes
             + self.landing as u64 * self.landing_bytes;
         let staging = lanes * (self.staging_bufs as u64 * self.staging_buf_bytes)
             + lanes * self.out_bufs as u64 * self.out_buf_bytes;
-        if target.cuda {
+        if caps.memory == MemorySpace::Device {
             self.device_bytes = dev;
             self.host_bytes = staging;
         } else {
@@ -206,45 +169,45 @@ impl Layout {
         }
     }
 
-    fn fits(&self, engine: &Engine, target: &Target) -> bool {
+    fn fits(&self, engine: &Engine, caps: &Caps) -> bool {
         self.host_bytes <= engine.host_memory
-            && (!target.cuda || self.device_bytes <= target.device_memory)
+            && (caps.memory == MemorySpace::Host || self.device_bytes <= caps.device_memory)
     }
 
     /// Spend the remaining budget on deeper staging and a larger tile cache.
-    fn grow(mut self, step: &Step, engine: &Engine, target: &Target) -> Layout {
+    fn grow(mut self, step: &Step, engine: &Engine, caps: &Caps) -> Layout {
         // Distinct input tiles: growing the cache beyond this buys nothing.
         let gm = step.m.div_ceil(self.tm);
         let gn = step.n.div_ceil(self.tn);
         let gk = step.k.div_ceil(self.tk);
         let distinct = (gm * gk + gk * gn) as usize;
-        let stage_max = if target.cuda { 6 } else { 4 };
+        let stage_max = caps.staging_depth;
         while self.staging_bufs < stage_max {
             self.staging_bufs += 1;
-            self.recount(target);
-            if !self.fits(engine, target) {
+            self.recount(caps);
+            if !self.fits(engine, caps) {
                 self.staging_bufs -= 1;
-                self.recount(target);
+                self.recount(caps);
                 break;
             }
         }
-        if target.cuda {
+        if caps.extra_out_buf {
             // An extra output buffer lets downloads overlap writeback.
             self.out_bufs += 1;
-            self.recount(target);
-            if !self.fits(engine, target) {
+            self.recount(caps);
+            if !self.fits(engine, caps) {
                 self.out_bufs -= 1;
-                self.recount(target);
+                self.recount(caps);
             }
         }
-        let spare = if target.cuda {
-            target.device_memory.saturating_sub(self.device_bytes)
+        let spare = if caps.memory == MemorySpace::Device {
+            caps.device_memory.saturating_sub(self.device_bytes)
         } else {
             engine.host_memory.saturating_sub(self.host_bytes)
         };
         let extra = (spare / self.slot_bytes.max(1)) as usize;
         self.slots = (self.slots + extra).min(distinct.max(2));
-        self.recount(target);
+        self.recount(caps);
         self
     }
 

@@ -25,6 +25,8 @@ pub enum BackendKind {
     Auto,
     Cpu,
     Cuda,
+    /// Simulated devices for tests (only in builds with the `fault-injection` feature).
+    Sim,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -524,6 +526,7 @@ fn resolve_engine(path: &Path, e: &raw::RawEngine) -> Result<Engine> {
         None | Some("auto") => BackendKind::Auto,
         Some("cpu") => BackendKind::Cpu,
         Some("cuda") => BackendKind::Cuda,
+        Some("sim") => BackendKind::Sim,
         Some(o) => {
             return Err(perr(format!(
                 "engine.backend = \"{o}\" is unknown; use \"auto\", \"cpu\" or \"cuda\""

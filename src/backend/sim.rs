@@ -1,0 +1,340 @@
+//! A simulated multi-device backend, so the concurrency core runs on CI machines without a GPU
+//! (cargo feature `fault-injection`; plan key `backend = "sim"`).
+//!
+//! Each [`SimLane`] behaves like a GPU lane where it matters to the pipeline: its work is
+//! asynchronous. `upload`, `gemm` and `download` only queue an operation and return; a helper
+//! thread per lane executes the queue in order after a random delay (seeded, so runs repeat),
+//! reading and writing the caller's host buffers *later* — exactly what DMA does — and tickets
+//! complete when it gets there. A pipeline that released a host buffer before its ticket was done
+//! would read or compute garbage here, and the tests would see it. The arithmetic is the CPU
+//! lane's (faer, one thread per lane, so every lane computes a tile the same way and any split of
+//! tiles between lanes gives identical bytes). Its slots and accumulators stand for device
+//! memory: the layout counts them against the per-device budget, not `host_memory`.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use super::cpu::CpuLane;
+use super::{
+    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Rounding,
+    Ticket,
+};
+use crate::error::{Error, Result};
+use crate::plan::layout::Layout;
+use crate::plan::{Devices, Engine, Precision};
+
+const SIM_TILES: &[u64] = &[512, 256, 128, 64, 32, 16, 8, 4, 2, 1];
+
+/// Default number of simulated devices when `engine.devices = "all"`.
+pub const DEFAULT_LANES: usize = 4;
+
+pub struct SimBackend {
+    /// Device ids still in the run (ids survive failover, like GPU ordinals).
+    ids: Vec<usize>,
+    max_delay_us: u64,
+    caps: Caps,
+}
+
+fn sim_peak(_p: Precision, lanes: usize) -> f64 {
+    1e9 * lanes as f64
+}
+
+impl SimBackend {
+    pub fn new(engine: &Engine) -> SimBackend {
+        let ids: Vec<usize> = match &engine.devices {
+            Devices::All => (0..DEFAULT_LANES).collect(),
+            Devices::List(l) => l.iter().map(|&d| d as usize).collect(),
+        };
+        Self::with_ids(ids, engine.device_memory.unwrap_or(1 << 30), 300)
+    }
+
+    fn with_ids(ids: Vec<usize>, device_memory: u64, max_delay_us: u64) -> SimBackend {
+        SimBackend {
+            caps: Caps {
+                kind: "sim",
+                memory: MemorySpace::Device,
+                tile_ladder: SIM_TILES,
+                staging_depth: 4,
+                extra_out_buf: true,
+                lanes: ids.len(),
+                device_memory,
+                rounding: Rounding::InLane,
+                narrow_slots: false,
+                link_names: ("H2D", "D2H"),
+                link_rate: None,
+                peak_flops: sim_peak,
+                peak_source: "simulated devices (tests only)",
+            },
+            ids,
+            max_delay_us,
+        }
+    }
+}
+
+impl HostAlloc for SimBackend {
+    fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
+        Ok(HostBuf::heap(bytes))
+    }
+}
+
+impl Backend for SimBackend {
+    fn name(&self) -> String {
+        let ids: Vec<String> = self.ids.iter().map(|i| format!("sim:{i}")).collect();
+        ids.join(" + ")
+    }
+    fn caps(&self) -> &Caps {
+        &self.caps
+    }
+    fn threads(&self) -> usize {
+        1
+    }
+    fn lanes(&self, layout: &Layout, p: Precision) -> Result<Vec<Box<dyn Lane>>> {
+        Ok(self
+            .ids
+            .iter()
+            .enumerate()
+            .map(|(index, &id)| {
+                let seed = id as u64 + 1;
+                Box::new(SimLane::new(index, id, layout, p, self.max_delay_us, seed))
+                    as Box<dyn Lane>
+            })
+            .collect())
+    }
+    fn without(&self, lane: usize) -> Option<Result<Box<dyn Backend>>> {
+        if self.ids.len() <= 1 || lane >= self.ids.len() {
+            return None;
+        }
+        let mut ids = self.ids.clone();
+        ids.remove(lane);
+        Some(Ok(Box::new(Self::with_ids(
+            ids,
+            self.caps.device_memory,
+            self.max_delay_us,
+        ))))
+    }
+}
+
+/// A raw view of a caller's host buffer, read or written later by the lane's thread.
+#[derive(Clone, Copy)]
+struct RawBuf(*mut u8, usize);
+// SAFETY: the pipeline keeps the buffer alive and untouched until the op's ticket is done (the
+// lane contract); the worker thread is the only one accessing it until then.
+unsafe impl Send for RawBuf {}
+
+impl RawBuf {
+    /// # Safety
+    /// The buffer must be alive and not accessed by anyone else until the returned HostBuf is
+    /// dropped (guaranteed by the lane contract while the op's ticket is pending).
+    unsafe fn host_buf(self) -> HostBuf {
+        let ptr = std::ptr::NonNull::new(self.0).expect("host buffers are non-null");
+        // SAFETY: see the function contract; the owner is a unit, so dropping the HostBuf frees
+        // nothing.
+        unsafe { HostBuf::from_raw(ptr, self.1, Box::new(())) }
+    }
+}
+
+enum Op {
+    Upload(RawBuf, usize, Dst),
+    Gemm(GemmDesc, usize, usize, usize),
+    Download(usize, usize, RawBuf),
+}
+
+struct Shared {
+    queue: VecDeque<(u64, Op)>,
+    /// Every op with a sequence number below this has executed.
+    done_below: u64,
+    error: Option<String>,
+    stop: bool,
+    stats: DeviceStats,
+}
+
+pub struct SimLane {
+    /// Index in the backend's lane list (for [`Error::Device`]).
+    index: usize,
+    id: usize,
+    shared: Arc<(Mutex<Shared>, Condvar)>,
+    next: u64,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SimLane {
+    fn new(
+        index: usize,
+        id: usize,
+        layout: &Layout,
+        p: Precision,
+        max_delay_us: u64,
+        seed: u64,
+    ) -> SimLane {
+        let shared = Arc::new((
+            Mutex::new(Shared {
+                queue: VecDeque::new(),
+                done_below: 0,
+                error: None,
+                stop: false,
+                stats: DeviceStats::default(),
+            }),
+            Condvar::new(),
+        ));
+        let cpu = CpuLane::new(layout, p, 1);
+        let sh = shared.clone();
+        let worker = std::thread::Builder::new()
+            .name(format!("sim:{id}"))
+            .spawn(move || worker(cpu, sh, max_delay_us, seed))
+            .expect("spawn simulated device thread");
+        SimLane {
+            index,
+            id,
+            shared,
+            next: 0,
+            worker: Some(worker),
+        }
+    }
+
+    fn push(&mut self, op: Op) -> Result<Ticket> {
+        let (m, cv) = &*self.shared;
+        let mut s = m.lock().unwrap();
+        if let Some(e) = &s.error {
+            return Err(Error::device(
+                self.index,
+                self.device(),
+                "simulated device",
+                e.clone(),
+            ));
+        }
+        let t = self.next;
+        self.next += 1;
+        s.queue.push_back((t, op));
+        cv.notify_all();
+        Ok(Ticket(t))
+    }
+
+    fn device(&self) -> String {
+        format!("sim:{}", self.id)
+    }
+}
+
+/// xorshift64*: a tiny deterministic generator for the delays.
+fn next_rand(x: &mut u64) -> u64 {
+    *x ^= *x >> 12;
+    *x ^= *x << 25;
+    *x ^= *x >> 27;
+    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+fn worker(mut cpu: CpuLane, sh: Arc<(Mutex<Shared>, Condvar)>, max_delay_us: u64, seed: u64) {
+    let (m, cv) = &*sh;
+    let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    loop {
+        let (t, op) = {
+            let mut s = m.lock().unwrap();
+            while s.queue.is_empty() && !s.stop {
+                s = cv.wait(s).unwrap();
+            }
+            match s.queue.pop_front() {
+                Some(x) => x,
+                None => return,
+            }
+        };
+        if max_delay_us > 0 {
+            std::thread::sleep(Duration::from_micros(next_rand(&mut rng) % max_delay_us));
+        }
+        // SAFETY (both arms): the op's host buffer stays alive and untouched until this op's
+        // ticket is done, which happens only after `done_below` passes it below.
+        let r = match op {
+            Op::Upload(b, elems, dst) => cpu.upload(&unsafe { b.host_buf() }, elems, dst).map(drop),
+            Op::Gemm(g, a, b, acc) => cpu.gemm(&g, a, b, acc),
+            Op::Download(acc, elems, b) => cpu
+                .download(acc, elems, &mut unsafe { b.host_buf() })
+                .map(drop),
+        };
+        let mut s = m.lock().unwrap();
+        if let Err(e) = r {
+            s.error.get_or_insert(e.to_string());
+        }
+        s.done_below = t + 1;
+        s.stats = cpu.stats();
+        cv.notify_all();
+    }
+}
+
+impl Lane for SimLane {
+    fn name(&self) -> String {
+        format!("{} (simulated)", self.device())
+    }
+    fn upload(&mut self, src: &HostBuf, elems: usize, dst: Dst) -> Result<Ticket> {
+        self.push(Op::Upload(
+            RawBuf(src.as_ptr() as *mut u8, src.len()),
+            elems,
+            dst,
+        ))
+    }
+    fn gemm(&mut self, g: &GemmDesc, a: usize, b: usize, acc: usize) -> Result<()> {
+        self.push(Op::Gemm(*g, a, b, acc)).map(drop)
+    }
+    fn download(&mut self, acc: usize, elems: usize, dst: &mut HostBuf) -> Result<Ticket> {
+        self.push(Op::Download(
+            acc,
+            elems,
+            RawBuf(dst.as_ptr() as *mut u8, dst.len()),
+        ))
+    }
+    fn done(&mut self, t: Ticket) -> Result<bool> {
+        let s = self.shared.0.lock().unwrap();
+        if let Some(e) = &s.error {
+            return Err(Error::device(
+                self.index,
+                self.device(),
+                "simulated device",
+                e.clone(),
+            ));
+        }
+        Ok(s.done_below > t.0)
+    }
+    fn wait(&mut self, t: Ticket) -> Result<()> {
+        let (m, cv) = &*self.shared;
+        let mut s = m.lock().unwrap();
+        while s.done_below <= t.0 && s.error.is_none() {
+            s = cv.wait(s).unwrap();
+        }
+        match &s.error {
+            Some(e) => Err(Error::device(
+                self.index,
+                self.device(),
+                "simulated device",
+                e.clone(),
+            )),
+            None => Ok(()),
+        }
+    }
+    fn stats(&mut self) -> DeviceStats {
+        let (m, cv) = &*self.shared;
+        let mut s = m.lock().unwrap();
+        while s.done_below < self.next && s.error.is_none() {
+            s = cv.wait(s).unwrap();
+        }
+        s.stats.clone()
+    }
+    fn live_stats(&mut self) -> DeviceStats {
+        self.shared.0.lock().unwrap().stats.clone()
+    }
+}
+
+impl Drop for SimLane {
+    fn drop(&mut self) {
+        {
+            let (m, cv) = &*self.shared;
+            let mut s = m.lock().unwrap();
+            // Finish what is queued (host buffers it references are still leased by the
+            // pipeline only while their tickets are pending; dropping the lane means the
+            // pipeline is done or cancelled, and a cancelled pipeline has waited — see
+            // DeviceLane), then stop.
+            s.stop = true;
+            cv.notify_all();
+        }
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}

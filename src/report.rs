@@ -1,0 +1,250 @@
+//! Reports: what a finished step and a finished run measured, as the summary a person reads and
+//! the JSON a script reads — both from the same figures.
+//!
+//! The pipeline hands back raw [`RunStats`]; this module interprets them against the step and its
+//! layout: busy shares of every stage and device engine, the bottleneck, bytes read and written,
+//! and the host memory actually held.
+
+use serde::Serialize;
+
+use crate::backend::{Caps, DeviceStats, MemorySpace};
+use crate::pipeline::metrics::{StageKind, StageSnapshot};
+use crate::pipeline::{PoolReport, RunStats};
+use crate::plan::layout::Layout;
+use crate::plan::size::fmt_bytes;
+use crate::plan::{Precision, Step};
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LaneReport {
+    pub name: String,
+    #[serde(flatten)]
+    pub stats: DeviceStats,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct StepReport {
+    pub step: usize,
+    pub expr: String,
+    pub output: String,
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub backend: String,
+    pub precision: String,
+    pub tile: [u64; 3],
+    pub tiles_total: u64,
+    pub tiles_computed: u64,
+    pub wall_s: f64,
+    pub flops: f64,
+    pub gflops_per_s: f64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub host_budget_bytes: u64,
+    pub host_pool_bytes: u64,
+    pub host_peak_bytes: u64,
+    pub pools: Vec<PoolReport>,
+    pub stages: Vec<StageSnapshot>,
+    pub lanes: Vec<LaneReport>,
+    /// (name, busy share of wall time) for every stage and device engine, largest first.
+    pub busy_shares: Vec<(String, f64)>,
+    pub bottleneck: String,
+    pub nonfinite_inputs: u64,
+    pub flush_s: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct RunReport {
+    pub plan: String,
+    pub backend: String,
+    pub generated: Vec<String>,
+    pub steps: Vec<StepReport>,
+    pub wall_s: f64,
+}
+
+/// Everything about the run of one step that is not in its stats.
+pub struct StepContext<'a> {
+    pub step: &'a Step,
+    pub layout: &'a Layout,
+    pub caps: &'a Caps,
+    pub backend: String,
+    pub precision: Precision,
+    pub host_budget: u64,
+}
+
+fn sum_bytes(stages: &[StageSnapshot], kind: StageKind) -> u64 {
+    stages
+        .iter()
+        .filter(|s| s.kind == kind)
+        .map(|s| s.bytes)
+        .sum()
+}
+
+/// Busy share of wall time of every stage and device engine, largest first.
+fn busy_shares(st: &RunStats, devices: bool) -> Vec<(String, f64)> {
+    let wall = st.wall_s.max(1e-12);
+    let mut shares: Vec<(String, f64)> = st
+        .stages
+        .iter()
+        .map(|s| (s.name.clone(), s.busy_s / wall))
+        .collect();
+    if devices {
+        for (name, d) in &st.lanes {
+            shares.push((format!("{name} gemm"), d.gemm_s / wall));
+            shares.push((format!("{name} h2d"), d.h2d_s / wall));
+            shares.push((format!("{name} d2h"), d.d2h_s / wall));
+        }
+    }
+    shares.push(("flush".into(), st.flush_s / wall));
+    shares.sort_by(|a, b| b.1.total_cmp(&a.1));
+    shares
+}
+
+/// Pools merged by name (one staging pool per lane is reported as one line).
+fn merged_pools(pools: &[PoolReport]) -> Vec<PoolReport> {
+    let mut out: Vec<PoolReport> = Vec::new();
+    for p in pools {
+        match out.iter_mut().find(|q| q.name == p.name) {
+            Some(q) => {
+                q.buffers += p.buffers;
+                q.high_water += p.high_water;
+            }
+            None => out.push(p.clone()),
+        }
+    }
+    out
+}
+
+pub fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
+    let (step, l) = (cx.step, cx.layout);
+    let devices = cx.caps.memory == MemorySpace::Device;
+    let shares = busy_shares(&st, devices);
+    let pool_peak: u64 = st
+        .pools
+        .iter()
+        .map(|p| p.high_water as u64 * p.buffer_bytes)
+        .sum();
+    // On a host-memory backend the lane's slots and accumulators are host memory too.
+    let lane_host = match cx.caps.memory {
+        MemorySpace::Host => l.slots as u64 * l.slot_bytes + l.accs as u64 * l.acc_bytes,
+        MemorySpace::Device => 0,
+    };
+    StepReport {
+        step: step.index + 1,
+        expr: step.expr.clone(),
+        output: step.output.display().to_string(),
+        m: step.m,
+        n: step.n,
+        k: step.k,
+        backend: cx.backend.clone(),
+        precision: cx.precision.name().into(),
+        tile: [l.tm, l.tn, l.tk],
+        tiles_total: st.tiles_total,
+        tiles_computed: st.tiles_computed,
+        wall_s: st.wall_s,
+        flops: st.flops,
+        gflops_per_s: st.flops / st.wall_s.max(1e-12) / 1e9,
+        read_bytes: sum_bytes(&st.stages, StageKind::Staging),
+        write_bytes: sum_bytes(&st.stages, StageKind::Writeback),
+        host_budget_bytes: cx.host_budget,
+        host_pool_bytes: l.host_bytes,
+        host_peak_bytes: pool_peak + lane_host,
+        pools: merged_pools(&st.pools),
+        lanes: st
+            .lanes
+            .into_iter()
+            .map(|(name, stats)| LaneReport { name, stats })
+            .collect(),
+        bottleneck: shares.first().map(|s| s.0.clone()).unwrap_or_default(),
+        busy_shares: shares,
+        stages: st.stages,
+        nonfinite_inputs: st.nonfinite_inputs,
+        flush_s: st.flush_s,
+    }
+}
+
+fn device_lines(r: &StepReport) -> String {
+    let mut s = String::new();
+    for l in r
+        .lanes
+        .iter()
+        .filter(|l| l.stats.h2d_s > 0.0 || l.stats.gemm_s > 0.0)
+    {
+        if r.busy_shares
+            .iter()
+            .any(|(n, _)| n == &format!("{} gemm", l.name))
+        {
+            s += &format!(
+                "  {}: gemm {:.3} s ({} calls), H2D {} at {:.1} GB/s, D2H {} at {:.1} GB/s\n",
+                l.name,
+                l.stats.gemm_s,
+                l.stats.gemms,
+                fmt_bytes(l.stats.h2d_bytes),
+                l.stats.h2d_bytes as f64 / l.stats.h2d_s.max(1e-9) / 1e9,
+                fmt_bytes(l.stats.d2h_bytes),
+                l.stats.d2h_bytes as f64 / l.stats.d2h_s.max(1e-9) / 1e9
+            );
+        }
+    }
+    s
+}
+
+/// The end-of-step summary a person reads.
+pub fn format_summary(r: &StepReport) -> String {
+    let mut s = format!(
+        "step {}: {} = {}  ({}×{}×{}, {}, {}, tile {}×{}×{})\n",
+        r.step,
+        r.output,
+        r.expr,
+        r.m,
+        r.n,
+        r.k,
+        r.precision,
+        r.backend,
+        r.tile[0],
+        r.tile[1],
+        r.tile[2]
+    );
+    s += &format!(
+        "  wall {:.3} s   {:.2} GFLOP/s   read {} ({:.0} MB/s)   written {}   flush {:.3} s\n",
+        r.wall_s,
+        r.gflops_per_s,
+        fmt_bytes(r.read_bytes),
+        r.read_bytes as f64 / r.wall_s / 1e6,
+        fmt_bytes(r.write_bytes),
+        r.flush_s
+    );
+    let pools: Vec<String> = r
+        .pools
+        .iter()
+        .map(|p| {
+            format!(
+                "{} {}×{} (peak {})",
+                p.name,
+                p.buffers,
+                fmt_bytes(p.buffer_bytes),
+                p.high_water
+            )
+        })
+        .collect();
+    s += &format!(
+        "  host memory: {}; peak {} of {} budget\n",
+        pools.join(", "),
+        fmt_bytes(r.host_peak_bytes),
+        fmt_bytes(r.host_budget_bytes)
+    );
+    s += &device_lines(r);
+    let shares: Vec<String> = r
+        .busy_shares
+        .iter()
+        .map(|(n, v)| format!("{n} {:.0}%", 100.0 * v))
+        .collect();
+    s += &format!("  busy: {}\n", shares.join(" | "));
+    s += &format!("  bottleneck: {}", r.bottleneck);
+    if r.nonfinite_inputs > 0 {
+        s += &format!(
+            "\n  note: {} NaN/Inf values seen while staging inputs (computed as IEEE arithmetic says; a tile staged twice counts twice)",
+            r.nonfinite_inputs
+        );
+    }
+    s
+}

@@ -1,0 +1,146 @@
+//! The text `mgmm-stream plan` prints: the resolved plan, each step's tiles, memory, traffic
+//! model and a lower bound on its time, before anything runs.
+
+use crate::backend::{self, describe_precision, MemorySpace};
+use crate::error::Result;
+use crate::plan::layout::Layout;
+use crate::plan::schedule::{traffic, Schedule};
+use crate::plan::size::fmt_bytes;
+use crate::plan::Plan;
+
+/// Disk read rate assumed for the cold-cache bound (documented in docs/PLAN.md).
+const DISK_READ: f64 = 1.6e9;
+
+/// The text `mgmm-stream plan` prints.
+pub fn describe(plan: &Plan) -> Result<String> {
+    let sel = backend::select(&plan.engine)?;
+    let caps = sel.caps();
+    let device = caps.memory == MemorySpace::Device;
+    let e = &plan.engine;
+    let mut s = format!("plan {}\n", plan.path.display());
+    if let Some(n) = sel.note() {
+        s += &format!("note: {n}\n");
+    }
+    s += &format!(
+        "engine: backend {} | precision {} ({}) | threads {} | host_memory {}{}\n",
+        sel.name(),
+        e.precision.name(),
+        describe_precision(e.precision),
+        sel.threads(),
+        fmt_bytes(e.host_memory),
+        if device {
+            format!(
+                " | device budget {} per device",
+                fmt_bytes(caps.device_memory)
+            )
+        } else {
+            String::new()
+        }
+    );
+    s += "matrices:\n";
+    for d in &plan.matrices {
+        s += &format!(
+            "  {:<6} {}×{} {}  {}{}\n",
+            d.name,
+            d.rows,
+            d.cols,
+            d.dtype,
+            d.path.display(),
+            if d.generate.is_some() {
+                "  (missing: will be generated)"
+            } else {
+                ""
+            }
+        );
+    }
+    for step in &plan.steps {
+        let l = Layout::new(&plan.path, step, e, caps)?;
+        let sched = Schedule::new(step, &l);
+        let t = traffic(step, &l, &sched);
+        let (gm, gn, gk) = l.grid(step);
+        s += &format!(
+            "step {} (line {}): {} = {}\n",
+            step.index + 1,
+            step.line,
+            step.output.display(),
+            step.expr
+        );
+        s += &format!(
+            "  shapes: op(A) {}×{}, op(B) {}×{}, C {}×{}{}  alpha {} beta {}\n",
+            step.m,
+            step.k,
+            step.k,
+            step.n,
+            step.m,
+            step.n,
+            step.c0
+                .as_ref()
+                .map(|c| format!(" + {}", c.name))
+                .unwrap_or_default(),
+            step.alpha,
+            step.beta
+        );
+        s += &format!(
+            "  compute tile {}×{}×{}: {} output tiles ({}×{}), {} k-steps each, {} GEMM calls; output storage tile {}×{}\n",
+            l.tm, l.tn, l.tk, gm * gn, gm, gn, gk, t.gemms, l.out_tile.0, l.out_tile.1
+        );
+        s += &format!(
+            "  host pools: staging {}×{} per lane, output {}×{} per lane{}  => host ceiling {} of {}\n",
+            l.staging_bufs,
+            fmt_bytes(l.staging_buf_bytes),
+            l.out_bufs,
+            fmt_bytes(l.out_buf_bytes),
+            if device { String::new() } else {
+                format!(", tile cache {}×{}, accumulators {}×{}", l.slots, fmt_bytes(l.slot_bytes), l.accs, fmt_bytes(l.acc_bytes))
+            },
+            fmt_bytes(l.host_bytes),
+            fmt_bytes(e.host_memory)
+        );
+        if device {
+            s += &format!(
+                "  device per lane: tile cache {}×{} ({}), accumulators {}×{}{} => {}\n",
+                l.slots,
+                fmt_bytes(l.slot_bytes),
+                l.dev_dt,
+                l.accs,
+                fmt_bytes(l.acc_bytes),
+                if l.landing > 0 {
+                    format!(", landing {}×{}", l.landing, fmt_bytes(l.landing_bytes))
+                } else {
+                    String::new()
+                },
+                fmt_bytes(l.device_bytes)
+            );
+        }
+        s += &format!(
+            "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
+            fmt_bytes(t.read_bytes),
+            fmt_bytes(t.min_read_bytes),
+            t.tile_loads,
+            caps.link_names.0,
+            fmt_bytes(t.h2d_bytes),
+            caps.link_names.1,
+            fmt_bytes(t.d2h_bytes),
+            fmt_bytes(t.write_bytes)
+        );
+        let rate = (caps.peak_flops)(e.precision, if device { caps.lanes } else { sel.threads() });
+        let why = caps.peak_source;
+        let tc = step.flops() / rate;
+        let td = (t.min_read_bytes + t.write_bytes) as f64 / DISK_READ;
+        let link = caps.link_rate;
+        let tp = link
+            .map(|r| t.h2d_bytes.max(t.d2h_bytes) as f64 / r / caps.lanes as f64)
+            .unwrap_or(0.0);
+        s += &format!(
+            "  lower bound: {:.3e} FLOP at {:.1} TFLOP/s ({why}) = {:.3} s; cold disk at {:.1} GB/s = {:.3} s{} => at least {:.3} s\n",
+            step.flops(),
+            rate / 1e12,
+            tc,
+            DISK_READ / 1e9,
+            td,
+            link.map(|r| format!("; PCIe at {:.0} GB/s = {tp:.3} s", r / 1e9)).unwrap_or_default(),
+            tc.max(tp).max(td)
+        );
+    }
+    Ok(s)
+}

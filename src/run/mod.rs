@@ -1,0 +1,305 @@
+//! `run`: from a resolved plan to finished output files and a report.
+//!
+//! This is the control path. [`run_plan`] chooses the backend once, sizes every step before any
+//! work (a plan that cannot fit fails here, untouched), checks disk space, generates missing
+//! inputs, and then runs the steps in order. Each step is a short loop: load its
+//! [`ResumeState`], build a [`Pipeline`] for the work left, run it; when a device fails and the
+//! backend can go on without it ([`Backend::without`]), the loop goes round again — an ordinary
+//! resume with one device fewer, computing the same bytes.
+
+mod describe;
+mod resume;
+mod space;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use crate::backend::{self, Backend};
+use crate::error::{Error, Result};
+use crate::pipeline::journal::{Fingerprint, Journal};
+use crate::pipeline::stages::TileSink;
+use crate::pipeline::{self, Pipeline, RunConfig};
+use crate::plan::layout::Layout;
+use crate::plan::schedule::OutTile;
+use crate::plan::size::fmt_bytes;
+use crate::plan::{Plan, Precision, Step};
+use crate::progress::Progress;
+use crate::report::{self, StepContext};
+pub use crate::report::{RunReport, StepReport};
+use crate::store::gen;
+pub use describe::describe;
+pub use resume::ResumeState;
+
+/// How to run a plan, beyond what the plan says.
+#[derive(Default)]
+pub struct RunOptions {
+    pub report: Option<PathBuf>,
+    /// Discard journals and recompute every step from scratch.
+    pub restart: bool,
+    /// Faults to inject (tests and the GPU resilience scripts only).
+    #[cfg(feature = "fault-injection")]
+    pub faults: Option<crate::backend::fault::FaultConfig>,
+}
+
+/// Ignore SIGXFSZ so that exceeding the file-size limit is an EFBIG error we can report,
+/// not a silent kill.
+pub fn ignore_sigxfsz() {
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler code.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+    }
+}
+
+/// Everything that determines a step's output bytes, for the journal.
+fn fingerprint(step: &Step, layout: &Layout, kind: &str, p: Precision) -> Result<Fingerprint> {
+    let mut fp = Fingerprint::new();
+    let h = pipeline::output_header(step, layout);
+    fp.insert(
+        "output".into(),
+        format!(
+            "{}×{} {} in {}×{} tiles",
+            h.rows, h.cols, h.dtype, h.tile_rows, h.tile_cols
+        ),
+    );
+    fp.insert("expr".into(), step.expr.clone());
+    fp.insert("alpha".into(), format!("{:?}", step.alpha));
+    fp.insert("beta".into(), format!("{:?}", step.beta));
+    fp.insert("precision".into(), p.name().into());
+    fp.insert("backend".into(), kind.into());
+    fp.insert(
+        "compute tile".into(),
+        format!("{}×{}×{}", layout.tm, layout.tn, layout.tk),
+    );
+    let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+    for op in ops.into_iter().flatten() {
+        let f = crate::store::TiledFile::open(&op.path)?;
+        let len = f.hdr.file_len();
+        let head = crc32c::crc32c(&f.hdr.to_block());
+        let table = f
+            .checksum_table()
+            .map(|t| {
+                format!(
+                    "{:08x}",
+                    crc32c::crc32c(&t.iter().flat_map(|c| c.to_le_bytes()).collect::<Vec<u8>>())
+                )
+            })
+            .unwrap_or_else(|| "none".into());
+        fp.insert(
+            format!("input {}", op.name),
+            format!(
+                "{} ({len} bytes, header {head:08x}, tile checksums {table})",
+                op.path.display()
+            ),
+        );
+    }
+    Ok(fp)
+}
+
+struct JournalSink<'a>(&'a Journal);
+impl TileSink for JournalSink<'_> {
+    fn tile_written(&self, tile: &OutTile, crc: u32) -> Result<()> {
+        self.0.record(tile.seq, crc)
+    }
+}
+
+/// Build the global rayon pool once (later calls keep the first pool).
+pub fn init_threads(threads: usize) -> usize {
+    let n = backend::resolve_threads(threads);
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build_global();
+    n
+}
+
+/// Generate every declared input that is missing and has a `generate` spec.
+pub fn generate_missing(plan: &Plan, progress: &Progress) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for d in &plan.matrices {
+        let Some(spec) = &d.generate else { continue };
+        if d.path.exists() {
+            continue;
+        }
+        if let Some(dir) = d.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::io(dir, "cannot create directory", e))?;
+        }
+        let t = Instant::now();
+        let bytes = gen::generate(&d.path, spec)?;
+        progress.note(&format!(
+            "generated {} ({}×{} {}, {:?}, seed {}): {} in {:.2} s",
+            d.path.display(),
+            spec.rows,
+            spec.cols,
+            spec.dtype,
+            spec.dist,
+            spec.seed,
+            fmt_bytes(bytes),
+            t.elapsed().as_secs_f64()
+        ));
+        out.push(d.path.display().to_string());
+    }
+    Ok(out)
+}
+
+/// The backend a run uses: the plan's, wrapped with injected faults when asked (tests only).
+fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
+    let b = backend::select(&plan.engine)?;
+    #[cfg(feature = "fault-injection")]
+    if let Some(f) = &_opts.faults {
+        return Ok(Box::new(crate::backend::fault::FaultyBackend::new(
+            b,
+            f.clone(),
+        )));
+    }
+    Ok(b)
+}
+
+pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<RunReport> {
+    let t0 = Instant::now();
+    ignore_sigxfsz();
+    init_threads(plan.engine.threads);
+    let mut backend = choose_backend(plan, opts)?;
+    let layouts: Vec<Layout> = plan
+        .steps
+        .iter()
+        .map(|s| Layout::new(&plan.path, s, &plan.engine, backend.caps()))
+        .collect::<Result<_>>()?;
+    space::check_space(plan, &layouts)?;
+    if let Some(n) = backend.note() {
+        progress.note(&n);
+    }
+    let backend_name = backend.name();
+    let generated = generate_missing(plan, progress)?;
+    let mut steps = Vec::new();
+    for (step, layout) in plan.steps.iter().zip(&layouts) {
+        if let Some(rep) = run_step(plan, step, layout, &mut backend, opts, progress)? {
+            progress.note(&report::format_summary(&rep));
+            steps.push(rep);
+        }
+    }
+    let report = RunReport {
+        plan: plan.path.display().to_string(),
+        backend: backend_name,
+        generated,
+        steps,
+        wall_s: t0.elapsed().as_secs_f64(),
+    };
+    if let Some(p) = &opts.report {
+        let s = serde_json::to_string_pretty(&report).expect("report serializes");
+        std::fs::write(p, s).map_err(|e| Error::io(p, "cannot write report", e))?;
+    }
+    Ok(report)
+}
+
+/// Run one step to completion (`None` when it was already complete), failing over to the
+/// remaining devices when one fails.
+fn run_step(
+    plan: &Plan,
+    step: &Step,
+    layout: &Layout,
+    backend: &mut Box<dyn Backend>,
+    opts: &RunOptions,
+    progress: &Progress,
+) -> Result<Option<StepReport>> {
+    let e = &plan.engine;
+    if let Some(dir) = step.output.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|err| Error::io(dir, "cannot create output directory", err))?;
+    }
+    let fp = fingerprint(step, layout, backend.caps().kind, e.precision)?;
+    let n = step.index + 1;
+    loop {
+        let (journal, state) = ResumeState::load(step, layout, &fp, opts.restart, e.durable)?;
+        let (work, total, bad) = match state {
+            ResumeState::Complete => {
+                progress.note(&format!(
+                    "step {n}: {} is already complete (its journal says so); skipping. Use --restart to recompute it.",
+                    step.output.display()
+                ));
+                return Ok(None);
+            }
+            ResumeState::Work { work, total, bad } => (work, total, bad),
+        };
+        if work.done_before > 0 || bad > 0 {
+            progress.note(&format!(
+                "step {n}: resuming {}: {} of {total} output tiles already done{}",
+                step.output.display(),
+                work.done_before,
+                if bad > 0 {
+                    format!(" ({bad} recorded tiles did not match their checksum and are redone)")
+                } else {
+                    String::new()
+                }
+            ));
+        }
+        let lanes = backend.lanes(layout, e.precision)?;
+        let journal_sink = JournalSink(&journal);
+        #[cfg(feature = "fault-injection")]
+        let faulty = opts.faults.as_ref().and_then(|f| f.write_after).map(|n| {
+            crate::backend::fault::FaultySink {
+                inner: &journal_sink,
+                write_after: n,
+                path: std::sync::Arc::new(step.output.clone()),
+            }
+        });
+        #[cfg(feature = "fault-injection")]
+        let sink: &dyn TileSink = match &faulty {
+            Some(f) => f,
+            None => &journal_sink,
+        };
+        #[cfg(not(feature = "fault-injection"))]
+        let sink: &dyn TileSink = &journal_sink;
+        let cfg = RunConfig::from_engine(e);
+        let pipe = Pipeline::build(
+            step,
+            layout,
+            backend.as_ref(),
+            lanes,
+            work,
+            cfg,
+            sink,
+            progress,
+        )?;
+        match pipe.run() {
+            Ok(stats) => {
+                journal.complete()?;
+                let cx = StepContext {
+                    step,
+                    layout,
+                    caps: backend.caps(),
+                    backend: backend.name(),
+                    precision: e.precision,
+                    host_budget: e.host_memory,
+                };
+                return Ok(Some(report::step_report(&cx, stats)));
+            }
+            // A device failed: if the backend can go on without it, its unfinished tiles are
+            // redone on the rest. The journal holds every tile written so far, so this is an
+            // ordinary resume with one device fewer; tiles are computed the same way on any
+            // device of the run.
+            Err(err @ Error::Device { .. }) => {
+                let Error::Device {
+                    lane, ref device, ..
+                } = err
+                else {
+                    unreachable!()
+                };
+                let Some(rest) = backend.without(lane) else {
+                    return Err(err);
+                };
+                let rest = rest?;
+                progress.note(&format!(
+                    "step {n}: {device} failed ({err}); redoing its unfinished tiles on {}",
+                    rest.name()
+                ));
+                drop(journal);
+                *backend = rest;
+            }
+            Err(err) => return Err(err),
+        }
+    }
+}
+
+pub fn default_log_every() -> Duration {
+    Duration::from_secs(5)
+}

@@ -1,0 +1,104 @@
+//! What is done of a step, what is left, and whether the output on disk can be trusted.
+//!
+//! [`ResumeState::load`] opens (or creates) the step's journal against the step's fingerprint,
+//! re-checks every recorded tile's CRC against the bytes in the output, and answers with the work
+//! left: nothing (complete), everything (fresh output), or the tiles whose records are missing or
+//! did not match. The run loop only acts on the answer.
+
+use crate::error::Result;
+use crate::pipeline::journal::{Fingerprint, Journal, State};
+use crate::pipeline::{output_header, Work};
+use crate::plan::layout::Layout;
+use crate::plan::schedule::Schedule;
+use crate::plan::Step;
+use crate::store::{TiledFile, TiledWriter};
+
+/// A step's state on disk, as the journal and the output's bytes agree on it.
+pub enum ResumeState {
+    /// The journal says the step finished: nothing to do.
+    Complete,
+    /// Work to do on an output that is open for writing.
+    Work {
+        work: Work,
+        /// Output tiles in the step.
+        total: u64,
+        /// Recorded tiles whose bytes no longer match their CRC (redone).
+        bad: u64,
+    },
+}
+
+impl ResumeState {
+    /// Open the journal for `step` and decide what is left. The journal is returned so the
+    /// caller can record tiles into it and mark it complete.
+    pub fn load(
+        step: &Step,
+        layout: &Layout,
+        fp: &Fingerprint,
+        restart: bool,
+        durable: bool,
+    ) -> Result<(Journal, ResumeState)> {
+        let (journal, state) = Journal::open(&step.output, fp, restart, durable)?;
+        let sched = Schedule::new(step, layout);
+        let header = output_header(step, layout);
+        let total = sched.tiles.len() as u64;
+        let st = match state {
+            State::Complete => ResumeState::Complete,
+            // A journal with no finished tile says nothing about the output (a kill may have
+            // landed while the output was being created): start the step afresh.
+            State::Fresh => Self::fresh(step, header, total)?,
+            State::Partial(done) if done.is_empty() => Self::fresh(step, header, total)?,
+            State::Partial(done) => {
+                let writer = TiledWriter::reopen(&step.output, header)?;
+                let (finished, bad) = check_recorded(step, &sched, &done)?;
+                writer.forget_checksums();
+                let todo: Vec<u32> = (0..total as u32)
+                    .filter(|&i| !finished[i as usize])
+                    .collect();
+                let done_before = total - todo.len() as u64;
+                ResumeState::Work {
+                    work: Work {
+                        writer,
+                        todo: Some(todo),
+                        done_before,
+                    },
+                    total,
+                    bad,
+                }
+            }
+        };
+        Ok((journal, st))
+    }
+
+    fn fresh(step: &Step, header: crate::store::Header, total: u64) -> Result<ResumeState> {
+        Ok(ResumeState::Work {
+            work: Work {
+                writer: TiledWriter::create(&step.output, header)?,
+                todo: None,
+                done_before: 0,
+            },
+            total,
+            bad: 0,
+        })
+    }
+}
+
+/// Which recorded tiles still hold the bytes their CRC says; and how many do not.
+fn check_recorded(step: &Step, sched: &Schedule, done: &[(u32, u32)]) -> Result<(Vec<bool>, u64)> {
+    let out = TiledFile::open(&step.output)?;
+    let mut finished = vec![false; sched.tiles.len()];
+    let mut bad = 0;
+    let mut buf = Vec::new();
+    for &(seq, crc) in done {
+        let Some(t) = sched.tiles.get(seq as usize) else {
+            continue;
+        };
+        buf.resize(t.block.elems() * step.out_dtype.size(), 0u8);
+        out.read_block(&t.block, step.out_dtype, &mut buf)?;
+        if crate::store::tiled::par_crc32c(&buf) == crc {
+            finished[seq as usize] = true;
+        } else {
+            bad += 1;
+        }
+    }
+    Ok((finished, bad))
+}

@@ -1,0 +1,91 @@
+//! Disk-space and filesystem checks made before any work, so a plan that cannot finish on its
+//! disks fails at start-up with the numbers, untouched, instead of hours later.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::pipeline;
+use crate::plan::layout::Layout;
+use crate::plan::size::fmt_bytes;
+use crate::plan::Plan;
+
+/// Free bytes for unprivileged writers on the filesystem holding `dir`.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statvfs is a plain C struct of integers, for which all-zero bytes are valid.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs writes into the struct we own; the path is a valid C string.
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (r == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn read_only(dir: &Path) -> bool {
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statvfs is a plain C struct of integers, for which all-zero bytes are valid.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as in free_bytes.
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    r == 0 && st.f_flag & libc::ST_RDONLY != 0
+}
+
+fn existing_dir(p: &Path) -> PathBuf {
+    let mut d = p
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
+    if d.as_os_str().is_empty() {
+        d = PathBuf::from(".");
+    }
+    while !d.exists() {
+        match d.parent() {
+            Some(p) if !p.as_os_str().is_empty() => d = p.to_path_buf(),
+            _ => return PathBuf::from("."),
+        }
+    }
+    d
+}
+
+/// Refuse to start when the files this plan will create do not fit on their filesystems.
+pub(crate) fn check_space(plan: &Plan, layouts: &[Layout]) -> Result<()> {
+    let mut need: BTreeMap<PathBuf, (u64, Vec<String>)> = BTreeMap::new();
+    for d in &plan.matrices {
+        if let (Some(g), false) = (&d.generate, d.path.exists()) {
+            let h = crate::store::Header::new(g.dtype, g.rows, g.cols, g.tile.0, g.tile.1, true);
+            let e = need.entry(existing_dir(&d.path)).or_default();
+            e.0 += h.file_len();
+            e.1.push(d.path.display().to_string());
+        }
+    }
+    for (s, l) in plan.steps.iter().zip(layouts) {
+        if !s.output.exists() {
+            let h = pipeline::output_header(s, l);
+            let e = need.entry(existing_dir(&s.output)).or_default();
+            e.0 += h.file_len();
+            e.1.push(s.output.display().to_string());
+        }
+    }
+    for (dir, (bytes, files)) in need {
+        if read_only(&dir) {
+            return Err(Error::Usage(format!(
+                "{} is on a read-only filesystem; cannot create {}",
+                dir.display(),
+                files.join(", ")
+            )));
+        }
+        if let Some(free) = free_bytes(&dir) {
+            if free < bytes {
+                return Err(Error::Usage(format!(
+                    "not enough disk space in {}: this plan needs {} more ({}) but {} is free; free some space or move the outputs elsewhere",
+                    dir.display(),
+                    fmt_bytes(bytes),
+                    files.join(", "),
+                    fmt_bytes(free)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
