@@ -42,6 +42,9 @@ pub struct StepReport {
     pub host_budget_bytes: u64,
     pub host_pool_bytes: u64,
     pub host_peak_bytes: u64,
+    /// Device memory each lane allocated (tile cache, accumulators, landing buffers); 0 when the
+    /// lanes compute in host memory (then it is part of the host figures).
+    pub device_bytes_per_lane: u64,
     pub pools: Vec<PoolReport>,
     pub stages: Vec<StageSnapshot>,
     pub lanes: Vec<LaneReport>,
@@ -148,6 +151,7 @@ pub fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         host_budget_bytes: cx.host_budget,
         host_pool_bytes: l.host_bytes,
         host_peak_bytes: pool_peak + lane_host,
+        device_bytes_per_lane: l.device_bytes,
         pools: merged_pools(&st.pools),
         lanes: st
             .lanes

@@ -26,6 +26,8 @@ pub struct FaultConfig {
     pub gemm_after: Option<u64>,
     /// Writing the output fails (ENOSPC) once this many tiles were written by this process.
     pub write_after: Option<u64>,
+    /// Every output tile's write takes this much longer (a slow disk), in milliseconds.
+    pub write_delay_ms: u64,
 }
 
 impl FaultConfig {
@@ -37,6 +39,7 @@ impl FaultConfig {
             lane: var("MGMM_FAULT_LANE").map(|v| v as usize),
             gemm_after: var("MGMM_FAULT_GEMM_AFTER"),
             write_after: var("MGMM_FAULT_WRITE_AFTER"),
+            write_delay_ms: 0,
         };
         (c.gemm_after.is_some() || c.write_after.is_some()).then_some(c)
     }
@@ -153,20 +156,21 @@ impl Lane for FaultyLane {
     }
 }
 
-/// Tiles written by this process, across steps and failovers (the write fault counts these).
-static TILES_WRITTEN: AtomicU64 = AtomicU64::new(0);
-
 /// A tile sink that fails like a full disk after `write_after` tiles: the tile's journal record
 /// is never written, exactly as when the data write itself fails.
 pub struct FaultySink<'a> {
     pub inner: &'a dyn TileSink,
     pub write_after: u64,
+    pub write_delay_ms: u64,
     pub path: Arc<std::path::PathBuf>,
+    /// Tiles written through this sink so far.
+    pub written: AtomicU64,
 }
 
 impl TileSink for FaultySink<'_> {
     fn tile_written(&self, tile: &OutTile, crc: u32) -> Result<()> {
-        if TILES_WRITTEN.fetch_add(1, Ordering::Relaxed) >= self.write_after {
+        std::thread::sleep(std::time::Duration::from_millis(self.write_delay_ms));
+        if self.written.fetch_add(1, Ordering::Relaxed) >= self.write_after {
             return Err(Error::io(
                 self.path.as_path(),
                 "cannot write output tile (injected fault)",

@@ -32,7 +32,8 @@ pub const DEFAULT_LANES: usize = 4;
 pub struct SimBackend {
     /// Device ids still in the run (ids survive failover, like GPU ordinals).
     ids: Vec<usize>,
-    max_delay_us: u64,
+    /// Largest random delay before each operation, per device id (a slow device has a larger one).
+    max_delay_us: Vec<u64>,
     caps: Caps,
 }
 
@@ -46,10 +47,17 @@ impl SimBackend {
             Devices::All => (0..DEFAULT_LANES).collect(),
             Devices::List(l) => l.iter().map(|&d| d as usize).collect(),
         };
-        Self::with_ids(ids, engine.device_memory.unwrap_or(1 << 30), 300)
+        let delays = vec![300; ids.iter().max().map_or(0, |m| m + 1)];
+        Self::with_ids(ids, engine.device_memory.unwrap_or(1 << 30), delays)
     }
 
-    fn with_ids(ids: Vec<usize>, device_memory: u64, max_delay_us: u64) -> SimBackend {
+    /// `delays_us.len()` devices, device `i` waiting up to `delays_us[i]` µs before each
+    /// operation, each with `device_memory` bytes.
+    pub fn with_delays(delays_us: Vec<u64>, device_memory: u64) -> SimBackend {
+        Self::with_ids((0..delays_us.len()).collect(), device_memory, delays_us)
+    }
+
+    fn with_ids(ids: Vec<usize>, device_memory: u64, max_delay_us: Vec<u64>) -> SimBackend {
         SimBackend {
             caps: Caps {
                 kind: "sim",
@@ -96,8 +104,8 @@ impl Backend for SimBackend {
             .enumerate()
             .map(|(index, &id)| {
                 let seed = id as u64 + 1;
-                Box::new(SimLane::new(index, id, layout, p, self.max_delay_us, seed))
-                    as Box<dyn Lane>
+                let delay = self.max_delay_us[id];
+                Box::new(SimLane::new(index, id, layout, p, delay, seed)) as Box<dyn Lane>
             })
             .collect())
     }
@@ -110,7 +118,7 @@ impl Backend for SimBackend {
         Some(Ok(Box::new(Self::with_ids(
             ids,
             self.caps.device_memory,
-            self.max_delay_us,
+            self.max_delay_us.clone(),
         ))))
     }
 }

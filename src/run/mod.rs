@@ -154,11 +154,22 @@ fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
     Ok(b)
 }
 
+/// Run every step of `plan` on the backend the plan selects.
 pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<RunReport> {
+    init_threads(plan.engine.threads);
+    run_plan_on(plan, choose_backend(plan, opts)?, opts, progress)
+}
+
+/// Run every step of `plan` on `backend` (tests pass simulated or faulty backends here).
+pub fn run_plan_on(
+    plan: &Plan,
+    mut backend: Box<dyn Backend>,
+    opts: &RunOptions,
+    progress: &Progress,
+) -> Result<RunReport> {
     let t0 = Instant::now();
     ignore_sigxfsz();
     init_threads(plan.engine.threads);
-    let mut backend = choose_backend(plan, opts)?;
     let layouts: Vec<Layout> = plan
         .steps
         .iter()
@@ -235,13 +246,17 @@ fn run_step(
         let lanes = backend.lanes(layout, e.precision)?;
         let journal_sink = JournalSink(&journal);
         #[cfg(feature = "fault-injection")]
-        let faulty = opts.faults.as_ref().and_then(|f| f.write_after).map(|n| {
-            crate::backend::fault::FaultySink {
+        let faulty = opts
+            .faults
+            .as_ref()
+            .filter(|f| f.write_after.is_some() || f.write_delay_ms > 0)
+            .map(|f| crate::backend::fault::FaultySink {
                 inner: &journal_sink,
-                write_after: n,
+                write_after: f.write_after.unwrap_or(u64::MAX),
+                write_delay_ms: f.write_delay_ms,
                 path: std::sync::Arc::new(step.output.clone()),
-            }
-        });
+                written: Default::default(),
+            });
         #[cfg(feature = "fault-injection")]
         let sink: &dyn TileSink = match &faulty {
             Some(f) => f,

@@ -151,6 +151,10 @@ macro_rules! per_backend {
         mod cpu {
             $( #[test] fn $name() { $f("cpu") } )*
         }
+        /// Four simulated asynchronous lanes (tests/sim.rs): the multi-lane pipeline on CI.
+        mod sim {
+            $( #[test] fn $name() { $f("sim") } )*
+        }
         mod cuda {
             $( #[test] #[ignore = "needs a GPU: run on the GPU machine with --ignored"] fn $name() { $f("cuda") } )*
         }

@@ -1,0 +1,250 @@
+//! The concurrency core on CI: a simulated backend with four asynchronous lanes (random delays,
+//! host buffers read and written late, as DMA does), with faults injected by wrappers.
+//!
+//! Every test compares bytes with a run on the CPU backend, which computes each tile the same
+//! way; so a tile lost, duplicated, computed from a recycled buffer or written twice shows up.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use mgmm_stream::backend::fault::{FaultConfig, FaultyBackend};
+use mgmm_stream::backend::sim::SimBackend;
+use mgmm_stream::backend::Backend;
+use mgmm_stream::dtype::DType;
+use mgmm_stream::plan::Plan;
+use mgmm_stream::progress::Progress;
+use mgmm_stream::run::{run_plan, run_plan_on, RunOptions, RunReport};
+use mgmm_stream::store::gen::Dist;
+use mgmm_stream::Error;
+
+/// A (m×k)·(k×n) problem in `dir` with a CPU reference output C_ref.mgt, and plan.toml that
+/// writes C.mgt with the given tile and host budget.
+fn setup(dir: &Path, m: u64, n: u64, k: u64, tile: u64, host: &str) {
+    gen(
+        &dir.join("A.mgt"),
+        m,
+        k,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        k,
+        n,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    for (name, out, backend) in [
+        ("plan.toml", "C.mgt", "sim"),
+        ("ref.toml", "C_ref.mgt", "cpu"),
+    ] {
+        std::fs::write(
+            dir.join(name),
+            format!(
+                "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+                 [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
+                 [engine]\nbackend = \"{backend}\"\ntile = {tile}\nhost_memory = \"{host}\"\ndurable = false\nthreads = 1\n"
+            ),
+        )
+        .unwrap();
+    }
+    let plan = Plan::load(&dir.join("ref.toml")).unwrap();
+    run_plan(&plan, &RunOptions::default(), &Progress::quiet()).unwrap();
+}
+
+fn run_on(dir: &Path, backend: Box<dyn Backend>) -> mgmm_stream::Result<RunReport> {
+    run_faulty(dir, backend, None)
+}
+
+/// Run plan.toml on `backend`, with the sink-side faults of `faults` (slow or failing writes).
+fn run_faulty(
+    dir: &Path,
+    backend: Box<dyn Backend>,
+    faults: Option<FaultConfig>,
+) -> mgmm_stream::Result<RunReport> {
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let opts = RunOptions {
+        faults,
+        ..Default::default()
+    };
+    run_plan_on(&plan, backend, &opts, &Progress::quiet())
+}
+
+fn same_output(dir: &Path) -> bool {
+    std::fs::read(dir.join("C.mgt")).unwrap() == std::fs::read(dir.join("C_ref.mgt")).unwrap()
+}
+
+fn sim(delays: Vec<u64>) -> Box<dyn Backend> {
+    Box::new(SimBackend::with_delays(delays, 1 << 30))
+}
+
+/// Simulated lanes with `cfg`'s lane faults, run with `cfg`'s sink faults.
+fn run_with_faults(
+    dir: &Path,
+    delays: Vec<u64>,
+    cfg: FaultConfig,
+) -> mgmm_stream::Result<RunReport> {
+    let backend = Box::new(FaultyBackend::new(sim(delays), cfg.clone()));
+    run_faulty(dir, backend, Some(cfg))
+}
+
+/// Tiles each lane computed in a run (GEMM calls / k-steps per tile).
+fn lane_gemms(r: &RunReport) -> Vec<u64> {
+    r.steps[0].lanes.iter().map(|l| l.stats.gemms).collect()
+}
+
+#[test]
+fn four_lanes_give_the_cpu_bytes_and_a_slow_lane_is_robbed() {
+    let d = tmp();
+    setup(d.path(), 700, 650, 300, 64, "64MiB");
+    // Lane 0 is twenty times slower than the others: its run of the queue is stolen.
+    let r = run_on(
+        d.path(),
+        Box::new(SimBackend::with_delays(vec![4000, 200, 200, 200], 1 << 30)),
+    )
+    .unwrap();
+    assert!(same_output(d.path()));
+    let g = lane_gemms(&r);
+    let total: u64 = g.iter().sum();
+    assert_eq!(
+        total,
+        11 * 11 * 5,
+        "every k-step of every tile exactly once: {g:?}"
+    );
+    // Without stealing each lane would do a quarter; the slow one must end far below that.
+    assert!(g[0] * 8 < total, "slow lane did {g:?} of {total}");
+    assert!(g[1..].iter().all(|&x| x * 4 > total), "{g:?}");
+}
+
+#[test]
+fn output_pool_contention_with_a_slow_writer() {
+    let d = tmp();
+    // A tight budget: two output buffers per lane shared by four fast lanes and one slow writer.
+    setup(d.path(), 520, 520, 130, 64, "3MiB");
+    let r = run_with_faults(
+        d.path(),
+        vec![100; 4],
+        FaultConfig {
+            write_delay_ms: 3,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(same_output(d.path()));
+    let out = r.steps[0]
+        .pools
+        .iter()
+        .find(|p| p.name == "output")
+        .unwrap();
+    assert_eq!(
+        out.high_water, out.buffers,
+        "the writer was slow, so every output buffer should have been in use at once"
+    );
+    assert!(r.steps[0].host_peak_bytes <= r.steps[0].host_budget_bytes);
+}
+
+#[test]
+fn a_failing_lane_is_dropped_and_the_rest_finish_with_identical_bytes() {
+    let d = tmp();
+    setup(d.path(), 700, 650, 300, 64, "64MiB");
+    let cfg = FaultConfig {
+        lane: Some(2),
+        gemm_after: Some(40),
+        ..Default::default()
+    };
+    let r = run_with_faults(d.path(), vec![300; 4], cfg).unwrap();
+    assert!(same_output(d.path()));
+    // The report is of the attempt that finished: three lanes.
+    assert_eq!(r.steps[0].lanes.len(), 3, "{:?}", lane_gemms(&r));
+    assert!(r.steps[0].tiles_computed < r.steps[0].tiles_total);
+}
+
+#[test]
+fn every_lane_failing_stops_and_the_next_run_resumes_to_identical_bytes() {
+    let d = tmp();
+    setup(d.path(), 700, 650, 300, 64, "64MiB");
+    let cfg = FaultConfig {
+        gemm_after: Some(30),
+        ..Default::default()
+    };
+    let e = run_with_faults(d.path(), vec![300; 4], cfg).unwrap_err();
+    assert!(matches!(e, Error::Device { .. }), "{e}");
+    assert!(e.to_string().contains("injected fault"), "{e}");
+    let r = run_on(
+        d.path(),
+        Box::new(SimBackend::with_delays(vec![300; 4], 1 << 30)),
+    )
+    .unwrap();
+    let s = &r.steps[0];
+    assert!(
+        s.tiles_computed > 0 && s.tiles_computed < s.tiles_total,
+        "{}/{}",
+        s.tiles_computed,
+        s.tiles_total
+    );
+    assert!(same_output(d.path()));
+}
+
+#[test]
+fn a_fault_while_stages_are_blocked_cancels_everything_promptly() {
+    let d = tmp();
+    setup(d.path(), 520, 520, 390, 64, "3MiB");
+    // The writer is very slow, so the output pool and the channels fill and every upstream stage
+    // blocks on a lease or a full channel; then every lane's GEMM fails.
+    let cfg = FaultConfig {
+        gemm_after: Some(14),
+        write_delay_ms: 500,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let e = run_with_faults(d.path(), vec![50; 4], cfg).unwrap_err();
+    assert!(matches!(e, Error::Device { .. }), "{e}");
+    // 64 output tiles at 200 ms each would take 13 s; cancellation must not wait for them.
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn write_fault_then_resume_on_another_lane_count_is_identical() {
+    let d = tmp();
+    setup(d.path(), 600, 600, 200, 64, "64MiB");
+    let cfg = FaultConfig {
+        write_after: Some(20),
+        ..Default::default()
+    };
+    let e = run_with_faults(d.path(), vec![200; 4], cfg).unwrap_err();
+    assert!(e.to_string().contains("injected fault"), "{e}");
+    // Resume with two lanes instead of four: journals record tiles, not lanes.
+    let r = run_on(
+        d.path(),
+        Box::new(SimBackend::with_delays(vec![200; 2], 1 << 30)),
+    )
+    .unwrap();
+    assert!(r.steps[0].tiles_computed < r.steps[0].tiles_total);
+    assert!(same_output(d.path()));
+}
+
+#[test]
+fn plan_backend_sim_runs_through_the_cli() {
+    let d = tmp();
+    setup(d.path(), 300, 200, 100, 64, "16MiB");
+    let o = std::process::Command::new(bin())
+        .args(["run", "plan.toml"])
+        .current_dir(d.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("sim:3"), "{err}");
+    assert!(same_output(d.path()));
+}
