@@ -25,7 +25,7 @@ use crate::plan::Step;
 use crate::plan::{Plan, Precision};
 use crate::progress::Progress;
 use crate::store::gen;
-use crate::store::{TiledFile, TiledWriter};
+use crate::store::{fsutil, TiledFile, TiledWriter};
 
 #[derive(Default)]
 pub struct RunOptions {
@@ -41,27 +41,6 @@ pub fn ignore_sigxfsz() {
     unsafe {
         libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
     }
-}
-
-/// Free bytes for unprivileged writers on the filesystem holding `dir`.
-fn free_bytes(dir: &Path) -> Option<u64> {
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: statvfs is a plain C struct of integers, for which all-zero bytes are valid.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: statvfs writes into the struct we own; the path is a valid C string.
-    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    (r == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
-}
-
-fn read_only(dir: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
-    // SAFETY: statvfs is a plain C struct of integers, for which all-zero bytes are valid.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as in free_bytes.
-    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    r == 0 && st.f_flag & libc::ST_RDONLY != 0
 }
 
 fn existing_dir(p: &Path) -> PathBuf {
@@ -101,14 +80,14 @@ fn check_space(plan: &Plan, layouts: &[Layout]) -> Result<()> {
         }
     }
     for (dir, (bytes, files)) in need {
-        if read_only(&dir) {
+        if fsutil::read_only(&dir) {
             return Err(Error::Usage(format!(
                 "{} is on a read-only filesystem; cannot create {}",
                 dir.display(),
                 files.join(", ")
             )));
         }
-        if let Some(free) = free_bytes(&dir) {
+        if let Some(free) = fsutil::free_bytes(&dir) {
             if free < bytes {
                 return Err(Error::Usage(format!(
                     "not enough disk space in {}: this plan needs {} more ({}) but {} is free; free some space or move the outputs elsewhere",
@@ -152,25 +131,8 @@ fn fingerprint(step: &Step, layout: &Layout, sel: &Selected, p: Precision) -> Re
     );
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     for op in ops.into_iter().flatten() {
-        let f = crate::store::TiledFile::open(&op.path)?;
-        let len = f.hdr.file_len();
-        let head = crc32c::crc32c(&f.hdr.to_block());
-        let table = f
-            .checksum_table()
-            .map(|t| {
-                format!(
-                    "{:08x}",
-                    crc32c::crc32c(&t.iter().flat_map(|c| c.to_le_bytes()).collect::<Vec<u8>>())
-                )
-            })
-            .unwrap_or_else(|| "none".into());
-        fp.insert(
-            format!("input {}", op.name),
-            format!(
-                "{} ({len} bytes, header {head:08x}, tile checksums {table})",
-                op.path.display()
-            ),
-        );
+        let source = crate::store::open_source(&op.path)?;
+        fp.insert(format!("input {}", op.name), source.identity());
     }
     Ok(fp)
 }
@@ -279,9 +241,13 @@ pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<R
                 ));
                     continue 'step;
                 }
-                State::Fresh => (TiledWriter::create(&step.output, header)?, None, 0),
+                State::Fresh => (
+                    TiledWriter::create_with(&step.output, header, plan.engine.write)?,
+                    None,
+                    0,
+                ),
                 State::Partial(done) => {
-                    let writer = TiledWriter::reopen(&step.output, header)?;
+                    let writer = TiledWriter::reopen_with(&step.output, header, plan.engine.write)?;
                     let out = TiledFile::open(&step.output)?;
                     let mut finished = vec![false; sched.tiles.len()];
                     let mut bad = 0;

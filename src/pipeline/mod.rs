@@ -24,7 +24,7 @@ use crate::plan::layout::Layout;
 use crate::plan::schedule::{OutTile, Schedule};
 use crate::plan::{Precision, Step};
 use crate::progress::{Live, Progress};
-use crate::store::{Header, TiledFile, TiledWriter};
+use crate::store::{open_source, Header, TiledWriter};
 use control::Control;
 use metrics::{StageMetrics, StageSnapshot};
 use pool::Pool;
@@ -122,7 +122,7 @@ pub fn output_header(step: &Step, layout: &Layout) -> Header {
 pub fn run_step(step: &Step, env: StepEnv<'_>) -> Result<StepReport> {
     let l = env.layout;
     let sched = Schedule::new(step, l);
-    let open = |p: &std::path::Path| TiledFile::open(p);
+    let open = |p: &std::path::Path| open_source(p);
     let inputs = Inputs::new(
         open(&step.a.path)?,
         open(&step.b.path)?,
