@@ -695,14 +695,186 @@ impl MatrixSink for TiledWriter {
 }
 
 fn size_error(path: &Path, len: u64, e: std::io::Error) -> Error {
-    let hint = match e.raw_os_error() {
-        Some(libc::ENOSPC) => format!("not enough disk space for the output ({len} bytes); free space or write the output elsewhere"),
-        Some(libc::EFBIG) => format!("the output ({len} bytes) exceeds the file-size limit (ulimit -f) or the filesystem's maximum"),
-        Some(libc::EDQUOT) => format!("disk quota exceeded reserving {len} bytes for the output"),
+    use rustix::io::Errno;
+    let code = e.raw_os_error();
+    let is = |errno: Errno| code == Some(errno.raw_os_error());
+    let hint = match () {
+        _ if is(Errno::NOSPC) => format!("not enough disk space for the output ({len} bytes); free space or write the output elsewhere"),
+        _ if is(Errno::FBIG) => format!("the output ({len} bytes) exceeds the file-size limit (ulimit -f) or the filesystem's maximum"),
+        _ if is(Errno::DQUOT) => format!("disk quota exceeded reserving {len} bytes for the output"),
         _ => format!("cannot reserve {len} bytes for the output"),
     };
     Error::Format {
         path: path.to_path_buf(),
         msg: format!("{hint}: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::open_source;
+
+    const ROWS: u64 = 50;
+    const COLS: u64 = 37;
+
+    /// Element (r, c) of the test matrix.
+    fn val(r: u64, c: u64) -> f64 {
+        (r * COLS + c) as f64 * 0.5 - 100.0
+    }
+
+    /// Block `b` of the test matrix as dense bytes of `dt`.
+    fn dense(b: &Block, dt: DType) -> Vec<u8> {
+        let mut out = vec![0u8; b.elems() * dt.size()];
+        for (i, d) in out.chunks_exact_mut(dt.size()).enumerate() {
+            let (r, c) = (i as u64 / b.cols, i as u64 % b.cols);
+            dtype::put(dt, val(b.r0 + r, b.c0 + c), d);
+        }
+        out
+    }
+
+    /// Write the whole test matrix in 13×11 blocks (straddling the 16×8 storage tiles).
+    fn write_matrix(path: &Path, mode: WriteMode, host: DType) {
+        let hdr = Header::new(DType::F32, ROWS, COLS, 16, 8, true);
+        let w = TiledWriter::create_with(path, hdr, mode).unwrap();
+        for r0 in (0..ROWS).step_by(13) {
+            for c0 in (0..COLS).step_by(11) {
+                let b = Block {
+                    r0,
+                    c0,
+                    rows: 13.min(ROWS - r0),
+                    cols: 11.min(COLS - c0),
+                };
+                let sink: &dyn MatrixSink = &w;
+                sink.prefault(&b);
+                let crc = sink.write_block(&b, host, &dense(&b, host)).unwrap();
+                assert_eq!(crc, crc32c::crc32c(&dense(&b, DType::F32)), "{b:?}");
+                sink.flush_block(&b).unwrap();
+            }
+        }
+        w.finish(false).unwrap();
+    }
+
+    #[test]
+    fn write_modes_give_identical_files_that_read_back() {
+        let d = tempfile::tempdir().unwrap();
+        let (pm, pp) = (d.path().join("m.mgt"), d.path().join("p.mgt"));
+        write_matrix(&pm, WriteMode::Mmap, DType::F32);
+        write_matrix(&pp, WriteMode::Pwrite, DType::F64);
+        assert_eq!(std::fs::read(&pm).unwrap(), std::fs::read(&pp).unwrap());
+        let f = open_source(&pm).unwrap();
+        assert_eq!((f.shape(), f.dtype()), ((ROWS, COLS), DType::F32));
+        let all = Block {
+            r0: 0,
+            c0: 0,
+            rows: ROWS,
+            cols: COLS,
+        };
+        f.verify_block(&all).unwrap();
+        for b in [
+            all,
+            Block {
+                r0: 5,
+                c0: 3,
+                rows: 20,
+                cols: 30,
+            },
+            Block {
+                r0: 49,
+                c0: 0,
+                rows: 1,
+                cols: 37,
+            },
+            Block {
+                r0: 0,
+                c0: 36,
+                rows: 50,
+                cols: 1,
+            },
+        ] {
+            for host in [DType::F32, DType::F64] {
+                let mut got = vec![0u8; b.elems() * host.size()];
+                f.read_block(&b, host, &mut got).unwrap();
+                assert_eq!(got, dense(&b, host), "{b:?} as {host}");
+            }
+        }
+        let mut buf = vec![0u8; 4 * 4];
+        let outside = Block {
+            r0: 48,
+            c0: 0,
+            rows: 4,
+            cols: 1,
+        };
+        let e = f.read_block(&outside, DType::F32, &mut buf).unwrap_err();
+        assert!(e.to_string().contains("outside"), "{e}");
+    }
+
+    #[test]
+    fn verify_block_finds_a_corrupt_tile_and_checks_each_tile_once() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("v.mgt");
+        write_matrix(&p, WriteMode::Mmap, DType::F32);
+        let hdr = TiledFile::open(&p).unwrap().hdr;
+        let corrupt = |ti, tj| {
+            let f = OpenOptions::new().write(true).open(&p).unwrap();
+            f.write_all_at(&[0xff; 4], hdr.tile_offset(ti, tj) + 8)
+                .unwrap();
+        };
+        let first = Block {
+            r0: 0,
+            c0: 0,
+            rows: 16,
+            cols: 8,
+        };
+        let f = TiledFile::open(&p).unwrap();
+        f.verify_block(&first).unwrap();
+        // Tile (0, 0) was verified by this handle: later damage is not re-checked by it.
+        corrupt(0, 0);
+        f.verify_block(&first).unwrap();
+        corrupt(1, 2);
+        let clear = Block {
+            r0: 0,
+            c0: 8,
+            rows: 16,
+            cols: 29,
+        };
+        f.verify_block(&clear).unwrap();
+        let e = f
+            .verify_block(&Block {
+                r0: 15,
+                c0: 15,
+                rows: 2,
+                cols: 2,
+            })
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Checksum { ti: 1, tj: 2, .. }),
+            "expected tile (1, 2): {e}"
+        );
+        // A fresh handle checks (0, 0) again.
+        let e = TiledFile::open(&p)
+            .unwrap()
+            .verify_block(&first)
+            .unwrap_err();
+        assert!(matches!(e, Error::Checksum { ti: 0, tj: 0, .. }), "{e}");
+    }
+
+    #[test]
+    fn identity_is_the_journal_text() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("i.mgt");
+        write_matrix(&p, WriteMode::Mmap, DType::F32);
+        let f = TiledFile::open(&p).unwrap();
+        let len = std::fs::metadata(&p).unwrap().len();
+        let id = MatrixSource::identity(&f);
+        let prefix = format!("{} ({len} bytes, header ", p.display());
+        assert!(id.starts_with(&prefix), "{id}");
+        let rest = &id[prefix.len()..];
+        assert_eq!(&rest[8..25], ", tile checksums ", "{id}");
+        assert!(rest[..8]
+            .chars()
+            .chain(rest[25..33].chars())
+            .all(|c| c.is_ascii_hexdigit()));
+        assert_eq!(&rest[33..], ")");
     }
 }
