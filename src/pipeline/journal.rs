@@ -15,7 +15,6 @@
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -52,19 +51,14 @@ pub fn journal_path(output: &Path) -> PathBuf {
 }
 
 fn lock(file: &File, path: &Path) -> Result<()> {
-    // SAFETY: flock on a file descriptor we own; no memory is involved.
-    let r = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if r != 0 {
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(Error::Usage(format!(
-                "{}: another mgmm-stream run is writing this output (its journal is locked); wait for it to finish or stop it first",
-                path.display()
-            )));
-        }
-        return Err(Error::io(path, "cannot lock journal", e));
+    match crate::store::fsutil::try_lock_exclusive(file) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Error::Usage(format!(
+            "{}: another mgmm-stream run is writing this output (its journal is locked); wait for it to finish or stop it first",
+            path.display()
+        ))),
+        Err(e) => Err(Error::io(path, "cannot lock journal", e)),
     }
-    Ok(())
 }
 
 impl Journal {

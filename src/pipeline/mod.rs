@@ -24,7 +24,7 @@ use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::{Engine, Step};
 use crate::progress::{Live, Progress};
-use crate::store::{Header, TiledFile, TiledWriter};
+use crate::store::{open_source, Header, MatrixSink};
 use control::Control;
 use metrics::{StageKind, StageMetrics, StageSnapshot};
 use pool::Pool;
@@ -45,7 +45,7 @@ pub fn output_header(step: &Step, layout: &Layout) -> Header {
 /// What is left to compute of a step, and where it goes.
 pub struct Work {
     /// The output, created or reopened by the caller.
-    pub writer: TiledWriter,
+    pub writer: Box<dyn MatrixSink>,
     /// Output tiles to compute (schedule sequence numbers, in schedule order); `None` = all.
     pub todo: Option<Vec<u32>>,
     /// Output tiles already finished before this run (resume), for progress.
@@ -98,7 +98,7 @@ pub struct Pipeline<'a> {
     layout: &'a Layout,
     sched: Schedule,
     inputs: Inputs,
-    writer: TiledWriter,
+    writer: Option<Box<dyn MatrixSink>>,
     queue: TileQueue,
     staging_pools: Vec<Pool>,
     out_pool: Pool,
@@ -132,7 +132,7 @@ impl<'a> Pipeline<'a> {
     ) -> Result<Pipeline<'a>> {
         let l = layout;
         let sched = Schedule::new(step, l);
-        let open = |p: &std::path::Path| TiledFile::open(p);
+        let open = |p: &std::path::Path| open_source(p);
         let inputs = Inputs::new(
             open(&step.a.path)?,
             open(&step.b.path)?,
@@ -165,7 +165,7 @@ impl<'a> Pipeline<'a> {
             layout,
             sched,
             inputs,
-            writer: work.writer,
+            writer: Some(work.writer),
             queue,
             staging_pools,
             out_pool,
@@ -209,7 +209,8 @@ impl<'a> Pipeline<'a> {
             )));
         }
         let tf = Instant::now();
-        self.writer.finish(self.cfg.durable)?;
+        let writer = self.writer.take().expect("the writer is finished once");
+        writer.finish(self.cfg.durable)?;
         let flush_s = tf.elapsed().as_secs_f64();
         let pools = self
             .staging_pools
@@ -271,7 +272,11 @@ impl<'a> Pipeline<'a> {
             show_devices: self.show_devices,
             lanes: lane_names.iter().cloned().zip(c.lane_live.iter()).collect(),
         };
-        let (sched, queue, inputs, writer) = (&self.sched, &self.queue, &self.inputs, &self.writer);
+        let writer: &dyn MatrixSink = self
+            .writer
+            .as_deref()
+            .expect("writer is open until run ends");
+        let (sched, queue, inputs) = (&self.sched, &self.queue, &self.inputs);
         let (sink, progress, cfg) = (self.sink, self.progress, self.cfg);
         let (staging_pools, out_pool) = (&self.staging_pools, &self.out_pool);
         std::thread::scope(|s| {

@@ -23,7 +23,7 @@ use crate::backend::{Dst, GemmDesc, Lane, Ticket};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::schedule::{OutTile, Schedule, Src, TileCache};
-use crate::store::{Block, TiledFile, TiledWriter};
+use crate::store::{Block, MatrixSink, MatrixSource};
 
 /// Planner → prefetch → staging.
 #[derive(Debug)]
@@ -121,65 +121,46 @@ impl TileQueue {
     }
 }
 
-/// The input files of a step, with per-storage-tile "already verified" marks.
+/// The input matrices of a step.
 pub struct Inputs {
-    pub a: TiledFile,
-    pub b: TiledFile,
-    pub c0: Option<TiledFile>,
-    verified: [Vec<std::sync::atomic::AtomicBool>; 3],
+    pub a: Arc<dyn MatrixSource>,
+    pub b: Arc<dyn MatrixSource>,
+    pub c0: Option<Arc<dyn MatrixSource>>,
     pub verify: bool,
     pub nonfinite: AtomicU64,
 }
 
 impl Inputs {
-    pub fn new(a: TiledFile, b: TiledFile, c0: Option<TiledFile>, verify: bool) -> Inputs {
-        let marks = |f: Option<&TiledFile>| -> Vec<std::sync::atomic::AtomicBool> {
-            let n = f.map(|f| f.hdr.tiles() as usize).unwrap_or(0);
-            (0..n)
-                .map(|_| std::sync::atomic::AtomicBool::new(false))
-                .collect()
-        };
-        let verified = [marks(Some(&a)), marks(Some(&b)), marks(c0.as_ref())];
+    pub fn new(
+        a: Arc<dyn MatrixSource>,
+        b: Arc<dyn MatrixSource>,
+        c0: Option<Arc<dyn MatrixSource>>,
+        verify: bool,
+    ) -> Inputs {
         Inputs {
             a,
             b,
             c0,
-            verified,
             verify,
             nonfinite: AtomicU64::new(0),
         }
     }
-    pub fn file(&self, s: Src) -> &TiledFile {
+    pub fn file(&self, s: Src) -> &dyn MatrixSource {
         match s {
-            Src::A => &self.a,
-            Src::B => &self.b,
-            Src::C0 => self
+            Src::A => &*self.a,
+            Src::B => &*self.b,
+            Src::C0 => &**self
                 .c0
                 .as_ref()
                 .expect("C0 is only requested when the step has one"),
         }
     }
-    /// Verify every storage tile `b` touches that has not been verified yet.
+    /// Verify the stored checksums behind `b` (each storage tile once), if asked to.
     pub fn verify_block(&self, s: Src, b: &Block) -> Result<()> {
-        let f = self.file(s);
-        if !self.verify || !f.hdr.has_checksums() {
+        if !self.verify {
             return Ok(());
         }
-        let marks = &self.verified[s as usize];
-        let (tis, tjs) = f.tiles_of(b);
-        let todo: Vec<(u64, u64)> = tis
-            .flat_map(|ti| tjs.clone().map(move |tj| (ti, tj)))
-            .filter(|&(ti, tj)| {
-                !marks[(ti * f.hdr.grid_cols() + tj) as usize].load(Ordering::Relaxed)
-            })
-            .collect();
-        use rayon::prelude::*;
-        todo.par_iter().try_for_each(|&(ti, tj)| {
-            f.verify_tile(ti, tj)?;
-            marks[(ti * f.hdr.grid_cols() + tj) as usize].store(true, Ordering::Relaxed);
-            Ok::<(), Error>(())
-        })?;
-        Ok(())
+        self.file(s).verify_block(b)
     }
 }
 
@@ -515,7 +496,7 @@ impl DeviceLane<'_> {
 /// Populates the output file's pages for tiles the planners just scheduled, so writeback copies
 /// into memory that is already mapped instead of taking a page fault per 4 KiB.
 pub struct OutPrep<'a> {
-    pub writer: &'a TiledWriter,
+    pub writer: &'a dyn MatrixSink,
     pub rx: Receiver<Block>,
     pub m: Arc<StageMetrics>,
 }
@@ -539,7 +520,7 @@ pub trait TileSink: Sync {
 }
 
 pub struct Writeback<'a> {
-    pub writer: &'a TiledWriter,
+    pub writer: &'a dyn MatrixSink,
     pub host_dt: DType,
     pub rx: Receiver<Done>,
     pub m: Arc<StageMetrics>,
@@ -566,7 +547,7 @@ impl Writeback<'_> {
             self.sink.tile_written(&d.tile, crc)?;
             self.m.add_busy(t.elapsed());
             self.m
-                .add_item(b.elems() as u64 * self.writer.hdr.dtype.size() as u64);
+                .add_item(b.elems() as u64 * self.writer.dtype().size() as u64);
             self.tiles_done.fetch_add(1, Ordering::Relaxed);
             self.flops_done
                 .fetch_add(2 * b.rows * b.cols * self.k, Ordering::Relaxed);

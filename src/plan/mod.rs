@@ -100,6 +100,8 @@ pub struct Engine {
     pub devices: Devices,
     pub durable: bool,
     pub verify_inputs: bool,
+    /// How output blocks reach the file (`engine.write`).
+    pub write: crate::store::WriteMode,
 }
 
 /// One operand of a step as it is stored on disk.
@@ -607,6 +609,14 @@ fn resolve_engine(path: &Path, e: &raw::RawEngine) -> Result<Engine> {
         }
         Some(RawDevices::List(l)) => Devices::List(l.clone()),
     };
+    let write = match e.write.as_deref() {
+        None => crate::store::WriteMode::default(),
+        Some(w) => crate::store::WriteMode::parse(w).ok_or_else(|| {
+            perr(format!(
+                "engine.write = \"{w}\" is unknown; use \"mmap\" (the default) or \"pwrite\""
+            ))
+        })?,
+    };
     Ok(Engine {
         backend,
         precision,
@@ -617,5 +627,6 @@ fn resolve_engine(path: &Path, e: &raw::RawEngine) -> Result<Engine> {
         devices,
         durable: e.durable.unwrap_or(true),
         verify_inputs: e.verify_inputs.unwrap_or(true),
+        write,
     })
 }

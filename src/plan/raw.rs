@@ -80,4 +80,6 @@ pub struct RawEngine {
     pub durable: Option<bool>,
     /// Verify input tile checksums while reading: "auto" | true | false.
     pub verify_inputs: Option<bool>,
+    /// How output blocks reach the file: "mmap" (default) | "pwrite".
+    pub write: Option<String>,
 }

@@ -72,25 +72,8 @@ fn fingerprint(step: &Step, layout: &Layout, kind: &str, p: Precision) -> Result
     );
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     for op in ops.into_iter().flatten() {
-        let f = crate::store::TiledFile::open(&op.path)?;
-        let len = f.hdr.file_len();
-        let head = crc32c::crc32c(&f.hdr.to_block());
-        let table = f
-            .checksum_table()
-            .map(|t| {
-                format!(
-                    "{:08x}",
-                    crc32c::crc32c(&t.iter().flat_map(|c| c.to_le_bytes()).collect::<Vec<u8>>())
-                )
-            })
-            .unwrap_or_else(|| "none".into());
-        fp.insert(
-            format!("input {}", op.name),
-            format!(
-                "{} ({len} bytes, header {head:08x}, tile checksums {table})",
-                op.path.display()
-            ),
-        );
+        let source = crate::store::open_source(&op.path)?;
+        fp.insert(format!("input {}", op.name), source.identity());
     }
     Ok(fp)
 }
@@ -220,7 +203,8 @@ fn run_step(
     let fp = fingerprint(step, layout, backend.caps().kind, e.precision)?;
     let n = step.index + 1;
     loop {
-        let (journal, state) = ResumeState::load(step, layout, &fp, opts.restart, e.durable)?;
+        let (journal, state) =
+            ResumeState::load(step, layout, &fp, opts.restart, e.durable, e.write)?;
         let (work, total, bad) = match state {
             ResumeState::Complete => {
                 progress.note(&format!(

@@ -11,7 +11,7 @@ use crate::pipeline::{output_header, Work};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::Step;
-use crate::store::{TiledFile, TiledWriter};
+use crate::store::{TiledFile, TiledWriter, WriteMode};
 
 /// A step's state on disk, as the journal and the output's bytes agree on it.
 pub enum ResumeState {
@@ -36,6 +36,7 @@ impl ResumeState {
         fp: &Fingerprint,
         restart: bool,
         durable: bool,
+        write: WriteMode,
     ) -> Result<(Journal, ResumeState)> {
         let (journal, state) = Journal::open(&step.output, fp, restart, durable)?;
         let sched = Schedule::new(step, layout);
@@ -45,10 +46,10 @@ impl ResumeState {
             State::Complete => ResumeState::Complete,
             // A journal with no finished tile says nothing about the output (a kill may have
             // landed while the output was being created): start the step afresh.
-            State::Fresh => Self::fresh(step, header, total)?,
-            State::Partial(done) if done.is_empty() => Self::fresh(step, header, total)?,
+            State::Fresh => Self::fresh(step, header, total, write)?,
+            State::Partial(done) if done.is_empty() => Self::fresh(step, header, total, write)?,
             State::Partial(done) => {
-                let writer = TiledWriter::reopen(&step.output, header)?;
+                let writer = TiledWriter::reopen_with(&step.output, header, write)?;
                 let (finished, bad) = check_recorded(step, &sched, &done)?;
                 writer.forget_checksums();
                 let todo: Vec<u32> = (0..total as u32)
@@ -57,7 +58,7 @@ impl ResumeState {
                 let done_before = total - todo.len() as u64;
                 ResumeState::Work {
                     work: Work {
-                        writer,
+                        writer: Box::new(writer),
                         todo: Some(todo),
                         done_before,
                     },
@@ -69,10 +70,15 @@ impl ResumeState {
         Ok((journal, st))
     }
 
-    fn fresh(step: &Step, header: crate::store::Header, total: u64) -> Result<ResumeState> {
+    fn fresh(
+        step: &Step,
+        header: crate::store::Header,
+        total: u64,
+        write: WriteMode,
+    ) -> Result<ResumeState> {
         Ok(ResumeState::Work {
             work: Work {
-                writer: TiledWriter::create(&step.output, header)?,
+                writer: Box::new(TiledWriter::create_with(&step.output, header, write)?),
                 todo: None,
                 done_before: 0,
             },

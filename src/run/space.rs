@@ -9,27 +9,7 @@ use crate::pipeline;
 use crate::plan::layout::Layout;
 use crate::plan::size::fmt_bytes;
 use crate::plan::Plan;
-
-/// Free bytes for unprivileged writers on the filesystem holding `dir`.
-fn free_bytes(dir: &Path) -> Option<u64> {
-    let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
-    // SAFETY: statvfs is a plain C struct of integers, for which all-zero bytes are valid.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: statvfs writes into the struct we own; the path is a valid C string.
-    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    (r == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
-}
-
-fn read_only(dir: &Path) -> bool {
-    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
-    // SAFETY: statvfs is a plain C struct of integers, for which all-zero bytes are valid.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as in free_bytes.
-    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    r == 0 && st.f_flag & libc::ST_RDONLY != 0
-}
+use crate::store::fsutil;
 
 fn existing_dir(p: &Path) -> PathBuf {
     let mut d = p
@@ -68,14 +48,14 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout]) -> Result<()> {
         }
     }
     for (dir, (bytes, files)) in need {
-        if read_only(&dir) {
+        if fsutil::read_only(&dir) {
             return Err(Error::Usage(format!(
                 "{} is on a read-only filesystem; cannot create {}",
                 dir.display(),
                 files.join(", ")
             )));
         }
-        if let Some(free) = free_bytes(&dir) {
+        if let Some(free) = fsutil::free_bytes(&dir) {
             if free < bytes {
                 return Err(Error::Usage(format!(
                     "not enough disk space in {}: this plan needs {} more ({}) but {} is free; free some space or move the outputs elsewhere",

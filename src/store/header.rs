@@ -11,6 +11,7 @@ use std::path::Path;
 use zerocopy::byteorder::little_endian::{U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
+use super::runs::Geometry;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -101,6 +102,18 @@ impl Header {
     }
     pub fn elem(&self) -> usize {
         self.dtype.size()
+    }
+    /// The tile-grid layout of the data, for block I/O ([`super::runs`]).
+    pub(crate) fn geometry(&self) -> Geometry {
+        Geometry {
+            rows: self.rows,
+            cols: self.cols,
+            tile_rows: self.tile_rows,
+            tile_cols: self.tile_cols,
+            elem: self.elem() as u64,
+            data_offset: self.data_offset,
+            tile_stride: self.tile_stride,
+        }
     }
     pub fn tile_offset(&self, ti: u64, tj: u64) -> u64 {
         self.data_offset + (ti * self.grid_cols() + tj) * self.tile_stride

@@ -1,10 +1,18 @@
-//! Matrix storage: the `.mgt` tiled file format, memory-mapped block I/O, synthetic data
-//! generation and `.npy` interchange. Everything that touches matrix bytes on disk lives here.
+//! Matrix storage: everything that touches matrix bytes on disk.
+//!
+//! The pipeline sees storage only through [`MatrixSource`] and [`MatrixSink`] ([`source`]); the
+//! `.mgt` tiled file ([`header`], [`tiled`]) implements them, with block I/O cut into contiguous
+//! file runs by one iterator ([`runs`]). Around that: synthetic data generation ([`gen`]),
+//! `.npy` import and export ([`npy`]), and filesystem checks and reservations ([`fsutil`]).
 
+pub mod fsutil;
 pub mod gen;
 pub mod header;
 pub mod npy;
+pub(crate) mod runs;
+pub mod source;
 pub mod tiled;
 
 pub use header::Header;
-pub use tiled::{Block, TiledFile, TiledWriter};
+pub use source::{open_source, Block, MatrixSink, MatrixSource, WriteMode};
+pub use tiled::{TiledFile, TiledWriter};

@@ -1,10 +1,15 @@
-//! Reading and writing `.mgt` tiled matrix files through memory maps.
+//! Reading and writing `.mgt` tiled matrix files: the first [`MatrixSource`] and [`MatrixSink`].
 //!
-//! [`TiledFile`] maps an input read-only and copies arbitrary row/column blocks out of it —
-//! compute tiles are independent of storage tiles, so a block may straddle any number of
-//! storage tiles, and edge tiles are partial. [`TiledWriter`] creates an output at its full
-//! length and writes blocks into a writable map; `finish` fills in the checksum table and makes
-//! the data durable. Both split large blocks across the rayon pool by rows.
+//! [`TiledFile`] reads arbitrary row/column blocks of an input with parallel `pread`s of the
+//! block's contiguous runs ([`super::runs`]); it keeps a read-only map only for readahead advice
+//! and checksum verification. [`TiledWriter`] creates an output at its full length and writes
+//! blocks either by copying into a writable map whose pages a prefault stage populated, or by
+//! `pwrite` ([`WriteMode`]); `finish` fills in the checksum table and makes the data durable.
+//!
+//! Measured choices (docs/GPU.md): input blocks are read with `pread` (21.5 GB/s into pinned
+//! memory on the H200 host, against 19.4 for registering the map with CUDA, and 2.12 s against
+//! 2.85 s end to end for copying through the map); output blocks go through the prefaulted map by
+//! default (1.92 s against 2.31 s for `pwrite`).
 //!
 //! Memory-map safety: a map of a file that another process truncates raises SIGBUS, and one that
 //! another process writes is undefined behaviour. The engine never writes its inputs (outputs
@@ -14,133 +19,68 @@
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
 use rayon::prelude::*;
 
-use super::header::{Header, ALIGN};
+use super::fsutil;
+use super::header::Header;
+use super::runs::{runs, Geometry, Run, IO_SPAN};
+use super::source::{Block, MatrixSink, MatrixSource, WriteMode};
 use crate::dtype::{self, DType};
 use crate::error::{Error, Result};
 
 /// Blocks bigger than this are copied by several threads.
 const PAR_BYTES: usize = 1 << 20;
-/// `madvise(WILLNEED)` is capped by the readahead window; issue it in chunks of this size.
+/// `madvise(WILLNEED)` is capped by the readahead window; issue it in pieces of at most this.
 const ADVISE_CHUNK: u64 = 8 << 20;
+/// Run span for copies into the output map: small enough that a single storage tile's rows
+/// spread over the whole rayon pool.
+const MAP_COPY_SPAN: u64 = 512 << 10;
+/// Elements converted per parallel task.
+const CONVERT_ELEMS: usize = 1 << 16;
 
-/// A block of a matrix: rows `r0..r0+rows`, columns `c0..c0+cols`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Block {
-    pub r0: u64,
-    pub c0: u64,
-    pub rows: u64,
-    pub cols: u64,
-}
-
-impl Block {
-    pub fn elems(&self) -> usize {
-        (self.rows * self.cols) as usize
+/// CRC-32C of `data`, computed by several threads and combined.
+pub fn par_crc32c(data: &[u8]) -> u32 {
+    const CHUNK: usize = 8 << 20;
+    if data.len() <= CHUNK {
+        return crc32c::crc32c(data);
     }
+    let parts: Vec<(u32, usize)> = data
+        .par_chunks(CHUNK)
+        .map(|c| (crc32c::crc32c(c), c.len()))
+        .collect();
+    parts
+        .into_iter()
+        .fold(0u32, |acc, (c, l)| crc32c::crc32c_combine(acc, c, l))
 }
 
-/// How output blocks are written: memcpy into the writable map, whose pages a prefault stage
-/// populated ahead of time (the default), or `pwrite` (`MGMM_WRITE=pwrite`). Buffered writes to
-/// one file serialise on the inode lock; copies into prefaulted pages do not.
-pub fn use_pwrite() -> bool {
-    static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| {
-        std::env::var("MGMM_WRITE")
-            .map(|v| v == "pwrite")
-            .unwrap_or(false)
-    })
+/// Convert a dense array between dtypes on the rayon pool.
+fn convert_par(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
+    src.par_chunks(CONVERT_ELEMS * from.size())
+        .zip(dst.par_chunks_mut(CONVERT_ELEMS * to.size()))
+        .for_each(|(s, d)| {
+            dtype::convert(from, s, to, d);
+        });
 }
 
-/// How input blocks are read: positioned reads (`pread`, the default) or memcpy through the
-/// memory map (`MGMM_IO=mmap`, kept for comparison; docs/GPU.md has the measurement).
-pub fn use_mmap_io() -> bool {
-    static MODE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| {
-        std::env::var("MGMM_IO")
-            .map(|v| v == "mmap")
-            .unwrap_or(false)
-    })
-}
-
-/// The part of a block inside one storage tile, as a run of rows: `rows` rows of `row_len`
-/// bytes, starting at `file_off` (rows `file_pitch` apart in the file) and at `buf_off` (rows
-/// `buf_pitch` apart in the dense block buffer). Large runs are split by rows (≤ 4 MiB each).
-#[derive(Clone, Copy, Debug)]
-struct Group {
-    file_off: u64,
-    file_pitch: u64,
-    buf_off: usize,
-    buf_pitch: usize,
-    row_len: usize,
-    rows: usize,
-}
-
-fn groups(h: &Header, b: &Block) -> Vec<Group> {
-    let es = h.elem() as u64;
-    let mut out = Vec::new();
-    let (tr, tc) = (h.tile_rows, h.tile_cols);
-    for ti in b.r0 / tr..(b.r0 + b.rows).div_ceil(tr) {
-        let ra = b.r0.max(ti * tr);
-        let rb = (b.r0 + b.rows).min((ti + 1) * tr);
-        for tj in b.c0 / tc..(b.c0 + b.cols).div_ceil(tc) {
-            let ca = b.c0.max(tj * tc);
-            let cb = (b.c0 + b.cols).min((tj + 1) * tc);
-            let g = Group {
-                file_off: h.tile_offset(ti, tj) + ((ra - ti * tr) * tc + (ca - tj * tc)) * es,
-                file_pitch: tc * es,
-                buf_off: (((ra - b.r0) * b.cols + (ca - b.c0)) * es) as usize,
-                buf_pitch: (b.cols * es) as usize,
-                row_len: ((cb - ca) * es) as usize,
-                rows: (rb - ra) as usize,
-            };
-            let per = ((4usize << 20) / g.file_pitch.max(1) as usize).max(1);
-            let mut r = 0;
-            while r < g.rows {
-                let n = per.min(g.rows - r);
-                out.push(Group {
-                    file_off: g.file_off + r as u64 * g.file_pitch,
-                    buf_off: g.buf_off + r * g.buf_pitch,
-                    rows: n,
-                    ..g
-                });
-                r += n;
-            }
-        }
-    }
-    out
-}
-
-impl Group {
-    fn file_contiguous(&self) -> bool {
-        self.rows == 1 || self.row_len as u64 == self.file_pitch
-    }
-    fn buf_contiguous(&self) -> bool {
-        self.rows == 1 || self.row_len == self.buf_pitch
-    }
-    fn bytes(&self) -> usize {
-        self.rows * self.row_len
-    }
-}
-
-/// Read every group of a block from `file` into `raw` (the dense block, file dtype): one pread
-/// per group when the rows are contiguous in the file (scattered into the block from a scratch
-/// buffer if they are not contiguous there), one pread per row otherwise.
-fn read_groups(file: &File, gs: &[Group], raw: &mut [u8]) -> std::io::Result<()> {
+/// Read every run of a block from `file` into `raw` (the dense block, file dtype), in parallel:
+/// one pread per run when its rows are contiguous in the file (scattered into the block from a
+/// scratch buffer if they are not contiguous there), one pread per row otherwise.
+fn read_runs(file: &File, rs: &[Run], raw: &mut [u8]) -> std::io::Result<()> {
     let base = SendPtr(raw.as_mut_ptr());
     let raw_len = raw.len();
-    gs.par_iter()
+    rs.par_iter()
         .try_for_each_init(Vec::new, |scratch: &mut Vec<u8>, g| {
-            let end = g.buf_off + (g.rows - 1) * g.buf_pitch + g.row_len;
-            assert!(end <= raw_len);
-            // SAFETY: groups of one block cover disjoint bytes of the dense block buffer (each
-            // element lies in exactly one storage tile), and `raw` outlives this loop.
-            let span = unsafe {
-                std::slice::from_raw_parts_mut(base.get().add(g.buf_off), end - g.buf_off)
-            };
+            let span = g.buf_span();
+            assert!(span.end <= raw_len);
+            // SAFETY: runs of one block cover disjoint bytes of the dense block buffer (each
+            // element lies in exactly one run), `span` lies inside it (asserted), and `raw`
+            // outlives this loop.
+            let span =
+                unsafe { std::slice::from_raw_parts_mut(base.get().add(span.start), span.len()) };
             if g.file_contiguous() && g.buf_contiguous() {
                 file.read_exact_at(&mut span[..g.bytes()], g.file_off)
             } else if g.file_contiguous() {
@@ -160,27 +100,21 @@ fn read_groups(file: &File, gs: &[Group], raw: &mut [u8]) -> std::io::Result<()>
         })
 }
 
-/// Write every group of a block from `raw` (dense block, file dtype) into `file`.
-fn write_groups(file: &File, gs: &[Group], raw: &[u8]) -> std::io::Result<()> {
-    // Buffered writes to one file serialise on the inode lock in most filesystems, so by default
-    // a block is written by one thread in large sequential pieces; MGMM_WRITE_THREADS=par
-    // spreads pieces over the pool instead (docs/GPU.md has the measurement).
-    static PAR: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let par = *PAR.get_or_init(|| {
-        std::env::var("MGMM_WRITE_THREADS")
-            .map(|v| v == "par")
-            .unwrap_or(false)
-    });
-    let one = |scratch: &mut Vec<u8>, g: &Group| -> std::io::Result<()> {
-        let src = &raw[g.buf_off..g.buf_off + (g.rows - 1) * g.buf_pitch + g.row_len];
+/// Write every run of a block from `raw` (dense block, file dtype) into `file` with `pwrite`,
+/// from one thread in large sequential pieces: buffered writes to one file serialise on the
+/// inode lock in most filesystems, so more threads would only queue.
+fn pwrite_runs(file: &File, rs: &[Run], raw: &[u8]) -> std::io::Result<()> {
+    let mut scratch = Vec::new();
+    for g in rs {
+        let src = &raw[g.buf_span()];
         if g.file_contiguous() && g.buf_contiguous() {
-            file.write_all_at(&src[..g.bytes()], g.file_off)
+            file.write_all_at(&src[..g.bytes()], g.file_off)?;
         } else if g.file_contiguous() {
             scratch.clear();
             for r in 0..g.rows {
                 scratch.extend_from_slice(&src[r * g.buf_pitch..r * g.buf_pitch + g.row_len]);
             }
-            file.write_all_at(scratch, g.file_off)
+            file.write_all_at(&scratch, g.file_off)?;
         } else {
             for r in 0..g.rows {
                 file.write_all_at(
@@ -188,62 +122,90 @@ fn write_groups(file: &File, gs: &[Group], raw: &[u8]) -> std::io::Result<()> {
                     g.file_off + r as u64 * g.file_pitch,
                 )?;
             }
-            Ok(())
+        }
+    }
+    Ok(())
+}
+
+/// Copy every run of a block from `raw` (dense block, file dtype) into the writable map,
+/// in parallel when the block is large.
+fn copy_runs_to_map(map: &MmapMut, rs: &[Run], raw: &[u8]) {
+    let base = SendPtr(map.as_ptr() as *mut u8);
+    let map_len = map.len();
+    let one = |g: &Run| {
+        assert!(
+            g.file_span().end as usize <= map_len,
+            "run ends past the output map"
+        );
+        // A run contiguous on both sides is one copy; otherwise one copy per row.
+        let (pieces, len) = if g.file_contiguous() && g.buf_contiguous() {
+            (1, g.bytes())
+        } else {
+            (g.rows, g.row_len)
+        };
+        for r in 0..pieces {
+            let (fo, bo) = g.row(r);
+            // SAFETY: `fo..fo+len` lies inside the run's file span, which ends inside the map
+            // (asserted), and belongs to this run only; runs of one block are disjoint and
+            // callers write disjoint blocks, so no two threads write the same bytes. `map`
+            // outlives the call.
+            let d = unsafe { std::slice::from_raw_parts_mut(base.get().add(fo as usize), len) };
+            d.copy_from_slice(&raw[bo..bo + len]);
         }
     };
-    if par {
-        gs.par_iter().try_for_each_init(Vec::new, |s, g| one(s, g))
+    if raw.len() >= PAR_BYTES && rs.len() > 1 {
+        rs.par_iter().for_each(one);
     } else {
-        let mut scratch = Vec::new();
-        gs.iter().try_for_each(|g| one(&mut scratch, g))
+        rs.iter().for_each(one);
     }
 }
 
-/// CRC-32C of `data`, computed by several threads and combined.
-pub fn par_crc32c(data: &[u8]) -> u32 {
-    const CHUNK: usize = 8 << 20;
-    if data.len() <= CHUNK {
-        return crc32c::crc32c(data);
-    }
-    let parts: Vec<(u32, usize)> = data
-        .par_chunks(CHUNK)
-        .map(|c| (crc32c::crc32c(c), c.len()))
-        .collect();
-    parts
-        .into_iter()
-        .fold(0u32, |acc, (c, l)| crc32c::crc32c_combine(acc, c, l))
-}
-
-/// The pieces of row `r` of block `b` in a tiled file: (file offset, byte offset of the piece
-/// within the block's row, elements), one per storage tile the row crosses.
-fn row_pieces<'a>(
-    h: &'a Header,
-    b: &'a Block,
-    r: u64,
-) -> impl Iterator<Item = (usize, usize, usize)> + 'a {
-    let (ti, rr) = (r / h.tile_rows, r % h.tile_rows);
-    let es = h.elem() as u64;
-    let end = b.c0 + b.cols;
-    let mut c = b.c0;
-    std::iter::from_fn(move || {
-        if c >= end {
-            return None;
+fn read_prefix(f: &File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read_at(&mut buf[n..], n as u64)? {
+            0 => break,
+            k => n += k,
         }
-        let (tj, cc) = (c / h.tile_cols, c % h.tile_cols);
-        let n = (h.tile_cols - cc).min(end - c);
-        let off = (h.tile_offset(ti, tj) + (rr * h.tile_cols + cc) * es) as usize;
-        let item = (off, (c - b.c0) as usize, n as usize);
-        c += n;
-        Some(item)
-    })
+    }
+    Ok(n)
 }
 
-/// An input matrix file, validated and mapped read-only.
+/// A raw pointer that may cross threads; used only to write disjoint byte ranges of one buffer.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+// SAFETY: the pointer is only dereferenced for disjoint byte ranges (distinct runs of a block),
+// so concurrent writers never alias.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn get(&self) -> *mut u8 {
+        self.0
+    }
+}
+
+fn supported(from: DType, to: DType) -> bool {
+    from == to
+        || matches!(
+            (from, to),
+            (DType::F16, DType::F32)
+                | (DType::BF16, DType::F32)
+                | (DType::F32, DType::F64)
+                | (DType::F64, DType::F32)
+        )
+}
+
+/// An input matrix file, validated, read with `pread` and mapped read-only for advice and
+/// checksum verification.
 pub struct TiledFile {
     path: PathBuf,
     file: File,
     map: Mmap,
     pub hdr: Header,
+    geo: Geometry,
+    /// Per storage tile: its checksum was verified (allocated on first verification).
+    verified: OnceLock<Vec<AtomicBool>>,
 }
 
 impl TiledFile {
@@ -268,7 +230,9 @@ impl TiledFile {
             path: path.to_path_buf(),
             file,
             map,
+            geo: hdr.geometry(),
             hdr,
+            verified: OnceLock::new(),
         })
     }
 
@@ -314,7 +278,7 @@ impl TiledFile {
         if !self.hdr.has_checksums() {
             return Ok(());
         }
-        let idx = (ti * self.hdr.grid_cols() + tj) as usize;
+        let idx = self.geo.tile_index(ti, tj);
         let off = self.hdr.checksum_table_offset as usize + 4 * idx;
         let stored = u32::from_le_bytes(self.map[off..off + 4].try_into().unwrap());
         let computed = crc32c::crc32c(self.tile_bytes(ti, tj));
@@ -344,51 +308,50 @@ impl TiledFile {
         Ok(())
     }
 
-    /// Storage tiles that `b` touches, as (ti, tj) ranges.
-    pub fn tiles_of(&self, b: &Block) -> (std::ops::Range<u64>, std::ops::Range<u64>) {
-        let h = &self.hdr;
-        (
-            b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows),
-            b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols),
-        )
-    }
-
-    /// Byte ranges of the map that `b` reads (whole tile rows), for madvise.
-    fn ranges_of(&self, b: &Block) -> Vec<(u64, u64)> {
-        let h = &self.hdr;
-        let (tis, tjs) = self.tiles_of(b);
-        let row_bytes = h.tile_cols * h.elem() as u64;
-        let mut out = Vec::new();
-        for ti in tis {
-            let lo = b.r0.max(ti * h.tile_rows) - ti * h.tile_rows;
-            let hi = (b.r0 + b.rows).min((ti + 1) * h.tile_rows) - ti * h.tile_rows;
-            for tj in tjs.clone() {
-                let off = h.tile_offset(ti, tj);
-                out.push((off + lo * row_bytes, (hi - lo) * row_bytes));
-            }
+    /// Verify every storage tile `b` touches that this handle has not verified yet.
+    pub fn verify_block(&self, b: &Block) -> Result<()> {
+        if !self.hdr.has_checksums() {
+            return Ok(());
         }
-        out
+        let marks = self.verified.get_or_init(|| {
+            (0..self.hdr.tiles())
+                .map(|_| AtomicBool::new(false))
+                .collect()
+        });
+        let todo: Vec<(u64, u64)> = self
+            .geo
+            .tiles_iter(b)
+            .filter(|&(ti, tj)| !marks[self.geo.tile_index(ti, tj)].load(Ordering::Relaxed))
+            .collect();
+        todo.par_iter().try_for_each(|&(ti, tj)| {
+            self.verify_tile(ti, tj)?;
+            marks[self.geo.tile_index(ti, tj)].store(true, Ordering::Relaxed);
+            Ok(())
+        })
     }
 
     /// Ask the kernel to read `b` ahead (asynchronous). Returns bytes advised.
     pub fn will_need(&self, b: &Block) -> u64 {
         let mut total = 0;
-        for (off, len) in self.ranges_of(b) {
-            let mut o = off;
-            while o < off + len {
-                let l = ADVISE_CHUNK.min(off + len - o);
+        for run in runs(&self.geo, b, ADVISE_CHUNK) {
+            let span = run.file_span();
+            let mut o = span.start;
+            while o < span.end {
+                let l = ADVISE_CHUNK.min(span.end - o);
                 // Advice failures are harmless (it is only a hint).
                 let _ = self
                     .map
                     .advise_range(Advice::WillNeed, o as usize, l as usize);
                 o += l;
             }
-            total += len;
+            total += span.end - span.start;
         }
         total
     }
 
-    /// Copy block `b` into `dst` as a dense row-major `b.rows × b.cols` array of `out` elements.
+    /// Copy block `b` into `dst` as a dense row-major `b.rows × b.cols` array of `out` elements:
+    /// `pread` each contiguous run straight into `dst` (same dtype), or into a scratch block
+    /// that is then converted.
     pub fn read_block(&self, b: &Block, out: DType, dst: &mut [u8]) -> Result<()> {
         let h = &self.hdr;
         if b.r0 + b.rows > h.rows || b.c0 + b.cols > h.cols {
@@ -397,93 +360,64 @@ impl TiledFile {
                 format!("block {b:?} is outside the {}×{} matrix", h.rows, h.cols),
             ));
         }
-        let oe = out.size();
-        let row_out = b.cols as usize * oe;
-        assert_eq!(dst.len(), b.rows as usize * row_out, "read_block: dst size");
+        assert_eq!(dst.len(), b.elems() * out.size(), "read_block: dst size");
         if !supported(h.dtype, out) {
             return Err(Error::format(
                 &self.path,
                 format!("cannot read {} data as {}", h.dtype, out),
             ));
         }
-        if !use_mmap_io() {
-            // pread each contiguous piece straight into the destination (same dtype), or into
-            // a scratch block that is then widened.
-            let same = h.dtype == out;
-            let mut scratch = if same {
-                Vec::new()
-            } else {
-                vec![0u8; b.elems() * h.elem()]
-            };
-            {
-                let raw: &mut [u8] = if same { &mut *dst } else { &mut scratch };
-                read_groups(&self.file, &groups(h, b), raw)
-                    .map_err(|e| Error::io(&self.path, "cannot read tile data", e))?;
-            }
-            if !same {
-                let (ie, oe) = (h.elem(), out.size());
-                const ELEMS: usize = 1 << 16;
-                scratch
-                    .par_chunks(ELEMS * ie)
-                    .zip(dst.par_chunks_mut(ELEMS * oe))
-                    .for_each(|(s, d)| {
-                        dtype::convert(h.dtype, s, out, d);
-                    });
-            }
-            return Ok(());
+        let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
+        let io_err = |e| Error::io(&self.path, "cannot read tile data", e);
+        if h.dtype == out {
+            return read_runs(&self.file, &rs, dst).map_err(io_err);
         }
-        let copy_row = |r: u64, drow: &mut [u8]| {
-            for (off, col, n) in row_pieces(h, b, r) {
-                let src = &self.map[off..off + n * h.elem()];
-                dtype::convert(h.dtype, src, out, &mut drow[col * oe..(col + n) * oe]);
-            }
-        };
-        if dst.len() >= PAR_BYTES && b.rows > 1 {
-            dst.par_chunks_mut(row_out)
-                .enumerate()
-                .for_each(|(i, drow)| copy_row(b.r0 + i as u64, drow));
-        } else {
-            for (i, drow) in dst.chunks_mut(row_out).enumerate() {
-                copy_row(b.r0 + i as u64, drow);
-            }
-        }
+        let mut scratch = vec![0u8; b.elems() * h.elem()];
+        read_runs(&self.file, &rs, &mut scratch).map_err(io_err)?;
+        convert_par(h.dtype, &scratch, out, dst);
         Ok(())
     }
-}
 
-fn supported(from: DType, to: DType) -> bool {
-    from == to
-        || matches!(
-            (from, to),
-            (DType::F16, DType::F32)
-                | (DType::BF16, DType::F32)
-                | (DType::F32, DType::F64)
-                | (DType::F64, DType::F32)
+    /// The journal's identity of this file: path, length, header CRC and checksum-table CRC.
+    /// The text is part of every journal's fingerprint, so it must not change between versions.
+    pub fn identity(&self) -> String {
+        let len = self.hdr.file_len();
+        let head = crc32c::crc32c(&self.hdr.to_block());
+        let table = self
+            .checksum_table()
+            .map(|t| {
+                let bytes: Vec<u8> = t.iter().flat_map(|c| c.to_le_bytes()).collect();
+                format!("{:08x}", crc32c::crc32c(&bytes))
+            })
+            .unwrap_or_else(|| "none".into());
+        format!(
+            "{} ({len} bytes, header {head:08x}, tile checksums {table})",
+            self.path.display()
         )
-}
-
-fn read_prefix(f: &File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match f.read_at(&mut buf[n..], n as u64)? {
-            0 => break,
-            k => n += k,
-        }
     }
-    Ok(n)
 }
 
-/// A raw pointer that may cross threads; used only to write disjoint row ranges of one map.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut u8);
-// SAFETY: the pointer is only dereferenced for disjoint byte ranges (distinct rows of a block),
-// so concurrent writers never alias.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    fn get(&self) -> *mut u8 {
-        self.0
+impl MatrixSource for TiledFile {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.hdr.rows, self.hdr.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.hdr.dtype
+    }
+    fn read_block(&self, b: &Block, host: DType, dst: &mut [u8]) -> Result<()> {
+        TiledFile::read_block(self, b, host, dst)
+    }
+    fn will_need(&self, b: &Block) -> u64 {
+        TiledFile::will_need(self, b)
+    }
+    fn verify_block(&self, b: &Block) -> Result<()> {
+        TiledFile::verify_block(self, b)
+    }
+    fn identity(&self) -> String {
+        TiledFile::identity(self)
     }
 }
 
@@ -493,16 +427,24 @@ pub struct TiledWriter {
     file: File,
     map: MmapMut,
     pub hdr: Header,
+    geo: Geometry,
     /// Checksums of storage tiles already known (computed when a tile is written whole).
     crcs: Mutex<Vec<Option<u32>>>,
-    /// The file's blocks are allocated (fallocate), so writes through the map cannot hit ENOSPC
-    /// (which a map reports as SIGBUS). Without it, writes go through pwrite.
-    prealloc: bool,
+    /// Blocks are written with `pwrite`: asked for ([`WriteMode::Pwrite`]), or forced because
+    /// the filesystem cannot preallocate (`fallocate`), so writes through the map could hit
+    /// ENOSPC, which a map reports as SIGBUS.
+    pwrite: bool,
 }
 
 impl TiledWriter {
-    /// Create `path` (replacing an existing file) at its full length, zero-filled.
+    /// Create `path` (replacing an existing file) at its full length, zero-filled, writing
+    /// through the prefaulted map.
     pub fn create(path: &Path, hdr: Header) -> Result<TiledWriter> {
+        Self::create_with(path, hdr, WriteMode::default())
+    }
+
+    /// [`TiledWriter::create`] with an explicit write mode.
+    pub fn create_with(path: &Path, hdr: Header, mode: WriteMode) -> Result<TiledWriter> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -510,11 +452,16 @@ impl TiledWriter {
             .truncate(true)
             .open(path)
             .map_err(|e| Error::io(path, "cannot create output file", e))?;
-        Self::init(path, file, hdr, true)
+        Self::init(path, file, hdr, true, mode)
     }
 
     /// Open an existing output with header `hdr` to continue writing it (resume).
     pub fn reopen(path: &Path, hdr: Header) -> Result<TiledWriter> {
+        Self::reopen_with(path, hdr, WriteMode::default())
+    }
+
+    /// [`TiledWriter::reopen`] with an explicit write mode.
+    pub fn reopen_with(path: &Path, hdr: Header, mode: WriteMode) -> Result<TiledWriter> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -534,10 +481,16 @@ impl TiledWriter {
                 "existing output has a different header than this plan produces; rerun with --restart",
             ));
         }
-        Self::init(path, file, hdr, false)
+        Self::init(path, file, hdr, false, mode)
     }
 
-    fn init(path: &Path, file: File, hdr: Header, fresh: bool) -> Result<TiledWriter> {
+    fn init(
+        path: &Path,
+        file: File,
+        hdr: Header,
+        fresh: bool,
+        mode: WriteMode,
+    ) -> Result<TiledWriter> {
         if fresh {
             file.write_all_at(&hdr.to_block(), 0)
                 .map_err(|e| Error::io(path, "cannot write header", e))?;
@@ -546,18 +499,8 @@ impl TiledWriter {
         }
         // Reserve every block now: running out of space becomes an error here, before any
         // work, instead of a SIGBUS from a write through the map hours later.
-        use std::os::fd::AsRawFd;
-        // SAFETY: fallocate on a descriptor we own, within the file's length; no memory involved.
-        let r = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, hdr.file_len() as libc::off_t) };
-        let prealloc = if r == 0 {
-            true
-        } else {
-            let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => false,
-                _ => return Err(size_error(path, hdr.file_len(), e)),
-            }
-        };
+        let prealloc = fsutil::preallocate(&file, hdr.file_len())
+            .map_err(|e| size_error(path, hdr.file_len(), e))?;
         // SAFETY: the output is a file this process just created or reopened for writing; the
         // engine holds it for the duration of the job and nothing else may write or truncate
         // it (the job takes an exclusive lock on it, see pipeline::journal).
@@ -572,9 +515,10 @@ impl TiledWriter {
             path: path.to_path_buf(),
             file,
             map,
+            geo: hdr.geometry(),
             hdr,
             crcs: Mutex::new(vec![None; n]),
-            prealloc,
+            pwrite: mode == WriteMode::Pwrite || !prealloc,
         })
     }
 
@@ -599,44 +543,18 @@ impl TiledWriter {
             src
         } else {
             let mut v = vec![0u8; b.elems() * h.elem()];
-            const ELEMS: usize = 1 << 16;
-            src.par_chunks(ELEMS * from.size())
-                .zip(v.par_chunks_mut(ELEMS * h.elem()))
-                .for_each(|(s, d)| {
-                    dtype::convert(from, s, h.dtype, d);
-                });
+            convert_par(from, src, h.dtype, &mut v);
             converted = v;
             &converted
         };
         let crc = par_crc32c(raw);
-        if use_pwrite() || !self.prealloc {
-            write_groups(&self.file, &groups(h, b), raw)
+        if self.pwrite {
+            let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
+            pwrite_runs(&self.file, &rs, raw)
                 .map_err(|e| Error::io(&self.path, "cannot write output tile", e))?;
         } else {
-            let base = SendPtr(self.map.as_ptr() as *mut u8);
-            let map_len = self.map.len();
-            let row = b.cols as usize * h.elem();
-            let write_row = |r: u64, srow: &[u8]| {
-                for (off, col, n) in row_pieces(h, b, r) {
-                    let len = n * h.elem();
-                    assert!(off + len <= map_len);
-                    // SAFETY: `off..off+len` lies inside the map (asserted) and belongs to row
-                    // `r` of this block only; callers write disjoint blocks, and rows of one
-                    // block are disjoint, so no two threads write the same bytes. The map is
-                    // kept alive by `self` for the duration of the call.
-                    let d = unsafe { std::slice::from_raw_parts_mut(base.get().add(off), len) };
-                    d.copy_from_slice(&srow[col * h.elem()..col * h.elem() + len]);
-                }
-            };
-            if raw.len() >= PAR_BYTES && b.rows > 1 {
-                raw.par_chunks(row)
-                    .enumerate()
-                    .for_each(|(i, s)| write_row(b.r0 + i as u64, s));
-            } else {
-                for (i, s) in raw.chunks(row).enumerate() {
-                    write_row(b.r0 + i as u64, s);
-                }
-            }
+            let rs: Vec<Run> = runs(&self.geo, b, MAP_COPY_SPAN).collect();
+            copy_runs_to_map(&self.map, &rs, raw);
         }
         self.note_checksums(b, Some((crc, raw.len())));
         Ok(crc)
@@ -650,56 +568,37 @@ impl TiledWriter {
         if !h.has_checksums() {
             return;
         }
-        let tis = b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows);
-        let tjs = b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols);
-        for ti in tis {
-            for tj in tjs.clone() {
-                let (tr0, tc0) = (ti * h.tile_rows, tj * h.tile_cols);
-                let (tr1, tc1) = (
-                    ((ti + 1) * h.tile_rows).min(h.rows),
-                    ((tj + 1) * h.tile_cols).min(h.cols),
-                );
-                let full_r = b.r0 <= tr0 && b.r0 + b.rows >= tr1;
-                let full_c = b.c0 <= tc0 && b.c0 + b.cols >= tc1;
-                if !(full_r && full_c) {
-                    continue;
-                }
-                let exact = (b.r0, b.c0, b.rows, b.cols) == (tr0, tc0, h.tile_rows, h.tile_cols);
-                let crc = match raw {
-                    Some((c, len)) if exact => {
-                        let pad = h.tile_stride as usize - len;
-                        crc32c::crc32c_append(c, &vec![0u8; pad])
-                    }
-                    _ => {
-                        let off = h.tile_offset(ti, tj) as usize;
-                        par_crc32c(&self.map[off..off + h.tile_stride as usize])
-                    }
-                };
-                self.crcs.lock().unwrap()[(ti * h.grid_cols() + tj) as usize] = Some(crc);
+        for (ti, tj) in self.geo.tiles_iter(b) {
+            if !self.geo.covers_tile(b, ti, tj) {
+                continue;
             }
+            let crc = match raw {
+                Some((c, len)) if self.geo.is_exact_tile(b, ti, tj) => {
+                    let pad = h.tile_stride as usize - len;
+                    crc32c::crc32c_append(c, &vec![0u8; pad])
+                }
+                _ => {
+                    let off = h.tile_offset(ti, tj) as usize;
+                    par_crc32c(&self.map[off..off + h.tile_stride as usize])
+                }
+            };
+            self.crcs.lock().unwrap()[self.geo.tile_index(ti, tj)] = Some(crc);
         }
     }
 
     /// Populate (allocate and map for writing) the pages of the storage tiles block `b` will
     /// write, so that the later copy into them runs at memory speed. A hint: errors (an old
-    /// kernel without MADV_POPULATE_WRITE) are ignored. Returns bytes populated.
+    /// kernel without MADV_POPULATE_WRITE) are ignored. Returns bytes populated; 0 when
+    /// writing with `pwrite`, which does not use the map.
     pub fn prefault(&self, b: &Block) -> u64 {
-        if use_pwrite() || !self.prealloc {
+        if self.pwrite {
             return 0;
         }
-        let h = &self.hdr;
-        let tis = b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows);
-        let tjs = b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols);
         let mut total = 0;
-        for ti in tis {
-            let a = h.tile_offset(ti, tjs.start) as usize;
-            let z = h.tile_offset(ti, tjs.end - 1) as usize + h.tile_stride as usize;
-            if self
-                .map
-                .advise_range(Advice::PopulateWrite, a, z - a)
-                .is_ok()
-            {
-                total += (z - a) as u64;
+        for span in self.geo.tile_row_spans(b) {
+            let (a, len) = (span.start as usize, (span.end - span.start) as usize);
+            if self.map.advise_range(Advice::PopulateWrite, a, len).is_ok() {
+                total += len as u64;
             }
         }
         total
@@ -717,14 +616,10 @@ impl TiledWriter {
 
     /// Flush the bytes of block `b`'s storage tiles to disk (for the resume journal).
     pub fn flush_block(&self, b: &Block) -> Result<()> {
-        let h = &self.hdr;
-        let tis = b.r0 / h.tile_rows..(b.r0 + b.rows).div_ceil(h.tile_rows);
-        let tjs = b.c0 / h.tile_cols..(b.c0 + b.cols).div_ceil(h.tile_cols);
-        for ti in tis {
-            let a = h.tile_offset(ti, tjs.start) as usize;
-            let z = h.tile_offset(ti, tjs.end - 1) as usize + h.tile_stride as usize;
+        for span in self.geo.tile_row_spans(b) {
+            let (a, len) = (span.start as usize, (span.end - span.start) as usize);
             self.map
-                .flush_range(a, z - a)
+                .flush_range(a, len)
                 .map_err(|e| Error::io(&self.path, "cannot flush output tile to disk", e))?;
         }
         Ok(())
@@ -769,11 +664,44 @@ impl TiledWriter {
     }
 }
 
+impl MatrixSink for TiledWriter {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.hdr.rows, self.hdr.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.hdr.dtype
+    }
+    fn storage_tile(&self) -> (u64, u64) {
+        (self.hdr.tile_rows, self.hdr.tile_cols)
+    }
+    fn write_block(&self, b: &Block, host: DType, src: &[u8]) -> Result<u32> {
+        TiledWriter::write_block(self, b, host, src)
+    }
+    fn prefault(&self, b: &Block) -> u64 {
+        TiledWriter::prefault(self, b)
+    }
+    fn flush_block(&self, b: &Block) -> Result<()> {
+        TiledWriter::flush_block(self, b)
+    }
+    fn forget_checksums(&self) {
+        TiledWriter::forget_checksums(self)
+    }
+    fn finish(self: Box<Self>, durable: bool) -> Result<()> {
+        TiledWriter::finish(*self, durable)
+    }
+}
+
 fn size_error(path: &Path, len: u64, e: std::io::Error) -> Error {
-    let hint = match e.raw_os_error() {
-        Some(libc::ENOSPC) => format!("not enough disk space for the output ({len} bytes); free space or write the output elsewhere"),
-        Some(libc::EFBIG) => format!("the output ({len} bytes) exceeds the file-size limit (ulimit -f) or the filesystem's maximum"),
-        Some(libc::EDQUOT) => format!("disk quota exceeded reserving {len} bytes for the output"),
+    use rustix::io::Errno;
+    let code = e.raw_os_error();
+    let is = |errno: Errno| code == Some(errno.raw_os_error());
+    let hint = match () {
+        _ if is(Errno::NOSPC) => format!("not enough disk space for the output ({len} bytes); free space or write the output elsewhere"),
+        _ if is(Errno::FBIG) => format!("the output ({len} bytes) exceeds the file-size limit (ulimit -f) or the filesystem's maximum"),
+        _ if is(Errno::DQUOT) => format!("disk quota exceeded reserving {len} bytes for the output"),
         _ => format!("cannot reserve {len} bytes for the output"),
     };
     Error::Format {
@@ -782,7 +710,171 @@ fn size_error(path: &Path, len: u64, e: std::io::Error) -> Error {
     }
 }
 
-/// Round a byte count to the format's alignment.
-pub fn aligned(x: u64) -> u64 {
-    super::header::round_up(x, ALIGN)
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::open_source;
+
+    const ROWS: u64 = 50;
+    const COLS: u64 = 37;
+
+    /// Element (r, c) of the test matrix.
+    fn val(r: u64, c: u64) -> f64 {
+        (r * COLS + c) as f64 * 0.5 - 100.0
+    }
+
+    /// Block `b` of the test matrix as dense bytes of `dt`.
+    fn dense(b: &Block, dt: DType) -> Vec<u8> {
+        let mut out = vec![0u8; b.elems() * dt.size()];
+        for (i, d) in out.chunks_exact_mut(dt.size()).enumerate() {
+            let (r, c) = (i as u64 / b.cols, i as u64 % b.cols);
+            dtype::put(dt, val(b.r0 + r, b.c0 + c), d);
+        }
+        out
+    }
+
+    /// Write the whole test matrix in 13×11 blocks (straddling the 16×8 storage tiles).
+    fn write_matrix(path: &Path, mode: WriteMode, host: DType) {
+        let hdr = Header::new(DType::F32, ROWS, COLS, 16, 8, true);
+        let w = TiledWriter::create_with(path, hdr, mode).unwrap();
+        for r0 in (0..ROWS).step_by(13) {
+            for c0 in (0..COLS).step_by(11) {
+                let b = Block {
+                    r0,
+                    c0,
+                    rows: 13.min(ROWS - r0),
+                    cols: 11.min(COLS - c0),
+                };
+                let sink: &dyn MatrixSink = &w;
+                sink.prefault(&b);
+                let crc = sink.write_block(&b, host, &dense(&b, host)).unwrap();
+                assert_eq!(crc, crc32c::crc32c(&dense(&b, DType::F32)), "{b:?}");
+                sink.flush_block(&b).unwrap();
+            }
+        }
+        w.finish(false).unwrap();
+    }
+
+    #[test]
+    fn write_modes_give_identical_files_that_read_back() {
+        let d = tempfile::tempdir().unwrap();
+        let (pm, pp) = (d.path().join("m.mgt"), d.path().join("p.mgt"));
+        write_matrix(&pm, WriteMode::Mmap, DType::F32);
+        write_matrix(&pp, WriteMode::Pwrite, DType::F64);
+        assert_eq!(std::fs::read(&pm).unwrap(), std::fs::read(&pp).unwrap());
+        let f = open_source(&pm).unwrap();
+        assert_eq!((f.shape(), f.dtype()), ((ROWS, COLS), DType::F32));
+        let all = Block {
+            r0: 0,
+            c0: 0,
+            rows: ROWS,
+            cols: COLS,
+        };
+        f.verify_block(&all).unwrap();
+        for b in [
+            all,
+            Block {
+                r0: 5,
+                c0: 3,
+                rows: 20,
+                cols: 30,
+            },
+            Block {
+                r0: 49,
+                c0: 0,
+                rows: 1,
+                cols: 37,
+            },
+            Block {
+                r0: 0,
+                c0: 36,
+                rows: 50,
+                cols: 1,
+            },
+        ] {
+            for host in [DType::F32, DType::F64] {
+                let mut got = vec![0u8; b.elems() * host.size()];
+                f.read_block(&b, host, &mut got).unwrap();
+                assert_eq!(got, dense(&b, host), "{b:?} as {host}");
+            }
+        }
+        let mut buf = vec![0u8; 4 * 4];
+        let outside = Block {
+            r0: 48,
+            c0: 0,
+            rows: 4,
+            cols: 1,
+        };
+        let e = f.read_block(&outside, DType::F32, &mut buf).unwrap_err();
+        assert!(e.to_string().contains("outside"), "{e}");
+    }
+
+    #[test]
+    fn verify_block_finds_a_corrupt_tile_and_checks_each_tile_once() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("v.mgt");
+        write_matrix(&p, WriteMode::Mmap, DType::F32);
+        let hdr = TiledFile::open(&p).unwrap().hdr;
+        let corrupt = |ti, tj| {
+            let f = OpenOptions::new().write(true).open(&p).unwrap();
+            f.write_all_at(&[0xff; 4], hdr.tile_offset(ti, tj) + 8)
+                .unwrap();
+        };
+        let first = Block {
+            r0: 0,
+            c0: 0,
+            rows: 16,
+            cols: 8,
+        };
+        let f = TiledFile::open(&p).unwrap();
+        f.verify_block(&first).unwrap();
+        // Tile (0, 0) was verified by this handle: later damage is not re-checked by it.
+        corrupt(0, 0);
+        f.verify_block(&first).unwrap();
+        corrupt(1, 2);
+        let clear = Block {
+            r0: 0,
+            c0: 8,
+            rows: 16,
+            cols: 29,
+        };
+        f.verify_block(&clear).unwrap();
+        let e = f
+            .verify_block(&Block {
+                r0: 15,
+                c0: 15,
+                rows: 2,
+                cols: 2,
+            })
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Checksum { ti: 1, tj: 2, .. }),
+            "expected tile (1, 2): {e}"
+        );
+        // A fresh handle checks (0, 0) again.
+        let e = TiledFile::open(&p)
+            .unwrap()
+            .verify_block(&first)
+            .unwrap_err();
+        assert!(matches!(e, Error::Checksum { ti: 0, tj: 0, .. }), "{e}");
+    }
+
+    #[test]
+    fn identity_is_the_journal_text() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("i.mgt");
+        write_matrix(&p, WriteMode::Mmap, DType::F32);
+        let f = TiledFile::open(&p).unwrap();
+        let len = std::fs::metadata(&p).unwrap().len();
+        let id = MatrixSource::identity(&f);
+        let prefix = format!("{} ({len} bytes, header ", p.display());
+        assert!(id.starts_with(&prefix), "{id}");
+        let rest = &id[prefix.len()..];
+        assert_eq!(&rest[8..25], ", tile checksums ", "{id}");
+        assert!(rest[..8]
+            .chars()
+            .chain(rest[25..33].chars())
+            .all(|c| c.is_ascii_hexdigit()));
+        assert_eq!(&rest[33..], ")");
+    }
 }
