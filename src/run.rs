@@ -531,8 +531,7 @@ pub fn describe(plan: &Plan) -> Result<String> {
     }
     for step in &plan.steps {
         let l = Layout::new(&plan.path, step, e, &sel.target)?;
-        let sched = Schedule::new(step, &l);
-        let t = traffic(step, &l, &sched);
+        let t = traffic(step, &l);
         let (gm, gn, gk) = l.grid(step);
         s += &format!(
             "step {} (line {}): {} = {}\n",
