@@ -88,7 +88,12 @@ pub enum Command {
     /// Resolve a plan and print what `run` would do: shapes, tiles, memory budgets, bytes moved,
     /// and the lower bound on time.
     #[command(after_help = "Example:\n  mgmm-stream plan examples/quickstart.toml")]
-    Plan { plan: PathBuf },
+    Plan {
+        plan: PathBuf,
+        /// Override an [engine] key of the plan (repeatable), e.g. --set engine.host_memory=8GiB.
+        #[arg(long = "set", value_name = "engine.KEY=VALUE")]
+        set: Vec<String>,
+    },
     /// List the CUDA GPUs this build can use (or say why there are none).
     #[command(after_help = "Example:\n  mgmm-stream devices")]
     Devices,
@@ -98,6 +103,9 @@ pub enum Command {
     )]
     Run {
         plan: PathBuf,
+        /// Override an [engine] key of the plan (repeatable), e.g. --set engine.host_memory=8GiB.
+        #[arg(long = "set", value_name = "engine.KEY=VALUE")]
+        set: Vec<String>,
         /// Print nothing but errors.
         #[arg(long, short)]
         quiet: bool,
@@ -120,6 +128,9 @@ pub enum Command {
     #[command(after_help = "Example:\n  mgmm-stream verify examples/quickstart.toml --rounds 3")]
     Verify {
         plan: PathBuf,
+        /// Override an [engine] key of the plan (repeatable), e.g. --set engine.host_memory=8GiB.
+        #[arg(long = "set", value_name = "engine.KEY=VALUE")]
+        set: Vec<String>,
         /// Random vectors to test with.
         #[arg(long, default_value_t = 2)]
         rounds: usize,
@@ -331,8 +342,8 @@ pub fn execute(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Plan { plan } => {
-            let p = Plan::load(&plan)?;
+        Command::Plan { plan, set } => {
+            let p = Plan::load_with(&plan, &set)?;
             print!("{}", run::describe(&p)?);
             Ok(())
         }
@@ -343,8 +354,9 @@ pub fn execute(cli: Cli) -> Result<()> {
             log_every,
             restart,
             verify,
+            set,
         } => {
-            let p = Plan::load(&plan)?;
+            let p = Plan::load_with(&plan, &set)?;
             let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
             let rep = run::run_plan(
                 &p,
@@ -364,8 +376,13 @@ pub fn execute(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Verify { plan, rounds, seed } => {
-            let p = Plan::load(&plan)?;
+        Command::Verify {
+            plan,
+            set,
+            rounds,
+            seed,
+        } => {
+            let p = Plan::load_with(&plan, &set)?;
             run::init_threads(p.engine.threads);
             verify_plan(&p, rounds, seed, false)
         }

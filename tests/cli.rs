@@ -430,3 +430,75 @@ fn bad_matrix_files() {
         assert!(!dir.join("x.npy").exists());
     }
 }
+
+#[test]
+fn plan_of_a_million_squared_answers_in_under_a_second() {
+    let d = tmp();
+    let dir = d.path();
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 1000000, cols = 1000000 }\n\
+                [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ A.T\"\n[engine]\nbackend = \"cpu\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    // Default tile and a small one (2.4e8 output tiles): the traffic model is closed-form.
+    for set in ["engine.tile=auto", "engine.tile=64"] {
+        let t = std::time::Instant::now();
+        let s = ok(&mg(dir, &["plan", "p.toml", "--set", set]));
+        let took = t.elapsed().as_secs_f64();
+        assert!(took < 1.0, "{set}: plan took {took:.2} s:\n{s}");
+        assert!(
+            s.contains("1000000×1000000") && s.contains("lower bound"),
+            "{s}"
+        );
+    }
+}
+
+#[test]
+fn set_overrides_engine_keys_on_plan_run_and_verify() {
+    let d = tmp();
+    let dir = d.path();
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 40, cols = 30, seed = 1 }\n\
+                [[step]]\noutput = \"C.mgt\"\nexpr = \"0.5 * A @ A.T\"\n\
+                [engine]\nbackend = \"cpu\"\nhost_memory = \"lots\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    // The file's bad value names its line; --set replaces it before validation.
+    fails(
+        &mg(dir, &["plan", "p.toml"]),
+        &["p.toml", "engine.host_memory (line 9)", "lots"],
+    );
+    let s = ok(&mg(
+        dir,
+        &[
+            "plan",
+            "p.toml",
+            "--set",
+            "engine.host_memory=16MiB",
+            "--set",
+            "engine.tile=16",
+        ],
+    ));
+    assert!(
+        s.contains("compute tile 16×16×16") && s.contains("16.00 MiB"),
+        "{s}"
+    );
+    // Same validation and messages as the file, naming the argument.
+    let e = fails(
+        &mg(dir, &["plan", "p.toml", "--set", "engine.host_memory=abc"]),
+        &["--set engine.host_memory=abc", "not a size"],
+    );
+    assert!(!e.contains("lots"), "{e}");
+    fails(
+        &mg(dir, &["run", "p.toml", "--set", "engine.warp=9"]),
+        &["--set engine.warp=9", "warp"],
+    );
+    fails(
+        &mg(dir, &["verify", "p.toml", "--set", "matrices.A.path=B.mgt"]),
+        &["only [engine] keys"],
+    );
+    ok(&mg(
+        dir,
+        &["run", "p.toml", "--set", "engine.host_memory=16MiB", "-q"],
+    ));
+    ok(&mg(
+        dir,
+        &["verify", "p.toml", "--set", "engine.host_memory=16MiB"],
+    ));
+}

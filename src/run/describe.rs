@@ -4,7 +4,7 @@
 use crate::backend::{self, describe_precision, MemorySpace};
 use crate::error::Result;
 use crate::plan::layout::Layout;
-use crate::plan::schedule::{traffic, Schedule};
+use crate::plan::schedule::traffic;
 use crate::plan::size::fmt_bytes;
 use crate::plan::Plan;
 
@@ -55,8 +55,7 @@ pub fn describe(plan: &Plan) -> Result<String> {
     }
     for step in &plan.steps {
         let l = Layout::new(&plan.path, step, e, caps)?;
-        let sched = Schedule::new(step, &l);
-        let t = traffic(step, &l, &sched);
+        let t = traffic(step, &l);
         let (gm, gn, gk) = l.grid(step);
         s += &format!(
             "step {} (line {}): {} = {}\n",

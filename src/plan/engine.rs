@@ -1,0 +1,362 @@
+//! The `[engine]` table: `--set engine.KEY=VALUE` overrides applied to the raw table, then one
+//! resolution into an [`Engine`] with the same checks and messages for both sources.
+//!
+//! An override is parsed as the TOML value it spells (`tile=[512,512,256]`, `durable=false`),
+//! falling back to a string (`host_memory=4GiB`), and deserialised into the same serde mirror as
+//! the plan file, so an unknown key or a wrong type is refused exactly as in the file. Every
+//! value error names where the value came from: the plan line, or the `--set` argument.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use toml::Spanned;
+
+use super::raw::{line_of, RawDevices, RawEngine, RawTile};
+use super::size;
+use super::{BackendKind, Devices, Engine, Precision, TileSpec};
+use crate::error::{Error, Result};
+
+/// One `--set engine.KEY=VALUE` argument, checked and parsed into the engine mirror.
+#[derive(Debug)]
+pub struct EngineSet {
+    /// The key under `[engine]`.
+    pub key: String,
+    /// The argument as the user wrote it (for messages).
+    pub text: String,
+    raw: RawEngine,
+}
+
+fn quote(v: &str) -> String {
+    format!("\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+impl EngineSet {
+    /// Parse `engine.KEY=VALUE`. Errors are usage errors naming the argument.
+    pub fn parse(arg: &str) -> Result<EngineSet> {
+        let text = format!("--set {arg}");
+        let usage = |m: &str| Error::Usage(format!("{text}: {m}"));
+        let (lhs, value) = arg.split_once('=').ok_or_else(|| {
+            usage("write --set engine.KEY=VALUE, e.g. --set engine.host_memory=8GiB")
+        })?;
+        let key = lhs.trim().strip_prefix("engine.").ok_or_else(|| {
+            usage(
+                "only [engine] keys can be set from the command line; write --set engine.KEY=VALUE",
+            )
+        })?;
+        let ok_key = !key.is_empty() && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok_key {
+            return Err(usage("the key must be one [engine] key, e.g. engine.tile"));
+        }
+        let value = value.trim();
+        // As the TOML value it spells; if that does not parse or has the wrong type, as a string.
+        let literal = toml::from_str::<RawEngine>(&format!("{key} = {value}"));
+        let raw = match literal {
+            Ok(r) => r,
+            Err(_) => toml::from_str::<RawEngine>(&format!("{key} = {}", quote(value)))
+                .map_err(|e| usage(e.message().trim()))?,
+        };
+        Ok(EngineSet {
+            key: key.to_string(),
+            text,
+            raw,
+        })
+    }
+}
+
+/// Where each `[engine]` value came from, for messages.
+pub(crate) struct EngineSource<'a> {
+    plan: &'a Path,
+    src: &'a str,
+    /// key → the `--set` argument that set it last.
+    sets: BTreeMap<String, String>,
+}
+
+impl<'a> EngineSource<'a> {
+    /// Apply `sets` over `raw` in order (a later `--set` of the same key wins).
+    pub(crate) fn apply(
+        plan: &'a Path,
+        src: &'a str,
+        raw: &mut RawEngine,
+        sets: Vec<EngineSet>,
+    ) -> EngineSource<'a> {
+        let mut origin = BTreeMap::new();
+        for s in sets {
+            raw.overlay(s.raw);
+            origin.insert(s.key, s.text);
+        }
+        EngineSource {
+            plan,
+            src,
+            sets: origin,
+        }
+    }
+
+    /// "engine.KEY (line N)" or "--set engine.KEY=VALUE".
+    pub(crate) fn at<T>(&self, key: &str, v: &Spanned<T>) -> String {
+        match self.sets.get(key) {
+            Some(t) => t.clone(),
+            None => format!("engine.{key} (line {})", line_of(self.src, v.span().start)),
+        }
+    }
+
+    /// A value error about `key`: a usage error for a `--set`, a plan error otherwise.
+    pub(crate) fn err(&self, key: &str, msg: String) -> Error {
+        if self.sets.contains_key(key) {
+            Error::Usage(msg)
+        } else {
+            Error::plan(self.plan, msg)
+        }
+    }
+}
+
+/// Resolve the (overlaid) `[engine]` table.
+pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engine> {
+    let bad = |key: &str, at: String, msg: String| from.err(key, format!("{at}: {msg}"));
+    let backend = match &e.backend {
+        None => BackendKind::Auto,
+        Some(v) => match v.get_ref().as_str() {
+            "auto" => BackendKind::Auto,
+            "cpu" => BackendKind::Cpu,
+            "cuda" => BackendKind::Cuda,
+            "sim" => BackendKind::Sim,
+            o => {
+                return Err(bad(
+                    "backend",
+                    from.at("backend", v),
+                    format!("\"{o}\" is unknown; use \"auto\", \"cpu\" or \"cuda\""),
+                ))
+            }
+        },
+    };
+    let precision = match &e.precision {
+        None => Precision::Fp32,
+        Some(v) => Precision::parse(v.get_ref()).ok_or_else(|| {
+            bad(
+                "precision",
+                from.at("precision", v),
+                format!(
+                    "\"{}\" is unknown; use fp32, tf32, bf16, fp16 or fp64",
+                    v.get_ref()
+                ),
+            )
+        })?,
+    };
+    let host_memory = match &e.host_memory {
+        None => 2 << 30,
+        Some(v) => {
+            let b = size::parse_size(v.get_ref()).ok_or_else(|| {
+                bad(
+                    "host_memory",
+                    from.at("host_memory", v),
+                    format!(
+                        "\"{}\" is not a size; write e.g. \"2GiB\" or \"512MiB\"",
+                        v.get_ref()
+                    ),
+                )
+            })?;
+            if b < 1 << 20 {
+                return Err(bad(
+                    "host_memory",
+                    from.at("host_memory", v),
+                    format!("{b} bytes is too small; give at least 1MiB"),
+                ));
+            }
+            b
+        }
+    };
+    let device_memory = match &e.device_memory {
+        None => None,
+        Some(v) if v.get_ref() == "auto" => None,
+        Some(v) => Some(size::parse_size(v.get_ref()).ok_or_else(|| {
+            bad(
+                "device_memory",
+                from.at("device_memory", v),
+                format!(
+                    "\"{}\" is not a size; write \"auto\" or e.g. \"40GiB\"",
+                    v.get_ref()
+                ),
+            )
+        })?),
+    };
+    Ok(Engine {
+        backend,
+        precision,
+        threads: e.threads.as_ref().map_or(0, |v| *v.get_ref()),
+        host_memory,
+        device_memory,
+        tile: resolve_tile(e, from)?,
+        devices: resolve_devices(e, from)?,
+        durable: e.durable.as_ref().is_none_or(|v| *v.get_ref()),
+        verify_inputs: e.verify_inputs.as_ref().is_none_or(|v| *v.get_ref()),
+        write: resolve_write(e, from)?,
+    })
+}
+
+fn resolve_write(e: &RawEngine, from: &EngineSource) -> Result<crate::store::WriteMode> {
+    let Some(v) = &e.write else {
+        return Ok(crate::store::WriteMode::default());
+    };
+    crate::store::WriteMode::parse(v.get_ref()).ok_or_else(|| {
+        from.err(
+            "write",
+            format!(
+                "{}: \"{}\" is unknown; use \"mmap\" (the default) or \"pwrite\"",
+                from.at("write", v),
+                v.get_ref()
+            ),
+        )
+    })
+}
+
+fn resolve_tile(e: &RawEngine, from: &EngineSource) -> Result<TileSpec> {
+    let Some(v) = &e.tile else {
+        return Ok(TileSpec::Auto);
+    };
+    let at = from.at("tile", v);
+    let tile = match v.get_ref() {
+        RawTile::Word(w) if w == "auto" => TileSpec::Auto,
+        RawTile::Word(w) => {
+            return Err(from.err(
+                "tile",
+                format!("{at}: \"{w}\" is not a tile; use \"auto\", a number, or [m, n, k]"),
+            ))
+        }
+        RawTile::Square(t) => TileSpec::Fixed {
+            m: *t,
+            n: *t,
+            k: *t,
+        },
+        RawTile::Three([m, n, k]) => TileSpec::Fixed {
+            m: *m,
+            n: *n,
+            k: *k,
+        },
+    };
+    if let TileSpec::Fixed { m, n, k } = tile {
+        if [m, n, k].iter().any(|&t| t == 0 || t > 1 << 16) {
+            return Err(from.err(
+                "tile",
+                format!("{at}: [{m}, {n}, {k}]: each must be between 1 and 65536"),
+            ));
+        }
+    }
+    Ok(tile)
+}
+
+fn resolve_devices(e: &RawEngine, from: &EngineSource) -> Result<Devices> {
+    let Some(v) = &e.devices else {
+        return Ok(Devices::All);
+    };
+    let at = from.at("devices", v);
+    match v.get_ref() {
+        RawDevices::Word(w) if w == "all" => Ok(Devices::All),
+        RawDevices::Word(w) => Err(from.err(
+            "devices",
+            format!("{at}: \"{w}\" is not a device list; use \"all\" or a list like [0, 1]"),
+        )),
+        RawDevices::List(l) if l.is_empty() => Err(from.err(
+            "devices",
+            format!("{at}: []: list at least one GPU, or use \"all\""),
+        )),
+        RawDevices::List(l) => Ok(Devices::List(l.clone())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(src: &str, sets: &[&str]) -> Result<Engine> {
+        let mut raw: RawEngine = toml::from_str(src).unwrap();
+        let sets = sets
+            .iter()
+            .map(|s| EngineSet::parse(s))
+            .collect::<Result<Vec<_>>>()?;
+        let from = EngineSource::apply(Path::new("p.toml"), src, &mut raw, sets);
+        resolve_engine(&raw, &from)
+    }
+
+    #[test]
+    fn set_overrides_the_file_and_parses_values_as_toml() {
+        let e = engine(
+            "host_memory = \"1GiB\"\ntile = 512\n",
+            &[
+                "engine.host_memory=4GiB",
+                "engine.tile=[256, 128, 64]",
+                "engine.durable=false",
+                "engine.backend=cpu",
+                "engine.devices=[0,1]",
+                "engine.threads=3",
+                "engine.device_memory=4096",
+            ],
+        )
+        .unwrap();
+        assert_eq!(e.host_memory, 4 << 30);
+        assert_eq!(
+            e.tile,
+            TileSpec::Fixed {
+                m: 256,
+                n: 128,
+                k: 64
+            }
+        );
+        assert!(!e.durable);
+        assert_eq!(e.backend, BackendKind::Cpu);
+        assert_eq!(e.devices, Devices::List(vec![0, 1]));
+        assert_eq!(e.threads, 3);
+        assert_eq!(e.device_memory, Some(4096));
+        // The last --set of a key wins.
+        let e = engine("", &["engine.tile=64", "engine.tile=auto"]).unwrap();
+        assert_eq!(e.tile, TileSpec::Auto);
+    }
+
+    #[test]
+    fn set_errors_name_the_argument() {
+        let msg = |src: &str, sets: &[&str]| engine(src, sets).unwrap_err().to_string();
+        let m = msg("host_memory = \"1GiB\"\n", &["engine.host_memory=abc"]);
+        assert!(
+            m.starts_with("--set engine.host_memory=abc: \"abc\" is not a size"),
+            "{m}"
+        );
+        let m = msg("", &["engine.threads=many"]);
+        assert!(m.starts_with("--set engine.threads=many: "), "{m}");
+        assert!(m.contains("integer") || m.contains("usize"), "{m}");
+        let m = msg("", &["engine.bogus=1"]);
+        assert!(
+            m.contains("--set engine.bogus=1") && m.contains("bogus"),
+            "{m}"
+        );
+        let m = msg("", &["matrices.A.path=x"]);
+        assert!(m.contains("only [engine] keys"), "{m}");
+        let m = msg("", &["engine.tile"]);
+        assert!(m.contains("engine.KEY=VALUE"), "{m}");
+        let m = msg("", &["engine.tile=[0, 1, 1]"]);
+        assert!(m.starts_with("--set engine.tile=[0, 1, 1]: "), "{m}");
+        let m = msg("", &["engine.durable=maybe"]);
+        assert!(m.starts_with("--set engine.durable=maybe: "), "{m}");
+    }
+
+    #[test]
+    fn file_errors_name_their_line() {
+        let src = "backend = \"cpu\"\n\nhost_memory = \"lots\"\n";
+        let m = engine(src, &[]).unwrap_err().to_string();
+        assert!(
+            m.contains("engine.host_memory (line 3)") && m.contains("lots"),
+            "{m}"
+        );
+        for (src, key, line) in [
+            ("backend = \"tpu\"\n", "engine.backend", 1),
+            ("\nprecision = \"fp8\"\n", "engine.precision", 2),
+            ("\n\nhost_memory = \"512\"\n", "engine.host_memory", 3),
+            ("device_memory = \"x\"\n", "engine.device_memory", 1),
+            ("\ntile = \"big\"\n", "engine.tile", 2),
+            ("tile = [0, 1, 1]\n", "engine.tile", 1),
+            ("\ndevices = []\n", "engine.devices", 2),
+            ("devices = \"some\"\n", "engine.devices", 1),
+        ] {
+            let m = engine(src, &[]).unwrap_err().to_string();
+            let want = format!("{key} (line {line})");
+            assert!(m.contains(&want), "{src:?}: {m} lacks {want}");
+        }
+    }
+}
