@@ -19,6 +19,10 @@ log_to sidebyside.log
 N=${N:-32768}; REPEAT=${REPEAT:-3}; NGPU=$(gpu_count)
 W=${W:-/tmp/sbs}; mkdir -p "$W"; cd "$W"
 [ $# -gt 0 ] || set -- fill fp32 lowprec peers cold
+for c in "$@"; do
+  case $c in fill|fp32|lowprec|variants|peers|cold) ;;
+  *) echo "unknown case '$c': use fill fp32 lowprec variants peers cold" >&2; exit 2;; esac
+done
 nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee -a "$LOG"
 gen_matrix A.mgt "$N" "$N" 1
 gen_matrix B.mgt "$N" "$N" 2
@@ -55,7 +59,4 @@ case_cold() {
   drop_cache A.mgt B.mgt; run_step g1
   if [ "$NGPU" -ge 2 ]; then drop_cache A.mgt B.mgt; run_step g2; fi
 }
-for c in "$@"; do
-  declare -F "case_$c" >/dev/null || { echo "unknown case '$c': use fill fp32 lowprec variants peers cold" >&2; exit 2; }
-  "case_$c"
-done
+for c in "$@"; do "case_$c"; done
