@@ -6,7 +6,7 @@
 //! backend) and matrixmultiply, and FLOP per core-cycle at the base clock /proc/cpuinfo reports
 //! (turbo makes it exceed the hardware's per-cycle peak; BENCHMARKS.md discusses the peak).
 //! With MGMM_PEAK_GFLOPS set, also the share of that peak. numpy's figure comes from
-//! tools/numpy_gemm.py, run in the same session.
+//! tools/peers/numpy_gemm.py, run in the same session.
 
 use std::time::Instant;
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""numpy (OpenBLAS) f32 GEMM throughput, to print beside `cargo bench --bench cpu_gemm`."""
+"""numpy (OpenBLAS) f32 GEMM throughput, in memory, to print beside `cargo bench --bench cpu_gemm`."""
 import time, numpy as np
 for n in (1024, 2048, 4096):
     rng = np.random.default_rng(1)
