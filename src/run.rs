@@ -152,27 +152,30 @@ fn fingerprint(step: &Step, layout: &Layout, sel: &Selected, p: Precision) -> Re
     );
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     for op in ops.into_iter().flatten() {
-        let f = crate::store::TiledFile::open(&op.path)?;
-        let len = f.hdr.file_len();
-        let head = crc32c::crc32c(&f.hdr.to_block());
-        let table = f
-            .checksum_table()
-            .map(|t| {
-                format!(
-                    "{:08x}",
-                    crc32c::crc32c(&t.iter().flat_map(|c| c.to_le_bytes()).collect::<Vec<u8>>())
-                )
-            })
-            .unwrap_or_else(|| "none".into());
-        fp.insert(
-            format!("input {}", op.name),
-            format!(
-                "{} ({len} bytes, header {head:08x}, tile checksums {table})",
-                op.path.display()
-            ),
-        );
+        fp.insert(format!("input {}", op.name), input_identity(op)?);
     }
     Ok(fp)
+}
+
+/// An input's identity as the journal records it: path, size, header and checksum table
+/// (`verify` compares it to find inputs changed since the output was computed).
+pub fn input_identity(op: &crate::plan::Operand) -> Result<String> {
+    let f = crate::store::TiledFile::open(&op.path)?;
+    let len = f.hdr.file_len();
+    let head = crc32c::crc32c(&f.hdr.to_block());
+    let table = f
+        .checksum_table()
+        .map(|t| {
+            format!(
+                "{:08x}",
+                crc32c::crc32c(&t.iter().flat_map(|c| c.to_le_bytes()).collect::<Vec<u8>>())
+            )
+        })
+        .unwrap_or_else(|| "none".into());
+    Ok(format!(
+        "{} ({len} bytes, header {head:08x}, tile checksums {table})",
+        op.path.display()
+    ))
 }
 
 struct JournalSink<'a>(&'a Journal);
