@@ -122,9 +122,11 @@ pub enum Command {
         #[arg(long)]
         verify: bool,
     },
-    /// Check the outputs of a plan that has run: Freivalds' test, streaming, O(n²). Compares
-    /// C·x with α·op(A)·(op(B)·x) (+ β·C0·x) for random x, with a tolerance from the precision
-    /// and K; exits non-zero and names the rows that fail.
+    /// Check the outputs of a plan that has run: the journal's record of the inputs, then
+    /// Freivalds' test, streaming, O(n²): C·x against α·op(A)·(op(B)·x) (+ β·C0·x) for random
+    /// ±1 vectors x, in higher precision than the product, against the rounding a correct
+    /// product would have. Prints PASS/FAIL per step on stdout, exits non-zero and names the
+    /// failing output tiles.
     #[command(after_help = "Example:\n  mgmm-stream verify examples/quickstart.toml --rounds 3")]
     Verify {
         plan: PathBuf,
@@ -136,6 +138,9 @@ pub enum Command {
         rounds: usize,
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Recompute the failing output tiles (through the journal) and verify again.
+        #[arg(long)]
+        repair: bool,
     },
 }
 
@@ -149,12 +154,26 @@ fn refuse_existing(p: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
-fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool) -> Result<()> {
+/// Verify every step; results go to stdout (one PASS/FAIL line per step), the error that
+/// makes the exit status non-zero to stderr. With `repair`, failing tiles are recomputed
+/// through the journal and the step is verified again.
+fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) -> Result<()> {
     let mut failed = Vec::new();
     for step in &p.steps {
-        let rep = crate::verify::verify_step(step, p.engine.precision, rounds, seed)?;
+        let mut rep = crate::verify::verify_step(step, p.engine.precision, rounds, seed)?;
         if !quiet || !rep.pass {
-            eprintln!("{}", crate::verify::format(&rep));
+            println!("{}", crate::verify::format(&rep));
+        }
+        if repair && !rep.pass && !rep.failing_tiles.is_empty() {
+            let n = crate::verify::forget_failing(p, step, &rep)?;
+            eprintln!(
+                "repair: recomputing {n} tile(s) of {} through `run`",
+                step.output.display()
+            );
+            let progress = Progress::new(true, run::default_log_every());
+            run::run_plan(p, &RunOptions::default(), &progress)?;
+            rep = crate::verify::verify_step(step, p.engine.precision, rounds, seed)?;
+            println!("after repair: {}", crate::verify::format(&rep));
         }
         if !rep.pass {
             failed.push(format!("step {} ({})", rep.step, rep.output));
@@ -164,7 +183,7 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Usage(format!(
-            "verification failed for {}: the output does not match the inputs; rerun that step with --restart",
+            "verification failed for {}: the output does not match the inputs; `verify --repair` recomputes the failing tiles, `run --restart` the whole step",
             failed.join(", ")
         )))
     }
@@ -372,7 +391,7 @@ pub fn execute(cli: Cli) -> Result<()> {
                 eprintln!("done in {:.2} s", rep.wall_s);
             }
             if verify {
-                verify_plan(&p, 2, 1, quiet)?;
+                verify_plan(&p, 2, 1, quiet, false)?;
             }
             Ok(())
         }
@@ -381,10 +400,11 @@ pub fn execute(cli: Cli) -> Result<()> {
             set,
             rounds,
             seed,
+            repair,
         } => {
             let p = Plan::load_with(&plan, &set)?;
             run::init_threads(p.engine.threads);
-            verify_plan(&p, rounds, seed, false)
+            verify_plan(&p, rounds, seed, false, repair)
         }
     }
 }

@@ -218,3 +218,96 @@ impl Journal {
             .map_err(|e| Error::io(&self.path, "cannot sync journal", e))
     }
 }
+
+/// What a journal holds, read without locking or changing it (for `verify`).
+pub struct Peek {
+    pub fingerprint: Fingerprint,
+    /// Finished tiles (seq, data CRC), in record order.
+    pub done: Vec<(u32, u32)>,
+    pub complete: bool,
+}
+
+fn parse(path: &Path, bytes: &[u8]) -> Result<(usize, Peek)> {
+    let nl = bytes
+        .iter()
+        .position(|&b| b == b'\n')
+        .unwrap_or(bytes.len());
+    let line = String::from_utf8_lossy(&bytes[..nl]).to_string();
+    let fingerprint: Fingerprint = line
+        .strip_prefix(&format!("{MAGIC} "))
+        .and_then(|j| serde_json::from_str(j).ok())
+        .ok_or_else(|| {
+            Error::Usage(format!(
+                "{}: not a journal this version understands; rerun with --restart to start the step over",
+                path.display()
+            ))
+        })?;
+    let mut peek = Peek {
+        fingerprint,
+        done: Vec::new(),
+        complete: false,
+    };
+    for rec in bytes[(nl + 1).min(bytes.len())..].chunks_exact(16) {
+        let w = |i: usize| u32::from_le_bytes(rec[4 * i..4 * i + 4].try_into().unwrap());
+        if w(0) != REC || crc32c::crc32c(&rec[..12]) != w(3) {
+            break;
+        }
+        if w(1) == COMPLETE {
+            peek.complete = true;
+        } else {
+            peek.done.push((w(1), w(2)));
+        }
+    }
+    Ok((nl + 1, peek))
+}
+
+/// Read the journal of `output` without locking it; `None` when there is none.
+pub fn peek(output: &Path) -> Result<Option<Peek>> {
+    let path = journal_path(output);
+    match std::fs::read(&path) {
+        Ok(b) if b.is_empty() => Ok(None),
+        Ok(b) => Ok(Some(parse(&path, &b)?.1)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(&path, "cannot read journal", e)),
+    }
+}
+
+/// Drop the records of tiles `seqs` and the completion mark, so that the next `run` resumes
+/// and recomputes exactly those tiles (`verify --repair`). Returns how many records went.
+pub fn forget(output: &Path, seqs: &std::collections::BTreeSet<u32>) -> Result<usize> {
+    let path = journal_path(output);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::io(&path, "cannot open journal", e))?;
+    lock(&file, &path)?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes)
+        .map_err(|e| Error::io(&path, "cannot read journal", e))?;
+    let (head, peek) = parse(&path, &bytes)?;
+    let mut out = bytes[..head.min(bytes.len())].to_vec();
+    if out.last() != Some(&b'\n') {
+        out.push(b'\n');
+    }
+    let mut dropped = 0;
+    for (seq, crc) in peek.done {
+        if seqs.contains(&seq) {
+            dropped += 1;
+            continue;
+        }
+        let mut rec = [0u8; 16];
+        rec[0..4].copy_from_slice(&REC.to_le_bytes());
+        rec[4..8].copy_from_slice(&seq.to_le_bytes());
+        rec[8..12].copy_from_slice(&crc.to_le_bytes());
+        let c = crc32c::crc32c(&rec[..12]);
+        rec[12..16].copy_from_slice(&c.to_le_bytes());
+        out.extend_from_slice(&rec);
+    }
+    use std::os::unix::fs::FileExt;
+    file.set_len(0)
+        .and_then(|_| file.write_all_at(&out, 0))
+        .and_then(|_| file.sync_all())
+        .map_err(|e| Error::io(&path, "cannot rewrite journal", e))?;
+    Ok(dropped)
+}

@@ -72,10 +72,16 @@ fn fingerprint(step: &Step, layout: &Layout, kind: &str, p: Precision) -> Result
     );
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     for op in ops.into_iter().flatten() {
-        let source = crate::store::open_source(&op.path)?;
-        fp.insert(format!("input {}", op.name), source.identity());
+        fp.insert(format!("input {}", op.name), input_identity(op)?);
     }
     Ok(fp)
+}
+
+/// An input's identity as the journal records it (the source's own fingerprint: for .mgt the
+/// path, size, header and checksum table); `verify` compares it to find inputs changed since
+/// the output was computed.
+pub fn input_identity(op: &crate::plan::Operand) -> Result<String> {
+    Ok(crate::store::open_source(&op.path)?.identity())
 }
 
 struct JournalSink<'a>(&'a Journal);

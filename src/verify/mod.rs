@@ -1,0 +1,508 @@
+//! `verify`: is a finished output the product its plan describes? Streaming, O(n²) instead of
+//! O(n³), more precise than the product, and calibrated to the rounding a correct product of
+//! this precision has — so it catches small corruptions without crying wolf.
+//!
+//! Order of checks: the journal first (an input or the plan changed since the output was
+//! computed, or the step never finished: a clear failure naming what, no residual needed);
+//! then Freivalds' test with row residuals `C·x − α·op(A)·(op(B)·x) − β·C0·x` per output row
+//! and column group (x = random ±1, [`pass`]), each compared with the tolerance of
+//! [`model`]. NaN/Inf follow the product's IEEE rules: a row of op(A) or a column of op(B)
+//! holding NaN/Inf, and a cell whose C0 holds one (β ≠ 0), may legitimately be NaN/Inf and are
+//! left out, never multiplied; `β = 0` never reads C0 and `α = 0` never reads A or B. On a
+//! failure the column residuals `yᵀ·C − (yᵀ·op(A))·op(B) − β·yᵀ·C0` (the same test on Cᵀ) name
+//! the columns, and the failing storage tiles of the output are listed; `repair` recomputes
+//! just those through the journal.
+
+pub mod model;
+pub mod pass;
+
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::pipeline::journal;
+use crate::plan::{Operand, Plan, Precision, Step};
+use crate::store::gen::Rng;
+use crate::store::TiledFile;
+use model::{Cell, Model};
+use pass::{Dd, Groups, Op, Sums};
+
+/// Residual groups wanted per output row (and per column for the column test).
+const GROUPS: usize = 32;
+/// Cells named in the report at most.
+const NAMED: usize = 64;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct VerifyReport {
+    pub step: usize,
+    pub output: String,
+    pub rounds: usize,
+    pub pass: bool,
+    /// Why it failed before any residual was computed (journal: changed input, unfinished).
+    pub reason: Option<String>,
+    /// Largest |residual| / threshold (≤ 1 passes).
+    pub max_ratio: f64,
+    /// Largest |residual| / σ of the statistical model.
+    pub max_sigmas: f64,
+    pub worst_row: u64,
+    pub residual: f64,
+    pub allowed: f64,
+    /// Some residual exceeds the rigorous worst-case bound: certainly not a correct product.
+    pub certainly_wrong: bool,
+    /// (row, column group) cells of the row test that fail.
+    pub failing_cells: usize,
+    /// Output storage tiles (tile row, tile column) that fail.
+    pub failing_tiles: Vec<(u64, u64)>,
+    pub tile_shape: (u64, u64),
+    /// NaN/Inf in the output where the inputs give no IEEE reason for one.
+    pub unexpected_nonfinite: u64,
+    /// Cells (row, group) not checked because NaN/Inf or overflow may legitimately be there.
+    pub skipped_cells: u64,
+    pub seconds: f64,
+}
+
+/// One direction of Freivalds' test: the row residuals of `c = α·a·b + β·c0`.
+struct Side<'a> {
+    a: Op<'a>,
+    b: Op<'a>,
+    c: Op<'a>,
+    c0: Option<Op<'a>>,
+    alpha: f64,
+    beta: f64,
+    model: Model,
+    exact: bool,
+}
+
+#[derive(Default)]
+struct Outcome {
+    /// Failing (row, group) cells.
+    fails: Vec<(usize, usize)>,
+    max_ratio: f64,
+    max_sigmas: f64,
+    worst: (usize, f64, f64),
+    certainly_wrong: bool,
+    nonfinite: u64,
+    skipped: u64,
+}
+
+fn signs(n: usize, rounds: usize, seed: u64, stream: u64) -> Vec<Vec<f64>> {
+    let mut g = Rng::new(seed, stream);
+    (0..rounds)
+        .map(|_| {
+            (0..n)
+                .map(|_| if g.next_u64() >> 63 == 0 { 1.0 } else { -1.0 })
+                .collect()
+        })
+        .collect()
+}
+
+impl Side<'_> {
+    /// op(A)·(op(B)·X) sums, or `None` for α = 0 (A and B are not read).
+    fn product(&self, groups: &Groups, x: &mut [Vec<f64>]) -> Result<Option<(Sums, Vec<bool>)>> {
+        if self.alpha == 0.0 {
+            return Ok(None);
+        }
+        let mut z = pass::scatter(&self.b, groups, x)?;
+        let bad_col = z.bad_col.clone();
+        if bad_col.iter().any(|&b| b) {
+            // Columns of op(B) holding NaN/Inf make their output columns NaN/Inf by IEEE rules:
+            // drop them from the test (x_j = 0) and fold op(B) again without them.
+            for xr in x.iter_mut() {
+                xr.iter_mut().zip(&bad_col).for_each(|(v, &b)| {
+                    if b {
+                        *v = 0.0
+                    }
+                });
+            }
+            z = pass::scatter(&self.b, groups, x)?;
+        }
+        Ok(Some((pass::dense(&self.a, &z, self.exact)?, bad_col)))
+    }
+
+    fn run(&self, groups: &Groups, rounds: usize, seed: u64, stream: u64) -> Result<Outcome> {
+        let (m, n) = self.c.shape();
+        let mut x = signs(n, rounds, seed, stream);
+        let ab = self.product(groups, &mut x)?;
+        let cs = pass::scatter(&self.c, groups, &x)?;
+        let c0s = match (&self.c0, self.beta != 0.0) {
+            (Some(op), true) => Some(pass::scatter(op, groups, &x)?),
+            _ => None,
+        };
+        let g = groups.count();
+        let out_max = if self.c.file.dtype() == DType::F64 {
+            f64::MAX
+        } else {
+            f32::MAX as f64
+        };
+        let rows: Vec<Outcome> = (0..m)
+            .into_par_iter()
+            .map(|i| {
+                self.row(
+                    i,
+                    g,
+                    n,
+                    out_max,
+                    ab.as_ref().map(|p| &p.0),
+                    &cs,
+                    c0s.as_ref(),
+                )
+            })
+            .collect();
+        let mut o = Outcome::default();
+        for r in rows {
+            o.fails.extend(r.fails);
+            if r.max_ratio > o.max_ratio || r.max_ratio.is_nan() {
+                o.max_ratio = r.max_ratio;
+                o.worst = r.worst;
+            }
+            o.max_sigmas = o.max_sigmas.max(r.max_sigmas);
+            o.certainly_wrong |= r.certainly_wrong;
+            o.nonfinite += r.nonfinite;
+            o.skipped += r.skipped;
+        }
+        Ok(o)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn row(
+        &self,
+        i: usize,
+        g: usize,
+        n: usize,
+        out_max: f64,
+        ab: Option<&Sums>,
+        cs: &Sums,
+        c0s: Option<&Sums>,
+    ) -> Outcome {
+        let mut o = Outcome::default();
+        if ab.is_some_and(|p| p.bad_row[i]) {
+            o.skipped += g as u64;
+            return o;
+        }
+        let (al, be) = (self.alpha, self.beta);
+        let rg = cs.rounds * g;
+        for gr in 0..g {
+            let at = i * g + gr;
+            let mut cell = Cell {
+                c2: cs.sq[at],
+                cabs: cs.abs[at],
+                ..Cell::default()
+            };
+            if let Some(p) = ab {
+                cell.p = al * al * p.sq[at];
+                cell.ab = al.abs() * p.abs[at];
+            }
+            if let Some(c0) = c0s {
+                if c0.nonfinite[at] > 0 {
+                    o.skipped += 1;
+                    continue;
+                }
+                cell.c0sq = be * be * c0.sq[at];
+                cell.c0abs = be.abs() * c0.abs[at];
+            }
+            if cell.ab + cell.c0abs > out_max / 4.0 {
+                o.skipped += 1; // the product may overflow to ±Inf here
+                continue;
+            }
+            let (thr, sigma) = self.model.threshold(&cell, n);
+            let bound = self.model.bound(&cell) + self.model.own(&cell, n);
+            let mut bad = cs.nonfinite[at] > 0;
+            o.nonfinite += cs.nonfinite[at] as u64;
+            for rho in 0..cs.rounds {
+                let s = i * rg + rho * g + gr;
+                let mut r = cs.signed[s];
+                if let Some(p) = ab {
+                    r.add_scaled(-al, p.signed[s]);
+                }
+                if let Some(c0) = c0s {
+                    r.add_scaled(-be, c0.signed[s]);
+                }
+                let res = Dd::value(r).abs();
+                let ratio = if res.is_nan() {
+                    f64::INFINITY
+                } else {
+                    res / thr
+                };
+                if ratio > o.max_ratio {
+                    o.max_ratio = ratio;
+                    o.worst = (i, res, thr);
+                }
+                o.max_sigmas = o.max_sigmas.max(res / sigma);
+                bad |= ratio > 1.0;
+                o.certainly_wrong |= res.is_nan() || res > bound;
+            }
+            if bad {
+                o.fails.push((i, gr));
+            }
+        }
+        o
+    }
+}
+
+fn round_of(p: Precision) -> Option<Precision> {
+    matches!(p, Precision::Tf32 | Precision::Bf16 | Precision::Fp16).then_some(p)
+}
+
+/// Compare the journal's record of the plan and inputs with now; `Some(reason)` on a mismatch
+/// or an unfinished step.
+fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
+    let Some(j) = journal::peek(&step.output)? else {
+        return Ok(None);
+    };
+    let mut now = vec![
+        ("expr".to_string(), step.expr.clone()),
+        ("alpha".into(), format!("{:?}", step.alpha)),
+        ("beta".into(), format!("{:?}", step.beta)),
+        ("precision".into(), precision.name().to_string()),
+    ];
+    let ops: [Option<&Operand>; 3] = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+    for op in ops.into_iter().flatten() {
+        now.push((
+            format!("input {}", op.name),
+            crate::run::input_identity(op)?,
+        ));
+    }
+    let changes: Vec<String> = now
+        .iter()
+        .filter(|(k, v)| j.fingerprint.get(k) != Some(v))
+        .map(|(k, v)| {
+            let was = j.fingerprint.get(k).map(String::as_str).unwrap_or("(none)");
+            format!("{k}: was {was}, now {v}")
+        })
+        .collect();
+    let jp = journal::journal_path(&step.output);
+    if !changes.is_empty() {
+        return Ok(Some(format!(
+            "the output was computed from other inputs or another plan than now (journal {}): {}; rerun this step with `run --restart`",
+            jp.display(),
+            changes.join("; ")
+        )));
+    }
+    if !j.complete {
+        return Ok(Some(format!(
+            "the step is unfinished: its journal {} records {} finished tiles and no completion; resume it with `run`",
+            jp.display(),
+            j.done.len()
+        )));
+    }
+    Ok(None)
+}
+
+pub fn verify_step(
+    step: &Step,
+    precision: Precision,
+    rounds: usize,
+    seed: u64,
+) -> Result<VerifyReport> {
+    let t0 = Instant::now();
+    let (m, n, k) = (step.m as usize, step.n as usize, step.k);
+    let out = TiledFile::open(&step.output)?;
+    if (out.rows(), out.cols()) != (step.m, step.n) {
+        return Err(Error::format(
+            &step.output,
+            format!(
+                "is {}×{} but step {} produces {m}×{n}",
+                out.rows(),
+                out.cols(),
+                step.index + 1
+            ),
+        ));
+    }
+    let r = rounds.max(1);
+    let tile = (out.hdr.tile_rows, out.hdr.tile_cols);
+    let mut rep = VerifyReport {
+        step: step.index + 1,
+        output: step.output.display().to_string(),
+        rounds: r,
+        pass: true,
+        reason: None,
+        max_ratio: 0.0,
+        max_sigmas: 0.0,
+        worst_row: 0,
+        residual: 0.0,
+        allowed: 0.0,
+        certainly_wrong: false,
+        failing_cells: 0,
+        failing_tiles: Vec::new(),
+        tile_shape: tile,
+        unexpected_nonfinite: 0,
+        skipped_cells: 0,
+        seconds: 0.0,
+    };
+    if let Some(why) = journal_check(step, precision)? {
+        rep.pass = false;
+        rep.reason = Some(why);
+        rep.seconds = t0.elapsed().as_secs_f64();
+        return Ok(rep);
+    }
+    let (fa, fb) = (
+        TiledFile::open(&step.a.path)?,
+        TiledFile::open(&step.b.path)?,
+    );
+    let fc0 = match &step.c0 {
+        Some(c) if step.beta != 0.0 => Some(TiledFile::open(&c.path)?),
+        _ => None,
+    };
+    let exact = step.a.dtype == DType::F64;
+    let model = Model::new(precision, step.a.dtype, out.dtype(), k, exact);
+    let rd = round_of(precision);
+    let op = |f, trans, round| Op {
+        file: f,
+        trans,
+        round,
+    };
+    let rows = Side {
+        a: op(&fa, step.a.trans, rd),
+        b: op(&fb, step.b.trans, rd),
+        c: op(&out, false, None),
+        c0: fc0.as_ref().map(|f| op(f, false, None)),
+        alpha: step.alpha,
+        beta: step.beta,
+        model,
+        exact,
+    };
+    let cg = Groups::new(n, tile.1 as usize, groups_for(m.max(n), r));
+    let o = rows.run(&cg, r, seed, 0x5EED)?;
+    rep.max_ratio = o.max_ratio;
+    rep.max_sigmas = o.max_sigmas;
+    (rep.worst_row, rep.residual, rep.allowed) = (o.worst.0 as u64, o.worst.1, o.worst.2);
+    rep.certainly_wrong = o.certainly_wrong;
+    rep.failing_cells = o.fails.len();
+    rep.unexpected_nonfinite = o.nonfinite;
+    rep.skipped_cells = o.skipped;
+    if !o.fails.is_empty() {
+        rep.pass = false;
+        // The same test on Cᵀ = α·op(B)ᵀ·op(A)ᵀ + β·C0ᵀ names the failing columns.
+        let cols = Side {
+            a: op(&fb, !step.b.trans, rd),
+            b: op(&fa, !step.a.trans, rd),
+            c: op(&out, true, None),
+            c0: fc0.as_ref().map(|f| op(f, true, None)),
+            ..rows
+        };
+        let rgp = Groups::new(m, tile.0 as usize, groups_for(m.max(n), r));
+        let oc = cols.run(&rgp, r, seed, 0xC015)?;
+        rep.failing_tiles = tiles(&o.fails, &cg, &oc.fails, &rgp, tile);
+    }
+    rep.seconds = t0.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
+/// Groups per side: [`GROUPS`], fewer when the per-row sums would pass ~512 MiB.
+fn groups_for(len: usize, rounds: usize) -> usize {
+    let per_group = len * (rounds * 16 + 24) * 3;
+    (((512usize << 20) / per_group.max(1)).clamp(1, GROUPS)).max(1)
+}
+
+/// Storage tiles named by both tests (or by the row test alone when the column test, less
+/// sensitive for some errors, finds nothing).
+fn tiles(
+    rf: &[(usize, usize)],
+    cg: &Groups,
+    cf: &[(usize, usize)],
+    rgp: &Groups,
+    tile: (u64, u64),
+) -> Vec<(u64, u64)> {
+    let (tr, tc) = (tile.0 as usize, tile.1 as usize);
+    let span = |g: &Groups, grp: usize, t: usize| {
+        let rg = g.range(grp);
+        (rg.start / t..=(rg.end - 1) / t).map(|x| x as u64)
+    };
+    let by_rows: BTreeSet<(u64, u64)> = rf
+        .iter()
+        .flat_map(|&(i, grp)| span(cg, grp, tc).map(move |tj| ((i / tr) as u64, tj)))
+        .collect();
+    let by_cols: BTreeSet<(u64, u64)> = cf
+        .iter()
+        .flat_map(|&(j, grp)| span(rgp, grp, tr).map(move |ti| (ti, (j / tc) as u64)))
+        .collect();
+    let both: Vec<(u64, u64)> = by_rows.intersection(&by_cols).copied().collect();
+    if both.is_empty() {
+        by_rows.into_iter().collect()
+    } else {
+        both
+    }
+}
+
+/// The one-line result for scripts (stdout).
+pub fn format(rep: &VerifyReport) -> String {
+    let verdict = if rep.pass { "PASS" } else { "FAIL" };
+    if let Some(why) = &rep.reason {
+        return format!(
+            "verify step {} ({}): {verdict} — {why}",
+            rep.step, rep.output
+        );
+    }
+    let mut s = format!(
+        "verify step {} ({}): {verdict} — {} round(s): max residual/allowed = {:.3e} at row {} (residual {:.3e}, allowed {:.3e}; {:.1} σ of a correct product's rounding)",
+        rep.step, rep.output, rep.rounds, rep.max_ratio, rep.worst_row, rep.residual, rep.allowed, rep.max_sigmas
+    );
+    if rep.skipped_cells > 0 {
+        s += &format!(
+            "; {} row groups not checked (NaN/Inf or overflow there follow IEEE rules)",
+            rep.skipped_cells
+        );
+    }
+    if !rep.pass {
+        if rep.unexpected_nonfinite > 0 {
+            s += &format!(
+                "; {} unexpected NaN/Inf in the output",
+                rep.unexpected_nonfinite
+            );
+        }
+        if rep.certainly_wrong {
+            s += "; above the rigorous rounding bound: certainly wrong";
+        }
+        let shown: Vec<String> = rep
+            .failing_tiles
+            .iter()
+            .take(NAMED)
+            .map(|(a, b)| format!("({a}, {b})"))
+            .collect();
+        s += &format!(
+            "; failing tiles of {}×{} (tile row, tile col): {}{}",
+            rep.tile_shape.0,
+            rep.tile_shape.1,
+            shown.join(" "),
+            if rep.failing_tiles.len() > NAMED {
+                format!(" … ({} in all)", rep.failing_tiles.len())
+            } else {
+                String::new()
+            }
+        );
+    }
+    s += &format!("; {:.2} s", rep.seconds);
+    s
+}
+
+/// `verify --repair`: make the next `run` recompute the failing storage tiles of `rep` (the
+/// compute tiles that overlap them lose their journal records). Returns how many were dropped.
+pub fn forget_failing(plan: &Plan, step: &Step, rep: &VerifyReport) -> Result<usize> {
+    if journal::peek(&step.output)?.is_none() {
+        return Err(Error::Usage(format!(
+            "{}: no journal beside the output, so single tiles cannot be redone; rerun the step with `run --restart`",
+            step.output.display()
+        )));
+    }
+    let sel = crate::backend::select(&plan.engine)?;
+    let layout = crate::plan::layout::Layout::new(&plan.path, step, &plan.engine, sel.caps())?;
+    let sched = crate::plan::schedule::Schedule::new(step, &layout);
+    let (tr, tc) = rep.tile_shape;
+    let seqs: BTreeSet<u32> = sched
+        .tiles
+        .iter()
+        .filter(|t| {
+            let b = &t.block;
+            rep.failing_tiles.iter().any(|&(ti, tj)| {
+                let (r0, c0) = (ti * tr, tj * tc);
+                b.r0 < r0 + tr && r0 < b.r0 + b.rows && b.c0 < c0 + tc && c0 < b.c0 + b.cols
+            })
+        })
+        .map(|t| t.seq)
+        .collect();
+    journal::forget(&step.output, &seqs)
+}
