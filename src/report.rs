@@ -37,8 +37,20 @@ pub struct StepReport {
     pub wall_s: f64,
     pub flops: f64,
     pub gflops_per_s: f64,
+    /// Bytes read from the input files (file dtype).
     pub read_bytes: u64,
+    /// What `plan`'s traffic model predicted for `read_bytes` (for the whole step: compare only
+    /// when `tiles_computed == tiles_total`).
+    pub predicted_read_bytes: u64,
+    /// Input bytes a lane took from another lane's read (the shared reader) instead of reading.
+    pub shared_read_bytes: u64,
+    /// Bytes every input must at least be read (each input once).
+    pub min_read_bytes: u64,
     pub write_bytes: u64,
+    /// Seconds from the step's start to its first GEMM.
+    pub first_gemm_s: Option<f64>,
+    /// The process's peak resident memory so far (getrusage), bytes.
+    pub peak_rss_bytes: u64,
     pub host_budget_bytes: u64,
     pub host_pool_bytes: u64,
     pub host_peak_bytes: u64,
@@ -117,8 +129,23 @@ fn merged_pools(pools: &[PoolReport]) -> Vec<PoolReport> {
     out
 }
 
+/// The process's peak resident set size so far (`ru_maxrss`), in bytes; 0 if unknown.
+pub fn peak_rss_bytes() -> u64 {
+    // SAFETY: getrusage fills a plain C struct of integers we own; all-zero bytes are a valid
+    // value for it.
+    unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        if libc::getrusage(libc::RUSAGE_SELF, &mut ru) == 0 {
+            ru.ru_maxrss.max(0) as u64 * 1024
+        } else {
+            0
+        }
+    }
+}
+
 pub fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
     let (step, l) = (cx.step, cx.layout);
+    let predicted = crate::plan::schedule::traffic(step, l);
     let devices = cx.caps.memory == MemorySpace::Device;
     let shares = busy_shares(&st, devices);
     let pool_peak: u64 = st
@@ -147,6 +174,11 @@ pub fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         flops: st.flops,
         gflops_per_s: st.flops / st.wall_s.max(1e-12) / 1e9,
         read_bytes: sum_bytes(&st.stages, StageKind::Staging),
+        predicted_read_bytes: predicted.read_bytes,
+        shared_read_bytes: st.shared_read_bytes,
+        min_read_bytes: predicted.min_read_bytes,
+        first_gemm_s: st.first_gemm_s,
+        peak_rss_bytes: peak_rss_bytes(),
         write_bytes: sum_bytes(&st.stages, StageKind::Writeback),
         host_budget_bytes: cx.host_budget,
         host_pool_bytes: l.host_bytes,
@@ -231,10 +263,28 @@ pub fn format_summary(r: &StepReport) -> String {
         })
         .collect();
     s += &format!(
-        "  host memory: {}; peak {} of {} budget\n",
+        "  host memory: {}; peak {} of {} budget; process peak RSS {}\n",
         pools.join(", "),
         fmt_bytes(r.host_peak_bytes),
-        fmt_bytes(r.host_budget_bytes)
+        fmt_bytes(r.host_budget_bytes),
+        fmt_bytes(r.peak_rss_bytes)
+    );
+    s += &format!(
+        "  inputs: read {} from files (predicted {}, minimum {}){}; first GEMM after {}\n",
+        fmt_bytes(r.read_bytes),
+        fmt_bytes(r.predicted_read_bytes),
+        fmt_bytes(r.min_read_bytes),
+        if r.shared_read_bytes > 0 {
+            format!(
+                ", {} shared between devices",
+                fmt_bytes(r.shared_read_bytes)
+            )
+        } else {
+            String::new()
+        },
+        r.first_gemm_s
+            .map(|t| format!("{t:.2} s"))
+            .unwrap_or_else(|| "-".into())
     );
     s += &device_lines(r);
     let shares: Vec<String> = r

@@ -17,6 +17,8 @@ pub enum StageKind {
     Lane,
     OutPrep,
     Writeback,
+    /// Makes written tiles durable and records them in the journal.
+    Sync,
 }
 
 impl StageKind {
@@ -28,6 +30,7 @@ impl StageKind {
             StageKind::Lane => "lane",
             StageKind::OutPrep => "outprep",
             StageKind::Writeback => "writeback",
+            StageKind::Sync => "sync",
         }
     }
 }

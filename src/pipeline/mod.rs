@@ -12,6 +12,7 @@ pub mod control;
 pub mod journal;
 pub mod metrics;
 pub mod pool;
+pub mod shared;
 pub mod stages;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -90,6 +91,10 @@ pub struct RunStats {
     /// FLOPs of the tiles computed in this run.
     pub flops: f64,
     pub nonfinite_inputs: u64,
+    /// Input bytes one lane took from another lane's read instead of reading them.
+    pub shared_read_bytes: u64,
+    /// Seconds from the start of the stages to the first GEMM issued on any lane.
+    pub first_gemm_s: Option<f64>,
 }
 
 /// One step, ready to run: inputs opened, output open, pools allocated, lanes made.
@@ -98,6 +103,8 @@ pub struct Pipeline<'a> {
     layout: &'a Layout,
     sched: Schedule,
     inputs: Inputs,
+    /// One read of each input block for all lanes.
+    shared: shared::SharedReads,
     writer: Option<Box<dyn MatrixSink>>,
     queue: TileQueue,
     staging_pools: Vec<Pool>,
@@ -112,6 +119,8 @@ pub struct Pipeline<'a> {
 
 /// Counters shared by the stages and the progress display.
 struct Counters {
+    /// Nanoseconds after the start when the first GEMM was issued (`u64::MAX`: none yet).
+    first_gemm_ns: AtomicU64,
     tiles_done: AtomicU64,
     flops_done: AtomicU64,
     flops_issued: AtomicU64,
@@ -143,7 +152,7 @@ impl<'a> Pipeline<'a> {
             .todo
             .unwrap_or_else(|| (0..sched.tiles.len() as u32).collect());
         let nlanes = lanes.len();
-        let queue = TileQueue::new(order, nlanes);
+        let queue = TileQueue::new(&sched, order, nlanes);
         let staging_pools = (0..nlanes)
             .map(|_| {
                 Pool::new(
@@ -165,6 +174,7 @@ impl<'a> Pipeline<'a> {
             layout,
             sched,
             inputs,
+            shared: shared::SharedReads::new(nlanes, l.staging_bufs * nlanes),
             writer: Some(work.writer),
             queue,
             staging_pools,
@@ -184,6 +194,7 @@ impl<'a> Pipeline<'a> {
         let all_flops = self.tile_flops(0..self.sched.tiles.len() as u32);
         let todo_flops = self.tile_flops(self.queue.order().iter().copied());
         let c = Counters {
+            first_gemm_ns: AtomicU64::new(u64::MAX),
             tiles_done: AtomicU64::new(self.done_before),
             flops_done: AtomicU64::new(all_flops - todo_flops),
             flops_issued: AtomicU64::new(0),
@@ -233,6 +244,11 @@ impl<'a> Pipeline<'a> {
             tiles_computed: computed,
             flops: todo_flops as f64,
             nonfinite_inputs: self.inputs.nonfinite.load(Ordering::Relaxed),
+            shared_read_bytes: self.shared.shared_bytes.load(Ordering::Relaxed),
+            first_gemm_s: match c.first_gemm_ns.load(Ordering::Relaxed) {
+                u64::MAX => None,
+                ns => Some(ns as f64 * 1e-9),
+            },
         })
     }
 
@@ -277,6 +293,7 @@ impl<'a> Pipeline<'a> {
             .as_deref()
             .expect("writer is open until run ends");
         let (sched, queue, inputs) = (&self.sched, &self.queue, &self.inputs);
+        let shared = &self.shared;
         let (sink, progress, cfg) = (self.sink, self.progress, self.cfg);
         let (staging_pools, out_pool) = (&self.staging_pools, &self.out_pool);
         std::thread::scope(|s| {
@@ -314,7 +331,9 @@ impl<'a> Pipeline<'a> {
                     m: fm,
                 };
                 let staging = Staging {
+                    lane: i,
                     inputs,
+                    shared,
                     pool: staging_pools[i].clone(),
                     host_dt: l.host_dt,
                     rx: pre_rx,
@@ -329,6 +348,7 @@ impl<'a> Pipeline<'a> {
                     out: done_tx.clone(),
                     m: dm,
                     flops_issued: &c.flops_issued,
+                    first_gemm: (t0, &c.first_gemm_ns),
                     live: &c.lane_live[i],
                 };
                 handles.push(s.spawn(move || ctl.guard(|| planner.run(ctl))));
@@ -351,17 +371,27 @@ impl<'a> Pipeline<'a> {
             drop(outprep_rx);
             let wb_m = StageMetrics::new(StageKind::Writeback, 0, 1);
             all_metrics.push(wb_m.clone());
+            let (sync_tx, sync_rx) = crossbeam_channel::bounded(l.out_bufs * nlanes + 4);
             let wb = Writeback {
                 writer,
                 host_dt: l.host_dt,
                 rx: done_rx,
+                out: sync_tx,
                 m: wb_m,
+            };
+            let sync_m = StageMetrics::new(StageKind::Sync, 0, 1);
+            all_metrics.push(sync_m.clone());
+            let sync = Durable {
+                writer,
+                rx: sync_rx,
+                m: sync_m,
                 sink,
                 tiles_done: &c.tiles_done,
                 flops_done: &c.flops_done,
                 k: step.k,
                 durable: cfg.durable,
             };
+            handles.push(s.spawn(move || ctl.guard(|| sync.run(ctl))));
             handles.push(s.spawn(move || ctl.guard(|| wb.run(ctl))));
             let metrics = all_metrics.clone();
             let live = &live;

@@ -19,6 +19,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use super::control::Control;
 use super::metrics::StageMetrics;
 use super::pool::{Lease, Pool};
+use super::shared::{Got, SharedReads};
 use crate::backend::{Dst, GemmDesc, Lane, Ticket};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -54,12 +55,12 @@ pub enum PlanOp {
 pub enum LaneOp {
     Upload {
         slot: usize,
-        buf: Lease,
+        buf: Arc<Lease>,
         elems: usize,
     },
     Begin {
         acc: usize,
-        c0: Option<(Lease, usize)>,
+        c0: Option<(Arc<Lease>, usize)>,
     },
     Gemm {
         desc: GemmDesc,
@@ -79,26 +80,46 @@ pub struct Done {
     pub buf: Lease,
 }
 
-/// Output tiles still to compute. The schedule order is cut into one contiguous run per lane
-/// (contiguous output rows share A tiles, so each lane reads less); a lane takes from the front
-/// of its own run and, when that is empty, steals from the back of the longest other run — so a
-/// slower or busier GPU simply ends up with fewer tiles.
+/// Output tiles still to compute, dealt so that lanes run *in phase*.
+///
+/// Lane `l` gets the output rows `ti ≡ l (mod lanes)`, walked band by band (band `b` = rows
+/// `b·lanes .. b·lanes + lanes`) in serpentine column order, the direction alternating by band.
+/// So at any moment every lane works in the same tile column and needs the same B tiles at the
+/// same time: the shared reader ([`SharedReads`]) reads each of them from the file once for all
+/// lanes. Within a lane, consecutive tiles share their A row (kept in the device tile cache) and
+/// the serpentine turn reuses the B tiles used last. With one lane this is the schedule's own
+/// serpentine order. A lane whose run is empty steals from the back of the longest other run, so
+/// a slower or busier device simply ends up with fewer tiles.
 pub struct TileQueue {
     order: Vec<u32>,
     runs: std::sync::Mutex<Vec<std::collections::VecDeque<u32>>>,
 }
 
 impl TileQueue {
-    pub fn new(order: Vec<u32>, lanes: usize) -> TileQueue {
+    /// `todo`: schedule sequence numbers still to compute.
+    pub fn new(sched: &Schedule, todo: Vec<u32>, lanes: usize) -> TileQueue {
         let lanes = lanes.max(1);
-        let per = order.len().div_ceil(lanes).max(1);
-        let mut runs: Vec<std::collections::VecDeque<u32>> = order
-            .chunks(per)
-            .map(|c| c.iter().copied().collect())
+        let mut keyed: Vec<(usize, u64, u64, u32)> = todo
+            .iter()
+            .map(|&seq| {
+                let t = &sched.tiles[seq as usize];
+                let lane = (t.ti % lanes as u64) as usize;
+                let band = t.ti / lanes as u64;
+                let col = if band.is_multiple_of(2) {
+                    t.tj
+                } else {
+                    sched.gn - 1 - t.tj
+                };
+                (lane, band, col, seq)
+            })
             .collect();
-        runs.resize(lanes, Default::default());
+        keyed.sort_unstable();
+        let mut runs: Vec<std::collections::VecDeque<u32>> = vec![Default::default(); lanes];
+        for &(lane, _, _, seq) in &keyed {
+            runs[lane].push_back(seq);
+        }
         TileQueue {
-            order,
+            order: todo,
             runs: std::sync::Mutex::new(runs),
         }
     }
@@ -110,6 +131,11 @@ impl TileQueue {
         let victim = (0..runs.len()).max_by_key(|&i| runs[i].len())?;
         runs[victim].pop_back()
     }
+    /// Lane `lane`'s run as dealt (before any tile was taken or stolen).
+    pub fn run(&self, lane: usize) -> Vec<u32> {
+        self.runs.lock().unwrap()[lane].iter().copied().collect()
+    }
+    /// The tiles to compute, in schedule order.
     pub fn order(&self) -> &[u32] {
         &self.order
     }
@@ -305,7 +331,10 @@ fn count_nonfinite(dt: DType, bytes: &[u8]) -> u64 {
 }
 
 pub struct Staging<'a> {
+    /// This lane's index (owner of `pool` in the shared reader).
+    pub lane: usize,
     pub inputs: &'a Inputs,
+    pub shared: &'a SharedReads,
     pub pool: Pool,
     pub host_dt: DType,
     pub rx: Receiver<PlanOp>,
@@ -314,9 +343,44 @@ pub struct Staging<'a> {
 }
 
 impl Staging<'_> {
-    fn fill(&self, ctl: &Control, src: Src, block: &Block) -> Result<(Lease, usize)> {
+    /// The host buffer holding `block` of `src`: another lane's read of it when the shared
+    /// reader has one, else a read of our own (published for the other lanes).
+    fn fill(&self, ctl: &Control, src: Src, block: &Block) -> Result<(Arc<Lease>, usize)> {
+        let elems = block.elems();
+        let shared = self.shared.enabled() && src != Src::C0;
+        if shared {
+            let t = Instant::now();
+            let got = self.shared.get(ctl, src, block)?;
+            self.m.add_wait_in(t.elapsed());
+            if let Got::Shared(buf) = got {
+                let f = self.inputs.file(src);
+                self.shared.count_shared((elems * f.dtype().size()) as u64);
+                return Ok((buf, elems));
+            }
+        }
+        let r = self.read(ctl, src, block);
+        match &r {
+            Ok(buf) if shared => self.shared.publish(src, block, buf, self.lane),
+            Err(_) if shared => self.shared.abandon(src, block),
+            _ => {}
+        }
+        Ok((r?, elems))
+    }
+
+    /// Lease a buffer from this lane's pool (first handing back what the shared reader holds of
+    /// it, if the pool is empty) and read `block` into it.
+    fn read(&self, ctl: &Control, src: Src, block: &Block) -> Result<Arc<Lease>> {
         let t = Instant::now();
-        let mut lease = self.pool.lease(ctl)?;
+        let mut lease = loop {
+            if let Some(l) = self.pool.try_lease() {
+                break l;
+            }
+            // Hand back what the shared reader keeps of our pool, oldest first, until a buffer
+            // is free; with nothing left to hand back, wait for the lanes' uploads.
+            if !self.shared.evict_one(self.lane) {
+                break self.pool.lease(ctl)?;
+            }
+        };
         self.m.add_wait_out(t.elapsed());
         let t = Instant::now();
         let elems = block.elems();
@@ -334,7 +398,7 @@ impl Staging<'_> {
         }
         self.m.add_busy(t.elapsed());
         self.m.add_item((elems * f.dtype().size()) as u64);
-        Ok((lease, elems))
+        Ok(Arc::new(lease))
     }
 
     pub fn run(self, ctl: &Control) -> Result<()> {
@@ -378,12 +442,14 @@ pub struct DeviceLane<'a> {
     pub out: Sender<Done>,
     pub m: Arc<StageMetrics>,
     pub flops_issued: &'a AtomicU64,
+    /// The stages' start and the time of the first GEMM after it (ns), shared by all lanes.
+    pub first_gemm: (Instant, &'a AtomicU64),
     /// The lane's device statistics, refreshed now and then for the progress display.
     pub live: &'a std::sync::Mutex<crate::backend::DeviceStats>,
 }
 
 struct Pending {
-    ups: Vec<(Ticket, Lease)>,
+    ups: Vec<(Ticket, Arc<Lease>)>,
     downs: Vec<(Ticket, Done)>,
 }
 
@@ -459,6 +525,10 @@ impl DeviceLane<'_> {
                     acc,
                 } => {
                     self.lane.gemm(&desc, a_slot, b_slot, acc)?;
+                    if ops == 0 || self.first_gemm.1.load(Ordering::Relaxed) == u64::MAX {
+                        let ns = self.first_gemm.0.elapsed().as_nanos() as u64;
+                        self.first_gemm.1.fetch_min(ns, Ordering::Relaxed);
+                    }
                     self.flops_issued
                         .fetch_add(2 * (desc.m * desc.n * desc.k) as u64, Ordering::Relaxed);
                 }
@@ -523,13 +593,9 @@ pub struct Writeback<'a> {
     pub writer: &'a dyn MatrixSink,
     pub host_dt: DType,
     pub rx: Receiver<Done>,
+    /// Written tiles (with their CRC) on their way to being made durable and recorded.
+    pub out: Sender<(OutTile, u32)>,
     pub m: Arc<StageMetrics>,
-    pub sink: &'a dyn TileSink,
-    pub tiles_done: &'a AtomicU64,
-    pub flops_done: &'a AtomicU64,
-    pub k: u64,
-    /// Flush each tile's data before its journal record.
-    pub durable: bool,
 }
 
 impl Writeback<'_> {
@@ -541,13 +607,41 @@ impl Writeback<'_> {
             let data = &d.buf.buf().bytes()[..bytes];
             let crc = self.writer.write_block(&b, self.host_dt, data)?;
             drop(d.buf);
-            if self.durable {
-                self.writer.flush_block(&b)?;
-            }
-            self.sink.tile_written(&d.tile, crc)?;
             self.m.add_busy(t.elapsed());
             self.m
                 .add_item(b.elems() as u64 * self.writer.dtype().size() as u64);
+            ctl.send_timed(&self.out, (d.tile, crc), &self.m)?;
+        }
+        Ok(())
+    }
+}
+
+/// Makes written tiles durable (when asked) and records them in the journal, one after the
+/// other, on its own thread: waiting for the disk to take tile `t` overlaps writeback writing
+/// tile `t + 1` and the devices computing more, instead of stalling them.
+pub struct Durable<'a> {
+    pub writer: &'a dyn MatrixSink,
+    pub rx: Receiver<(OutTile, u32)>,
+    pub m: Arc<StageMetrics>,
+    pub sink: &'a dyn TileSink,
+    pub tiles_done: &'a AtomicU64,
+    pub flops_done: &'a AtomicU64,
+    pub k: u64,
+    /// Flush each tile's data before its journal record.
+    pub durable: bool,
+}
+
+impl Durable<'_> {
+    pub fn run(self, ctl: &Control) -> Result<()> {
+        while let Some((tile, crc)) = ctl.recv_timed(&self.rx, &self.m) {
+            let t = Instant::now();
+            let b = tile.block;
+            if self.durable {
+                self.writer.flush_block(&b)?;
+            }
+            self.sink.tile_written(&tile, crc)?;
+            self.m.add_busy(t.elapsed());
+            self.m.add_item(0);
             self.tiles_done.fetch_add(1, Ordering::Relaxed);
             self.flops_done
                 .fetch_add(2 * b.rows * b.cols * self.k, Ordering::Relaxed);

@@ -208,42 +208,48 @@ pub struct Grid {
 /// Input tiles loaded into lanes' caches over a whole step, and their elements.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InputLoads {
+    /// Tile loads into device caches, all lanes together.
     pub loads: u64,
+    /// Elements those loads carry (host to device).
     pub elems: u128,
+    /// Elements read from the files: the same, less the B tiles that lanes running in phase
+    /// share through the shared reader (one read serves every lane that needs the block).
+    pub file_elems: u128,
 }
 
-/// What [`TileCache`] will load over the schedule's order, with the order cut into one
-/// contiguous run per lane (as [`TileQueue`](crate::pipeline::stages::TileQueue) cuts it before
-/// any stealing). Closed form, exact, and O(lanes + row bands): no tile is simulated.
+/// What [`TileCache`] will load over the order lanes run the tiles in, before any stealing
+/// ([`TileQueue`](crate::pipeline::stages::TileQueue)): lane `l` takes the output rows
+/// `ti ≡ l (mod lanes)` and walks them in serpentine order, the direction alternating with the
+/// lane's own row count, so all lanes are in the same tile column at the same step. Closed form
+/// and exact, O(row bands): no tile is simulated.
 ///
 /// Why it is exact: an LRU cache of `slots` entries hits a request iff fewer than `slots`
 /// distinct other keys were requested since the same key's previous request (its stack
-/// distance). In the serpentine order every distance is a formula of the grid:
-/// * `A(i, kk)` was last used by the previous tile of the same row band: `2·gk − 1` keys apart.
-///   So every A tile is loaded once per band when `slots ≥ 2·gk`, else once per output tile.
-/// * `B(kk, j)` was last used one band earlier, if that band's tile in column `j` ran on this
-///   lane. At position `q` of the band (columns counted from where the band starts, the turn
-///   of the serpentine) the distance is `2·gk − 1` for `q = 0` and `(q + 3)·gk − 1` beyond.
-///   So the first `min(H, …)` positions of a band hit, with `H = 0` if `slots < 2·gk`, else
-///   `max(1, slots/gk − 2)`.
+/// distance). In a lane's serpentine order every distance is a formula of the grid:
+/// * `A(i, kk)` was last used by the previous tile of the same row: `2·gk − 1` keys apart. So
+///   every A tile is loaded once per row when `slots ≥ 2·gk`, else once per output tile.
+/// * `B(kk, j)` was last used by the lane's previous row. At position `q` of the row (counted
+///   from the turn of the serpentine) the distance is `2·gk − 1` for `q = 0` and
+///   `(q + 3)·gk − 1` beyond. So the first `min(H, gn)` positions of every row but the first
+///   hit, with `H = 0` if `slots < 2·gk`, else `max(1, slots/gk − 2)`.
+///
+/// Lanes in phase need the same B blocks at the same step, so the file reads of B are those of
+/// the lane with the most rows (lane 0); the A rows are disjoint between lanes.
 pub fn input_loads(g: &Grid) -> InputLoads {
     let (gm, gn, gk) = (g.m.div_ceil(g.tm), g.n.div_ceil(g.tn), g.k.div_ceil(g.tk));
-    let total = gm * gn;
-    if total == 0 || gk == 0 {
+    if gm * gn == 0 || gk == 0 {
         return InputLoads::default();
     }
-    let lanes = g.lanes.max(1) as u64;
-    let per = total.div_ceil(lanes).max(1);
+    let lanes = (g.lanes.max(1) as u64).min(gm);
     let slots = g.slots as u64;
-    let a_band_reuse = slots >= 2 * gk;
-    // Band positions 0..h hit in B when the previous band covered them.
-    let h = if !a_band_reuse {
+    let a_row_reuse = slots >= 2 * gk;
+    let h = if !a_row_reuse {
         0
     } else {
         (slots / gk).saturating_sub(2).max(1)
     };
     let last_w = g.n - (gn - 1) * g.tn;
-    // Elements of B columns at band positions [x, y) of band `r` (one k-panel: × k later).
+    // Elements of B columns at row positions [x, y) of the lane's row `r` (× k later).
     let b_width = |r: u64, x: u64, y: u64| -> u128 {
         if x >= y {
             return 0;
@@ -256,32 +262,23 @@ pub fn input_loads(g: &Grid) -> InputLoads {
         };
         ((y - x) * g.tn - short) as u128
     };
+    let k = g.k as u128;
     let mut out = InputLoads::default();
-    let mut start = 0;
-    while start < total {
-        let end = (start + per).min(total);
-        let (r0, r1) = (start / gn, (end - 1) / gn);
-        let mut prev_p0 = None;
-        for r in r0..=r1 {
-            let p0 = if r == r0 { start - r * gn } else { 0 };
-            let p1 = if r == r1 { end - r * gn } else { gn };
-            let cnt = p1 - p0;
-            let rows = g.tm.min(g.m - r * g.tm) as u128;
-            let a_tiles = if a_band_reuse { 1 } else { cnt };
+    for lane in 0..lanes {
+        let rows = (gm - lane).div_ceil(lanes);
+        let (mut a_elems, mut b_elems) = (0u128, 0u128);
+        for r in 0..rows {
+            let ti = lane + r * lanes;
+            let height = g.tm.min(g.m - ti * g.tm) as u128;
+            let a_tiles = if a_row_reuse { 1 } else { gn };
             out.loads += a_tiles * gk;
-            out.elems += a_tiles as u128 * rows * g.k as u128;
-            // B: positions [0, hits) were loaded one band earlier on this lane and are still
-            // cached; the rest of [p0, p1) are loads.
-            let hits = match prev_p0 {
-                Some(pp0) => h.min(p1).min(gn - pp0),
-                None => 0,
-            };
-            let from = p0.max(hits);
-            out.loads += (p1 - from) * gk;
-            out.elems += b_width(r, from, p1) * g.k as u128;
-            prev_p0 = Some(p0);
+            a_elems += a_tiles as u128 * height * k;
+            let from = if r == 0 { 0 } else { h.min(gn) };
+            out.loads += (gn - from) * gk;
+            b_elems += b_width(r, from, gn) * k;
         }
-        start = end;
+        out.elems += a_elems + b_elems;
+        out.file_elems += a_elems + if lane == 0 { b_elems } else { 0 };
     }
     out
 }
@@ -307,7 +304,7 @@ pub fn traffic(step: &Step, l: &Layout) -> Traffic {
     let inputs = step.m as u128 * step.k as u128 + step.k as u128 * step.n as u128 + c0;
     Traffic {
         tile_loads: loads.loads,
-        read_bytes: sat((loads.elems + c0) * ins),
+        read_bytes: sat((loads.file_elems + c0) * ins),
         h2d_bytes: sat((loads.elems + c0) * hs),
         d2h_bytes: sat(out * hs),
         write_bytes: sat(out * step.out_dtype.size() as u128),
@@ -323,32 +320,39 @@ mod tests {
     /// The cache model run request by request over the serpentine order, as the planners do.
     fn simulate(g: &Grid) -> InputLoads {
         let (gm, gn, gk) = (g.m.div_ceil(g.tm), g.n.div_ceil(g.tn), g.k.div_ceil(g.tk));
-        let order: Vec<(u64, u64)> = (0..gm)
-            .flat_map(|ti| {
-                let js: Vec<u64> = if ti % 2 == 0 {
+        let lanes = (g.lanes as u64).min(gm);
+        let mut out = InputLoads::default();
+        // Which B keys some lane read from the file at each step (lanes in phase share them).
+        let mut b_read: std::collections::HashSet<(u64, u64, u64)> = Default::default();
+        for lane in 0..lanes {
+            let mut cache = TileCache::new(g.slots);
+            let rows: Vec<u64> = (0..gm).filter(|ti| ti % lanes == lane).collect();
+            let mut step = 0u64;
+            for (r, &ti) in rows.iter().enumerate() {
+                let js: Vec<u64> = if r % 2 == 0 {
                     (0..gn).collect()
                 } else {
                     (0..gn).rev().collect()
                 };
-                js.into_iter().map(move |tj| (ti, tj))
-            })
-            .collect();
-        let per = order.len().div_ceil(g.lanes).max(1);
-        let mut caches: Vec<TileCache> = (0..g.lanes).map(|_| TileCache::new(g.slots)).collect();
-        let mut out = InputLoads::default();
-        for (i, &(ti, tj)) in order.iter().enumerate() {
-            let cache = &mut caches[(i / per).min(g.lanes - 1)];
-            let rows = g.tm.min(g.m - ti * g.tm) as u128;
-            let cols = g.tn.min(g.n - tj * g.tn) as u128;
-            for kk in 0..gk {
-                let depth = g.tk.min(g.k - kk * g.tk) as u128;
-                if cache.get((Src::A, ti, kk)).1 {
-                    out.loads += 1;
-                    out.elems += rows * depth;
-                }
-                if cache.get((Src::B, kk, tj)).1 {
-                    out.loads += 1;
-                    out.elems += depth * cols;
+                for tj in js {
+                    let rows_h = g.tm.min(g.m - ti * g.tm) as u128;
+                    let cols = g.tn.min(g.n - tj * g.tn) as u128;
+                    for kk in 0..gk {
+                        let depth = g.tk.min(g.k - kk * g.tk) as u128;
+                        if cache.get((Src::A, ti, kk)).1 {
+                            out.loads += 1;
+                            out.elems += rows_h * depth;
+                            out.file_elems += rows_h * depth;
+                        }
+                        if cache.get((Src::B, kk, tj)).1 {
+                            out.loads += 1;
+                            out.elems += depth * cols;
+                            if b_read.insert((step, kk, tj)) {
+                                out.file_elems += depth * cols;
+                            }
+                        }
+                    }
+                    step += 1;
                 }
             }
         }
@@ -441,28 +445,34 @@ mod tests {
                 for slots in [2, 6, 13, l.slots] {
                     l.slots = slots;
                     let sched = Schedule::new(step, &l);
-                    let per = sched.tiles.len().div_ceil(lanes);
-                    let mut caches: Vec<TileCache> =
-                        (0..lanes).map(|_| TileCache::new(slots)).collect();
-                    let (mut loads, mut bytes) = (0, 0);
-                    for (i, t) in sched.tiles.iter().enumerate() {
-                        let cache = &mut caches[i / per];
-                        for kk in 0..sched.gk {
-                            for (key, b) in [
-                                ((Src::A, t.ti, kk), sched.a_block(t, kk)),
-                                ((Src::B, kk, t.tj), sched.b_block(t, kk)),
-                            ] {
-                                if cache.get(key).1 {
-                                    loads += 1;
-                                    bytes += b.elems() as u64 * 4;
+                    let all: Vec<u32> = (0..sched.tiles.len() as u32).collect();
+                    let queue = crate::pipeline::stages::TileQueue::new(&sched, all, lanes);
+                    let (mut loads, mut h2d, mut read) = (0, 0, 0);
+                    let mut shared = std::collections::HashSet::new();
+                    for lane in 0..lanes {
+                        let mut cache = TileCache::new(slots);
+                        for (step_no, &seq) in queue.run(lane).iter().enumerate() {
+                            let t = &sched.tiles[seq as usize];
+                            for kk in 0..sched.gk {
+                                for (key, b) in [
+                                    ((Src::A, t.ti, kk), sched.a_block(t, kk)),
+                                    ((Src::B, kk, t.tj), sched.b_block(t, kk)),
+                                ] {
+                                    if cache.get(key).1 {
+                                        loads += 1;
+                                        h2d += b.elems() as u64 * 4;
+                                        if key.0 == Src::A || shared.insert((step_no, key)) {
+                                            read += b.elems() as u64 * 4;
+                                        }
+                                    }
                                 }
                             }
                         }
                     }
                     let t = traffic(step, &l);
                     assert_eq!(
-                        (t.tile_loads, t.read_bytes),
-                        (loads, bytes),
+                        (t.tile_loads, t.h2d_bytes, t.read_bytes),
+                        (loads, h2d, read),
                         "{tile} {lanes} {slots}"
                     );
                     assert_eq!(t.min_read_bytes, (70 * 45 + 45 * 33) * 4);

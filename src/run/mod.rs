@@ -209,8 +209,15 @@ fn run_step(
     let fp = fingerprint(step, layout, backend.caps().kind, e.precision)?;
     let n = step.index + 1;
     loop {
-        let (journal, state) =
-            ResumeState::load(step, layout, &fp, opts.restart, e.durable, e.write)?;
+        let (journal, state) = ResumeState::load(
+            step,
+            layout,
+            &fp,
+            opts.restart,
+            e.durable,
+            e.write,
+            e.host_memory,
+        )?;
         let (work, total, bad) = match state {
             ResumeState::Complete => {
                 progress.note(&format!(

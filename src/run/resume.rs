@@ -37,10 +37,12 @@ impl ResumeState {
         restart: bool,
         durable: bool,
         write: WriteMode,
+        host_memory: u64,
     ) -> Result<(Journal, ResumeState)> {
         let (journal, state) = Journal::open(&step.output, fp, restart, durable)?;
         let sched = Schedule::new(step, layout);
         let header = output_header(step, layout);
+        let write = write.resolve(header.file_len(), host_memory);
         let total = sched.tiles.len() as u64;
         let st = match state {
             State::Complete => ResumeState::Complete,

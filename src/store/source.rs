@@ -91,16 +91,30 @@ pub fn open_source(path: &Path) -> Result<Arc<dyn MatrixSource>> {
 /// serialise on the inode lock. `Pwrite` keeps resident memory bounded by the buffers in flight
 /// and suits filesystems where shared writable maps are slow or unsupported (cluster and network
 /// filesystems); the writer also falls back to it where `fallocate` is unsupported.
+///
+/// `Auto` (the default) picks per output: `Mmap` when the output fits in `host_memory` (its
+/// mapped pages then stay within the memory the plan grants), else `Pwrite`, so an output larger
+/// than the budget never makes the process's resident memory grow with it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WriteMode {
     #[default]
+    Auto,
     Mmap,
     Pwrite,
 }
 
 impl WriteMode {
+    /// The concrete mode for an output of `output_bytes` under a host budget of `host_memory`.
+    pub fn resolve(self, output_bytes: u64, host_memory: u64) -> WriteMode {
+        match self {
+            WriteMode::Auto if output_bytes <= host_memory => WriteMode::Mmap,
+            WriteMode::Auto => WriteMode::Pwrite,
+            m => m,
+        }
+    }
     pub fn parse(s: &str) -> Option<WriteMode> {
         match s {
+            "auto" => Some(WriteMode::Auto),
             "mmap" => Some(WriteMode::Mmap),
             "pwrite" => Some(WriteMode::Pwrite),
             _ => None,
@@ -108,6 +122,7 @@ impl WriteMode {
     }
     pub fn name(self) -> &'static str {
         match self {
+            WriteMode::Auto => "auto",
             WriteMode::Mmap => "mmap",
             WriteMode::Pwrite => "pwrite",
         }
