@@ -621,6 +621,17 @@ impl TiledWriter {
             self.map
                 .flush_range(a, len)
                 .map_err(|e| Error::io(&self.path, "cannot flush output tile to disk", e))?;
+            if self.pwrite {
+                // The tile is on disk: drop its (now clean) pages from the page cache, so an
+                // output larger than RAM does not push out the inputs still to be read. Advice
+                // only: a failure changes nothing but speed.
+                let _ = rustix::fs::fadvise(
+                    &self.file,
+                    a as u64,
+                    std::num::NonZeroU64::new(len as u64),
+                    rustix::fs::Advice::DontNeed,
+                );
+            }
         }
         Ok(())
     }

@@ -4,10 +4,14 @@
 #   - an injected fault on every lane: nothing left to fail over to, so the run stops cleanly;
 #   - GPU 1 fails: its unfinished tiles are redone on GPU 0 in the same run (needs 2 GPUs);
 #   - SIGKILL three times once the journal has records.
-# GPU machine, repository root, .dev/bin carried. Log: $OUT/resume.log.
+# GPU machine, repository root, .dev/bin carried. Log: $OUT/resume.log. The injected faults
+# need the test build (cargo build --release --features fault-injection, carried as
+# .dev/bin/mgmm-stream-faults): release builds have no fault hooks.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to resume.log
+FAULTS=${FAULTS:-$DEV/mgmm-stream-faults}
+[ -x "$FAULTS" ] || { echo "no fault-injection build at $FAULTS" >&2; exit 2; }
 W=${W:-/tmp/res}; mkdir -p "$W"; cd "$W"
 gen_matrix A.mgt 8192 8192 5
 gen_matrix B.mgt 8192 8192 6
@@ -17,13 +21,13 @@ done
 rm -f C_ref.mgt C_ref.mgt.journal C_res.mgt C_res.mgt.journal
 "$MGMM" run ref.toml --quiet
 log "injected fault after 100 GEMMs on every lane: nothing left to fail over to, so the run stops"
-MGMM_FAULT_GEMM_AFTER=100 "$MGMM" run res.toml 2>&1 | tail -2 | tee -a "$LOG"; echo "exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+MGMM_FAULT_GEMM_AFTER=100 "$FAULTS" run res.toml 2>&1 | tail -2 | tee -a "$LOG"; echo "exit ${PIPESTATUS[0]}" | tee -a "$LOG"
 "$MGMM" run res.toml 2>&1 | grep -E "resuming|wall" | tee -a "$LOG"
 cmp C_ref.mgt C_res.mgt && echo "fault, then resume: bitwise identical to an uninterrupted run" | tee -a "$LOG"
 if [ "$(gpu_count)" -ge 2 ]; then
   log "GPU 1 fails after 50 GEMMs: its unfinished tiles are redone on GPU 0 in the same run"
   rm -f C_res.mgt C_res.mgt.journal
-  MGMM_FAULT_LANE=1 MGMM_FAULT_GEMM_AFTER=50 "$MGMM" run res.toml 2>&1 | grep -E "failed|wall|error|done" | tee -a "$LOG"; echo "exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+  MGMM_FAULT_LANE=1 MGMM_FAULT_GEMM_AFTER=50 "$FAULTS" run res.toml 2>&1 | grep -E "failed|wall|error|done" | tee -a "$LOG"; echo "exit ${PIPESTATUS[0]}" | tee -a "$LOG"
   cmp C_ref.mgt C_res.mgt && echo "failover: bitwise identical to an uninterrupted run" | tee -a "$LOG"
 fi
 log "SIGKILL once the journal has records, 3 times"
