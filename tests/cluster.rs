@@ -83,7 +83,8 @@ const SMALL: (u64, u64, u64) = (300, 200, 260);
 fn n_processes_by_shard_flag_and_by_each_launcher_match_one_process() {
     let reference = single(SMALL, 64);
     type Env = Vec<(&'static str, String)>;
-    let cases: Vec<(&str, Vec<(Vec<String>, Env)>)> = vec![
+    type Procs = Vec<(Vec<String>, Env)>;
+    let cases: Vec<(&str, Procs)> = vec![
         (
             "--shard K/3",
             (0..3)

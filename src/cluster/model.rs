@@ -84,24 +84,24 @@ pub fn predict(plan: &Plan, mc: &Machine) -> Result<String> {
         for k in 0..sh {
             let r = shard_range(tiles, gn as u32, sh, k);
             biggest = biggest.max(r.len());
-            let (b0, b1) = (r.start as u64 / gn, (r.end as u64).div_ceil(gn));
-            let rows = (b1 * t).min(step.m) - b0 * t;
-            let cols = if b1 - b0 == 1 {
-                (r.len() as u64 * t).min(step.n)
-            } else {
-                step.n
-            };
-            let g = Grid {
-                m: rows,
-                n: cols,
-                k: step.k,
-                tm: t,
-                tn: t,
-                tk: t,
-                lanes: 1,
-                slots,
-            };
-            read += input_loads(&g).elems * ins;
+            // The shard's piece of each row band it touches, as its own one-lane run.
+            let (mut q, end) = (r.start as u64, r.end as u64);
+            while q < end {
+                let band = q / gn;
+                let cnt = end.min((band + 1) * gn) - q;
+                let g = Grid {
+                    m: t.min(step.m - band * t),
+                    n: (cnt * t).min(step.n),
+                    k: step.k,
+                    tm: t,
+                    tn: t,
+                    tk: t,
+                    lanes: 1,
+                    slots,
+                };
+                read += input_loads(&g).elems * ins;
+                q += cnt;
+            }
         }
         let c0 = step
             .c0
