@@ -252,6 +252,17 @@ fn two_processes_claiming_one_shard_never_both_write_it() {
     assert_eq!(n, 16 * 16);
 }
 
+/// Tiles the shard journals of `dir/C.mgt` record so far.
+fn done_tiles(dir: &Path) -> usize {
+    let out = dir.join("C.mgt");
+    let Ok(Some(m)) = mgmm_stream::cluster::prepare::read_manifest(&out) else {
+        return 0;
+    };
+    mgmm_stream::cluster::recorded(&mgmm_stream::cluster::state_dir(&out), &m.fingerprint)
+        .map(|r| r.len())
+        .unwrap_or(0)
+}
+
 struct Lcg(u64);
 impl Lcg {
     fn unit(&mut self) -> f64 {
@@ -297,8 +308,16 @@ fn random_sigkills_then_a_different_process_count_give_identical_bytes() {
                 )
             })
             .collect();
+        // Kill them all once the shard journals hold a random share of the tiles that grows
+        // round by round (so every round is cut off mid-step), one after another at random
+        // short intervals.
+        let target = (256.0 * (0.15 * (round + 1) as f64 + 0.05 * g.unit())) as usize;
+        let t = Instant::now();
+        while done_tiles(dir) < target && t.elapsed() < 20 * full {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         for c in kids.iter_mut() {
-            std::thread::sleep(full.mul_f64(0.3 * g.unit()));
+            std::thread::sleep(full.mul_f64(0.02 * g.unit()));
             if c.try_wait().unwrap().is_none() {
                 c.kill().unwrap(); // SIGKILL
                 killed_mid_run += 1;
@@ -308,9 +327,10 @@ fn random_sigkills_then_a_different_process_count_give_identical_bytes() {
             let _ = c.wait();
         }
     }
+    let left = 256 - done_tiles(dir);
     assert!(
-        killed_mid_run >= 4,
-        "only {killed_mid_run} kills landed mid-run"
+        killed_mid_run >= 8 && left > 0,
+        "only {killed_mid_run} kills landed mid-run ({left} tiles left)"
     );
     // Finish with yet another process count and split.
     let kids: Vec<Child> = (0..3)
