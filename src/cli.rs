@@ -93,6 +93,8 @@ pub enum Command {
         /// Override an [engine] key of the plan (repeatable), e.g. --set engine.host_memory=8GiB.
         #[arg(long = "set", value_name = "engine.KEY=VALUE")]
         set: Vec<String>,
+        #[command(flatten)]
+        cluster: crate::cluster::cmd::ModelArgs,
     },
     /// List the CUDA GPUs this build can use (or say why there are none).
     #[command(after_help = "Example:\n  mgmm-stream devices")]
@@ -121,6 +123,42 @@ pub enum Command {
         /// After the run, check every product with Freivalds' test (see `verify`).
         #[arg(long)]
         verify: bool,
+        #[command(flatten)]
+        split: crate::cluster::cmd::ShardArgs,
+    },
+    /// Create a split step's output once before a cluster job starts (docs/CLUSTER.md).
+    #[command(
+        after_help = "Example:\n  mgmm-stream prepare plan.toml && sbatch examples/cluster/sbatch.sh"
+    )]
+    Prepare {
+        plan: PathBuf,
+        #[arg(long = "set", value_name = "engine.KEY=VALUE")]
+        set: Vec<String>,
+        /// Throw away the outputs, journals and shard state of every step and start over.
+        #[arg(long)]
+        restart: bool,
+    },
+    /// Finish split steps: check every tile against its shard journal, write the checksum
+    /// table, merge the journals; refuses while shards are missing and names them.
+    #[command(after_help = "Example:\n  mgmm-stream finalize plan.toml --verify")]
+    Finalize {
+        plan: PathBuf,
+        #[arg(long = "set", value_name = "engine.KEY=VALUE")]
+        set: Vec<String>,
+        /// Run Freivalds' test on each output after (see `verify`).
+        #[arg(long)]
+        verify: bool,
+    },
+    /// Show a split job's progress: done/left/rate/ETA per step and per shard, and who holds
+    /// each shard.
+    #[command(after_help = "Example:\n  watch -n 10 mgmm-stream status plan.toml")]
+    Status {
+        plan: PathBuf,
+        #[arg(long = "set", value_name = "engine.KEY=VALUE")]
+        set: Vec<String>,
+        /// Heartbeat age (seconds) after which a claim is shown as stale.
+        #[arg(long, default_value_t = 120.0)]
+        claim_timeout: f64,
     },
     /// Check the outputs of a plan that has run: the journal's record of the inputs, then
     /// Freivalds' test, streaming, O(n²): C·x against α·op(A)·(op(B)·x) (+ β·C0·x) for random
@@ -361,11 +399,20 @@ pub fn execute(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Plan { plan, set } => {
-            let p = Plan::load_with(&plan, &set)?;
-            print!("{}", run::describe(&p)?);
-            Ok(())
+        Command::Plan { plan, set, cluster } => {
+            crate::cluster::cmd::plan_cmd(&plan, &set, &cluster)
         }
+        Command::Prepare { plan, set, restart } => {
+            crate::cluster::cmd::prepare_cmd(&plan, &set, restart)
+        }
+        Command::Finalize { plan, set, verify } => {
+            crate::cluster::cmd::finalize_cmd(&plan, &set, verify)
+        }
+        Command::Status {
+            plan,
+            set,
+            claim_timeout,
+        } => crate::cluster::cmd::status_cmd(&plan, &set, claim_timeout),
         Command::Run {
             plan,
             quiet,
@@ -374,14 +421,16 @@ pub fn execute(cli: Cli) -> Result<()> {
             restart,
             verify,
             set,
+            split,
         } => {
-            let p = Plan::load_with(&plan, &set)?;
+            let p = Plan::load_with(&plan, &split.with_local_gpu(set))?;
             let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
             let rep = run::run_plan(
                 &p,
                 &RunOptions {
                     report,
                     restart,
+                    shard: split.options()?,
                     #[cfg(feature = "fault-injection")]
                     faults: crate::backend::fault::FaultConfig::from_env(),
                 },

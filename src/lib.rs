@@ -27,6 +27,7 @@
 
 pub mod backend;
 pub mod cli;
+pub mod cluster;
 pub mod dtype;
 pub mod error;
 pub mod pipeline;

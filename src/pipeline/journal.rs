@@ -11,6 +11,11 @@
 //!
 //! The journal file is locked (`flock`, exclusive, non-blocking) for the whole step, so a second
 //! run on the same output fails at once instead of interleaving writes.
+//!
+//! A step split across processes ([`crate::cluster`]) keeps one journal per shard in the same
+//! format ([`Journal::open_shard`]); those are not locked (`flock` may be node-local or missing
+//! on cluster filesystems; the shard's claim file keeps writers apart), and `finalize` merges
+//! them into the step's journal ([`write_complete`]).
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -83,10 +88,7 @@ impl Journal {
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)
             .map_err(|e| Error::io(&path, "cannot read journal", e))?;
-        let header = format!(
-            "{MAGIC} {}\n",
-            serde_json::to_string(fp).expect("fingerprint serializes")
-        );
+        let header = header_line(fp);
         let output_exists = output.exists();
         let state = if restart || bytes.is_empty() {
             if output_exists && !restart && bytes.is_empty() {
@@ -193,12 +195,7 @@ impl Journal {
 
     /// Append a record (after the tile's data is written and, if durable, flushed).
     pub fn record(&self, seq: u32, data_crc: u32) -> Result<()> {
-        let mut rec = [0u8; 16];
-        rec[0..4].copy_from_slice(&REC.to_le_bytes());
-        rec[4..8].copy_from_slice(&seq.to_le_bytes());
-        rec[8..12].copy_from_slice(&data_crc.to_le_bytes());
-        let c = crc32c::crc32c(&rec[..12]);
-        rec[12..16].copy_from_slice(&c.to_le_bytes());
+        let rec = encode(seq, data_crc);
         let mut f = self.file.lock().unwrap();
         f.write_all(&rec)
             .map_err(|e| Error::io(&self.path, "cannot append to journal", e))?;
@@ -216,6 +213,108 @@ impl Journal {
             .unwrap()
             .sync_all()
             .map_err(|e| Error::io(&self.path, "cannot sync journal", e))
+    }
+}
+
+/// One 16-byte record: magic, tile seq, data CRC, CRC of the first 12 bytes.
+fn encode(seq: u32, data_crc: u32) -> [u8; 16] {
+    let mut rec = [0u8; 16];
+    rec[0..4].copy_from_slice(&REC.to_le_bytes());
+    rec[4..8].copy_from_slice(&seq.to_le_bytes());
+    rec[8..12].copy_from_slice(&data_crc.to_le_bytes());
+    let c = crc32c::crc32c(&rec[..12]);
+    rec[12..16].copy_from_slice(&c.to_le_bytes());
+    rec
+}
+
+fn header_line(fp: &Fingerprint) -> String {
+    format!(
+        "{MAGIC} {}\n",
+        serde_json::to_string(fp).expect("fingerprint serializes")
+    )
+}
+
+impl Journal {
+    /// Open (creating if needed) the journal of one shard of a split step at `path`, without
+    /// locking it: the shard's claim keeps other writers away. Returns the finished tiles it
+    /// records (seq, data CRC); a torn tail is cut off so new records follow the last good one.
+    /// A journal written for another fingerprint is an error naming what changed.
+    pub fn open_shard(
+        path: &Path,
+        fp: &Fingerprint,
+        durable: bool,
+    ) -> Result<(Journal, Vec<(u32, u32)>)> {
+        use std::os::unix::fs::FileExt;
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| Error::io(path, "cannot open shard journal", e))?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)
+            .map_err(|e| Error::io(path, "cannot read shard journal", e))?;
+        let done = if bytes.is_empty() {
+            file.write_all_at(header_line(fp).as_bytes(), 0)
+                .and_then(|_| file.sync_all())
+                .map_err(|e| Error::io(path, "cannot write shard journal", e))?;
+            Vec::new()
+        } else {
+            let (head, peek) = parse(path, &bytes)?;
+            if &peek.fingerprint != fp {
+                return Err(Error::Usage(format!(
+                    "{}: this shard journal is from a different plan, inputs or backend; run `mgmm-stream prepare PLAN --restart` to start the step over",
+                    path.display()
+                )));
+            }
+            let keep = head + 16 * (peek.done.len() + usize::from(peek.complete));
+            file.set_len(keep as u64)
+                .map_err(|e| Error::io(path, "cannot trim shard journal", e))?;
+            peek.done
+        };
+        use std::io::Seek;
+        file.seek(std::io::SeekFrom::End(0))
+            .map_err(|e| Error::io(path, "cannot seek shard journal", e))?;
+        let j = Journal {
+            path: path.to_path_buf(),
+            file: Mutex::new(file),
+            durable,
+        };
+        Ok((j, done))
+    }
+}
+
+/// Write the complete journal of `output` in one piece — every finished tile and the
+/// completion mark — through a temporary file renamed over the old one (`finalize` of a split
+/// step, so that `run` sees the step complete and `verify` finds its fingerprint).
+pub fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)]) -> Result<()> {
+    let path = journal_path(output);
+    let mut bytes = header_line(fp).into_bytes();
+    for &(seq, crc) in done {
+        bytes.extend_from_slice(&encode(seq, crc));
+    }
+    bytes.extend_from_slice(&encode(COMPLETE, 0));
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let write = || -> std::io::Result<()> {
+        let mut f = File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    };
+    write().map_err(|e| Error::io(&path, "cannot write the merged journal", e))
+}
+
+/// Read the journal at `path` (any journal file, e.g. a shard's) without locking it; `None`
+/// when there is none or it is empty.
+pub fn peek_file(path: &Path) -> Result<Option<Peek>> {
+    match std::fs::read(path) {
+        Ok(b) if b.is_empty() => Ok(None),
+        Ok(b) => Ok(Some(parse(path, &b)?.1)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(path, "cannot read journal", e)),
     }
 }
 
@@ -263,13 +362,7 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<(usize, Peek)> {
 
 /// Read the journal of `output` without locking it; `None` when there is none.
 pub fn peek(output: &Path) -> Result<Option<Peek>> {
-    let path = journal_path(output);
-    match std::fs::read(&path) {
-        Ok(b) if b.is_empty() => Ok(None),
-        Ok(b) => Ok(Some(parse(&path, &b)?.1)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(Error::io(&path, "cannot read journal", e)),
-    }
+    peek_file(&journal_path(output))
 }
 
 /// Drop the records of tiles `seqs` and the completion mark, so that the next `run` resumes
@@ -296,13 +389,7 @@ pub fn forget(output: &Path, seqs: &std::collections::BTreeSet<u32>) -> Result<u
             dropped += 1;
             continue;
         }
-        let mut rec = [0u8; 16];
-        rec[0..4].copy_from_slice(&REC.to_le_bytes());
-        rec[4..8].copy_from_slice(&seq.to_le_bytes());
-        rec[8..12].copy_from_slice(&crc.to_le_bytes());
-        let c = crc32c::crc32c(&rec[..12]);
-        rec[12..16].copy_from_slice(&c.to_le_bytes());
-        out.extend_from_slice(&rec);
+        out.extend_from_slice(&encode(seq, crc));
     }
     use std::os::unix::fs::FileExt;
     file.set_len(0)

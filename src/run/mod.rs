@@ -36,6 +36,8 @@ pub struct RunOptions {
     pub report: Option<PathBuf>,
     /// Discard journals and recompute every step from scratch.
     pub restart: bool,
+    /// This process's part of a step split across processes (`None`: the whole plan).
+    pub shard: Option<crate::cluster::ShardOptions>,
     /// Faults to inject (tests and the GPU resilience scripts only).
     #[cfg(feature = "fault-injection")]
     pub faults: Option<crate::backend::fault::FaultConfig>,
@@ -51,7 +53,12 @@ pub fn ignore_sigxfsz() {
 }
 
 /// Everything that determines a step's output bytes, for the journal.
-fn fingerprint(step: &Step, layout: &Layout, kind: &str, p: Precision) -> Result<Fingerprint> {
+pub(crate) fn fingerprint(
+    step: &Step,
+    layout: &Layout,
+    kind: &str,
+    p: Precision,
+) -> Result<Fingerprint> {
     let mut fp = Fingerprint::new();
     let h = pipeline::output_header(step, layout);
     fp.insert(
@@ -169,10 +176,32 @@ pub fn run_plan_on(
         progress.note(&n);
     }
     let backend_name = backend.name();
-    let generated = generate_missing(plan, progress)?;
+    if opts.shard.is_some() && opts.restart {
+        return Err(Error::Usage(
+            "--restart cannot be combined with a split run (it would race the other processes); run `mgmm-stream prepare PLAN --restart` once before the job".into(),
+        ));
+    }
+    let generated = match &opts.shard {
+        Some(sh) => crate::cluster::generate_shared(plan, sh, progress)?,
+        None => generate_missing(plan, progress)?,
+    };
     let mut steps = Vec::new();
     for (step, layout) in plan.steps.iter().zip(&layouts) {
-        if let Some(rep) = run_step(plan, step, layout, &mut backend, opts, progress)? {
+        let reps = match &opts.shard {
+            Some(sh) => crate::cluster::run_step_shards(
+                plan,
+                step,
+                layout,
+                &mut backend,
+                opts,
+                sh,
+                progress,
+            )?,
+            None => run_step(plan, step, layout, &mut backend, opts, progress, None)?
+                .into_iter()
+                .collect(),
+        };
+        for rep in reps {
             progress.note(&report::format_summary(&rep));
             steps.push(rep);
         }
@@ -191,15 +220,16 @@ pub fn run_plan_on(
     Ok(report)
 }
 
-/// Run one step to completion (`None` when it was already complete), failing over to the
-/// remaining devices when one fails.
-fn run_step(
+/// Run one step — or with `shard`, one shard of it — to completion (`None` when it was
+/// already complete), failing over to the remaining devices when one fails.
+pub(crate) fn run_step(
     plan: &Plan,
     step: &Step,
     layout: &Layout,
     backend: &mut Box<dyn Backend>,
     opts: &RunOptions,
     progress: &Progress,
+    shard: Option<&crate::cluster::ShardCtx>,
 ) -> Result<Option<StepReport>> {
     let e = &plan.engine;
     if let Some(dir) = step.output.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -209,26 +239,45 @@ fn run_step(
     let fp = fingerprint(step, layout, backend.caps().kind, e.precision)?;
     let n = step.index + 1;
     loop {
-        let (journal, state) = ResumeState::load(
-            step,
-            layout,
-            &fp,
-            opts.restart,
-            e.durable,
-            e.write,
-            e.host_memory,
-        )?;
-        let (work, total, bad) = match state {
-            ResumeState::Complete => {
+        let (journal, state) = match shard {
+            Some(ctx) => ResumeState::load_shard(step, layout, &fp, e.durable, ctx)?,
+            None => ResumeState::load(
+                step,
+                layout,
+                &fp,
+                opts.restart,
+                e.durable,
+                e.write,
+                e.host_memory,
+            )?,
+        };
+        let (work, total, bad) = match (state, shard) {
+            (ResumeState::Complete, Some(ctx)) => {
+                progress.note(&format!("step {n}: {} is already done", ctx.label));
+                return Ok(None);
+            }
+            (ResumeState::Complete, None) => {
                 progress.note(&format!(
                     "step {n}: {} is already complete (its journal says so); skipping. Use --restart to recompute it.",
                     step.output.display()
                 ));
                 return Ok(None);
             }
-            ResumeState::Work { work, total, bad } => (work, total, bad),
+            (ResumeState::Work { work, total, bad }, _) => (work, total, bad),
         };
-        if work.done_before > 0 || bad > 0 {
+        if let Some(ctx) = shard {
+            progress.note(&format!(
+                "step {n}: {} of {}: {} tiles to compute{}",
+                ctx.label,
+                step.output.display(),
+                total - work.done_before,
+                if bad > 0 {
+                    format!(" ({bad} recorded tiles did not match their checksum and are redone)")
+                } else {
+                    String::new()
+                }
+            ));
+        } else if work.done_before > 0 || bad > 0 {
             progress.note(&format!(
                 "step {n}: resuming {}: {} of {total} output tiles already done{}",
                 step.output.display(),

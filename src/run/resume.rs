@@ -72,6 +72,48 @@ impl ResumeState {
         Ok((journal, st))
     }
 
+    /// Open the journal of one shard of a split step and decide what is left of the shard's
+    /// tiles: those no shard journal records (under any earlier split) with a CRC that the
+    /// output's bytes still match. The output must exist (prepared); it is written with
+    /// `pwrite` through a sink that leaves the checksum table to `finalize`.
+    pub fn load_shard(
+        step: &Step,
+        layout: &Layout,
+        fp: &Fingerprint,
+        durable: bool,
+        ctx: &crate::cluster::ShardCtx,
+    ) -> Result<(Journal, ResumeState)> {
+        let (journal, _) = Journal::open_shard(&ctx.journal, fp, durable)?;
+        let sched = Schedule::new(step, layout);
+        let total = sched.tiles.len() as u64;
+        let done: Vec<(u32, u32)> = crate::cluster::recorded(&ctx.dir, fp)?
+            .into_iter()
+            .filter(|(seq, _)| ctx.tiles.contains(seq))
+            .flat_map(|(seq, crcs)| crcs.into_iter().map(move |c| (seq, c)))
+            .collect();
+        let (finished, _) = check_recorded(step, &sched, &done)?;
+        let todo: Vec<u32> = ctx
+            .tiles
+            .clone()
+            .filter(|&i| !finished[i as usize])
+            .collect();
+        // Recorded tiles whose bytes match none of their records (counted once each).
+        let recorded: std::collections::BTreeSet<u32> = done.iter().map(|d| d.0).collect();
+        let bad = recorded.iter().filter(|&&s| !finished[s as usize]).count() as u64;
+        if todo.is_empty() {
+            return Ok((journal, ResumeState::Complete));
+        }
+        let writer =
+            crate::cluster::writer::ShardWriter::open(&step.output, output_header(step, layout))?;
+        let done_before = total - todo.len() as u64;
+        let work = Work {
+            writer: Box::new(writer),
+            todo: Some(todo),
+            done_before,
+        };
+        Ok((journal, ResumeState::Work { work, total, bad }))
+    }
+
     fn fresh(
         step: &Step,
         header: crate::store::Header,

@@ -31,6 +31,8 @@ pub fn preallocate(file: &File, len: u64) -> io::Result<bool> {
     match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
         Ok(()) => Ok(true),
         Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => Ok(false),
+        // 524 is the kernel's internal ENOTSUPP, which Lustre clients return to user space.
+        Err(e) if e.raw_os_error() == 524 => Ok(false),
         Err(e) => Err(e.into()),
     }
 }

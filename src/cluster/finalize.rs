@@ -1,0 +1,247 @@
+//! Finishing a split step: every tile accounted for, every journal record checked against the
+//! bytes, the checksum table written, the shard journals merged into the step's journal.
+//!
+//! `finalize` runs once per step — explicitly (`mgmm-stream finalize PLAN`) or by the process
+//! that finds every tile done after its last shard (claimed through `finalize.claim`, so two
+//! such processes do not both do it). It refuses while tiles are missing and names the shards;
+//! a tile whose bytes do not match any record (a node died before its writes reached the
+//! filesystem) is named too, and its shard's `.done` marker removed so that a rerun redoes it.
+//! It reads the whole output twice (records, then the checksum table): the price of not
+//! trusting any node's page cache.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use rayon::prelude::*;
+
+use super::prepare::{read_manifest, wait_for, Manifest};
+use super::{claim, recorded, shard_files, shard_range, state_dir, ShardOptions};
+use crate::error::{Error, Result};
+use crate::pipeline::journal::{self, Fingerprint};
+use crate::plan::{Plan, Precision, Step};
+use crate::progress::Progress;
+use crate::store::{TiledFile, TiledWriter, WriteMode};
+
+/// Whether `output`'s journal marks the step complete (for fingerprint `fp`, when given).
+pub fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
+    Ok(
+        journal::peek(output)?
+            .is_some_and(|p| p.complete && fp.is_none_or(|f| &p.fingerprint == f)),
+    )
+}
+
+/// What finalize found and did.
+pub struct Finalized {
+    pub tiles: u32,
+    pub secs: f64,
+}
+
+/// Finalize `step` now if every tile is recorded and nobody else is at it; quietly nothing
+/// otherwise.
+pub fn try_auto(plan: &Plan, step: &Step, sh: &ShardOptions, progress: &Progress) -> Result<()> {
+    let Some(m) = read_manifest(&step.output)? else {
+        return Ok(());
+    };
+    if is_finalized(&step.output, Some(&m.fingerprint))? {
+        return Ok(());
+    }
+    let rec = recorded(&state_dir(&step.output), &m.fingerprint)?;
+    if rec.len() < m.tiles as usize {
+        return Ok(());
+    }
+    let cp = state_dir(&step.output).join("finalize.claim");
+    if let claim::Try::Got(c) = claim::try_claim(&cp, sh.claim_timeout)? {
+        let r = if is_finalized(&step.output, Some(&m.fingerprint))? {
+            Ok(())
+        } else {
+            finalize_step(step, &m).map(|f| {
+                progress.note(&format!(
+                    "step {}: finalized {} ({} tiles checked, checksum table written) in {:.2} s",
+                    step.index + 1,
+                    step.output.display(),
+                    f.tiles,
+                    f.secs
+                ))
+            })
+        };
+        c.release();
+        r?;
+    }
+    let _ = plan;
+    Ok(())
+}
+
+/// Wait until `prev` (a step before the one about to run) is finalized, finalizing it
+/// ourselves if every tile is done and its finalizer is gone.
+pub fn wait_finalized(
+    plan: &Plan,
+    prev: &Step,
+    sh: &ShardOptions,
+    progress: &Progress,
+) -> Result<()> {
+    let what = format!(
+        "step {} ({}) to be finalized by the processes working it",
+        prev.index + 1,
+        prev.output.display()
+    );
+    wait_for(&what, sh.wait, progress, || {
+        if is_finalized(&prev.output, None)? {
+            return Ok(true);
+        }
+        try_auto(plan, prev, sh, progress)?;
+        is_finalized(&prev.output, None)
+    })
+}
+
+/// The shards (of the split most recently worked) that hold `tiles`, as text, and remove
+/// their `.done` markers so a rerun works them again.
+fn name_shards(output: &Path, m: &Manifest, tiles: &[u32]) -> Result<String> {
+    let dir = state_dir(output);
+    let mut newest: Option<(std::time::SystemTime, u32)> = None;
+    for ext in ["claim", "done", "journal"] {
+        for (p, _, s) in shard_files(&dir, ext)? {
+            if let Ok(t) = std::fs::metadata(&p).and_then(|md| md.modified()) {
+                if newest.is_none_or(|(n, _)| t > n) {
+                    newest = Some((t, s));
+                }
+            }
+        }
+    }
+    for (p, k, s) in shard_files(&dir, "done")? {
+        let r = shard_range(m.tiles, m.gn as u32, s, k);
+        if tiles.iter().any(|t| r.contains(t)) {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+    let Some((_, s)) = newest else {
+        return Ok(format!("tiles {}", list(tiles)));
+    };
+    let mut parts = Vec::new();
+    for k in 0..s {
+        let r = shard_range(m.tiles, m.gn as u32, s, k);
+        let inside: Vec<u32> = tiles.iter().copied().filter(|t| r.contains(t)).collect();
+        if !inside.is_empty() {
+            parts.push(format!(
+                "shard {k}/{s} ({} of its {} tiles: {})",
+                inside.len(),
+                r.len(),
+                list(&inside)
+            ));
+        }
+    }
+    Ok(parts.join(", "))
+}
+
+fn list(t: &[u32]) -> String {
+    let mut s: Vec<String> = t.iter().take(8).map(|x| x.to_string()).collect();
+    if t.len() > 8 {
+        s.push(format!("… {} more", t.len() - 8));
+    }
+    s.join(" ")
+}
+
+/// Finalize a split step whose manifest is `m`. Needs no backend: the manifest holds the
+/// fingerprint and tile grid.
+pub fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
+    let t0 = std::time::Instant::now();
+    let out = &step.output;
+    let rec: BTreeMap<u32, Vec<u32>> = recorded(&state_dir(out), &m.fingerprint)?;
+    let missing: Vec<u32> = (0..m.tiles).filter(|t| !rec.contains_key(t)).collect();
+    if !missing.is_empty() {
+        return Err(Error::Usage(format!(
+            "step {}: cannot finalize {}: {} of {} output tiles are not done — {}; run those shards (`mgmm-stream run PLAN --shard K/S`) or resubmit the job, then finalize again",
+            step.index + 1,
+            out.display(),
+            missing.len(),
+            m.tiles,
+            name_shards(out, m, &missing)?
+        )));
+    }
+    let file = TiledFile::open(out)?;
+    let dt = file.dtype();
+    let blocks = m.blocks();
+    let checked: Vec<Result<(u32, Option<u32>)>> = blocks
+        .par_iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let mut buf = vec![0u8; b.elems() * dt.size()];
+            file.read_block(b, dt, &mut buf)?;
+            let crc = crate::store::tiled::par_crc32c(&buf);
+            Ok((i as u32, rec[&(i as u32)].contains(&crc).then_some(crc)))
+        })
+        .collect();
+    let mut good = Vec::with_capacity(blocks.len());
+    let mut bad = Vec::new();
+    for r in checked {
+        match r? {
+            (i, Some(c)) => good.push((i, c)),
+            (i, None) => bad.push(i),
+        }
+    }
+    if !bad.is_empty() {
+        return Err(Error::Usage(format!(
+            "step {}: cannot finalize {}: {} output tile(s) do not hold the bytes their journals record (a node may have died before its writes reached the filesystem) — {}; rerun the job: those tiles are recomputed",
+            step.index + 1,
+            out.display(),
+            bad.len(),
+            name_shards(out, m, &bad)?
+        )));
+    }
+    let hdr = file.hdr;
+    drop(file);
+    TiledWriter::reopen_with(out, hdr, WriteMode::Pwrite)?.finish(true)?;
+    journal::write_complete(out, &m.fingerprint, &good)?;
+    Ok(Finalized {
+        tiles: m.tiles,
+        secs: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// `finalize PLAN`: finalize every split step that is not yet, in order; with `verify`, run
+/// Freivalds' test on each after.
+pub fn finalize_plan(plan: &Plan, verify: Option<(Precision, usize, u64)>) -> Result<()> {
+    let mut any = false;
+    for step in &plan.steps {
+        let n = step.index + 1;
+        let Some(m) = read_manifest(&step.output)? else {
+            if is_finalized(&step.output, None)? {
+                println!(
+                    "step {n}: {} is complete (not split)",
+                    step.output.display()
+                );
+                continue;
+            }
+            return Err(Error::Usage(format!(
+                "step {n}: {} was never prepared for a split run (no {}); run the job first",
+                step.output.display(),
+                super::prepare::manifest_path(&step.output).display()
+            )));
+        };
+        any = true;
+        if is_finalized(&step.output, Some(&m.fingerprint))? {
+            println!("step {n}: {} is already finalized", step.output.display());
+        } else {
+            let f = finalize_step(step, &m)?;
+            println!(
+                "step {n}: finalized {}: {} tiles checked against their journals, checksum table written ({:.2} s)",
+                step.output.display(),
+                f.tiles,
+                f.secs
+            );
+        }
+        if let Some((p, rounds, seed)) = verify {
+            let rep = crate::verify::verify_step(step, p, rounds, seed)?;
+            println!("{}", crate::verify::format(&rep));
+            if !rep.pass {
+                return Err(Error::Usage(format!(
+                    "step {n}: verification failed for {}; `mgmm-stream verify PLAN --repair` recomputes the failing tiles",
+                    step.output.display()
+                )));
+            }
+        }
+    }
+    if !any {
+        println!("nothing to finalize: no step of this plan was split");
+    }
+    Ok(())
+}

@@ -1,0 +1,351 @@
+//! One step split across processes and nodes, coordinated only through files on a shared
+//! filesystem — for SLURM, Kubernetes Indexed Jobs, `mpirun` or any launcher, with no network
+//! protocol and no scheduler of its own (docs/CLUSTER.md).
+//!
+//! A step's output tiles, in schedule order, are cut into S shards ([`shard_range`]: whole
+//! rows of output tiles when there are at least S of them, so a shard covers a contiguous,
+//! stripe-friendly band of the file). Beside the output `C.mgt` lives `C.mgt.shards/`:
+//!
+//! | file | written by | meaning |
+//! |---|---|---|
+//! | `manifest.json` | the preparer, once | the output exists; fingerprint and tile grid |
+//! | `shard-K-of-S.claim` | `O_EXCL` create, heartbeat mtime | a process is working shard K |
+//! | `shard-K-of-S.done` | the claim, renamed | shard K finished |
+//! | `shard-K-of-S.journal` | the claim holder | tiles finished (same records as the step journal) |
+//! | `finalize.claim` | `O_EXCL` create | one process is finalizing |
+//!
+//! A process works shard after shard ([`run_step_shards`]): its own first, then any unclaimed
+//! one, so a fast node takes more. The output is created once (temporary name + `link`, see
+//! [`prepare`]) and written with `pwrite` only, never through a shared mapping (not coherent
+//! across NFS clients). The process that sees every tile done finalizes ([`finalize`]): it
+//! checks every journal record against the bytes, writes the checksum table and the step's
+//! merged journal. Journals record tiles, not shard ids, so a rerun with another S or process
+//! count resumes from whatever is done.
+
+pub mod claim;
+pub mod cmd;
+pub mod finalize;
+pub mod identity;
+pub mod model;
+pub mod prepare;
+pub mod status;
+pub mod writer;
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::pipeline::journal;
+use crate::plan::layout::Layout;
+use crate::plan::{Plan, Step};
+use crate::progress::Progress;
+use crate::report::StepReport;
+use crate::run::RunOptions;
+
+pub use identity::detect;
+
+/// This process's part in a split run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShardSpec {
+    /// `--shard K/S`: shard K of S and nothing else.
+    One { k: u32, s: u32 },
+    /// Rank `rank` of `size` processes over `shards` shards: its own shards (rank, rank+size,
+    /// …) first, then any unclaimed one.
+    Rank {
+        rank: u32,
+        size: u32,
+        shards: u32,
+        source: &'static str,
+    },
+}
+
+impl ShardSpec {
+    pub fn shards(&self) -> u32 {
+        match *self {
+            ShardSpec::One { s, .. } => s,
+            ShardSpec::Rank { shards, .. } => shards,
+        }
+    }
+
+    /// The shards this process tries, in order.
+    pub fn order(&self) -> Vec<u32> {
+        match *self {
+            ShardSpec::One { k, .. } => vec![k],
+            ShardSpec::Rank {
+                rank, size, shards, ..
+            } => {
+                let own = (rank..shards).step_by(size.max(1) as usize);
+                let start = (rank as u64 * shards as u64 / size.max(1) as u64) as u32;
+                let rest = (0..shards)
+                    .map(|i| (i + start) % shards)
+                    .filter(|k| k % size.max(1) != rank % size.max(1));
+                own.chain(rest).collect()
+            }
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            ShardSpec::One { k, s } => format!("shard {k}/{s}"),
+            ShardSpec::Rank {
+                rank,
+                size,
+                shards,
+                source,
+            } => format!("process {rank} of {size} ({source}), {shards} shards"),
+        }
+    }
+}
+
+/// How a split run behaves, beyond which shards it takes.
+#[derive(Clone, Debug)]
+pub struct ShardOptions {
+    pub spec: ShardSpec,
+    /// A claim whose heartbeat is older than this is presumed dead and taken over.
+    pub claim_timeout: Duration,
+    /// How long to wait for the output to be created or the previous step finalized.
+    pub wait: Duration,
+}
+
+impl ShardOptions {
+    pub fn new(spec: ShardSpec) -> ShardOptions {
+        ShardOptions {
+            spec,
+            claim_timeout: Duration::from_secs(120),
+            wait: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// The tiles (schedule sequence numbers) of shard `k` of `s`, for a step of `total` tiles in
+/// rows of `gn`: whole rows when there are at least `s` rows, else an even cut of the order.
+pub fn shard_range(total: u32, gn: u32, s: u32, k: u32) -> Range<u32> {
+    let (total, gn, s, k) = (total as u64, gn.max(1) as u64, s as u64, k as u64);
+    let gm = total / gn;
+    let r = if gm >= s {
+        (k * gm / s * gn)..((k + 1) * gm / s * gn)
+    } else {
+        (k * total / s)..((k + 1) * total / s)
+    };
+    r.start as u32..r.end as u32
+}
+
+/// Where a step's shard files live: `C.mgt.shards/`.
+pub fn state_dir(output: &Path) -> PathBuf {
+    let mut s = output.as_os_str().to_owned();
+    s.push(".shards");
+    PathBuf::from(s)
+}
+
+/// A shard file's path: `shard-K-of-S.EXT`.
+pub fn shard_file(dir: &Path, k: u32, s: u32, ext: &str) -> PathBuf {
+    dir.join(format!("shard-{k}-of-{s}.{ext}"))
+}
+
+/// Parse `shard-K-of-S.EXT` back into (K, S, EXT).
+pub fn parse_shard_file(name: &str) -> Option<(u32, u32, &str)> {
+    let rest = name.strip_prefix("shard-")?;
+    let (k, rest) = rest.split_once("-of-")?;
+    let (s, ext) = rest.split_once('.')?;
+    Some((k.parse().ok()?, s.parse().ok()?, ext))
+}
+
+/// What one shard works on, handed to [`crate::run::ResumeState::load_shard`].
+pub struct ShardCtx {
+    pub dir: PathBuf,
+    pub journal: PathBuf,
+    pub tiles: Range<u32>,
+    pub label: String,
+}
+
+/// Every finished tile any shard journal in `dir` records under fingerprint `fp`, with every
+/// CRC recorded for it (a tile redone after a takeover may appear twice).
+pub fn recorded(dir: &Path, fp: &journal::Fingerprint) -> Result<BTreeMap<u32, Vec<u32>>> {
+    let mut out: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    for (path, _, _) in shard_files(dir, "journal")? {
+        let Some(peek) = journal::peek_file(&path)? else {
+            continue;
+        };
+        if &peek.fingerprint != fp {
+            continue;
+        }
+        for (seq, crc) in peek.done {
+            let v = out.entry(seq).or_default();
+            if !v.contains(&crc) {
+                v.push(crc);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The files `shard-K-of-S.EXT` in `dir`, as (path, K, S).
+pub fn shard_files(dir: &Path, ext: &str) -> Result<Vec<(PathBuf, u32, u32)>> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io(dir, "cannot list shard directory", e)),
+    };
+    let mut v = Vec::new();
+    for ent in rd {
+        let ent = ent.map_err(|e| Error::io(dir, "cannot list shard directory", e))?;
+        let name = ent.file_name().to_string_lossy().to_string();
+        if let Some((k, s, x)) = parse_shard_file(&name) {
+            if x == ext {
+                v.push((ent.path(), k, s));
+            }
+        }
+    }
+    v.sort_by_key(|(_, k, s)| (*s, *k));
+    Ok(v)
+}
+
+/// Generate the plan's missing inputs once among all processes: the first to claim
+/// `X.generating` writes `X` under a temporary name and renames it; the others wait for it.
+pub fn generate_shared(plan: &Plan, sh: &ShardOptions, progress: &Progress) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for d in &plan.matrices {
+        let Some(spec) = &d.generate else { continue };
+        if d.path.exists() {
+            continue;
+        }
+        if let Some(dir) = d.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::io(dir, "cannot create directory", e))?;
+        }
+        let claim_path = d.path.with_extension("mgt.generating");
+        match claim::try_claim(&claim_path, sh.claim_timeout)? {
+            claim::Try::Got(c) => {
+                if !d.path.exists() {
+                    let tmp = prepare::tmp_name(&d.path);
+                    crate::store::gen::generate(&tmp, spec)?;
+                    std::fs::rename(&tmp, &d.path)
+                        .map_err(|e| Error::io(&d.path, "cannot rename generated input", e))?;
+                    progress.note(&format!("generated {}", d.path.display()));
+                    out.push(d.path.display().to_string());
+                }
+                c.release();
+            }
+            claim::Try::Held(h) => {
+                let what = format!("{} to be generated by {}", d.path.display(), h.describe());
+                prepare::wait_for(&what, sh.wait, progress, || Ok(d.path.exists()))?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Run this process's share of `step`: wait for the steps before it to be finalized, make
+/// sure the output exists, work shards while there are unclaimed ones, and finalize the step
+/// when every tile is done. Returns one report per shard this process computed.
+pub fn run_step_shards(
+    plan: &Plan,
+    step: &Step,
+    layout: &Layout,
+    backend: &mut Box<dyn Backend>,
+    opts: &RunOptions,
+    sh: &ShardOptions,
+    progress: &Progress,
+) -> Result<Vec<StepReport>> {
+    let n = step.index + 1;
+    for prev in &plan.steps[..step.index] {
+        finalize::wait_finalized(plan, prev, sh, progress)?;
+    }
+    let fp = crate::run::fingerprint(step, layout, backend.caps().kind, plan.engine.precision)?;
+    if finalize::is_finalized(&step.output, Some(&fp))? {
+        progress.note(&format!(
+            "step {n}: {} is already complete and finalized; skipping",
+            step.output.display()
+        ));
+        return Ok(Vec::new());
+    }
+    let manifest = prepare::ensure(step, layout, &fp, sh, progress)?;
+    let dir = state_dir(&step.output);
+    let s = sh.spec.shards();
+    let mut reports = Vec::new();
+    let mut busy = Vec::new();
+    for k in sh.spec.order() {
+        if shard_file(&dir, k, s, "done").exists() {
+            continue;
+        }
+        let c = match claim::try_claim(&shard_file(&dir, k, s, "claim"), sh.claim_timeout)? {
+            claim::Try::Got(c) => c,
+            claim::Try::Held(h) => {
+                if let ShardSpec::One { .. } = sh.spec {
+                    return Err(Error::Usage(format!(
+                        "step {n}: shard {k}/{s} of {} is being worked by {}; not starting a second writer (if that process is gone, its claim {} goes stale after {} s)",
+                        step.output.display(),
+                        h.describe(),
+                        shard_file(&dir, k, s, "claim").display(),
+                        sh.claim_timeout.as_secs()
+                    )));
+                }
+                busy.push(k);
+                continue;
+            }
+        };
+        let ctx = ShardCtx {
+            dir: dir.clone(),
+            journal: shard_file(&dir, k, s, "journal"),
+            tiles: shard_range(manifest.tiles, manifest.gn as u32, s, k),
+            label: format!("shard {k}/{s}"),
+        };
+        let rep = crate::run::run_step(plan, step, layout, backend, opts, progress, Some(&ctx))?;
+        c.finish_as(&shard_file(&dir, k, s, "done"))?;
+        reports.extend(rep);
+    }
+    if !busy.is_empty() {
+        progress.note(&format!(
+            "step {n}: {} shard(s) are being worked by other processes; the last to finish finalizes",
+            busy.len()
+        ));
+    }
+    finalize::try_auto(plan, step, sh, progress)?;
+    Ok(reports)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_every_tile_once() {
+        for (total, gn) in [(12u32, 4u32), (7, 7), (100, 10), (3, 1), (5, 5)] {
+            for s in 1..=13 {
+                let mut next = 0;
+                for k in 0..s {
+                    let r = shard_range(total, gn, s, k);
+                    assert_eq!(r.start, next, "{total} {gn} {s} {k}");
+                    next = r.end;
+                    if total / gn >= s {
+                        assert_eq!(r.start % gn, 0, "whole rows");
+                    }
+                }
+                assert_eq!(next, total);
+            }
+        }
+    }
+
+    #[test]
+    fn own_shards_first_then_the_rest() {
+        let spec = ShardSpec::Rank {
+            rank: 1,
+            size: 3,
+            shards: 8,
+            source: "test",
+        };
+        let o = spec.order();
+        assert_eq!(&o[..3], &[1, 4, 7]);
+        let mut all = o.clone();
+        all.sort();
+        assert_eq!(all, (0..8).collect::<Vec<_>>());
+        assert_eq!(
+            parse_shard_file("shard-3-of-16.claim"),
+            Some((3, 16, "claim"))
+        );
+        assert_eq!(parse_shard_file("manifest.json"), None);
+    }
+}

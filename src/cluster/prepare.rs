@@ -1,0 +1,239 @@
+//! Creating a split step's output exactly once, and waiting for it.
+//!
+//! The first process to claim `C.mgt.shards/prepare.claim` writes the output under a temporary
+//! name (header, full length, reserved blocks where `fallocate` works), `link`s it to its
+//! final name — `link` fails rather than replace, and is atomic on NFS and Lustre — and then
+//! writes `manifest.json` the same way. The manifest is the signal: every other process waits
+//! for it (printing what it waits for) up to a timeout.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::{claim, state_dir, ShardOptions};
+use crate::error::{Error, Result};
+use crate::pipeline::journal::{self, Fingerprint};
+use crate::pipeline::output_header;
+use crate::plan::layout::Layout;
+use crate::plan::Step;
+use crate::progress::Progress;
+use crate::store::{Block, TiledWriter, WriteMode};
+
+/// What every process of a split step agrees on, written once by the preparer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub fingerprint: Fingerprint,
+    pub m: u64,
+    pub n: u64,
+    pub tm: u64,
+    pub tn: u64,
+    pub gn: u64,
+    pub tiles: u32,
+    pub prepared_by: String,
+}
+
+impl Manifest {
+    /// The output tiles in schedule order (the serpentine of `plan::schedule::Schedule`).
+    pub fn blocks(&self) -> Vec<Block> {
+        let gm = self.m.div_ceil(self.tm);
+        let mut v = Vec::with_capacity(self.tiles as usize);
+        for ti in 0..gm {
+            for j in 0..self.gn {
+                let tj = if ti % 2 == 0 { j } else { self.gn - 1 - j };
+                let (r0, c0) = (ti * self.tm, tj * self.tn);
+                v.push(Block {
+                    r0,
+                    c0,
+                    rows: self.tm.min(self.m - r0),
+                    cols: self.tn.min(self.n - c0),
+                });
+            }
+        }
+        v
+    }
+}
+
+pub fn manifest_path(output: &Path) -> PathBuf {
+    state_dir(output).join("manifest.json")
+}
+
+/// The manifest of `output`'s split step, if it was prepared.
+pub fn read_manifest(output: &Path) -> Result<Option<Manifest>> {
+    let p = manifest_path(output);
+    match std::fs::read(&p) {
+        Ok(b) => serde_json::from_slice(&b).map(Some).map_err(|e| {
+            Error::Usage(format!(
+                "{}: unreadable manifest ({e}); run `mgmm-stream prepare PLAN --restart` to start the step over",
+                p.display()
+            ))
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(Error::io(&p, "cannot read manifest", e)),
+    }
+}
+
+/// A temporary name beside `path`, unique to this process.
+pub fn tmp_name(path: &Path) -> PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(format!(".tmp-{}-{}", claim::host(), std::process::id()));
+    PathBuf::from(s)
+}
+
+/// Poll `ready` every 200 ms, saying once (and every 30 s) what is awaited, up to `timeout`.
+pub fn wait_for(
+    what: &str,
+    timeout: Duration,
+    progress: &Progress,
+    mut ready: impl FnMut() -> Result<bool>,
+) -> Result<()> {
+    let t0 = Instant::now();
+    let mut said = None::<Instant>;
+    loop {
+        if ready()? {
+            return Ok(());
+        }
+        if t0.elapsed() > timeout {
+            return Err(Error::Usage(format!(
+                "gave up after {:.0} s waiting for {what}; check that process (`mgmm-stream status PLAN`), or raise --wait-timeout",
+                t0.elapsed().as_secs_f64()
+            )));
+        }
+        if said.is_none_or(|s| s.elapsed() > Duration::from_secs(30)) {
+            progress.note(&format!("waiting for {what}"));
+            said = Some(Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn check(m: &Manifest, fp: &Fingerprint, output: &Path) -> Result<()> {
+    if &m.fingerprint == fp {
+        return Ok(());
+    }
+    let changed: Vec<String> = m
+        .fingerprint
+        .iter()
+        .filter(|(k, v)| fp.get(*k) != Some(*v))
+        .map(|(k, v)| {
+            format!(
+                "{k}: prepared {v}, now {}",
+                fp.get(k).map(String::as_str).unwrap_or("(none)")
+            )
+        })
+        .collect();
+    Err(Error::Usage(format!(
+        "{}: this split step was prepared for a different plan, inputs or backend ({}); run `mgmm-stream prepare PLAN --restart` to start it over, or run with the same plan and backend",
+        output.display(),
+        changed.join("; ")
+    )))
+}
+
+/// Make sure `step`'s output exists for a split run under fingerprint `fp`: prepare it, or
+/// wait for the process that does.
+pub fn ensure(
+    step: &Step,
+    layout: &Layout,
+    fp: &Fingerprint,
+    sh: &ShardOptions,
+    progress: &Progress,
+) -> Result<Manifest> {
+    let out = &step.output;
+    if let Some(m) = read_manifest(out)? {
+        check(&m, fp, out)?;
+        return Ok(m);
+    }
+    let dir = state_dir(out);
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| Error::io(&dir, "cannot create shard directory", e))?;
+    loop {
+        match claim::try_claim(&dir.join("prepare.claim"), sh.claim_timeout)? {
+            claim::Try::Got(c) => {
+                let m = match read_manifest(out)? {
+                    Some(m) => m,
+                    None => create(step, layout, fp, progress)?,
+                };
+                c.release();
+                check(&m, fp, out)?;
+                return Ok(m);
+            }
+            claim::Try::Held(h) => {
+                let what = format!("{} to be created by {}", out.display(), h.describe());
+                let claim_path = dir.join("prepare.claim");
+                wait_for(&what, sh.wait, progress, || {
+                    Ok(manifest_path(out).exists() || !claim_path.exists())
+                })?;
+                if let Some(m) = read_manifest(out)? {
+                    check(&m, fp, out)?;
+                    return Ok(m);
+                }
+                // The preparer let go without a manifest (it failed): try ourselves.
+            }
+        }
+    }
+}
+
+/// Create the output and its manifest (the caller holds the prepare claim).
+fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -> Result<Manifest> {
+    let out = &step.output;
+    if out.exists() {
+        return Err(Error::Usage(format!(
+            "{}: the output exists but was not prepared for a split run (no {}); run `mgmm-stream prepare PLAN --restart` to overwrite it, or choose another output path",
+            out.display(),
+            manifest_path(out).display()
+        )));
+    }
+    let header = output_header(step, layout);
+    let tmp = tmp_name(out);
+    drop(TiledWriter::create_with(&tmp, header, WriteMode::Pwrite)?);
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(&tmp, "cannot sync new output", e))?;
+    let linked = std::fs::hard_link(&tmp, out);
+    let _ = std::fs::remove_file(&tmp);
+    linked.map_err(|e| Error::io(out, "cannot create output (link from temporary name)", e))?;
+    let (gm, gn, _) = layout.grid(step);
+    let m = Manifest {
+        fingerprint: fp.clone(),
+        m: step.m,
+        n: step.n,
+        tm: layout.tm,
+        tn: layout.tn,
+        gn,
+        tiles: (gm * gn) as u32,
+        prepared_by: format!("{} pid {}", claim::host(), std::process::id()),
+    };
+    let mp = manifest_path(out);
+    let mtmp = tmp_name(&mp);
+    std::fs::write(
+        &mtmp,
+        serde_json::to_vec_pretty(&m).expect("manifest serializes"),
+    )
+    .and_then(|_| std::fs::rename(&mtmp, &mp))
+    .map_err(|e| Error::io(&mp, "cannot write manifest", e))?;
+    progress.note(&format!(
+        "step {}: prepared {} ({} output tiles) for a split run",
+        step.index + 1,
+        out.display(),
+        m.tiles
+    ));
+    Ok(m)
+}
+
+/// Throw away a split step's state: output, its journal and the shard directory (`prepare
+/// --restart`).
+pub fn reset(output: &Path) -> Result<()> {
+    for p in [output.to_path_buf(), journal::journal_path(output)] {
+        match std::fs::remove_file(&p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(&p, "cannot remove", e)),
+        }
+    }
+    let dir = state_dir(output);
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io(&dir, "cannot remove shard directory", e)),
+    }
+}

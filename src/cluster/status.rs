@@ -1,0 +1,152 @@
+//! `status PLAN`: one view of a split job from any machine that sees the filesystem — per step
+//! and per shard, tiles done and left, the rate, the ETA, and who holds each shard.
+//!
+//! It only reads: the manifest, every shard journal (records and mtime), every claim (holder,
+//! start time, heartbeat age). The rate of a shard is its recorded tiles over the time from its
+//! claim to its journal's last write; the step's rate is all tiles recorded over the span from
+//! the earliest claim to the latest write.
+
+use std::time::{Duration, SystemTime};
+
+use super::prepare::read_manifest;
+use super::{claim, finalize, recorded, shard_file, shard_files, shard_range, state_dir};
+use crate::error::Result;
+use crate::pipeline::journal;
+use crate::plan::Plan;
+
+fn unix(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn eta(left: u64, rate: f64) -> String {
+    if left == 0 {
+        return "-".into();
+    }
+    if rate <= 0.0 {
+        return "unknown".into();
+    }
+    let s = left as f64 / rate;
+    if s < 120.0 {
+        format!("{s:.0} s")
+    } else if s < 7200.0 {
+        format!("{:.1} min", s / 60.0)
+    } else {
+        format!("{:.1} h", s / 3600.0)
+    }
+}
+
+/// The text `status PLAN` prints.
+pub fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String> {
+    let mut s = String::new();
+    for step in &plan.steps {
+        let n = step.index + 1;
+        let out = &step.output;
+        let Some(m) = read_manifest(out)? else {
+            let state = if finalize::is_finalized(out, None)? {
+                "complete (run in one process)"
+            } else {
+                "not started as a split run (no manifest yet)"
+            };
+            s += &format!("step {n}: {}: {state}\n", out.display());
+            continue;
+        };
+        let dir = state_dir(out);
+        let rec = recorded(&dir, &m.fingerprint)?;
+        let done = rec.len() as u64;
+        let total = m.tiles as u64;
+        let fin = finalize::is_finalized(out, Some(&m.fingerprint))?;
+        // The split in use: the S of the newest shard file.
+        let mut first = f64::MAX;
+        let mut last: f64 = 0.0;
+        let mut newest_s = None::<(f64, u32)>;
+        let mut lines = Vec::new();
+        for (p, _, sh) in shard_files(&dir, "journal")?
+            .into_iter()
+            .chain(shard_files(&dir, "claim")?)
+            .chain(shard_files(&dir, "done")?)
+        {
+            if let Ok(t) = std::fs::metadata(&p).and_then(|md| md.modified()) {
+                if newest_s.is_none_or(|(x, _)| unix(t) > x) {
+                    newest_s = Some((unix(t), sh));
+                }
+            }
+        }
+        if let Some((_, ns)) = newest_s {
+            for k in 0..ns {
+                let r = shard_range(m.tiles, m.gn as u32, ns, k);
+                let d = r.clone().filter(|t| rec.contains_key(t)).count() as u64;
+                let jp = shard_file(&dir, k, ns, "journal");
+                let mine = journal::peek_file(&jp)?.map(|p| p.done.len()).unwrap_or(0) as f64;
+                let jt = std::fs::metadata(&jp)
+                    .and_then(|md| md.modified())
+                    .ok()
+                    .map(unix);
+                let holder = claim::read(&shard_file(&dir, k, ns, "claim"))
+                    .or_else(|| claim::read(&shard_file(&dir, k, ns, "done")));
+                let state = if shard_file(&dir, k, ns, "done").exists() {
+                    "done".to_string()
+                } else if let Some(h) = &holder {
+                    if claim::is_stale(h, claim_timeout) {
+                        format!("STALE claim by {} (rerun to take it over)", h.describe())
+                    } else {
+                        format!("running on {}", h.describe())
+                    }
+                } else if d as usize == r.len() {
+                    "done (by an earlier split)".into()
+                } else {
+                    "waiting".into()
+                };
+                let mut rate = 0.0;
+                if let (Some(h), Some(jt)) = (&holder, jt) {
+                    let span = jt - h.since as f64;
+                    first = first.min(h.since as f64);
+                    last = last.max(jt);
+                    if span > 0.0 {
+                        rate = mine / span;
+                    }
+                }
+                let left = r.len() as u64 - d;
+                lines.push(format!(
+                    "  shard {k:>3}/{ns}: {d:>6}/{:<6} tiles  {:>8}  ETA {:<9} {state}\n",
+                    r.len(),
+                    if rate > 0.0 {
+                        format!("{rate:.2}/s")
+                    } else {
+                        "-".into()
+                    },
+                    eta(left, rate)
+                ));
+            }
+        }
+        let rate = if last > first {
+            done as f64 / (last - first)
+        } else {
+            0.0
+        };
+        s += &format!(
+            "step {n}: {}: {done}/{total} tiles done ({:.1} %), {} left, {}, ETA {}{}\n",
+            out.display(),
+            100.0 * done as f64 / total.max(1) as f64,
+            total - done,
+            if rate > 0.0 {
+                format!("{rate:.2} tiles/s")
+            } else {
+                "rate unknown".into()
+            },
+            eta(total - done, rate),
+            if fin {
+                ", FINALIZED"
+            } else if done == total {
+                ", all tiles done: not yet finalized (`mgmm-stream finalize PLAN`)"
+            } else {
+                ""
+            }
+        );
+        for l in lines {
+            s += &l;
+        }
+    }
+    Ok(s)
+}

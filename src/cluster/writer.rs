@@ -1,0 +1,63 @@
+//! The output sink of one shard: the step's output reopened for `pwrite`, whose `finish` only
+//! makes this process's writes durable and visible to other nodes (`fsync`), leaving the
+//! checksum table to `finalize` — a shard knows only its own tiles.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::store::{Block, Header, MatrixSink, TiledWriter, WriteMode};
+
+pub struct ShardWriter {
+    inner: TiledWriter,
+    path: PathBuf,
+}
+
+impl ShardWriter {
+    /// Reopen the prepared output `path` (whose header must be `hdr`) for `pwrite`s.
+    pub fn open(path: &Path, hdr: Header) -> Result<ShardWriter> {
+        Ok(ShardWriter {
+            inner: TiledWriter::reopen_with(path, hdr, WriteMode::Pwrite)?,
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+impl MatrixSink for ShardWriter {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.inner.hdr.rows, self.inner.hdr.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.inner.hdr.dtype
+    }
+    fn storage_tile(&self) -> (u64, u64) {
+        (self.inner.hdr.tile_rows, self.inner.hdr.tile_cols)
+    }
+    fn write_block(&self, b: &Block, host: DType, src: &[u8]) -> Result<u32> {
+        self.inner.write_block(b, host, src)
+    }
+    fn prefault(&self, _b: &Block) -> u64 {
+        0
+    }
+    fn flush_block(&self, _b: &Block) -> Result<()> {
+        // `pwrite`s go through the page cache; fdatasync the file (on NFS this also sends the
+        // data to the server, so another node's finalize sees it).
+        File::open(&self.path)
+            .and_then(|f| f.sync_data())
+            .map_err(|e| Error::io(&self.path, "cannot flush output tile to disk", e))
+    }
+    fn forget_checksums(&self) {
+        self.inner.forget_checksums()
+    }
+    fn finish(self: Box<Self>, _durable: bool) -> Result<()> {
+        // Always sync: the next reader of these tiles is another process, maybe on another
+        // node, and NFS promises only close-to-open coherence.
+        File::open(&self.path)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| Error::io(&self.path, "cannot sync output to disk", e))
+    }
+}

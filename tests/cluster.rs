@@ -1,0 +1,387 @@
+//! A step split across processes (src/cluster, docs/CLUSTER.md): N processes, by `--shard` or
+//! by each launcher's variables, give the bytes of one process; SIGKILLs then a rerun with
+//! another process count give the same bytes; one shard is never written by two processes;
+//! finalize names what is missing.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{bin, tmp};
+
+const LAUNCHER_VARS: &[&str] = &[
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_ARRAY_TASK_COUNT",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "JOB_COMPLETION_INDEX",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+];
+
+/// A plan whose inputs are generated (deterministically) on first run: C = A·B with
+/// `m×k·k×n` and compute tiles of `t`.
+fn plan(dir: &Path, (m, k, n): (u64, u64, u64), t: u64) {
+    std::fs::write(
+        dir.join("plan.toml"),
+        format!(
+            "[matrices.A]\npath = \"A.mgt\"\ngenerate = {{ rows = {m}, cols = {k}, dist = \"normal\", seed = 1 }}\n\
+             [matrices.B]\npath = \"B.mgt\"\ngenerate = {{ rows = {k}, cols = {n}, dist = \"normal\", seed = 2 }}\n\
+             [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+             [engine]\nbackend = \"cpu\"\nthreads = 1\ntile = {t}\nhost_memory = \"64MiB\"\n"
+        ),
+    )
+    .unwrap();
+}
+
+fn cmd(dir: &Path, args: &[&str], env: &[(&str, String)]) -> Command {
+    let mut c = Command::new(bin());
+    c.args(args).current_dir(dir);
+    for v in LAUNCHER_VARS {
+        c.env_remove(v);
+    }
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+fn spawn(dir: &Path, args: &[&str], env: &[(&str, String)]) -> Child {
+    cmd(dir, args, env)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn ok(o: Output) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "failed: {err}");
+    err + &String::from_utf8_lossy(&o.stdout)
+}
+
+/// The bytes of C from one process.
+fn single(size: (u64, u64, u64), t: u64) -> Vec<u8> {
+    let d = tmp();
+    plan(d.path(), size, t);
+    ok(cmd(d.path(), &["run", "plan.toml", "-q"], &[])
+        .output()
+        .unwrap());
+    std::fs::read(d.path().join("C.mgt")).unwrap()
+}
+
+const SMALL: (u64, u64, u64) = (300, 200, 260);
+
+#[test]
+fn n_processes_by_shard_flag_and_by_each_launcher_match_one_process() {
+    let reference = single(SMALL, 64);
+    type Env = Vec<(&'static str, String)>;
+    type Procs = Vec<(Vec<String>, Env)>;
+    let cases: Vec<(&str, Procs)> = vec![
+        (
+            "--shard K/3",
+            (0..3)
+                .map(|k| (vec!["--shard".into(), format!("{k}/3")], vec![]))
+                .collect(),
+        ),
+        (
+            "SLURM_PROCID",
+            (0..4)
+                .map(|r| {
+                    (
+                        vec![],
+                        vec![
+                            ("SLURM_PROCID", r.to_string()),
+                            ("SLURM_NTASKS", "4".into()),
+                        ],
+                    )
+                })
+                .collect(),
+        ),
+        (
+            "SLURM array",
+            (0..3)
+                .map(|r| {
+                    (
+                        vec![],
+                        vec![
+                            ("SLURM_ARRAY_TASK_ID", r.to_string()),
+                            ("SLURM_ARRAY_TASK_COUNT", "3".into()),
+                        ],
+                    )
+                })
+                .collect(),
+        ),
+        (
+            "JOB_COMPLETION_INDEX",
+            (0..3)
+                .map(|r| {
+                    (
+                        vec!["--shards".into(), "3".into()],
+                        vec![("JOB_COMPLETION_INDEX", r.to_string())],
+                    )
+                })
+                .collect(),
+        ),
+        (
+            "OMPI",
+            (0..2)
+                .map(|r| {
+                    (
+                        vec![],
+                        vec![
+                            ("OMPI_COMM_WORLD_RANK", r.to_string()),
+                            ("OMPI_COMM_WORLD_SIZE", "2".into()),
+                        ],
+                    )
+                })
+                .collect(),
+        ),
+        (
+            "PMI",
+            (0..3)
+                .map(|r| {
+                    (
+                        vec!["--shards".into(), "7".into()],
+                        vec![("PMI_RANK", r.to_string()), ("PMI_SIZE", "3".into())],
+                    )
+                })
+                .collect(),
+        ),
+    ];
+    for (name, procs) in cases {
+        let d = tmp();
+        plan(d.path(), SMALL, 64);
+        let children: Vec<Child> = procs
+            .iter()
+            .map(|(args, env)| {
+                let mut a = vec!["run", "plan.toml"];
+                a.extend(args.iter().map(String::as_str));
+                spawn(d.path(), &a, env)
+            })
+            .collect();
+        for c in children {
+            ok(c.wait_with_output().unwrap());
+        }
+        let out = std::fs::read(d.path().join("C.mgt")).unwrap();
+        assert!(out == reference, "{name}: output differs from one process");
+        ok(cmd(d.path(), &["info", "C.mgt", "--check"], &[])
+            .output()
+            .unwrap());
+        // The merged journal marks the step complete: a plain run skips it.
+        let e = ok(cmd(d.path(), &["run", "plan.toml"], &[]).output().unwrap());
+        assert!(e.contains("already complete"), "{name}: {e}");
+    }
+}
+
+#[test]
+fn finalize_refuses_and_names_missing_shards_then_status_and_rerun_complete() {
+    let reference = single(SMALL, 64);
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SMALL, 64);
+    for k in [0, 2] {
+        let s = format!("{k}/3");
+        ok(cmd(dir, &["run", "plan.toml", "--shard", &s], &[])
+            .output()
+            .unwrap());
+    }
+    let o = cmd(dir, &["finalize", "plan.toml"], &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "finalize must refuse: {err}");
+    assert!(err.contains("shard 1/3"), "{err}");
+    assert!(
+        !err.contains("shard 0/3") && !err.contains("shard 2/3"),
+        "{err}"
+    );
+    let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
+    assert!(st.contains("shard   1/3") && st.contains("waiting"), "{st}");
+    assert!(st.contains("shard   0/3") && st.contains("done"), "{st}");
+    ok(cmd(dir, &["run", "plan.toml", "--shard", "1/3"], &[])
+        .output()
+        .unwrap());
+    assert!(std::fs::read(dir.join("C.mgt")).unwrap() == reference);
+    let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
+    assert!(st.contains("FINALIZED"), "{st}");
+    let f = ok(cmd(dir, &["finalize", "plan.toml", "--verify"], &[])
+        .output()
+        .unwrap());
+    assert!(f.contains("already finalized") && f.contains("PASS"), "{f}");
+}
+
+/// Bigger, slower (one thread, small tiles): long enough to kill mid-run.
+const SLOW: (u64, u64, u64) = (512, 1536, 512);
+
+#[test]
+fn two_processes_claiming_one_shard_never_both_write_it() {
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SLOW, 32);
+    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    let first = spawn(dir, &["run", "plan.toml", "--shard", "0/1"], &[]);
+    let claim = dir.join("C.mgt.shards/shard-0-of-1.claim");
+    let t = Instant::now();
+    while !claim.exists() && t.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(claim.exists(), "the first process never claimed the shard");
+    let second = cmd(dir, &["run", "plan.toml", "--shard", "0/1"], &[])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&second.stderr);
+    ok(first.wait_with_output().unwrap());
+    assert!(!second.status.success(), "the second claimant ran: {err}");
+    assert!(err.contains("being worked by"), "{err}");
+    // Every tile was recorded exactly once: one writer.
+    let j =
+        mgmm_stream::pipeline::journal::peek_file(&dir.join("C.mgt.shards/shard-0-of-1.journal"))
+            .unwrap()
+            .unwrap();
+    let mut seqs: Vec<u32> = j.done.iter().map(|d| d.0).collect();
+    let n = seqs.len();
+    seqs.sort();
+    seqs.dedup();
+    assert_eq!(seqs.len(), n, "a tile was written twice");
+    assert_eq!(n, 16 * 16);
+}
+
+/// Tiles the shard journals of `dir/C.mgt` record so far.
+fn done_tiles(dir: &Path) -> usize {
+    let out = dir.join("C.mgt");
+    let Ok(Some(m)) = mgmm_stream::cluster::prepare::read_manifest(&out) else {
+        return 0;
+    };
+    mgmm_stream::cluster::recorded(&mgmm_stream::cluster::state_dir(&out), &m.fingerprint)
+        .map(|r| r.len())
+        .unwrap_or(0)
+}
+
+struct Lcg(u64);
+impl Lcg {
+    fn unit(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[test]
+fn random_sigkills_then_a_different_process_count_give_identical_bytes() {
+    let t = Instant::now();
+    let reference = single(SLOW, 32);
+    let full = t.elapsed();
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SLOW, 32);
+    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    let mut g = Lcg(7);
+    let mut killed_mid_run = 0;
+    for round in 0..4u32 {
+        // Round r: 2 + r processes over 3 + 2r shards, each killed at a random moment.
+        let size = 2 + round;
+        let shards = (3 + 2 * round).to_string();
+        let mut kids: Vec<Child> = (0..size)
+            .map(|r| {
+                spawn(
+                    dir,
+                    &[
+                        "run",
+                        "plan.toml",
+                        "--shards",
+                        &shards,
+                        "--claim-timeout",
+                        "1",
+                    ],
+                    &[
+                        ("SLURM_PROCID", r.to_string()),
+                        ("SLURM_NTASKS", size.to_string()),
+                    ],
+                )
+            })
+            .collect();
+        // Kill them all once the shard journals hold a random share of the tiles that grows
+        // round by round (so every round is cut off mid-step), one after another at random
+        // short intervals.
+        let target = (256.0 * (0.15 * (round + 1) as f64 + 0.05 * g.unit())) as usize;
+        let t = Instant::now();
+        while done_tiles(dir) < target && t.elapsed() < 20 * full {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        for c in kids.iter_mut() {
+            std::thread::sleep(full.mul_f64(0.02 * g.unit()));
+            if c.try_wait().unwrap().is_none() {
+                c.kill().unwrap(); // SIGKILL
+                killed_mid_run += 1;
+            }
+        }
+        for mut c in kids {
+            let _ = c.wait();
+        }
+    }
+    let left = 256 - done_tiles(dir);
+    assert!(
+        killed_mid_run >= 8 && left > 0,
+        "only {killed_mid_run} kills landed mid-run ({left} tiles left)"
+    );
+    // Finish with yet another process count and split.
+    let kids: Vec<Child> = (0..3)
+        .map(|r| {
+            spawn(
+                dir,
+                &["run", "plan.toml", "--shards", "5", "--claim-timeout", "1"],
+                &[("PMI_RANK", r.to_string()), ("PMI_SIZE", "3".into())],
+            )
+        })
+        .collect();
+    for c in kids {
+        ok(c.wait_with_output().unwrap());
+    }
+    let out = std::fs::read(dir.join("C.mgt")).unwrap();
+    assert!(
+        out == reference,
+        "output after kills and resharding differs from one process"
+    );
+    ok(cmd(dir, &["info", "C.mgt", "--check"], &[])
+        .output()
+        .unwrap());
+}
+
+#[test]
+fn plan_nodes_prints_the_cluster_time_model() {
+    let d = tmp();
+    plan(d.path(), (400_000, 400_000, 400_000), 64);
+    let o = ok(cmd(
+        d.path(),
+        &[
+            "plan",
+            "plan.toml",
+            "--nodes",
+            "16",
+            "--gpus-per-node",
+            "8",
+            "--fs-bandwidth",
+            "100",
+        ],
+        &[],
+    )
+    .output()
+    .unwrap());
+    for want in [
+        "128 processes",
+        "shared filesystem: read",
+        "PCIe per GPU",
+        "finalize",
+        "2401 output tiles",
+    ] {
+        assert!(o.contains(want), "missing {want:?} in:\n{o}");
+    }
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 12's GPU check: one product computed by two processes with one GPU each
+# (CUDA_VISIBLE_DEVICES=0 / =1, SLURM-style ranks, coordinating only through files) against one
+# process driving both GPUs. Expect bit-identical output and time within 10 %.
+# Size: N (default 32768), tile 4096 (fixed, so both runs use the same compute tiles), 3 rounds.
+# GPU machine with 2 GPUs, repository root, .dev/bin carried. Log: $OUT/cluster_two_procs.log.
+set -uo pipefail
+. "$(dirname "$0")/../lib.sh"
+log_to cluster_two_procs.log
+N=${N:-32768}; ROUNDS=${ROUNDS:-3}
+[ "$(gpu_count)" -ge 2 ] || { log "needs 2 GPUs, found $(gpu_count)"; exit 1; }
+W=${W:-/tmp/c2}; mkdir -p "$W"; cd "$W"
+gen_matrix A.mgt "$N" "$N" 11
+gen_matrix B.mgt "$N" "$N" 12
+write_plan one.toml A.mgt B.mgt C_one.mgt 'backend = "cuda"' 'devices = "all"' 'tile = 4096'
+write_plan two.toml A.mgt B.mgt C_two.mgt 'backend = "cuda"' 'devices = "all"' 'tile = 4096'
+ms() { echo $(( ($(date +%s%N) - $1) / 1000000 )); }
+for r in $(seq "$ROUNDS"); do
+  rm -rf C_one.mgt C_one.mgt.journal C_two.mgt C_two.mgt.journal C_two.mgt.shards
+  t=$(date +%s%N)
+  "$MGMM" run one.toml --quiet --no-split
+  one=$(ms "$t")
+  "$MGMM" prepare two.toml >/dev/null
+  t=$(date +%s%N)
+  CUDA_VISIBLE_DEVICES=0 SLURM_PROCID=0 SLURM_NTASKS=2 "$MGMM" run two.toml --quiet & p0=$!
+  CUDA_VISIBLE_DEVICES=1 SLURM_PROCID=1 SLURM_NTASKS=2 "$MGMM" run two.toml --quiet & p1=$!
+  wait $p0; e0=$?; wait $p1; e1=$?
+  two=$(ms "$t")
+  same=no; cmp -s C_one.mgt C_two.mgt && same=yes
+  log "round $r: one process × 2 GPUs ${one} ms; two processes × 1 GPU ${two} ms (exit $e0 $e1, includes finalize); ratio $(awk "BEGIN{printf \"%.3f\", $two/$one}"); bit-identical: $same"
+done
+"$MGMM" status two.toml | tee -a "$LOG"
