@@ -420,12 +420,18 @@ fn step(cx: &Ctx, i: usize, s: &RawStep, avail: &Avail, mem: u64) -> Result<Vec<
         let (a, b) = (leaves[0].clone(), leaves[1].clone());
         return Ok(vec![one(a, b, output, true)]);
     }
-    Ok(chain_steps(&leaves, &output, mem, text, one))
+    let names: Vec<String> = form
+        .factors
+        .iter()
+        .map(|f| format!("{}{}", f.name, if f.trans { ".T" } else { "" }))
+        .collect();
+    Ok(chain_steps(&leaves, &names, &output, mem, text, one))
 }
 
 /// The steps of a chain: the cheapest order, its sub-products as steps, each knowing the chain.
 fn chain_steps(
     leaves: &[Operand],
+    names: &[String],
     output: &Path,
     mem: u64,
     text: &str,
@@ -434,7 +440,6 @@ fn chain_steps(
     let mut dims: Vec<u64> = leaves.iter().map(|o| o.op_shape().0).collect();
     dims.push(leaves[leaves.len() - 1].op_shape().1);
     let elem = leaves[0].dtype.compute().size() as u64;
-    let names: Vec<String> = leaves.iter().map(show).collect();
     let best = chain::best_order(&dims, mem, elem);
     let naive = chain::left_to_right(leaves.len());
     let subs = chain::sub_products(&best, leaves, output, mem, elem);
@@ -457,9 +462,9 @@ fn chain_steps(
                 leaves: leaves.to_vec(),
                 text: p.text,
                 cost: p.cost,
-                order: best.show(&names),
+                order: best.show(names),
                 order_cost: chain::tree_cost(&best, &dims, mem, elem),
-                naive: naive.show(&names),
+                naive: naive.show(names),
                 naive_cost: chain::tree_cost(&naive, &dims, mem, elem),
             });
             st
