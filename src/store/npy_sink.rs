@@ -212,7 +212,7 @@ impl MatrixSink for NpyWriter {
         }
         // A block that is exactly one checksum tile (clipped at the edges) has the tile's CRC.
         let tg = self.tile_geo();
-        if b.r0 % self.tile.0 == 0 && b.c0 % self.tile.1 == 0 {
+        if b.r0.is_multiple_of(self.tile.0) && b.c0.is_multiple_of(self.tile.1) {
             let (ti, tj) = (b.r0 / self.tile.0, b.c0 / self.tile.1);
             if clip_tile(&self.geo, self.tile, ti, tj) == *b {
                 self.crcs.lock().unwrap()[tg.tile_index(ti, tj)] = Some(crc);

@@ -84,7 +84,7 @@ impl Sidecar {
             return Err("empty shape or tile".into());
         }
         let n = rows.div_ceil(tile.0).checked_mul(cols.div_ceil(tile.1));
-        if n != Some(((body.len() - HEAD) / 4) as u64) || (body.len() - HEAD) % 4 != 0 {
+        if n != Some(((body.len() - HEAD) / 4) as u64) || !(body.len() - HEAD).is_multiple_of(4) {
             return Err("its CRC table does not match its tile grid".into());
         }
         let crcs = body[HEAD..]
