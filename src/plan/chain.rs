@@ -240,6 +240,7 @@ fn emit(
     let tname = format!("T{id}");
     // Both operands transposed: compute the untransposed Rᵀ = op(b)ᵀ·op(a)ᵀ and read it with .T.
     let flip = a.trans && b.trans;
+    let plain = format!("{tname} = {} @ {}", label(&a), label(&b));
     let (sa, sb, trans, (rows, cols)) = if flip {
         let un = |o: &Operand| Operand {
             trans: false,
@@ -249,12 +250,15 @@ fn emit(
     } else {
         (a, b, false, (m, n))
     };
-    let text = format!(
-        "{tname}{} = {} @ {}",
-        if flip { ".T" } else { "" },
-        label(&sa),
-        label(&sb)
-    );
+    let text = if flip {
+        format!(
+            "{plain}, stored untransposed as {} @ {} and read with .T",
+            label(&sa),
+            label(&sb)
+        )
+    } else {
+        plain
+    };
     let dtype = sa.dtype;
     out.push(SubProduct {
         a: sa,

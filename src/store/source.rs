@@ -101,6 +101,11 @@ pub trait MatrixSink: Send + Sync {
 /// (`MGMTILE1`) or `.npy` (`\x93NUMPY`). A raw binary file has no header and must be described
 /// ([`SourceSpec::Raw`], [`open_spec`]).
 pub fn open_source(path: &Path) -> Result<Arc<dyn MatrixSource>> {
+    let meta =
+        std::fs::metadata(path).map_err(|e| Error::io(path, "cannot open matrix file", e))?;
+    if !meta.is_file() {
+        return Err(Error::format(path, "is not a regular file"));
+    }
     let mut magic = [0u8; 8];
     let n = std::fs::File::open(path)
         .and_then(|f| {
@@ -116,7 +121,7 @@ pub fn open_source(path: &Path) -> Result<Arc<dyn MatrixSource>> {
     }
     Err(Error::format(
         path,
-        "is neither a .mgt file (MGMTILE1) nor a .npy array (\\x93NUMPY); a raw binary matrix must be declared with format = \"raw\", rows, cols and dtype (in a plan), or as raw:rows=R,cols=C,dtype=f32:PATH (on the command line)",
+        "wrong magic: neither a .mgt file (MGMTILE1) nor a .npy array (\\x93NUMPY); a raw binary matrix must be declared with format = \"raw\", rows, cols and dtype (in a plan), or as raw:rows=R,cols=C,dtype=f32:PATH (on the command line)",
     ))
 }
 
