@@ -58,14 +58,18 @@ pub enum Command {
         force: bool,
     },
     /// Print a matrix file's header, shape, tile grid and size; --check verifies every tile.
-    #[command(after_help = "Example:\n  mgmm-stream info data/C.mgt --check")]
+    /// FILE is a .mgt, a .npy, or a raw descriptor raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH.
+    #[command(
+        after_help = "Example:\n  mgmm-stream info data/C.mgt --check\n  mgmm-stream info raw:rows=4096,cols=3000,dtype=f32:x.bin"
+    )]
     Info {
         file: PathBuf,
         /// Verify every storage tile against the stored CRC-32C table.
         #[arg(long)]
         check: bool,
     },
-    /// Convert a C-order f32/f64 .npy array into a tiled file (streaming).
+    /// Convert a .npy array (C or Fortran order, f16/f32/f64) or a raw descriptor
+    /// (raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH) into a tiled file (streaming).
     #[command(after_help = "Example:\n  mgmm-stream import A.npy data/A.mgt --tile 1024")]
     Import {
         input: PathBuf,
@@ -75,7 +79,8 @@ pub enum Command {
         #[arg(long)]
         force: bool,
     },
-    /// Convert a tiled file into a C-order .npy array (streaming; 16-bit data becomes f32).
+    /// Convert a tiled file, .npy or raw descriptor into a .npy array (streaming; 16-bit data
+    /// becomes f32; a column-major input gives a Fortran-order array).
     #[command(
         after_help = "Example:\n  mgmm-stream export data/C.mgt C.npy\n  python3 -c 'import numpy as np; print(np.load(\"C.npy\", mmap_mode=\"r\")[:2, :4])'"
     )]
@@ -279,6 +284,10 @@ pub fn execute(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Info { file, check } => {
+            if let Some(text) = crate::store::source::inspect(&file, check)? {
+                print!("{text}");
+                return Ok(());
+            }
             let f = TiledFile::open(&file)?;
             let h = f.hdr;
             println!("file:        {}", file.display());

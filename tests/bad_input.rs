@@ -153,7 +153,7 @@ fn catalogue_of_bad_input() {
         case("gen: unknown dist", |_| {}, &["gen", "Z.mgt", "--rows", "4", "--cols", "4", "--dist", "cauchy"], &["--dist cauchy"]),
         case("gen over an input", |_| {}, &["gen", "A.mgt", "--rows", "4", "--cols", "4"], &["A.mgt", "already exists"]),
         case("export over an existing file", |_| {}, &["export", "A.mgt", "B.mgt"], &["B.mgt", "already exists"]),
-        case("import of a non-npy file", |_| {}, &["import", "A.mgt", "Z.mgt"], &["A.mgt", "not a .npy file"]),
+        case("import of a file that is no matrix", |d| std::fs::write(d.join("junk.bin"), b"hello world").unwrap(), &["import", "junk.bin", "Z.mgt"], &["junk.bin", "wrong magic", "format = \"raw\""]),
         case("info of a missing file", |_| {}, &["info", "missing.mgt"], &["missing.mgt", "cannot open"]),
         case("verify before run", |d| plan_with(d, &step("A @ B")), &["verify", "p.toml"], &["C.mgt", "cannot open"]),
     ];

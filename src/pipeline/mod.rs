@@ -25,7 +25,7 @@ use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::{Engine, Step};
 use crate::progress::{Live, Progress};
-use crate::store::{open_source, Header, MatrixSink};
+use crate::store::{Header, MatrixSink};
 use control::Control;
 use metrics::{StageKind, StageMetrics, StageSnapshot};
 use pool::Pool;
@@ -141,11 +141,10 @@ impl<'a> Pipeline<'a> {
     ) -> Result<Pipeline<'a>> {
         let l = layout;
         let sched = Schedule::new(step, l);
-        let open = |p: &std::path::Path| open_source(p);
         let inputs = Inputs::new(
-            open(&step.a.path)?,
-            open(&step.b.path)?,
-            step.c0.as_ref().map(|c| open(&c.path)).transpose()?,
+            step.a.open()?,
+            step.b.open()?,
+            step.c0.as_ref().map(|c| c.open()).transpose()?,
             cfg.verify_inputs,
         );
         let order = work

@@ -4,9 +4,10 @@
 //! The grammar is Python's for these operators: `@` and `*` bind equally and associate to the
 //! left, `+`/`-` bind looser, unary `-` and postfix `.T` bind tighter, parentheses group.
 //! Operands are matrix names (`[A-Za-z_][A-Za-z0-9_]*`) and numbers (`2.5`, `1e-3`). The tree
-//! represents any such expression (products of many operands, transposed products); what a step
-//! can execute today is `α·op(X)·op(Y) + β·C0`, and [`Expr::terms`] is where `(A @ B).T` becomes
-//! `B.T @ A.T` and where anything longer is refused with the column of the problem.
+//! represents any such expression (products of many operands, transposed products); a step
+//! executes `α·op(F₁)·…·op(Fₙ) + β·C0` ([`ProductForm`]; a chain of more than two factors is cut
+//! into sub-products by [`super::chain`]), and [`Expr::terms`] is where `(A @ B).T` becomes
+//! `B.T @ A.T` and where sums inside products are refused with the column of the problem.
 
 use std::fmt;
 
@@ -453,19 +454,20 @@ impl fmt::Display for Expr {
     }
 }
 
-/// What one step computes: `alpha · op(a) · op(b) + beta · c0`.
+/// What one `[[step]]` computes: `alpha · op(F₁) · op(F₂) · … + beta · c0` — two factors
+/// for one product, more for a chain that resolution cuts into sub-products.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProductForm {
-    pub a: Factor,
-    pub b: Factor,
+    /// At least two.
+    pub factors: Vec<Factor>,
     pub alpha: f64,
     /// The added matrix and its coefficient, when the expression has `+ β·C0`.
     pub c0: Option<(Factor, f64)>,
 }
 
-/// The message for anything longer than one product.
+/// The message for a sum of several products.
 pub const MULTI_PRODUCT: &str =
-    "expressions with more than one product are not supported yet; split into steps (give the first product a `name` and use it in the next step)";
+    "a sum of several products is not supported; compute each product in its own step (give it a `name`) and add one of them as C0";
 
 impl ProductForm {
     /// Reduce normalised terms to the one form a step executes.
@@ -483,9 +485,6 @@ impl ProductForm {
             [p] => *p,
             [_, second, ..] => return err(second.factors[0].col, MULTI_PRODUCT),
         };
-        if prod.factors.len() > 2 {
-            return err(prod.factors[2].col, MULTI_PRODUCT);
-        }
         let c0 =
             match adds.as_slice() {
                 [] => None,
@@ -502,8 +501,7 @@ impl ProductForm {
                 }
             };
         Ok(ProductForm {
-            a: prod.factors[0].clone(),
-            b: prod.factors[1].clone(),
+            factors: prod.factors.clone(),
             alpha: prod.coef,
             c0,
         })
@@ -527,8 +525,8 @@ mod tests {
     fn form(src: &str) -> Form {
         let p = product_form(src).unwrap_or_else(|e| panic!("{src}: {e}"));
         (
-            (p.a.name, p.a.trans),
-            (p.b.name, p.b.trans),
+            (p.factors[0].name.clone(), p.factors[0].trans),
+            (p.factors[1].name.clone(), p.factors[1].trans),
             p.alpha,
             p.c0.map(|(c, beta)| (c.name, beta)),
         )
@@ -595,15 +593,27 @@ mod tests {
     }
 
     #[test]
-    fn longer_products_are_represented_but_refused() {
-        let e = Expr::parse("A @ B @ C").unwrap();
-        let t = e.terms().unwrap();
-        assert_eq!(t.len(), 1);
-        assert_eq!(t[0].factors.len(), 3);
-        let err = fails("A @ B @ C");
-        assert_eq!(err.col, 9);
-        assert!(err.msg.contains("more than one product"), "{err}");
-        assert!(fails("A @ B + C @ D").msg.contains("more than one product"));
+    fn chains_keep_every_factor_and_transpose_reverses_them() {
+        let p = product_form("A @ B @ C").unwrap();
+        let names: Vec<(&str, bool)> = p
+            .factors
+            .iter()
+            .map(|f| (f.name.as_str(), f.trans))
+            .collect();
+        assert_eq!(names, [("A", false), ("B", false), ("C", false)]);
+        let p = product_form("(A @ B @ C).T").unwrap();
+        let names: Vec<(&str, bool)> = p
+            .factors
+            .iter()
+            .map(|f| (f.name.as_str(), f.trans))
+            .collect();
+        assert_eq!(names, [("C", true), ("B", true), ("A", true)]);
+        let p = product_form("A.T @ (B @ C)").unwrap();
+        assert_eq!((p.factors.len(), p.factors[0].trans), (3, true));
+        assert_eq!(product_form("2.5 * A @ B @ C + D").unwrap().alpha, 2.5);
+        let e = fails("A @ B + C @ D");
+        assert_eq!(e.col, 9);
+        assert!(e.msg.contains("sum of several products"), "{e}");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //! the key or step, the line, and both shapes. Tile sizes and memory budgets depend on the
 //! backend and are derived afterwards by [`layout`].
 
+pub mod chain;
 pub mod engine;
 pub mod expr;
 pub mod layout;
@@ -132,9 +133,21 @@ pub struct Operand {
     pub cols: u64,
     pub dtype: DType,
     pub trans: bool,
+    /// The declared layout of a raw binary file (`format = "raw"`); `None` for `.mgt`/`.npy`.
+    pub raw: Option<crate::store::raw::RawSpec>,
+    /// An intermediate of a whole-expression chain (a temporary file `run` removes).
+    pub temp: bool,
 }
 
 impl Operand {
+    /// Open the operand's file for reading.
+    pub fn open(&self) -> Result<std::sync::Arc<dyn crate::store::MatrixSource>> {
+        match &self.raw {
+            Some(r) => Ok(std::sync::Arc::new(r.open()?)),
+            None => crate::store::open_source(&self.path),
+        }
+    }
+
     /// Shape of op(X).
     pub fn op_shape(&self) -> (u64, u64) {
         if self.trans {
@@ -161,6 +174,8 @@ pub struct Step {
     pub output: PathBuf,
     pub out_dtype: DType,
     pub out_tile: Option<u64>,
+    /// Set when this step is one product of a whole-expression chain (`expr = "A @ B @ C"`).
+    pub chain: Option<chain::ChainPart>,
 }
 
 impl Step {
@@ -179,6 +194,11 @@ pub struct MatrixDecl {
     pub dtype: DType,
     /// Set when the file is missing and must be generated before running.
     pub generate: Option<GenSpec>,
+    /// The file stores the transpose row-major (Fortran order); `rows`/`cols` are the declared
+    /// (logical) shape.
+    pub transposed: bool,
+    /// The declared layout of a raw binary file.
+    pub raw: Option<crate::store::raw::RawSpec>,
 }
 
 #[derive(Clone, Debug)]

@@ -25,6 +25,15 @@ pub struct RawPlan {
 pub struct RawMatrix {
     pub path: Spanned<String>,
     pub generate: Option<Spanned<RawGenerate>>,
+    /// `"raw"` for a headerless binary file (then `rows`, `cols`, `dtype` are required).
+    pub format: Option<Spanned<String>>,
+    pub rows: Option<u64>,
+    pub cols: Option<u64>,
+    pub dtype: Option<String>,
+    /// `"C"` (row-major, default) or `"F"` (column-major).
+    pub order: Option<String>,
+    /// Bytes before the first element (default 0).
+    pub offset: Option<u64>,
 }
 
 #[derive(Debug, Deserialize, Clone)]

@@ -10,36 +10,103 @@ use std::path::{Path, PathBuf};
 
 use toml::Spanned;
 
+use super::chain;
 use super::expr::{self, Factor, ProductForm};
 use super::raw::{line_of, RawGenerate, RawMatrix, RawStep};
 use super::{same_file, Engine, MatrixDecl, Operand, Precision, Step};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::store::gen::{Dist, GenSpec};
-use crate::store::TiledFile;
+use crate::store::raw::{Order as RawOrder, RawSpec};
+use crate::store::{open_source, OutputFormat};
 
 /// What resolution needs to know about an input file: its stored shape and element type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatrixInfo {
+    /// The declared (logical) shape.
     pub rows: u64,
     pub cols: u64,
     pub dtype: DType,
+    /// The file stores the transpose row-major (a Fortran-order `.npy`).
+    pub transposed: bool,
 }
 
 /// Reads an input's header: `Ok(None)` when the file does not exist.
 pub type HeaderOf<'a> = &'a dyn Fn(&Path) -> Result<Option<MatrixInfo>>;
 
-/// [`HeaderOf`] for real files: opens the `.mgt` and reads its header.
+/// [`HeaderOf`] for real files: opens the `.mgt` or `.npy` file and reads its header.
 pub fn header_from_disk(path: &Path) -> Result<Option<MatrixInfo>> {
     if !path.exists() {
         return Ok(None);
     }
-    let f = TiledFile::open(path)?;
+    let f = open_source(path)?;
+    let (r, c) = f.shape();
+    let t = f.transposed();
     Ok(Some(MatrixInfo {
-        rows: f.rows(),
-        cols: f.cols(),
+        rows: if t { c } else { r },
+        cols: if t { r } else { c },
         dtype: f.dtype(),
+        transposed: t,
     }))
+}
+
+/// A `format = "raw"` declaration checked against its keys and the file's size.
+fn raw_decl(cx: &Ctx, name: &str, key: &str, m: &RawMatrix, path: &Path) -> Result<MatrixDecl> {
+    let fmt = m
+        .format
+        .as_ref()
+        .expect("raw_decl is called for format = ...");
+    if fmt.get_ref() != "raw" {
+        return Err(cx.err(format!(
+            "{key}: format = \"{}\" is unknown; use \"raw\" for a headerless binary file (.mgt and .npy are recognised by their header)",
+            fmt.get_ref()
+        )));
+    }
+    if m.generate.is_some() {
+        return Err(cx.err(format!(
+            "{key}: a raw file cannot be generated; drop `generate` or `format`"
+        )));
+    }
+    let missing = |k: &str| {
+        cx.err(format!(
+            "{key}: format = \"raw\" needs `{k}` (raw files have no header): e.g. rows = 1000, cols = 500, dtype = \"f32\""
+        ))
+    };
+    let dtype = match &m.dtype {
+        None => return Err(missing("dtype")),
+        Some(d) => DType::parse(d).ok_or_else(|| {
+            cx.err(format!(
+                "{key}: dtype = \"{d}\" is unknown; use f32, f64, f16 or bf16"
+            ))
+        })?,
+    };
+    let order = match m.order.as_deref() {
+        None => RawOrder::C,
+        Some(o) => RawOrder::parse(o).ok_or_else(|| {
+            cx.err(format!(
+                "{key}: order = \"{o}\": use \"C\" (row-major) or \"F\" (column-major)"
+            ))
+        })?,
+    };
+    let spec = RawSpec {
+        path: path.to_path_buf(),
+        rows: m.rows.ok_or_else(|| missing("rows"))?,
+        cols: m.cols.ok_or_else(|| missing("cols"))?,
+        dtype,
+        order,
+        offset: m.offset.unwrap_or(0),
+    };
+    spec.check().map_err(|e| cx.err(format!("{key}: {e}")))?;
+    Ok(MatrixDecl {
+        name: name.to_string(),
+        path: path.to_path_buf(),
+        rows: spec.rows,
+        cols: spec.cols,
+        dtype,
+        generate: None,
+        transposed: order == RawOrder::F,
+        raw: Some(spec),
+    })
 }
 
 /// The plan being resolved: its file, its text (for lines) and the directory paths are
@@ -69,6 +136,25 @@ pub(crate) fn matrices(
     for (name, m) in raw {
         let key = format!("matrices.{name} (line {})", cx.line(&m.path));
         let path = cx.base.join(m.path.get_ref());
+        if m.format.is_some() {
+            mats.insert(name.clone(), raw_decl(cx, name, &key, m, &path)?);
+            continue;
+        }
+        if m.rows.is_some()
+            || m.cols.is_some()
+            || m.dtype.is_some()
+            || m.order.is_some()
+            || m.offset.is_some()
+        {
+            return Err(cx.err(format!(
+                "{key}: rows, cols, dtype, order and offset describe a raw binary file; add format = \"raw\", or drop them (.mgt and .npy files carry their shape)"
+            )));
+        }
+        if m.generate.is_some() && OutputFormat::of(&path) == OutputFormat::Npy {
+            return Err(cx.err(format!(
+                "{key}: `generate` writes .mgt files; give the path a .mgt name, or create the .npy yourself"
+            )));
+        }
         let spec = match &m.generate {
             Some(g) => Some(gen_spec(cx, name, g)?),
             None => None,
@@ -91,6 +177,8 @@ pub(crate) fn matrices(
                     cols: f.cols,
                     dtype: f.dtype,
                     generate: None,
+                    transposed: f.transposed,
+                    raw: None,
                 }
             }
             (None, Some(s)) => MatrixDecl {
@@ -100,6 +188,8 @@ pub(crate) fn matrices(
                 cols: s.cols,
                 dtype: s.dtype,
                 generate: Some(s),
+                transposed: false,
+                raw: None,
             },
             (None, None) => {
                 return Err(cx.err(format!(
@@ -160,11 +250,31 @@ fn gen_spec(cx: &Ctx, name: &str, g: &Spanned<RawGenerate>) -> Result<GenSpec> {
     })
 }
 
-/// Matrices a step can read: the declared ones and earlier steps' named outputs.
-type Avail = BTreeMap<String, (PathBuf, u64, u64, DType)>;
+/// Matrices a step can read: the declared ones and earlier steps' named outputs, each as an
+/// operand read without `.T` (`trans` set when the file stores the transpose).
+type Avail = BTreeMap<String, Operand>;
 
-/// Resolve every `[[step]]` in order; a named output becomes available to later steps.
-/// `precision_explicit` says whether the precision was given (else f64 inputs select fp64).
+fn decl_operand(d: &MatrixDecl) -> Operand {
+    let (rows, cols) = if d.transposed {
+        (d.cols, d.rows)
+    } else {
+        (d.rows, d.cols)
+    };
+    Operand {
+        name: d.name.clone(),
+        path: d.path.clone(),
+        rows,
+        cols,
+        dtype: d.dtype,
+        trans: d.transposed,
+        raw: d.raw.clone(),
+        temp: false,
+    }
+}
+
+/// Resolve every `[[step]]` in order; a named output becomes available to later steps. A
+/// `[[step]]` whose expression is a chain becomes several steps (its sub-products).
+/// `precision_at` says where the precision was given (else f64 inputs select fp64).
 pub(crate) fn steps(
     cx: &Ctx,
     raw: &[RawStep],
@@ -179,19 +289,22 @@ pub(crate) fn steps(
     }
     let mut avail: Avail = mats
         .values()
-        .map(|d| (d.name.clone(), (d.path.clone(), d.rows, d.cols, d.dtype)))
+        .map(|d| (d.name.clone(), decl_operand(d)))
         .collect();
     let mut steps: Vec<Step> = Vec::new();
     for (i, s) in raw.iter().enumerate() {
-        let step = step(cx, i, s, &avail)?;
-        if i == 0 && precision_at.is_none() && step.a.dtype == DType::F64 {
+        let parts = step(cx, i, s, &avail, engine.host_memory)?;
+        if i == 0 && precision_at.is_none() && parts[0].a.dtype == DType::F64 {
             // f64 inputs and no precision given: compute in f64.
             engine.precision = Precision::Fp64;
         }
-        let mut step = step;
-        step.out_dtype = engine.precision.host_dtype();
-        check_precision(cx, &step, engine.precision, precision_at.as_deref())?;
-        check_output(cx, &step, &steps, mats)?;
+        for mut part in parts {
+            part.out_dtype = engine.precision.host_dtype();
+            check_precision(cx, &part, engine.precision, precision_at.as_deref())?;
+            check_output(cx, &part, &steps, mats)?;
+            steps.push(part);
+        }
+        let last = steps.last().expect("a step has at least one part");
         if let Some(name) = &s.name {
             let n = name.get_ref();
             if avail.contains_key(n) {
@@ -201,26 +314,36 @@ pub(crate) fn steps(
                     cx.line(name)
                 )));
             }
-            avail.insert(
-                n.clone(),
-                (step.output.clone(), step.m, step.n, step.out_dtype),
-            );
+            let op = Operand {
+                name: n.clone(),
+                path: last.output.clone(),
+                rows: last.m,
+                cols: last.n,
+                dtype: last.out_dtype,
+                trans: false,
+                raw: None,
+                temp: false,
+            };
+            avail.insert(n.clone(), op);
         }
-        steps.push(step);
     }
     Ok(steps)
 }
 
-/// One step: its expression reduced to `alpha·op(a)·op(b) + beta·c0`, operands looked up,
-/// shapes and dtypes checked.
-fn step(cx: &Ctx, i: usize, s: &RawStep, avail: &Avail) -> Result<Step> {
+fn show(o: &Operand) -> String {
+    format!("{}{}", o.name, if o.trans { ".T" } else { "" })
+}
+
+/// One `[[step]]`: its expression reduced to `alpha·op(F₁)·…·op(Fₙ) + beta·c0`, operands looked
+/// up, shapes and dtypes checked; a chain (n > 2) ordered and cut into sub-product steps.
+fn step(cx: &Ctx, i: usize, s: &RawStep, avail: &Avail, mem: u64) -> Result<Vec<Step>> {
     let line = cx.line(&s.expr);
     let at = format!("step {} (line {line})", i + 1);
     let text = s.expr.get_ref();
     let form =
         expr::product_form(text).map_err(|e| cx.err(format!("{at}: expr = \"{text}\": {e}")))?;
     let operand = |f: &Factor| -> Result<Operand> {
-        let (p, r, c, dt) = avail.get(&f.name).cloned().ok_or_else(|| {
+        let base = avail.get(&f.name).ok_or_else(|| {
             let place = if f.col == 0 {
                 "in accumulate".to_string()
             } else {
@@ -233,31 +356,33 @@ fn step(cx: &Ctx, i: usize, s: &RawStep, avail: &Avail) -> Result<Step> {
             ))
         })?;
         Ok(Operand {
-            name: f.name.clone(),
-            path: p,
-            rows: r,
-            cols: c,
-            dtype: dt,
-            trans: f.trans,
+            trans: base.trans ^ f.trans,
+            ..base.clone()
         })
     };
-    let a = operand(&form.a)?;
-    let b = operand(&form.b)?;
-    let (m, k) = a.op_shape();
-    let (k2, n) = b.op_shape();
-    if k != k2 {
-        return Err(cx.err(format!(
-            "{at}: shape mismatch in \"{text}\": {}{} is {m}×{k} but {}{} is {k2}×{n} (inner dimensions {k} ≠ {k2})",
-            a.name, if a.trans { ".T" } else { "" }, b.name, if b.trans { ".T" } else { "" }
-        )));
+    let leaves = form
+        .factors
+        .iter()
+        .map(operand)
+        .collect::<Result<Vec<_>>>()?;
+    for w in leaves.windows(2) {
+        let ((m, k), (k2, n)) = (w[0].op_shape(), w[1].op_shape());
+        if k != k2 {
+            return Err(cx.err(format!(
+                "{at}: shape mismatch in \"{text}\": {} is {m}×{k} but {} is {k2}×{n} (inner dimensions {k} ≠ {k2})",
+                show(&w[0]), show(&w[1])
+            )));
+        }
+        if w[0].dtype != w[1].dtype {
+            return Err(cx.err(format!(
+                "{at}: `{}` is {} but `{}` is {}; operands must have the same dtype",
+                w[0].name, w[0].dtype, w[1].name, w[1].dtype
+            )));
+        }
     }
-    if a.dtype != b.dtype {
-        return Err(cx.err(format!(
-            "{at}: `{}` is {} but `{}` is {}; operands must have the same dtype",
-            a.name, a.dtype, b.name, b.dtype
-        )));
-    }
-    let (c0, beta) = addend(cx, &at, s, &form, &operand, (m, n), a.dtype)?;
+    let m = leaves[0].op_shape().0;
+    let n = leaves[leaves.len() - 1].op_shape().1;
+    let (c0, beta) = addend(cx, &at, s, &form, &operand, (m, n), leaves[0].dtype)?;
     if let Some(t) = &s.tile {
         let v = *t.get_ref();
         if v == 0 || v > crate::store::header::MAX_TILE_EDGE {
@@ -268,22 +393,83 @@ fn step(cx: &Ctx, i: usize, s: &RawStep, avail: &Avail) -> Result<Step> {
             )));
         }
     }
-    Ok(Step {
+    let output = cx.base.join(s.output.get_ref());
+    let alpha = form.alpha * s.alpha.as_ref().map_or(1.0, |v| *v.get_ref());
+    let one = |a: Operand, b: Operand, output: PathBuf, last: bool| Step {
         index: i,
         line,
         expr: text.clone(),
+        m: a.op_shape().0,
+        n: b.op_shape().1,
+        k: a.op_shape().1,
         a,
         b,
-        c0,
-        alpha: form.alpha * s.alpha.as_ref().map_or(1.0, |v| *v.get_ref()),
-        beta,
-        m,
-        n,
-        k,
-        output: cx.base.join(s.output.get_ref()),
+        c0: if last { c0.clone() } else { None },
+        alpha: if last { alpha } else { 1.0 },
+        beta: if last { beta } else { 0.0 },
+        output,
         out_dtype: DType::F32,
-        out_tile: s.tile.as_ref().map(|t| *t.get_ref()),
-    })
+        out_tile: if last {
+            s.tile.as_ref().map(|t| *t.get_ref())
+        } else {
+            None
+        },
+        chain: None,
+    };
+    if leaves.len() == 2 {
+        let (a, b) = (leaves[0].clone(), leaves[1].clone());
+        return Ok(vec![one(a, b, output, true)]);
+    }
+    let names: Vec<String> = form
+        .factors
+        .iter()
+        .map(|f| format!("{}{}", f.name, if f.trans { ".T" } else { "" }))
+        .collect();
+    Ok(chain_steps(&leaves, &names, &output, mem, text, one))
+}
+
+/// The steps of a chain: the cheapest order, its sub-products as steps, each knowing the chain.
+fn chain_steps(
+    leaves: &[Operand],
+    names: &[String],
+    output: &Path,
+    mem: u64,
+    text: &str,
+    one: impl Fn(Operand, Operand, PathBuf, bool) -> Step,
+) -> Vec<Step> {
+    let mut dims: Vec<u64> = leaves.iter().map(|o| o.op_shape().0).collect();
+    dims.push(leaves[leaves.len() - 1].op_shape().1);
+    let elem = leaves[0].dtype.compute().size() as u64;
+    let best = chain::best_order(&dims, mem, elem);
+    let naive = chain::left_to_right(leaves.len());
+    let subs = chain::sub_products(&best, leaves, output, mem, elem);
+    let temps: Vec<PathBuf> = subs
+        .iter()
+        .filter(|p| p.temp)
+        .map(|p| p.output.clone())
+        .collect();
+    let parts = subs.len();
+    subs.into_iter()
+        .enumerate()
+        .map(|(j, p)| {
+            let mut st = one(p.a, p.b, p.output, j + 1 == parts);
+            st.expr = format!("{text} [part {}/{parts}: {}]", j + 1, p.text);
+            st.chain = Some(chain::ChainPart {
+                part: j + 1,
+                parts,
+                root_output: output.to_path_buf(),
+                temps: temps.clone(),
+                leaves: leaves.to_vec(),
+                text: p.text,
+                cost: p.cost,
+                order: best.show(names),
+                order_cost: chain::tree_cost(&best, &dims, mem, elem),
+                naive: naive.show(names),
+                naive_cost: chain::tree_cost(&naive, &dims, mem, elem),
+            });
+            st
+        })
+        .collect()
 }
 
 /// The matrix added to the product (from `+ β·C0` in `expr`, or the `accumulate`/`beta` keys)
@@ -340,6 +526,11 @@ fn addend(
         ),
     };
     let c = operand(&factor)?;
+    if c.trans {
+        return Err(cx.err(format!(
+            "{at}: {what} is stored in Fortran (column-major) order; the added matrix must be row-major: save it with np.ascontiguousarray(c0), or declare it order = \"C\""
+        )));
+    }
     if (c.rows, c.cols) != (m, n) {
         return Err(cx.err(format!(
             "{at}: {what} is {}×{} but the product is {m}×{n}",
@@ -426,16 +617,56 @@ mod tests {
     /// Headers for A (20×30), B (30×10), C0 (20×10), D (30×10 f64); anything else is missing.
     fn headers(p: &Path) -> Result<Option<MatrixInfo>> {
         let name = p.file_stem().unwrap().to_str().unwrap();
-        let info = |rows, cols, dtype| Some(MatrixInfo { rows, cols, dtype });
+        let info = |rows, cols, dtype| {
+            Some(MatrixInfo {
+                rows,
+                cols,
+                dtype,
+                transposed: name == "F",
+            })
+        };
         Ok(match name {
             "A" => info(20, 30, DType::F32),
             "B" => info(30, 10, DType::F32),
             "C0" => info(20, 10, DType::F32),
             "D" => info(30, 10, DType::F64),
+            // Fortran order: declared 10×20, stored as its 20×10 transpose.
+            "F" => info(10, 20, DType::F32),
             _ => None,
         })
     }
     const MATS: &str = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[matrices.C0]\npath = \"C0.mgt\"\n[matrices.D]\npath = \"D.mgt\"\n";
+
+    #[test]
+    fn fortran_operands_flip_their_transpose_and_chains_cut_into_parts() {
+        // F is declared 10×20 (A·B is 20×10, so A·B·F is 20×20); stored as its transpose.
+        let p = plan(&format!(
+            "{MATS}[matrices.F]\npath = \"F.npy\"\n[[step]]\noutput = \"X.npy\"\nexpr = \"2 * A @ B @ F\"\n"
+        ))
+        .unwrap();
+        assert_eq!(p.steps.len(), 2);
+        let (s1, s2) = (&p.steps[0], &p.steps[1]);
+        // (A·B)·F: 2·20·30·10 + 2·20·10·20 against A·(B·F): 2·30·10·20 + 2·20·30·20.
+        assert_eq!((s1.a.name.as_str(), s1.b.name.as_str()), ("A", "B"));
+        assert_eq!((s1.alpha, s2.alpha), (1.0, 2.0));
+        assert!(s1.output.to_str().unwrap().ends_with("X.npy.part1.mgt"));
+        assert!(s2.a.temp && !s2.a.trans);
+        assert_eq!(
+            (s2.b.name.as_str(), s2.b.trans, s2.b.rows, s2.b.cols),
+            ("F", true, 20, 10)
+        );
+        assert_eq!((s2.m, s2.n, s2.k), (20, 20, 10));
+        let c = s2.chain.as_ref().unwrap();
+        assert_eq!((c.part, c.parts, c.temps.len()), (2, 2, 1));
+        assert!(c.naive_cost >= c.order_cost);
+        // (A·B)ᵀ with both factors transposed: the intermediate is computed untransposed.
+        let p = plan(&format!(
+            "{MATS}[[step]]\noutput = \"Y.mgt\"\nexpr = \"(A @ B @ B.T).T\"\n"
+        ))
+        .unwrap();
+        let first = &p.steps[0];
+        assert!(!first.a.trans && !first.b.trans, "{:?}", first.expr);
+    }
 
     fn plan(text: &str) -> Result<Plan> {
         Plan::resolve(Path::new("/nonexistent/p.toml"), text, &[], &headers)
@@ -482,7 +713,8 @@ mod tests {
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\ngenerate = {{ rows = 2, cols = 2, dist = \"odd\" }}\n"), "matrices.G.generate (line 11): dist"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\n\ngenerate = {{ rows = 0, cols = 2 }}\n"), "matrices.G.generate (line 12)"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B + C0\"\naccumulate = \"C0\"\n"), "(line 12) adds another"),
-            (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B @ B\"\n"), "more than one product"),
+            (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B @ B\"\n"), "B is 30×10 but B is 30×10"),
+            (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B + A @ B\"\n"), "sum of several products"),
         ];
         for (text, want) in cases {
             let e = plan(&text).unwrap_err().to_string();

@@ -429,6 +429,7 @@ mod tests {
                 rows,
                 cols,
                 dtype: crate::dtype::DType::F32,
+                transposed: false,
             }))
         };
         for tile in ["8", "[16, 8, 4]", "[32, 32, 8]"] {

@@ -64,6 +64,10 @@ pub fn describe(plan: &Plan) -> Result<String> {
             step.output.display(),
             step.expr
         );
+        if let Some(c) = &step.chain {
+            let h = crate::pipeline::output_header(step, &l);
+            s += &c.describe(crate::store::output_file_len(&step.output, &h));
+        }
         s += &format!(
             "  shapes: op(A) {}×{}, op(B) {}×{}, C {}×{}{}  alpha {} beta {}\n",
             step.m,

@@ -77,18 +77,83 @@ pub(crate) fn fingerprint(
         "compute tile".into(),
         format!("{}×{}×{}", layout.tm, layout.tn, layout.tk),
     );
+    fp.extend(input_ids(step)?);
+    Ok(fp)
+}
+
+/// The journal fingerprint's entries for a step's inputs: each input's identity, an
+/// intermediate of a chain by its path (it is determined by the chain's inputs, listed too, and
+/// is gone once the chain completes).
+pub fn input_ids(step: &Step) -> Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     for op in ops.into_iter().flatten() {
-        fp.insert(format!("input {}", op.name), input_identity(op)?);
+        let id = if op.temp {
+            format!("intermediate {}", op.path.display())
+        } else {
+            input_identity(op)?
+        };
+        out.push((format!("input {}", op.name), id));
     }
-    Ok(fp)
+    if let Some(c) = &step.chain {
+        for op in &c.leaves {
+            out.push((format!("chain input {}", op.name), input_identity(op)?));
+        }
+    }
+    Ok(out)
 }
 
 /// An input's identity as the journal records it (the source's own fingerprint: for .mgt the
 /// path, size, header and checksum table); `verify` compares it to find inputs changed since
 /// the output was computed.
 pub fn input_identity(op: &crate::plan::Operand) -> Result<String> {
-    Ok(crate::store::open_source(&op.path)?.identity())
+    Ok(op.open()?.identity())
+}
+
+/// Whether step `i` is an intermediate of a chain whose final product is already complete for
+/// the same inputs (then it is not recomputed: its file was removed when the chain completed).
+fn chain_done(
+    plan: &Plan,
+    layouts: &[Layout],
+    i: usize,
+    kind: &str,
+    opts: &RunOptions,
+) -> Result<bool> {
+    let step = &plan.steps[i];
+    let Some(c) = step.chain.as_ref().filter(|c| c.part < c.parts) else {
+        return Ok(false);
+    };
+    if opts.restart {
+        return Ok(false);
+    }
+    let root = i + c.parts - c.part;
+    let Some(peek) = crate::pipeline::journal::peek(&c.root_output)? else {
+        return Ok(false);
+    };
+    let fp = fingerprint(
+        &plan.steps[root],
+        &layouts[root],
+        kind,
+        plan.engine.precision,
+    )?;
+    Ok(peek.complete && peek.fingerprint == fp)
+}
+
+/// After the last product of a chain: remove its intermediates and their journals.
+fn remove_chain_temps(step: &Step) -> Result<()> {
+    let Some(c) = step.chain.as_ref().filter(|c| c.part == c.parts) else {
+        return Ok(());
+    };
+    for t in &c.temps {
+        for p in [t.clone(), crate::pipeline::journal::journal_path(t)] {
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(&p, "cannot remove the chain's intermediate", e)),
+            }
+        }
+    }
+    Ok(())
 }
 
 struct JournalSink<'a>(&'a Journal);
@@ -186,7 +251,10 @@ pub fn run_plan_on(
         None => generate_missing(plan, progress)?,
     };
     let mut steps = Vec::new();
-    for (step, layout) in plan.steps.iter().zip(&layouts) {
+    for (i, (step, layout)) in plan.steps.iter().zip(&layouts).enumerate() {
+        if chain_done(plan, &layouts, i, backend.caps().kind, opts)? {
+            continue;
+        }
         let reps = match &opts.shard {
             Some(sh) => crate::cluster::run_step_shards(
                 plan,
@@ -204,6 +272,11 @@ pub fn run_plan_on(
         for rep in reps {
             progress.note(&report::format_summary(&rep));
             steps.push(rep);
+        }
+        // Split runs keep a chain's intermediates: other processes may still read them
+        // (they stay next to the output until an unsplit run of the plan, or by hand).
+        if opts.shard.is_none() {
+            remove_chain_temps(step)?;
         }
     }
     let report = RunReport {

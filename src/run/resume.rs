@@ -11,7 +11,7 @@ use crate::pipeline::{output_header, Work};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::Step;
-use crate::store::{TiledFile, TiledWriter, WriteMode};
+use crate::store::{create_output, open_source, reopen_output, WriteMode};
 
 /// A step's state on disk, as the journal and the output's bytes agree on it.
 pub enum ResumeState {
@@ -51,7 +51,7 @@ impl ResumeState {
             State::Fresh => Self::fresh(step, header, total, write)?,
             State::Partial(done) if done.is_empty() => Self::fresh(step, header, total, write)?,
             State::Partial(done) => {
-                let writer = TiledWriter::reopen_with(&step.output, header, write)?;
+                let writer = reopen_output(&step.output, header, write)?;
                 let (finished, bad) = check_recorded(step, &sched, &done)?;
                 writer.forget_checksums();
                 let todo: Vec<u32> = (0..total as u32)
@@ -60,7 +60,7 @@ impl ResumeState {
                 let done_before = total - todo.len() as u64;
                 ResumeState::Work {
                     work: Work {
-                        writer: Box::new(writer),
+                        writer,
                         todo: Some(todo),
                         done_before,
                     },
@@ -122,7 +122,7 @@ impl ResumeState {
     ) -> Result<ResumeState> {
         Ok(ResumeState::Work {
             work: Work {
-                writer: Box::new(TiledWriter::create_with(&step.output, header, write)?),
+                writer: create_output(&step.output, header, write)?,
                 todo: None,
                 done_before: 0,
             },
@@ -134,7 +134,7 @@ impl ResumeState {
 
 /// Which recorded tiles still hold the bytes their CRC says; and how many do not.
 fn check_recorded(step: &Step, sched: &Schedule, done: &[(u32, u32)]) -> Result<(Vec<bool>, u64)> {
-    let out = TiledFile::open(&step.output)?;
+    let out = open_source(&step.output)?;
     let mut finished = vec![false; sched.tiles.len()];
     let mut bad = 0;
     let mut buf = Vec::new();

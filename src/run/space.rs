@@ -43,7 +43,7 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout]) -> Result<()> {
         if !s.output.exists() {
             let h = pipeline::output_header(s, l);
             let e = need.entry(existing_dir(&s.output)).or_default();
-            e.0 += h.file_len();
+            e.0 += crate::store::output_file_len(&s.output, &h);
             e.1.push(s.output.display().to_string());
         }
     }

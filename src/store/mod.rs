@@ -4,15 +4,25 @@
 //! `.mgt` tiled file ([`header`], [`tiled`]) implements them, with block I/O cut into contiguous
 //! file runs by one iterator ([`runs`]). Around that: synthetic data generation ([`gen`]),
 //! `.npy` import and export ([`npy`]), and filesystem checks and reservations ([`fsutil`]).
+//! Data where users keep it: `.npy` arrays ([`npy_source`]) and raw binary files ([`raw`]) are
+//! read in place as row-major sources ([`rowmajor`]), and `.npy` outputs are written directly
+//! with a per-tile CRC sidecar ([`npy_sink`]).
 
 pub mod fsutil;
 pub mod gen;
 pub mod header;
 pub mod npy;
+pub mod npy_sink;
+pub mod npy_source;
+pub mod raw;
+pub mod rowmajor;
 pub(crate) mod runs;
 pub mod source;
 pub mod tiled;
 
 pub use header::Header;
-pub use source::{open_source, Block, MatrixSink, MatrixSource, WriteMode};
+pub use source::{
+    create_output, open_source, open_spec, output_file_len, reopen_output, Block, MatrixSink,
+    MatrixSource, OutputFormat, SourceSpec, WriteMode,
+};
 pub use tiled::{TiledFile, TiledWriter};

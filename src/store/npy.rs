@@ -12,12 +12,12 @@
 //! and say how to fix the array, and the parser is a hundred lines with no dependency.
 
 use std::fs::File;
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufWriter, Read, Write};
 use std::path::Path;
 
 use super::header::Header;
-use super::source::Block;
-use super::tiled::{TiledFile, TiledWriter};
+use super::source::{Block, SourceSpec};
+use super::tiled::TiledWriter;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -30,6 +30,8 @@ pub struct NpyHeader {
     pub dtype: DType,
     pub rows: u64,
     pub cols: u64,
+    /// Stored column by column (`fortran_order`): the bytes are the row-major transpose.
+    pub fortran: bool,
     /// Byte offset of the first element.
     pub data_offset: u64,
 }
@@ -190,30 +192,64 @@ impl LiteralParser<'_> {
     }
 }
 
-/// The element type for a `descr` string, or a message saying why it cannot be read.
+/// The element type for a `descr` string, or a message saying why it cannot be read and how to
+/// convert the array.
 fn parse_descr(descr: &str) -> std::result::Result<DType, String> {
-    let unsupported = || {
-        format!(
-            "dtype '{descr}' is not supported; convert to float32 or float64 first (arr.astype(np.float32))"
-        )
-    };
     let (order, code) = descr.split_at(descr.len().min(1));
-    let dtype = match code {
-        "f4" => DType::F32,
-        "f8" => DType::F64,
-        _ => return Err(unsupported()),
+    let convert = "convert it with a.astype('<f4') (or '<f8') and save again";
+    let kind = match code.as_bytes().first() {
+        Some(b'f') => match code {
+            "f2" => Some(DType::F16),
+            "f4" => Some(DType::F32),
+            "f8" => Some(DType::F64),
+            _ => None,
+        },
+        Some(b'i' | b'u' | b'b') => {
+            return Err(format!(
+                "dtype '{descr}' is an integer (or boolean) array; only float16, float32 and float64 can be read: {convert}"
+            ))
+        }
+        Some(b'c') => {
+            return Err(format!(
+                "dtype '{descr}' is complex; only real float16, float32 and float64 can be read: multiply the real and imaginary parts separately (a.real.astype('<f4'), a.imag.astype('<f4'))"
+            ))
+        }
+        Some(b'O') => {
+            return Err(format!(
+                "dtype '{descr}' is an object array (Python objects, not numbers in the file); {convert}"
+            ))
+        }
+        Some(b'V') if code == "V2" => {
+            return Err(format!(
+                "dtype '{descr}' is a raw 2-byte type, most likely bfloat16 from ml_dtypes (numpy has no standard bf16 dtype); either save a.astype(np.float32), or write the bits with a.tofile('x.bin') and declare it as format = \"raw\", dtype = \"bf16\" (docs/PLAN.md)"
+            ))
+        }
+        _ => None,
     };
+    let dtype = kind.ok_or_else(|| {
+        format!("dtype '{descr}' is not supported (float16, float32 and float64 are); {convert}")
+    })?;
     match order {
         "<" | "=" => Ok(dtype),
         ">" => Err(format!(
-            "dtype '{descr}' is big-endian; only little-endian data can be read: convert it with arr.astype('<{code}') and save again"
+            "dtype '{descr}' is big-endian; only little-endian data can be read: convert it with a.astype('<{code}') and save again"
         )),
-        _ => Err(unsupported()),
+        _ => Err(format!(
+            "dtype '{descr}' is not supported (float16, float32 and float64 are); {convert}"
+        )),
     }
 }
 
+/// What the header dict says: element type, shape as numpy reports it, and the order.
+struct Interpreted {
+    dtype: DType,
+    rows: u64,
+    cols: u64,
+    fortran: bool,
+}
+
 /// Interpret the parsed dict: exactly `descr`, `fortran_order` and `shape`.
-fn interpret(dict: Vec<(String, Literal)>) -> std::result::Result<(DType, u64, u64), String> {
+fn interpret(dict: Vec<(String, Literal)>) -> std::result::Result<Interpreted, String> {
     let mut descr = None;
     let mut fortran = None;
     let mut shape = None;
@@ -229,23 +265,19 @@ fn interpret(dict: Vec<(String, Literal)>) -> std::result::Result<(DType, u64, u
         Literal::Str(d) => parse_descr(&d)?,
         Literal::List(_) => {
             return Err(
-                "structured dtypes are not supported; save a plain float32 or float64 array".into(),
+                "structured dtypes (record arrays) are not supported; save one plain float field, e.g. np.save('x.npy', a['field'].astype('<f4'))".into(),
             )
         }
         other => return Err(format!("header 'descr' is {other}, not a dtype string")),
     };
-    match fortran.ok_or("header has no 'fortran_order'")? {
-        Literal::Bool(false) => {}
-        Literal::Bool(true) => return Err(
-            "array is in Fortran order; save it C-contiguous (np.ascontiguousarray) and try again"
-                .into(),
-        ),
+    let fortran = match fortran.ok_or("header has no 'fortran_order'")? {
+        Literal::Bool(b) => b,
         other => {
             return Err(format!(
                 "header 'fortran_order' is {other}, not True or False"
             ))
         }
-    }
+    };
     let shape = shape.ok_or("header has no 'shape'")?;
     let shown = shape.to_string();
     let dims: Vec<u64> = match shape {
@@ -258,9 +290,15 @@ fn interpret(dict: Vec<(String, Literal)>) -> std::result::Result<(DType, u64, u
             .collect::<std::result::Result<_, _>>()?,
         other => return Err(format!("header 'shape' is {other}, not a tuple")),
     };
-    if dims.len() != 2 {
+    let hint = match dims.len() {
+        0 => Some("it is a 0-d scalar; save a matrix, e.g. a.reshape(1, 1)"),
+        1 => Some("it is 1-D; save it as a row a.reshape(1, -1) or a column a.reshape(-1, 1)"),
+        2 => None,
+        _ => Some("save it as 2-D, e.g. a.reshape(-1, a.shape[-1])"),
+    };
+    if let Some(h) = hint {
         return Err(format!(
-            "array has shape {shown}; only 2-D arrays are supported (reshape it first)"
+            "array has shape {shown}; only 2-D arrays (matrices) are supported: {h}"
         ));
     }
     if dims[0] == 0 || dims[1] == 0 {
@@ -268,7 +306,12 @@ fn interpret(dict: Vec<(String, Literal)>) -> std::result::Result<(DType, u64, u
             "array has shape {shown}; empty matrices are not supported"
         ));
     }
-    Ok((dtype, dims[0], dims[1]))
+    Ok(Interpreted {
+        dtype,
+        rows: dims[0],
+        cols: dims[1],
+        fortran,
+    })
 }
 
 /// Read and validate the header of a `.npy` stream positioned at its start.
@@ -305,76 +348,100 @@ pub fn read_header(path: &Path, r: &mut impl Read) -> Result<NpyHeader> {
     let dict = LiteralParser { s: &h, i: 0 }
         .dict()
         .map_err(|m| bad(format!("malformed .npy header: {m}")))?;
-    let (dtype, rows, cols) = interpret(dict).map_err(bad)?;
+    let it = interpret(dict).map_err(bad)?;
     Ok(NpyHeader {
-        dtype,
-        rows,
-        cols,
+        dtype: it.dtype,
+        rows: it.rows,
+        cols: it.cols,
+        fortran: it.fortran,
         data_offset: (6 + 2 + len_bytes + hlen) as u64,
     })
 }
 
-/// Import `src` (.npy) into a new tiled file `dst` with storage tiles `tile`.
+/// Import `src` into a new tiled file `dst` with storage tiles `tile`. `src` is anything a
+/// source reads: a `.npy` array (C or Fortran order, f16/f32/f64), a `.mgt` file, or a raw
+/// descriptor `raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH`.
 pub fn import(src: &Path, dst: &Path, tile: (u64, u64)) -> Result<Header> {
-    let f = File::open(src).map_err(|e| Error::io(src, "cannot open .npy file", e))?;
-    let len = f
-        .metadata()
-        .map_err(|e| Error::io(src, "cannot stat", e))?
-        .len();
-    let mut r = BufReader::with_capacity(8 << 20, f);
-    let nh = read_header(src, &mut r)?;
-    let es = nh.dtype.size() as u64;
-    let need = nh
-        .rows
-        .checked_mul(nh.cols)
-        .and_then(|n| n.checked_mul(es))
-        .and_then(|n| n.checked_add(nh.data_offset))
-        .ok_or_else(|| Error::format(src, "shape overflows"))?;
-    if len < need {
-        return Err(Error::format(
-            src,
-            format!(
-                "file is {len} bytes but its header ({}×{} {}) needs {need}: truncated",
-                nh.rows, nh.cols, nh.dtype
-            ),
-        ));
-    }
+    let spec = SourceSpec::parse_arg(&src.to_string_lossy())?;
+    let s = spec.open()?;
+    let (sr, sc) = s.shape();
+    let t = s.transposed();
+    let (rows, cols) = if t { (sc, sr) } else { (sr, sc) };
     let hdr = Header::new(
-        nh.dtype,
-        nh.rows,
-        nh.cols,
-        tile.0.min(nh.rows).max(1),
-        tile.1.min(nh.cols).max(1),
+        s.dtype(),
+        rows,
+        cols,
+        tile.0.min(rows).max(1),
+        tile.1.min(cols).max(1),
         true,
     );
     let w = TiledWriter::create(dst, hdr)?;
-    let row_bytes = (nh.cols * es) as usize;
-    let chunk_rows = (CHUNK_BYTES / row_bytes).max(1) as u64;
-    let mut buf = Vec::new();
-    let mut r0 = 0;
-    while r0 < nh.rows {
-        let n = chunk_rows.min(nh.rows - r0);
-        buf.resize(n as usize * row_bytes, 0);
-        r.read_exact(&mut buf)
-            .map_err(|e| Error::io(src, "cannot read array data", e))?;
-        w.write_block(
-            &Block {
+    let es = s.dtype().size();
+    // Stored blocks: whole row bands for a C-order source; for a transposed one, blocks of
+    // `tile.1` stored rows (output columns) so each transposed block fills whole output tiles.
+    let band = if t {
+        hdr.tile_cols
+    } else {
+        (CHUNK_BYTES / (sc as usize * es)).max(1) as u64
+    };
+    let width = if t {
+        ((CHUNK_BYTES / (band as usize * es)) as u64 / hdr.tile_rows).max(1) * hdr.tile_rows
+    } else {
+        sc
+    };
+    let (mut buf, mut tr) = (Vec::new(), Vec::new());
+    for r0 in (0..sr).step_by(band as usize) {
+        for c0 in (0..sc).step_by(width as usize) {
+            let b = Block {
                 r0,
-                c0: 0,
-                rows: n,
-                cols: nh.cols,
-            },
-            nh.dtype,
-            &buf,
-        )?;
-        r0 += n;
+                c0,
+                rows: band.min(sr - r0),
+                cols: width.min(sc - c0),
+            };
+            s.verify_block(&b)?;
+            buf.resize(b.elems() * es, 0);
+            s.read_block(&b, s.dtype(), &mut buf)?;
+            if !t {
+                w.write_block(&b, s.dtype(), &buf)?;
+                continue;
+            }
+            tr.resize(buf.len(), 0);
+            transpose_bytes(&buf, b.rows as usize, b.cols as usize, es, &mut tr);
+            let out = Block {
+                r0: c0,
+                c0: r0,
+                rows: b.cols,
+                cols: b.rows,
+            };
+            w.write_block(&out, s.dtype(), &tr)?;
+        }
     }
     w.finish(true)?;
     Ok(hdr)
 }
 
+/// Transpose a dense row-major `rows × cols` array of `es`-byte elements into `dst`.
+fn transpose_bytes(src: &[u8], rows: usize, cols: usize, es: usize, dst: &mut [u8]) {
+    const B: usize = 64;
+    for i0 in (0..rows).step_by(B) {
+        for j0 in (0..cols).step_by(B) {
+            for i in i0..(i0 + B).min(rows) {
+                for j in j0..(j0 + B).min(cols) {
+                    let (s, d) = ((i * cols + j) * es, (j * rows + i) * es);
+                    dst[d..d + es].copy_from_slice(&src[s..s + es]);
+                }
+            }
+        }
+    }
+}
+
 /// The bytes of a .npy header for a C-order 2-D array.
 pub fn header_bytes(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
+    header_bytes_order(dtype, rows, cols, false)
+}
+
+/// The bytes of a .npy header for a 2-D array, C or Fortran (`fortran`) order.
+pub fn header_bytes_order(dtype: DType, rows: u64, cols: u64, fortran: bool) -> Result<Vec<u8>> {
     let descr = match dtype {
         DType::F32 => "<f4",
         DType::F64 => "<f8",
@@ -384,8 +451,9 @@ pub fn header_bytes(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
             )))
         }
     };
+    let order = if fortran { "True" } else { "False" };
     let dict =
-        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+        format!("{{'descr': '{descr}', 'fortran_order': {order}, 'shape': ({rows}, {cols}), }}");
     let mut v1 = true;
     let mut total = 10 + dict.len() + 1;
     if total.div_ceil(64) * 64 - 10 > u16::MAX as usize {
@@ -412,26 +480,33 @@ pub fn header_bytes(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
 
 /// Export tiled file `src` to `dst` (.npy). 16-bit files are widened to f32.
 pub fn export(src: &Path, dst: &Path) -> Result<()> {
-    let t = TiledFile::open(src)?;
+    // Any source (.mgt, .npy, raw:…); a transposed (column-major) one is written as a
+    // Fortran-order array, byte for byte its stored row-major transpose.
+    let t = SourceSpec::parse_arg(&src.to_string_lossy())?.open()?;
+    let (rows, cols) = t.shape();
     let out_dt = t.dtype().compute();
-    let head = header_bytes(out_dt, t.rows(), t.cols())?;
+    let head = if t.transposed() {
+        header_bytes_order(out_dt, cols, rows, true)?
+    } else {
+        header_bytes(out_dt, rows, cols)?
+    };
     let f = File::create(dst).map_err(|e| Error::io(dst, "cannot create .npy file", e))?;
     let mut w = BufWriter::with_capacity(8 << 20, f);
     w.write_all(&head)
         .map_err(|e| Error::io(dst, "cannot write", e))?;
-    let row_bytes = (t.cols() as usize) * out_dt.size();
+    let row_bytes = (cols as usize) * out_dt.size();
     let chunk_rows = (CHUNK_BYTES / row_bytes).max(1) as u64;
     let mut buf = Vec::new();
     let mut r0 = 0;
-    while r0 < t.rows() {
-        let n = chunk_rows.min(t.rows() - r0);
+    while r0 < rows {
+        let n = chunk_rows.min(rows - r0);
         buf.resize(n as usize * row_bytes, 0);
         t.read_block(
             &Block {
                 r0,
                 c0: 0,
                 rows: n,
-                cols: t.cols(),
+                cols,
             },
             out_dt,
             &mut buf,
@@ -516,19 +591,39 @@ mod tests {
         };
         let e = err(&d("'>f4'", "False", "(2, 2)"));
         assert!(e.contains("big-endian") && e.contains("x.npy"), "{e}");
-        let e = err(&d("'<f4'", "True", "(2, 2)"));
-        assert!(e.contains("Fortran order"), "{e}");
-        for bad in ["'<i4'", "'|O'", "'<f2'", "'<c8'", "'f4'"] {
+        let h = parse(&d("'<f4'", "True", "(2, 3)")).unwrap();
+        assert!(h.fortran && (h.rows, h.cols) == (2, 3));
+        let h = parse(&d("'<f2'", "False", "(2, 3)")).unwrap();
+        assert_eq!(h.dtype, DType::F16);
+        for (bad, want) in [
+            ("'<i4'", "integer"),
+            ("'|b1'", "integer (or boolean)"),
+            ("'|O'", "object array"),
+            ("'<c8'", "complex"),
+            ("'f4'", "not supported"),
+            ("'<f16'", "not supported"),
+            ("'|V2'", "bfloat16 from ml_dtypes"),
+        ] {
             let e = err(&d(bad, "False", "(2, 2)"));
             assert!(
-                e.contains("not supported") && e.contains(&bad[1..bad.len() - 1]),
+                e.contains(want) && e.contains(&bad[1..bad.len() - 1]),
                 "{e}"
             );
+            assert!(e.contains("astype"), "{e}");
         }
         let e = err(&d("[('a', '<f4')]", "False", "(2, 2)"));
         assert!(e.contains("structured"), "{e}");
-        let e = err(&d("'<f4'", "False", "(16,)"));
-        assert!(e.contains("(16,)") && e.contains("2-D"), "{e}");
+        for (shape, hint) in [
+            ("(16,)", "reshape(1, -1)"),
+            ("()", "0-d"),
+            ("(2, 3, 4)", "reshape(-1"),
+        ] {
+            let e = err(&d("'<f4'", "False", shape));
+            assert!(
+                e.contains(shape) && e.contains("2-D") && e.contains(hint),
+                "{e}"
+            );
+        }
         let e = err(&d("'<f4'", "False", "(0, 3)"));
         assert!(e.contains("empty"), "{e}");
     }

@@ -8,11 +8,11 @@
 //! `&self` and the traits are `Send + Sync`: several stage threads share one source or sink, and
 //! callers guarantee that concurrent writes go to disjoint blocks.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// A block of a matrix: rows `r0..r0+rows`, columns `c0..c0+cols`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -50,6 +50,25 @@ pub trait MatrixSource: Send + Sync {
     /// What identifies the data for the resume journal's fingerprint: a journal written against
     /// a source with a different identity is not resumed. Cheap (no pass over the data).
     fn identity(&self) -> String;
+    /// True when the file stores the transpose of the matrix it holds (a Fortran-order `.npy`,
+    /// a raw file with `order = "F"`): [`shape`](Self::shape) and blocks are those of the stored
+    /// row-major transpose, and the plan reads the operand with `.T` flipped (no copy is made).
+    fn transposed(&self) -> bool {
+        false
+    }
+    /// The tile grid [`verify_block`](Self::verify_block) checks, when the file has checksums.
+    fn checksum_tile(&self) -> Option<(u64, u64)> {
+        None
+    }
+    /// What `info` prints about the file (several `key: value` lines).
+    fn describe(&self) -> String {
+        let (r, c) = self.shape();
+        format!(
+            "file:        {}\nshape:       {r} × {c}\ndtype:       {}\n",
+            self.path().display(),
+            self.dtype()
+        )
+    }
 }
 
 /// A matrix the engine writes blocks of.
@@ -78,9 +97,158 @@ pub trait MatrixSink: Send + Sync {
     fn finish(self: Box<Self>, durable: bool) -> Result<()>;
 }
 
-/// Open a matrix file for reading, choosing the implementation by its format.
+/// Open a matrix file for reading, choosing the implementation by its first bytes: `.mgt`
+/// (`MGMTILE1`) or `.npy` (`\x93NUMPY`). A raw binary file has no header and must be described
+/// ([`SourceSpec::Raw`], [`open_spec`]).
 pub fn open_source(path: &Path) -> Result<Arc<dyn MatrixSource>> {
-    Ok(Arc::new(super::TiledFile::open(path)?))
+    let meta =
+        std::fs::metadata(path).map_err(|e| Error::io(path, "cannot open matrix file", e))?;
+    if !meta.is_file() {
+        return Err(Error::format(path, "is not a regular file"));
+    }
+    let mut magic = [0u8; 8];
+    let n = std::fs::File::open(path)
+        .and_then(|f| {
+            use std::os::unix::fs::FileExt;
+            f.read_at(&mut magic, 0)
+        })
+        .map_err(|e| Error::io(path, "cannot open matrix file", e))?;
+    if n >= 6 && &magic[..6] == b"\x93NUMPY" {
+        return Ok(Arc::new(super::npy_source::open(path)?));
+    }
+    if n == 8 && &magic == b"MGMTILE1" {
+        return Ok(Arc::new(super::TiledFile::open(path)?));
+    }
+    Err(Error::format(
+        path,
+        "wrong magic: neither a .mgt file (MGMTILE1) nor a .npy array (\\x93NUMPY); a raw binary matrix must be declared with format = \"raw\", rows, cols and dtype (in a plan), or as raw:rows=R,cols=C,dtype=f32:PATH (on the command line)",
+    ))
+}
+
+/// `info` for anything that is not a `.mgt` file (`None` for a `.mgt`, which the caller prints
+/// from its header): a `.npy` array or a `raw:…` descriptor, described, and with `check` every
+/// sidecar tile's CRC verified.
+pub fn inspect(arg: &Path, check: bool) -> Result<Option<String>> {
+    let spec = SourceSpec::parse_arg(&arg.to_string_lossy())?;
+    if let SourceSpec::File(p) = &spec {
+        let mut magic = [0u8; 8];
+        let is_mgt = std::fs::File::open(p)
+            .and_then(|f| {
+                use std::os::unix::fs::FileExt;
+                f.read_at(&mut magic, 0)
+            })
+            .is_ok_and(|n| n == 8 && &magic == b"MGMTILE1");
+        if is_mgt {
+            return Ok(None);
+        }
+    }
+    let s = spec.open()?;
+    let mut out = s.describe();
+    if check {
+        if s.checksum_tile().is_none() {
+            return Err(Error::format(
+                spec.path(),
+                "has no checksums (only .npy files written by `run` have a sidecar of tile CRCs); nothing to check",
+            ));
+        }
+        let t = std::time::Instant::now();
+        let (rows, cols) = s.shape();
+        s.verify_block(&Block {
+            r0: 0,
+            c0: 0,
+            rows,
+            cols,
+        })?;
+        out += &format!(
+            "check:       all tiles OK ({:.2} s)\n",
+            t.elapsed().as_secs_f64()
+        );
+    }
+    Ok(Some(out))
+}
+
+/// Where a matrix comes from: a self-describing file (`.mgt`, `.npy`), or a raw binary file
+/// and its declared layout.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SourceSpec {
+    File(PathBuf),
+    Raw(super::raw::RawSpec),
+}
+
+impl SourceSpec {
+    /// A command-line argument: `raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH`, or a path.
+    pub fn parse_arg(arg: &str) -> Result<SourceSpec> {
+        match arg.strip_prefix("raw:") {
+            Some(rest) => Ok(SourceSpec::Raw(super::raw::RawSpec::parse_arg(rest)?)),
+            None => Ok(SourceSpec::File(PathBuf::from(arg))),
+        }
+    }
+    pub fn path(&self) -> &Path {
+        match self {
+            SourceSpec::File(p) => p,
+            SourceSpec::Raw(r) => &r.path,
+        }
+    }
+    pub fn open(&self) -> Result<Arc<dyn MatrixSource>> {
+        match self {
+            SourceSpec::File(p) => open_source(p),
+            SourceSpec::Raw(r) => Ok(Arc::new(r.open()?)),
+        }
+    }
+}
+
+/// Open `spec` for reading.
+pub fn open_spec(spec: &SourceSpec) -> Result<Arc<dyn MatrixSource>> {
+    spec.open()
+}
+
+/// What an output file holds: chosen by the output path's extension (`.npy`, else `.mgt`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputFormat {
+    Mgt,
+    Npy,
+}
+
+impl OutputFormat {
+    pub fn of(path: &Path) -> OutputFormat {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some(e) if e.eq_ignore_ascii_case("npy") => OutputFormat::Npy,
+            _ => OutputFormat::Mgt,
+        }
+    }
+}
+
+/// Bytes the output `path` with (`.mgt`-style) header `hdr` takes on disk, sidecar included.
+pub fn output_file_len(path: &Path, hdr: &super::Header) -> u64 {
+    match OutputFormat::of(path) {
+        OutputFormat::Mgt => hdr.file_len(),
+        OutputFormat::Npy => super::npy_sink::file_len(hdr),
+    }
+}
+
+/// Create the output `path` for the matrix `hdr` describes (its shape, dtype and storage tile;
+/// a `.npy` output keeps the tile for its checksum sidecar).
+pub fn create_output(
+    path: &Path,
+    hdr: super::Header,
+    mode: WriteMode,
+) -> Result<Box<dyn MatrixSink>> {
+    Ok(match OutputFormat::of(path) {
+        OutputFormat::Mgt => Box::new(super::TiledWriter::create_with(path, hdr, mode)?),
+        OutputFormat::Npy => Box::new(super::npy_sink::NpyWriter::create(path, &hdr, mode)?),
+    })
+}
+
+/// Reopen the partly written output `path` to resume it; it must match `hdr`.
+pub fn reopen_output(
+    path: &Path,
+    hdr: super::Header,
+    mode: WriteMode,
+) -> Result<Box<dyn MatrixSink>> {
+    Ok(match OutputFormat::of(path) {
+        OutputFormat::Mgt => Box::new(super::TiledWriter::reopen_with(path, hdr, mode)?),
+        OutputFormat::Npy => Box::new(super::npy_sink::NpyWriter::reopen(path, &hdr, mode)?),
+    })
 }
 
 /// How a sink moves output blocks into its file (plan key `engine.write`).

@@ -38,7 +38,7 @@ const PAR_BYTES: usize = 1 << 20;
 const ADVISE_CHUNK: u64 = 8 << 20;
 /// Run span for copies into the output map: small enough that a single storage tile's rows
 /// spread over the whole rayon pool.
-const MAP_COPY_SPAN: u64 = 512 << 10;
+pub(crate) const MAP_COPY_SPAN: u64 = 512 << 10;
 /// Elements converted per parallel task.
 const CONVERT_ELEMS: usize = 1 << 16;
 
@@ -58,7 +58,7 @@ pub fn par_crc32c(data: &[u8]) -> u32 {
 }
 
 /// Convert a dense array between dtypes on the rayon pool.
-fn convert_par(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
+pub(crate) fn convert_par(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
     src.par_chunks(CONVERT_ELEMS * from.size())
         .zip(dst.par_chunks_mut(CONVERT_ELEMS * to.size()))
         .for_each(|(s, d)| {
@@ -69,7 +69,7 @@ fn convert_par(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
 /// Read every run of a block from `file` into `raw` (the dense block, file dtype), in parallel:
 /// one pread per run when its rows are contiguous in the file (scattered into the block from a
 /// scratch buffer if they are not contiguous there), one pread per row otherwise.
-fn read_runs(file: &File, rs: &[Run], raw: &mut [u8]) -> std::io::Result<()> {
+pub(crate) fn read_runs(file: &File, rs: &[Run], raw: &mut [u8]) -> std::io::Result<()> {
     let base = SendPtr(raw.as_mut_ptr());
     let raw_len = raw.len();
     rs.par_iter()
@@ -103,7 +103,7 @@ fn read_runs(file: &File, rs: &[Run], raw: &mut [u8]) -> std::io::Result<()> {
 /// Write every run of a block from `raw` (dense block, file dtype) into `file` with `pwrite`,
 /// from one thread in large sequential pieces: buffered writes to one file serialise on the
 /// inode lock in most filesystems, so more threads would only queue.
-fn pwrite_runs(file: &File, rs: &[Run], raw: &[u8]) -> std::io::Result<()> {
+pub(crate) fn pwrite_runs(file: &File, rs: &[Run], raw: &[u8]) -> std::io::Result<()> {
     let mut scratch = Vec::new();
     for g in rs {
         let src = &raw[g.buf_span()];
@@ -129,7 +129,7 @@ fn pwrite_runs(file: &File, rs: &[Run], raw: &[u8]) -> std::io::Result<()> {
 
 /// Copy every run of a block from `raw` (dense block, file dtype) into the writable map,
 /// in parallel when the block is large.
-fn copy_runs_to_map(map: &MmapMut, rs: &[Run], raw: &[u8]) {
+pub(crate) fn copy_runs_to_map(map: &MmapMut, rs: &[Run], raw: &[u8]) {
     let base = SendPtr(map.as_ptr() as *mut u8);
     let map_len = map.len();
     let one = |g: &Run| {
@@ -185,7 +185,7 @@ impl SendPtr {
     }
 }
 
-fn supported(from: DType, to: DType) -> bool {
+pub(crate) fn supported(from: DType, to: DType) -> bool {
     from == to
         || matches!(
             (from, to),
@@ -418,6 +418,9 @@ impl MatrixSource for TiledFile {
     }
     fn identity(&self) -> String {
         TiledFile::identity(self)
+    }
+    fn checksum_tile(&self) -> Option<(u64, u64)> {
+        Some((self.hdr.tile_rows, self.hdr.tile_cols))
     }
 }
 
@@ -705,7 +708,7 @@ impl MatrixSink for TiledWriter {
     }
 }
 
-fn size_error(path: &Path, len: u64, e: std::io::Error) -> Error {
+pub(crate) fn size_error(path: &Path, len: u64, e: std::io::Error) -> Error {
     use rustix::io::Errno;
     let code = e.raw_os_error();
     let is = |errno: Errno| code == Some(errno.raw_os_error());

@@ -25,9 +25,9 @@ use serde::Serialize;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::pipeline::journal;
-use crate::plan::{Operand, Plan, Precision, Step};
+use crate::plan::{Plan, Precision, Step};
 use crate::store::gen::Rng;
-use crate::store::TiledFile;
+use crate::store::open_source;
 use model::{Cell, Model};
 use pass::{Dd, Groups, Op, Sums};
 
@@ -259,13 +259,7 @@ fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
         ("beta".into(), format!("{:?}", step.beta)),
         ("precision".into(), precision.name().to_string()),
     ];
-    let ops: [Option<&Operand>; 3] = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
-    for op in ops.into_iter().flatten() {
-        now.push((
-            format!("input {}", op.name),
-            crate::run::input_identity(op)?,
-        ));
-    }
+    now.extend(crate::run::input_ids(step)?);
     let changes: Vec<String> = now
         .iter()
         .filter(|(k, v)| j.fingerprint.get(k) != Some(v))
@@ -300,20 +294,20 @@ pub fn verify_step(
 ) -> Result<VerifyReport> {
     let t0 = Instant::now();
     let (m, n, k) = (step.m as usize, step.n as usize, step.k);
-    let out = TiledFile::open(&step.output)?;
-    if (out.rows(), out.cols()) != (step.m, step.n) {
+    let out = open_source(&step.output)?;
+    if out.shape() != (step.m, step.n) || out.transposed() {
         return Err(Error::format(
             &step.output,
             format!(
                 "is {}×{} but step {} produces {m}×{n}",
-                out.rows(),
-                out.cols(),
+                out.shape().0,
+                out.shape().1,
                 step.index + 1
             ),
         ));
     }
     let r = rounds.max(1);
-    let tile = (out.hdr.tile_rows, out.hdr.tile_cols);
+    let tile = out.checksum_tile().unwrap_or((step.m, step.n));
     let mut rep = VerifyReport {
         step: step.index + 1,
         output: step.output.display().to_string(),
@@ -333,18 +327,27 @@ pub fn verify_step(
         skipped_cells: 0,
         seconds: 0.0,
     };
+    if step.chain.as_ref().is_some_and(|c| c.part < c.parts) {
+        rep.reason = Some(
+            "an intermediate of a whole-expression chain (a temporary file); the chain is checked at its last part".into(),
+        );
+        rep.seconds = t0.elapsed().as_secs_f64();
+        return Ok(rep);
+    }
     if let Some(why) = journal_check(step, precision)? {
         rep.pass = false;
         rep.reason = Some(why);
         rep.seconds = t0.elapsed().as_secs_f64();
         return Ok(rep);
     }
-    let (fa, fb) = (
-        TiledFile::open(&step.a.path)?,
-        TiledFile::open(&step.b.path)?,
-    );
+    if let Some(why) = chain_gap(step) {
+        rep.reason = Some(why);
+        rep.seconds = t0.elapsed().as_secs_f64();
+        return Ok(rep);
+    }
+    let (fa, fb) = (step.a.open()?, step.b.open()?);
     let fc0 = match &step.c0 {
-        Some(c) if step.beta != 0.0 => Some(TiledFile::open(&c.path)?),
+        Some(c) if step.beta != 0.0 => Some(c.open()?),
         _ => None,
     };
     let exact = step.a.dtype == DType::F64;
@@ -356,10 +359,10 @@ pub fn verify_step(
         round,
     };
     let rows = Side {
-        a: op(&fa, step.a.trans, rd),
-        b: op(&fb, step.b.trans, rd),
-        c: op(&out, false, None),
-        c0: fc0.as_ref().map(|f| op(f, false, None)),
+        a: op(fa.as_ref(), step.a.trans, rd),
+        b: op(fb.as_ref(), step.b.trans, rd),
+        c: op(out.as_ref(), false, None),
+        c0: fc0.as_ref().map(|f| op(f.as_ref(), false, None)),
         alpha: step.alpha,
         beta: step.beta,
         model,
@@ -378,10 +381,10 @@ pub fn verify_step(
         rep.pass = false;
         // The same test on Cᵀ = α·op(B)ᵀ·op(A)ᵀ + β·C0ᵀ names the failing columns.
         let cols = Side {
-            a: op(&fb, !step.b.trans, rd),
-            b: op(&fa, !step.a.trans, rd),
-            c: op(&out, true, None),
-            c0: fc0.as_ref().map(|f| op(f, true, None)),
+            a: op(fb.as_ref(), !step.b.trans, rd),
+            b: op(fa.as_ref(), !step.a.trans, rd),
+            c: op(out.as_ref(), true, None),
+            c0: fc0.as_ref().map(|f| op(f.as_ref(), true, None)),
             ..rows
         };
         let rgp = Groups::new(m, tile.0 as usize, groups_for(m.max(n), r));
@@ -390,6 +393,22 @@ pub fn verify_step(
     }
     rep.seconds = t0.elapsed().as_secs_f64();
     Ok(rep)
+}
+
+/// Why the residual test cannot run on a part of a whole-expression chain: its intermediates
+/// are removed when the chain completes. The journal check above still ran (inputs unchanged,
+/// the chain complete). `None` for an ordinary step, or while the intermediates still exist.
+fn chain_gap(step: &Step) -> Option<String> {
+    let c = step.chain.as_ref()?;
+    let gone = [&step.a, &step.b]
+        .iter()
+        .any(|o| o.temp && !o.path.exists());
+    gone.then(|| {
+        format!(
+            "journal only (the chain {} is complete and its inputs are unchanged); residuals not computed: Freivalds' check of a chain needs its intermediates, which `run` removed — to check the product by residuals, run the chain as separate named steps",
+            c.order
+        )
+    })
 }
 
 /// Groups per side: [`GROUPS`], fewer when the per-row sums would pass ~512 MiB.

@@ -20,7 +20,7 @@ use crate::backend::round_inputs;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::plan::Precision;
-use crate::store::{Block, TiledFile};
+use crate::store::{Block, MatrixSource};
 
 const BAND_BYTES: u64 = 32 << 20;
 
@@ -65,7 +65,7 @@ impl Dd {
 /// infinite here too).
 #[derive(Clone, Copy)]
 pub struct Op<'a> {
-    pub file: &'a TiledFile,
+    pub file: &'a dyn MatrixSource,
     pub trans: bool,
     pub round: Option<Precision>,
 }
@@ -73,7 +73,7 @@ pub struct Op<'a> {
 impl Op<'_> {
     /// Shape of op(M).
     pub fn shape(&self) -> (usize, usize) {
-        let (r, c) = (self.file.rows() as usize, self.file.cols() as usize);
+        let (r, c) = (self.file.shape().0 as usize, self.file.shape().1 as usize);
         if self.trans {
             (c, r)
         } else {
@@ -159,12 +159,12 @@ impl Sums {
 }
 
 /// Stored rows `r0..r0 + h` of `f`, all columns, as f64 (rounded to `round`'s input format).
-fn read_band(f: &TiledFile, r0: u64, h: u64, round: Option<Precision>) -> Result<Vec<f64>> {
+fn read_band(f: &dyn MatrixSource, r0: u64, h: u64, round: Option<Precision>) -> Result<Vec<f64>> {
     let b = Block {
         r0,
         c0: 0,
         rows: h,
-        cols: f.cols(),
+        cols: f.shape().1,
     };
     if f.dtype() == DType::F64 {
         let mut buf = vec![0f64; b.elems()];
@@ -188,7 +188,7 @@ fn bytemuck_f32(v: &mut [f32]) -> &mut [u8] {
 
 /// Call `f(r0, h, band)` for consecutive bands of stored rows of `op`.
 fn bands(op: &Op, mut f: impl FnMut(usize, usize, &[f64]) -> Result<()>) -> Result<()> {
-    let (rows, cols) = (op.file.rows(), op.file.cols());
+    let (rows, cols) = op.file.shape();
     let band = (BAND_BYTES / (cols * 8)).clamp(1, rows);
     let mut r0 = 0;
     while r0 < rows {
@@ -248,7 +248,7 @@ pub fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>]) -> Result<Sums> {
     let (r, g) = (x.len(), groups.count());
     let mut out = Sums::new(t_rows, s_cols, r, g);
     let bad_cols = Mutex::new(Vec::new());
-    let stored_cols = op.file.cols() as usize;
+    let stored_cols = op.file.shape().1 as usize;
     bands(op, |r0, h, m| {
         // Op rows this band touches: all of them for op(M) = Mᵀ, the band's own otherwise.
         let (lo, hi) = if op.trans { (0, t_rows) } else { (r0, r0 + h) };
@@ -308,7 +308,7 @@ pub fn dense(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
     } else {
         vec![0f64; m_rows * rg]
     };
-    let stored_cols = op.file.cols() as usize;
+    let stored_cols = op.file.shape().1 as usize;
     let par = Par::rayon(rayon::current_num_threads().max(1));
     bands(op, |r0, h, m| {
         let mut clean = m.to_vec();
@@ -362,7 +362,7 @@ pub fn dense(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
 /// The double-double part of [`dense`]: `out[i] += Σ_k op(A)[i][k] · z[k]` over this band.
 fn dense_dd(op: &Op, band: &[f64], r0: usize, h: usize, z: &[Dd], rg: usize, out: &mut [Dd]) {
     let (_, k) = op.shape();
-    let stored_cols = op.file.cols() as usize;
+    let stored_cols = op.file.shape().1 as usize;
     if op.trans {
         // Band rows are k indices r0..r0+h; op rows i are stored columns.
         out.par_chunks_mut(rg).enumerate().for_each(|(i, o)| {

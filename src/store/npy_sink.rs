@@ -1,0 +1,288 @@
+//! `.npy` outputs written directly (`output = "C.npy"`): the [`MatrixSink`] that saves the
+//! export pass.
+//!
+//! The file is a valid C-order `.npy` array of `<f4` or `<f8` whose header is padded so that the
+//! data starts at byte 4096 (numpy needs only 64; 4096 keeps every row band page-aligned for the
+//! writable map and for `np.load(..., mmap_mode="r")`). Blocks are written like a `.mgt`
+//! output's — through a prefaulted writable map or with `pwrite` ([`WriteMode`]) — and the
+//! per-tile CRCs that `.mgt` keeps in its table go to the sidecar `C.npy.crc32c`
+//! ([`super::npy_source::Sidecar`]), written by `finish`. The sidecar's tiles are the output's
+//! storage tiles; `info --check`, `verify` and later steps reading the array check them.
+//!
+//! Memory-map safety: as for `.mgt` outputs ([`super::tiled`]), the output is created or
+//! reopened by this process and locked through its journal for the whole step.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use memmap2::{Advice, MmapMut, MmapOptions};
+use rayon::prelude::*;
+
+use super::fsutil;
+use super::header::Header;
+use super::npy::{read_header, NpyHeader};
+use super::npy_source::{sidecar_path, Sidecar};
+use super::rowmajor::{clip_tile, TileCrcs};
+use super::runs::{runs, Geometry, Run, IO_SPAN};
+use super::source::{Block, MatrixSink, WriteMode};
+use super::tiled::{
+    convert_par, copy_runs_to_map, par_crc32c, pwrite_runs, size_error, MAP_COPY_SPAN,
+};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// Where the data of every `.npy` output starts.
+pub const DATA_OFFSET: u64 = 4096;
+
+/// The 4096-byte header of a C-order `.npy` output.
+pub fn header(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
+    let descr = match dtype {
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+        other => {
+            return Err(Error::Usage(format!(
+                "cannot write {other} data to .npy (f32 and f64 only)"
+            )))
+        }
+    };
+    let dict =
+        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    let mut out = Vec::with_capacity(DATA_OFFSET as usize);
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&((DATA_OFFSET - 10) as u16).to_le_bytes());
+    out.extend_from_slice(dict.as_bytes());
+    out.resize(DATA_OFFSET as usize - 1, b' ');
+    out.push(b'\n');
+    Ok(out)
+}
+
+/// File length of the `.npy` output for `hdr` (sidecar included).
+pub fn file_len(hdr: &Header) -> u64 {
+    let tiles = hdr.rows.div_ceil(hdr.tile_rows) * hdr.cols.div_ceil(hdr.tile_cols);
+    DATA_OFFSET + hdr.rows * hdr.cols * hdr.dtype.size() as u64 + 60 + 4 * tiles
+}
+
+/// A `.npy` output being written.
+pub struct NpyWriter {
+    path: PathBuf,
+    file: File,
+    map: MmapMut,
+    geo: Geometry,
+    dtype: DType,
+    tile: (u64, u64),
+    len: u64,
+    crcs: Mutex<Vec<Option<u32>>>,
+    pwrite: bool,
+}
+
+impl NpyWriter {
+    /// Create `path` (replacing it and removing a stale sidecar) for the matrix `hdr` describes.
+    pub fn create(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
+        let _ = std::fs::remove_file(sidecar_path(path));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)
+            .map_err(|e| Error::io(path, "cannot create output file", e))?;
+        let head = header(hdr.dtype, hdr.rows, hdr.cols)?;
+        file.write_all_at(&head, 0)
+            .map_err(|e| Error::io(path, "cannot write .npy header", e))?;
+        Self::init(path, file, hdr, mode)
+    }
+
+    /// Reopen a partly written output to resume it; its header must be the one `hdr` gives.
+    pub fn reopen(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
+        let _ = std::fs::remove_file(sidecar_path(path));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::io(path, "cannot reopen output file", e))?;
+        let found: NpyHeader = read_header(path, &mut &file)?;
+        if (
+            found.dtype,
+            found.rows,
+            found.cols,
+            found.fortran,
+            found.data_offset,
+        ) != (hdr.dtype, hdr.rows, hdr.cols, false, DATA_OFFSET)
+        {
+            return Err(Error::format(
+                path,
+                "existing output has a different header than this plan produces; rerun with --restart",
+            ));
+        }
+        Self::init(path, file, hdr, mode)
+    }
+
+    fn init(path: &Path, file: File, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
+        let es = hdr.dtype.size() as u64;
+        let len = DATA_OFFSET + hdr.rows * hdr.cols * es;
+        file.set_len(len).map_err(|e| size_error(path, len, e))?;
+        let prealloc = fsutil::preallocate(&file, len).map_err(|e| size_error(path, len, e))?;
+        // SAFETY: the output is a file this process just created or reopened for writing and
+        // sized to `len`; the job locks its journal, and nothing else may write or truncate it.
+        let map = unsafe { MmapOptions::new().len(len as usize).map_mut(&file) }
+            .map_err(|e| Error::io(path, "cannot memory-map output file", e))?;
+        let tile = (hdr.tile_rows, hdr.tile_cols);
+        let n = (hdr.rows.div_ceil(tile.0) * hdr.cols.div_ceil(tile.1)) as usize;
+        Ok(NpyWriter {
+            path: path.to_path_buf(),
+            file,
+            map,
+            geo: Geometry::row_major(hdr.rows, hdr.cols, es, DATA_OFFSET),
+            dtype: hdr.dtype,
+            tile,
+            len,
+            crcs: Mutex::new(vec![None; n]),
+            pwrite: mode == WriteMode::Pwrite || !prealloc,
+        })
+    }
+
+    /// The checksum-tile grid as a geometry (for tile indices).
+    fn tile_geo(&self) -> Geometry {
+        Geometry {
+            tile_rows: self.tile.0,
+            tile_cols: self.tile.1,
+            ..self.geo
+        }
+    }
+
+    /// CRC-32C of checksum tile (ti, tj), row by row from the map.
+    fn tile_crc(&self, ti: u64, tj: u64) -> u32 {
+        let b = clip_tile(&self.geo, self.tile, ti, tj);
+        let es = self.geo.elem;
+        let mut crc = 0;
+        for r in b.r0..b.r0 + b.rows {
+            let off = (DATA_OFFSET + (r * self.geo.cols + b.c0) * es) as usize;
+            crc = crc32c::crc32c_append(crc, &self.map[off..off + (b.cols * es) as usize]);
+        }
+        crc
+    }
+
+    /// File byte ranges holding block `b`: one span from its first to its last row.
+    fn span(&self, b: &Block) -> (usize, usize) {
+        let es = self.geo.elem;
+        let a = DATA_OFFSET + (b.r0 * self.geo.cols + b.c0) * es;
+        let e = DATA_OFFSET + ((b.r0 + b.rows - 1) * self.geo.cols + b.c0 + b.cols) * es;
+        (a as usize, (e - a) as usize)
+    }
+}
+
+impl MatrixSink for NpyWriter {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.geo.rows, self.geo.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn storage_tile(&self) -> (u64, u64) {
+        self.tile
+    }
+    fn write_block(&self, b: &Block, host: DType, src: &[u8]) -> Result<u32> {
+        assert!(
+            b.r0 + b.rows <= self.geo.rows && b.c0 + b.cols <= self.geo.cols,
+            "write_block: outside"
+        );
+        assert_eq!(src.len(), b.elems() * host.size(), "write_block: src size");
+        let converted;
+        let raw: &[u8] = if host == self.dtype {
+            src
+        } else {
+            let mut v = vec![0u8; b.elems() * self.dtype.size()];
+            convert_par(host, src, self.dtype, &mut v);
+            converted = v;
+            &converted
+        };
+        let crc = par_crc32c(raw);
+        if self.pwrite {
+            let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
+            pwrite_runs(&self.file, &rs, raw)
+                .map_err(|e| Error::io(&self.path, "cannot write output tile", e))?;
+        } else {
+            let rs: Vec<Run> = runs(&self.geo, b, MAP_COPY_SPAN).collect();
+            copy_runs_to_map(&self.map, &rs, raw);
+        }
+        // A block that is exactly one checksum tile (clipped at the edges) has the tile's CRC.
+        let tg = self.tile_geo();
+        if b.r0.is_multiple_of(self.tile.0) && b.c0.is_multiple_of(self.tile.1) {
+            let (ti, tj) = (b.r0 / self.tile.0, b.c0 / self.tile.1);
+            if clip_tile(&self.geo, self.tile, ti, tj) == *b {
+                self.crcs.lock().unwrap()[tg.tile_index(ti, tj)] = Some(crc);
+            }
+        }
+        Ok(crc)
+    }
+    fn prefault(&self, b: &Block) -> u64 {
+        if self.pwrite {
+            return 0;
+        }
+        let (a, len) = self.span(b);
+        if self.map.advise_range(Advice::PopulateWrite, a, len).is_ok() {
+            len as u64
+        } else {
+            0
+        }
+    }
+    fn flush_block(&self, b: &Block) -> Result<()> {
+        let (a, len) = self.span(b);
+        self.map
+            .flush_range(a, len)
+            .map_err(|e| Error::io(&self.path, "cannot flush output tile to disk", e))
+    }
+    fn forget_checksums(&self) {
+        self.crcs.lock().unwrap().iter_mut().for_each(|c| *c = None);
+    }
+    fn finish(self: Box<Self>, durable: bool) -> Result<()> {
+        let known = std::mem::take(&mut *self.crcs.lock().unwrap());
+        let gc = self.geo.cols.div_ceil(self.tile.1);
+        let crcs: Vec<u32> = known
+            .par_iter()
+            .enumerate()
+            .map(|(i, c)| c.unwrap_or_else(|| self.tile_crc(i as u64 / gc, i as u64 % gc)))
+            .collect();
+        if durable {
+            self.map
+                .flush()
+                .map_err(|e| Error::io(&self.path, "cannot flush output to disk", e))?;
+            self.file
+                .sync_all()
+                .map_err(|e| Error::io(&self.path, "cannot sync output to disk", e))?;
+        }
+        let side = Sidecar {
+            dtype: self.dtype,
+            rows: self.geo.rows,
+            cols: self.geo.cols,
+            data_offset: DATA_OFFSET,
+            file_len: self.len,
+            crcs: TileCrcs {
+                tile: self.tile,
+                crcs,
+            },
+        };
+        write_sidecar(&self.path, &side, durable)
+    }
+}
+
+/// Write the sidecar of `npy` atomically (temporary file, then rename).
+pub fn write_sidecar(npy: &Path, side: &Sidecar, durable: bool) -> Result<()> {
+    let sp = sidecar_path(npy);
+    let mut tmp = sp.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    let f = File::create(&tmp).map_err(|e| Error::io(&tmp, "cannot create sidecar", e))?;
+    f.write_all_at(&side.encode(), 0)
+        .map_err(|e| Error::io(&tmp, "cannot write sidecar", e))?;
+    if durable {
+        f.sync_all()
+            .map_err(|e| Error::io(&tmp, "cannot sync sidecar", e))?;
+    }
+    std::fs::rename(&tmp, &sp).map_err(|e| Error::io(&sp, "cannot rename sidecar into place", e))
+}
