@@ -126,6 +126,21 @@ pub fn describe(plan: &Plan) -> Result<String> {
             fmt_bytes(t.d2h_bytes),
             fmt_bytes(t.write_bytes)
         );
+        // Hong–Kung / Irony–Toledo–Tiskin: a fast memory of M words must exchange at least
+        // ~2·m·n·k/√M words with slow memory for the product; here M is one lane's tile cache
+        // plus accumulators, and the slow memory is the host (then the files).
+        let words =
+            (l.slots as u64 * l.slot_bytes + l.accs as u64 * l.acc_bytes) / l.dev_dt.size() as u64;
+        let bound_words =
+            2.0 * step.m as f64 * step.n as f64 * step.k as f64 / (words.max(1) as f64).sqrt();
+        let hs = l.host_dt.size() as f64;
+        s += &format!(
+            "  communication bound: a cache of {} words per lane moves at least {} (2·m·n·k/√M); this schedule moves {} into the caches and reads {} from files\n",
+            words,
+            fmt_bytes((bound_words * hs) as u64),
+            fmt_bytes(t.h2d_bytes),
+            fmt_bytes(t.read_bytes)
+        );
         let rate = (caps.peak_flops)(e.precision, if device { caps.lanes } else { sel.threads() });
         let why = caps.peak_source;
         let tc = step.flops() / rate;
