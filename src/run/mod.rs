@@ -52,6 +52,24 @@ pub fn ignore_sigxfsz() {
 
 /// Everything that determines a step's output bytes, for the journal.
 fn fingerprint(step: &Step, layout: &Layout, kind: &str, p: Precision) -> Result<Fingerprint> {
+    let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+    let ids = ops
+        .into_iter()
+        .flatten()
+        .map(|op| Ok((op.name.clone(), input_identity(op)?)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(fingerprint_with(step, layout, kind, p, &ids))
+}
+
+/// [`fingerprint`] with the inputs' identities given as (operand name, identity) pairs, for
+/// callers that opened the inputs themselves ([`crate::api`]).
+pub(crate) fn fingerprint_with(
+    step: &Step,
+    layout: &Layout,
+    kind: &str,
+    p: Precision,
+    ids: &[(String, String)],
+) -> Fingerprint {
     let mut fp = Fingerprint::new();
     let h = pipeline::output_header(step, layout);
     fp.insert(
@@ -70,11 +88,10 @@ fn fingerprint(step: &Step, layout: &Layout, kind: &str, p: Precision) -> Result
         "compute tile".into(),
         format!("{}×{}×{}", layout.tm, layout.tn, layout.tk),
     );
-    let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
-    for op in ops.into_iter().flatten() {
-        fp.insert(format!("input {}", op.name), input_identity(op)?);
+    for (name, id) in ids {
+        fp.insert(format!("input {name}"), id.clone());
     }
-    Ok(fp)
+    fp
 }
 
 /// An input's identity as the journal records it (the source's own fingerprint: for .mgt the
