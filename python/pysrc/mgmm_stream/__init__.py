@@ -220,9 +220,10 @@ class _Display:
 
 
 def _run_with(display: _Display, fn: Callable[..., Any], *args: Any) -> Any:
-    on_event = display if (display.enabled or display.callback) else None
+    # Always listen: with progress=False the notes (resuming, summary) still reach `logging`.
+    every = display.every if (display.enabled or display.callback) else 1.0
     try:
-        return fn(*args, on_event, display.every)
+        return fn(*args, display, every)
     finally:
         display.close()
 
