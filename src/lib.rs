@@ -25,6 +25,7 @@
 //! Backpressure comes from bounded channels and fixed buffer pools sized by the plan's memory
 //! budget ([`plan::layout`]); the first error cancels every stage ([`pipeline::control`]).
 
+pub mod api;
 pub mod backend;
 pub mod cli;
 pub mod cluster;

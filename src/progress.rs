@@ -4,9 +4,13 @@
 //! line with each stage's busy share. When stderr is not a terminal (batch jobs, CI), indicatif
 //! hides itself, so a plain log line is printed every few seconds instead. `--quiet` prints
 //! nothing but errors. Everything here only reads the pipeline's counters.
+//!
+//! Library callers (the Python package) can instead receive each update as data through a
+//! [`ProgressListener`], and can attach a cancel flag ([`Progress::with_cancel`]): a running
+//! pipeline watches it and stops as if a stage had failed, leaving its journal resumable.
 
 use std::io::{IsTerminal, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,12 +35,49 @@ pub struct Live<'a> {
 
 enum Mode {
     Bars(MultiProgress),
-    Log { every: Duration },
+    Log {
+        every: Duration,
+    },
     Quiet,
+    Listener {
+        every: Duration,
+        to: Arc<dyn ProgressListener>,
+    },
+}
+
+/// One progress update as data (what the bar shows), for a [`ProgressListener`].
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Update {
+    /// "step 1", …
+    pub label: String,
+    pub tiles_done: u64,
+    pub tiles_total: u64,
+    pub flops_done: u64,
+    pub flops_total: u64,
+    /// Seconds since the step's stages started.
+    pub elapsed_s: f64,
+    pub gflops_per_s: f64,
+    /// Bytes read from the inputs and written to the output so far.
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    /// Estimated seconds left (NaN before the first tile).
+    pub eta_s: f64,
+    /// True for the last update of a step.
+    pub finished: bool,
+}
+
+/// Receives progress as data instead of a display. Called from the pipeline's reporter
+/// thread: implementations must be quick and must not block on the caller's thread.
+pub trait ProgressListener: Send + Sync {
+    /// A line the display would print (resuming, generated inputs, the summary).
+    fn note(&self, msg: &str);
+    /// The state of the running step, every `every` and once at its end.
+    fn update(&self, u: &Update);
 }
 
 pub struct Progress {
     mode: Mode,
+    cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Progress {
@@ -52,11 +93,34 @@ impl Progress {
                 Mode::Bars(mp)
             }
         };
-        Progress { mode }
+        Progress { mode, cancel: None }
     }
 
     pub fn quiet() -> Progress {
-        Progress { mode: Mode::Quiet }
+        Progress {
+            mode: Mode::Quiet,
+            cancel: None,
+        }
+    }
+
+    /// Progress delivered as data to `to`, every `every` while a step runs.
+    pub fn with_listener(to: Arc<dyn ProgressListener>, every: Duration) -> Progress {
+        Progress {
+            mode: Mode::Listener { every, to },
+            cancel: None,
+        }
+    }
+
+    /// Attach a cancel flag: once it is set, a running pipeline stops (as if a stage had
+    /// failed, with [`crate::Error::Cancelled`]); tiles already journaled stay done.
+    pub fn with_cancel(mut self, flag: Arc<AtomicBool>) -> Progress {
+        self.cancel = Some(flag);
+        self
+    }
+
+    /// The cancel flag, if one is attached.
+    pub fn cancel_flag(&self) -> Option<&Arc<AtomicBool>> {
+        self.cancel.as_ref()
     }
 
     /// Print a line (above the bars when they are shown).
@@ -67,6 +131,7 @@ impl Progress {
             Mode::Log { .. } => {
                 let _ = writeln!(std::io::stderr(), "{msg}");
             }
+            Mode::Listener { to, .. } => to.note(msg),
         }
     }
 
@@ -127,6 +192,31 @@ impl Progress {
         match &self.mode {
             Mode::Quiet => {
                 let _ = stop.recv();
+            }
+            Mode::Listener { every, to } => {
+                let update = |finished: bool| {
+                    let el = t0.elapsed().as_secs_f64();
+                    let flops_done = live.flops_done.load(Ordering::Relaxed);
+                    let frac = flops_done as f64 / live.flops_total.max(1) as f64;
+                    Update {
+                        label: label.to_string(),
+                        tiles_done: live.tiles_done.load(Ordering::Relaxed),
+                        tiles_total: live.tiles_total,
+                        flops_done,
+                        flops_total: live.flops_total,
+                        elapsed_s: el,
+                        gflops_per_s: rates().0,
+                        read_bytes: read_bytes(),
+                        write_bytes: write_bytes(),
+                        eta_s: if frac > 0.0 { el / frac - el } else { f64::NAN },
+                        finished,
+                    }
+                };
+                to.update(&update(false));
+                while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(*every) {
+                    to.update(&update(false));
+                }
+                to.update(&update(true));
             }
             Mode::Bars(mp) => {
                 let bar = mp.add(ProgressBar::new(live.tiles_total));

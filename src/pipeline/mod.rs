@@ -17,7 +17,9 @@ pub mod stages;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::RecvTimeoutError;
 
 use crate::backend::{Backend, DeviceStats, Lane, MemorySpace};
 use crate::error::{Error, Result};
@@ -25,7 +27,7 @@ use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::{Engine, Step};
 use crate::progress::{Live, Progress};
-use crate::store::{Header, MatrixSink};
+use crate::store::{Header, MatrixSink, MatrixSource};
 use control::Control;
 use metrics::{StageKind, StageMetrics, StageSnapshot};
 use pool::Pool;
@@ -51,6 +53,13 @@ pub struct Work {
     pub todo: Option<Vec<u32>>,
     /// Output tiles already finished before this run (resume), for progress.
     pub done_before: u64,
+}
+
+/// The operands of a step, opened: A, B and the added matrix C0 if the step has one.
+pub struct StepSources {
+    pub a: Arc<dyn MatrixSource>,
+    pub b: Arc<dyn MatrixSource>,
+    pub c0: Option<Arc<dyn MatrixSource>>,
 }
 
 /// Settings of a run that are not part of the layout.
@@ -139,14 +148,33 @@ impl<'a> Pipeline<'a> {
         sink: &'a dyn TileSink,
         progress: &'a Progress,
     ) -> Result<Pipeline<'a>> {
+        let sources = StepSources {
+            a: step.a.open()?,
+            b: step.b.open()?,
+            c0: step.c0.as_ref().map(|c| c.open()).transpose()?,
+        };
+        Self::build_with(
+            step, layout, backend, lanes, work, cfg, sink, progress, sources,
+        )
+    }
+
+    /// [`Pipeline::build`] reading the step's operands from `sources` (opened by the caller,
+    /// e.g. arrays in memory) instead of opening `step.a.path` and `step.b.path`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn build_with(
+        step: &'a Step,
+        layout: &'a Layout,
+        backend: &dyn Backend,
+        lanes: Vec<Box<dyn Lane>>,
+        work: Work,
+        cfg: RunConfig,
+        sink: &'a dyn TileSink,
+        progress: &'a Progress,
+        sources: StepSources,
+    ) -> Result<Pipeline<'a>> {
         let l = layout;
         let sched = Schedule::new(step, l);
-        let inputs = Inputs::new(
-            step.a.open()?,
-            step.b.open()?,
-            step.c0.as_ref().map(|c| c.open()).transpose()?,
-            cfg.verify_inputs,
-        );
+        let inputs = Inputs::new(sources.a, sources.b, sources.c0, cfg.verify_inputs);
         let order = work
             .todo
             .unwrap_or_else(|| (0..sched.tiles.len() as u32).collect());
@@ -395,6 +423,21 @@ impl<'a> Pipeline<'a> {
             let metrics = all_metrics.clone();
             let live = &live;
             let label = format!("step {}", step.index + 1);
+            if let Some(flag) = progress.cancel_flag() {
+                // The caller's cancel flag (Ctrl-C in the Python package): polled, because
+                // whoever sets it may not be able to do more than store a bool.
+                let stop = stop_rx.clone();
+                s.spawn(move || {
+                    while let Err(RecvTimeoutError::Timeout) =
+                        stop.recv_timeout(Duration::from_millis(20))
+                    {
+                        if flag.load(Ordering::SeqCst) {
+                            ctl.cancel();
+                            break;
+                        }
+                    }
+                });
+            }
             let reporter = s.spawn(move || progress.watch(&label, live, &metrics, &stop_rx));
             for h in handles {
                 if h.join().is_err() {

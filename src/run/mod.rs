@@ -59,6 +59,18 @@ pub(crate) fn fingerprint(
     kind: &str,
     p: Precision,
 ) -> Result<Fingerprint> {
+    Ok(fingerprint_with(step, layout, kind, p, &input_ids(step)?))
+}
+
+/// [`fingerprint`] with the inputs' entries given as (key, identity) pairs, for callers that
+/// opened the inputs themselves ([`crate::api`]).
+pub(crate) fn fingerprint_with(
+    step: &Step,
+    layout: &Layout,
+    kind: &str,
+    p: Precision,
+    ids: &[(String, String)],
+) -> Fingerprint {
     let mut fp = Fingerprint::new();
     let h = pipeline::output_header(step, layout);
     fp.insert(
@@ -77,8 +89,10 @@ pub(crate) fn fingerprint(
         "compute tile".into(),
         format!("{}×{}×{}", layout.tm, layout.tn, layout.tk),
     );
-    fp.extend(input_ids(step)?);
-    Ok(fp)
+    for (key, id) in ids {
+        fp.insert(key.clone(), id.clone());
+    }
+    fp
 }
 
 /// The journal fingerprint's entries for a step's inputs: each input's identity, an

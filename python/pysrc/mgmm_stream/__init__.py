@@ -1,0 +1,436 @@
+"""mgmm_stream: multiply matrices too big for GPU memory or host RAM, from Python.
+
+``matmul(a, b)`` takes numpy arrays, ``np.memmap``s, CPU torch tensors, or paths to ``.npy`` /
+``.mgt`` files, streams tiles through every GPU (or the CPU), and returns a numpy array — or
+writes a file when you pass ``out=``. Arrays are read in place (never copied), memmaps are read
+from their file, the GIL is released while the engine works, and Ctrl-C stops the job promptly
+(a file output keeps a journal, so the same call resumes where it stopped).
+
+>>> import numpy as np, mgmm_stream as mg
+>>> a = np.ones((300, 200), np.float32); b = np.ones((200, 100), np.float32)
+>>> c = mg.matmul(a, b, progress=False)
+>>> float(c[0, 0]), c.shape
+(200.0, (300, 100))
+
+Plans written for the CLI run as they are: ``mg.run("plan.toml")`` returns the run report as a
+dict; ``mg.plan(...)`` says what a run would do; ``mg.verify(...)`` checks finished outputs;
+``mg.info(path)`` reads a ``.mgt`` header. See docs/PYTHON.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _native
+from ._errors import (
+    BadInputError,
+    CancelledError,
+    DeviceError,
+    MgmmError,
+    StorageError,
+)
+
+__version__: str = _native.__version__
+__all__ = [
+    "matmul",
+    "run",
+    "plan",
+    "verify",
+    "info",
+    "result_memory_limit",
+    "MgmmError",
+    "BadInputError",
+    "DeviceError",
+    "StorageError",
+    "CancelledError",
+    "__version__",
+]
+
+log = logging.getLogger("mgmm_stream")
+
+PathLike = Union[str, "os.PathLike[str]"]
+Progress = Union[bool, None, Callable[[Dict[str, Any]], Any]]
+
+_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16"}
+
+
+# ---------------------------------------------------------------- operands -----------------
+
+
+def _as_array(x: Any, name: str) -> np.ndarray:
+    """An ndarray view of ``x`` (ndarray, memmap, CPU torch tensor, array-interface object)."""
+    if isinstance(x, np.ndarray):
+        return x
+    mod = type(x).__module__ or ""
+    if mod.startswith("torch"):
+        dev = getattr(getattr(x, "device", None), "type", "cpu")
+        if dev != "cpu":
+            raise BadInputError(
+                f"{name} is a torch tensor on {dev}; mgmm_stream reads host memory: pass "
+                f"{name}.cpu() (or keep the data in a numpy array or file)"
+            )
+        try:
+            return x.detach().numpy()
+        except (TypeError, RuntimeError) as e:
+            raise BadInputError(f"{name}: this torch tensor has no numpy view ({e}); "
+                                f"convert it with .float()") from None
+    if hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+        return np.asarray(x)
+    raise BadInputError(
+        f"{name} must be a path (.npy, .mgt), a numpy array or memmap, or a CPU torch tensor; "
+        f"got {type(x).__name__}"
+    )
+
+
+def _layout(x: np.ndarray, name: str) -> Tuple[np.ndarray, bool]:
+    """``(view, transposed)``: a view whose rows are contiguous, and whether it is ``x.T``.
+
+    Fortran-order data is read in place as the row-major transpose. Views with neither unit
+    stride are refused (copying them silently could double memory use).
+    """
+    if x.ndim != 2:
+        raise BadInputError(f"{name} must be 2-D; it has shape {x.shape}")
+    if not x.dtype.isnative:
+        raise BadInputError(f"{name} has non-native byte order ({x.dtype.str}); "
+                            f"convert with {name}.astype({name}.dtype.newbyteorder('='))")
+    if x.dtype not in _DTYPES:
+        raise BadInputError(
+            f"{name} is {x.dtype}; use float32, float64 or float16 "
+            f"(convert with {name}.astype(np.float32))"
+        )
+    if x.size == 0:
+        raise BadInputError(f"{name} is empty (shape {x.shape})")
+    it = x.itemsize
+    rows, cols = x.shape
+    s0, s1 = x.strides
+
+    def row_major(s0: int, s1: int, rows: int, cols: int) -> bool:
+        inner = cols == 1 or s1 == it
+        outer = rows == 1 or (s0 > 0 and s0 % it == 0 and s0 >= cols * it)
+        return inner and outer
+
+    if row_major(s0, s1, rows, cols):
+        return x, False
+    if row_major(s1, s0, cols, rows):
+        return x.T, True
+    raise BadInputError(
+        f"{name} is a strided view (shape {x.shape}, strides {x.strides}) whose rows and "
+        f"columns are both non-contiguous, so it cannot be read in place; pass "
+        f"np.ascontiguousarray({name}) (a copy) or the array it is a view of"
+    )
+
+
+def _ld(x: np.ndarray) -> int:
+    rows, cols = x.shape
+    return cols if rows == 1 else x.strides[0] // x.itemsize
+
+
+def _mmap_region(x: np.ndarray) -> Optional[Tuple[str, int]]:
+    """(file, byte offset of x[0, 0]) when ``x`` is a view of a file-backed, non-private map."""
+    if not isinstance(x, np.memmap):
+        return None
+    mm = getattr(x, "_mmap", None)
+    fname = getattr(x, "filename", None)
+    if mm is None or fname is None or getattr(x, "mode", "r") == "c":
+        return None  # an array computed from a memmap, or copy-on-write: read memory
+    base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    start = x.offset - x.offset % mmap.ALLOCATIONGRANULARITY
+    return os.fspath(fname), start + (x.ctypes.data - base)
+
+
+def _operand(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:
+    """(descriptor for the engine, transposed, object to keep alive during the call)."""
+    if isinstance(x, (str, os.PathLike)):
+        return {"kind": "path", "path": os.fspath(x)}, False, None
+    arr, flipped = _layout(_as_array(x, name), name)
+    rows, cols = arr.shape
+    d: Dict[str, Any] = {"rows": rows, "cols": cols, "ld": _ld(arr), "dtype": _DTYPES[arr.dtype]}
+    region = _mmap_region(arr)
+    if region is not None:
+        d.update(kind="raw", path=region[0], offset=region[1])
+    else:
+        d.update(kind="buffer", addr=arr.__array_interface__["data"][0])
+    return d, flipped, arr
+
+
+# ---------------------------------------------------------------- progress -----------------
+
+
+class _Display:
+    """Turns engine events into a tqdm bar, plain lines, a callback, or nothing."""
+
+    def __init__(self, progress: Progress):
+        self.callback = progress if callable(progress) else None
+        self.bar = None
+        self.tqdm = None
+        self.every = 0.2
+        self.last_line = 0.0
+        if progress is True:
+            try:
+                from tqdm.auto import tqdm  # type: ignore
+
+                self.tqdm = tqdm
+            except ImportError:
+                self.every = 5.0
+        self.enabled = bool(progress)
+
+    def __call__(self, kind: str, data: Any) -> None:
+        if kind == "note":
+            if self.callback is not None or not self.enabled:
+                log.info("%s", data)
+            elif self.tqdm is not None:
+                self.tqdm.write(str(data), file=sys.stderr)
+            else:
+                print(data, file=sys.stderr, flush=True)
+            return
+        if self.callback is not None:
+            self.callback(data)
+        elif self.tqdm is not None:
+            self._bar(data)
+        elif self.enabled:
+            now = time.monotonic()
+            if data["finished"] or now - self.last_line >= self.every:
+                self.last_line = now
+                pct = 100.0 * data["flops_done"] / max(data["flops_total"], 1)
+                print(f"{data['label']}: {data['tiles_done']}/{data['tiles_total']} tiles "
+                      f"({pct:.1f}%), {data['gflops_per_s']:.1f} GFLOP/s, "
+                      f"elapsed {data['elapsed_s']:.0f}s", file=sys.stderr, flush=True)
+
+    def _bar(self, u: Dict[str, Any]) -> None:
+        if self.bar is None:
+            self.bar = self.tqdm(total=u["tiles_total"], unit="tile", desc=u["label"])
+        self.bar.n = u["tiles_done"]
+        self.bar.set_postfix_str(f"{u['gflops_per_s']:.1f} GFLOP/s", refresh=False)
+        self.bar.refresh()
+        if u["finished"]:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _run_with(display: _Display, fn: Callable[..., Any], *args: Any) -> Any:
+    # Always listen: with progress=False the notes (resuming, summary) still reach `logging`.
+    every = display.every if (display.enabled or display.callback) else 1.0
+    try:
+        return fn(*args, display, every)
+    finally:
+        display.close()
+
+
+# ---------------------------------------------------------------- matmul -------------------
+
+
+def result_memory_limit() -> int:
+    """Bytes ``matmul(out=None)`` may allocate for its result: half the memory available now
+    (``MemAvailable`` in /proc/meminfo; half the physical memory elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _size(v: Union[int, str]) -> str:
+    return str(int(v)) if isinstance(v, (int, np.integer)) else str(v)
+
+
+def _settings(backend: str, devices: Union[str, Sequence[int]], host_memory: Any,
+              device_memory: Any, threads: int, tile: Any,
+              engine: Optional[Dict[str, Any]]) -> List[Tuple[str, str]]:
+    s: List[Tuple[str, str]] = [("backend", backend), ("threads", str(int(threads)))]
+    if isinstance(devices, str):
+        s.append(("devices", devices))
+    else:
+        s.append(("devices", json.dumps([int(d) for d in devices])))
+    if host_memory is not None:
+        s.append(("host_memory", _size(host_memory)))
+    if device_memory is not None:
+        s.append(("device_memory", _size(device_memory)))
+    if tile is not None:
+        s.append(("tile", json.dumps(list(tile)) if isinstance(tile, (list, tuple)) else str(tile)))
+    for k, v in (engine or {}).items():
+        s.append((k, json.dumps(v) if isinstance(v, (bool, list)) else str(v)))
+    return s
+
+
+def _prepare(a: Any, b: Any, alpha: float, trans_a: bool, trans_b: bool,
+             precision: Optional[str], settings: List[Tuple[str, str]]) -> Tuple[Any, list]:
+    da, fa, ka = _operand(a, "a")
+    db, fb, kb = _operand(b, "b")
+    job = _native.prepare(da, db, float(alpha), bool(trans_a) != fa, bool(trans_b) != fb,
+                          precision, settings)
+    return job, [ka, kb]
+
+
+def _output(job: Any, out: Any, result_memory: Optional[int]) -> Tuple[Dict[str, Any], Any]:
+    """(descriptor, what matmul returns) for ``out``."""
+    m, n = job.shape
+    dt = np.dtype(job.dtype)
+    if out is None:
+        need = m * n * dt.itemsize
+        limit = result_memory_limit() if result_memory is None else int(result_memory)
+        if need > limit:
+            raise BadInputError(
+                f"the result is {m}×{n} {dt.name} = {need / 2**30:.2f} GiB, more than the "
+                f"{limit / 2**30:.2f} GiB allowed for returning an array "
+                f"({'result_memory' if result_memory is not None else 'half the memory available now'}); "
+                f"pass out='C.npy' (then np.load('C.npy', mmap_mode='r') reads it lazily) or "
+                f"out='C.mgt', or raise result_memory="
+            )
+        out = np.empty((m, n), dtype=dt)
+    if isinstance(out, (str, os.PathLike)):
+        p = os.fspath(out)
+        return {"kind": "path", "path": p}, p
+    arr = _as_array(out, "out")
+    if arr.ndim != 2 or arr.shape != (m, n) or arr.dtype != dt:
+        raise BadInputError(f"out is {arr.shape} {arr.dtype} but the result is ({m}, {n}) {dt.name}")
+    if not arr.flags.c_contiguous or not arr.flags.writeable:
+        raise BadInputError("out must be a writable C-contiguous array "
+                            "(e.g. np.empty((m, n), dtype) or an np.memmap opened 'r+'/'w+')")
+    d = {"kind": "buffer", "addr": arr.__array_interface__["data"][0], "rows": m, "cols": n,
+         "ld": n, "dtype": _DTYPES[dt]}
+    return d, out
+
+
+def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool = False,
+           trans_b: bool = False, precision: Optional[str] = None,
+           devices: Union[str, Sequence[int]] = "all", host_memory: Union[int, str, None] = None,
+           device_memory: Union[int, str, None] = None, progress: Progress = True,
+           backend: str = "auto", threads: int = 0, tile: Any = None,
+           engine: Optional[Dict[str, Any]] = None, result_memory: Optional[int] = None,
+           restart: bool = False, cancel: Any = None) -> Any:
+    """Compute ``alpha · op(a) · op(b)`` out of core, where op(x) is x or x.T.
+
+    a, b: paths (``.npy`` read in place, ``.mgt``), ``np.memmap``s (read from their file at
+        their offset, C or Fortran order), numpy arrays in RAM (read from their buffer without a
+        copy; rows or columns must be contiguous), or CPU torch tensors. float32, float64 or
+        float16; both the same dtype.
+    out: None → a new numpy array, if it fits ``result_memory`` (default: half the memory
+        available; otherwise BadInputError asks for ``out=``); a path ``.npy`` (returns a
+        read-only memmap of it) or ``.mgt`` (returns the path), written with a journal so an
+        interrupted call resumes; or a writable C-contiguous array / memmap / CPU tensor of the
+        result's shape and dtype (returned).
+    precision: "fp32", "tf32", "bf16", "fp16" or "fp64"; default fp64 for float64 inputs, else
+        fp32. The result is float64 for fp64, float32 otherwise.
+    devices: "all" or GPU ordinals ([0, 1]). host_memory / device_memory: byte counts or
+        sizes like "8GiB" (staging pool ceiling; per-GPU budget). backend: "auto", "cpu" or
+        "cuda". threads, tile, engine={key: value}: any other [engine] setting (docs/PLAN.md).
+    progress: True (a tqdm bar if tqdm is installed, else a line every 5 s on stderr), False,
+        or a function called with a dict (tiles_done, tiles_total, gflops_per_s, eta_s, ...).
+    restart: discard the journal of a file output and recompute it.
+    cancel: a ``threading.Event``; setting it stops the call with CancelledError.
+
+    Ctrl-C raises KeyboardInterrupt within about 0.1 s; a file output keeps its journal, and
+    the same call later resumes it.
+
+    >>> import numpy as np, mgmm_stream as mg
+    >>> a = np.arange(6, dtype=np.float64).reshape(2, 3)
+    >>> mg.matmul(a, a, trans_b=True, progress=False)
+    array([[ 5., 14.],
+           [14., 50.]])
+    """
+    settings = _settings(backend, devices, host_memory, device_memory, threads, tile, engine)
+    job, keep = _prepare(a, b, alpha, trans_a, trans_b, precision, settings)
+    desc, result = _output(job, out, result_memory)
+    display = _Display(progress)
+    _run_with(display, lambda ev, every: job.run(desc, bool(restart), ev, cancel, every))
+    del keep
+    if isinstance(result, str) and result.endswith(".npy"):
+        return np.load(result, mmap_mode="r")
+    return result
+
+
+# ---------------------------------------------------------------- plans --------------------
+
+
+def _plan_source(plan_: Union[PathLike, Dict[str, Any]]) -> Tuple[Optional[str], Optional[str]]:
+    if isinstance(plan_, dict):
+        return None, _native.json_to_toml(json.dumps(plan_))
+    if isinstance(plan_, (str, os.PathLike)):
+        return os.fspath(plan_), None
+    raise BadInputError(f"a plan is a path to a .toml file or a dict; got {type(plan_).__name__}")
+
+
+def _sets(set: Optional[Dict[str, Any]]) -> List[str]:
+    return [f"engine.{k}={json.dumps(v) if isinstance(v, (bool, list)) else v}"
+            for k, v in (set or {}).items()]
+
+
+def run(plan_path_or_dict: Union[PathLike, Dict[str, Any]], *, restart: bool = False,
+        progress: Progress = True, set: Optional[Dict[str, Any]] = None,
+        cancel: Any = None) -> Dict[str, Any]:
+    """Run a plan (a ``plan.toml`` path, or the same structure as a dict) like
+    ``mgmm-stream run``: generate missing inputs, compute every step, resume unfinished ones.
+    Returns the run report (what ``run --report`` writes) as a dict. ``set`` overrides
+    [engine] keys, like ``--set engine.KEY=VALUE``. Paths in a dict are relative to the
+    current directory.
+
+    >>> rep = mg.run({"matrices": {"A": {"path": "A.mgt", "generate": {"rows": 64, "cols": 64}}},
+    ...               "step": [{"output": "C.mgt", "expr": "A @ A.T"}]}, progress=False)  # doctest: +SKIP
+    >>> rep["steps"][0]["tiles_computed"]  # doctest: +SKIP
+    1
+    """
+    path, text = _plan_source(plan_path_or_dict)
+    display = _Display(progress)
+    return _run_with(display, lambda ev, every: _native.run_plan(
+        path, text, _sets(set), bool(restart), ev, cancel, every))
+
+
+def plan(plan_or_a: Any, b: Any = None, *, set: Optional[Dict[str, Any]] = None,
+         **matmul_kwargs: Any) -> Dict[str, Any]:
+    """What a run would do, without doing it: the text ``mgmm-stream plan`` prints (key
+    ``text``) and, per step, the tile sizes, grid, host and device bytes and the traffic model.
+
+    ``plan("plan.toml")`` / ``plan({...})`` describe a plan; ``plan(a, b, **kw)`` describes
+    ``matmul(a, b, **kw)`` (same keywords).
+
+    >>> p = mg.plan(np.ones((4096, 4096), np.float32), np.ones((4096, 4096), np.float32),
+    ...             backend="cpu")  # doctest: +SKIP
+    >>> p["steps"][0]["host_bytes"]  # doctest: +SKIP
+    """
+    if b is None:
+        path, text = _plan_source(plan_or_a)
+        return _native.describe_plan(path, text, _sets(set))
+    kw = dict(matmul_kwargs)
+    settings = _settings(kw.pop("backend", "auto"), kw.pop("devices", "all"),
+                         kw.pop("host_memory", None), kw.pop("device_memory", None),
+                         kw.pop("threads", 0), kw.pop("tile", None), kw.pop("engine", None))
+    job, _keep = _prepare(plan_or_a, b, kw.pop("alpha", 1.0), kw.pop("trans_a", False),
+                          kw.pop("trans_b", False), kw.pop("precision", None), settings)
+    return job.describe()
+
+
+def verify(plan_path_or_dict: Union[PathLike, Dict[str, Any]], *, rounds: int = 2, seed: int = 1,
+           set: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+    """Freivalds' check of every output of a plan that has run (``mgmm-stream verify``):
+    one report dict per step, with ``pass``, ``reason``, ``max_ratio`` and the failing tiles.
+    Raises nothing for a failing product — look at ``report["pass"]``.
+
+    >>> [r["pass"] for r in mg.verify("plan.toml")]  # doctest: +SKIP
+    [True]
+    """
+    path, text = _plan_source(plan_path_or_dict)
+    return _native.verify_plan(path, text, _sets(set), int(rounds), int(seed))
+
+
+def info(path: PathLike, *, check: bool = False) -> Dict[str, Any]:
+    """The header of a ``.mgt`` file as a dict (rows, cols, dtype, tile, grid, sizes);
+    ``check=True`` also verifies every tile's CRC (StorageError on a mismatch).
+
+    >>> mg.info("C.mgt")["rows"]  # doctest: +SKIP
+    """
+    return _native.info(os.fspath(path), bool(check))

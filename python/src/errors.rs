@@ -1,0 +1,43 @@
+//! Engine errors as Python exceptions. The classes live in `mgmm_stream/_errors.py` (so they
+//! can inherit from both `MgmmError` and a builtin: `ValueError`, `RuntimeError`, `OSError`);
+//! the message is the engine's, word for word the CLI's.
+
+use mgmm_stream::error::Error;
+use pyo3::prelude::*;
+
+fn raise(py: Python<'_>, class: &str, msg: String) -> PyErr {
+    let made = py
+        .import("mgmm_stream._errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|c| c.call1((msg.clone(),)));
+    match made {
+        Ok(e) => PyErr::from_value(e),
+        Err(e) => e,
+    }
+}
+
+/// The exception for an engine error: bad input (plan, file format, usage), device, storage
+/// (I/O, checksum), or cancelled.
+pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    let class = match &e {
+        Error::Plan { .. } | Error::Format { .. } | Error::Usage(_) => "BadInputError",
+        Error::Backend { .. } | Error::Device { .. } => "DeviceError",
+        Error::Io { .. } | Error::Checksum { .. } => "StorageError",
+        Error::Cancelled => "CancelledError",
+    };
+    let mut msg = e.to_string();
+    if msg.contains("--restart") {
+        msg += " (from Python: pass restart=True)";
+    }
+    raise(py, class, msg)
+}
+
+/// A bad argument detected by the bindings themselves.
+pub fn bad_input(py: Python<'_>, msg: impl Into<String>) -> PyErr {
+    raise(py, "BadInputError", msg.into())
+}
+
+/// A failure that is a bug in the bindings.
+pub fn internal(py: Python<'_>, msg: &str) -> PyErr {
+    raise(py, "MgmmError", msg.to_string())
+}

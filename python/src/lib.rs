@@ -1,0 +1,545 @@
+//! `mgmm_stream._native`: the compiled half of the Python package. The Python half
+//! (`pysrc/mgmm_stream/__init__.py`) turns arrays, memmaps, tensors and paths into plain
+//! descriptors (address or file, offset, shape, row stride, dtype); this half opens them as the
+//! engine's sources and sinks ([`sources`]), builds the step, and runs it through
+//! [`mgmm_stream::api`] with the GIL released ([`drive`]). Errors become the package's
+//! exception classes ([`errors`]).
+
+mod drive;
+mod errors;
+mod sources;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use mgmm_stream::api::{self, Output, StepJob, StepSources, TiledOutput};
+use mgmm_stream::dtype::DType;
+use mgmm_stream::plan::layout::Layout;
+use mgmm_stream::plan::schedule::traffic;
+use mgmm_stream::plan::{Engine, MatrixDecl, Operand, Plan, Precision, Step};
+use mgmm_stream::run::{self, RunOptions};
+use mgmm_stream::store::{self, MatrixSource, TiledFile};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use drive::{Queue, Watch};
+use errors::{bad_input, to_py};
+use sources::{BufferSink, BufferSource, NpyOutput, RawFileSource, RawMatrix};
+
+const ORIGIN: &str = "matmul()";
+
+/// JSON text to Python objects (dicts, lists, numbers, strings).
+pub(crate) fn json_to_py<'py>(py: Python<'py>, json: &str) -> PyResult<Bound<'py, PyAny>> {
+    py.import("json")?.call_method1("loads", (json,))
+}
+
+fn to_py_value<'py>(py: Python<'py>, v: &impl serde::Serialize) -> PyResult<Bound<'py, PyAny>> {
+    json_to_py(py, &serde_json::to_string(v).expect("reports serialize"))
+}
+
+fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<T> {
+    match d.get_item(key)? {
+        Some(v) => v.extract::<T>().map_err(Into::into),
+        None => Err(bad_input(d.py(), format!("descriptor lacks `{key}`"))),
+    }
+}
+
+fn parse_dtype(py: Python<'_>, s: &str) -> PyResult<DType> {
+    DType::parse(s).ok_or_else(|| {
+        bad_input(
+            py,
+            format!("dtype {s} is not supported; use float32, float64 or float16"),
+        )
+    })
+}
+
+/// A matrix in memory described by the Python layer.
+fn raw_matrix(d: &Bound<'_, PyDict>) -> PyResult<RawMatrix> {
+    Ok(RawMatrix {
+        addr: get(d, "addr")?,
+        rows: get(d, "rows")?,
+        cols: get(d, "cols")?,
+        ld: get(d, "ld")?,
+        dtype: parse_dtype(d.py(), &get::<String>(d, "dtype")?)?,
+    })
+}
+
+/// Open an operand descriptor: `path` (.mgt, .npy, or whatever the engine opens), `raw` (a file
+/// region: an np.memmap), or `buffer` (an array in memory).
+fn open_operand(d: &Bound<'_, PyDict>, label: &str) -> PyResult<Arc<dyn MatrixSource>> {
+    let py = d.py();
+    let kind: String = get(d, "kind")?;
+    match kind.as_str() {
+        "path" => {
+            let p = PathBuf::from(get::<String>(d, "path")?);
+            open_path(&p).map_err(|e| to_py(py, e))
+        }
+        "raw" => {
+            let p = PathBuf::from(get::<String>(d, "path")?);
+            let shape = (get(d, "rows")?, get(d, "cols")?, get(d, "ld")?);
+            let dt = parse_dtype(py, &get::<String>(d, "dtype")?)?;
+            let src = RawFileSource::open(&p, get(d, "offset")?, shape, dt);
+            Ok(Arc::new(src.map_err(|e| to_py(py, e))?))
+        }
+        "buffer" => Ok(Arc::new(BufferSource {
+            label: PathBuf::from(label),
+            m: raw_matrix(d)?,
+        })),
+        k => Err(bad_input(py, format!("unknown operand kind {k}"))),
+    }
+}
+
+/// A matrix file by its format: `.npy` read in place, anything else through the engine.
+fn open_path(p: &Path) -> mgmm_stream::Result<Arc<dyn MatrixSource>> {
+    if p.extension().is_some_and(|e| e == "npy") {
+        let mut f =
+            std::fs::File::open(p).map_err(|e| mgmm_stream::Error::io(p, "cannot open", e))?;
+        let h = store::npy::read_header(p, &mut f)?;
+        return Ok(Arc::new(RawFileSource::open(
+            p,
+            h.data_offset,
+            (h.rows, h.cols, h.cols),
+            h.dtype,
+        )?));
+    }
+    store::open_source(p)
+}
+
+/// A matrix product prepared by `matmul` before its output exists: the resolved step, the
+/// engine settings and the opened operands.
+#[pyclass(module = "mgmm_stream._native")]
+struct Job {
+    engine: Engine,
+    step: Step,
+    a: Arc<dyn MatrixSource>,
+    b: Arc<dyn MatrixSource>,
+}
+
+fn operand(name: &str, s: &Arc<dyn MatrixSource>, trans: bool) -> Operand {
+    let (rows, cols) = s.shape();
+    Operand {
+        name: name.into(),
+        path: s.path().to_path_buf(),
+        rows,
+        cols,
+        dtype: s.dtype(),
+        trans,
+    }
+}
+
+fn check_shapes(py: Python<'_>, a: &Operand, b: &Operand) -> PyResult<()> {
+    let ((m, k), (k2, n)) = (a.op_shape(), b.op_shape());
+    let t = |o: &Operand| if o.trans { ".T" } else { "" };
+    if k != k2 {
+        return Err(bad_input(
+            py,
+            format!(
+                "shape mismatch: a{} is {m}×{k} but b{} is {k2}×{n} (inner dimensions {k} ≠ {k2})",
+                t(a),
+                t(b)
+            ),
+        ));
+    }
+    if a.dtype != b.dtype {
+        return Err(bad_input(
+            py,
+            format!(
+            "a is {} but b is {}; operands must have the same dtype (convert one with .astype())",
+            a.dtype, b.dtype
+        ),
+        ));
+    }
+    Ok(())
+}
+
+/// The precision named, or the default for the dtype: fp64 for f64 inputs, else fp32.
+fn choose_precision(py: Python<'_>, p: Option<&str>, dt: DType) -> PyResult<Precision> {
+    let p = match p {
+        None if dt == DType::F64 => Precision::Fp64,
+        None => Precision::Fp32,
+        Some(s) => Precision::parse(s).ok_or_else(|| {
+            bad_input(
+                py,
+                format!(
+                "precision={s:?} is unknown; use \"fp32\", \"tf32\", \"bf16\", \"fp16\" or \"fp64\""
+            ),
+            )
+        })?,
+    };
+    match (p, dt) {
+        (Precision::Fp64, DType::F64) => Ok(p),
+        (Precision::Fp64, d) => Err(bad_input(py, format!(
+            "precision=\"fp64\" needs float64 inputs, but the inputs are {d}"
+        ))),
+        (_, DType::F64) => Err(bad_input(py, format!(
+            "the inputs are float64 but precision={:?}; use precision=\"fp64\" (the default for float64) or convert the inputs to float32",
+            p.name()
+        ))),
+        _ => Ok(p),
+    }
+}
+
+#[pymethods]
+impl Job {
+    /// (rows, cols) of the result.
+    #[getter]
+    fn shape(&self) -> (u64, u64) {
+        (self.step.m, self.step.n)
+    }
+    /// numpy name of the result's dtype.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        match self.step.out_dtype {
+            DType::F64 => "float64",
+            _ => "float32",
+        }
+    }
+
+    /// What `plan` prints for this product, as data.
+    fn describe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let decl = |o: &Operand| MatrixDecl {
+            name: o.name.clone(),
+            path: o.path.clone(),
+            rows: o.rows,
+            cols: o.cols,
+            dtype: o.dtype,
+            generate: None,
+        };
+        let plan = Plan {
+            path: PathBuf::from(ORIGIN),
+            matrices: vec![decl(&self.step.a), decl(&self.step.b)],
+            steps: vec![self.step.clone()],
+            engine: self.engine.clone(),
+        };
+        describe_data(py, &plan)
+    }
+
+    /// Run the product into `out` (a descriptor: `buffer` in memory, or `path` .mgt/.npy).
+    /// Returns the step report as a dict, or None when a journaled output was already complete.
+    #[pyo3(signature = (out, restart, on_event, cancel_event, every))]
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        out: &Bound<'py, PyDict>,
+        restart: bool,
+        on_event: Option<Bound<'py, PyAny>>,
+        cancel_event: Option<Bound<'py, PyAny>>,
+        every: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let mut step = self.step.clone();
+        let kind: String = get(out, "kind")?;
+        let output = match kind.as_str() {
+            "buffer" => {
+                let m = raw_matrix(out)?;
+                if (m.rows, m.cols) != (step.m, step.n) || m.dtype != step.out_dtype {
+                    return Err(bad_input(
+                        py,
+                        format!(
+                            "out is {}×{} {} but the result is {}×{} {}",
+                            m.rows, m.cols, m.dtype, step.m, step.n, step.out_dtype
+                        ),
+                    ));
+                }
+                step.output = PathBuf::from("out (array)");
+                let label = step.output.clone();
+                Output::Memory(Box::new(move || {
+                    Ok(Box::new(BufferSink {
+                        label: label.clone(),
+                        m,
+                        checksums: false,
+                    }) as Box<dyn store::MatrixSink>)
+                }))
+            }
+            "path" => {
+                let p = PathBuf::from(get::<String>(out, "path")?);
+                for op in [&step.a, &step.b] {
+                    if mgmm_stream::plan::same_file(&op.path, &p) {
+                        return Err(bad_input(
+                            py,
+                            format!(
+                                "out={} is also the input `{}`; write the result to a new file",
+                                p.display(),
+                                op.name
+                            ),
+                        ));
+                    }
+                }
+                step.output = p.clone();
+                match p.extension().and_then(|e| e.to_str()) {
+                    Some("mgt") => Output::File(Box::new(TiledOutput(p))),
+                    Some("npy") => Output::File(Box::new(NpyOutput(p))),
+                    _ => {
+                        return Err(bad_input(
+                            py,
+                            format!(
+                                "out={}: name a .mgt or .npy file, or pass an array",
+                                p.display()
+                            ),
+                        ))
+                    }
+                }
+            }
+            k => return Err(bad_input(py, format!("unknown output kind {k}"))),
+        };
+        let watch = Watch {
+            on_event,
+            cancel_event,
+            every,
+        };
+        let queue = Arc::new(Queue::default());
+        let flag = Arc::new(AtomicBool::new(false));
+        let progress = watch.progress(&queue, &flag);
+        let job = StepJob {
+            origin: Path::new(ORIGIN),
+            engine: &self.engine,
+            step: &step,
+            sources: StepSources {
+                a: self.a.clone(),
+                b: self.b.clone(),
+                c0: None,
+            },
+            output,
+            restart,
+            progress: &progress,
+        };
+        let rep = watch.run(py, &queue, &flag, move || api::run_step(job))?;
+        match rep.map_err(|e| to_py(py, e))? {
+            Some(r) => to_py_value(py, &r),
+            None => Ok(py.None().into_bound(py)),
+        }
+    }
+}
+
+/// Prepare `alpha · op(a) · op(b)`: open both operands, check shapes and dtypes, resolve the
+/// engine settings (`settings`: `[engine]` key/value pairs).
+#[pyfunction]
+#[pyo3(signature = (a, b, alpha, trans_a, trans_b, precision, settings))]
+#[allow(clippy::too_many_arguments)]
+fn prepare(
+    py: Python<'_>,
+    a: &Bound<'_, PyDict>,
+    b: &Bound<'_, PyDict>,
+    alpha: f64,
+    trans_a: bool,
+    trans_b: bool,
+    precision: Option<String>,
+    settings: Vec<(String, String)>,
+) -> PyResult<Job> {
+    let sa = open_operand(a, "a (array)")?;
+    let sb = open_operand(b, "b (array)")?;
+    let (oa, ob) = (operand("a", &sa, trans_a), operand("b", &sb, trans_b));
+    check_shapes(py, &oa, &ob)?;
+    let p = choose_precision(py, precision.as_deref(), oa.dtype)?;
+    let mut kv: Vec<(&str, &str)> = settings
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    kv.push(("precision", p.name()));
+    let engine = api::engine_with(Path::new(ORIGIN), &kv).map_err(|e| {
+        let msg = e.to_string().replace("--set engine.", "");
+        bad_input(py, msg)
+    })?;
+    let ((m, k), (_, n)) = (oa.op_shape(), ob.op_shape());
+    let t = |o: &Operand| if o.trans { ".T" } else { "" };
+    let expr = format!("{alpha} * a{} @ b{}", t(&oa), t(&ob));
+    let step = Step {
+        index: 0,
+        line: 0,
+        expr,
+        a: oa,
+        b: ob,
+        c0: None,
+        alpha,
+        beta: 0.0,
+        m,
+        n,
+        k,
+        output: PathBuf::from("out"),
+        out_dtype: p.host_dtype(),
+        out_tile: None,
+    };
+    Ok(Job {
+        engine,
+        step,
+        a: sa,
+        b: sb,
+    })
+}
+
+/// Load a plan from a file, or from TOML text (a dict converted by the Python layer) whose
+/// relative paths are relative to the current directory.
+fn load_plan(
+    py: Python<'_>,
+    path: Option<String>,
+    toml_text: Option<String>,
+    sets: &[String],
+) -> PyResult<Plan> {
+    let r = match (path, toml_text) {
+        (Some(p), None) => Plan::load_with(Path::new(&p), sets),
+        (None, Some(t)) => Plan::resolve(
+            &std::env::current_dir()
+                .unwrap_or_default()
+                .join("<plan dict>"),
+            &t,
+            sets,
+            &mgmm_stream::plan::header_from_disk,
+        ),
+        _ => return Err(bad_input(py, "give a plan path or a plan dict")),
+    };
+    r.map_err(|e| to_py(py, e))
+}
+
+/// A plan dict (as JSON text) to TOML text.
+#[pyfunction]
+fn json_to_toml(py: Python<'_>, json: &str) -> PyResult<String> {
+    let v: toml::Value = serde_json::from_str(json)
+        .map_err(|e| bad_input(py, format!("the plan dict cannot be written as TOML: {e}")))?;
+    toml::to_string(&v)
+        .map_err(|e| bad_input(py, format!("the plan dict cannot be written as TOML: {e}")))
+}
+
+/// Run every step of a plan; returns the run report as a dict.
+#[pyfunction]
+#[pyo3(signature = (path, toml_text, sets, restart, on_event, cancel_event, every))]
+#[allow(clippy::too_many_arguments)]
+fn run_plan<'py>(
+    py: Python<'py>,
+    path: Option<String>,
+    toml_text: Option<String>,
+    sets: Vec<String>,
+    restart: bool,
+    on_event: Option<Bound<'py, PyAny>>,
+    cancel_event: Option<Bound<'py, PyAny>>,
+    every: f64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let plan = load_plan(py, path, toml_text, &sets)?;
+    let watch = Watch {
+        on_event,
+        cancel_event,
+        every,
+    };
+    let queue = Arc::new(Queue::default());
+    let flag = Arc::new(AtomicBool::new(false));
+    let progress = watch.progress(&queue, &flag);
+    let opts = RunOptions {
+        restart,
+        ..Default::default()
+    };
+    let (plan, progress, opts) = (&plan, &progress, &opts);
+    let rep = watch.run(py, &queue, &flag, move || {
+        run::run_plan(plan, opts, progress)
+    })?;
+    to_py_value(py, &rep.map_err(|e| to_py(py, e))?)
+}
+
+/// What `plan` prints, as data: the text and, per step, tiles, memory and traffic.
+fn describe_data<'py>(py: Python<'py>, plan: &Plan) -> PyResult<Bound<'py, PyAny>> {
+    let text = run::describe(plan).map_err(|e| to_py(py, e))?;
+    let backend = mgmm_stream::backend::select(&plan.engine).map_err(|e| to_py(py, e))?;
+    let mut steps = Vec::new();
+    for s in &plan.steps {
+        let l =
+            Layout::new(&plan.path, s, &plan.engine, backend.caps()).map_err(|e| to_py(py, e))?;
+        let t = traffic(s, &l);
+        let (gm, gn, gk) = l.grid(s);
+        steps.push(serde_json::json!({
+            "step": s.index + 1, "output": s.output.display().to_string(), "expr": s.expr,
+            "m": s.m, "n": s.n, "k": s.k, "flops": s.flops(),
+            "tile": [l.tm, l.tn, l.tk], "grid": [gm, gn, gk], "output_tile": [l.out_tile.0, l.out_tile.1],
+            "host_bytes": l.host_bytes, "device_bytes_per_lane": l.device_bytes, "lanes": l.lanes,
+            "traffic": {
+                "tile_loads": t.tile_loads, "read_bytes": t.read_bytes, "min_read_bytes": t.min_read_bytes,
+                "h2d_bytes": t.h2d_bytes, "d2h_bytes": t.d2h_bytes, "write_bytes": t.write_bytes, "gemms": t.gemms,
+            },
+        }));
+    }
+    let v = serde_json::json!({
+        "plan": plan.path.display().to_string(),
+        "backend": backend.name(),
+        "precision": plan.engine.precision.name(),
+        "host_memory": plan.engine.host_memory,
+        "steps": steps,
+        "text": text,
+    });
+    to_py_value(py, &v)
+}
+
+/// What `mgmm-stream plan` prints for a plan, as data.
+#[pyfunction]
+#[pyo3(signature = (path, toml_text, sets))]
+fn describe_plan<'py>(
+    py: Python<'py>,
+    path: Option<String>,
+    toml_text: Option<String>,
+    sets: Vec<String>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let plan = load_plan(py, path, toml_text, &sets)?;
+    describe_data(py, &plan)
+}
+
+/// Freivalds' check of every step of a plan that has run: one report dict per step.
+#[pyfunction]
+#[pyo3(signature = (path, toml_text, sets, rounds, seed))]
+fn verify_plan<'py>(
+    py: Python<'py>,
+    path: Option<String>,
+    toml_text: Option<String>,
+    sets: Vec<String>,
+    rounds: usize,
+    seed: u64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let plan = load_plan(py, path, toml_text, &sets)?;
+    run::init_threads(plan.engine.threads);
+    let plan = &plan;
+    let reps = py.detach(move || {
+        plan.steps
+            .iter()
+            .map(|s| mgmm_stream::verify::verify_step(s, plan.engine.precision, rounds, seed))
+            .collect::<mgmm_stream::Result<Vec<_>>>()
+    });
+    to_py_value(py, &reps.map_err(|e| to_py(py, e))?)
+}
+
+/// A `.mgt` file's header as a dict; `check` verifies every tile's CRC.
+#[pyfunction]
+#[pyo3(signature = (path, check))]
+fn info<'py>(py: Python<'py>, path: String, check: bool) -> PyResult<Bound<'py, PyAny>> {
+    let p = PathBuf::from(&path);
+    let f = TiledFile::open(&p).map_err(|e| to_py(py, e))?;
+    let h = f.hdr;
+    if check {
+        if !h.has_checksums() {
+            return Err(to_py(py, mgmm_stream::Error::format(&p, "has no checksum table; nothing to check (re-import or regenerate it to add one)")));
+        }
+        let f = &f;
+        py.detach(move || {
+            use rayon::prelude::*;
+            let gc = h.grid_cols();
+            (0..h.tiles())
+                .into_par_iter()
+                .try_for_each(|i| f.verify_tile(i / gc, i % gc))
+        })
+        .map_err(|e| to_py(py, e))?;
+    }
+    let v = serde_json::json!({
+        "path": path, "rows": h.rows, "cols": h.cols, "dtype": h.dtype.name(),
+        "tile": [h.tile_rows, h.tile_cols], "grid": [h.grid_rows(), h.grid_cols()], "tiles": h.tiles(),
+        "data_offset": h.data_offset, "checksums": h.has_checksums(), "file_bytes": h.file_len(),
+        "checked": check,
+    });
+    to_py_value(py, &v)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<Job>()?;
+    m.add_function(wrap_pyfunction!(prepare, m)?)?;
+    m.add_function(wrap_pyfunction!(run_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(describe_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(verify_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(info, m)?)?;
+    m.add_function(wrap_pyfunction!(json_to_toml, m)?)?;
+    Ok(())
+}

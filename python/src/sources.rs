@@ -1,0 +1,452 @@
+//! Storage the Python package adds to the engine's [`MatrixSource`]/[`MatrixSink`] seam: a numpy
+//! buffer in memory read or written in place ([`BufferSource`], [`BufferSink`]), and a raw
+//! row-major file region — an `np.memmap`'s file or a `.npy` body — read with `pread` and
+//! written with `pwrite` ([`RawFileSource`], [`RawFileSink`], [`NpyOutput`]).
+//!
+//! Every matrix here is row-major with unit column stride and a row stride `ld` (elements) of
+//! at least `cols`; the Python layer turns a Fortran-order array into its row-major transpose
+//! and flips the operand's transpose flag, so column-major data is read in place too.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use mgmm_stream::api::OutputFile;
+use mgmm_stream::dtype::{self, DType};
+use mgmm_stream::error::{Error, Result};
+use mgmm_stream::store::tiled::par_crc32c;
+use mgmm_stream::store::{Block, Header, MatrixSink, MatrixSource, WriteMode};
+use rayon::prelude::*;
+
+/// A row-major matrix in memory: base address, shape, row stride (elements), dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct RawMatrix {
+    pub addr: usize,
+    pub rows: u64,
+    pub cols: u64,
+    pub ld: u64,
+    pub dtype: DType,
+}
+
+impl RawMatrix {
+    fn row_offset(&self, r: u64, c: u64) -> usize {
+        ((r * self.ld + c) as usize) * self.dtype.size()
+    }
+}
+
+fn check_block(label: &Path, shape: (u64, u64), b: &Block) -> Result<()> {
+    if b.r0 + b.rows > shape.0 || b.c0 + b.cols > shape.1 {
+        return Err(Error::format(
+            label,
+            format!(
+                "block {}..{} × {}..{} is outside the {}×{} matrix",
+                b.r0,
+                b.r0 + b.rows,
+                b.c0,
+                b.c0 + b.cols,
+                shape.0,
+                shape.1
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn unsupported(label: &Path, from: DType, to: DType) -> Error {
+    Error::format(label, format!("cannot convert {from} data to {to}"))
+}
+
+/// An array in memory read in place (a numpy buffer; the Python object is kept alive by the
+/// caller for as long as the source exists).
+pub struct BufferSource {
+    pub label: PathBuf,
+    pub m: RawMatrix,
+}
+
+// SAFETY: the buffer is only read, by any thread; the Python layer holds a reference to the
+// array for the whole call and documents that arrays must not be resized or freed meanwhile
+// (numpy refuses to resize an array whose buffer is referenced, and the GIL-holding caller is
+// blocked in the call).
+unsafe impl Send for BufferSource {}
+unsafe impl Sync for BufferSource {}
+
+impl BufferSource {
+    fn row(&self, r: u64, c0: u64, cols: u64) -> &[u8] {
+        let off = self.m.row_offset(r, c0);
+        // SAFETY: r < rows and c0 + cols ≤ cols ≤ ld (checked by `check_block` and by the
+        // Python layer when it built the descriptor from the array's shape and strides), so the
+        // range lies inside the array's buffer, which outlives `self` (see above).
+        unsafe {
+            std::slice::from_raw_parts(
+                (self.m.addr + off) as *const u8,
+                cols as usize * self.m.dtype.size(),
+            )
+        }
+    }
+}
+
+impl MatrixSource for BufferSource {
+    fn path(&self) -> &Path {
+        &self.label
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.m.rows, self.m.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.m.dtype
+    }
+    fn read_block(&self, b: &Block, host: DType, dst: &mut [u8]) -> Result<()> {
+        check_block(&self.label, self.shape(), b)?;
+        let row_bytes = b.cols as usize * host.size();
+        dst.par_chunks_mut(row_bytes)
+            .enumerate()
+            .try_for_each(|(i, d)| {
+                let src = self.row(b.r0 + i as u64, b.c0, b.cols);
+                if dtype::convert(self.m.dtype, src, host, d) {
+                    Ok(())
+                } else {
+                    Err(unsupported(&self.label, self.m.dtype, host))
+                }
+            })
+    }
+    fn will_need(&self, _b: &Block) -> u64 {
+        0
+    }
+    fn verify_block(&self, _b: &Block) -> Result<()> {
+        Ok(())
+    }
+    /// The shape, dtype and a CRC-32C of the contents (one pass over the array, made only when
+    /// a journal needs it), so a resumed call with changed data recomputes instead.
+    fn identity(&self) -> String {
+        let crcs: Vec<u32> = (0..self.m.rows)
+            .into_par_iter()
+            .map(|r| crc32c::crc32c(self.row(r, 0, self.m.cols)))
+            .collect();
+        let all: Vec<u8> = crcs.iter().flat_map(|c| c.to_le_bytes()).collect();
+        format!(
+            "array in memory {}×{} {}, contents crc32c {:#010x}",
+            self.m.rows,
+            self.m.cols,
+            self.m.dtype,
+            crc32c::crc32c(&all)
+        )
+    }
+}
+
+/// An array in memory written in place (the result array of `matmul`).
+pub struct BufferSink {
+    pub label: PathBuf,
+    pub m: RawMatrix,
+    /// Compute each block's CRC (only a journal needs it; memory outputs have none).
+    pub checksums: bool,
+}
+
+// SAFETY: as for `BufferSource`; writers write disjoint blocks (the MatrixSink contract), so
+// no two threads write the same bytes.
+unsafe impl Send for BufferSink {}
+unsafe impl Sync for BufferSink {}
+
+impl MatrixSink for BufferSink {
+    fn path(&self) -> &Path {
+        &self.label
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.m.rows, self.m.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.m.dtype
+    }
+    fn storage_tile(&self) -> (u64, u64) {
+        (self.m.rows, self.m.cols)
+    }
+    fn write_block(&self, b: &Block, host: DType, src: &[u8]) -> Result<u32> {
+        check_block(&self.label, self.shape(), b)?;
+        if host != self.m.dtype {
+            return Err(unsupported(&self.label, host, self.m.dtype));
+        }
+        let row_bytes = b.cols as usize * host.size();
+        src.par_chunks(row_bytes).enumerate().for_each(|(i, s)| {
+            let off = self.m.row_offset(b.r0 + i as u64, b.c0);
+            // SAFETY: the row lies inside the array (checked above and by the Python layer),
+            // the array is writable and outlives the sink, and concurrent calls write disjoint
+            // blocks, so this row range is written by this thread alone.
+            unsafe {
+                std::ptr::copy_nonoverlapping(s.as_ptr(), (self.m.addr + off) as *mut u8, s.len());
+            }
+        });
+        Ok(if self.checksums { par_crc32c(src) } else { 0 })
+    }
+    fn prefault(&self, _b: &Block) -> u64 {
+        0
+    }
+    fn flush_block(&self, _b: &Block) -> Result<()> {
+        Ok(())
+    }
+    fn forget_checksums(&self) {}
+    fn finish(self: Box<Self>, _durable: bool) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A row-major matrix stored in a file at `offset` (an `np.memmap`'s region, a `.npy` body),
+/// read with `pread` — never through Python.
+pub struct RawFileSource {
+    pub path: PathBuf,
+    file: File,
+    offset: u64,
+    rows: u64,
+    cols: u64,
+    ld: u64,
+    dtype: DType,
+}
+
+impl RawFileSource {
+    pub fn open(
+        path: &Path,
+        offset: u64,
+        (rows, cols, ld): (u64, u64, u64),
+        dtype: DType,
+    ) -> Result<RawFileSource> {
+        let file = File::open(path).map_err(|e| Error::io(path, "cannot open", e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io(path, "cannot stat", e))?
+            .len();
+        let need = offset + ((rows - 1) * ld + cols) * dtype.size() as u64;
+        if len < need {
+            return Err(Error::format(
+                path,
+                format!("is {len} bytes, but a {rows}×{cols} {dtype} matrix at offset {offset} needs {need}; is the file truncated?"),
+            ));
+        }
+        Ok(RawFileSource {
+            path: path.to_path_buf(),
+            file,
+            offset,
+            rows,
+            cols,
+            ld,
+            dtype,
+        })
+    }
+    fn pos(&self, r: u64, c: u64) -> u64 {
+        self.offset + (r * self.ld + c) * self.dtype.size() as u64
+    }
+}
+
+impl MatrixSource for RawFileSource {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.rows, self.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn read_block(&self, b: &Block, host: DType, dst: &mut [u8]) -> Result<()> {
+        check_block(&self.path, self.shape(), b)?;
+        let es = self.dtype.size();
+        let row_bytes = b.cols as usize * host.size();
+        dst.par_chunks_mut(row_bytes)
+            .enumerate()
+            .try_for_each_init(Vec::new, |tmp, (i, d)| {
+                let at = self.pos(b.r0 + i as u64, b.c0);
+                let read = |buf: &mut [u8]| {
+                    self.file
+                        .read_exact_at(buf, at)
+                        .map_err(|e| Error::io(&self.path, "cannot read", e))
+                };
+                if host == self.dtype {
+                    return read(d);
+                }
+                tmp.resize(b.cols as usize * es, 0u8);
+                read(tmp)?;
+                if dtype::convert(self.dtype, tmp, host, d) {
+                    Ok(())
+                } else {
+                    Err(unsupported(&self.path, self.dtype, host))
+                }
+            })
+    }
+    fn will_need(&self, b: &Block) -> u64 {
+        let start = self.pos(b.r0, b.c0);
+        let end = self.pos(b.r0 + b.rows - 1, b.c0 + b.cols);
+        // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
+        let r = unsafe {
+            libc::posix_fadvise(
+                self.file.as_raw_fd(),
+                start as libc::off_t,
+                (end - start) as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+        if r == 0 {
+            end - start
+        } else {
+            0
+        }
+    }
+    fn verify_block(&self, _b: &Block) -> Result<()> {
+        Ok(())
+    }
+    fn identity(&self) -> String {
+        let (len, mtime) = self
+            .file
+            .metadata()
+            .map(|m| {
+                (
+                    m.len(),
+                    m.mtime_nsec() as i128 + m.mtime() as i128 * 1_000_000_000,
+                )
+            })
+            .unwrap_or((0, 0));
+        format!(
+            "raw {} at offset {}: {}×{} {} (row stride {}), file {len} bytes modified {mtime} ns",
+            self.path.display(),
+            self.offset,
+            self.rows,
+            self.cols,
+            self.dtype,
+            self.ld
+        )
+    }
+}
+
+/// A dense row-major region of a file written with `pwrite` (the body of a `.npy` output).
+pub struct RawFileSink {
+    path: PathBuf,
+    file: File,
+    offset: u64,
+    rows: u64,
+    cols: u64,
+    dtype: DType,
+}
+
+impl MatrixSink for RawFileSink {
+    fn path(&self) -> &Path {
+        &self.path
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.rows, self.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn storage_tile(&self) -> (u64, u64) {
+        (self.rows, self.cols)
+    }
+    fn write_block(&self, b: &Block, host: DType, src: &[u8]) -> Result<u32> {
+        check_block(&self.path, self.shape(), b)?;
+        if host != self.dtype {
+            return Err(unsupported(&self.path, host, self.dtype));
+        }
+        let es = self.dtype.size() as u64;
+        src.par_chunks(b.cols as usize * es as usize)
+            .enumerate()
+            .try_for_each(|(i, s)| {
+                let at = self.offset + ((b.r0 + i as u64) * self.cols + b.c0) * es;
+                self.file
+                    .write_all_at(s, at)
+                    .map_err(|e| Error::io(&self.path, "cannot write", e))
+            })?;
+        Ok(par_crc32c(src))
+    }
+    fn prefault(&self, _b: &Block) -> u64 {
+        0
+    }
+    /// Write back the rows the block spans (not the whole file: other tiles are in flight).
+    fn flush_block(&self, b: &Block) -> Result<()> {
+        let row = self.cols * self.dtype.size() as u64;
+        let start = self.offset + b.r0 * row;
+        let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
+            | libc::SYNC_FILE_RANGE_WRITE
+            | libc::SYNC_FILE_RANGE_WAIT_AFTER;
+        // SAFETY: sync_file_range only reads its integer arguments; the descriptor is open.
+        let r = unsafe {
+            libc::sync_file_range(
+                self.file.as_raw_fd(),
+                start as libc::off64_t,
+                (b.rows * row) as libc::off64_t,
+                flags,
+            )
+        };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(Error::io(&self.path, "cannot flush output rows to disk", e));
+        }
+        Ok(())
+    }
+    fn forget_checksums(&self) {}
+    fn finish(self: Box<Self>, durable: bool) -> Result<()> {
+        if durable {
+            self.file
+                .sync_all()
+                .map_err(|e| Error::io(&self.path, "cannot sync", e))?;
+        }
+        Ok(())
+    }
+}
+
+/// A `.npy` output file (C order, f32 or f64), journaled like a `.mgt` output.
+pub struct NpyOutput(pub PathBuf);
+
+impl NpyOutput {
+    fn open(&self, h: &Header, create: bool) -> Result<RawFileSink> {
+        let p = &self.0;
+        let head = mgmm_stream::store::npy::header_bytes(h.dtype, h.rows, h.cols)?;
+        let len = head.len() as u64 + h.rows * h.cols * h.dtype.size() as u64;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create)
+            .truncate(create)
+            .open(p)
+            .map_err(|e| Error::io(p, "cannot open output", e))?;
+        if create {
+            file.write_all_at(&head, 0)
+                .map_err(|e| Error::io(p, "cannot write .npy header", e))?;
+            file.set_len(len)
+                .map_err(|e| Error::io(p, "cannot size output", e))?;
+        } else {
+            let mut have = vec![0u8; head.len()];
+            let ok = file.read_exact_at(&mut have, 0).is_ok() && have == head;
+            let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+            if !ok || size != len {
+                return Err(Error::format(
+                    p,
+                    "is not the .npy file this call started (header or size differ); pass restart=True to recompute it",
+                ));
+            }
+        }
+        Ok(RawFileSink {
+            path: p.clone(),
+            file,
+            offset: head.len() as u64,
+            rows: h.rows,
+            cols: h.cols,
+            dtype: h.dtype,
+        })
+    }
+}
+
+impl OutputFile for NpyOutput {
+    fn create(&self, header: Header, _write: WriteMode) -> Result<Box<dyn MatrixSink>> {
+        Ok(Box::new(self.open(&header, true)?))
+    }
+    fn reopen(&self, header: Header, _write: WriteMode) -> Result<Box<dyn MatrixSink>> {
+        Ok(Box::new(self.open(&header, false)?))
+    }
+    fn read_back(&self) -> Result<Arc<dyn MatrixSource>> {
+        let mut f = File::open(&self.0).map_err(|e| Error::io(&self.0, "cannot open", e))?;
+        let h = mgmm_stream::store::npy::read_header(&self.0, &mut f)?;
+        Ok(Arc::new(RawFileSource::open(
+            &self.0,
+            h.data_offset,
+            (h.rows, h.cols, h.cols),
+            h.dtype,
+        )?))
+    }
+}

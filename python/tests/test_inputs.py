@@ -1,0 +1,94 @@
+"""Results against numpy in f64 for every input kind, dtype and transpose."""
+
+import numpy as np
+import pytest
+
+import mgmm_stream as mg
+from conftest import CPU, close, rand, reference, to_mgt
+
+# Shapes straddle the 64-element test tile: m = 130, k = 67, n = 129.
+M, K, N = 130, 67, 129
+
+
+def make(kind, x, tmp_path, name):
+    """x as the given input kind."""
+    if kind == "ndarray":
+        return x
+    if kind == "fortran":
+        return np.asfortranarray(x)
+    if kind == "row_view":  # rows strided, columns contiguous: read in place
+        big = np.zeros((x.shape[0] * 2, x.shape[1] + 3), x.dtype)
+        big[::2, 1:-2] = x
+        return big[::2, 1:-2]
+    if kind in ("memmap_c", "memmap_f"):
+        order = "C" if kind == "memmap_c" else "F"
+        path = tmp_path / f"{name}.{order}.raw"
+        m = np.memmap(path, dtype=x.dtype, mode="w+", shape=x.shape, order=order, offset=0)
+        m[:] = x
+        m.flush()
+        return np.memmap(path, dtype=x.dtype, mode="r", shape=x.shape, order=order)
+    if kind == "memmap_offset":  # a region after a header, as in a .npy file
+        path = tmp_path / f"{name}.npy"
+        np.save(path, x)
+        return np.load(path, mmap_mode="r")
+    if kind == "npy_path":
+        path = tmp_path / f"{name}.npy"
+        np.save(path, x)
+        return str(path)
+    if kind == "mgt_path":
+        return to_mgt(x, tmp_path / f"{name}.mgt")
+    raise AssertionError(kind)
+
+
+KINDS = ["ndarray", "fortran", "row_view", "memmap_c", "memmap_f", "memmap_offset",
+         "npy_path", "mgt_path"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_kind_against_numpy(kind, dtype, tmp_path):
+    a, b = rand((M, K), dtype, 1), rand((K, N), dtype, 2)
+    c = mg.matmul(make(kind, a, tmp_path, "a"), make(kind, b, tmp_path, "b"), **CPU)
+    assert c.shape == (M, N) and c.dtype == dtype
+    close(c, reference(a, b), dtype)
+
+
+@pytest.mark.parametrize("ta,tb", [(False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("kind", ["ndarray", "fortran", "memmap_f", "mgt_path"])
+def test_transposes(kind, ta, tb, tmp_path):
+    a = rand((K, M) if ta else (M, K), np.float64, 3)
+    b = rand((N, K) if tb else (K, N), np.float64, 4)
+    c = mg.matmul(make(kind, a, tmp_path, "a"), make(kind, b, tmp_path, "b"),
+                  trans_a=ta, trans_b=tb, alpha=-0.5, **CPU)
+    close(c, reference(a, b, ta, tb, -0.5), np.float64)
+
+
+def test_float16_inputs_give_float32():
+    a, b = rand((M, K), np.float16, 5), rand((K, N), np.float16, 6)
+    c = mg.matmul(a, b, **CPU)
+    assert c.dtype == np.float32
+    close(c, reference(a, b), np.float16)
+
+
+def test_mixed_kinds(tmp_path):
+    a, b = rand((M, K), np.float32, 7), rand((K, N), np.float32, 8)
+    c = mg.matmul(make("memmap_f", a, tmp_path, "a"), make("mgt_path", b, tmp_path, "b"), **CPU)
+    close(c, reference(a, b), np.float32)
+
+
+def test_torch_cpu_tensors():
+    torch = pytest.importorskip("torch")
+    a, b = rand((M, K), np.float32, 9), rand((K, N), np.float32, 10)
+    ta, tb = torch.from_numpy(a), torch.from_numpy(b).t().contiguous().t()
+    ta.requires_grad_(True)
+    c = mg.matmul(ta, tb, **CPU)
+    close(c, reference(a, b), np.float32)
+    out = torch.empty((M, N), dtype=torch.float32)
+    assert mg.matmul(ta, tb, out=out, **CPU) is out
+    close(out.numpy(), reference(a, b), np.float32)
+
+
+def test_default_settings_run():
+    """No engine keywords at all: backend auto (CPU here), default tile and memory."""
+    a, b = rand((50, 40), np.float64, 11), rand((40, 30), np.float64, 12)
+    close(mg.matmul(a, b, progress=False), reference(a, b), np.float64)

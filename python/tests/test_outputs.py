@@ -1,0 +1,115 @@
+"""Where results go: a new array, a given array, .npy and .mgt files; plans and info."""
+
+import numpy as np
+import pytest
+
+import mgmm_stream as mg
+from conftest import CPU, close, rand, reference
+
+M, K, N = 100, 70, 90
+
+
+def test_out_array_is_filled_in_place():
+    a, b = rand((M, K), np.float64, 1), rand((K, N), np.float64, 2)
+    out = np.full((M, N), np.nan)
+    assert mg.matmul(a, b, out=out, **CPU) is out
+    close(out, reference(a, b), np.float64)
+
+
+def test_out_memmap(tmp_path):
+    a, b = rand((M, K), np.float32, 1), rand((K, N), np.float32, 2)
+    out = np.lib.format.open_memmap(tmp_path / "c.npy", mode="w+", dtype=np.float32, shape=(M, N))
+    mg.matmul(a, b, out=out, **CPU)
+    out.flush()
+    close(np.load(tmp_path / "c.npy"), reference(a, b), np.float32)
+
+
+def test_out_npy_file(tmp_path):
+    a, b = rand((M, K), np.float32, 3), rand((K, N), np.float32, 4)
+    c = mg.matmul(a, b, out=tmp_path / "c.npy", **CPU)
+    assert isinstance(c, np.memmap) and not c.flags.writeable
+    close(c, reference(a, b), np.float32)
+    assert (tmp_path / "c.npy.journal").exists()
+
+
+def test_out_mgt_file_and_info(tmp_path):
+    a, b = rand((M, K), np.float64, 5), rand((K, N), np.float64, 6)
+    p = mg.matmul(a, b, out=str(tmp_path / "c.mgt"), **CPU)
+    assert p == str(tmp_path / "c.mgt")
+    h = mg.info(p, check=True)
+    assert (h["rows"], h["cols"], h["dtype"], h["checked"]) == (M, N, "f64", True)
+    back = mg.matmul(p, np.eye(N), **CPU)
+    close(back, reference(a, b), np.float64)
+
+
+def test_second_call_on_complete_output_is_a_no_op(tmp_path):
+    a, b = rand((M, K), np.float32, 7), rand((K, N), np.float32, 8)
+    notes = []
+    mg.matmul(a, b, out=str(tmp_path / "c.mgt"), **CPU)
+    kw = dict(CPU, progress=lambda u: None)
+    import logging
+    handler = logging.Handler()
+    handler.emit = lambda rec: notes.append(rec.getMessage())
+    logging.getLogger("mgmm_stream").addHandler(handler)
+    logging.getLogger("mgmm_stream").setLevel(logging.INFO)
+    try:
+        mg.matmul(a, b, out=str(tmp_path / "c.mgt"), **kw)
+    finally:
+        logging.getLogger("mgmm_stream").removeHandler(handler)
+    assert any("already complete" in n for n in notes), notes
+
+
+def test_changed_input_is_not_resumed(tmp_path):
+    a, b = rand((M, K), np.float32, 9), rand((K, N), np.float32, 10)
+    mg.matmul(a, b, out=str(tmp_path / "c.mgt"), **CPU)
+    a[0, 0] += 1
+    with pytest.raises(mg.BadInputError, match="restart=True"):
+        mg.matmul(a, b, out=str(tmp_path / "c.mgt"), **CPU)
+    mg.matmul(a, b, out=str(tmp_path / "c.mgt"), restart=True, **CPU)
+    close(mg.matmul(str(tmp_path / "c.mgt"), np.eye(N, dtype=np.float32), **CPU),
+          reference(a, b), np.float32)
+
+
+def test_run_plan_dict_plan_and_verify(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = {
+        "matrices": {
+            "A": {"path": "A.mgt", "generate": {"rows": 150, "cols": 80, "seed": 1}},
+            "B": {"path": "B.mgt", "generate": {"rows": 80, "cols": 120, "seed": 2}},
+        },
+        "step": [{"output": "C.mgt", "expr": "A @ B"}],
+        "engine": {"backend": "cpu", "tile": 64},
+    }
+    desc = mg.plan(p)
+    assert "step 1" in desc["text"] and desc["steps"][0]["m"] == 150
+    assert desc["steps"][0]["tile"] == [64, 64, 64]
+    rep = mg.run(p, progress=False)
+    assert rep["steps"][0]["tiles_computed"] == rep["steps"][0]["tiles_total"] == 6
+    assert sorted(rep["generated"]) == sorted([str(tmp_path / "A.mgt"), str(tmp_path / "B.mgt")]) \
+        or len(rep["generated"]) == 2
+    (r,) = mg.verify(p)
+    assert r["pass"] is True
+    c = mg.matmul("C.mgt", np.eye(120, dtype=np.float32), **CPU)
+    a = mg.matmul("A.mgt", np.eye(80, dtype=np.float32), **CPU)
+    b = mg.matmul("B.mgt", np.eye(120, dtype=np.float32), **CPU)
+    close(c, reference(a, b), np.float32)
+
+
+def test_run_plan_file_with_set(tmp_path):
+    plan = tmp_path / "p.toml"
+    plan.write_text('[matrices.A]\npath = "A.mgt"\ngenerate = { rows = 64, cols = 64 }\n'
+                    '[[step]]\noutput = "C.mgt"\nexpr = "A @ A.T"\n')
+    rep = mg.run(plan, set={"backend": "cpu", "host_memory": "64MiB"}, progress=False)
+    assert rep["backend"].startswith("cpu") and rep["steps"][0]["host_budget_bytes"] == 64 << 20
+
+
+def test_plan_of_a_matmul():
+    a, b = rand((M, K), np.float32, 1), rand((K, N), np.float32, 2)
+    d = mg.plan(a, b, backend="cpu", tile=32, host_memory="16MiB")
+    s = d["steps"][0]
+    assert (s["m"], s["n"], s["k"], s["tile"]) == (M, N, K, [32, 32, 32])
+    assert d["host_memory"] == 16 << 20 and "host ceiling" in d["text"]
+
+
+def test_version():
+    assert isinstance(mg.__version__, str) and mg.__version__.count(".") == 2
