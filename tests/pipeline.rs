@@ -232,7 +232,7 @@ fn small_memory_forces_many_tiles(backend: &str) {
         "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
          [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
          [engine]\nbackend = \"{backend}\"\nhost_memory = \"4MiB\"\n{}",
-        if backend == "cuda" {
+        if backend != "cpu" {
             "device_memory = \"2MiB\"\n"
         } else {
             ""

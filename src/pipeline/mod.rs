@@ -296,16 +296,6 @@ impl<'a> Pipeline<'a> {
         all_flops: u64,
         t0: Instant,
     ) -> Vec<Arc<StageMetrics>> {
-        let (l, step) = (self.layout, self.step);
-        let nlanes = self.lanes.len();
-        let depth = l.staging_bufs.max(2);
-        let (done_tx, done_rx) = crossbeam_channel::bounded::<Done>(l.out_bufs * nlanes);
-        let (outprep_tx, outprep_rx) =
-            crossbeam_channel::bounded::<crate::store::Block>(4 * nlanes);
-        // Populating output pages is kernel work that one thread does at a few GB/s; with
-        // several lanes the devices outrun it, so give it a thread per lane (up to 4).
-        let outprep_threads = nlanes.clamp(1, 4);
-        let mut all_metrics: Vec<Arc<StageMetrics>> = Vec::new();
         let live = Live {
             started: t0,
             tiles_total: self.queue.len() as u64 + self.done_before,
@@ -315,114 +305,15 @@ impl<'a> Pipeline<'a> {
             show_devices: self.show_devices,
             lanes: lane_names.iter().cloned().zip(c.lane_live.iter()).collect(),
         };
-        let writer: &dyn MatrixSink = self
-            .writer
-            .as_deref()
-            .expect("writer is open until run ends");
-        let (sched, queue, inputs) = (&self.sched, &self.queue, &self.inputs);
-        let shared = &self.shared;
-        let (sink, progress, cfg) = (self.sink, self.progress, self.cfg);
-        let (staging_pools, out_pool) = (&self.staging_pools, &self.out_pool);
+        let (progress, label) = (self.progress, format!("step {}", self.step.index + 1));
+        let mut metrics = Vec::new();
+        let stages = self.wire(c, t0, &mut metrics);
         std::thread::scope(|s| {
             let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
-            let mut handles = Vec::new();
-            for (i, lane) in self.lanes.iter_mut().enumerate() {
-                let (plan_tx, plan_rx) = crossbeam_channel::bounded::<PlanOp>(16);
-                let (pre_tx, pre_rx) = crossbeam_channel::bounded::<PlanOp>(4 * depth);
-                let (lane_tx, lane_rx) = crossbeam_channel::bounded::<LaneOp>(depth);
-                let m = |k| StageMetrics::new(k, i, nlanes);
-                let (pm, fm, sm, dm) = (
-                    m(StageKind::Planner),
-                    m(StageKind::Prefetch),
-                    m(StageKind::Staging),
-                    m(StageKind::Lane),
-                );
-                all_metrics.extend([pm.clone(), fm.clone(), sm.clone(), dm.clone()]);
-                let planner = Planner {
-                    lane: i,
-                    outprep: outprep_tx.clone(),
-                    sched,
-                    queue,
-                    slots: l.slots,
-                    accs: l.accs,
-                    alpha: step.alpha,
-                    beta: step.beta,
-                    has_c0: step.c0.is_some(),
-                    out: plan_tx,
-                    m: pm,
-                };
-                let prefetch = Prefetch {
-                    inputs,
-                    rx: plan_rx,
-                    out: pre_tx,
-                    m: fm,
-                };
-                let staging = Staging {
-                    lane: i,
-                    inputs,
-                    shared,
-                    pool: staging_pools[i].clone(),
-                    host_dt: l.host_dt,
-                    rx: pre_rx,
-                    out: lane_tx,
-                    m: sm,
-                };
-                let dlane = DeviceLane {
-                    lane: lane.as_mut(),
-                    out_pool: out_pool.clone(),
-                    host_dt: l.host_dt,
-                    rx: lane_rx,
-                    out: done_tx.clone(),
-                    m: dm,
-                    flops_issued: &c.flops_issued,
-                    first_gemm: (t0, &c.first_gemm_ns),
-                    live: &c.lane_live[i],
-                };
-                handles.push(s.spawn(move || ctl.guard(|| planner.run(ctl))));
-                handles.push(s.spawn(move || ctl.guard(|| prefetch.run(ctl))));
-                handles.push(s.spawn(move || ctl.guard(|| staging.run(ctl))));
-                handles.push(s.spawn(move || ctl.guard(|| dlane.run(ctl))));
-            }
-            drop(done_tx);
-            drop(outprep_tx);
-            for i in 0..outprep_threads {
-                let m = StageMetrics::new(StageKind::OutPrep, i, outprep_threads);
-                all_metrics.push(m.clone());
-                let outprep = OutPrep {
-                    writer,
-                    rx: outprep_rx.clone(),
-                    m,
-                };
-                handles.push(s.spawn(move || ctl.guard(|| outprep.run(ctl))));
-            }
-            drop(outprep_rx);
-            let wb_m = StageMetrics::new(StageKind::Writeback, 0, 1);
-            all_metrics.push(wb_m.clone());
-            let (sync_tx, sync_rx) = crossbeam_channel::bounded(l.out_bufs * nlanes + 4);
-            let wb = Writeback {
-                writer,
-                host_dt: l.host_dt,
-                rx: done_rx,
-                out: sync_tx,
-                m: wb_m,
-            };
-            let sync_m = StageMetrics::new(StageKind::Sync, 0, 1);
-            all_metrics.push(sync_m.clone());
-            let sync = Durable {
-                writer,
-                rx: sync_rx,
-                m: sync_m,
-                sink,
-                tiles_done: &c.tiles_done,
-                flops_done: &c.flops_done,
-                k: step.k,
-                durable: cfg.durable,
-            };
-            handles.push(s.spawn(move || ctl.guard(|| sync.run(ctl))));
-            handles.push(s.spawn(move || ctl.guard(|| wb.run(ctl))));
-            let metrics = all_metrics.clone();
-            let live = &live;
-            let label = format!("step {}", step.index + 1);
+            let handles: Vec<_> = stages
+                .into_iter()
+                .map(|st| s.spawn(move || ctl.guard(|| st.run_boxed(ctl))))
+                .collect();
             if let Some(flag) = progress.cancel_flag() {
                 // The caller's cancel flag (Ctrl-C in the Python package): polled, because
                 // whoever sets it may not be able to do more than store a bool.
@@ -438,7 +329,8 @@ impl<'a> Pipeline<'a> {
                     }
                 });
             }
-            let reporter = s.spawn(move || progress.watch(&label, live, &metrics, &stop_rx));
+            let (live, shown) = (&live, metrics.clone());
+            let reporter = s.spawn(move || progress.watch(&label, live, &shown, &stop_rx));
             for h in handles {
                 if h.join().is_err() {
                     ctl.fail(Error::Usage(
@@ -449,6 +341,183 @@ impl<'a> Pipeline<'a> {
             drop(stop_tx);
             let _ = reporter.join();
         });
-        all_metrics
+        metrics
+    }
+
+    /// Every stage of the run, connected by bounded channels, ready to be spawned; their
+    /// metrics are appended to `metrics` in display order.
+    fn wire<'p>(
+        &'p mut self,
+        c: &'p Counters,
+        t0: Instant,
+        metrics: &mut Vec<Arc<StageMetrics>>,
+    ) -> Vec<Box<dyn StageRun + 'p>> {
+        let Pipeline {
+            step,
+            layout: l,
+            sched,
+            inputs,
+            shared,
+            writer,
+            queue,
+            staging_pools,
+            out_pool,
+            lanes,
+            cfg,
+            sink,
+            ..
+        } = self;
+        let (step, l, sink) = (*step, *l, *sink);
+        let writer: &dyn MatrixSink = writer.as_deref().expect("writer is open until run ends");
+        let nlanes = lanes.len();
+        let depth = l.staging_bufs.max(2);
+        let (done_tx, done_rx) = crossbeam_channel::bounded::<Done>(l.out_bufs * nlanes);
+        let (outprep_tx, outprep_rx) =
+            crossbeam_channel::bounded::<crate::store::Block>(4 * nlanes);
+        let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
+        for (i, lane) in lanes.iter_mut().enumerate() {
+            let (plan_tx, plan_rx) = crossbeam_channel::bounded::<PlanOp>(16);
+            let (pre_tx, pre_rx) = crossbeam_channel::bounded::<PlanOp>(4 * depth);
+            let (lane_tx, lane_rx) = crossbeam_channel::bounded::<LaneOp>(depth);
+            let mut m = |k| {
+                let m = StageMetrics::new(k, i, nlanes);
+                metrics.push(m.clone());
+                m
+            };
+            stages.push(Box::new(Planner {
+                lane: i,
+                outprep: outprep_tx.clone(),
+                sched,
+                queue,
+                slots: l.slots,
+                accs: l.accs,
+                alpha: step.alpha,
+                beta: step.beta,
+                has_c0: step.c0.is_some(),
+                out: plan_tx,
+                m: m(StageKind::Planner),
+            }));
+            stages.push(Box::new(Prefetch {
+                inputs,
+                rx: plan_rx,
+                out: pre_tx,
+                m: m(StageKind::Prefetch),
+            }));
+            stages.push(Box::new(Staging {
+                lane: i,
+                inputs,
+                shared,
+                pool: staging_pools[i].clone(),
+                host_dt: l.host_dt,
+                rx: pre_rx,
+                out: lane_tx,
+                m: m(StageKind::Staging),
+            }));
+            stages.push(Box::new(DeviceLane {
+                lane: lane.as_mut(),
+                out_pool: out_pool.clone(),
+                host_dt: l.host_dt,
+                rx: lane_rx,
+                out: done_tx.clone(),
+                m: m(StageKind::Lane),
+                flops_issued: &c.flops_issued,
+                first_gemm: (t0, &c.first_gemm_ns),
+                live: &c.lane_live[i],
+            }));
+        }
+        drop((done_tx, outprep_tx));
+        let out = OutputWiring {
+            writer,
+            layout: l,
+            lanes: nlanes,
+            done_rx,
+            outprep_rx,
+            sink,
+            durable: cfg.durable,
+            k: step.k,
+        };
+        stages.extend(out.stages(c, metrics));
+        stages
+    }
+}
+
+/// A stage ready to run on a thread of its own: every stage struct of [`stages`] is one.
+trait StageRun: Send {
+    fn run_boxed(self: Box<Self>, ctl: &Control) -> Result<()>;
+}
+
+macro_rules! stage_run {
+    ($($t:ident),*) => {
+        $(impl StageRun for $t<'_> {
+            fn run_boxed(self: Box<Self>, ctl: &Control) -> Result<()> {
+                (*self).run(ctl)
+            }
+        })*
+    };
+}
+stage_run!(Planner, Prefetch, Staging, DeviceLane, OutPrep, Writeback, Durable);
+
+/// What the output side of the pipeline (prefault, writeback, durability) is connected to.
+struct OutputWiring<'p> {
+    writer: &'p dyn MatrixSink,
+    layout: &'p Layout,
+    lanes: usize,
+    done_rx: crossbeam_channel::Receiver<Done>,
+    outprep_rx: crossbeam_channel::Receiver<crate::store::Block>,
+    sink: &'p dyn TileSink,
+    durable: bool,
+    k: u64,
+}
+
+impl<'p> OutputWiring<'p> {
+    fn stages(
+        self,
+        c: &'p Counters,
+        metrics: &mut Vec<Arc<StageMetrics>>,
+    ) -> Vec<Box<dyn StageRun + 'p>> {
+        let OutputWiring {
+            writer,
+            layout: l,
+            lanes: nlanes,
+            done_rx,
+            outprep_rx,
+            sink,
+            durable,
+            k,
+        } = self;
+        let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
+        // Populating output pages is kernel work that one thread does at a few GB/s; with
+        // several lanes the devices outrun it, so give it a thread per lane (up to 4).
+        let outprep_threads = nlanes.clamp(1, 4);
+        for i in 0..outprep_threads {
+            let m = StageMetrics::new(StageKind::OutPrep, i, outprep_threads);
+            metrics.push(m.clone());
+            let rx = outprep_rx.clone();
+            stages.push(Box::new(OutPrep { writer, rx, m }));
+        }
+        let (sync_tx, sync_rx) = crossbeam_channel::bounded(l.out_bufs * nlanes + 4);
+        let (wb_m, sync_m) = (
+            StageMetrics::new(StageKind::Writeback, 0, 1),
+            StageMetrics::new(StageKind::Sync, 0, 1),
+        );
+        metrics.extend([wb_m.clone(), sync_m.clone()]);
+        stages.push(Box::new(Writeback {
+            writer,
+            host_dt: l.host_dt,
+            rx: done_rx,
+            out: sync_tx,
+            m: wb_m,
+        }));
+        stages.push(Box::new(Durable {
+            writer,
+            rx: sync_rx,
+            m: sync_m,
+            sink,
+            tiles_done: &c.tiles_done,
+            flops_done: &c.flops_done,
+            k,
+            durable,
+        }));
+        stages
     }
 }
