@@ -1,7 +1,7 @@
 //! The text `mgmm-stream plan` prints: the resolved plan, each step's tiles, memory, traffic
 //! model and a lower bound on its time, before anything runs.
 
-use crate::backend::{self, describe_precision, MemorySpace};
+use crate::backend::{self, describe_precision, Backend, MemorySpace};
 use crate::error::Result;
 use crate::plan::layout::Layout;
 use crate::plan::schedule::traffic;
@@ -54,111 +54,144 @@ pub fn describe(plan: &Plan) -> Result<String> {
         );
     }
     for step in &plan.steps {
-        let l = Layout::new(&plan.path, step, e, caps)?;
-        let t = traffic(step, &l);
-        let (gm, gn, gk) = l.grid(step);
-        s += &format!(
-            "step {} (line {}): {} = {}\n",
-            step.index + 1,
-            step.line,
-            step.output.display(),
-            step.expr
-        );
-        if let Some(c) = &step.chain {
-            let h = crate::pipeline::output_header(step, &l);
-            s += &c.describe(crate::store::output_file_len(&step.output, &h));
-        }
-        s += &format!(
-            "  shapes: op(A) {}×{}, op(B) {}×{}, C {}×{}{}  alpha {} beta {}\n",
-            step.m,
-            step.k,
-            step.k,
-            step.n,
-            step.m,
-            step.n,
-            step.c0
-                .as_ref()
-                .map(|c| format!(" + {}", c.name))
-                .unwrap_or_default(),
-            step.alpha,
-            step.beta
-        );
-        s += &format!(
-            "  compute tile {}×{}×{}: {} output tiles ({}×{}), {} k-steps each, {} GEMM calls; output storage tile {}×{}\n",
-            l.tm, l.tn, l.tk, gm * gn, gm, gn, gk, t.gemms, l.out_tile.0, l.out_tile.1
-        );
-        s += &format!(
-            "  host pools: staging {}×{} per lane, output {}×{} per lane{}  => host ceiling {} of {}\n",
-            l.staging_bufs,
-            fmt_bytes(l.staging_buf_bytes),
-            l.out_bufs,
-            fmt_bytes(l.out_buf_bytes),
-            if device { String::new() } else {
-                format!(", tile cache {}×{}, accumulators {}×{}", l.slots, fmt_bytes(l.slot_bytes), l.accs, fmt_bytes(l.acc_bytes))
-            },
-            fmt_bytes(l.host_bytes),
-            fmt_bytes(e.host_memory)
-        );
-        if device {
-            s += &format!(
-                "  device per lane: tile cache {}×{} ({}), accumulators {}×{}{} => {}\n",
-                l.slots,
-                fmt_bytes(l.slot_bytes),
-                l.dev_dt,
-                l.accs,
-                fmt_bytes(l.acc_bytes),
-                if l.landing > 0 {
-                    format!(", landing {}×{}", l.landing, fmt_bytes(l.landing_bytes))
-                } else {
-                    String::new()
-                },
-                fmt_bytes(l.device_bytes)
-            );
-        }
-        s += &format!(
-            "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
-            fmt_bytes(t.read_bytes),
-            fmt_bytes(t.min_read_bytes),
-            t.tile_loads,
-            caps.link_names.0,
-            fmt_bytes(t.h2d_bytes),
-            caps.link_names.1,
-            fmt_bytes(t.d2h_bytes),
-            fmt_bytes(t.write_bytes)
-        );
-        // Hong–Kung / Irony–Toledo–Tiskin: a fast memory of M words must exchange at least
-        // ~2·m·n·k/√M words with slow memory for the product; here M is one lane's tile cache
-        // plus accumulators, and the slow memory is the host (then the files).
-        let words =
-            (l.slots as u64 * l.slot_bytes + l.accs as u64 * l.acc_bytes) / l.dev_dt.size() as u64;
-        let bound_words =
-            2.0 * step.m as f64 * step.n as f64 * step.k as f64 / (words.max(1) as f64).sqrt();
-        let hs = l.host_dt.size() as f64;
-        s += &format!(
-            "  communication bound: a cache of {} words per lane moves at least {} (2·m·n·k/√M); this schedule moves {} into the caches and reads {} from files\n",
-            words,
-            fmt_bytes((bound_words * hs) as u64),
-            fmt_bytes(t.h2d_bytes),
-            fmt_bytes(t.read_bytes)
-        );
-        let rate = (caps.peak_flops)(e.precision, if device { caps.lanes } else { sel.threads() });
-        let why = caps.peak_source;
-        let tc = step.flops() / rate;
-        let td = (t.min_read_bytes + t.write_bytes) as f64 / DISK_READ;
-        let link = caps.link_rate;
-        let tp = link
-            .map(|r| t.h2d_bytes.max(t.d2h_bytes) as f64 / r / caps.lanes as f64)
-            .unwrap_or(0.0);
-        s += &format!(
-            "  lower bound: {:.3e} FLOP at {:.1} TFLOP/s ({why}) = {:.3} s; cold disk at {:.1} GB/s = {:.3} s{} => at least {:.3} s\n",
-            step.flops(),
-            rate / 1e12,
-            tc,
-            DISK_READ / 1e9,
-            td,
-            link.map(|r| format!("; PCIe at {:.0} GB/s = {tp:.3} s", r / 1e9)).unwrap_or_default(),
-            tc.max(tp).max(td)
-        );
+        s += &describe_step(plan, step, sel.as_ref())?;
     }
     Ok(s)
+}
+
+/// `plan`'s lines for one step: shapes, tiles, pools, traffic model and bounds.
+fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Result<String> {
+    let caps = sel.caps();
+    let device = caps.memory == MemorySpace::Device;
+    let e = &plan.engine;
+    let mut s = String::new();
+    let l = Layout::new(&plan.path, step, e, caps)?;
+    let t = traffic(step, &l);
+    let (gm, gn, gk) = l.grid(step);
+    s += &format!(
+        "step {} (line {}): {} = {}\n",
+        step.index + 1,
+        step.line,
+        step.output.display(),
+        step.expr
+    );
+    if let Some(c) = &step.chain {
+        let h = crate::pipeline::output_header(step, &l);
+        s += &c.describe(crate::store::output_file_len(&step.output, &h));
+    }
+    s += &format!(
+        "  shapes: op(A) {}×{}, op(B) {}×{}, C {}×{}{}  alpha {} beta {}\n",
+        step.m,
+        step.k,
+        step.k,
+        step.n,
+        step.m,
+        step.n,
+        step.c0
+            .as_ref()
+            .map(|c| format!(" + {}", c.name))
+            .unwrap_or_default(),
+        step.alpha,
+        step.beta
+    );
+    s += &format!(
+        "  compute tile {}×{}×{}: {} output tiles ({}×{}), {} k-steps each, {} GEMM calls; output storage tile {}×{}\n",
+        l.tm, l.tn, l.tk, gm * gn, gm, gn, gk, t.gemms, l.out_tile.0, l.out_tile.1
+    );
+    s += &format!(
+        "  host pools: staging {}×{} per lane, output {}×{} per lane{}  => host ceiling {} of {}\n",
+        l.staging_bufs,
+        fmt_bytes(l.staging_buf_bytes),
+        l.out_bufs,
+        fmt_bytes(l.out_buf_bytes),
+        if device {
+            String::new()
+        } else {
+            format!(
+                ", tile cache {}×{}, accumulators {}×{}",
+                l.slots,
+                fmt_bytes(l.slot_bytes),
+                l.accs,
+                fmt_bytes(l.acc_bytes)
+            )
+        },
+        fmt_bytes(l.host_bytes),
+        fmt_bytes(e.host_memory)
+    );
+    if device {
+        s += &format!(
+            "  device per lane: tile cache {}×{} ({}), accumulators {}×{}{} => {}\n",
+            l.slots,
+            fmt_bytes(l.slot_bytes),
+            l.dev_dt,
+            l.accs,
+            fmt_bytes(l.acc_bytes),
+            if l.landing > 0 {
+                format!(", landing {}×{}", l.landing, fmt_bytes(l.landing_bytes))
+            } else {
+                String::new()
+            },
+            fmt_bytes(l.device_bytes)
+        );
+    }
+    s += &format!(
+        "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
+        fmt_bytes(t.read_bytes),
+        fmt_bytes(t.min_read_bytes),
+        t.tile_loads,
+        caps.link_names.0,
+        fmt_bytes(t.h2d_bytes),
+        caps.link_names.1,
+        fmt_bytes(t.d2h_bytes),
+        fmt_bytes(t.write_bytes)
+    );
+    s += &describe_bounds(step, &l, &t, sel, e);
+    Ok(s)
+}
+
+/// The communication lower bound and the time lower bound of one step.
+fn describe_bounds(
+    step: &crate::plan::Step,
+    l: &Layout,
+    t: &crate::plan::schedule::Traffic,
+    sel: &dyn Backend,
+    e: &crate::plan::Engine,
+) -> String {
+    let caps = sel.caps();
+    let device = caps.memory == MemorySpace::Device;
+    let mut s = String::new();
+    // Hong–Kung / Irony–Toledo–Tiskin: a fast memory of M words must exchange at least
+    // ~2·m·n·k/√M words with slow memory for the product; here M is one lane's tile cache
+    // plus accumulators, and the slow memory is the host (then the files).
+    let words =
+        (l.slots as u64 * l.slot_bytes + l.accs as u64 * l.acc_bytes) / l.dev_dt.size() as u64;
+    let bound_words =
+        2.0 * step.m as f64 * step.n as f64 * step.k as f64 / (words.max(1) as f64).sqrt();
+    let hs = l.host_dt.size() as f64;
+    s += &format!(
+        "  communication bound: a cache of {} words per lane moves at least {} (2·m·n·k/√M); this schedule moves {} into the caches and reads {} from files\n",
+        words,
+        fmt_bytes((bound_words * hs) as u64),
+        fmt_bytes(t.h2d_bytes),
+        fmt_bytes(t.read_bytes)
+    );
+    let rate = (caps.peak_flops)(e.precision, if device { caps.lanes } else { sel.threads() });
+    let why = caps.peak_source;
+    let tc = step.flops() / rate;
+    let td = (t.min_read_bytes + t.write_bytes) as f64 / DISK_READ;
+    let link = caps.link_rate;
+    let tp = link
+        .map(|r| t.h2d_bytes.max(t.d2h_bytes) as f64 / r / caps.lanes as f64)
+        .unwrap_or(0.0);
+    s += &format!(
+        "  lower bound: {:.3e} FLOP at {:.1} TFLOP/s ({why}) = {:.3} s; cold disk at {:.1} GB/s = {:.3} s{} => at least {:.3} s\n",
+        step.flops(),
+        rate / 1e12,
+        tc,
+        DISK_READ / 1e9,
+        td,
+        link.map(|r| format!("; PCIe at {:.0} GB/s = {tp:.3} s", r / 1e9)).unwrap_or_default(),
+        tc.max(tp).max(td)
+    );
+    s
 }

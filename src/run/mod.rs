@@ -352,44 +352,11 @@ pub(crate) fn run_step(
             }
             (ResumeState::Work { work, total, bad }, _) => (work, total, bad),
         };
-        if let Some(ctx) = shard {
-            progress.note(&format!(
-                "step {n}: {} of {}: {} tiles to compute{}",
-                ctx.label,
-                step.output.display(),
-                total - work.done_before,
-                if bad > 0 {
-                    format!(" ({bad} recorded tiles did not match their checksum and are redone)")
-                } else {
-                    String::new()
-                }
-            ));
-        } else if work.done_before > 0 || bad > 0 {
-            progress.note(&format!(
-                "step {n}: resuming {}: {} of {total} output tiles already done{}",
-                step.output.display(),
-                work.done_before,
-                if bad > 0 {
-                    format!(" ({bad} recorded tiles did not match their checksum and are redone)")
-                } else {
-                    String::new()
-                }
-            ));
-        }
+        note_work(progress, step, shard, &work, total, bad);
         let lanes = backend.lanes(layout, e.precision)?;
         let journal_sink = JournalSink(&journal);
         #[cfg(feature = "fault-injection")]
-        let faulty = opts
-            .faults
-            .as_ref()
-            .filter(|f| f.write_after.is_some() || f.write_delay_ms > 0)
-            .map(|f| crate::backend::fault::FaultySink {
-                inner: &journal_sink,
-                write_after: f.write_after.unwrap_or(u64::MAX),
-                write_delay_ms: f.write_delay_ms,
-                path: std::sync::Arc::new(step.output.clone()),
-                written: Default::default(),
-            });
+        let faulty = faulty_sink(opts, step, &journal_sink);
         #[cfg(feature = "fault-injection")]
         let sink: &dyn TileSink = match &faulty {
             Some(f) => f,
@@ -426,26 +393,87 @@ pub(crate) fn run_step(
             // ordinary resume with one device fewer; tiles are computed the same way on any
             // device of the run.
             Err(err @ Error::Device { .. }) => {
-                let Error::Device {
-                    lane, ref device, ..
-                } = err
-                else {
-                    unreachable!()
-                };
-                let Some(rest) = backend.without(lane) else {
-                    return Err(err);
-                };
-                let rest = rest?;
-                progress.note(&format!(
-                    "step {n}: {device} failed ({err}); redoing its unfinished tiles on {}",
-                    rest.name()
-                ));
                 drop(journal);
-                *backend = rest;
+                *backend = fail_over(backend.as_ref(), err, n, progress)?;
             }
             Err(err) => return Err(err),
         }
     }
+}
+
+/// The backend without the device that `err` (an [`Error::Device`]) names, when it can go on
+/// without it; else `err` itself.
+fn fail_over(
+    backend: &dyn Backend,
+    err: Error,
+    n: usize,
+    progress: &Progress,
+) -> Result<Box<dyn Backend>> {
+    let Error::Device {
+        lane, ref device, ..
+    } = err
+    else {
+        return Err(err);
+    };
+    let Some(rest) = backend.without(lane) else {
+        return Err(err);
+    };
+    let rest = rest?;
+    progress.note(&format!(
+        "step {n}: {device} failed ({err}); redoing its unfinished tiles on {}",
+        rest.name()
+    ));
+    Ok(rest)
+}
+
+/// Say what a step (or shard) has left to do, when that is news.
+fn note_work(
+    progress: &Progress,
+    step: &Step,
+    shard: Option<&crate::cluster::ShardCtx>,
+    work: &pipeline::Work,
+    total: u64,
+    bad: u64,
+) {
+    let n = step.index + 1;
+    let redone = if bad > 0 {
+        format!(" ({bad} recorded tiles did not match their checksum and are redone)")
+    } else {
+        String::new()
+    };
+    if let Some(ctx) = shard {
+        progress.note(&format!(
+            "step {n}: {} of {}: {} tiles to compute{redone}",
+            ctx.label,
+            step.output.display(),
+            total - work.done_before,
+        ));
+    } else if work.done_before > 0 || bad > 0 {
+        progress.note(&format!(
+            "step {n}: resuming {}: {} of {total} output tiles already done{redone}",
+            step.output.display(),
+            work.done_before,
+        ));
+    }
+}
+
+/// The journal sink wrapped with the sink-side faults asked for (tests only).
+#[cfg(feature = "fault-injection")]
+fn faulty_sink<'a>(
+    opts: &RunOptions,
+    step: &Step,
+    inner: &'a JournalSink<'a>,
+) -> Option<crate::backend::fault::FaultySink<'a>> {
+    opts.faults
+        .as_ref()
+        .filter(|f| f.write_after.is_some() || f.write_delay_ms > 0)
+        .map(|f| crate::backend::fault::FaultySink {
+            inner,
+            write_after: f.write_after.unwrap_or(u64::MAX),
+            write_delay_ms: f.write_delay_ms,
+            path: std::sync::Arc::new(step.output.clone()),
+            written: Default::default(),
+        })
 }
 
 pub fn default_log_every() -> Duration {
