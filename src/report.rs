@@ -73,7 +73,27 @@ pub struct RunReport {
     pub backend: String,
     pub generated: Vec<String>,
     pub steps: Vec<StepReport>,
+    /// Wall time of the whole run (all steps, with backend start-up and input generation).
     pub wall_s: f64,
+    /// Age of the process when the run finished (its start-up included), from /proc on Linux;
+    /// compare with the steps' `wall_s` to see what start-up costs.
+    pub process_wall_s: Option<f64>,
+}
+
+/// Seconds since this process started, from `/proc/self/stat` (start time in clock ticks since
+/// boot, at Linux's fixed USER_HZ of 100) and `/proc/uptime`; `None` where those do not exist.
+pub fn process_age_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (field 2) may hold spaces; fields after its closing parenthesis are plain.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let start_ticks: f64 = rest.split_whitespace().nth(19)?.parse().ok()?;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some((uptime - start_ticks / 100.0).max(0.0))
 }
 
 /// Everything about the run of one step that is not in its stats.

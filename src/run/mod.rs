@@ -299,6 +299,7 @@ pub fn run_plan_on(
         generated,
         steps,
         wall_s: t0.elapsed().as_secs_f64(),
+        process_wall_s: report::process_age_s(),
     };
     if let Some(p) = &opts.report {
         let s = serde_json::to_string_pretty(&report).expect("report serializes");
