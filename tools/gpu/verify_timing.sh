@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 8's verify goal: `verify` of an N×N (default 32768) f32 product on all GPUs takes at most
+# 25 % of the product's time. Runs the product (durable = false, inputs warm), then `verify`
+# twice, and prints the ratio. GPU machine, repository root, .dev/bin carried.
+# Log: $OUT/verify_timing.log.
+set -uo pipefail
+. "$(dirname "$0")/../lib.sh"
+log_to verify_timing.log
+N=${N:-32768}
+W=${W:-/tmp/vt}; mkdir -p "$W"; cd "$W"
+gen_matrix A.mgt "$N" "$N" 21
+gen_matrix B.mgt "$N" "$N" 22
+cuda_plan v fp32 '"all"'
+cat A.mgt B.mgt > /dev/null
+rm -f C_v.mgt C_v.mgt.journal
+s=$(date +%s%N); "$MGMM" run v.toml --quiet --report "$OUT/v.json"; run_ms=$(( ($(date +%s%N) - s) / 1000000 ))
+for i in 1 2; do
+  s=$(date +%s%N); "$MGMM" verify v.toml 2>&1 | tail -3 | tee -a "$LOG"; v_ms=$(( ($(date +%s%N) - s) / 1000000 ))
+  python3 -c "
+import json,sys
+st = json.load(open(sys.argv[1]))['steps'][0]['wall_s']
+run, ver = int(sys.argv[2]) / 1e3, int(sys.argv[3]) / 1e3
+print(f'RESULT verify {ver:.2f} s (process) against the product: step {st:.2f} s, process {run:.2f} s; verify/step {ver/st:.2f}, verify/process {ver/run:.2f}')
+" "$OUT/v.json" "$run_ms" "$v_ms" | tee -a "$LOG"
+done
