@@ -29,6 +29,8 @@ pub mod backend;
 pub mod cli;
 pub mod dtype;
 pub mod error;
+pub mod interrupt;
+pub mod out;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;

@@ -57,6 +57,8 @@ pub struct Work {
 pub struct RunConfig {
     pub verify_inputs: bool,
     pub durable: bool,
+    /// A flag set from outside (Ctrl-C) that cancels the run; `None`: only errors cancel.
+    pub cancel: Option<&'static std::sync::atomic::AtomicBool>,
 }
 
 impl RunConfig {
@@ -64,6 +66,7 @@ impl RunConfig {
         RunConfig {
             verify_inputs: e.verify_inputs,
             durable: e.durable,
+            cancel: None,
         }
     }
 }
@@ -265,10 +268,15 @@ impl<'a> Pipeline<'a> {
         let mut all_metrics: Vec<Arc<StageMetrics>> = Vec::new();
         let live = Live {
             started: t0,
+            step: step.index,
+            output: step.output.display().to_string(),
             tiles_total: self.queue.len() as u64 + self.done_before,
             flops_total: all_flops,
+            flops_before: all_flops - self.tile_flops(self.queue.order().iter().copied()),
             tiles_done: &c.tiles_done,
             flops_done: &c.flops_done,
+            flops_issued: &c.flops_issued,
+            cancel: self.cfg.cancel,
             show_devices: self.show_devices,
             lanes: lane_names.iter().cloned().zip(c.lane_live.iter()).collect(),
         };
@@ -365,8 +373,22 @@ impl<'a> Pipeline<'a> {
             handles.push(s.spawn(move || ctl.guard(|| wb.run(ctl))));
             let metrics = all_metrics.clone();
             let live = &live;
-            let label = format!("step {}", step.index + 1);
-            let reporter = s.spawn(move || progress.watch(&label, live, &metrics, &stop_rx));
+            if let Some(flag) = cfg.cancel {
+                // Ctrl-C: poll the flag until the stages are done, and cancel them when set.
+                let stop = stop_rx.clone();
+                s.spawn(move || loop {
+                    if flag.load(Ordering::Relaxed) {
+                        ctl.cancel();
+                        break;
+                    }
+                    if let Err(crossbeam_channel::RecvTimeoutError::Disconnected) =
+                        stop.recv_timeout(std::time::Duration::from_millis(50))
+                    {
+                        break;
+                    }
+                });
+            }
+            let reporter = s.spawn(move || progress.watch(live, &metrics, &stop_rx));
             for h in handles {
                 if h.join().is_err() {
                     ctl.fail(Error::Usage(

@@ -36,6 +36,9 @@ pub struct RunOptions {
     pub report: Option<PathBuf>,
     /// Discard journals and recompute every step from scratch.
     pub restart: bool,
+    /// A flag that cancels the run when set (the binary's Ctrl-C handler); finished tiles stay
+    /// in the journal, so the same command resumes.
+    pub cancel: Option<&'static std::sync::atomic::AtomicBool>,
     /// Faults to inject (tests and the GPU resilience scripts only).
     #[cfg(feature = "fault-injection")]
     pub faults: Option<crate::backend::fault::FaultConfig>,
@@ -101,7 +104,11 @@ pub fn init_threads(threads: usize) -> usize {
 }
 
 /// Generate every declared input that is missing and has a `generate` spec.
-pub fn generate_missing(plan: &Plan, progress: &Progress) -> Result<Vec<String>> {
+pub fn generate_missing(
+    plan: &Plan,
+    progress: &Progress,
+    cancel: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<Vec<String>> {
     let mut out = Vec::new();
     for d in &plan.matrices {
         let Some(spec) = &d.generate else { continue };
@@ -113,7 +120,19 @@ pub fn generate_missing(plan: &Plan, progress: &Progress) -> Result<Vec<String>>
                 .map_err(|e| Error::io(dir, "cannot create directory", e))?;
         }
         let t = Instant::now();
-        let bytes = gen::generate(&d.path, spec)?;
+        let h = crate::store::Header::new(
+            spec.dtype,
+            spec.rows,
+            spec.cols,
+            spec.tile.0,
+            spec.tile.1,
+            true,
+        );
+        let done = std::sync::atomic::AtomicU64::new(0);
+        let label = format!("generating {}", d.path.display());
+        let bytes = progress.job(&label, h.data_end() - h.data_offset, &done, || {
+            gen::generate_counted(&d.path, spec, &done, cancel)
+        })?;
         progress.note(&format!(
             "generated {} ({}×{} {}, {:?}, seed {}): {} in {:.2} s",
             d.path.display(),
@@ -169,11 +188,20 @@ pub fn run_plan_on(
         progress.note(&n);
     }
     let backend_name = backend.name();
-    let generated = generate_missing(plan, progress)?;
+    progress.begin_plan(
+        plan.steps
+            .iter()
+            .map(|s| {
+                let flops = 2u64.saturating_mul(s.m).saturating_mul(s.n);
+                (s.output.display().to_string(), flops.saturating_mul(s.k))
+            })
+            .collect(),
+    );
+    let generated = generate_missing(plan, progress, opts.cancel)?;
     let mut steps = Vec::new();
     for (step, layout) in plan.steps.iter().zip(&layouts) {
         if let Some(rep) = run_step(plan, step, layout, &mut backend, opts, progress)? {
-            progress.note(&report::format_summary(&rep));
+            progress.result(&report::format_summary(&rep));
             steps.push(rep);
         }
     }
@@ -254,7 +282,10 @@ fn run_step(
         };
         #[cfg(not(feature = "fault-injection"))]
         let sink: &dyn TileSink = &journal_sink;
-        let cfg = RunConfig::from_engine(e);
+        let cfg = RunConfig {
+            cancel: opts.cancel,
+            ..RunConfig::from_engine(e)
+        };
         let pipe = Pipeline::build(
             step,
             layout,

@@ -3,8 +3,10 @@
 //! The pipeline sees storage only through [`MatrixSource`] and [`MatrixSink`] ([`source`]); the
 //! `.mgt` tiled file ([`header`], [`tiled`]) implements them, with block I/O cut into contiguous
 //! file runs by one iterator ([`runs`]). Around that: synthetic data generation ([`gen`]),
-//! `.npy` import and export ([`npy`]), and filesystem checks and reservations ([`fsutil`]).
+//! `.npy` import and export ([`npy`]), filesystem checks and reservations ([`fsutil`]), and files that appear whole or not at
+//! all ([`atomic`]).
 
+pub mod atomic;
 pub mod fsutil;
 pub mod gen;
 pub mod header;

@@ -410,12 +410,17 @@ pub fn header_bytes(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Export tiled file `src` to `dst` (.npy). 16-bit files are widened to f32.
+/// Export tiled file `src` to `dst` (.npy). 16-bit files are widened to f32. `dst` appears only
+/// when complete.
 pub fn export(src: &Path, dst: &Path) -> Result<()> {
     let t = TiledFile::open(src)?;
     let out_dt = t.dtype().compute();
     let head = header_bytes(out_dt, t.rows(), t.cols())?;
-    let f = File::create(dst).map_err(|e| Error::io(dst, "cannot create .npy file", e))?;
+    // Written under a temporary name after a free-space check and renamed when complete; on
+    // any error (ENOSPC, EFBIG, Ctrl-C) the partial file is removed (`TempOutput`'s drop).
+    let need = head.len() as u64 + t.rows() * t.cols() * out_dt.size() as u64;
+    let tmp = super::atomic::TempOutput::new(dst, need)?;
+    let f = File::create(tmp.path()).map_err(|e| Error::io(dst, "cannot create .npy file", e))?;
     let mut w = BufWriter::with_capacity(8 << 20, f);
     w.write_all(&head)
         .map_err(|e| Error::io(dst, "cannot write", e))?;
@@ -424,6 +429,12 @@ pub fn export(src: &Path, dst: &Path) -> Result<()> {
     let mut buf = Vec::new();
     let mut r0 = 0;
     while r0 < t.rows() {
+        if crate::interrupt::requested() {
+            return Err(Error::Usage(format!(
+                "interrupted; {} was not written (run the same command again)",
+                dst.display()
+            )));
+        }
         let n = chunk_rows.min(t.rows() - r0);
         buf.resize(n as usize * row_bytes, 0);
         t.read_block(
@@ -444,7 +455,8 @@ pub fn export(src: &Path, dst: &Path) -> Result<()> {
         .into_inner()
         .map_err(|e| Error::io(dst, "cannot write", e.into_error()))?;
     f.sync_all().map_err(|e| Error::io(dst, "cannot sync", e))?;
-    Ok(())
+    drop(f);
+    tmp.commit()
 }
 
 #[cfg(test)]
