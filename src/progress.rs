@@ -408,7 +408,7 @@ impl Progress {
             Mode::Bars(mp) => Self::bars(mp, &mut sample, stop),
             Mode::Log { every, .. } => {
                 let mut next = Instant::now() + *every;
-                while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(TICK) {
+                while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(TICK.min(*every)) {
                     let v = sample();
                     if Instant::now() >= next {
                         next += *every;

@@ -322,3 +322,60 @@ fn results_go_to_stdout_and_diagnostics_to_stderr() {
     let (out, _) = run(&["gen", "G.mgt", "--rows", "8", "--cols", "8"]);
     assert!(out.contains("wrote G.mgt"), "{out}");
 }
+
+#[test]
+fn a_resume_starts_where_the_journal_left_off() {
+    use mgmm_stream::backend::fault::FaultConfig;
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        64,
+        64,
+        DType::F32,
+        (16, 16),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        64,
+        64,
+        DType::F32,
+        (16, 16),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\ntile = [16, 16, 16]\n";
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    // The output's writes fail after 8 of 16 tiles.
+    let opts = RunOptions {
+        faults: Some(FaultConfig {
+            write_after: Some(8),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let backend = Box::new(SimBackend::with_delays(vec![100], 1 << 30));
+    assert!(run_plan_on(&plan, backend, &opts, &Progress::quiet()).is_err());
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let progress = Progress::log_into(Duration::from_millis(10), lines.clone());
+    // Up to 20 ms per operation: the 8 tiles left take about a second.
+    let backend = Box::new(SimBackend::with_delays(vec![20_000], 1 << 30));
+    let rep = run_plan_on(&plan, backend, &RunOptions::default(), &progress).unwrap();
+    assert_eq!(
+        rep.steps[0].tiles_computed, 8,
+        "only the missing half is computed"
+    );
+    let lines = lines.lock().unwrap().clone();
+    assert!(
+        lines.iter().any(|l| l.contains("(resuming at ")),
+        "{lines:#?}"
+    );
+    let pct = percents(&lines);
+    assert!(
+        !pct.is_empty() && pct.iter().all(|&p| p >= 50.0),
+        "progress starts at the resumed point: {lines:#?}"
+    );
+}
