@@ -1,19 +1,26 @@
 //! The command line: clap definitions and one function per command. `main.rs` only parses,
 //! calls [`execute`] and turns an error into a message and an exit code.
+//!
+//! Results a script reads (the run summary, plan text, `info`, verify's PASS/FAIL lines,
+//! `devices`, what `gen`/`import`/`export` wrote) go to stdout; diagnostics (progress, notes,
+//! errors) to stderr. Both through [`crate::out`], so a closed pipe never kills a finished job.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::pipeline::journal;
 use crate::plan::size::fmt_bytes;
 use crate::plan::Plan;
-use crate::progress::Progress;
+use crate::progress::{fmt_duration, Progress};
 use crate::run::{self, RunOptions};
 use crate::store::gen::{self, Dist, GenSpec};
-use crate::store::{npy, TiledFile};
+use crate::store::{npy, Header, TiledFile};
+use crate::{diagln, interrupt, out, outln};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -89,6 +96,9 @@ pub enum Command {
         output: PathBuf,
         #[arg(long)]
         force: bool,
+        /// Export an output that `run` has not finished (unfinished tiles read as zeros).
+        #[arg(long)]
+        allow_partial: bool,
     },
     /// Resolve a plan and print what `run` would do: shapes, tiles, memory budgets, bytes moved,
     /// and the lower bound on time.
@@ -197,6 +207,37 @@ fn refuse_existing(p: &Path, force: bool) -> Result<()> {
     Ok(())
 }
 
+/// Refuse when `output` is `input` under another name: a hard link (same device and inode),
+/// a symlink, or a path through `..`. Checked before anything is opened for writing.
+fn refuse_same(input: &Path, output: &Path) -> Result<()> {
+    if crate::plan::same_file(input, output) {
+        return Err(Error::Usage(format!(
+            "{} is the same file as the input {} (a link or another path to it); write to a new file",
+            output.display(),
+            input.display()
+        )));
+    }
+    Ok(())
+}
+
+fn check_tile(tile: u64) -> Result<()> {
+    if tile == 0 || tile > crate::store::header::MAX_TILE_EDGE {
+        return Err(Error::Usage(format!(
+            "--tile {tile}: must be between 1 and 65536"
+        )));
+    }
+    Ok(())
+}
+
+/// The error for a job stopped by Ctrl-C, or `e` itself.
+fn interrupted(e: Error, what: &str) -> Error {
+    if interrupt::requested() && matches!(e, Error::Cancelled | Error::Usage(_)) {
+        Error::Usage(format!("interrupted; {what}"))
+    } else {
+        e
+    }
+}
+
 /// Verify every step; results go to stdout (one PASS/FAIL line per step), the error that
 /// makes the exit status non-zero to stderr. With `repair`, failing tiles are recomputed
 /// through the journal and the step is verified again.
@@ -205,18 +246,18 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
     for step in &p.steps {
         let mut rep = crate::verify::verify_step(step, p.engine.precision, rounds, seed)?;
         if !quiet || !rep.pass {
-            println!("{}", crate::verify::format(&rep));
+            outln!("{}", crate::verify::format(&rep));
         }
         if repair && !rep.pass && !rep.failing_tiles.is_empty() {
             let n = crate::verify::forget_failing(p, step, &rep)?;
-            eprintln!(
+            diagln!(
                 "repair: recomputing {n} tile(s) of {} through `run`",
                 step.output.display()
             );
             let progress = Progress::new(true, run::default_log_every());
             run::run_plan(p, &RunOptions::default(), &progress)?;
             rep = crate::verify::verify_step(step, p.engine.precision, rounds, seed)?;
-            println!("after repair: {}", crate::verify::format(&rep));
+            outln!("after repair: {}", crate::verify::format(&rep));
         }
         if !rep.pass {
             failed.push(format!("step {} ({})", rep.step, rep.output));
@@ -232,6 +273,7 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
     }
 }
 
+/// Run one command.
 pub fn execute(cli: Cli) -> Result<()> {
     match cli.cmd {
         Command::Gen {
@@ -244,170 +286,33 @@ pub fn execute(cli: Cli) -> Result<()> {
             seed,
             threads,
             force,
-        } => {
-            refuse_existing(&out, force)?;
-            let dtype = DType::parse(&dtype).ok_or_else(|| {
-                Error::Usage(format!("--dtype {dtype}: use f32, f64, f16 or bf16"))
-            })?;
-            let dist = Dist::parse(&dist).ok_or_else(|| {
-                Error::Usage(format!("--dist {dist}: use one of {}", Dist::NAMES))
-            })?;
-            if tile == 0 || tile > crate::store::header::MAX_TILE_EDGE {
-                return Err(Error::Usage(format!(
-                    "--tile {tile}: must be between 1 and 65536"
-                )));
-            }
-            if rows == 0 || cols == 0 {
-                return Err(Error::Usage(format!(
-                    "{}: --rows and --cols must be at least 1",
-                    out.display()
-                )));
-            }
-            run::init_threads(threads);
-            let t = Instant::now();
-            let spec = GenSpec {
+        } => gen_cmd(
+            &out,
+            GenArgs {
                 rows,
                 cols,
                 dtype,
-                tile: (tile.min(rows), tile.min(cols)),
+                tile,
                 dist,
                 seed,
-            };
-            let bytes = gen::generate(&out, &spec)?;
-            let s = t.elapsed().as_secs_f64();
-            eprintln!(
-                "wrote {} ({rows}×{cols} {dtype}): {} in {s:.2} s ({:.0} MB/s)",
-                out.display(),
-                fmt_bytes(bytes),
-                bytes as f64 / s / 1e6
-            );
-            Ok(())
-        }
-        Command::Info { file, check } => {
-            if let Some(text) = crate::store::source::inspect(&file, check)? {
-                print!("{text}");
-                return Ok(());
-            }
-            let f = TiledFile::open(&file)?;
-            let h = f.hdr;
-            println!("file:        {}", file.display());
-            println!("format:      MGMTILE1 v1, dtype {}", h.dtype);
-            println!("shape:       {} × {}", h.rows, h.cols);
-            println!(
-                "tiles:       {} × {} elements, grid {} × {} = {} tiles, stride {} bytes",
-                h.tile_rows,
-                h.tile_cols,
-                h.grid_rows(),
-                h.grid_cols(),
-                h.tiles(),
-                h.tile_stride
-            );
-            println!(
-                "data:        offset {}, {}",
-                h.data_offset,
-                fmt_bytes(h.data_end() - h.data_offset)
-            );
-            println!(
-                "checksums:   {}",
-                if h.has_checksums() {
-                    format!("CRC-32C per tile at offset {}", h.checksum_table_offset)
-                } else {
-                    "none".into()
-                }
-            );
-            println!(
-                "size:        {} ({} bytes)",
-                fmt_bytes(h.file_len()),
-                h.file_len()
-            );
-            if check {
-                if !h.has_checksums() {
-                    return Err(Error::format(&file, "has no checksum table; nothing to check (re-import or regenerate it to add one)"));
-                }
-                let t = Instant::now();
-                use rayon::prelude::*;
-                let gc = h.grid_cols();
-                let bad: Vec<Error> = (0..h.tiles())
-                    .into_par_iter()
-                    .filter_map(|i| f.verify_tile(i / gc, i % gc).err())
-                    .collect();
-                if let Some(e) = bad.into_iter().next() {
-                    return Err(e);
-                }
-                println!(
-                    "check:       all {} tiles OK ({:.2} s)",
-                    h.tiles(),
-                    t.elapsed().as_secs_f64()
-                );
-            }
-            Ok(())
-        }
+                threads,
+                force,
+            },
+        ),
+        Command::Info { file, check } => info_cmd(&file, check),
         Command::Import {
             input,
             output,
             tile,
             force,
-        } => {
-            refuse_existing(&output, force)?;
-            if tile == 0 || tile > crate::store::header::MAX_TILE_EDGE {
-                return Err(Error::Usage(format!(
-                    "--tile {tile}: must be between 1 and 65536"
-                )));
-            }
-            if crate::plan::same_file(&input, &output) {
-                return Err(Error::Usage("input and output are the same file".into()));
-            }
-            let t = Instant::now();
-            let h = npy::import(&input, &output, (tile, tile))?;
-            eprintln!(
-                "imported {} → {} ({}×{} {}) in {:.2} s",
-                input.display(),
-                output.display(),
-                h.rows,
-                h.cols,
-                h.dtype,
-                t.elapsed().as_secs_f64()
-            );
-            Ok(())
-        }
+        } => import_cmd(&input, &output, tile, force),
         Command::Export {
             input,
             output,
             force,
-        } => {
-            refuse_existing(&output, force)?;
-            if crate::plan::same_file(&input, &output) {
-                return Err(Error::Usage("input and output are the same file".into()));
-            }
-            let t = Instant::now();
-            npy::export(&input, &output)?;
-            eprintln!(
-                "exported {} → {} in {:.2} s",
-                input.display(),
-                output.display(),
-                t.elapsed().as_secs_f64()
-            );
-            Ok(())
-        }
-        Command::Devices => {
-            match crate::backend::cuda::probe() {
-                Ok(devs) => {
-                    for d in devs {
-                        println!(
-                            "cuda:{}  {}  compute capability {}.{}  memory {} free of {}",
-                            d.ordinal,
-                            d.name,
-                            d.cc.0,
-                            d.cc.1,
-                            fmt_bytes(d.free),
-                            fmt_bytes(d.total)
-                        );
-                    }
-                }
-                Err(e) => println!("no usable GPU: {e}\nbackend = \"auto\" will use the CPU."),
-            }
-            Ok(())
-        }
+            allow_partial,
+        } => export_cmd(&input, &output, force, allow_partial),
+        Command::Devices => devices_cmd(),
         Command::Plan { plan, set, cluster } => {
             crate::cluster::cmd::plan_cmd(&plan, &set, &cluster)
         }
@@ -431,28 +336,18 @@ pub fn execute(cli: Cli) -> Result<()> {
             verify,
             set,
             split,
-        } => {
-            let p = Plan::load_with(&plan, &split.with_local_gpu(set))?;
-            let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
-            let rep = run::run_plan(
-                &p,
-                &RunOptions {
-                    report,
-                    restart,
-                    shard: split.options()?,
-                    #[cfg(feature = "fault-injection")]
-                    faults: crate::backend::fault::FaultConfig::from_env(),
-                },
-                &progress,
-            )?;
-            if !quiet {
-                eprintln!("done in {:.2} s", rep.wall_s);
-            }
-            if verify {
-                verify_plan(&p, 2, 1, quiet, false)?;
-            }
-            Ok(())
-        }
+        } => run_cmd(
+            &plan,
+            &set,
+            RunFlags {
+                quiet,
+                report,
+                log_every,
+                restart,
+                verify,
+            },
+            &split,
+        ),
         Command::Verify {
             plan,
             set,
@@ -465,4 +360,270 @@ pub fn execute(cli: Cli) -> Result<()> {
             verify_plan(&p, rounds, seed, false, repair)
         }
     }
+}
+
+/// `gen`'s arguments besides the output path.
+struct GenArgs {
+    rows: u64,
+    cols: u64,
+    dtype: String,
+    tile: u64,
+    dist: String,
+    seed: u64,
+    threads: usize,
+    force: bool,
+}
+
+fn gen_cmd(out: &Path, a: GenArgs) -> Result<()> {
+    refuse_existing(out, a.force)?;
+    let dtype = DType::parse(&a.dtype)
+        .ok_or_else(|| Error::Usage(format!("--dtype {}: use f32, f64, f16 or bf16", a.dtype)))?;
+    let dist = Dist::parse(&a.dist)
+        .ok_or_else(|| Error::Usage(format!("--dist {}: use one of {}", a.dist, Dist::NAMES)))?;
+    check_tile(a.tile)?;
+    let (rows, cols) = (a.rows, a.cols);
+    if rows == 0 || cols == 0 {
+        return Err(Error::Usage(format!(
+            "{}: --rows and --cols must be at least 1",
+            out.display()
+        )));
+    }
+    run::init_threads(a.threads);
+    run::ignore_sigxfsz();
+    interrupt::install();
+    let t = Instant::now();
+    let spec = GenSpec {
+        rows,
+        cols,
+        dtype,
+        tile: (a.tile.min(rows), a.tile.min(cols)),
+        dist,
+        seed: a.seed,
+    };
+    let h = Header::new(dtype, rows, cols, spec.tile.0, spec.tile.1, true);
+    let done = AtomicU64::new(0);
+    let progress = Progress::new(false, run::default_log_every());
+    let label = format!("generating {}", out.display());
+    let bytes = progress
+        .job(&label, h.data_end() - h.data_offset, &done, || {
+            gen::generate_counted(out, &spec, &done, Some(interrupt::flag()))
+        })
+        .map_err(|e| interrupted(e, &format!("{} was not written", out.display())))?;
+    let s = t.elapsed().as_secs_f64();
+    outln!(
+        "wrote {} ({rows}×{cols} {dtype}): {} in {s:.2} s ({:.0} MB/s)",
+        out.display(),
+        fmt_bytes(bytes),
+        bytes as f64 / s / 1e6
+    );
+    Ok(())
+}
+
+fn info_cmd(file: &Path, check: bool) -> Result<()> {
+    // .npy and raw inputs describe themselves.
+    if let Some(text) = crate::store::source::inspect(file, check)? {
+        out!("{text}");
+        return Ok(());
+    }
+    let f = TiledFile::open(file)?;
+    let h = f.hdr;
+    outln!("file:        {}", file.display());
+    outln!("format:      MGMTILE1 v1, dtype {}", h.dtype);
+    outln!("shape:       {} × {}", h.rows, h.cols);
+    outln!(
+        "tiles:       {} × {} elements, grid {} × {} = {} tiles, stride {} bytes",
+        h.tile_rows,
+        h.tile_cols,
+        h.grid_rows(),
+        h.grid_cols(),
+        h.tiles(),
+        h.tile_stride
+    );
+    outln!(
+        "data:        offset {}, {}",
+        h.data_offset,
+        fmt_bytes(h.data_end() - h.data_offset)
+    );
+    outln!(
+        "checksums:   {}",
+        if h.has_checksums() {
+            format!("CRC-32C per tile at offset {}", h.checksum_table_offset)
+        } else {
+            "none".into()
+        }
+    );
+    outln!(
+        "size:        {} ({} bytes)",
+        fmt_bytes(h.file_len()),
+        h.file_len()
+    );
+    if !check {
+        return Ok(());
+    }
+    if let Some(progress) = unfinished(file, &h)? {
+        outln!("check:       unfinished, resumable ({progress})");
+        return Err(Error::Usage(format!(
+            "{}: unfinished, resumable ({progress}), not corrupt: resume with `mgmm-stream run PLAN` (the plan that writes it)",
+            file.display()
+        )));
+    }
+    if !h.has_checksums() {
+        return Err(Error::format(
+            file,
+            "has no checksum table; nothing to check (re-import or regenerate it to add one)",
+        ));
+    }
+    let t = Instant::now();
+    use rayon::prelude::*;
+    let gc = h.grid_cols();
+    let bad: Vec<Error> = (0..h.tiles())
+        .into_par_iter()
+        .filter_map(|i| f.verify_tile(i / gc, i % gc).err())
+        .collect();
+    if let Some(e) = bad.into_iter().next() {
+        outln!("check:       corrupt");
+        return Err(e);
+    }
+    outln!(
+        "check:       all {} tiles OK ({:.2} s)",
+        h.tiles(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// "N of M output tiles done" when `file` is an output whose journal says `run` has not
+/// finished it; `None` for a finished output or a file without a journal.
+fn unfinished(file: &Path, h: &Header) -> Result<Option<String>> {
+    let Some(j) = journal::peek(file)? else {
+        return Ok(None);
+    };
+    if j.complete {
+        return Ok(None);
+    }
+    let done: std::collections::BTreeSet<u32> = j.done.iter().map(|&(s, _)| s).collect();
+    // The journal's fingerprint names the compute tile "tm×tn×tk": output tiles are tm × tn.
+    let total = j.fingerprint.get("compute tile").and_then(|t| {
+        let v: Vec<u64> = t.split('×').filter_map(|x| x.trim().parse().ok()).collect();
+        (v.len() == 3 && v[0] > 0 && v[1] > 0)
+            .then(|| h.rows.div_ceil(v[0]) * h.cols.div_ceil(v[1]))
+    });
+    Ok(Some(match total {
+        Some(m) => format!("{} of {m} tiles done", done.len()),
+        None => format!("{} tiles done", done.len()),
+    }))
+}
+
+fn import_cmd(input: &Path, output: &Path, tile: u64, force: bool) -> Result<()> {
+    refuse_same(input, output)?;
+    refuse_existing(output, force)?;
+    check_tile(tile)?;
+    let t = Instant::now();
+    let h = npy::import(input, output, (tile, tile))?;
+    outln!(
+        "imported {} → {} ({}×{} {}) in {:.2} s",
+        input.display(),
+        output.display(),
+        h.rows,
+        h.cols,
+        h.dtype,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn export_cmd(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Result<()> {
+    refuse_same(input, output)?;
+    refuse_existing(output, force)?;
+    if !allow_partial {
+        let f = TiledFile::open(input)?;
+        if let Some(progress) = unfinished(input, &f.hdr)? {
+            return Err(Error::Usage(format!(
+                "{} is unfinished ({progress}): resume with `mgmm-stream run PLAN` (the plan that writes it), or pass --allow-partial to export it as it is",
+                input.display()
+            )));
+        }
+    }
+    run::ignore_sigxfsz();
+    interrupt::install();
+    let t = Instant::now();
+    npy::export(input, output)
+        .map_err(|e| interrupted(e, &format!("{} was not written", output.display())))?;
+    outln!(
+        "exported {} → {} in {:.2} s",
+        input.display(),
+        output.display(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn devices_cmd() -> Result<()> {
+    match crate::backend::cuda::probe() {
+        Ok(devs) => {
+            for d in devs {
+                outln!(
+                    "cuda:{}  {}  compute capability {}.{}  memory {} free of {}",
+                    d.ordinal,
+                    d.name,
+                    d.cc.0,
+                    d.cc.1,
+                    fmt_bytes(d.free),
+                    fmt_bytes(d.total)
+                );
+            }
+        }
+        Err(e) => outln!("no usable GPU: {e}\nbackend = \"auto\" will use the CPU."),
+    }
+    Ok(())
+}
+
+/// `run`'s flags besides the plan, `--set` and the split.
+struct RunFlags {
+    quiet: bool,
+    report: Option<PathBuf>,
+    log_every: f64,
+    restart: bool,
+    verify: bool,
+}
+
+fn run_cmd(
+    plan: &Path,
+    set: &[String],
+    flags: RunFlags,
+    split: &crate::cluster::cmd::ShardArgs,
+) -> Result<()> {
+    let RunFlags {
+        quiet,
+        report,
+        log_every,
+        restart,
+        verify,
+    } = flags;
+    let p = Plan::load_with(plan, &split.with_local_gpu(set.to_vec()))?;
+    interrupt::install();
+    let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
+    let opts = RunOptions {
+        report,
+        restart,
+        shard: split.options()?,
+        cancel: Some(interrupt::flag()),
+        #[cfg(feature = "fault-injection")]
+        faults: crate::backend::fault::FaultConfig::from_env(),
+    };
+    let rep = run::run_plan(&p, &opts, &progress).map_err(|e| {
+        interrupted(
+            e,
+            "run the same command again to resume (finished tiles are kept)",
+        )
+    })?;
+    progress.result(&format!(
+        "done in {} (process {})",
+        fmt_duration(Some(rep.wall_s)),
+        fmt_duration(rep.process_wall_s)
+    ));
+    if verify {
+        verify_plan(&p, 2, 1, quiet, false)?;
+    }
+    Ok(())
 }

@@ -31,6 +31,8 @@ pub mod cli;
 pub mod cluster;
 pub mod dtype;
 pub mod error;
+pub mod interrupt;
+pub mod out;
 pub mod pipeline;
 pub mod plan;
 pub mod progress;

@@ -1,11 +1,16 @@
 //! The `mgmm-stream` binary: parse the command line, run it, print errors as one clear message.
+//!
+//! Exit status: 0 on success, 1 on an error (one line on stderr, `error: …`), 130 when Ctrl-C
+//! stopped a job (the last line says how to resume). Output goes through `mgmm_stream::out`,
+//! so a closed stdout or stderr pipe never turns a finished job into a panic.
 
 use clap::Parser;
+use mgmm_stream::diagln;
 
 fn main() {
     let cli = mgmm_stream::cli::Cli::parse();
     if let Err(e) = mgmm_stream::cli::execute(cli) {
-        let mut msg = format!("error: {e}");
+        let mut msg = e.to_string();
         let mut src = std::error::Error::source(&e);
         while let Some(s) = src {
             let t = s.to_string();
@@ -14,7 +19,15 @@ fn main() {
             }
             src = s.source();
         }
-        eprintln!("{msg}");
-        std::process::exit(1);
+        if mgmm_stream::interrupt::requested() && msg.starts_with("interrupted") {
+            diagln!("{msg}");
+            std::process::exit(130);
+        }
+        diagln!("error: {msg}");
+        std::process::exit(if mgmm_stream::interrupt::requested() {
+            130
+        } else {
+            1
+        });
     }
 }

@@ -269,3 +269,156 @@ fn nan_and_inf_are_computed_faithfully_and_counted() {
     );
     assert_eq!((c.v[0], c.v[1]), (0.0, 1.0));
 }
+
+fn mg(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+/// Files in `dir` whose name ends in `.partial` (junk a failed write would leave).
+fn partials(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.contains(".partial"))
+        .collect()
+}
+
+fn failed_with(o: &std::process::Output, needles: &[&str]) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success(), "expected failure:\n{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for n in needles {
+        assert!(err.contains(n), "message should mention {n:?}:\n{err}");
+    }
+    err
+}
+
+#[test]
+fn gen_and_export_onto_a_disk_too_small_leave_nothing() {
+    let d = tmp();
+    let dir = d.path();
+    // 10⁷ × 10⁷ f32 is 400 TB: refused before anything is created.
+    let o = mg(
+        dir,
+        &["gen", "Z.mgt", "--rows", "10000000", "--cols", "10000000"],
+    );
+    failed_with(&o, &["not enough disk space", "Z.mgt"]);
+    assert!(!dir.join("Z.mgt").exists() && partials(dir).is_empty());
+    // A write that fails part-way (the file-size limit stands in for a full disk): the partial
+    // file is removed, nothing at the final name, and the next `gen` is not told "exists".
+    let limited = |cmd: &str| {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!("ulimit -f 256; exec \"{}\" {cmd}", bin().display()))
+            .current_dir(dir)
+            .output()
+            .unwrap()
+    };
+    let o = limited("gen G.mgt --rows 1024 --cols 1024");
+    failed_with(&o, &["G.mgt"]);
+    assert!(!dir.join("G.mgt").exists(), "no file that looks valid");
+    assert!(partials(dir).is_empty(), "{:?}", partials(dir));
+    let o = mg(dir, &["gen", "G.mgt", "--rows", "1024", "--cols", "1024"]);
+    assert!(o.status.success(), "{o:?}");
+    let o = limited("export G.mgt G.npy");
+    failed_with(&o, &["G.npy"]);
+    assert!(!dir.join("G.npy").exists() && partials(dir).is_empty());
+    // gen --force onto a failing disk keeps the old file whole.
+    let before = std::fs::read(dir.join("G.mgt")).unwrap();
+    let o = limited("gen G.mgt --rows 1024 --cols 1024 --seed 9 --force");
+    failed_with(&o, &["G.mgt"]);
+    assert!(std::fs::read(dir.join("G.mgt")).unwrap() == before);
+    assert!(partials(dir).is_empty());
+}
+
+#[test]
+fn outputs_that_are_inputs_under_another_name_are_refused() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    std::fs::create_dir(dir.join("sub")).unwrap();
+    let a = std::fs::read(dir.join("A.mgt")).unwrap();
+    let b = std::fs::read(dir.join("B.mgt")).unwrap();
+    std::fs::hard_link(dir.join("B.mgt"), dir.join("hard.mgt")).unwrap();
+    std::os::unix::fs::symlink(dir.join("B.mgt"), dir.join("soft.mgt")).unwrap();
+    for out in ["hard.mgt", "soft.mgt", "sub/../B.mgt", "new/../B.mgt"] {
+        plan_with(
+            dir,
+            &format!("{GOOD}[[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n"),
+        );
+        for args in [&["run", "p.toml"][..], &["run", "p.toml", "--restart"]] {
+            let o = mg(dir, args);
+            failed_with(&o, &[out, "new file"]);
+        }
+        let o = mg(dir, &["export", "B.mgt", out, "--force"]);
+        failed_with(&o, &["same file"]);
+        let o = mg(dir, &["import", out, "B.mgt", "--force"]);
+        failed_with(&o, &["same file"]);
+    }
+    assert!(
+        !dir.join("new").exists(),
+        "nothing created for a refused path"
+    );
+    // `gen --force` over a hard link replaces the directory entry, never the linked data.
+    let o = mg(
+        dir,
+        &["gen", "hard.mgt", "--rows", "4", "--cols", "4", "--force"],
+    );
+    assert!(o.status.success(), "{o:?}");
+    assert!(std::fs::read(dir.join("A.mgt")).unwrap() == a);
+    assert!(
+        std::fs::read(dir.join("B.mgt")).unwrap() == b,
+        "B.mgt changed"
+    );
+}
+
+#[test]
+fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    plan_with(
+        dir,
+        &format!("{}[engine]\nbackend = \"cpu\"\ntile = 8\n", step("A @ B")),
+    );
+    // The output's writes fail after 2 tiles: the run stops with an unfinished output.
+    let o = Command::new(bin())
+        .args(["run", "p.toml"])
+        .env("MGMM_FAULT_WRITE_AFTER", "2")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let o = mg(dir, &["export", "C.mgt", "C.npy"]);
+    failed_with(
+        &o,
+        &["C.mgt", "unfinished", "resume with `mgmm-stream run PLAN`"],
+    );
+    assert!(!dir.join("C.npy").exists());
+    let o = mg(dir, &["info", "C.mgt", "--check"]);
+    let err = failed_with(
+        &o,
+        &["unfinished, resumable", "of 6 tiles done", "not corrupt"],
+    );
+    assert!(!err.contains("checksum mismatch"), "{err}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("check:       unfinished, resumable"), "{out}");
+    let o = mg(dir, &["export", "C.mgt", "C.npy", "--allow-partial"]);
+    assert!(o.status.success(), "{o:?}");
+    // Finished, then corrupted: "corrupt", not "unfinished".
+    let o = mg(dir, &["run", "p.toml"]);
+    assert!(o.status.success(), "{o:?}");
+    let f = mgmm_stream::store::TiledFile::open(&dir.join("C.mgt")).unwrap();
+    let off = f.hdr.tile_offset(0, 0) as usize;
+    drop(f);
+    let mut bytes = std::fs::read(dir.join("C.mgt")).unwrap();
+    bytes[off] ^= 1;
+    std::fs::write(dir.join("C.mgt"), bytes).unwrap();
+    let o = mg(dir, &["info", "C.mgt", "--check"]);
+    failed_with(&o, &["checksum mismatch", "corrupt"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("check:       corrupt"));
+}

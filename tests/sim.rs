@@ -245,6 +245,8 @@ fn plan_backend_sim_runs_through_the_cli() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    assert!(err.contains("sim:3"), "{err}");
+    // The summary is a result: stdout.
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("sim:3"), "{out}");
     assert!(same_output(d.path()));
 }

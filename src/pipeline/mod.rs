@@ -15,7 +15,7 @@ pub mod pool;
 pub mod shared;
 pub mod stages;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -67,6 +67,8 @@ pub struct StepSources {
 pub struct RunConfig {
     pub verify_inputs: bool,
     pub durable: bool,
+    /// A flag set from outside (Ctrl-C) that cancels the run; `None`: only errors cancel.
+    pub cancel: Option<&'static std::sync::atomic::AtomicBool>,
 }
 
 impl RunConfig {
@@ -74,6 +76,7 @@ impl RunConfig {
         RunConfig {
             verify_inputs: e.verify_inputs,
             durable: e.durable,
+            cancel: None,
         }
     }
 }
@@ -296,16 +299,26 @@ impl<'a> Pipeline<'a> {
         all_flops: u64,
         t0: Instant,
     ) -> Vec<Arc<StageMetrics>> {
+        let step = self.step;
         let live = Live {
             started: t0,
+            step: step.index,
+            output: step.output.display().to_string(),
             tiles_total: self.queue.len() as u64 + self.done_before,
             flops_total: all_flops,
+            flops_before: all_flops - self.tile_flops(self.queue.order().iter().copied()),
             tiles_done: &c.tiles_done,
             flops_done: &c.flops_done,
+            flops_issued: &c.flops_issued,
+            cancel: self.cfg.cancel,
             show_devices: self.show_devices,
             lanes: lane_names.iter().cloned().zip(c.lane_live.iter()).collect(),
         };
-        let (progress, label) = (self.progress, format!("step {}", self.step.index + 1));
+        let progress = self.progress;
+        // Who may cancel the run from outside: the binary's Ctrl-C flag, or a library caller's.
+        let flags: Vec<&AtomicBool> = (self.cfg.cancel.into_iter())
+            .chain(progress.cancel_flag().map(|f| &**f))
+            .collect();
         let mut metrics = Vec::new();
         let stages = self.wire(c, t0, &mut metrics);
         std::thread::scope(|s| {
@@ -314,15 +327,16 @@ impl<'a> Pipeline<'a> {
                 .into_iter()
                 .map(|st| s.spawn(move || ctl.guard(|| st.run_boxed(ctl))))
                 .collect();
-            if let Some(flag) = progress.cancel_flag() {
-                // The caller's cancel flag (Ctrl-C in the Python package): polled, because
-                // whoever sets it may not be able to do more than store a bool.
+            if !flags.is_empty() {
+                // Cancel flags are polled, because whoever sets them (a signal handler, Python)
+                // may not be able to do more than store a bool.
                 let stop = stop_rx.clone();
+                let flags = &flags;
                 s.spawn(move || {
                     while let Err(RecvTimeoutError::Timeout) =
                         stop.recv_timeout(Duration::from_millis(20))
                     {
-                        if flag.load(Ordering::SeqCst) {
+                        if flags.iter().any(|f| f.load(Ordering::SeqCst)) {
                             ctl.cancel();
                             break;
                         }
@@ -330,7 +344,7 @@ impl<'a> Pipeline<'a> {
                 });
             }
             let (live, shown) = (&live, metrics.clone());
-            let reporter = s.spawn(move || progress.watch(&label, live, &shown, &stop_rx));
+            let reporter = s.spawn(move || progress.watch(live, &shown, &stop_rx));
             for h in handles {
                 if h.join().is_err() {
                     ctl.fail(Error::Usage(

@@ -261,25 +261,44 @@ impl Plan {
     }
 }
 
-/// True if `a` and `b` name the same file (after resolving what can be resolved).
+/// True if `a` and `b` name the same file: the same device and inode when both exist (hard
+/// links included), else the same path after resolving symlinks and `..` as far as the path
+/// exists and `..`/`.` lexically beyond that.
 pub fn same_file(a: &Path, b: &Path) -> bool {
-    let canon = |p: &Path| -> PathBuf {
-        if let Ok(c) = p.canonicalize() {
-            return c;
+    use std::os::unix::fs::MetadataExt;
+    if let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        if x.dev() == y.dev() && x.ino() == y.ino() {
+            return true;
         }
-        match (p.parent(), p.file_name()) {
-            (Some(d), Some(f)) => {
-                let d = if d.as_os_str().is_empty() {
-                    Path::new(".")
-                } else {
-                    d
-                };
-                d.canonicalize()
-                    .map(|d| d.join(f))
-                    .unwrap_or_else(|_| p.to_path_buf())
+    }
+    resolved(a) == resolved(b)
+}
+
+/// `p` with its longest existing prefix canonicalized (symlinks, `..`) and the rest of its
+/// components applied lexically, so `new/../A.mgt` and `A.mgt` resolve alike.
+fn resolved(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let comps: Vec<Component> = p.components().collect();
+    for i in (0..=comps.len()).rev() {
+        let prefix: PathBuf = comps[..i].iter().collect();
+        let prefix = if prefix.as_os_str().is_empty() {
+            PathBuf::from(".")
+        } else {
+            prefix
+        };
+        let Ok(mut canon) = prefix.canonicalize() else {
+            continue;
+        };
+        for c in &comps[i..] {
+            match c {
+                Component::ParentDir => {
+                    canon.pop();
+                }
+                Component::CurDir => {}
+                other => canon.push(other.as_os_str()),
             }
-            _ => p.to_path_buf(),
         }
-    };
-    canon(a) == canon(b)
+        return canon;
+    }
+    p.to_path_buf()
 }

@@ -38,6 +38,9 @@ pub struct RunOptions {
     pub restart: bool,
     /// This process's part of a step split across processes (`None`: the whole plan).
     pub shard: Option<crate::cluster::ShardOptions>,
+    /// A flag that cancels the run when set (the binary's Ctrl-C handler); finished tiles stay
+    /// in the journal, so the same command resumes.
+    pub cancel: Option<&'static std::sync::atomic::AtomicBool>,
     /// Faults to inject (tests and the GPU resilience scripts only).
     #[cfg(feature = "fault-injection")]
     pub faults: Option<crate::backend::fault::FaultConfig>,
@@ -187,7 +190,11 @@ pub fn init_threads(threads: usize) -> usize {
 }
 
 /// Generate every declared input that is missing and has a `generate` spec.
-pub fn generate_missing(plan: &Plan, progress: &Progress) -> Result<Vec<String>> {
+pub fn generate_missing(
+    plan: &Plan,
+    progress: &Progress,
+    cancel: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<Vec<String>> {
     let mut out = Vec::new();
     for d in &plan.matrices {
         let Some(spec) = &d.generate else { continue };
@@ -199,7 +206,19 @@ pub fn generate_missing(plan: &Plan, progress: &Progress) -> Result<Vec<String>>
                 .map_err(|e| Error::io(dir, "cannot create directory", e))?;
         }
         let t = Instant::now();
-        let bytes = gen::generate(&d.path, spec)?;
+        let h = crate::store::Header::new(
+            spec.dtype,
+            spec.rows,
+            spec.cols,
+            spec.tile.0,
+            spec.tile.1,
+            true,
+        );
+        let done = std::sync::atomic::AtomicU64::new(0);
+        let label = format!("generating {}", d.path.display());
+        let bytes = progress.job(&label, h.data_end() - h.data_offset, &done, || {
+            gen::generate_counted(&d.path, spec, &done, cancel)
+        })?;
         progress.note(&format!(
             "generated {} ({}×{} {}, {:?}, seed {}): {} in {:.2} s",
             d.path.display(),
@@ -260,9 +279,18 @@ pub fn run_plan_on(
             "--restart cannot be combined with a split run (it would race the other processes); run `mgmm-stream prepare PLAN --restart` once before the job".into(),
         ));
     }
+    progress.begin_plan(
+        plan.steps
+            .iter()
+            .map(|s| {
+                let flops = 2u64.saturating_mul(s.m).saturating_mul(s.n);
+                (s.output.display().to_string(), flops.saturating_mul(s.k))
+            })
+            .collect(),
+    );
     let generated = match &opts.shard {
         Some(sh) => crate::cluster::generate_shared(plan, sh, progress)?,
-        None => generate_missing(plan, progress)?,
+        None => generate_missing(plan, progress, opts.cancel)?,
     };
     let mut steps = Vec::new();
     for (i, (step, layout)) in plan.steps.iter().zip(&layouts).enumerate() {
@@ -284,7 +312,7 @@ pub fn run_plan_on(
                 .collect(),
         };
         for rep in reps {
-            progress.note(&report::format_summary(&rep));
+            progress.result(&report::format_summary(&rep));
             steps.push(rep);
         }
         // Split runs keep a chain's intermediates: other processes may still read them
@@ -365,7 +393,10 @@ pub(crate) fn run_step(
         };
         #[cfg(not(feature = "fault-injection"))]
         let sink: &dyn TileSink = &journal_sink;
-        let cfg = RunConfig::from_engine(e);
+        let cfg = RunConfig {
+            cancel: opts.cancel,
+            ..RunConfig::from_engine(e)
+        };
         let pipe = Pipeline::build(
             step,
             layout,

@@ -3,12 +3,15 @@
 //! Every row has its own random stream (xoshiro256++ seeded from the seed and the row index), so
 //! the file's contents depend only on (seed, shape, dist, dtype) — not on the thread count or the
 //! tile size. Bands of storage-tile rows are contiguous in the file, so threads fill disjoint
-//! slices of the writable map with no locking.
+//! slices of the file with no locking. The file appears at its name only when complete
+//! ([`super::atomic`]).
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
+use super::atomic::TempOutput;
 use super::header::Header;
 use super::tiled::TiledWriter;
 use crate::dtype::{self, DType};
@@ -126,6 +129,20 @@ pub struct GenSpec {
 
 /// Generate a matrix into a new file at `path`. Returns the bytes written.
 pub fn generate(path: &Path, spec: &GenSpec) -> Result<u64> {
+    generate_counted(path, spec, &AtomicU64::new(0), None)
+}
+
+/// [`generate`], adding the data bytes written so far to `done` (for a progress display) and
+/// stopping with an "interrupted" error when `cancel` becomes true. The file
+/// appears at `path` only when it is complete: it is written as `path.<pid>.partial` after a
+/// free-space check and renamed at the end; on any error the partial file is removed
+/// ([`TempOutput`]).
+pub fn generate_counted(
+    path: &Path,
+    spec: &GenSpec,
+    done: &AtomicU64,
+    cancel: Option<&AtomicBool>,
+) -> Result<u64> {
     if spec.rows == 0 || spec.cols == 0 {
         return Err(Error::Usage(format!(
             "{}: cannot generate a {}×{} matrix: both dimensions must be at least 1",
@@ -142,42 +159,58 @@ pub fn generate(path: &Path, spec: &GenSpec) -> Result<u64> {
         spec.tile.1,
         true,
     );
-    let w = TiledWriter::create(path, hdr)?;
-    let es = spec.dtype.size();
-    let (dist, seed, cols, rows) = (spec.dist, spec.seed, spec.cols, spec.rows);
+    let tmp = TempOutput::new(path, hdr.file_len())?;
+    let w = TiledWriter::create(tmp.path(), hdr)?;
     // One band of storage-tile rows at a time per thread: generate whole rows (the random
     // stream is per row), lay them out as the band's tiles, write the band with one pwrite.
-    let band_bytes = (hdr.grid_cols() * hdr.tile_stride) as usize;
     (0..hdr.grid_rows()).into_par_iter().try_for_each(|ti| {
-        let mut band = vec![0u8; band_bytes];
-        let mut vals = vec![0f64; cols as usize];
-        let r_start = ti * hdr.tile_rows;
-        let r_end = (r_start + hdr.tile_rows).min(rows);
-        for r in r_start..r_end {
-            row_values(dist, seed, r, cols, &mut vals);
-            let rr = r - r_start;
-            // One storage tile's piece of the row at a time: no per-element index arithmetic.
-            for (tj, seg) in vals.chunks(hdr.tile_cols as usize).enumerate() {
-                let base = (tj as u64 * hdr.tile_stride + rr * hdr.tile_cols * es as u64) as usize;
-                let dst = &mut band[base..base + seg.len() * es];
-                match spec.dtype {
-                    DType::F32 => dst
-                        .chunks_exact_mut(4)
-                        .zip(seg)
-                        .for_each(|(d, v)| d.copy_from_slice(&(*v as f32).to_le_bytes())),
-                    DType::F64 => dst
-                        .chunks_exact_mut(8)
-                        .zip(seg)
-                        .for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
-                    dt => dst
-                        .chunks_exact_mut(es)
-                        .zip(seg)
-                        .for_each(|(d, v)| dtype::put(dt, *v, d)),
-                }
-            }
+        if cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            return Err(Error::Usage(format!(
+                "interrupted; {} was not written (run the same command again)",
+                path.display()
+            )));
         }
-        w.write_raw(hdr.tile_offset(ti, 0), &band)
+        let band = band_bytes(spec, &hdr, ti);
+        w.write_raw(hdr.tile_offset(ti, 0), &band)?;
+        done.fetch_add(band.len() as u64, Ordering::Relaxed);
+        Ok(())
     })?;
     w.finish(true)?;
+    tmp.commit()?;
     Ok(hdr.file_len())
+}
+
+/// The file bytes of storage-tile row `ti`: whole rows generated (the random stream is per
+/// row) and laid out as the band's tiles.
+fn band_bytes(spec: &GenSpec, hdr: &Header, ti: u64) -> Vec<u8> {
+    let es = spec.dtype.size();
+    let (dist, seed, cols, rows) = (spec.dist, spec.seed, spec.cols, spec.rows);
+    let mut band = vec![0u8; (hdr.grid_cols() * hdr.tile_stride) as usize];
+    let mut vals = vec![0f64; cols as usize];
+    let r_start = ti * hdr.tile_rows;
+    let r_end = (r_start + hdr.tile_rows).min(rows);
+    for r in r_start..r_end {
+        row_values(dist, seed, r, cols, &mut vals);
+        let rr = r - r_start;
+        // One storage tile's piece of the row at a time: no per-element index arithmetic.
+        for (tj, seg) in vals.chunks(hdr.tile_cols as usize).enumerate() {
+            let base = (tj as u64 * hdr.tile_stride + rr * hdr.tile_cols * es as u64) as usize;
+            let dst = &mut band[base..base + seg.len() * es];
+            match spec.dtype {
+                DType::F32 => dst
+                    .chunks_exact_mut(4)
+                    .zip(seg)
+                    .for_each(|(d, v)| d.copy_from_slice(&(*v as f32).to_le_bytes())),
+                DType::F64 => dst
+                    .chunks_exact_mut(8)
+                    .zip(seg)
+                    .for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
+                dt => dst
+                    .chunks_exact_mut(es)
+                    .zip(seg)
+                    .for_each(|(d, v)| dtype::put(dt, *v, d)),
+            }
+        }
+    }
+    band
 }

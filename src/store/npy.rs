@@ -478,7 +478,8 @@ pub fn header_bytes_order(dtype: DType, rows: u64, cols: u64, fortran: bool) -> 
     Ok(out)
 }
 
-/// Export tiled file `src` to `dst` (.npy). 16-bit files are widened to f32.
+/// Export tiled file `src` to `dst` (.npy). 16-bit files are widened to f32. `dst` appears only
+/// when complete.
 pub fn export(src: &Path, dst: &Path) -> Result<()> {
     // Any source (.mgt, .npy, raw:…); a transposed (column-major) one is written as a
     // Fortran-order array, byte for byte its stored row-major transpose.
@@ -490,7 +491,11 @@ pub fn export(src: &Path, dst: &Path) -> Result<()> {
     } else {
         header_bytes(out_dt, rows, cols)?
     };
-    let f = File::create(dst).map_err(|e| Error::io(dst, "cannot create .npy file", e))?;
+    // Written under a temporary name after a free-space check and renamed when complete; on
+    // any error (ENOSPC, EFBIG, Ctrl-C) the partial file is removed (`TempOutput`'s drop).
+    let need = head.len() as u64 + rows * cols * out_dt.size() as u64;
+    let tmp = super::atomic::TempOutput::new(dst, need)?;
+    let f = File::create(tmp.path()).map_err(|e| Error::io(dst, "cannot create .npy file", e))?;
     let mut w = BufWriter::with_capacity(8 << 20, f);
     w.write_all(&head)
         .map_err(|e| Error::io(dst, "cannot write", e))?;
@@ -499,6 +504,12 @@ pub fn export(src: &Path, dst: &Path) -> Result<()> {
     let mut buf = Vec::new();
     let mut r0 = 0;
     while r0 < rows {
+        if crate::interrupt::requested() {
+            return Err(Error::Usage(format!(
+                "interrupted; {} was not written (run the same command again)",
+                dst.display()
+            )));
+        }
         let n = chunk_rows.min(rows - r0);
         buf.resize(n as usize * row_bytes, 0);
         t.read_block(
@@ -519,7 +530,8 @@ pub fn export(src: &Path, dst: &Path) -> Result<()> {
         .into_inner()
         .map_err(|e| Error::io(dst, "cannot write", e.into_error()))?;
     f.sync_all().map_err(|e| Error::io(dst, "cannot sync", e))?;
-    Ok(())
+    drop(f);
+    tmp.commit()
 }
 
 #[cfg(test)]

@@ -1,0 +1,137 @@
+//! Files that appear whole or not at all.
+//!
+//! `gen` and `export` write a new file from start to end. Written in place, a full disk, a
+//! file-size limit or a Ctrl-C would leave a file at the final name with a valid header and
+//! missing data, and a later `gen` would refuse to replace it ("already exists"). Instead the
+//! free space is checked first, the bytes go to `NAME.<pid>.partial` in the same directory
+//! (same filesystem, so the rename is atomic), and only a finished, synced file is renamed onto
+//! the final name. On any error, or when the [`TempOutput`] is dropped unfinished, the
+//! partial file is removed. Replacing an existing file (`--force`) swaps the directory entry:
+//! the old file's inode — which may be a hard link or a symlink target of something else — is
+//! never opened for writing.
+
+use std::path::{Path, PathBuf};
+
+use super::fsutil;
+use crate::error::{Error, Result};
+use crate::plan::size::fmt_bytes;
+
+/// The directory a new file at `path` goes into ("." for a bare name).
+pub fn parent_dir(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Refuse when the filesystem holding `dir` has less than `need` bytes free for us. Filesystems
+/// that cannot be asked pass (the write itself then reports ENOSPC, and the partial file goes).
+pub fn ensure_space(dst: &Path, dir: &Path, need: u64) -> Result<()> {
+    if let Some(free) = fsutil::free_bytes(dir) {
+        if free < need {
+            return Err(Error::Usage(format!(
+                "not enough disk space for {}: it needs {} but {} has {} free; free some space or write it elsewhere",
+                dst.display(),
+                fmt_bytes(need),
+                dir.display(),
+                fmt_bytes(free)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A file being written under a temporary name next to its final one.
+pub struct TempOutput {
+    tmp: PathBuf,
+    dst: PathBuf,
+    committed: bool,
+}
+
+impl TempOutput {
+    /// Check that `need` bytes fit beside `dst`, and choose the temporary name. Nothing is
+    /// created yet: the caller creates [`TempOutput::path`].
+    pub fn new(dst: &Path, need: u64) -> Result<TempOutput> {
+        let dir = parent_dir(dst);
+        let name = dst.file_name().ok_or_else(|| {
+            Error::Usage(format!("{}: not a file name to write to", dst.display()))
+        })?;
+        ensure_space(dst, &dir, need)?;
+        let mut tmp_name = name.to_os_string();
+        tmp_name.push(format!(".{}.partial", std::process::id()));
+        Ok(TempOutput {
+            tmp: dir.join(tmp_name),
+            dst: dst.to_path_buf(),
+            committed: false,
+        })
+    }
+
+    /// Where to write the bytes.
+    pub fn path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Move the finished (and already synced) file onto its final name, and sync the
+    /// directory so the rename survives a crash.
+    pub fn commit(mut self) -> Result<()> {
+        std::fs::rename(&self.tmp, &self.dst)
+            .map_err(|e| Error::io(&self.dst, "cannot move the finished file into place", e))?;
+        self.committed = true;
+        if let Ok(d) = std::fs::File::open(parent_dir(&self.dst)) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TempOutput {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partial_files_go_and_finished_ones_appear() {
+        let d = tempfile::tempdir().unwrap();
+        let dst = d.path().join("x.mgt");
+        let t = TempOutput::new(&dst, 10).unwrap();
+        std::fs::write(t.path(), b"partial").unwrap();
+        let tmp = t.path().to_path_buf();
+        assert!(tmp
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .ends_with(".partial"));
+        drop(t);
+        assert!(
+            !tmp.exists() && !dst.exists(),
+            "an unfinished file is removed"
+        );
+        let t = TempOutput::new(&dst, 10).unwrap();
+        std::fs::write(t.path(), b"whole").unwrap();
+        t.commit().unwrap();
+        assert_eq!(std::fs::read(&dst).unwrap(), b"whole");
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn too_little_space_is_refused_with_the_numbers() {
+        let d = tempfile::tempdir().unwrap();
+        let dst = d.path().join("big.mgt");
+        let e = TempOutput::new(&dst, u64::MAX / 2)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("not enough disk space") && e.contains("big.mgt"),
+            "{e}"
+        );
+        assert!(!dst.exists());
+    }
+}

@@ -1,0 +1,381 @@
+//! What a person watching a long job sees, and how the job ends when the person leaves:
+//! progress in GEMM units from the first seconds, log lines that fit 80 columns with
+//! timestamps, progress for input generation, Ctrl-C that ends with how to resume, and a
+//! closed stdout/stderr pipe that does not turn a finished run into a failure.
+
+mod common;
+use common::*;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mgmm_stream::backend::sim::SimBackend;
+use mgmm_stream::dtype::DType;
+use mgmm_stream::plan::Plan;
+use mgmm_stream::progress::Progress;
+use mgmm_stream::run::{run_plan_on, RunOptions};
+use mgmm_stream::store::gen::{generate_counted, Dist, GenSpec};
+
+/// The percentages a log shows ("step 1/1  42.1%  …").
+fn percents(lines: &[String]) -> Vec<f64> {
+    lines
+        .iter()
+        .filter_map(|l| {
+            let rest = l.split("step 1/1").nth(1)?;
+            rest.split_whitespace()
+                .next()?
+                .strip_suffix('%')?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+#[test]
+fn one_output_tile_with_a_large_k_shows_progress_from_the_start() {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        16,
+        2048,
+        DType::F32,
+        (16, 256),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        2048,
+        16,
+        DType::F32,
+        (256, 16),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\ntile = [16, 16, 8]\n";
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    // One simulated device that waits up to 4 ms before each operation: 256 k-steps take
+    // about a second, all inside one output tile.
+    let backend = Box::new(SimBackend::with_delays(vec![4000], 1 << 30));
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let progress = Progress::log_into(Duration::from_millis(20), lines.clone());
+    let rep = run_plan_on(&plan, backend, &RunOptions::default(), &progress).unwrap();
+    assert_eq!(
+        rep.steps[0].tiles_total, 1,
+        "the whole product is one output tile"
+    );
+    let lines = lines.lock().unwrap().clone();
+    let pct = percents(&lines);
+    assert!(
+        pct.iter().any(|&p| p > 0.0 && p < 100.0),
+        "progress must move inside the one tile: {lines:#?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("ETA") && !l.contains("ETA --")),
+        "an ETA once there is a rate: {lines:#?}"
+    );
+    // The live display (timestamped lines); the summary is a result, formatted by `report`.
+    for l in lines.iter().filter(|l| l.starts_with("20")) {
+        assert!(l.chars().count() <= 80, "wider than 80 columns: {l}");
+        assert!(!l.contains("NaN") && !l.contains("inf"), "{l}");
+    }
+    // Progress lines start with a timestamp "YYYY-MM-DD HH:MM:SS".
+    let ts = lines.iter().find(|l| l.contains("step 1/1 ")).unwrap();
+    assert!(
+        ts.as_bytes()[4] == b'-' && ts.as_bytes()[13] == b':',
+        "{ts}"
+    );
+    assert!(lines.iter().any(|l| l.contains("step 1/1: ")), "{lines:#?}");
+    assert!(
+        lines.iter().any(|l| l.starts_with("step 1:")),
+        "the summary: {lines:#?}"
+    );
+}
+
+#[test]
+fn input_generation_shows_progress() {
+    let d = tmp();
+    let path = d.path().join("G.mgt");
+    let spec = GenSpec {
+        rows: 4096,
+        cols: 1024,
+        dtype: DType::F64,
+        tile: (64, 1024),
+        dist: Dist::Normal,
+        seed: 3,
+    };
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let progress = Progress::log_into(Duration::from_millis(1), lines.clone());
+    let done = AtomicU64::new(0);
+    let total = 4096 * 1024 * 8;
+    let bytes = progress
+        .job("generating G.mgt", total, &done, || {
+            generate_counted(&path, &spec, &done, None)
+        })
+        .unwrap();
+    assert!(bytes > total && path.is_file());
+    assert_eq!(done.into_inner(), total, "every data byte counted");
+    let lines = lines.lock().unwrap().clone();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("generating G.mgt") && l.contains('%')),
+        "{lines:#?}"
+    );
+}
+
+/// A plan that runs for several seconds on four simulated devices (tiny tiles).
+fn slow_plan(dir: &Path) {
+    gen(
+        &dir.join("A.mgt"),
+        384,
+        384,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        384,
+        384,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"sim\"\ntile = [16, 16, 16]\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+}
+
+#[test]
+fn ctrl_c_stops_cleanly_and_says_how_to_resume() {
+    let d = tmp();
+    let dir = d.path();
+    slow_plan(dir);
+    let mut child = Command::new(bin())
+        .args(["run", "p.toml", "--log-every", "0.2"])
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    // Wait until the run is under way (a progress line), then press Ctrl-C.
+    while !seen.contains('%') {
+        let mut l = String::new();
+        assert!(
+            err.read_line(&mut l).unwrap() > 0,
+            "run ended early: {seen}"
+        );
+        seen += &l;
+    }
+    let st = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    let all = seen + &rest;
+    assert_eq!(status.code(), Some(130), "{all}");
+    assert!(!all.contains("panicked"), "{all}");
+    let last = all.trim_end().lines().last().unwrap();
+    assert!(
+        last.contains("interrupted; run the same command again to resume"),
+        "last line: {last}\n{all}"
+    );
+    assert!(
+        all.contains("(interrupted)"),
+        "the bar ends with a line: {all}"
+    );
+    // The same command resumes and finishes.
+    let o = Command::new(bin())
+        .args(["run", "p.toml", "--quiet"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(bin())
+        .args(["info", "C.mgt", "--check"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn a_closed_pipe_does_not_fail_a_finished_run() {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        96,
+        80,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        80,
+        64,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\ntile = 32\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    // `mgmm-stream run p.toml 2>&1 | head -0`, deterministically: the pipe's read end is
+    // closed before the process starts, so its first write meets EPIPE.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let status = Command::new(bin())
+        .args(["run", "p.toml", "--log-every", "0.1"])
+        .current_dir(dir)
+        .stdout(writer.try_clone().unwrap())
+        .stderr(writer)
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "a finished run exits 0");
+    let o = Command::new(bin())
+        .args(["info", "C.mgt", "--check"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "the output is whole: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let c = Mat::load(&dir.join("C.mgt"));
+    let a = Mat::load(&dir.join("A.mgt"));
+    let b = Mat::load(&dir.join("B.mgt"));
+    let want: f64 = (0..80).map(|k| a.at(5, k, false) * b.at(k, 7, false)).sum();
+    assert!((c.at(5, 7, false) - want).abs() < 1e-3 * want.abs().max(1.0));
+}
+
+#[test]
+fn results_go_to_stdout_and_diagnostics_to_stderr() {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        64,
+        48,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        48,
+        40,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    let run = |args: &[&str]| {
+        let o = Command::new(bin())
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{args:?}: {o:?}");
+        (
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    };
+    let (out, err) = run(&["run", "p.toml"]);
+    assert!(out.contains("step 1:") && out.contains("done in"), "{out}");
+    assert!(
+        !err.contains("bottleneck") && !err.contains("done in"),
+        "{err}"
+    );
+    assert!(err.contains("step 1/1: "), "progress on stderr: {err}");
+    let (out, _) = run(&["verify", "p.toml"]);
+    assert!(out.contains("PASS"), "{out}");
+    let (out, _) = run(&["plan", "p.toml"]);
+    assert!(out.contains("C.mgt"), "{out}");
+    let (out, err) = run(&["info", "C.mgt", "--check"]);
+    assert!(
+        out.contains("all") && out.contains("OK") && err.is_empty(),
+        "{out}{err}"
+    );
+    let (out, _) = run(&["gen", "G.mgt", "--rows", "8", "--cols", "8"]);
+    assert!(out.contains("wrote G.mgt"), "{out}");
+}
+
+#[test]
+fn a_resume_starts_where_the_journal_left_off() {
+    use mgmm_stream::backend::fault::FaultConfig;
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        64,
+        64,
+        DType::F32,
+        (16, 16),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        64,
+        64,
+        DType::F32,
+        (16, 16),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\ntile = [16, 16, 16]\n";
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    // The output's writes fail after 8 of 16 tiles.
+    let opts = RunOptions {
+        faults: Some(FaultConfig {
+            write_after: Some(8),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let backend = Box::new(SimBackend::with_delays(vec![100], 1 << 30));
+    assert!(run_plan_on(&plan, backend, &opts, &Progress::quiet()).is_err());
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let progress = Progress::log_into(Duration::from_millis(10), lines.clone());
+    // Up to 20 ms per operation: the 8 tiles left take about a second.
+    let backend = Box::new(SimBackend::with_delays(vec![20_000], 1 << 30));
+    let rep = run_plan_on(&plan, backend, &RunOptions::default(), &progress).unwrap();
+    assert_eq!(
+        rep.steps[0].tiles_computed, 8,
+        "only the missing half is computed"
+    );
+    let lines = lines.lock().unwrap().clone();
+    assert!(
+        lines.iter().any(|l| l.contains("(resuming at ")),
+        "{lines:#?}"
+    );
+    let pct = percents(&lines);
+    assert!(
+        !pct.is_empty() && pct.iter().all(|&p| p >= 50.0),
+        "progress starts at the resumed point: {lines:#?}"
+    );
+}
