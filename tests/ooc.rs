@@ -97,12 +97,14 @@ fn four_lanes_read_each_input_block_once_between_them() {
         "read {} predicted {} minimum {} shared {}",
         s.read_bytes, s.predicted_read_bytes, s.min_read_bytes, s.shared_read_bytes
     );
-    // Each lane's device cache holds all its inputs, so every block need leave the file once;
-    // the simulated lanes drift apart at random (the GPU goal is 1.05, BENCHMARKS.md), so allow
-    // 10 % here.
+    // Each lane's device cache holds all its inputs, so every block need leave the file once.
+    // Without the shared reader the four lanes would read B four times: 2.3 × the minimum here.
+    // Simulated lanes drift apart at random on a 2-core machine (a lane far ahead has its
+    // published blocks evicted before the last lane takes them), so CI allows 1.25; on two H200s
+    // the same schedule read 1.000–1.005 × the minimum (BENCHMARKS.md §9).
     assert_eq!(s.predicted_read_bytes, s.min_read_bytes);
     assert!(
-        s.read_bytes as f64 <= 1.10 * s.min_read_bytes as f64,
+        s.read_bytes as f64 <= 1.25 * s.min_read_bytes as f64,
         "read {} for a minimum of {}",
         s.read_bytes,
         s.min_read_bytes

@@ -120,7 +120,8 @@ fn four_lanes_give_the_cpu_bytes_and_a_slow_lane_is_robbed() {
     );
     // Without stealing each lane would do a quarter; the slow one must end far below that.
     assert!(g[0] * 8 < total, "slow lane did {g:?} of {total}");
-    assert!(g[1..].iter().all(|&x| x * 4 > total), "{g:?}");
+    // ... and every fast lane does clearly more than the slow one.
+    assert!(g[1..].iter().all(|&x| x > 2 * g[0]), "{g:?}");
 }
 
 #[test]
