@@ -68,8 +68,8 @@ fn lock(file: &File, path: &Path) -> Result<()> {
 
 impl Journal {
     /// Open (creating if needed) and lock the journal of `output`, and read its state against
-    /// `fp`. `restart` discards whatever it held. `output_exists` says whether the output file
-    /// is there at all (a journal without its output is meaningless).
+    /// `fp`. `restart` discards whatever it held. A journal without its output file is
+    /// meaningless (the state is then `Fresh`).
     pub fn open(
         output: &Path,
         fp: &Fingerprint,
@@ -88,97 +88,21 @@ impl Journal {
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)
             .map_err(|e| Error::io(&path, "cannot read journal", e))?;
-        let header = header_line(fp);
-        let output_exists = output.exists();
-        let state = if restart || bytes.is_empty() {
-            if output_exists && !restart && bytes.is_empty() {
-                return Err(Error::Usage(format!(
-                    "{}: the output exists but was not written by this plan (no journal); rerun with --restart to overwrite it, or choose another output path",
-                    output.display()
-                )));
-            }
-            State::Fresh
-        } else {
-            let nl = bytes
-                .iter()
-                .position(|&b| b == b'\n')
-                .unwrap_or(bytes.len());
-            let line = String::from_utf8_lossy(&bytes[..nl]).to_string();
-            let old: Option<Fingerprint> = line
-                .strip_prefix(&format!("{MAGIC} "))
-                .and_then(|j| serde_json::from_str(j).ok());
-            let Some(old) = old else {
-                return Err(Error::Usage(format!(
-                    "{}: not a journal this version understands; rerun with --restart to start the step over",
-                    path.display()
-                )));
-            };
-            if &old != fp {
-                let mut changes = Vec::new();
-                for k in old
-                    .keys()
-                    .chain(fp.keys())
-                    .collect::<std::collections::BTreeSet<_>>()
-                {
-                    let (a, b) = (old.get(k), fp.get(k));
-                    if a != b {
-                        changes.push(format!(
-                            "{k}: was {}, now {}",
-                            a.map(String::as_str).unwrap_or("(none)"),
-                            b.map(String::as_str).unwrap_or("(none)")
-                        ));
-                    }
-                }
-                return Err(Error::Usage(format!(
-                    "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
-                    path.display(),
-                    changes.join("; ")
-                )));
-            }
-            if !output_exists {
-                State::Fresh
-            } else {
-                let mut done = Vec::new();
-                let mut complete = false;
-                for rec in bytes[(nl + 1).min(bytes.len())..].chunks_exact(16) {
-                    let w =
-                        |i: usize| u32::from_le_bytes(rec[4 * i..4 * i + 4].try_into().unwrap());
-                    if w(0) != REC || crc32c::crc32c(&rec[..12]) != w(3) {
-                        break; // a torn write: everything after it is unknown
-                    }
-                    if w(1) == COMPLETE {
-                        complete = true;
-                    } else {
-                        done.push((w(1), w(2)));
-                    }
-                }
-                if complete {
-                    State::Complete
-                } else {
-                    State::Partial(done)
-                }
-            }
-        };
+        let state = read_state(output, &path, fp, restart, &bytes)?;
         if matches!(state, State::Fresh) {
             file.set_len(0)
                 .map_err(|e| Error::io(&path, "cannot reset journal", e))?;
             use std::os::unix::fs::FileExt;
-            file.write_all_at(header.as_bytes(), 0)
+            file.write_all_at(header_line(fp).as_bytes(), 0)
                 .map_err(|e| Error::io(&path, "cannot write journal", e))?;
             file.sync_all()
                 .map_err(|e| Error::io(&path, "cannot sync journal", e))?;
-        } else {
+        } else if let State::Partial(d) = &state {
             // Drop any torn tail so new records follow the last good one.
             let nl = bytes.iter().position(|&b| b == b'\n').unwrap_or(0) + 1;
-            let good = match &state {
-                State::Partial(d) => d.len(),
-                _ => 0,
-            };
-            let keep = (nl + 16 * good) as u64;
-            if matches!(state, State::Partial(_)) {
-                file.set_len(keep)
-                    .map_err(|e| Error::io(&path, "cannot trim journal", e))?;
-            }
+            let keep = (nl + 16 * d.len()) as u64;
+            file.set_len(keep)
+                .map_err(|e| Error::io(&path, "cannot trim journal", e))?;
         }
         use std::io::Seek;
         file.seek(std::io::SeekFrom::End(0))
@@ -232,6 +156,63 @@ fn header_line(fp: &Fingerprint) -> String {
         "{MAGIC} {}\n",
         serde_json::to_string(fp).expect("fingerprint serializes")
     )
+}
+
+/// The state the journal `bytes` (read from `path`, the journal of `output`) records against
+/// `fp`. An empty journal beside an existing output, an unreadable header and a fingerprint
+/// other than `fp` are errors saying what to do.
+fn read_state(
+    output: &Path,
+    path: &Path,
+    fp: &Fingerprint,
+    restart: bool,
+    bytes: &[u8],
+) -> Result<State> {
+    let output_exists = output.exists();
+    if restart || bytes.is_empty() {
+        if output_exists && !restart && bytes.is_empty() {
+            return Err(Error::Usage(format!(
+                "{}: the output exists but was not written by this plan (no journal); rerun with --restart to overwrite it, or choose another output path",
+                output.display()
+            )));
+        }
+        return Ok(State::Fresh);
+    }
+    let (_, peek) = parse(path, bytes)?;
+    if &peek.fingerprint != fp {
+        return Err(Error::Usage(format!(
+            "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
+            path.display(),
+            fingerprint_changes(&peek.fingerprint, fp)
+        )));
+    }
+    Ok(if !output_exists {
+        State::Fresh
+    } else if peek.complete {
+        State::Complete
+    } else {
+        State::Partial(peek.done)
+    })
+}
+
+/// What differs between two fingerprints: `key: was X, now Y` for each key, joined by `; `.
+fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> String {
+    let mut changes = Vec::new();
+    for k in old
+        .keys()
+        .chain(new.keys())
+        .collect::<std::collections::BTreeSet<_>>()
+    {
+        let (a, b) = (old.get(k), new.get(k));
+        if a != b {
+            changes.push(format!(
+                "{k}: was {}, now {}",
+                a.map(String::as_str).unwrap_or("(none)"),
+                b.map(String::as_str).unwrap_or("(none)")
+            ));
+        }
+    }
+    changes.join("; ")
 }
 
 impl Journal {

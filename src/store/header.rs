@@ -184,84 +184,95 @@ impl Header {
                 raw.dtype.get()
             ))
         })?;
-        let rows = raw.rows.get();
-        let cols = raw.cols.get();
-        let tile_rows = raw.tile_rows.get() as u64;
-        let tile_cols = raw.tile_cols.get() as u64;
-        for (name, v) in [("rows", rows), ("cols", cols)] {
+        let h = Header {
+            dtype,
+            rows: raw.rows.get(),
+            cols: raw.cols.get(),
+            tile_rows: raw.tile_rows.get() as u64,
+            tile_cols: raw.tile_cols.get() as u64,
+            data_offset: raw.data_offset.get(),
+            tile_stride: raw.tile_stride.get(),
+            flags: raw.flags.get(),
+            checksum_table_offset: raw.checksum_table_offset.get(),
+        };
+        h.check_fields(path)?;
+        let needed = h.needed_len(path)?;
+        if file_len < needed {
+            let (rows, cols, tile_rows, tile_cols) = (h.rows, h.cols, h.tile_rows, h.tile_cols);
+            return Err(bad(format!(
+                "file is {file_len} bytes but its header ({rows}×{cols} {dtype}, {tile_rows}×{tile_cols} tiles) needs {needed}: the file is truncated"
+            )));
+        }
+        Ok(h)
+    }
+
+    /// Check the shape, tile and layout fields of a header read from `path` on their own.
+    fn check_fields(&self, path: &Path) -> Result<()> {
+        let bad = |msg: String| Error::format(path, msg);
+        for (name, v) in [("rows", self.rows), ("cols", self.cols)] {
             if v == 0 {
                 return Err(bad(format!(
                     "header field `{name}` is 0: empty matrices are not supported"
                 )));
             }
         }
-        for (name, v) in [("tile_rows", tile_rows), ("tile_cols", tile_cols)] {
+        for (name, v) in [("tile_rows", self.tile_rows), ("tile_cols", self.tile_cols)] {
             if v == 0 || v > MAX_TILE_EDGE {
                 return Err(bad(format!(
                     "header field `{name}` is {v}; it must be between 1 and {MAX_TILE_EDGE}"
                 )));
             }
         }
-        let data_offset = raw.data_offset.get();
-        if data_offset < ALIGN || data_offset % ALIGN != 0 {
+        let data_offset = self.data_offset;
+        if data_offset < ALIGN || !data_offset.is_multiple_of(ALIGN) {
             return Err(bad(format!(
                 "header field `data_offset` is {data_offset}; it must be a non-zero multiple of {ALIGN}"
             )));
         }
-        let tile_stride = raw.tile_stride.get();
-        let tile_bytes = tile_rows * tile_cols * dtype.size() as u64; // ≤ 2^32·8, no overflow
-        if tile_stride < tile_bytes || tile_stride % ALIGN != 0 {
+        let tile_stride = self.tile_stride;
+        let size = self.dtype.size();
+        let tile_bytes = self.tile_rows * self.tile_cols * size as u64; // ≤ 2^32·8, no overflow
+        if tile_stride < tile_bytes || !tile_stride.is_multiple_of(ALIGN) {
             return Err(bad(format!(
-                "header field `tile_stride` is {tile_stride}; it must be a multiple of {ALIGN} and at least tile_rows·tile_cols·{} = {tile_bytes}",
-                dtype.size()
+                "header field `tile_stride` is {tile_stride}; it must be a multiple of {ALIGN} and at least tile_rows·tile_cols·{size} = {tile_bytes}"
             )));
         }
-        let flags = raw.flags.get();
+        let flags = self.flags;
         if flags & !KNOWN_FLAGS != 0 {
             return Err(bad(format!(
                 "header field `flags` is {flags:#x}: unknown bits set; the file was written by a newer version"
             )));
         }
-        let tiles = rows
+        Ok(())
+    }
+
+    /// The file length a header read from `path` needs (data, then the checksum table if any),
+    /// with checked arithmetic: a header whose sizes overflow is an error.
+    fn needed_len(&self, path: &Path) -> Result<u64> {
+        let bad = |msg: String| Error::format(path, msg);
+        let (rows, cols, tile_rows, tile_cols) =
+            (self.rows, self.cols, self.tile_rows, self.tile_cols);
+        let tile_stride = self.tile_stride;
+        let data_end = rows
             .div_ceil(tile_rows)
-            .checked_mul(cols.div_ceil(tile_cols));
-        let data_end = tiles
+            .checked_mul(cols.div_ceil(tile_cols))
             .and_then(|t| t.checked_mul(tile_stride))
-            .and_then(|b| b.checked_add(data_offset))
+            .and_then(|b| b.checked_add(self.data_offset))
             .ok_or_else(|| {
                 bad(format!(
                     "header sizes overflow: {rows}×{cols} in {tile_rows}×{tile_cols} tiles of {tile_stride} bytes cannot be addressed"
                 ))
             })?;
-        let checksum_table_offset = raw.checksum_table_offset.get();
-        let h = Header {
-            dtype,
-            rows,
-            cols,
-            tile_rows,
-            tile_cols,
-            data_offset,
-            tile_stride,
-            flags,
-            checksum_table_offset,
-        };
-        let needed = if h.has_checksums() {
-            if checksum_table_offset < data_end || checksum_table_offset % ALIGN != 0 {
-                return Err(bad(format!(
-                    "header field `checksum_table_offset` is {checksum_table_offset}; it must be a multiple of {ALIGN} at or after the end of the tile data ({data_end})"
-                )));
-            }
-            checksum_table_offset
-                .checked_add(h.tiles() * 4)
-                .ok_or_else(|| bad("header field `checksum_table_offset` overflows".into()))?
-        } else {
-            data_end
-        };
-        if file_len < needed {
+        if !self.has_checksums() {
+            return Ok(data_end);
+        }
+        let off = self.checksum_table_offset;
+        if off < data_end || !off.is_multiple_of(ALIGN) {
             return Err(bad(format!(
-                "file is {file_len} bytes but its header ({rows}×{cols} {dtype}, {tile_rows}×{tile_cols} tiles) needs {needed}: the file is truncated"
+                "header field `checksum_table_offset` is {off}; it must be a multiple of {ALIGN} at or after the end of the tile data ({data_end})"
             )));
         }
-        Ok(h)
+        off.checked_add(self.tiles() * 4)
+            .ok_or_else(|| bad("header field `checksum_table_offset` overflows".into()))
     }
 }
