@@ -29,6 +29,7 @@ pub mod api;
 pub mod backend;
 pub mod cli;
 pub mod cluster;
+pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod pipeline;

@@ -5,7 +5,7 @@
 //! lane's GEMM returns [`Error::Device`] after a set number of calls. [`FaultySink`] wraps the
 //! per-tile sink and fails like a full disk (ENOSPC) after a set number of output tiles. Nothing
 //! in the engine's hot paths reads the environment: the settings arrive in a [`FaultConfig`]
-//! that the command line builds ([`FaultConfig::from_env`] is called only there).
+//! that the command line builds from the environment ([`crate::config`], read only there).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,17 +31,10 @@ pub struct FaultConfig {
 }
 
 impl FaultConfig {
-    /// Read `MGMM_FAULT_LANE`, `MGMM_FAULT_GEMM_AFTER`, `MGMM_FAULT_WRITE_AFTER`; `None` when
-    /// none is set. Called once by the command line, never by the engine.
+    /// The settings the environment asks for ([`crate::config::fault_config`], where the
+    /// `MGMM_FAULT_*` variables are read); `None` when it asks for no fault.
     pub fn from_env() -> Option<FaultConfig> {
-        let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
-        let c = FaultConfig {
-            lane: var("MGMM_FAULT_LANE").map(|v| v as usize),
-            gemm_after: var("MGMM_FAULT_GEMM_AFTER"),
-            write_after: var("MGMM_FAULT_WRITE_AFTER"),
-            write_delay_ms: 0,
-        };
-        (c.gemm_after.is_some() || c.write_after.is_some()).then_some(c)
+        crate::config::fault_config()
     }
 }
 

@@ -127,6 +127,16 @@ pub fn local_gpu(var: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
     var("SLURM_LOCALID")?.trim().parse().ok()
 }
 
+/// This host's name (for claim files and messages): the kernel's, else `HOSTNAME`.
+pub fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| env_var("HOSTNAME"))
+        .unwrap_or_else(|| "unknown-host".into())
+}
+
 /// Look a variable up in this process's environment.
 pub fn env_var(k: &str) -> Option<String> {
     std::env::var(k).ok()

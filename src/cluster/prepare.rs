@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::{claim, state_dir, ShardOptions};
+use super::{claim, identity, state_dir, ShardOptions};
 use crate::error::{Error, Result};
 use crate::pipeline::journal::{self, Fingerprint};
 use crate::pipeline::output_header;
@@ -76,7 +76,7 @@ pub fn read_manifest(output: &Path) -> Result<Option<Manifest>> {
 /// A temporary name beside `path`, unique to this process.
 pub fn tmp_name(path: &Path) -> PathBuf {
     let mut s = path.as_os_str().to_owned();
-    s.push(format!(".tmp-{}-{}", claim::host(), std::process::id()));
+    s.push(format!(".tmp-{}-{}", identity::host(), std::process::id()));
     PathBuf::from(s)
 }
 
@@ -201,7 +201,7 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
         tn: layout.tn,
         gn,
         tiles: (gm * gn) as u32,
-        prepared_by: format!("{} pid {}", claim::host(), std::process::id()),
+        prepared_by: format!("{} pid {}", identity::host(), std::process::id()),
     };
     let mp = manifest_path(out);
     let mtmp = tmp_name(&mp);
