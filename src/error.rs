@@ -2,7 +2,7 @@
 //!
 //! Every error a user can meet names what it is about — a file, a plan key, a step, a tile — and
 //! says what to do. The binary prints the chain; nothing here panics on bad input. Library code
-//! returns `Result<T>`; `anyhow` is used only at the binary edge.
+//! returns `Result<T>`, and so does the command line: one type to the edge, no `anyhow`.
 
 use std::path::PathBuf;
 
