@@ -125,6 +125,8 @@ fn operand(name: &str, s: &Arc<dyn MatrixSource>, trans: bool) -> Operand {
         cols,
         dtype: s.dtype(),
         trans,
+        raw: None,
+        temp: false,
     }
 }
 
@@ -205,6 +207,8 @@ impl Job {
             cols: o.cols,
             dtype: o.dtype,
             generate: None,
+            transposed: false,
+            raw: None,
         };
         let plan = Plan {
             path: PathBuf::from(ORIGIN),
@@ -358,6 +362,7 @@ fn prepare(
         output: PathBuf::from("out"),
         out_dtype: p.host_dtype(),
         out_tile: None,
+        chain: None,
     };
     Ok(Job {
         engine,
