@@ -78,13 +78,17 @@ impl OutputFile for TiledOutput {
 pub struct StepJob<'a> {
     /// Names the caller in messages (e.g. `matmul()`); stands where a plan file would.
     pub origin: &'a Path,
+    /// The `[engine]` settings the step runs with.
     pub engine: &'a Engine,
     /// The step; `step.output` is the file of an [`Output::File`] and only a label otherwise.
     pub step: &'a Step,
+    /// The operands, opened by the caller.
     pub sources: StepSources,
+    /// Where the product goes.
     pub output: Output,
     /// Discard the journal and recompute every tile.
     pub restart: bool,
+    /// Progress display, cancellation and listener.
     pub progress: &'a Progress,
 }
 

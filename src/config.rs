@@ -12,7 +12,7 @@ use crate::backend::fault::FaultConfig;
 /// neither a GEMM nor a write fault is set. Called once by the command line, never by the
 /// engine.
 #[cfg(feature = "fault-injection")]
-pub fn fault_config() -> Option<FaultConfig> {
+pub(crate) fn fault_config() -> Option<FaultConfig> {
     let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
     let c = FaultConfig {
         lane: var("MGMM_FAULT_LANE").map(|v| v as usize),

@@ -33,7 +33,7 @@ pub struct FaultConfig {
 impl FaultConfig {
     /// The settings the environment asks for ([`crate::config::fault_config`], where the
     /// `MGMM_FAULT_*` variables are read); `None` when it asks for no fault.
-    pub fn from_env() -> Option<FaultConfig> {
+    pub(crate) fn from_env() -> Option<FaultConfig> {
         crate::config::fault_config()
     }
 }
@@ -45,6 +45,7 @@ pub struct FaultyBackend {
 }
 
 impl FaultyBackend {
+    /// Wrap `inner` so that its lanes fail as `cfg` says.
     pub fn new(inner: Box<dyn Backend>, cfg: FaultConfig) -> FaultyBackend {
         FaultyBackend { inner, cfg }
     }
@@ -151,13 +152,13 @@ impl Lane for FaultyLane {
 
 /// A tile sink that fails like a full disk after `write_after` tiles: the tile's journal record
 /// is never written, exactly as when the data write itself fails.
-pub struct FaultySink<'a> {
-    pub inner: &'a dyn TileSink,
-    pub write_after: u64,
-    pub write_delay_ms: u64,
-    pub path: Arc<std::path::PathBuf>,
+pub(crate) struct FaultySink<'a> {
+    pub(crate) inner: &'a dyn TileSink,
+    pub(crate) write_after: u64,
+    pub(crate) write_delay_ms: u64,
+    pub(crate) path: Arc<std::path::PathBuf>,
     /// Tiles written through this sink so far.
-    pub written: AtomicU64,
+    pub(crate) written: AtomicU64,
 }
 
 impl TileSink for FaultySink<'_> {

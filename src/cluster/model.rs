@@ -18,23 +18,23 @@ use crate::plan::{Plan, Step};
 
 /// The machine a prediction is for; every rate is per second.
 #[derive(Clone, Debug)]
-pub struct Machine {
-    pub nodes: u64,
-    pub gpus_per_node: u64,
+pub(crate) struct Machine {
+    pub(crate) nodes: u64,
+    pub(crate) gpus_per_node: u64,
     /// Aggregate shared-filesystem bandwidth, bytes/s (read and write share it).
-    pub fs_bandwidth: f64,
+    pub(crate) fs_bandwidth: f64,
     /// One node's link to the filesystem, bytes/s.
-    pub node_bandwidth: f64,
+    pub(crate) node_bandwidth: f64,
     /// Sustained GEMM rate of one GPU, FLOP/s.
-    pub gpu_flops: f64,
+    pub(crate) gpu_flops: f64,
     /// Host-to-device rate per GPU, bytes/s.
-    pub pcie: f64,
+    pub(crate) pcie: f64,
     /// Device memory per GPU for the tile cache, bytes.
-    pub gpu_memory: u64,
+    pub(crate) gpu_memory: u64,
     /// Square compute tile edge.
-    pub tile: u64,
+    pub(crate) tile: u64,
     /// Shards per step (`None`: 4 per process).
-    pub shards: Option<u32>,
+    pub(crate) shards: Option<u32>,
 }
 
 fn secs(x: f64) -> String {
@@ -48,7 +48,7 @@ fn secs(x: f64) -> String {
 }
 
 /// The text `plan --nodes …` prints.
-pub fn predict(plan: &Plan, mc: &Machine) -> Result<String> {
+pub(crate) fn predict(plan: &Plan, mc: &Machine) -> Result<String> {
     if mc.nodes == 0 || mc.gpus_per_node == 0 || mc.tile == 0 {
         return Err(Error::Usage(
             "--nodes, --gpus-per-node and --tile must be at least 1".into(),

@@ -40,7 +40,7 @@ fn eta(left: u64, rate: f64) -> String {
 }
 
 /// The text `status PLAN` prints.
-pub fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String> {
+pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String> {
     let mut s = String::new();
     for step in &plan.steps {
         let n = step.index + 1;

@@ -27,14 +27,14 @@ use crate::error::{Error, Result};
 
 const MAGIC: &str = "MGMJRNL1";
 const REC: u32 = u32::from_le_bytes(*b"JREC");
-pub const COMPLETE: u32 = u32::MAX;
+pub(crate) const COMPLETE: u32 = u32::MAX;
 
 /// What determines an output's bytes, as named fields (so a mismatch can say what changed).
-pub type Fingerprint = BTreeMap<String, String>;
+pub(crate) type Fingerprint = BTreeMap<String, String>;
 
 /// What a journal says about an existing output.
 #[derive(Debug)]
-pub enum State {
+pub(crate) enum State {
     /// Nothing usable: compute every tile.
     Fresh,
     /// These tiles (seq, data CRC) are finished.
@@ -43,12 +43,13 @@ pub enum State {
     Complete,
 }
 
-pub struct Journal {
+pub(crate) struct Journal {
     path: PathBuf,
     file: Mutex<File>,
     durable: bool,
 }
 
+/// The journal file of `output`: `OUTPUT.journal` beside it.
 pub fn journal_path(output: &Path) -> PathBuf {
     let mut s = output.as_os_str().to_owned();
     s.push(".journal");
@@ -70,7 +71,7 @@ impl Journal {
     /// Open (creating if needed) and lock the journal of `output`, and read its state against
     /// `fp`. `restart` discards whatever it held. A journal without its output file is
     /// meaningless (the state is then `Fresh`).
-    pub fn open(
+    pub(crate) fn open(
         output: &Path,
         fp: &Fingerprint,
         restart: bool,
@@ -118,7 +119,7 @@ impl Journal {
     }
 
     /// Append a record (after the tile's data is written and, if durable, flushed).
-    pub fn record(&self, seq: u32, data_crc: u32) -> Result<()> {
+    pub(crate) fn record(&self, seq: u32, data_crc: u32) -> Result<()> {
         let rec = encode(seq, data_crc);
         let mut f = self.file.lock().unwrap();
         f.write_all(&rec)
@@ -130,7 +131,7 @@ impl Journal {
         Ok(())
     }
 
-    pub fn complete(&self) -> Result<()> {
+    pub(crate) fn complete(&self) -> Result<()> {
         self.record(COMPLETE, 0)?;
         self.file
             .lock()
@@ -220,7 +221,7 @@ impl Journal {
     /// locking it: the shard's claim keeps other writers away. Returns the finished tiles it
     /// records (seq, data CRC); a torn tail is cut off so new records follow the last good one.
     /// A journal written for another fingerprint is an error naming what changed.
-    pub fn open_shard(
+    pub(crate) fn open_shard(
         path: &Path,
         fp: &Fingerprint,
         durable: bool,
@@ -269,7 +270,7 @@ impl Journal {
 /// Write the complete journal of `output` in one piece — every finished tile and the
 /// completion mark — through a temporary file renamed over the old one (`finalize` of a split
 /// step, so that `run` sees the step complete and `verify` finds its fingerprint).
-pub fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)]) -> Result<()> {
+pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)]) -> Result<()> {
     let path = journal_path(output);
     let mut bytes = header_line(fp).into_bytes();
     for &(seq, crc) in done {
@@ -301,9 +302,11 @@ pub fn peek_file(path: &Path) -> Result<Option<Peek>> {
 
 /// What a journal holds, read without locking or changing it (for `verify`).
 pub struct Peek {
+    /// What determined the output's bytes when it was written.
     pub fingerprint: Fingerprint,
     /// Finished tiles (seq, data CRC), in record order.
     pub done: Vec<(u32, u32)>,
+    /// Whether the step was recorded complete.
     pub complete: bool,
 }
 
@@ -342,7 +345,7 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<(usize, Peek)> {
 }
 
 /// Read the journal of `output` without locking it; `None` when there is none.
-pub fn peek(output: &Path) -> Result<Option<Peek>> {
+pub(crate) fn peek(output: &Path) -> Result<Option<Peek>> {
     peek_file(&journal_path(output))
 }
 

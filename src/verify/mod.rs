@@ -13,8 +13,8 @@
 //! the columns, and the failing storage tiles of the output are listed; `repair` recomputes
 //! just those through the journal.
 
-pub mod model;
-pub mod pass;
+pub(crate) mod model;
+pub(crate) mod pass;
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -37,10 +37,15 @@ const GROUPS: usize = 32;
 const NAMED: usize = 64;
 
 #[derive(Clone, Debug, Serialize)]
+/// The verdict of `verify` on one step, with the numbers behind it.
 pub struct VerifyReport {
+    /// Step number (1-based).
     pub step: usize,
+    /// Output file.
     pub output: String,
+    /// Rounds of the randomized test.
     pub rounds: usize,
+    /// Whether the output passed.
     pub pass: bool,
     /// Why it failed before any residual was computed (journal: changed input, unfinished).
     pub reason: Option<String>,
@@ -48,8 +53,11 @@ pub struct VerifyReport {
     pub max_ratio: f64,
     /// Largest |residual| / σ of the statistical model.
     pub max_sigmas: f64,
+    /// Row of the largest residual ratio.
     pub worst_row: u64,
+    /// That row's residual.
     pub residual: f64,
+    /// That row's allowed residual.
     pub allowed: f64,
     /// Some residual exceeds the rigorous worst-case bound: certainly not a correct product.
     pub certainly_wrong: bool,
@@ -57,11 +65,13 @@ pub struct VerifyReport {
     pub failing_cells: usize,
     /// Output storage tiles (tile row, tile column) that fail.
     pub failing_tiles: Vec<(u64, u64)>,
+    /// Storage tile shape used to name failing tiles.
     pub tile_shape: (u64, u64),
     /// NaN/Inf in the output where the inputs give no IEEE reason for one.
     pub unexpected_nonfinite: u64,
     /// Cells (row, group) not checked because NaN/Inf or overflow may legitimately be there.
     pub skipped_cells: u64,
+    /// Seconds the check took.
     pub seconds: f64,
 }
 
@@ -286,6 +296,7 @@ fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
     Ok(None)
 }
 
+/// Check the output of `step` with Freivalds' test (`rounds` random vectors from `seed`) against error bounds for `precision`, after checking its journal.
 pub fn verify_step(
     step: &Step,
     precision: Precision,
@@ -520,7 +531,7 @@ pub fn format(rep: &VerifyReport) -> String {
 
 /// `verify --repair`: make the next `run` recompute the failing storage tiles of `rep` (the
 /// compute tiles that overlap them lose their journal records). Returns how many were dropped.
-pub fn forget_failing(plan: &Plan, step: &Step, rep: &VerifyReport) -> Result<usize> {
+pub(crate) fn forget_failing(plan: &Plan, step: &Step, rep: &VerifyReport) -> Result<usize> {
     if journal::peek(&step.output)?.is_none() {
         return Err(Error::Usage(format!(
             "{}: no journal beside the output, so single tiles cannot be redone; rerun the step with `run --restart`",
