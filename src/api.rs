@@ -78,13 +78,17 @@ impl OutputFile for TiledOutput {
 pub struct StepJob<'a> {
     /// Names the caller in messages (e.g. `matmul()`); stands where a plan file would.
     pub origin: &'a Path,
+    /// The `[engine]` settings the step runs with.
     pub engine: &'a Engine,
     /// The step; `step.output` is the file of an [`Output::File`] and only a label otherwise.
     pub step: &'a Step,
+    /// The operands, opened by the caller.
     pub sources: StepSources,
+    /// Where the product goes.
     pub output: Output,
     /// Discard the journal and recompute every tile.
     pub restart: bool,
+    /// Progress display, cancellation and listener.
     pub progress: &'a Progress,
 }
 
@@ -118,52 +122,11 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
         job.progress.note(&n);
     }
     let layout = Layout::new(job.origin, job.step, e, backend.caps())?;
-    let header = output_header(job.step, &layout);
-    let total = Schedule::new(job.step, &layout).tiles.len() as u32;
     let written = Mutex::new(Vec::new());
     loop {
-        let mut journal = None;
-        let work = match &job.output {
-            Output::Memory(make) => {
-                let done = written.lock().unwrap().clone();
-                let todo: Vec<u32> = (0..total).filter(|s| !done.contains(s)).collect();
-                Work {
-                    writer: make()?,
-                    done_before: (total as usize - todo.len()) as u64,
-                    todo: Some(todo),
-                }
-            }
-            Output::File(f) => {
-                let ids = identities(job.step, &job.sources);
-                let fp = crate::run::fingerprint_with(
-                    job.step,
-                    &layout,
-                    backend.caps().kind,
-                    e.precision,
-                    &ids,
-                );
-                let out = &job.step.output;
-                let (j, state) = Journal::open(out, &fp, job.restart, e.durable)?;
-                journal = Some(j);
-                match resume_work(f.as_ref(), job.step, &layout, header, e.write, state)? {
-                    Some(w) => w,
-                    None => {
-                        job.progress.note(&format!(
-                            "{} is already complete (its journal says so); nothing to do. Pass restart to recompute it.",
-                            out.display()
-                        ));
-                        return Ok(None);
-                    }
-                }
-            }
+        let Some((work, journal)) = step_work(&job, backend.as_ref(), &layout, &written)? else {
+            return Ok(None);
         };
-        if work.done_before > 0 {
-            job.progress.note(&format!(
-                "resuming {}: {} of {total} output tiles already done",
-                job.step.output.display(),
-                work.done_before
-            ));
-        }
         let record = match &journal {
             Some(j) => Record::Journal(j),
             None => Record::Memory(&written),
@@ -221,6 +184,63 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
             Err(err) => return Err(err),
         }
     }
+}
+
+/// The work left for one attempt at `job` on `backend`, and the journal that records it (none
+/// for a memory output, whose finished tiles are kept in `written`). `None` when the journal
+/// says the output is already complete (after saying so through the progress).
+fn step_work(
+    job: &StepJob<'_>,
+    backend: &dyn backend::Backend,
+    layout: &Layout,
+    written: &Mutex<Vec<u32>>,
+) -> Result<Option<(Work, Option<Journal>)>> {
+    let e = job.engine;
+    let header = output_header(job.step, layout);
+    let total = Schedule::new(job.step, layout).tiles.len() as u32;
+    let mut journal = None;
+    let work = match &job.output {
+        Output::Memory(make) => {
+            let done = written.lock().unwrap().clone();
+            let todo: Vec<u32> = (0..total).filter(|s| !done.contains(s)).collect();
+            Work {
+                writer: make()?,
+                done_before: (total as usize - todo.len()) as u64,
+                todo: Some(todo),
+            }
+        }
+        Output::File(f) => {
+            let ids = identities(job.step, &job.sources);
+            let fp = crate::run::fingerprint_with(
+                job.step,
+                layout,
+                backend.caps().kind,
+                e.precision,
+                &ids,
+            );
+            let out = &job.step.output;
+            let (j, state) = Journal::open(out, &fp, job.restart, e.durable)?;
+            journal = Some(j);
+            match resume_work(f.as_ref(), job.step, layout, header, e.write, state)? {
+                Some(w) => w,
+                None => {
+                    job.progress.note(&format!(
+                        "{} is already complete (its journal says so); nothing to do. Pass restart to recompute it.",
+                        out.display()
+                    ));
+                    return Ok(None);
+                }
+            }
+        }
+    };
+    if work.done_before > 0 {
+        job.progress.note(&format!(
+            "resuming {}: {} of {total} output tiles already done",
+            job.step.output.display(),
+            work.done_before
+        ));
+    }
+    Ok(Some((work, journal)))
 }
 
 /// (operand name, source identity) of every operand, for the journal's fingerprint.

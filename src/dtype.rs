@@ -8,15 +8,20 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// Element type of a stored matrix.
 pub enum DType {
+    /// IEEE binary32.
     F32,
+    /// IEEE binary64.
     F64,
+    /// IEEE binary16.
     F16,
+    /// bfloat16.
     BF16,
 }
 
 impl DType {
-    pub fn code(self) -> u32 {
+    pub(crate) fn code(self) -> u32 {
         match self {
             DType::F32 => 0,
             DType::F64 => 1,
@@ -24,7 +29,7 @@ impl DType {
             DType::BF16 => 3,
         }
     }
-    pub fn from_code(code: u32) -> Option<Self> {
+    pub(crate) fn from_code(code: u32) -> Option<Self> {
         Some(match code {
             0 => DType::F32,
             1 => DType::F64,
@@ -33,6 +38,7 @@ impl DType {
             _ => return None,
         })
     }
+    /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -40,6 +46,7 @@ impl DType {
             DType::F16 | DType::BF16 => 2,
         }
     }
+    /// The name plans and the command line use (`f32`, `bf16`, ...).
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -48,6 +55,7 @@ impl DType {
             DType::BF16 => "bf16",
         }
     }
+    /// Parse a name as [`DType::name`] writes it; `None` when unknown.
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "f32" | "float32" => DType::F32,

@@ -2,30 +2,45 @@
 //!
 //! Every error a user can meet names what it is about — a file, a plan key, a step, a tile — and
 //! says what to do. The binary prints the chain; nothing here panics on bad input. Library code
-//! returns `Result<T>`; `anyhow` is used only at the binary edge.
+//! returns `Result<T>`, and so does the command line: one type to the edge, no `anyhow`.
 
 use std::path::PathBuf;
 
+/// The engine's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
+/// Every error the engine reports; each names the file, plan key, device or tile it is about.
 pub enum Error {
     /// An operating-system error while touching a file.
     #[error("{path}: {what}: {source}")]
     Io {
+        /// The file.
         path: PathBuf,
+        /// What was being done.
         what: &'static str,
+        /// The OS error.
         #[source]
         source: std::io::Error,
     },
 
     /// A matrix file whose header or size does not make sense.
     #[error("{path}: {msg}")]
-    Format { path: PathBuf, msg: String },
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        msg: String,
+    },
 
     /// A plan that cannot be run as written (key, step, shapes...).
     #[error("{path}: {msg}")]
-    Plan { path: PathBuf, msg: String },
+    Plan {
+        /// The plan file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        msg: String,
+    },
 
     /// Bad command-line or other user input that is not a file or a plan.
     #[error("{0}")]
@@ -33,7 +48,12 @@ pub enum Error {
 
     /// A failure in a compute backend (CPU or CUDA).
     #[error("backend {backend}: {msg}")]
-    Backend { backend: String, msg: String },
+    Backend {
+        /// The backend.
+        backend: String,
+        /// What failed.
+        msg: String,
+    },
 
     /// A device (one lane of a backend) failed: the run may go on without it.
     #[error("{device}: {what}: {source}")]
@@ -42,7 +62,9 @@ pub enum Error {
         lane: usize,
         /// Human name of the device ("cuda:1", "sim:3").
         device: String,
+        /// What the lane was doing.
         what: String,
+        /// The driver's error.
         #[source]
         source: DeviceError,
     },
@@ -50,10 +72,15 @@ pub enum Error {
     /// A stored checksum does not match the data.
     #[error("{path}: checksum mismatch in tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}; the file is corrupt — regenerate or re-import it")]
     Checksum {
+        /// The file.
         path: PathBuf,
+        /// Tile row.
         ti: u64,
+        /// Tile column.
         tj: u64,
+        /// CRC-32C in the file's table.
         stored: u32,
+        /// CRC-32C of the tile's bytes now.
         computed: u32,
     },
 
@@ -65,10 +92,13 @@ pub enum Error {
 /// What went wrong on a device, typed where the driver library gives a type.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
+    /// A CUDA driver error.
     #[error(transparent)]
     Driver(#[from] cudarc::driver::DriverError),
+    /// A cuBLAS error.
     #[error(transparent)]
     Blas(#[from] cudarc::cublas::result::CublasError),
+    /// An NVRTC kernel compilation error.
     #[error(transparent)]
     Nvrtc(#[from] cudarc::nvrtc::CompileError),
     /// A failure the lane itself detected (or an injected fault in tests).
@@ -88,7 +118,7 @@ impl From<String> for DeviceError {
 }
 
 impl Error {
-    pub fn device(
+    pub(crate) fn device(
         lane: usize,
         device: impl Into<String>,
         what: impl Into<String>,
@@ -101,6 +131,7 @@ impl Error {
             source: source.into(),
         }
     }
+    /// An I/O error on `path` while doing `what`.
     pub fn io(path: impl Into<PathBuf>, what: &'static str, source: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
@@ -108,19 +139,20 @@ impl Error {
             source,
         }
     }
+    /// A malformed matrix file at `path`.
     pub fn format(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
         Error::Format {
             path: path.into(),
             msg: msg.into(),
         }
     }
-    pub fn plan(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
+    pub(crate) fn plan(path: impl Into<PathBuf>, msg: impl Into<String>) -> Self {
         Error::Plan {
             path: path.into(),
             msg: msg.into(),
         }
     }
-    pub fn backend(backend: impl Into<String>, msg: impl Into<String>) -> Self {
+    pub(crate) fn backend(backend: impl Into<String>, msg: impl Into<String>) -> Self {
         Error::Backend {
             backend: backend.into(),
             msg: msg.into(),

@@ -22,20 +22,35 @@ pub struct LaneReport {
 }
 
 #[derive(Clone, Debug, Serialize)]
+/// What one step did: shape, tiles, time, traffic, memory, stages and lanes.
 pub struct StepReport {
+    /// Step number (1-based).
     pub step: usize,
+    /// The expression.
     pub expr: String,
+    /// Output file.
     pub output: String,
+    /// Output rows.
     pub m: u64,
+    /// Output columns.
     pub n: u64,
+    /// Inner dimension.
     pub k: u64,
+    /// Backend name.
     pub backend: String,
+    /// GEMM precision.
     pub precision: String,
+    /// Compute tile (m, n, k).
     pub tile: [u64; 3],
+    /// Output tiles in the step.
     pub tiles_total: u64,
+    /// Output tiles computed by this run (the rest were resumed).
     pub tiles_computed: u64,
+    /// Wall-clock seconds.
     pub wall_s: f64,
+    /// Floating-point operations computed.
     pub flops: f64,
+    /// Achieved GFLOP/s.
     pub gflops_per_s: f64,
     /// Bytes read from the input files (file dtype).
     pub read_bytes: u64,
@@ -46,32 +61,47 @@ pub struct StepReport {
     pub shared_read_bytes: u64,
     /// Bytes every input must at least be read (each input once).
     pub min_read_bytes: u64,
+    /// Bytes written to the output.
     pub write_bytes: u64,
     /// Seconds from the step's start to its first GEMM.
     pub first_gemm_s: Option<f64>,
     /// The process's peak resident memory so far (getrusage), bytes.
     pub peak_rss_bytes: u64,
+    /// Host memory budget in bytes.
     pub host_budget_bytes: u64,
+    /// Bytes of the host buffer pools.
     pub host_pool_bytes: u64,
+    /// Peak bytes leased from the host pools.
     pub host_peak_bytes: u64,
     /// Device memory each lane allocated (tile cache, accumulators, landing buffers); 0 when the
     /// lanes compute in host memory (then it is part of the host figures).
     pub device_bytes_per_lane: u64,
+    /// Per-pool use.
     pub pools: Vec<PoolReport>,
+    /// Per-stage counters.
     pub stages: Vec<StageSnapshot>,
+    /// Per-lane device statistics.
     pub lanes: Vec<LaneReport>,
     /// (name, busy share of wall time) for every stage and device engine, largest first.
     pub busy_shares: Vec<(String, f64)>,
+    /// The stage that bound the step.
     pub bottleneck: String,
+    /// NaN/Inf elements seen in the inputs.
     pub nonfinite_inputs: u64,
+    /// Seconds spent flushing the output at the end.
     pub flush_s: f64,
 }
 
 #[derive(Debug, Serialize)]
+/// What a whole `run` did.
 pub struct RunReport {
+    /// The plan file.
     pub plan: String,
+    /// Backend name.
     pub backend: String,
+    /// Input files generated before running.
     pub generated: Vec<String>,
+    /// One report per step run.
     pub steps: Vec<StepReport>,
     /// Wall time of the whole run (all steps, with backend start-up and input generation).
     pub wall_s: f64,
@@ -82,7 +112,7 @@ pub struct RunReport {
 
 /// Seconds since this process started, from `/proc/self/stat` (start time in clock ticks since
 /// boot, at Linux's fixed USER_HZ of 100) and `/proc/uptime`; `None` where those do not exist.
-pub fn process_age_s() -> Option<f64> {
+pub(crate) fn process_age_s() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     // The command name (field 2) may hold spaces; fields after its closing parenthesis are plain.
     let rest = &stat[stat.rfind(')')? + 2..];
@@ -97,13 +127,13 @@ pub fn process_age_s() -> Option<f64> {
 }
 
 /// Everything about the run of one step that is not in its stats.
-pub struct StepContext<'a> {
-    pub step: &'a Step,
-    pub layout: &'a Layout,
-    pub caps: &'a Caps,
-    pub backend: String,
-    pub precision: Precision,
-    pub host_budget: u64,
+pub(crate) struct StepContext<'a> {
+    pub(crate) step: &'a Step,
+    pub(crate) layout: &'a Layout,
+    pub(crate) caps: &'a Caps,
+    pub(crate) backend: String,
+    pub(crate) precision: Precision,
+    pub(crate) host_budget: u64,
 }
 
 fn sum_bytes(stages: &[StageSnapshot], kind: StageKind) -> u64 {
@@ -150,7 +180,7 @@ fn merged_pools(pools: &[PoolReport]) -> Vec<PoolReport> {
 }
 
 /// The process's peak resident set size so far (`ru_maxrss`), in bytes; 0 if unknown.
-pub fn peak_rss_bytes() -> u64 {
+pub(crate) fn peak_rss_bytes() -> u64 {
     // SAFETY: getrusage fills a plain C struct of integers we own; all-zero bytes are a valid
     // value for it.
     unsafe {
@@ -163,7 +193,7 @@ pub fn peak_rss_bytes() -> u64 {
     }
 }
 
-pub fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
+pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
     let (step, l) = (cx.step, cx.layout);
     let predicted = crate::plan::schedule::traffic(step, l);
     let devices = cx.caps.memory == MemorySpace::Device;
@@ -245,7 +275,7 @@ fn device_lines(r: &StepReport) -> String {
 }
 
 /// The end-of-step summary a person reads.
-pub fn format_summary(r: &StepReport) -> String {
+pub(crate) fn format_summary(r: &StepReport) -> String {
     let mut s = format!(
         "step {}: {} = {}  ({}×{}×{}, {}, {}, tile {}×{}×{})\n",
         r.step,

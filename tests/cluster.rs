@@ -240,10 +240,9 @@ fn two_processes_claiming_one_shard_never_both_write_it() {
     assert!(!second.status.success(), "the second claimant ran: {err}");
     assert!(err.contains("being worked by"), "{err}");
     // Every tile was recorded exactly once: one writer.
-    let j =
-        mgmm_stream::pipeline::journal::peek_file(&dir.join("C.mgt.shards/shard-0-of-1.journal"))
-            .unwrap()
-            .unwrap();
+    let j = mgmm_stream::journal::peek_file(&dir.join("C.mgt.shards/shard-0-of-1.journal"))
+        .unwrap()
+        .unwrap();
     let mut seqs: Vec<u32> = j.done.iter().map(|d| d.0).collect();
     let n = seqs.len();
     seqs.sort();

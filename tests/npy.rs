@@ -300,7 +300,7 @@ fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
     assert!(ok && out.contains("PASS"), "{out}{err}");
     // Forget some tiles in the journal: the next run resumes into the .npy, same bytes.
     let forgotten: std::collections::BTreeSet<u32> = [0, 3, 5].into();
-    mgmm_stream::pipeline::journal::forget(&c, &forgotten).unwrap();
+    mgmm_stream::journal::forget(&c, &forgotten).unwrap();
     let f = std::fs::OpenOptions::new().write(true).open(&c).unwrap();
     std::os::unix::fs::FileExt::write_all_at(&f, &[0xFF; 64], 4096).unwrap();
     drop(f);

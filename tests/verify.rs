@@ -72,12 +72,12 @@ fn block_crc(path: &Path, b: &Block) -> u32 {
     let f = TiledFile::open(path).unwrap();
     let mut buf = vec![0u8; b.elems() * f.dtype().size()];
     f.read_block(b, f.dtype(), &mut buf).unwrap();
-    mgmm_stream::store::tiled::par_crc32c(&buf)
+    mgmm_stream::store::par_crc32c(&buf)
 }
 
 /// Replace the journal record whose data CRC is `old` by one with `new` (record CRC fixed).
 fn rewrite_journal(out: &Path, old: u32, new: u32) {
-    let jp = mgmm_stream::pipeline::journal::journal_path(out);
+    let jp = mgmm_stream::journal::journal_path(out);
     let mut bytes = std::fs::read(&jp).unwrap();
     let nl = bytes.iter().position(|&b| b == b'\n').unwrap() + 1;
     let mut hit = false;

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use mgmm_stream::api::OutputFile;
 use mgmm_stream::dtype::{self, DType};
 use mgmm_stream::error::{Error, Result};
-use mgmm_stream::store::tiled::par_crc32c;
+use mgmm_stream::store::par_crc32c;
 use mgmm_stream::store::{Block, Header, MatrixSink, MatrixSource, WriteMode};
 use rayon::prelude::*;
 

@@ -12,8 +12,7 @@ use faer::{Accum, MatMut, MatRef, Par};
 use zerocopy::FromBytes;
 
 use super::{
-    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Rounding,
-    Ticket,
+    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Ticket,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -22,7 +21,7 @@ use crate::plan::Precision;
 
 /// The CPU backend: one lane computing on `threads` rayon workers; slots and accumulators
 /// live in host memory and count against `engine.host_memory`.
-pub struct CpuBackend {
+pub(crate) struct CpuBackend {
     threads: usize,
     note: Option<String>,
     caps: Caps,
@@ -40,7 +39,7 @@ fn cpu_peak(p: Precision, threads: usize) -> f64 {
 }
 
 impl CpuBackend {
-    pub fn new(threads: usize, note: Option<String>) -> CpuBackend {
+    pub(crate) fn new(threads: usize, note: Option<String>) -> CpuBackend {
         let threads = super::resolve_threads(threads);
         CpuBackend {
             threads,
@@ -53,7 +52,6 @@ impl CpuBackend {
                 extra_out_buf: false,
                 lanes: 1,
                 device_memory: 0,
-                rounding: Rounding::InLane,
                 narrow_slots: false,
                 link_names: ("staged", "collected"),
                 link_rate: None,
@@ -91,7 +89,7 @@ impl Backend for CpuBackend {
     }
 }
 
-pub struct CpuLane {
+pub(crate) struct CpuLane {
     dt: DType,
     slots: Vec<HostBuf>,
     accs: Vec<HostBuf>,
@@ -102,7 +100,7 @@ pub struct CpuLane {
 }
 
 impl CpuLane {
-    pub fn new(layout: &Layout, precision: Precision, threads: usize) -> CpuLane {
+    pub(crate) fn new(layout: &Layout, precision: Precision, threads: usize) -> CpuLane {
         let slots = (0..layout.slots)
             .map(|_| HostBuf::heap(layout.slot_bytes as usize))
             .collect();

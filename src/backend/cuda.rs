@@ -31,8 +31,7 @@ use cudarc::driver::{
 };
 
 use super::{
-    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Rounding,
-    Ticket,
+    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Ticket,
 };
 use crate::dtype::DType;
 use crate::error::{DeviceError, Error, Result};
@@ -44,17 +43,17 @@ const CONVERT_SRC: &str = include_str!("../../kernels/convert.cu");
 
 /// Memory left free per GPU when `device_memory = "auto"`: cuBLAS workspaces, the CUDA context,
 /// and other processes.
-pub fn auto_margin(free: u64) -> u64 {
+pub(crate) fn auto_margin(free: u64) -> u64 {
     (free / 20).max(2 << 30)
 }
 
 #[derive(Clone, Debug)]
-pub struct DeviceInfo {
-    pub ordinal: usize,
-    pub name: String,
-    pub free: u64,
-    pub total: u64,
-    pub cc: (i32, i32),
+pub(crate) struct DeviceInfo {
+    pub(crate) ordinal: usize,
+    pub(crate) name: String,
+    pub(crate) free: u64,
+    pub(crate) total: u64,
+    pub(crate) cc: (i32, i32),
 }
 
 fn derr(what: &str, e: impl std::fmt::Display) -> Error {
@@ -62,7 +61,7 @@ fn derr(what: &str, e: impl std::fmt::Display) -> Error {
 }
 
 /// Check that the CUDA libraries load and list the devices. Never panics.
-pub fn probe() -> Result<Vec<DeviceInfo>> {
+pub(crate) fn probe() -> Result<Vec<DeviceInfo>> {
     // SAFETY: these only attempt to dlopen the libraries and report success; no CUDA call is
     // made through a missing library.
     let (drv, blas, rtc) = unsafe {
@@ -119,7 +118,7 @@ pub fn probe() -> Result<Vec<DeviceInfo>> {
 }
 
 /// Pinned (page-locked, cached) host memory from the first selected GPU's context.
-pub struct CudaAlloc {
+pub(crate) struct CudaAlloc {
     ctx: Arc<CudaContext>,
 }
 
@@ -161,7 +160,7 @@ unsafe impl Sync for Pinned {}
 
 /// Every chosen GPU as one backend: a lane per GPU, pinned host memory from the first GPU's
 /// context (portable, so every lane may DMA from it).
-pub struct CudaBackend {
+pub(crate) struct CudaBackend {
     engine: Engine,
     devices: Vec<DeviceInfo>,
     alloc: CudaAlloc,
@@ -209,7 +208,7 @@ fn choose(engine: &Engine, devs: &[DeviceInfo]) -> Result<Vec<DeviceInfo>> {
 }
 
 impl CudaBackend {
-    pub fn select(engine: &Engine) -> Result<CudaBackend> {
+    pub(crate) fn select(engine: &Engine) -> Result<CudaBackend> {
         let devs = probe()?;
         let chosen = choose(engine, &devs)?;
         let min_free = chosen.iter().map(|d| d.free).min().unwrap_or(0);
@@ -238,7 +237,6 @@ impl CudaBackend {
                 extra_out_buf: true,
                 lanes: chosen.len(),
                 device_memory,
-                rounding: Rounding::Device,
                 narrow_slots: true,
                 link_names: ("H2D", "D2H"),
                 link_rate: Some(55e9),
@@ -299,7 +297,7 @@ enum Kind {
     D2h,
 }
 
-pub struct CudaLane {
+pub(crate) struct CudaLane {
     ordinal: usize,
     name: String,
     ctx: Arc<CudaContext>,
@@ -332,7 +330,12 @@ fn timing() -> Option<CUevent_flags> {
 }
 
 impl CudaLane {
-    pub fn new(lane: usize, ordinal: usize, l: &Layout, precision: Precision) -> Result<CudaLane> {
+    pub(crate) fn new(
+        lane: usize,
+        ordinal: usize,
+        l: &Layout,
+        precision: Precision,
+    ) -> Result<CudaLane> {
         let name = format!("cuda:{ordinal}");
         let e = |what: &str| {
             let name = name.clone();

@@ -5,7 +5,7 @@
 //! lane's GEMM returns [`Error::Device`] after a set number of calls. [`FaultySink`] wraps the
 //! per-tile sink and fails like a full disk (ENOSPC) after a set number of output tiles. Nothing
 //! in the engine's hot paths reads the environment: the settings arrive in a [`FaultConfig`]
-//! that the command line builds ([`FaultConfig::from_env`] is called only there).
+//! that the command line builds from the environment ([`crate::config`], read only there).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,17 +31,10 @@ pub struct FaultConfig {
 }
 
 impl FaultConfig {
-    /// Read `MGMM_FAULT_LANE`, `MGMM_FAULT_GEMM_AFTER`, `MGMM_FAULT_WRITE_AFTER`; `None` when
-    /// none is set. Called once by the command line, never by the engine.
-    pub fn from_env() -> Option<FaultConfig> {
-        let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
-        let c = FaultConfig {
-            lane: var("MGMM_FAULT_LANE").map(|v| v as usize),
-            gemm_after: var("MGMM_FAULT_GEMM_AFTER"),
-            write_after: var("MGMM_FAULT_WRITE_AFTER"),
-            write_delay_ms: 0,
-        };
-        (c.gemm_after.is_some() || c.write_after.is_some()).then_some(c)
+    /// The settings the environment asks for ([`crate::config::fault_config`], where the
+    /// `MGMM_FAULT_*` variables are read); `None` when it asks for no fault.
+    pub(crate) fn from_env() -> Option<FaultConfig> {
+        crate::config::fault_config()
     }
 }
 
@@ -52,6 +45,7 @@ pub struct FaultyBackend {
 }
 
 impl FaultyBackend {
+    /// Wrap `inner` so that its lanes fail as `cfg` says.
     pub fn new(inner: Box<dyn Backend>, cfg: FaultConfig) -> FaultyBackend {
         FaultyBackend { inner, cfg }
     }
@@ -158,13 +152,13 @@ impl Lane for FaultyLane {
 
 /// A tile sink that fails like a full disk after `write_after` tiles: the tile's journal record
 /// is never written, exactly as when the data write itself fails.
-pub struct FaultySink<'a> {
-    pub inner: &'a dyn TileSink,
-    pub write_after: u64,
-    pub write_delay_ms: u64,
-    pub path: Arc<std::path::PathBuf>,
+pub(crate) struct FaultySink<'a> {
+    pub(crate) inner: &'a dyn TileSink,
+    pub(crate) write_after: u64,
+    pub(crate) write_delay_ms: u64,
+    pub(crate) path: Arc<std::path::PathBuf>,
     /// Tiles written through this sink so far.
-    pub written: AtomicU64,
+    pub(crate) written: AtomicU64,
 }
 
 impl TileSink for FaultySink<'_> {

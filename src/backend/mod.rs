@@ -15,8 +15,8 @@
 //!   GEMM sees every upload issued before it, a download sees every GEMM before it, an upload
 //!   into a slot waits for GEMMs issued earlier that read the slot.
 
-pub mod cpu;
-pub mod cuda;
+pub(crate) mod cpu;
+pub(crate) mod cuda;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 #[cfg(feature = "fault-injection")]
@@ -46,7 +46,11 @@ impl HostBuf {
     /// `ptr..ptr+len` must be valid for reads and writes for as long as `owner` lives, and
     /// nothing else may access that memory while this HostBuf exists (other than DMA that the
     /// lane contract orders).
-    pub unsafe fn from_raw(ptr: NonNull<u8>, len: usize, owner: Box<dyn Send + Sync>) -> HostBuf {
+    pub(crate) unsafe fn from_raw(
+        ptr: NonNull<u8>,
+        len: usize,
+        owner: Box<dyn Send + Sync>,
+    ) -> HostBuf {
         HostBuf {
             ptr,
             len,
@@ -55,7 +59,7 @@ impl HostBuf {
     }
 
     /// Ordinary heap memory, 4096-aligned (backed by a Vec of pages).
-    pub fn heap(len: usize) -> HostBuf {
+    pub(crate) fn heap(len: usize) -> HostBuf {
         #[repr(C, align(4096))]
         struct Page([u8; 4096]);
         let pages = len.div_ceil(4096).max(1);
@@ -71,20 +75,21 @@ impl HostBuf {
         unsafe { HostBuf::from_raw(ptr, len, Box::new(v)) }
     }
 
-    pub fn len(&self) -> usize {
+    /// Length in bytes (the simulated lane's raw copies need it).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    pub fn as_ptr(&self) -> *const u8 {
+    /// Start of the buffer (the simulated lane copies on a helper thread through it).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn as_ptr(&self) -> *const u8 {
         self.ptr.as_ptr()
     }
-    pub fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         // SAFETY: valid for len bytes while self lives (from_raw contract).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as above, and &mut self guarantees exclusive access from Rust code.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
@@ -92,12 +97,13 @@ impl HostBuf {
 
 /// Allocates the pipeline's host buffers: pinned memory on a GPU, heap memory on the CPU.
 pub trait HostAlloc: Send + Sync {
+    /// Allocate a host buffer of `bytes` bytes for the pipeline's pools.
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf>;
 }
 
 /// Identifies asynchronous work issued on a lane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Ticket(pub u64);
+pub struct Ticket(pub(crate) u64);
 
 /// Where an upload lands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,24 +120,30 @@ pub enum Dst {
 /// (lda = m). Likewise B: `k×n` or, if `b_trans`, `n×k`. The accumulator is `m×n` dense.
 #[derive(Clone, Copy, Debug)]
 pub struct GemmDesc {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub a_trans: bool,
-    pub b_trans: bool,
-    pub alpha: f64,
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) a_trans: bool,
+    pub(crate) b_trans: bool,
+    pub(crate) alpha: f64,
     /// 0 replaces the accumulator, 1 accumulates, anything else scales C0.
-    pub beta: f64,
+    pub(crate) beta: f64,
 }
 
 /// Device-side time and traffic, as the device measured it.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct DeviceStats {
+    /// Seconds spent in GEMMs.
     pub gemm_s: f64,
+    /// Seconds spent copying host to device.
     pub h2d_s: f64,
+    /// Seconds spent copying device to host.
     pub d2h_s: f64,
+    /// Bytes copied host to device.
     pub h2d_bytes: u64,
+    /// Bytes copied device to host.
     pub d2h_bytes: u64,
+    /// GEMMs run.
     pub gemms: u64,
 }
 
@@ -145,10 +157,13 @@ pub trait Lane: Send {
     }
     /// Copy the first `elems` host-compute-type elements of `src` into `dst`.
     fn upload(&mut self, src: &HostBuf, elems: usize, dst: Dst) -> Result<Ticket>;
+    /// Accumulate `op(A slot) · op(B slot)` into accumulator `acc` as `g` describes.
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()>;
     /// Copy the first `elems` elements of accumulator `acc` into `dst`.
     fn download(&mut self, acc: usize, elems: usize, dst: &mut HostBuf) -> Result<Ticket>;
+    /// Whether the transfer `t` has finished (never blocks).
     fn done(&mut self, t: Ticket) -> Result<bool>;
+    /// Block until the transfer `t` has finished.
     fn wait(&mut self, t: Ticket) -> Result<()>;
     /// Final device statistics (may wait for queued work).
     fn stats(&mut self) -> DeviceStats;
@@ -159,7 +174,7 @@ pub trait Lane: Send {
 }
 
 /// Which precision the lane computes in, and the host dtype it exchanges.
-pub fn describe_precision(p: Precision) -> &'static str {
+pub(crate) fn describe_precision(p: Precision) -> &'static str {
     match p {
         Precision::Fp32 => "fp32 (SGEMM)",
         Precision::Tf32 => "tf32 inputs, fp32 accumulate",
@@ -172,7 +187,7 @@ pub fn describe_precision(p: Precision) -> &'static str {
 /// Round f32 values in place to what a reduced-precision GEMM input would see (TF32: 10-bit
 /// mantissa, round to nearest even; bf16; fp16). Used by the CPU backend to emulate those modes
 /// and by tests as the reference rounding.
-pub fn round_inputs(p: Precision, xs: &mut [f32]) {
+pub(crate) fn round_inputs(p: Precision, xs: &mut [f32]) {
     match p {
         Precision::Tf32 => xs.iter_mut().for_each(|x| {
             if x.is_finite() {
@@ -194,20 +209,11 @@ pub fn round_inputs(p: Precision, xs: &mut [f32]) {
 /// Where a lane's input-tile slots and accumulators live, which decides whose budget they count
 /// against in the layout.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemorySpace {
+pub(crate) enum MemorySpace {
     /// In host memory (the CPU backend): counted in `engine.host_memory`.
     Host,
     /// On a device with its own memory: counted in the per-device budget.
     Device,
-}
-
-/// Where inputs are rounded to a reduced precision (tf32, bf16, fp16).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Rounding {
-    /// The GEMM hardware rounds (tensor cores) or the lane converts on the device.
-    Device,
-    /// The lane rounds the slot copy on upload (CPU emulation); C0 is never rounded.
-    InLane,
 }
 
 /// What the planner and `plan` need to know about a backend; everything backend-specific above
@@ -216,29 +222,28 @@ pub enum Rounding {
 pub struct Caps {
     /// Short kind for the journal's fingerprint ("cpu", "cuda", "sim"): a step never mixes
     /// results of two kinds.
-    pub kind: &'static str,
-    pub memory: MemorySpace,
+    pub(crate) kind: &'static str,
+    pub(crate) memory: MemorySpace,
     /// Square tile edges tried by `tile = "auto"`, largest first.
-    pub tile_ladder: &'static [u64],
+    pub(crate) tile_ladder: &'static [u64],
     /// Most staging buffers per lane worth having.
-    pub staging_depth: usize,
+    pub(crate) staging_depth: usize,
     /// Whether an extra output buffer (download overlapping writeback) is worth budget.
-    pub extra_out_buf: bool,
+    pub(crate) extra_out_buf: bool,
     /// Lanes (devices) the backend drives.
-    pub lanes: usize,
+    pub(crate) lanes: usize,
     /// Per-lane device memory budget (0 for [`MemorySpace::Host`]).
-    pub device_memory: u64,
-    pub rounding: Rounding,
+    pub(crate) device_memory: u64,
     /// Whether the lane converts bf16/fp16 inputs on the device (needs landing buffers and
     /// slots in the narrow type).
-    pub narrow_slots: bool,
+    pub(crate) narrow_slots: bool,
     /// Names of the copy engines in reports ("H2D"/"D2H", or "staged"/"collected" on the CPU).
-    pub link_names: (&'static str, &'static str),
+    pub(crate) link_names: (&'static str, &'static str),
     /// Host↔device link rate per lane for `plan`'s lower bound (None: no link).
-    pub link_rate: Option<f64>,
+    pub(crate) link_rate: Option<f64>,
     /// Peak FLOP rate per lane by precision for `plan`'s lower bound, and where it comes from.
-    pub peak_flops: fn(Precision, usize) -> f64,
-    pub peak_source: &'static str,
+    pub(crate) peak_flops: fn(Precision, usize) -> f64,
+    pub(crate) peak_source: &'static str,
 }
 
 /// A compute backend: its capabilities, its host allocator, and the lanes it makes for a
@@ -246,6 +251,7 @@ pub struct Caps {
 pub trait Backend: HostAlloc {
     /// Human name ("cpu (2 threads)", "cuda:0 NVIDIA H200 + cuda:1 NVIDIA H200").
     fn name(&self) -> String;
+    /// What the backend can do: memory space, tile ladder, staging depth, rounding, peak rates.
     fn caps(&self) -> &Caps;
     /// Worker threads for host-side work.
     fn threads(&self) -> usize;
@@ -261,7 +267,7 @@ pub trait Backend: HostAlloc {
 }
 
 /// Number of worker threads `threads = 0` means.
-pub fn resolve_threads(threads: usize) -> usize {
+pub(crate) fn resolve_threads(threads: usize) -> usize {
     if threads > 0 {
         threads
     } else {

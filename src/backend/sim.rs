@@ -17,8 +17,7 @@ use std::time::Duration;
 
 use super::cpu::CpuLane;
 use super::{
-    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Rounding,
-    Ticket,
+    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Ticket,
 };
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
@@ -27,8 +26,9 @@ use crate::plan::{Devices, Engine, Precision};
 const SIM_TILES: &[u64] = &[512, 256, 128, 64, 32, 16, 8, 4, 2, 1];
 
 /// Default number of simulated devices when `engine.devices = "all"`.
-pub const DEFAULT_LANES: usize = 4;
+pub(crate) const DEFAULT_LANES: usize = 4;
 
+/// A simulated backend of several lanes whose transfers complete later, on a helper thread.
 pub struct SimBackend {
     /// Device ids still in the run (ids survive failover, like GPU ordinals).
     ids: Vec<usize>,
@@ -42,7 +42,7 @@ fn sim_peak(_p: Precision, lanes: usize) -> f64 {
 }
 
 impl SimBackend {
-    pub fn new(engine: &Engine) -> SimBackend {
+    pub(crate) fn new(engine: &Engine) -> SimBackend {
         let ids: Vec<usize> = match &engine.devices {
             Devices::All => (0..DEFAULT_LANES).collect(),
             Devices::List(l) => l.iter().map(|&d| d as usize).collect(),
@@ -67,7 +67,6 @@ impl SimBackend {
                 extra_out_buf: true,
                 lanes: ids.len(),
                 device_memory,
-                rounding: Rounding::InLane,
                 narrow_slots: false,
                 link_names: ("H2D", "D2H"),
                 link_rate: None,
@@ -157,7 +156,7 @@ struct Shared {
     stats: DeviceStats,
 }
 
-pub struct SimLane {
+pub(crate) struct SimLane {
     /// Index in the backend's lane list (for [`Error::Device`]).
     index: usize,
     id: usize,

@@ -17,17 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use super::identity::host;
 use crate::error::{Error, Result};
-
-/// This host's name (for claim files and messages).
-pub fn host() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown-host".into())
-}
 
 fn now_s() -> u64 {
     SystemTime::now()
@@ -38,17 +29,17 @@ fn now_s() -> u64 {
 
 /// Who holds a claim, as its file says, and how fresh its heartbeat is.
 #[derive(Debug, Clone)]
-pub struct Holder {
-    pub host: String,
-    pub pid: u32,
+pub(crate) struct Holder {
+    pub(crate) host: String,
+    pub(crate) pid: u32,
     /// Unix time the claim was made.
-    pub since: u64,
+    pub(crate) since: u64,
     /// Seconds since the last heartbeat (the file's mtime).
-    pub age_s: f64,
+    pub(crate) age_s: f64,
 }
 
 impl Holder {
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         format!(
             "{} pid {} (heartbeat {:.0} s ago)",
             self.host, self.pid, self.age_s
@@ -57,7 +48,7 @@ impl Holder {
 }
 
 /// Read a claim file; `None` if it is not there.
-pub fn read(path: &Path) -> Option<Holder> {
+pub(crate) fn read(path: &Path) -> Option<Holder> {
     let text = std::fs::read_to_string(path).ok()?;
     let meta = std::fs::metadata(path).ok()?;
     let age_s = meta
@@ -77,14 +68,14 @@ pub fn read(path: &Path) -> Option<Holder> {
 
 /// Whether a holder can be presumed gone: a process of this host that no longer exists, or a
 /// heartbeat older than `timeout`.
-pub fn is_stale(h: &Holder, timeout: Duration) -> bool {
+pub(crate) fn is_stale(h: &Holder, timeout: Duration) -> bool {
     let dead_here =
         h.host == host() && h.pid != 0 && !Path::new(&format!("/proc/{}", h.pid)).exists();
     dead_here || h.age_s > timeout.as_secs_f64()
 }
 
 /// A claim this process holds; its heartbeat runs until it is dropped or [`Claim::release`]d.
-pub struct Claim {
+pub(crate) struct Claim {
     path: PathBuf,
     stop: Arc<AtomicBool>,
     lost: Arc<AtomicBool>,
@@ -92,7 +83,7 @@ pub struct Claim {
 }
 
 /// Outcome of trying to claim.
-pub enum Try {
+pub(crate) enum Try {
     Got(Claim),
     /// Someone else holds it and looks alive.
     Held(Holder),
@@ -113,7 +104,7 @@ fn create(path: &Path) -> std::io::Result<bool> {
 
 /// Try to claim `path`, taking over a stale claim. `timeout` is the heartbeat age after which
 /// a holder is presumed dead.
-pub fn try_claim(path: &Path, timeout: Duration) -> Result<Try> {
+pub(crate) fn try_claim(path: &Path, timeout: Duration) -> Result<Try> {
     let err = |e| Error::io(path, "cannot create claim file", e);
     for _ in 0..3 {
         if create(path).map_err(err)? {
@@ -176,7 +167,7 @@ impl Claim {
     }
 
     /// Whether another process took this claim over.
-    pub fn lost(&self) -> bool {
+    pub(crate) fn lost(&self) -> bool {
         self.lost.load(Ordering::Relaxed)
     }
 
@@ -188,7 +179,7 @@ impl Claim {
     }
 
     /// Stop the heartbeat and rename the claim to `to` (a shard's `.done` marker).
-    pub fn finish_as(mut self, to: &Path) -> Result<()> {
+    pub(crate) fn finish_as(mut self, to: &Path) -> Result<()> {
         self.stop();
         if self.lost() {
             return Ok(());
@@ -198,7 +189,7 @@ impl Claim {
     }
 
     /// Stop the heartbeat and remove the claim.
-    pub fn release(mut self) {
+    pub(crate) fn release(mut self) {
         self.stop();
         if !self.lost() {
             let _ = std::fs::remove_file(&self.path);

@@ -15,28 +15,28 @@ use crate::run;
 
 /// `run`'s flags for a step split across processes (docs/CLUSTER.md).
 #[derive(Args, Debug, Clone, Default)]
-pub struct ShardArgs {
+pub(crate) struct ShardArgs {
     /// Work shard K of S of every step and nothing else (e.g. one array task per shard).
     #[arg(long, value_name = "K/S")]
-    pub shard: Option<String>,
+    pub(crate) shard: Option<String>,
     /// Cut each step into S shards; this process is one of the launcher's ranks (SLURM,
     /// Open MPI, PMI, or JOB_COMPLETION_INDEX, which needs it). Default: 4 per process.
     #[arg(long, value_name = "S")]
-    pub shards: Option<u32>,
+    pub(crate) shards: Option<u32>,
     /// Ignore the launcher's variables: run the whole plan in this process.
     #[arg(long, conflicts_with_all = ["shard", "shards"])]
-    pub no_split: bool,
+    pub(crate) no_split: bool,
     /// Seconds after which a shard claim without heartbeat is presumed dead and taken over.
     #[arg(long, default_value_t = 120.0, value_name = "SECS")]
-    pub claim_timeout: f64,
+    pub(crate) claim_timeout: f64,
     /// Seconds to wait for the output to be created or the previous step to be finalized.
     #[arg(long, default_value_t = 3600.0, value_name = "SECS")]
-    pub wait_timeout: f64,
+    pub(crate) wait_timeout: f64,
 }
 
 impl ShardArgs {
     /// This process's part, from the flags and the launcher's environment.
-    pub fn options(&self) -> Result<Option<ShardOptions>> {
+    pub(crate) fn options(&self) -> Result<Option<ShardOptions>> {
         if self.no_split {
             return Ok(None);
         }
@@ -50,7 +50,7 @@ impl ShardArgs {
 
     /// `set` with `engine.devices=[i]` first when the launcher runs several processes per node
     /// without giving each its own `CUDA_VISIBLE_DEVICES` (then `SLURM_LOCALID` picks the GPU).
-    pub fn with_local_gpu(&self, set: Vec<String>) -> Vec<String> {
+    pub(crate) fn with_local_gpu(&self, set: Vec<String>) -> Vec<String> {
         match (self.no_split, identity::local_gpu(&env_var)) {
             (false, Some(i)) => std::iter::once(format!("engine.devices=[{i}]"))
                 .chain(set)
@@ -62,37 +62,37 @@ impl ShardArgs {
 
 /// `plan`'s flags for the cluster time model.
 #[derive(Args, Debug, Clone, Default)]
-pub struct ModelArgs {
+pub(crate) struct ModelArgs {
     /// Predict a split run on this many nodes (prints the cluster time model).
     #[arg(long)]
-    pub nodes: Option<u64>,
+    pub(crate) nodes: Option<u64>,
     #[arg(long, default_value_t = 8)]
-    pub gpus_per_node: u64,
+    pub(crate) gpus_per_node: u64,
     /// Aggregate shared-filesystem bandwidth, GB/s.
     #[arg(long, default_value_t = 100.0, value_name = "GB/s")]
-    pub fs_bandwidth: f64,
+    pub(crate) fs_bandwidth: f64,
     /// One node's link to the filesystem, GB/s (200 Gb/s InfiniBand ≈ 25).
     #[arg(long, default_value_t = 25.0, value_name = "GB/s")]
-    pub node_bandwidth: f64,
+    pub(crate) node_bandwidth: f64,
     /// Sustained GEMM rate per GPU, TFLOP/s (47: cuBLAS SGEMM on an H200, BENCHMARKS.md).
     #[arg(long, default_value_t = 47.0)]
-    pub gpu_tflops: f64,
+    pub(crate) gpu_tflops: f64,
     /// Host-to-device rate per GPU, GB/s (52: measured on the H200 host, docs/GPU.md).
     #[arg(long, default_value_t = 52.0, value_name = "GB/s")]
-    pub pcie: f64,
+    pub(crate) pcie: f64,
     /// Device memory per GPU for the tile cache, GiB.
     #[arg(long, default_value_t = 120.0, value_name = "GiB")]
-    pub gpu_memory: f64,
+    pub(crate) gpu_memory: f64,
     /// Compute tile edge.
     #[arg(long, default_value_t = 8192)]
-    pub tile: u64,
+    pub(crate) tile: u64,
     /// Shards per step (default 4 per process).
     #[arg(long = "model-shards", value_name = "S")]
-    pub shards: Option<u32>,
+    pub(crate) shards: Option<u32>,
 }
 
 /// `plan PLAN`, or with `--nodes` the cluster time model.
-pub fn plan_cmd(plan: &Path, set: &[String], m: &ModelArgs) -> Result<()> {
+pub(crate) fn plan_cmd(plan: &Path, set: &[String], m: &ModelArgs) -> Result<()> {
     let p = Plan::load_with(plan, set)?;
     let Some(nodes) = m.nodes else {
         print!("{}", run::describe(&p)?);
@@ -115,7 +115,7 @@ pub fn plan_cmd(plan: &Path, set: &[String], m: &ModelArgs) -> Result<()> {
 
 /// `prepare PLAN`: generate missing inputs and create the first step's output (and every step
 /// whose inputs already exist) for a split run, once, before the job starts.
-pub fn prepare_cmd(plan: &Path, set: &[String], restart: bool) -> Result<()> {
+pub(crate) fn prepare_cmd(plan: &Path, set: &[String], restart: bool) -> Result<()> {
     let p = Plan::load_with(plan, set)?;
     run::init_threads(p.engine.threads);
     let progress = Progress::new(false, run::default_log_every());
@@ -159,14 +159,14 @@ pub fn prepare_cmd(plan: &Path, set: &[String], restart: bool) -> Result<()> {
 
 /// `finalize PLAN`: merge the shard journals of every split step, check the tiles, write the
 /// checksum tables; with `verify`, Freivalds' test after.
-pub fn finalize_cmd(plan: &Path, set: &[String], verify: bool) -> Result<()> {
+pub(crate) fn finalize_cmd(plan: &Path, set: &[String], verify: bool) -> Result<()> {
     let p = Plan::load_with(plan, set)?;
     run::init_threads(p.engine.threads);
     finalize::finalize_plan(&p, verify.then_some((p.engine.precision, 2, 1)))
 }
 
 /// `status PLAN`: done/left/rate/ETA per step and per shard.
-pub fn status_cmd(plan: &Path, set: &[String], claim_timeout: f64) -> Result<()> {
+pub(crate) fn status_cmd(plan: &Path, set: &[String], claim_timeout: f64) -> Result<()> {
     let p = Plan::load_with(plan, set)?;
     print!(
         "{}",

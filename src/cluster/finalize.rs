@@ -23,7 +23,7 @@ use crate::progress::Progress;
 use crate::store::{TiledFile, TiledWriter, WriteMode};
 
 /// Whether `output`'s journal marks the step complete (for fingerprint `fp`, when given).
-pub fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
+pub(crate) fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
     Ok(
         journal::peek(output)?
             .is_some_and(|p| p.complete && fp.is_none_or(|f| &p.fingerprint == f)),
@@ -31,14 +31,19 @@ pub fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
 }
 
 /// What finalize found and did.
-pub struct Finalized {
-    pub tiles: u32,
-    pub secs: f64,
+pub(crate) struct Finalized {
+    pub(crate) tiles: u32,
+    pub(crate) secs: f64,
 }
 
 /// Finalize `step` now if every tile is recorded and nobody else is at it; quietly nothing
 /// otherwise.
-pub fn try_auto(plan: &Plan, step: &Step, sh: &ShardOptions, progress: &Progress) -> Result<()> {
+pub(crate) fn try_auto(
+    plan: &Plan,
+    step: &Step,
+    sh: &ShardOptions,
+    progress: &Progress,
+) -> Result<()> {
     let Some(m) = read_manifest(&step.output)? else {
         return Ok(());
     };
@@ -73,7 +78,7 @@ pub fn try_auto(plan: &Plan, step: &Step, sh: &ShardOptions, progress: &Progress
 
 /// Wait until `prev` (a step before the one about to run) is finalized, finalizing it
 /// ourselves if every tile is done and its finalizer is gone.
-pub fn wait_finalized(
+pub(crate) fn wait_finalized(
     plan: &Plan,
     prev: &Step,
     sh: &ShardOptions,
@@ -142,7 +147,7 @@ fn list(t: &[u32]) -> String {
 
 /// Finalize a split step whose manifest is `m`. Needs no backend: the manifest holds the
 /// fingerprint and tile grid.
-pub fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
+pub(crate) fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
     let t0 = std::time::Instant::now();
     let out = &step.output;
     let rec: BTreeMap<u32, Vec<u32>> = recorded(&state_dir(out), &m.fingerprint)?;
@@ -199,7 +204,7 @@ pub fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
 
 /// `finalize PLAN`: finalize every split step that is not yet, in order; with `verify`, run
 /// Freivalds' test on each after.
-pub fn finalize_plan(plan: &Plan, verify: Option<(Precision, usize, u64)>) -> Result<()> {
+pub(crate) fn finalize_plan(plan: &Plan, verify: Option<(Precision, usize, u64)>) -> Result<()> {
     let mut any = false;
     for step in &plan.steps {
         let n = step.index + 1;

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use super::ShardSpec;
 
 /// Parse `K/S` (`--shard`).
-pub fn parse_shard(s: &str) -> Result<(u32, u32)> {
+pub(crate) fn parse_shard(s: &str) -> Result<(u32, u32)> {
     let bad = || {
         Error::Usage(format!(
             "--shard {s}: expected K/S with 0 ≤ K < S, e.g. --shard 3/16"
@@ -37,7 +37,7 @@ pub fn parse_shard(s: &str) -> Result<(u32, u32)> {
 /// (`OMPI_COMM_WORLD_RANK`/`_SIZE`); PMI (`PMI_RANK`/`PMI_SIZE`, MPICH, Intel MPI, Cray). A
 /// launcher that says one process in all is a single-process run, unless `--shards` asks for
 /// shards anyway.
-pub fn detect(
+pub(crate) fn detect(
     shard: Option<&str>,
     shards: Option<u32>,
     var: &dyn Fn(&str) -> Option<String>,
@@ -114,7 +114,7 @@ pub fn detect(
 /// The GPU this process should use when a launcher starts several processes per node without
 /// setting `CUDA_VISIBLE_DEVICES` for each: `SLURM_LOCALID` (its index on the node). `None`
 /// when the launcher already restricted the visible GPUs, or says nothing.
-pub fn local_gpu(var: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
+pub(crate) fn local_gpu(var: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
     if var("CUDA_VISIBLE_DEVICES").is_some() {
         return None;
     }
@@ -127,8 +127,18 @@ pub fn local_gpu(var: &dyn Fn(&str) -> Option<String>) -> Option<usize> {
     var("SLURM_LOCALID")?.trim().parse().ok()
 }
 
+/// This host's name (for claim files and messages): the kernel's, else `HOSTNAME`.
+pub(crate) fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| env_var("HOSTNAME"))
+        .unwrap_or_else(|| "unknown-host".into())
+}
+
 /// Look a variable up in this process's environment.
-pub fn env_var(k: &str) -> Option<String> {
+pub(crate) fn env_var(k: &str) -> Option<String> {
     std::env::var(k).ok()
 }
 

@@ -22,14 +22,14 @@
 //! merged journal. Journals record tiles, not shard ids, so a rerun with another S or process
 //! count resumes from whatever is done.
 
-pub mod claim;
-pub mod cmd;
-pub mod finalize;
-pub mod identity;
-pub mod model;
+pub(crate) mod claim;
+pub(crate) mod cmd;
+pub(crate) mod finalize;
+pub(crate) mod identity;
+pub(crate) mod model;
 pub mod prepare;
-pub mod status;
-pub mod writer;
+pub(crate) mod status;
+pub(crate) mod writer;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -45,11 +45,9 @@ use crate::progress::Progress;
 use crate::report::StepReport;
 use crate::run::RunOptions;
 
-pub use identity::detect;
-
 /// This process's part in a split run.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ShardSpec {
+pub(crate) enum ShardSpec {
     /// `--shard K/S`: shard K of S and nothing else.
     One { k: u32, s: u32 },
     /// Rank `rank` of `size` processes over `shards` shards: its own shards (rank, rank+size,
@@ -63,7 +61,7 @@ pub enum ShardSpec {
 }
 
 impl ShardSpec {
-    pub fn shards(&self) -> u32 {
+    pub(crate) fn shards(&self) -> u32 {
         match *self {
             ShardSpec::One { s, .. } => s,
             ShardSpec::Rank { shards, .. } => shards,
@@ -71,7 +69,7 @@ impl ShardSpec {
     }
 
     /// The shards this process tries, in order.
-    pub fn order(&self) -> Vec<u32> {
+    pub(crate) fn order(&self) -> Vec<u32> {
         match *self {
             ShardSpec::One { k, .. } => vec![k],
             ShardSpec::Rank {
@@ -86,32 +84,20 @@ impl ShardSpec {
             }
         }
     }
-
-    pub fn describe(&self) -> String {
-        match self {
-            ShardSpec::One { k, s } => format!("shard {k}/{s}"),
-            ShardSpec::Rank {
-                rank,
-                size,
-                shards,
-                source,
-            } => format!("process {rank} of {size} ({source}), {shards} shards"),
-        }
-    }
 }
 
 /// How a split run behaves, beyond which shards it takes.
 #[derive(Clone, Debug)]
-pub struct ShardOptions {
-    pub spec: ShardSpec,
+pub(crate) struct ShardOptions {
+    pub(crate) spec: ShardSpec,
     /// A claim whose heartbeat is older than this is presumed dead and taken over.
-    pub claim_timeout: Duration,
+    pub(crate) claim_timeout: Duration,
     /// How long to wait for the output to be created or the previous step finalized.
-    pub wait: Duration,
+    pub(crate) wait: Duration,
 }
 
 impl ShardOptions {
-    pub fn new(spec: ShardSpec) -> ShardOptions {
+    pub(crate) fn new(spec: ShardSpec) -> ShardOptions {
         ShardOptions {
             spec,
             claim_timeout: Duration::from_secs(120),
@@ -122,7 +108,7 @@ impl ShardOptions {
 
 /// The tiles (schedule sequence numbers) of shard `k` of `s`, for a step of `total` tiles in
 /// rows of `gn`: whole rows when there are at least `s` rows, else an even cut of the order.
-pub fn shard_range(total: u32, gn: u32, s: u32, k: u32) -> Range<u32> {
+pub(crate) fn shard_range(total: u32, gn: u32, s: u32, k: u32) -> Range<u32> {
     let (total, gn, s, k) = (total as u64, gn.max(1) as u64, s as u64, k as u64);
     let gm = total / gn;
     let r = if gm >= s {
@@ -141,12 +127,12 @@ pub fn state_dir(output: &Path) -> PathBuf {
 }
 
 /// A shard file's path: `shard-K-of-S.EXT`.
-pub fn shard_file(dir: &Path, k: u32, s: u32, ext: &str) -> PathBuf {
+pub(crate) fn shard_file(dir: &Path, k: u32, s: u32, ext: &str) -> PathBuf {
     dir.join(format!("shard-{k}-of-{s}.{ext}"))
 }
 
 /// Parse `shard-K-of-S.EXT` back into (K, S, EXT).
-pub fn parse_shard_file(name: &str) -> Option<(u32, u32, &str)> {
+pub(crate) fn parse_shard_file(name: &str) -> Option<(u32, u32, &str)> {
     let rest = name.strip_prefix("shard-")?;
     let (k, rest) = rest.split_once("-of-")?;
     let (s, ext) = rest.split_once('.')?;
@@ -154,11 +140,11 @@ pub fn parse_shard_file(name: &str) -> Option<(u32, u32, &str)> {
 }
 
 /// What one shard works on, handed to [`crate::run::ResumeState::load_shard`].
-pub struct ShardCtx {
-    pub dir: PathBuf,
-    pub journal: PathBuf,
-    pub tiles: Range<u32>,
-    pub label: String,
+pub(crate) struct ShardCtx {
+    pub(crate) dir: PathBuf,
+    pub(crate) journal: PathBuf,
+    pub(crate) tiles: Range<u32>,
+    pub(crate) label: String,
 }
 
 /// Every finished tile any shard journal in `dir` records under fingerprint `fp`, with every
@@ -183,7 +169,7 @@ pub fn recorded(dir: &Path, fp: &journal::Fingerprint) -> Result<BTreeMap<u32, V
 }
 
 /// The files `shard-K-of-S.EXT` in `dir`, as (path, K, S).
-pub fn shard_files(dir: &Path, ext: &str) -> Result<Vec<(PathBuf, u32, u32)>> {
+pub(crate) fn shard_files(dir: &Path, ext: &str) -> Result<Vec<(PathBuf, u32, u32)>> {
     let rd = match std::fs::read_dir(dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -205,7 +191,11 @@ pub fn shard_files(dir: &Path, ext: &str) -> Result<Vec<(PathBuf, u32, u32)>> {
 
 /// Generate the plan's missing inputs once among all processes: the first to claim
 /// `X.generating` writes `X` under a temporary name and renames it; the others wait for it.
-pub fn generate_shared(plan: &Plan, sh: &ShardOptions, progress: &Progress) -> Result<Vec<String>> {
+pub(crate) fn generate_shared(
+    plan: &Plan,
+    sh: &ShardOptions,
+    progress: &Progress,
+) -> Result<Vec<String>> {
     let mut out = Vec::new();
     for d in &plan.matrices {
         let Some(spec) = &d.generate else { continue };
@@ -241,7 +231,7 @@ pub fn generate_shared(plan: &Plan, sh: &ShardOptions, progress: &Progress) -> R
 /// Run this process's share of `step`: wait for the steps before it to be finalized, make
 /// sure the output exists, work shards while there are unclaimed ones, and finalize the step
 /// when every tile is done. Returns one report per shard this process computed.
-pub fn run_step_shards(
+pub(crate) fn run_step_shards(
     plan: &Plan,
     step: &Step,
     layout: &Layout,

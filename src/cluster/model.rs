@@ -14,27 +14,27 @@ use super::shard_range;
 use crate::error::{Error, Result};
 use crate::plan::schedule::{input_loads, Grid};
 use crate::plan::size::fmt_bytes;
-use crate::plan::Plan;
+use crate::plan::{Plan, Step};
 
 /// The machine a prediction is for; every rate is per second.
 #[derive(Clone, Debug)]
-pub struct Machine {
-    pub nodes: u64,
-    pub gpus_per_node: u64,
+pub(crate) struct Machine {
+    pub(crate) nodes: u64,
+    pub(crate) gpus_per_node: u64,
     /// Aggregate shared-filesystem bandwidth, bytes/s (read and write share it).
-    pub fs_bandwidth: f64,
+    pub(crate) fs_bandwidth: f64,
     /// One node's link to the filesystem, bytes/s.
-    pub node_bandwidth: f64,
+    pub(crate) node_bandwidth: f64,
     /// Sustained GEMM rate of one GPU, FLOP/s.
-    pub gpu_flops: f64,
+    pub(crate) gpu_flops: f64,
     /// Host-to-device rate per GPU, bytes/s.
-    pub pcie: f64,
+    pub(crate) pcie: f64,
     /// Device memory per GPU for the tile cache, bytes.
-    pub gpu_memory: u64,
+    pub(crate) gpu_memory: u64,
     /// Square compute tile edge.
-    pub tile: u64,
+    pub(crate) tile: u64,
     /// Shards per step (`None`: 4 per process).
-    pub shards: Option<u32>,
+    pub(crate) shards: Option<u32>,
 }
 
 fn secs(x: f64) -> String {
@@ -48,7 +48,7 @@ fn secs(x: f64) -> String {
 }
 
 /// The text `plan --nodes …` prints.
-pub fn predict(plan: &Plan, mc: &Machine) -> Result<String> {
+pub(crate) fn predict(plan: &Plan, mc: &Machine) -> Result<String> {
     if mc.nodes == 0 || mc.gpus_per_node == 0 || mc.tile == 0 {
         return Err(Error::Usage(
             "--nodes, --gpus-per-node and --tile must be at least 1".into(),
@@ -69,96 +69,115 @@ pub fn predict(plan: &Plan, mc: &Machine) -> Result<String> {
     );
     let mut total = 0.0;
     for step in &plan.steps {
-        let t = mc.tile;
-        let (gm, gn, gk) = (step.m.div_ceil(t), step.n.div_ceil(t), step.k.div_ceil(t));
-        let tiles = (gm * gn) as u32;
-        let sh = mc
-            .shards
-            .unwrap_or((4 * procs).min(u32::MAX as u64) as u32)
-            .clamp(1, tiles.max(1));
-        let tile_bytes = t * t * 4;
-        let slots = (mc.gpu_memory.saturating_sub(2 * tile_bytes) / tile_bytes) as usize;
-        let ins = step.a.dtype.size() as u128;
-        let mut read: u128 = 0;
-        let mut biggest = 0;
-        for k in 0..sh {
-            let r = shard_range(tiles, gn as u32, sh, k);
-            biggest = biggest.max(r.len());
-            // The shard's piece of each row band it touches, as its own one-lane run.
-            let (mut q, end) = (r.start as u64, r.end as u64);
-            while q < end {
-                let band = q / gn;
-                let cnt = end.min((band + 1) * gn) - q;
-                let g = Grid {
-                    m: t.min(step.m - band * t),
-                    n: (cnt * t).min(step.n),
-                    k: step.k,
-                    tm: t,
-                    tn: t,
-                    tk: t,
-                    lanes: 1,
-                    slots,
-                };
-                read += input_loads(&g).elems * ins;
-                q += cnt;
-            }
-        }
-        let c0 = step
-            .c0
-            .as_ref()
-            .map(|_| step.m as u128 * step.n as u128 * ins)
-            .unwrap_or(0);
-        read += c0;
-        let write = step.m as u128 * step.n as u128 * step.out_dtype.size() as u128;
-        let min_read =
-            (step.m as u128 * step.k as u128 + step.k as u128 * step.n as u128) * ins + c0;
-        let flops = step.flops();
-        let t_gemm = flops / (mc.gpu_flops * procs as f64);
-        let t_fs = (read + write) as f64 / mc.fs_bandwidth;
-        let t_node = (read + write) as f64 / mc.nodes as f64 / mc.node_bandwidth;
-        let h2d_gpu = read as f64 / procs as f64;
-        let t_pcie = h2d_gpu / mc.pcie;
-        let t_fin = 2.0 * write as f64 / mc.node_bandwidth.min(mc.fs_bandwidth);
-        let bound = t_gemm.max(t_fs).max(t_node).max(t_pcie);
-        total += bound + t_fin;
-        let f = |b: u128| fmt_bytes(b.min(u64::MAX as u128) as u64);
-        s += &format!(
-            "step {}: {} = {} ({}×{}×{})\n  tiles: {gm}×{gn} = {tiles} output tiles of {t}², {gk} k-steps each; {sh} shards of up to {biggest} tiles{}\n",
-            step.index + 1,
-            step.output.display(),
-            step.expr,
-            step.m,
-            step.k,
-            step.n,
-            if gm >= sh as u64 { " (whole rows of tiles)" } else { " (runs of tiles within rows)" }
-        );
-        s += &format!(
-            "  compute: {flops:.3e} FLOP over {procs} GPUs = {}\n",
-            secs(t_gemm)
-        );
-        s += &format!(
-            "  shared filesystem: read {} (minimum {}, {:.1}× it), write {} => {} at {:.0} GB/s\n",
-            f(read),
-            f(min_read),
-            read as f64 / min_read as f64,
-            f(write),
-            secs(t_fs),
-            mc.fs_bandwidth / 1e9
-        );
-        s += &format!(
-            "  per node: {} from the filesystem => {}; PCIe per GPU {} => {}\n",
-            f((read + write) / mc.nodes as u128),
-            secs(t_node),
-            f(h2d_gpu as u128),
-            secs(t_pcie)
-        );
-        s += &format!(
-            "  finalize (one node reads the output twice): {}\n  => step at least {} ({}-bound) + finalize\n",
-            secs(t_fin),
-            secs(bound),
-            if bound == t_gemm { "compute" } else if bound == t_pcie { "PCIe" } else if bound == t_node { "node-link" } else { "filesystem" }
-        );
+        let (text, time) = predict_step(step, mc, procs);
+        s += &text;
+        total += time;
     }
     s += &format!("plan: at least {}\n", secs(total));
     Ok(s)
+}
+
+/// The lines of one step of [`predict`] for `procs` processes, and the step's predicted time
+/// (its bound plus `finalize`).
+fn predict_step(step: &Step, mc: &Machine, procs: u64) -> (String, f64) {
+    let t = mc.tile;
+    let (gm, gn, gk) = (step.m.div_ceil(t), step.n.div_ceil(t), step.k.div_ceil(t));
+    let tiles = (gm * gn) as u32;
+    let sh = mc
+        .shards
+        .unwrap_or((4 * procs).min(u32::MAX as u64) as u32)
+        .clamp(1, tiles.max(1));
+    let ins = step.a.dtype.size() as u128;
+    let (mut read, biggest) = shard_reads(step, mc, sh);
+    let c0 = step
+        .c0
+        .as_ref()
+        .map(|_| step.m as u128 * step.n as u128 * ins)
+        .unwrap_or(0);
+    read += c0;
+    let write = step.m as u128 * step.n as u128 * step.out_dtype.size() as u128;
+    let min_read = (step.m as u128 * step.k as u128 + step.k as u128 * step.n as u128) * ins + c0;
+    let flops = step.flops();
+    let t_gemm = flops / (mc.gpu_flops * procs as f64);
+    let t_fs = (read + write) as f64 / mc.fs_bandwidth;
+    let t_node = (read + write) as f64 / mc.nodes as f64 / mc.node_bandwidth;
+    let h2d_gpu = read as f64 / procs as f64;
+    let t_pcie = h2d_gpu / mc.pcie;
+    let t_fin = 2.0 * write as f64 / mc.node_bandwidth.min(mc.fs_bandwidth);
+    let bound = t_gemm.max(t_fs).max(t_node).max(t_pcie);
+    let f = |b: u128| fmt_bytes(b.min(u64::MAX as u128) as u64);
+    let mut s = format!(
+        "step {}: {} = {} ({}×{}×{})\n  tiles: {gm}×{gn} = {tiles} output tiles of {t}², {gk} k-steps each; {sh} shards of up to {biggest} tiles{}\n",
+        step.index + 1,
+        step.output.display(),
+        step.expr,
+        step.m,
+        step.k,
+        step.n,
+        if gm >= sh as u64 { " (whole rows of tiles)" } else { " (runs of tiles within rows)" }
+    );
+    s += &format!(
+        "  compute: {flops:.3e} FLOP over {procs} GPUs = {}\n",
+        secs(t_gemm)
+    );
+    s += &format!(
+        "  shared filesystem: read {} (minimum {}, {:.1}× it), write {} => {} at {:.0} GB/s\n",
+        f(read),
+        f(min_read),
+        read as f64 / min_read as f64,
+        f(write),
+        secs(t_fs),
+        mc.fs_bandwidth / 1e9
+    );
+    s += &format!(
+        "  per node: {} from the filesystem => {}; PCIe per GPU {} => {}\n",
+        f((read + write) / mc.nodes as u128),
+        secs(t_node),
+        f(h2d_gpu as u128),
+        secs(t_pcie)
+    );
+    s += &format!(
+        "  finalize (one node reads the output twice): {}\n  => step at least {} ({}-bound) + finalize\n",
+        secs(t_fin),
+        secs(bound),
+        if bound == t_gemm { "compute" } else if bound == t_pcie { "PCIe" } else if bound == t_node { "node-link" } else { "filesystem" }
+    );
+    (s, bound + t_fin)
+}
+
+/// Bytes the `sh` shards of `step` read from the shared filesystem for A and B (each shard's
+/// piece of every row band it touches, as its own one-lane run of the cache model), and the
+/// largest shard in tiles.
+fn shard_reads(step: &Step, mc: &Machine, sh: u32) -> (u128, usize) {
+    let t = mc.tile;
+    let (gm, gn) = (step.m.div_ceil(t), step.n.div_ceil(t));
+    let tiles = (gm * gn) as u32;
+    let tile_bytes = t * t * 4;
+    let slots = (mc.gpu_memory.saturating_sub(2 * tile_bytes) / tile_bytes) as usize;
+    let ins = step.a.dtype.size() as u128;
+    let mut read: u128 = 0;
+    let mut biggest = 0;
+    for k in 0..sh {
+        let r = shard_range(tiles, gn as u32, sh, k);
+        biggest = biggest.max(r.len());
+        // The shard's piece of each row band it touches, as its own one-lane run.
+        let (mut q, end) = (r.start as u64, r.end as u64);
+        while q < end {
+            let band = q / gn;
+            let cnt = end.min((band + 1) * gn) - q;
+            let g = Grid {
+                m: t.min(step.m - band * t),
+                n: (cnt * t).min(step.n),
+                k: step.k,
+                tm: t,
+                tn: t,
+                tk: t,
+                lanes: 1,
+                slots,
+            };
+            read += input_loads(&g).elems * ins;
+            q += cnt;
+        }
+    }
+    (read, biggest)
 }

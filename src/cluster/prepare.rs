@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::{claim, state_dir, ShardOptions};
+use super::{claim, identity, state_dir, ShardOptions};
 use crate::error::{Error, Result};
 use crate::pipeline::journal::{self, Fingerprint};
 use crate::pipeline::output_header;
@@ -23,19 +23,27 @@ use crate::store::{Block, TiledWriter, WriteMode};
 /// What every process of a split step agrees on, written once by the preparer.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Manifest {
+    /// The step's journal fingerprint (what the shards must agree on).
     pub fingerprint: Fingerprint,
+    /// Output rows.
     pub m: u64,
+    /// Output columns.
     pub n: u64,
+    /// Output tile rows.
     pub tm: u64,
+    /// Output tile columns.
     pub tn: u64,
+    /// Output tiles per row of tiles.
     pub gn: u64,
+    /// Output tiles in all.
     pub tiles: u32,
+    /// Who prepared the output (`host pid N`).
     pub prepared_by: String,
 }
 
 impl Manifest {
     /// The output tiles in schedule order (the serpentine of `plan::schedule::Schedule`).
-    pub fn blocks(&self) -> Vec<Block> {
+    pub(crate) fn blocks(&self) -> Vec<Block> {
         let gm = self.m.div_ceil(self.tm);
         let mut v = Vec::with_capacity(self.tiles as usize);
         for ti in 0..gm {
@@ -54,7 +62,7 @@ impl Manifest {
     }
 }
 
-pub fn manifest_path(output: &Path) -> PathBuf {
+pub(crate) fn manifest_path(output: &Path) -> PathBuf {
     state_dir(output).join("manifest.json")
 }
 
@@ -74,14 +82,14 @@ pub fn read_manifest(output: &Path) -> Result<Option<Manifest>> {
 }
 
 /// A temporary name beside `path`, unique to this process.
-pub fn tmp_name(path: &Path) -> PathBuf {
+pub(crate) fn tmp_name(path: &Path) -> PathBuf {
     let mut s = path.as_os_str().to_owned();
-    s.push(format!(".tmp-{}-{}", claim::host(), std::process::id()));
+    s.push(format!(".tmp-{}-{}", identity::host(), std::process::id()));
     PathBuf::from(s)
 }
 
 /// Poll `ready` every 200 ms, saying once (and every 30 s) what is awaited, up to `timeout`.
-pub fn wait_for(
+pub(crate) fn wait_for(
     what: &str,
     timeout: Duration,
     progress: &Progress,
@@ -131,7 +139,7 @@ fn check(m: &Manifest, fp: &Fingerprint, output: &Path) -> Result<()> {
 
 /// Make sure `step`'s output exists for a split run under fingerprint `fp`: prepare it, or
 /// wait for the process that does.
-pub fn ensure(
+pub(crate) fn ensure(
     step: &Step,
     layout: &Layout,
     fp: &Fingerprint,
@@ -201,7 +209,7 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
         tn: layout.tn,
         gn,
         tiles: (gm * gn) as u32,
-        prepared_by: format!("{} pid {}", claim::host(), std::process::id()),
+        prepared_by: format!("{} pid {}", identity::host(), std::process::id()),
     };
     let mp = manifest_path(out);
     let mtmp = tmp_name(&mp);
@@ -222,7 +230,7 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
 
 /// Throw away a split step's state: output, its journal and the shard directory (`prepare
 /// --restart`).
-pub fn reset(output: &Path) -> Result<()> {
+pub(crate) fn reset(output: &Path) -> Result<()> {
     for p in [output.to_path_buf(), journal::journal_path(output)] {
         match std::fs::remove_file(&p) {
             Ok(()) => {}

@@ -6,9 +6,11 @@
 //! claim to its journal's last write; the step's rate is all tiles recorded over the span from
 //! the earliest claim to the latest write.
 
+use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use super::prepare::read_manifest;
+use super::prepare::{read_manifest, Manifest};
 use super::{claim, finalize, recorded, shard_file, shard_files, shard_range, state_dir};
 use crate::error::Result;
 use crate::pipeline::journal;
@@ -38,7 +40,7 @@ fn eta(left: u64, rate: f64) -> String {
 }
 
 /// The text `status PLAN` prints.
-pub fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String> {
+pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String> {
     let mut s = String::new();
     for step in &plan.steps {
         let n = step.index + 1;
@@ -57,69 +59,7 @@ pub fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String> {
         let done = rec.len() as u64;
         let total = m.tiles as u64;
         let fin = finalize::is_finalized(out, Some(&m.fingerprint))?;
-        // The split in use: the S of the newest shard file.
-        let mut first = f64::MAX;
-        let mut last: f64 = 0.0;
-        let mut newest_s = None::<(f64, u32)>;
-        let mut lines = Vec::new();
-        for (p, _, sh) in shard_files(&dir, "journal")?
-            .into_iter()
-            .chain(shard_files(&dir, "claim")?)
-            .chain(shard_files(&dir, "done")?)
-        {
-            if let Ok(t) = std::fs::metadata(&p).and_then(|md| md.modified()) {
-                if newest_s.is_none_or(|(x, _)| unix(t) > x) {
-                    newest_s = Some((unix(t), sh));
-                }
-            }
-        }
-        if let Some((_, ns)) = newest_s {
-            for k in 0..ns {
-                let r = shard_range(m.tiles, m.gn as u32, ns, k);
-                let d = r.clone().filter(|t| rec.contains_key(t)).count() as u64;
-                let jp = shard_file(&dir, k, ns, "journal");
-                let mine = journal::peek_file(&jp)?.map(|p| p.done.len()).unwrap_or(0) as f64;
-                let jt = std::fs::metadata(&jp)
-                    .and_then(|md| md.modified())
-                    .ok()
-                    .map(unix);
-                let holder = claim::read(&shard_file(&dir, k, ns, "claim"))
-                    .or_else(|| claim::read(&shard_file(&dir, k, ns, "done")));
-                let state = if shard_file(&dir, k, ns, "done").exists() {
-                    "done".to_string()
-                } else if let Some(h) = &holder {
-                    if claim::is_stale(h, claim_timeout) {
-                        format!("STALE claim by {} (rerun to take it over)", h.describe())
-                    } else {
-                        format!("running on {}", h.describe())
-                    }
-                } else if d as usize == r.len() {
-                    "done (by an earlier split)".into()
-                } else {
-                    "waiting".into()
-                };
-                let mut rate = 0.0;
-                if let (Some(h), Some(jt)) = (&holder, jt) {
-                    let span = jt - h.since as f64;
-                    first = first.min(h.since as f64);
-                    last = last.max(jt);
-                    if span > 0.0 {
-                        rate = mine / span;
-                    }
-                }
-                let left = r.len() as u64 - d;
-                lines.push(format!(
-                    "  shard {k:>3}/{ns}: {d:>6}/{:<6} tiles  {:>8}  ETA {:<9} {state}\n",
-                    r.len(),
-                    if rate > 0.0 {
-                        format!("{rate:.2}/s")
-                    } else {
-                        "-".into()
-                    },
-                    eta(left, rate)
-                ));
-            }
-        }
+        let (lines, first, last) = shard_lines(&dir, &m, &rec, claim_timeout)?;
         let rate = if last > first {
             done as f64 / (last - first)
         } else {
@@ -149,4 +89,84 @@ pub fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String> {
         }
     }
     Ok(s)
+}
+
+/// The split in use: the S of the newest shard file (journal, claim or done mark) in `dir`.
+fn newest_split(dir: &Path) -> Result<Option<u32>> {
+    let mut newest_s = None::<(f64, u32)>;
+    for (p, _, sh) in shard_files(dir, "journal")?
+        .into_iter()
+        .chain(shard_files(dir, "claim")?)
+        .chain(shard_files(dir, "done")?)
+    {
+        if let Ok(t) = std::fs::metadata(&p).and_then(|md| md.modified()) {
+            if newest_s.is_none_or(|(x, _)| unix(t) > x) {
+                newest_s = Some((unix(t), sh));
+            }
+        }
+    }
+    Ok(newest_s.map(|(_, s)| s))
+}
+
+/// One line per shard of the split in use (tiles done, rate, ETA, state), and the span over
+/// which the held shards recorded tiles: (earliest claim, latest journal write), `(f64::MAX,
+/// 0.0)` when none did.
+fn shard_lines(
+    dir: &Path,
+    m: &Manifest,
+    rec: &BTreeMap<u32, Vec<u32>>,
+    claim_timeout: Duration,
+) -> Result<(Vec<String>, f64, f64)> {
+    let mut first = f64::MAX;
+    let mut last: f64 = 0.0;
+    let mut lines = Vec::new();
+    let Some(ns) = newest_split(dir)? else {
+        return Ok((lines, first, last));
+    };
+    for k in 0..ns {
+        let r = shard_range(m.tiles, m.gn as u32, ns, k);
+        let d = r.clone().filter(|t| rec.contains_key(t)).count() as u64;
+        let jp = shard_file(dir, k, ns, "journal");
+        let mine = journal::peek_file(&jp)?.map(|p| p.done.len()).unwrap_or(0) as f64;
+        let jt = std::fs::metadata(&jp)
+            .and_then(|md| md.modified())
+            .ok()
+            .map(unix);
+        let holder = claim::read(&shard_file(dir, k, ns, "claim"))
+            .or_else(|| claim::read(&shard_file(dir, k, ns, "done")));
+        let state = if shard_file(dir, k, ns, "done").exists() {
+            "done".to_string()
+        } else if let Some(h) = &holder {
+            if claim::is_stale(h, claim_timeout) {
+                format!("STALE claim by {} (rerun to take it over)", h.describe())
+            } else {
+                format!("running on {}", h.describe())
+            }
+        } else if d as usize == r.len() {
+            "done (by an earlier split)".into()
+        } else {
+            "waiting".into()
+        };
+        let mut rate = 0.0;
+        if let (Some(h), Some(jt)) = (&holder, jt) {
+            let span = jt - h.since as f64;
+            first = first.min(h.since as f64);
+            last = last.max(jt);
+            if span > 0.0 {
+                rate = mine / span;
+            }
+        }
+        let left = r.len() as u64 - d;
+        lines.push(format!(
+            "  shard {k:>3}/{ns}: {d:>6}/{:<6} tiles  {:>8}  ETA {:<9} {state}\n",
+            r.len(),
+            if rate > 0.0 {
+                format!("{rate:.2}/s")
+            } else {
+                "-".into()
+            },
+            eta(left, rate)
+        ));
+    }
+    Ok((lines, first, last))
 }

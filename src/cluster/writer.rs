@@ -9,14 +9,14 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::store::{Block, Header, MatrixSink, TiledWriter, WriteMode};
 
-pub struct ShardWriter {
+pub(crate) struct ShardWriter {
     inner: TiledWriter,
     path: PathBuf,
 }
 
 impl ShardWriter {
     /// Reopen the prepared output `path` (whose header must be `hdr`) for `pwrite`s.
-    pub fn open(path: &Path, hdr: Header) -> Result<ShardWriter> {
+    pub(crate) fn open(path: &Path, hdr: Header) -> Result<ShardWriter> {
         Ok(ShardWriter {
             inner: TiledWriter::reopen_with(path, hdr, WriteMode::Pwrite)?,
             path: path.to_path_buf(),

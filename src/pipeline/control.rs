@@ -12,7 +12,7 @@ use crossbeam_channel::{select, Receiver, Sender};
 
 use crate::error::{Error, Result};
 
-pub struct Control {
+pub(crate) struct Control {
     cancelled: AtomicBool,
     tx: Mutex<Option<Sender<()>>>,
     rx: Receiver<()>,
@@ -26,7 +26,7 @@ impl Default for Control {
 }
 
 impl Control {
-    pub fn new() -> Control {
+    pub(crate) fn new() -> Control {
         let (tx, rx) = crossbeam_channel::bounded(0);
         Control {
             cancelled: AtomicBool::new(false),
@@ -37,7 +37,7 @@ impl Control {
     }
 
     /// Record `e` if it is the first real error, then cancel everything.
-    pub fn fail(&self, e: Error) {
+    pub(crate) fn fail(&self, e: Error) {
         if !matches!(e, Error::Cancelled) {
             let mut f = self.first.lock().unwrap();
             if f.is_none() {
@@ -47,33 +47,33 @@ impl Control {
         self.cancel();
     }
 
-    pub fn cancel(&self) {
+    pub(crate) fn cancel(&self) {
         self.cancelled.store(true, Ordering::SeqCst);
         self.tx.lock().unwrap().take();
     }
 
-    pub fn is_cancelled(&self) -> bool {
+    pub(crate) fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::SeqCst)
     }
 
     /// A receiver that becomes ready (disconnected) when the run is cancelled.
-    pub fn signal(&self) -> &Receiver<()> {
+    pub(crate) fn signal(&self) -> &Receiver<()> {
         &self.rx
     }
 
-    pub fn take_error(&self) -> Option<Error> {
+    pub(crate) fn take_error(&self) -> Option<Error> {
         self.first.lock().unwrap().take()
     }
 
     /// Run a stage body; on error record it and cancel.
-    pub fn guard(&self, body: impl FnOnce() -> Result<()>) {
+    pub(crate) fn guard(&self, body: impl FnOnce() -> Result<()>) {
         if let Err(e) = body() {
             self.fail(e);
         }
     }
 
     /// Blocking send that gives up on cancellation or a closed receiver.
-    pub fn send<T>(&self, tx: &Sender<T>, msg: T) -> Result<()> {
+    pub(crate) fn send<T>(&self, tx: &Sender<T>, msg: T) -> Result<()> {
         select! {
             send(tx, msg) -> r => r.map_err(|_| Error::Cancelled),
             recv(self.rx) -> _ => Err(Error::Cancelled),
@@ -81,7 +81,11 @@ impl Control {
     }
 
     /// `recv`, counting the time blocked as the stage's wait for input.
-    pub fn recv_timed<T>(&self, rx: &Receiver<T>, m: &super::metrics::StageMetrics) -> Option<T> {
+    pub(crate) fn recv_timed<T>(
+        &self,
+        rx: &Receiver<T>,
+        m: &super::metrics::StageMetrics,
+    ) -> Option<T> {
         let t = std::time::Instant::now();
         let r = self.recv(rx);
         m.add_wait_in(t.elapsed());
@@ -89,7 +93,7 @@ impl Control {
     }
 
     /// `send`, counting the time blocked as the stage's wait for room downstream.
-    pub fn send_timed<T>(
+    pub(crate) fn send_timed<T>(
         &self,
         tx: &Sender<T>,
         msg: T,
@@ -102,7 +106,7 @@ impl Control {
     }
 
     /// Blocking receive: `None` when upstream is finished or the run is cancelled.
-    pub fn recv<T>(&self, rx: &Receiver<T>) -> Option<T> {
+    pub(crate) fn recv<T>(&self, rx: &Receiver<T>) -> Option<T> {
         if self.is_cancelled() {
             return None;
         }

@@ -27,14 +27,14 @@ use crate::error::{Error, Result};
 
 const MAGIC: &str = "MGMJRNL1";
 const REC: u32 = u32::from_le_bytes(*b"JREC");
-pub const COMPLETE: u32 = u32::MAX;
+pub(crate) const COMPLETE: u32 = u32::MAX;
 
 /// What determines an output's bytes, as named fields (so a mismatch can say what changed).
-pub type Fingerprint = BTreeMap<String, String>;
+pub(crate) type Fingerprint = BTreeMap<String, String>;
 
 /// What a journal says about an existing output.
 #[derive(Debug)]
-pub enum State {
+pub(crate) enum State {
     /// Nothing usable: compute every tile.
     Fresh,
     /// These tiles (seq, data CRC) are finished.
@@ -43,12 +43,13 @@ pub enum State {
     Complete,
 }
 
-pub struct Journal {
+pub(crate) struct Journal {
     path: PathBuf,
     file: Mutex<File>,
     durable: bool,
 }
 
+/// The journal file of `output`: `OUTPUT.journal` beside it.
 pub fn journal_path(output: &Path) -> PathBuf {
     let mut s = output.as_os_str().to_owned();
     s.push(".journal");
@@ -68,9 +69,9 @@ fn lock(file: &File, path: &Path) -> Result<()> {
 
 impl Journal {
     /// Open (creating if needed) and lock the journal of `output`, and read its state against
-    /// `fp`. `restart` discards whatever it held. `output_exists` says whether the output file
-    /// is there at all (a journal without its output is meaningless).
-    pub fn open(
+    /// `fp`. `restart` discards whatever it held. A journal without its output file is
+    /// meaningless (the state is then `Fresh`).
+    pub(crate) fn open(
         output: &Path,
         fp: &Fingerprint,
         restart: bool,
@@ -88,97 +89,21 @@ impl Journal {
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)
             .map_err(|e| Error::io(&path, "cannot read journal", e))?;
-        let header = header_line(fp);
-        let output_exists = output.exists();
-        let state = if restart || bytes.is_empty() {
-            if output_exists && !restart && bytes.is_empty() {
-                return Err(Error::Usage(format!(
-                    "{}: the output exists but was not written by this plan (no journal); rerun with --restart to overwrite it, or choose another output path",
-                    output.display()
-                )));
-            }
-            State::Fresh
-        } else {
-            let nl = bytes
-                .iter()
-                .position(|&b| b == b'\n')
-                .unwrap_or(bytes.len());
-            let line = String::from_utf8_lossy(&bytes[..nl]).to_string();
-            let old: Option<Fingerprint> = line
-                .strip_prefix(&format!("{MAGIC} "))
-                .and_then(|j| serde_json::from_str(j).ok());
-            let Some(old) = old else {
-                return Err(Error::Usage(format!(
-                    "{}: not a journal this version understands; rerun with --restart to start the step over",
-                    path.display()
-                )));
-            };
-            if &old != fp {
-                let mut changes = Vec::new();
-                for k in old
-                    .keys()
-                    .chain(fp.keys())
-                    .collect::<std::collections::BTreeSet<_>>()
-                {
-                    let (a, b) = (old.get(k), fp.get(k));
-                    if a != b {
-                        changes.push(format!(
-                            "{k}: was {}, now {}",
-                            a.map(String::as_str).unwrap_or("(none)"),
-                            b.map(String::as_str).unwrap_or("(none)")
-                        ));
-                    }
-                }
-                return Err(Error::Usage(format!(
-                    "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
-                    path.display(),
-                    changes.join("; ")
-                )));
-            }
-            if !output_exists {
-                State::Fresh
-            } else {
-                let mut done = Vec::new();
-                let mut complete = false;
-                for rec in bytes[(nl + 1).min(bytes.len())..].chunks_exact(16) {
-                    let w =
-                        |i: usize| u32::from_le_bytes(rec[4 * i..4 * i + 4].try_into().unwrap());
-                    if w(0) != REC || crc32c::crc32c(&rec[..12]) != w(3) {
-                        break; // a torn write: everything after it is unknown
-                    }
-                    if w(1) == COMPLETE {
-                        complete = true;
-                    } else {
-                        done.push((w(1), w(2)));
-                    }
-                }
-                if complete {
-                    State::Complete
-                } else {
-                    State::Partial(done)
-                }
-            }
-        };
+        let state = read_state(output, &path, fp, restart, &bytes)?;
         if matches!(state, State::Fresh) {
             file.set_len(0)
                 .map_err(|e| Error::io(&path, "cannot reset journal", e))?;
             use std::os::unix::fs::FileExt;
-            file.write_all_at(header.as_bytes(), 0)
+            file.write_all_at(header_line(fp).as_bytes(), 0)
                 .map_err(|e| Error::io(&path, "cannot write journal", e))?;
             file.sync_all()
                 .map_err(|e| Error::io(&path, "cannot sync journal", e))?;
-        } else {
+        } else if let State::Partial(d) = &state {
             // Drop any torn tail so new records follow the last good one.
             let nl = bytes.iter().position(|&b| b == b'\n').unwrap_or(0) + 1;
-            let good = match &state {
-                State::Partial(d) => d.len(),
-                _ => 0,
-            };
-            let keep = (nl + 16 * good) as u64;
-            if matches!(state, State::Partial(_)) {
-                file.set_len(keep)
-                    .map_err(|e| Error::io(&path, "cannot trim journal", e))?;
-            }
+            let keep = (nl + 16 * d.len()) as u64;
+            file.set_len(keep)
+                .map_err(|e| Error::io(&path, "cannot trim journal", e))?;
         }
         use std::io::Seek;
         file.seek(std::io::SeekFrom::End(0))
@@ -194,7 +119,7 @@ impl Journal {
     }
 
     /// Append a record (after the tile's data is written and, if durable, flushed).
-    pub fn record(&self, seq: u32, data_crc: u32) -> Result<()> {
+    pub(crate) fn record(&self, seq: u32, data_crc: u32) -> Result<()> {
         let rec = encode(seq, data_crc);
         let mut f = self.file.lock().unwrap();
         f.write_all(&rec)
@@ -206,7 +131,7 @@ impl Journal {
         Ok(())
     }
 
-    pub fn complete(&self) -> Result<()> {
+    pub(crate) fn complete(&self) -> Result<()> {
         self.record(COMPLETE, 0)?;
         self.file
             .lock()
@@ -234,12 +159,69 @@ fn header_line(fp: &Fingerprint) -> String {
     )
 }
 
+/// The state the journal `bytes` (read from `path`, the journal of `output`) records against
+/// `fp`. An empty journal beside an existing output, an unreadable header and a fingerprint
+/// other than `fp` are errors saying what to do.
+fn read_state(
+    output: &Path,
+    path: &Path,
+    fp: &Fingerprint,
+    restart: bool,
+    bytes: &[u8],
+) -> Result<State> {
+    let output_exists = output.exists();
+    if restart || bytes.is_empty() {
+        if output_exists && !restart && bytes.is_empty() {
+            return Err(Error::Usage(format!(
+                "{}: the output exists but was not written by this plan (no journal); rerun with --restart to overwrite it, or choose another output path",
+                output.display()
+            )));
+        }
+        return Ok(State::Fresh);
+    }
+    let (_, peek) = parse(path, bytes)?;
+    if &peek.fingerprint != fp {
+        return Err(Error::Usage(format!(
+            "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
+            path.display(),
+            fingerprint_changes(&peek.fingerprint, fp)
+        )));
+    }
+    Ok(if !output_exists {
+        State::Fresh
+    } else if peek.complete {
+        State::Complete
+    } else {
+        State::Partial(peek.done)
+    })
+}
+
+/// What differs between two fingerprints: `key: was X, now Y` for each key, joined by `; `.
+fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> String {
+    let mut changes = Vec::new();
+    for k in old
+        .keys()
+        .chain(new.keys())
+        .collect::<std::collections::BTreeSet<_>>()
+    {
+        let (a, b) = (old.get(k), new.get(k));
+        if a != b {
+            changes.push(format!(
+                "{k}: was {}, now {}",
+                a.map(String::as_str).unwrap_or("(none)"),
+                b.map(String::as_str).unwrap_or("(none)")
+            ));
+        }
+    }
+    changes.join("; ")
+}
+
 impl Journal {
     /// Open (creating if needed) the journal of one shard of a split step at `path`, without
     /// locking it: the shard's claim keeps other writers away. Returns the finished tiles it
     /// records (seq, data CRC); a torn tail is cut off so new records follow the last good one.
     /// A journal written for another fingerprint is an error naming what changed.
-    pub fn open_shard(
+    pub(crate) fn open_shard(
         path: &Path,
         fp: &Fingerprint,
         durable: bool,
@@ -288,7 +270,7 @@ impl Journal {
 /// Write the complete journal of `output` in one piece — every finished tile and the
 /// completion mark — through a temporary file renamed over the old one (`finalize` of a split
 /// step, so that `run` sees the step complete and `verify` finds its fingerprint).
-pub fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)]) -> Result<()> {
+pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)]) -> Result<()> {
     let path = journal_path(output);
     let mut bytes = header_line(fp).into_bytes();
     for &(seq, crc) in done {
@@ -320,9 +302,11 @@ pub fn peek_file(path: &Path) -> Result<Option<Peek>> {
 
 /// What a journal holds, read without locking or changing it (for `verify`).
 pub struct Peek {
+    /// What determined the output's bytes when it was written.
     pub fingerprint: Fingerprint,
     /// Finished tiles (seq, data CRC), in record order.
     pub done: Vec<(u32, u32)>,
+    /// Whether the step was recorded complete.
     pub complete: bool,
 }
 
@@ -361,7 +345,7 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<(usize, Peek)> {
 }
 
 /// Read the journal of `output` without locking it; `None` when there is none.
-pub fn peek(output: &Path) -> Result<Option<Peek>> {
+pub(crate) fn peek(output: &Path) -> Result<Option<Peek>> {
     peek_file(&journal_path(output))
 }
 

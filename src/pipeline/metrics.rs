@@ -4,12 +4,12 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What a stage does; reports and the progress display select stages by kind, never by name.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum StageKind {
+pub(crate) enum StageKind {
     #[default]
     Planner,
     Prefetch,
@@ -22,7 +22,7 @@ pub enum StageKind {
 }
 
 impl StageKind {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             StageKind::Planner => "planner",
             StageKind::Prefetch => "prefetch",
@@ -36,10 +36,10 @@ impl StageKind {
 }
 
 #[derive(Default)]
-pub struct StageMetrics {
-    pub kind: StageKind,
+pub(crate) struct StageMetrics {
+    pub(crate) kind: StageKind,
     /// Display name: the kind, with `[i]` for one of several instances.
-    pub name: String,
+    pub(crate) name: String,
     busy_ns: AtomicU64,
     wait_in_ns: AtomicU64,
     wait_out_ns: AtomicU64,
@@ -49,13 +49,13 @@ pub struct StageMetrics {
 
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct StageSnapshot {
-    pub kind: StageKind,
-    pub name: String,
-    pub busy_s: f64,
-    pub wait_in_s: f64,
-    pub wait_out_s: f64,
-    pub items: u64,
-    pub bytes: u64,
+    pub(crate) kind: StageKind,
+    pub(crate) name: String,
+    pub(crate) busy_s: f64,
+    pub(crate) wait_in_s: f64,
+    pub(crate) wait_out_s: f64,
+    pub(crate) items: u64,
+    pub(crate) bytes: u64,
 }
 
 fn ns(d: Duration) -> u64 {
@@ -64,7 +64,7 @@ fn ns(d: Duration) -> u64 {
 
 impl StageMetrics {
     /// Metrics for instance `index` of `of` stages of this kind (no suffix when it is alone).
-    pub fn new(kind: StageKind, index: usize, of: usize) -> Arc<StageMetrics> {
+    pub(crate) fn new(kind: StageKind, index: usize, of: usize) -> Arc<StageMetrics> {
         let name = if of > 1 {
             format!("{}[{index}]", kind.name())
         } else {
@@ -76,30 +76,23 @@ impl StageMetrics {
             ..Default::default()
         })
     }
-    pub fn add_busy(&self, d: Duration) {
+    pub(crate) fn add_busy(&self, d: Duration) {
         self.busy_ns.fetch_add(ns(d), Ordering::Relaxed);
     }
-    pub fn add_wait_in(&self, d: Duration) {
+    pub(crate) fn add_wait_in(&self, d: Duration) {
         self.wait_in_ns.fetch_add(ns(d), Ordering::Relaxed);
     }
-    pub fn add_wait_out(&self, d: Duration) {
+    pub(crate) fn add_wait_out(&self, d: Duration) {
         self.wait_out_ns.fetch_add(ns(d), Ordering::Relaxed);
     }
-    pub fn add_item(&self, bytes: u64) {
+    pub(crate) fn add_item(&self, bytes: u64) {
         self.items.fetch_add(1, Ordering::Relaxed);
         self.bytes.fetch_add(bytes, Ordering::Relaxed);
     }
-    /// Time `f` as busy time.
-    pub fn busy<T>(&self, f: impl FnOnce() -> T) -> T {
-        let t = Instant::now();
-        let r = f();
-        self.add_busy(t.elapsed());
-        r
-    }
-    pub fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
     }
-    pub fn snapshot(&self) -> StageSnapshot {
+    pub(crate) fn snapshot(&self) -> StageSnapshot {
         let s = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
         StageSnapshot {
             kind: self.kind,

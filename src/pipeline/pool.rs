@@ -25,15 +25,15 @@ struct Inner {
 }
 
 #[derive(Clone)]
-pub struct Pool(Arc<Inner>);
+pub(crate) struct Pool(Arc<Inner>);
 
-pub struct Lease {
+pub(crate) struct Lease {
     buf: Option<HostBuf>,
     pool: Arc<Inner>,
 }
 
 impl Pool {
-    pub fn new(
+    pub(crate) fn new(
         name: &'static str,
         alloc: &dyn HostAlloc,
         count: usize,
@@ -67,7 +67,7 @@ impl Pool {
     }
 
     /// Take a free buffer, waiting for one; `Err(Cancelled)` if the run is cancelled.
-    pub fn lease(&self, ctl: &Control) -> Result<Lease> {
+    pub(crate) fn lease(&self, ctl: &Control) -> Result<Lease> {
         select! {
             recv(self.0.free_rx) -> b => Ok(self.wrap(b.expect("pool keeps a sender"))),
             recv(ctl.signal()) -> _ => Err(Error::Cancelled),
@@ -75,32 +75,32 @@ impl Pool {
     }
 
     /// Take a free buffer if one is available now.
-    pub fn try_lease(&self) -> Option<Lease> {
+    pub(crate) fn try_lease(&self) -> Option<Lease> {
         self.0.free_rx.try_recv().ok().map(|b| self.wrap(b))
     }
 
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         self.0.name
     }
-    pub fn buf_bytes(&self) -> usize {
+    pub(crate) fn buf_bytes(&self) -> usize {
         self.0.buf_bytes
     }
-    pub fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         self.0.count
     }
     /// Most buffers ever leased at once.
-    pub fn high_water(&self) -> usize {
+    pub(crate) fn high_water(&self) -> usize {
         self.0.high_water.load(Ordering::SeqCst)
     }
 }
 
 impl Lease {
-    pub fn buf(&self) -> &HostBuf {
+    pub(crate) fn buf(&self) -> &HostBuf {
         self.buf
             .as_ref()
             .expect("lease holds a buffer until dropped")
     }
-    pub fn buf_mut(&mut self) -> &mut HostBuf {
+    pub(crate) fn buf_mut(&mut self) -> &mut HostBuf {
         self.buf
             .as_mut()
             .expect("lease holds a buffer until dropped")

@@ -49,18 +49,18 @@ struct State {
     fifo: VecDeque<Key>,
 }
 
-pub struct SharedReads {
+pub(crate) struct SharedReads {
     lanes: usize,
     /// Most ready entries kept at once.
     cap: usize,
     st: Mutex<State>,
     cv: Condvar,
     /// Bytes a lane took from another lane's read instead of reading them (file dtype).
-    pub shared_bytes: AtomicU64,
+    pub(crate) shared_bytes: AtomicU64,
 }
 
 /// What [`SharedReads::get`] found.
-pub enum Got {
+pub(crate) enum Got {
     /// Another lane's read of this block.
     Shared(Arc<Lease>),
     /// Nobody has it: the caller must read it and then [`SharedReads::publish`] (or
@@ -69,7 +69,7 @@ pub enum Got {
 }
 
 impl SharedReads {
-    pub fn new(lanes: usize, cap: usize) -> SharedReads {
+    pub(crate) fn new(lanes: usize, cap: usize) -> SharedReads {
         SharedReads {
             lanes,
             cap: cap.max(1),
@@ -80,13 +80,13 @@ impl SharedReads {
     }
 
     /// Sharing is pointless with one lane.
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.lanes > 1
     }
 
     /// Take block `b` of `src` if another lane read it, wait if one is reading it, or claim the
     /// read.
-    pub fn get(&self, ctl: &Control, src: Src, b: &Block) -> Result<Got> {
+    pub(crate) fn get(&self, ctl: &Control, src: Src, b: &Block) -> Result<Got> {
         let k = key(src, b);
         let mut st = self.st.lock().unwrap();
         loop {
@@ -118,7 +118,7 @@ impl SharedReads {
     }
 
     /// The read claimed by [`get`](Self::get) is done: let the other lanes have it.
-    pub fn publish(&self, src: Src, b: &Block, buf: &Arc<Lease>, owner: usize) {
+    pub(crate) fn publish(&self, src: Src, b: &Block, buf: &Arc<Lease>, owner: usize) {
         let k = key(src, b);
         let mut st = self.st.lock().unwrap();
         st.map.insert(
@@ -140,14 +140,14 @@ impl SharedReads {
     }
 
     /// The claimed read failed: let a waiting lane try it itself.
-    pub fn abandon(&self, src: Src, b: &Block) {
+    pub(crate) fn abandon(&self, src: Src, b: &Block) {
         self.st.lock().unwrap().map.remove(&key(src, b));
         self.cv.notify_all();
     }
 
     /// Drop the oldest published entry whose buffer came from `owner`'s pool, so that it goes
     /// back to that pool once the lanes that took it are done; false if there is none.
-    pub fn evict_one(&self, owner: usize) -> bool {
+    pub(crate) fn evict_one(&self, owner: usize) -> bool {
         let mut st = self.st.lock().unwrap();
         let State { map, fifo } = &mut *st;
         let Some(pos) = fifo
@@ -161,7 +161,7 @@ impl SharedReads {
         true
     }
 
-    pub fn count_shared(&self, bytes: u64) {
+    pub(crate) fn count_shared(&self, bytes: u64) {
         self.shared_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 }

@@ -28,14 +28,13 @@ use crate::store::{Block, MatrixSink, MatrixSource};
 
 /// Planner → prefetch → staging.
 #[derive(Debug)]
-pub enum PlanOp {
+pub(crate) enum PlanOp {
     Load {
         slot: usize,
         src: Src,
         block: Block,
     },
     Begin {
-        tile: OutTile,
         acc: usize,
         c0: Option<Block>,
     },
@@ -52,7 +51,7 @@ pub enum PlanOp {
 }
 
 /// Staging → device lane: loads now carry filled host buffers.
-pub enum LaneOp {
+pub(crate) enum LaneOp {
     Upload {
         slot: usize,
         buf: Arc<Lease>,
@@ -75,9 +74,9 @@ pub enum LaneOp {
 }
 
 /// Device lane → writeback: a finished output tile in a host buffer.
-pub struct Done {
-    pub tile: OutTile,
-    pub buf: Lease,
+pub(crate) struct Done {
+    pub(crate) tile: OutTile,
+    pub(crate) buf: Lease,
 }
 
 /// Output tiles still to compute, dealt so that lanes run *in phase*.
@@ -90,14 +89,14 @@ pub struct Done {
 /// the serpentine turn reuses the B tiles used last. With one lane this is the schedule's own
 /// serpentine order. A lane whose run is empty steals from the back of the longest other run, so
 /// a slower or busier device simply ends up with fewer tiles.
-pub struct TileQueue {
+pub(crate) struct TileQueue {
     order: Vec<u32>,
     runs: std::sync::Mutex<Vec<std::collections::VecDeque<u32>>>,
 }
 
 impl TileQueue {
     /// `todo`: schedule sequence numbers still to compute.
-    pub fn new(sched: &Schedule, todo: Vec<u32>, lanes: usize) -> TileQueue {
+    pub(crate) fn new(sched: &Schedule, todo: Vec<u32>, lanes: usize) -> TileQueue {
         let lanes = lanes.max(1);
         let mut keyed: Vec<(usize, u64, u64, u32)> = todo
             .iter()
@@ -123,7 +122,7 @@ impl TileQueue {
             runs: std::sync::Mutex::new(runs),
         }
     }
-    pub fn pop(&self, lane: usize) -> Option<u32> {
+    pub(crate) fn pop(&self, lane: usize) -> Option<u32> {
         let mut runs = self.runs.lock().unwrap();
         if let Some(t) = runs[lane].pop_front() {
             return Some(t);
@@ -132,32 +131,30 @@ impl TileQueue {
         runs[victim].pop_back()
     }
     /// Lane `lane`'s run as dealt (before any tile was taken or stolen).
-    pub fn run(&self, lane: usize) -> Vec<u32> {
+    #[cfg(test)]
+    pub(crate) fn run(&self, lane: usize) -> Vec<u32> {
         self.runs.lock().unwrap()[lane].iter().copied().collect()
     }
     /// The tiles to compute, in schedule order.
-    pub fn order(&self) -> &[u32] {
+    pub(crate) fn order(&self) -> &[u32] {
         &self.order
     }
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.order.len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
     }
 }
 
 /// The input matrices of a step.
-pub struct Inputs {
-    pub a: Arc<dyn MatrixSource>,
-    pub b: Arc<dyn MatrixSource>,
-    pub c0: Option<Arc<dyn MatrixSource>>,
-    pub verify: bool,
-    pub nonfinite: AtomicU64,
+pub(crate) struct Inputs {
+    pub(crate) a: Arc<dyn MatrixSource>,
+    pub(crate) b: Arc<dyn MatrixSource>,
+    pub(crate) c0: Option<Arc<dyn MatrixSource>>,
+    pub(crate) verify: bool,
+    pub(crate) nonfinite: AtomicU64,
 }
 
 impl Inputs {
-    pub fn new(
+    pub(crate) fn new(
         a: Arc<dyn MatrixSource>,
         b: Arc<dyn MatrixSource>,
         c0: Option<Arc<dyn MatrixSource>>,
@@ -171,7 +168,7 @@ impl Inputs {
             nonfinite: AtomicU64::new(0),
         }
     }
-    pub fn file(&self, s: Src) -> &dyn MatrixSource {
+    pub(crate) fn file(&self, s: Src) -> &dyn MatrixSource {
         match s {
             Src::A => &*self.a,
             Src::B => &*self.b,
@@ -182,7 +179,7 @@ impl Inputs {
         }
     }
     /// Verify the stored checksums behind `b` (each storage tile once), if asked to.
-    pub fn verify_block(&self, s: Src, b: &Block) -> Result<()> {
+    pub(crate) fn verify_block(&self, s: Src, b: &Block) -> Result<()> {
         if !self.verify {
             return Ok(());
         }
@@ -190,24 +187,24 @@ impl Inputs {
     }
 }
 
-pub struct Planner<'a> {
-    pub lane: usize,
+pub(crate) struct Planner<'a> {
+    pub(crate) lane: usize,
     /// Output blocks about to be computed, for the output prefault stage (a hint: dropped
     /// rather than waited for when that stage is behind).
-    pub outprep: Sender<Block>,
-    pub sched: &'a Schedule,
-    pub queue: &'a TileQueue,
-    pub slots: usize,
-    pub accs: usize,
-    pub alpha: f64,
-    pub beta: f64,
-    pub has_c0: bool,
-    pub out: Sender<PlanOp>,
-    pub m: Arc<StageMetrics>,
+    pub(crate) outprep: Sender<Block>,
+    pub(crate) sched: &'a Schedule,
+    pub(crate) queue: &'a TileQueue,
+    pub(crate) slots: usize,
+    pub(crate) accs: usize,
+    pub(crate) alpha: f64,
+    pub(crate) beta: f64,
+    pub(crate) has_c0: bool,
+    pub(crate) out: Sender<PlanOp>,
+    pub(crate) m: Arc<StageMetrics>,
 }
 
 impl Planner<'_> {
-    pub fn run(self, ctl: &Control) -> Result<()> {
+    pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         let mut cache = TileCache::new(self.slots);
         let mut count = 0usize;
         let s = self.sched;
@@ -221,7 +218,6 @@ impl Planner<'_> {
             let acc = count % self.accs;
             count += 1;
             let mut ops = vec![PlanOp::Begin {
-                tile,
                 acc,
                 c0: self.has_c0.then_some(tile.block),
             }];
@@ -276,15 +272,15 @@ impl Planner<'_> {
     }
 }
 
-pub struct Prefetch<'a> {
-    pub inputs: &'a Inputs,
-    pub rx: Receiver<PlanOp>,
-    pub out: Sender<PlanOp>,
-    pub m: Arc<StageMetrics>,
+pub(crate) struct Prefetch<'a> {
+    pub(crate) inputs: &'a Inputs,
+    pub(crate) rx: Receiver<PlanOp>,
+    pub(crate) out: Sender<PlanOp>,
+    pub(crate) m: Arc<StageMetrics>,
 }
 
 impl Prefetch<'_> {
-    pub fn run(self, ctl: &Control) -> Result<()> {
+    pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         while let Some(op) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             match &op {
@@ -330,16 +326,16 @@ fn count_nonfinite(dt: DType, bytes: &[u8]) -> u64 {
     }
 }
 
-pub struct Staging<'a> {
+pub(crate) struct Staging<'a> {
     /// This lane's index (owner of `pool` in the shared reader).
-    pub lane: usize,
-    pub inputs: &'a Inputs,
-    pub shared: &'a SharedReads,
-    pub pool: Pool,
-    pub host_dt: DType,
-    pub rx: Receiver<PlanOp>,
-    pub out: Sender<LaneOp>,
-    pub m: Arc<StageMetrics>,
+    pub(crate) lane: usize,
+    pub(crate) inputs: &'a Inputs,
+    pub(crate) shared: &'a SharedReads,
+    pub(crate) pool: Pool,
+    pub(crate) host_dt: DType,
+    pub(crate) rx: Receiver<PlanOp>,
+    pub(crate) out: Sender<LaneOp>,
+    pub(crate) m: Arc<StageMetrics>,
 }
 
 impl Staging<'_> {
@@ -401,7 +397,7 @@ impl Staging<'_> {
         Ok(Arc::new(lease))
     }
 
-    pub fn run(self, ctl: &Control) -> Result<()> {
+    pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         while let Some(op) = ctl.recv_timed(&self.rx, &self.m) {
             let out = match op {
                 PlanOp::Load { slot, src, block } => {
@@ -434,18 +430,18 @@ impl Staging<'_> {
     }
 }
 
-pub struct DeviceLane<'a> {
-    pub lane: &'a mut dyn Lane,
-    pub out_pool: Pool,
-    pub host_dt: DType,
-    pub rx: Receiver<LaneOp>,
-    pub out: Sender<Done>,
-    pub m: Arc<StageMetrics>,
-    pub flops_issued: &'a AtomicU64,
+pub(crate) struct DeviceLane<'a> {
+    pub(crate) lane: &'a mut dyn Lane,
+    pub(crate) out_pool: Pool,
+    pub(crate) host_dt: DType,
+    pub(crate) rx: Receiver<LaneOp>,
+    pub(crate) out: Sender<Done>,
+    pub(crate) m: Arc<StageMetrics>,
+    pub(crate) flops_issued: &'a AtomicU64,
     /// The stages' start and the time of the first GEMM after it (ns), shared by all lanes.
-    pub first_gemm: (Instant, &'a AtomicU64),
+    pub(crate) first_gemm: (Instant, &'a AtomicU64),
     /// The lane's device statistics, refreshed now and then for the progress display.
-    pub live: &'a std::sync::Mutex<crate::backend::DeviceStats>,
+    pub(crate) live: &'a std::sync::Mutex<crate::backend::DeviceStats>,
 }
 
 struct Pending {
@@ -485,7 +481,7 @@ impl DeviceLane<'_> {
         Ok(())
     }
 
-    pub fn run(mut self, ctl: &Control) -> Result<()> {
+    pub(crate) fn run(mut self, ctl: &Control) -> Result<()> {
         self.lane.bind_thread()?;
         let mut p = Pending {
             ups: Vec::new(),
@@ -565,14 +561,14 @@ impl DeviceLane<'_> {
 
 /// Populates the output file's pages for tiles the planners just scheduled, so writeback copies
 /// into memory that is already mapped instead of taking a page fault per 4 KiB.
-pub struct OutPrep<'a> {
-    pub writer: &'a dyn MatrixSink,
-    pub rx: Receiver<Block>,
-    pub m: Arc<StageMetrics>,
+pub(crate) struct OutPrep<'a> {
+    pub(crate) writer: &'a dyn MatrixSink,
+    pub(crate) rx: Receiver<Block>,
+    pub(crate) m: Arc<StageMetrics>,
 }
 
 impl OutPrep<'_> {
-    pub fn run(self, ctl: &Control) -> Result<()> {
+    pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         while let Some(b) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             let n = self.writer.prefault(&b);
@@ -585,21 +581,21 @@ impl OutPrep<'_> {
 
 /// Called by writeback after a tile's data is written (and flushed, when durable) — the resume
 /// journal hooks in here. `data_crc` is the CRC-32C of the tile's bytes in the output dtype.
-pub trait TileSink: Sync {
+pub(crate) trait TileSink: Sync {
     fn tile_written(&self, tile: &OutTile, data_crc: u32) -> Result<()>;
 }
 
-pub struct Writeback<'a> {
-    pub writer: &'a dyn MatrixSink,
-    pub host_dt: DType,
-    pub rx: Receiver<Done>,
+pub(crate) struct Writeback<'a> {
+    pub(crate) writer: &'a dyn MatrixSink,
+    pub(crate) host_dt: DType,
+    pub(crate) rx: Receiver<Done>,
     /// Written tiles (with their CRC) on their way to being made durable and recorded.
-    pub out: Sender<(OutTile, u32)>,
-    pub m: Arc<StageMetrics>,
+    pub(crate) out: Sender<(OutTile, u32)>,
+    pub(crate) m: Arc<StageMetrics>,
 }
 
 impl Writeback<'_> {
-    pub fn run(self, ctl: &Control) -> Result<()> {
+    pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         while let Some(d) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             let b = d.tile.block;
@@ -619,20 +615,20 @@ impl Writeback<'_> {
 /// Makes written tiles durable (when asked) and records them in the journal, one after the
 /// other, on its own thread: waiting for the disk to take tile `t` overlaps writeback writing
 /// tile `t + 1` and the devices computing more, instead of stalling them.
-pub struct Durable<'a> {
-    pub writer: &'a dyn MatrixSink,
-    pub rx: Receiver<(OutTile, u32)>,
-    pub m: Arc<StageMetrics>,
-    pub sink: &'a dyn TileSink,
-    pub tiles_done: &'a AtomicU64,
-    pub flops_done: &'a AtomicU64,
-    pub k: u64,
+pub(crate) struct Durable<'a> {
+    pub(crate) writer: &'a dyn MatrixSink,
+    pub(crate) rx: Receiver<(OutTile, u32)>,
+    pub(crate) m: Arc<StageMetrics>,
+    pub(crate) sink: &'a dyn TileSink,
+    pub(crate) tiles_done: &'a AtomicU64,
+    pub(crate) flops_done: &'a AtomicU64,
+    pub(crate) k: u64,
     /// Flush each tile's data before its journal record.
-    pub durable: bool,
+    pub(crate) durable: bool,
 }
 
 impl Durable<'_> {
-    pub fn run(self, ctl: &Control) -> Result<()> {
+    pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         while let Some((tile, crc)) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             let b = tile.block;

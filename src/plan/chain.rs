@@ -19,7 +19,7 @@ use super::Operand;
 /// FLOPs one byte through the disk is worth: between the CPU backend (~300 GFLOP/s against a
 /// 1.6 GB/s disk: 190) and an H200 (54 TFLOP/s: 34 000), on the GPU side since that is where
 /// chains are big.
-pub const IO_WEIGHT: f64 = 1e4;
+pub(crate) const IO_WEIGHT: f64 = 1e4;
 
 /// How a chain was cut, kept on each of its steps.
 #[derive(Clone, Debug)]
@@ -47,7 +47,7 @@ impl ChainPart {
     /// What `plan` prints for this part: on the first part, the chosen order and its cost beside
     /// the naive left-to-right order's; on every part, its sub-product and cost, and where an
     /// intermediate goes.
-    pub fn describe(&self, out_bytes: u64) -> String {
+    pub(crate) fn describe(&self, out_bytes: u64) -> String {
         let mut s = String::new();
         if self.part == 1 {
             s += &format!(
@@ -81,14 +81,14 @@ impl ChainPart {
 
 /// A product tree over operands `0..n`.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Tree {
+pub(crate) enum Tree {
     Leaf(usize),
     Node(Box<Tree>, Box<Tree>),
 }
 
 impl Tree {
     /// The tree as text with `names` for the leaves: `(A @ (B @ C))`.
-    pub fn show(&self, names: &[String]) -> String {
+    pub(crate) fn show(&self, names: &[String]) -> String {
         match self {
             Tree::Leaf(i) => names[i.to_owned()].clone(),
             Tree::Node(l, r) => format!("({} @ {})", l.show(names), r.show(names)),
@@ -104,7 +104,7 @@ impl Tree {
 
 /// Cost of one product `m×k · k×n`; `intermediate` results bigger than `mem` bytes pay for
 /// being written and read back.
-pub fn product_cost(m: u64, k: u64, n: u64, intermediate: bool, mem: u64, elem: u64) -> f64 {
+pub(crate) fn product_cost(m: u64, k: u64, n: u64, intermediate: bool, mem: u64, elem: u64) -> f64 {
     let flops = 2.0 * m as f64 * k as f64 * n as f64;
     let bytes = m as f64 * n as f64 * elem as f64;
     if intermediate && bytes > mem as f64 {
@@ -115,7 +115,7 @@ pub fn product_cost(m: u64, k: u64, n: u64, intermediate: bool, mem: u64, elem: 
 }
 
 /// Total cost of `tree` over shapes `dims` (operand i is `dims[i] × dims[i+1]`).
-pub fn tree_cost(tree: &Tree, dims: &[u64], mem: u64, elem: u64) -> f64 {
+pub(crate) fn tree_cost(tree: &Tree, dims: &[u64], mem: u64, elem: u64) -> f64 {
     let n = dims.len() - 1;
     fn go(t: &Tree, d: &[u64], n: usize, mem: u64, elem: u64) -> f64 {
         match t {
@@ -132,7 +132,7 @@ pub fn tree_cost(tree: &Tree, dims: &[u64], mem: u64, elem: u64) -> f64 {
 }
 
 /// The naive left-to-right order `((A @ B) @ C) @ …`.
-pub fn left_to_right(n: usize) -> Tree {
+pub(crate) fn left_to_right(n: usize) -> Tree {
     (1..n).fold(Tree::Leaf(0), |t, i| {
         Tree::Node(Box::new(t), Box::new(Tree::Leaf(i)))
     })
@@ -140,7 +140,7 @@ pub fn left_to_right(n: usize) -> Tree {
 
 /// The cheapest order of the chain with shapes `dims` (the matrix-chain dynamic program, with
 /// ties going to the left-to-right split so that equal costs keep the order as written).
-pub fn best_order(dims: &[u64], mem: u64, elem: u64) -> Tree {
+pub(crate) fn best_order(dims: &[u64], mem: u64, elem: u64) -> Tree {
     let n = dims.len() - 1;
     let mut cost = vec![vec![0.0f64; n]; n];
     let mut split = vec![vec![0usize; n]; n];
@@ -175,19 +175,19 @@ pub fn best_order(dims: &[u64], mem: u64, elem: u64) -> Tree {
 
 /// One two-operand product of a chain, in execution order.
 #[derive(Clone, Debug)]
-pub struct SubProduct {
-    pub a: Operand,
-    pub b: Operand,
+pub(crate) struct SubProduct {
+    pub(crate) a: Operand,
+    pub(crate) b: Operand,
     /// Where it is written: a temporary file, or the step's output for the last one.
-    pub output: PathBuf,
-    pub temp: bool,
-    pub text: String,
-    pub cost: f64,
+    pub(crate) output: PathBuf,
+    pub(crate) temp: bool,
+    pub(crate) text: String,
+    pub(crate) cost: f64,
 }
 
 /// Cut `tree` over `leaves` into sub-products (post-order), naming intermediates
 /// `OUTPUT.partN.mgt` next to `output`.
-pub fn sub_products(
+pub(crate) fn sub_products(
     tree: &Tree,
     leaves: &[Operand],
     output: &Path,

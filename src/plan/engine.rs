@@ -18,11 +18,11 @@ use crate::error::{Error, Result};
 
 /// One `--set engine.KEY=VALUE` argument, checked and parsed into the engine mirror.
 #[derive(Debug)]
-pub struct EngineSet {
+pub(crate) struct EngineSet {
     /// The key under `[engine]`.
-    pub key: String,
+    pub(crate) key: String,
     /// The argument as the user wrote it (for messages).
-    pub text: String,
+    pub(crate) text: String,
     raw: RawEngine,
 }
 
@@ -32,7 +32,7 @@ fn quote(v: &str) -> String {
 
 impl EngineSet {
     /// Parse `engine.KEY=VALUE`. Errors are usage errors naming the argument.
-    pub fn parse(arg: &str) -> Result<EngineSet> {
+    pub(crate) fn parse(arg: &str) -> Result<EngineSet> {
         let text = format!("--set {arg}");
         let usage = |m: &str| Error::Usage(format!("{text}: {m}"));
         let (lhs, value) = arg.split_once('=').ok_or_else(|| {

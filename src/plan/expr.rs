@@ -13,7 +13,7 @@ use std::fmt;
 
 /// A parsed expression. `col` fields are 1-based columns in the expression text.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Expr {
+pub(crate) enum Expr {
     /// A matrix by name.
     Matrix { name: String, col: usize },
     /// A number literal.
@@ -40,9 +40,9 @@ pub enum Expr {
 
 /// An error in an expression, at a 1-based column of its text.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ExprError {
-    pub col: usize,
-    pub msg: String,
+pub(crate) struct ExprError {
+    pub(crate) col: usize,
+    pub(crate) msg: String,
 }
 
 impl fmt::Display for ExprError {
@@ -53,17 +53,17 @@ impl fmt::Display for ExprError {
 
 /// One operand of a product: a matrix name, whether it is read transposed, and its column.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Factor {
-    pub name: String,
-    pub trans: bool,
-    pub col: usize,
+pub(crate) struct Factor {
+    pub(crate) name: String,
+    pub(crate) trans: bool,
+    pub(crate) col: usize,
 }
 
 /// `coef · factor₁ · factor₂ · …`: one summand of a normalised expression.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Term {
-    pub coef: f64,
-    pub factors: Vec<Factor>,
+pub(crate) struct Term {
+    pub(crate) coef: f64,
+    pub(crate) factors: Vec<Factor>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -309,7 +309,7 @@ impl Parser {
 
 impl Expr {
     /// Parse an expression such as `0.5 * A.T @ B + C0`.
-    pub fn parse(src: &str) -> Result<Expr, ExprError> {
+    pub(crate) fn parse(src: &str) -> Result<Expr, ExprError> {
         let mut p = Parser {
             toks: lex(src)?,
             pos: 0,
@@ -343,19 +343,10 @@ impl Expr {
         }
     }
 
-    /// The first column at which this expression starts (for messages).
-    pub fn col(&self) -> usize {
-        match self {
-            Expr::Matrix { col, .. } | Expr::Number { col, .. } => *col,
-            Expr::Transpose(e) | Expr::Neg(e) => e.col(),
-            Expr::Product { lhs, .. } | Expr::Scale { lhs, .. } | Expr::Sum(lhs, _) => lhs.col(),
-        }
-    }
-
     /// Normalise into a sum of scaled products: transposes are pushed onto the operands
     /// (`(X @ Y).T` = `Y.T @ X.T`, `X.T.T` = `X`), scalars are multiplied out. A sum inside a
     /// product is refused (it would need a temporary). A bare number is refused.
-    pub fn terms(&self) -> Result<Vec<Term>, ExprError> {
+    pub(crate) fn terms(&self) -> Result<Vec<Term>, ExprError> {
         Ok(match self {
             Expr::Matrix { name, col } => vec![Term {
                 coef: 1.0,
@@ -457,21 +448,21 @@ impl fmt::Display for Expr {
 /// What one `[[step]]` computes: `alpha · op(F₁) · op(F₂) · … + beta · c0` — two factors
 /// for one product, more for a chain that resolution cuts into sub-products.
 #[derive(Clone, Debug, PartialEq)]
-pub struct ProductForm {
+pub(crate) struct ProductForm {
     /// At least two.
-    pub factors: Vec<Factor>,
-    pub alpha: f64,
+    pub(crate) factors: Vec<Factor>,
+    pub(crate) alpha: f64,
     /// The added matrix and its coefficient, when the expression has `+ β·C0`.
-    pub c0: Option<(Factor, f64)>,
+    pub(crate) c0: Option<(Factor, f64)>,
 }
 
 /// The message for a sum of several products.
-pub const MULTI_PRODUCT: &str =
+pub(crate) const MULTI_PRODUCT: &str =
     "a sum of several products is not supported; compute each product in its own step (give it a `name`) and add one of them as C0";
 
 impl ProductForm {
     /// Reduce normalised terms to the one form a step executes.
-    pub fn from_terms(terms: &[Term]) -> Result<ProductForm, ExprError> {
+    pub(crate) fn from_terms(terms: &[Term]) -> Result<ProductForm, ExprError> {
         let (prods, adds): (Vec<&Term>, Vec<&Term>) =
             terms.iter().partition(|t| t.factors.len() >= 2);
         let prod = match prods.as_slice() {
@@ -509,7 +500,7 @@ impl ProductForm {
 }
 
 /// Parse `src` and reduce it to the form a step executes.
-pub fn product_form(src: &str) -> Result<ProductForm, ExprError> {
+pub(crate) fn product_form(src: &str) -> Result<ProductForm, ExprError> {
     ProductForm::from_terms(&Expr::parse(src)?.terms()?)
 }
 

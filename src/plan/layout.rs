@@ -14,25 +14,37 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 #[derive(Clone, Debug)]
+/// Tile sizes and every pool's buffer count and size for one step on one backend, fixed before anything runs.
 pub struct Layout {
+    /// Compute tile rows (output).
     pub tm: u64,
+    /// Compute tile columns (output).
     pub tn: u64,
+    /// Compute tile depth (k).
     pub tk: u64,
     /// Element type of staged inputs and of outputs on the host.
     pub host_dt: DType,
     /// Element type of input tiles in device slots.
     pub dev_dt: DType,
+    /// Host staging buffers per lane.
     pub staging_bufs: usize,
+    /// Bytes of one staging buffer.
     pub staging_buf_bytes: u64,
+    /// Host output buffers.
     pub out_bufs: usize,
+    /// Bytes of one output buffer.
     pub out_buf_bytes: u64,
     /// Input-tile slots per lane (the device tile cache).
     pub slots: usize,
+    /// Bytes of one slot.
     pub slot_bytes: u64,
+    /// Accumulators per lane.
     pub accs: usize,
+    /// Bytes of one accumulator.
     pub acc_bytes: u64,
     /// Device landing buffers for on-device conversion (bf16/fp16), per lane.
     pub landing: usize,
+    /// Bytes of one landing buffer.
     pub landing_bytes: u64,
     /// Host bytes held by all pools together (the staging ceiling).
     pub host_bytes: u64,
@@ -40,10 +52,12 @@ pub struct Layout {
     pub device_bytes: u64,
     /// Storage tile of the output file.
     pub out_tile: (u64, u64),
+    /// Lanes (devices) the step runs on.
     pub lanes: usize,
 }
 
 impl Layout {
+    /// The layout of `step` under `engine`'s budgets on a backend with `caps`; errors name `origin`.
     pub fn new(
         plan: &std::path::Path,
         step: &Step,
@@ -211,6 +225,7 @@ impl Layout {
         self
     }
 
+    /// Compute tiles of `step` along m, n and k.
     pub fn grid(&self, step: &Step) -> (u64, u64, u64) {
         (
             step.m.div_ceil(self.tm),

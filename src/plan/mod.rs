@@ -8,14 +8,14 @@
 //! the key or step, the line, and both shapes. Tile sizes and memory budgets depend on the
 //! backend and are derived afterwards by [`layout`].
 
-pub mod chain;
-pub mod engine;
-pub mod expr;
+pub(crate) mod chain;
+pub(crate) mod engine;
+pub(crate) mod expr;
 pub mod layout;
-pub mod raw;
-pub mod resolve;
+pub(crate) mod raw;
+pub(crate) mod resolve;
 pub mod schedule;
-pub mod size;
+pub(crate) mod size;
 
 use std::path::{Path, PathBuf};
 
@@ -23,25 +23,34 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::store::gen::GenSpec;
 use engine::{EngineSet, EngineSource};
-pub use expr::Expr;
 use resolve::Ctx;
 pub use resolve::{header_from_disk, HeaderOf, MatrixInfo};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which backend `[engine] backend` asks for.
 pub enum BackendKind {
+    /// CUDA when a GPU is there, else the CPU.
     Auto,
+    /// The CPU.
     Cpu,
+    /// CUDA GPUs.
     Cuda,
     /// Simulated devices for tests (only in builds with the `fault-injection` feature).
     Sim,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The GEMM's arithmetic precision.
 pub enum Precision {
+    /// fp32 inputs and accumulation.
     Fp32,
+    /// TF32 inputs, fp32 accumulation.
     Tf32,
+    /// bf16 inputs, fp32 accumulation.
     Bf16,
+    /// fp16 inputs, fp32 accumulation.
     Fp16,
+    /// fp64 inputs and accumulation.
     Fp64,
 }
 
@@ -58,6 +67,7 @@ impl Precision {
         .into_iter()
         .find(|p| p.name() == s)
     }
+    /// The name plans use (`fp32`, `tf32`, ...).
     pub fn name(self) -> &'static str {
         match self {
             Precision::Fp32 => "fp32",
@@ -96,28 +106,50 @@ impl Precision {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The compute tile: chosen from the budgets, or fixed.
 pub enum TileSpec {
+    /// Chosen from the memory budgets.
     Auto,
-    Fixed { m: u64, n: u64, k: u64 },
+    /// Fixed at `m`×`n`×`k`.
+    Fixed {
+        /// Output rows per tile.
+        m: u64,
+        /// Output columns per tile.
+        n: u64,
+        /// Inner dimension per tile.
+        k: u64,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
+/// Which devices a GPU run uses.
 pub enum Devices {
+    /// Every visible device.
     All,
+    /// These device indices.
     List(Vec<u32>),
 }
 
 #[derive(Clone, Debug)]
+/// The resolved `[engine]` table.
 pub struct Engine {
+    /// Backend to run on.
     pub backend: BackendKind,
+    /// GEMM precision.
     pub precision: Precision,
+    /// Worker threads (0: all cores).
     pub threads: usize,
+    /// Host memory budget in bytes.
     pub host_memory: u64,
     /// Per-GPU device memory budget; `None` = auto (free memory less a margin).
     pub device_memory: Option<u64>,
+    /// Compute tile.
     pub tile: TileSpec,
+    /// GPU devices to use.
     pub devices: Devices,
+    /// Flush each tile to disk before recording it in the journal.
     pub durable: bool,
+    /// Check every input tile's CRC when it is first read.
     pub verify_inputs: bool,
     /// How output blocks reach the file (`engine.write`).
     pub write: crate::store::WriteMode,
@@ -126,12 +158,17 @@ pub struct Engine {
 /// One operand of a step as it is stored on disk.
 #[derive(Clone, Debug)]
 pub struct Operand {
+    /// Name in the plan.
     pub name: String,
+    /// File path.
     pub path: PathBuf,
     /// Stored shape (before `.T`).
     pub rows: u64,
+    /// Stored columns (before `.T`).
     pub cols: u64,
+    /// Element type.
     pub dtype: DType,
+    /// Used transposed (`X.T`).
     pub trans: bool,
     /// The declared layout of a raw binary file (`format = "raw"`); `None` for `.mgt`/`.npy`.
     pub raw: Option<crate::store::raw::RawSpec>,
@@ -141,7 +178,7 @@ pub struct Operand {
 
 impl Operand {
     /// Open the operand's file for reading.
-    pub fn open(&self) -> Result<std::sync::Arc<dyn crate::store::MatrixSource>> {
+    pub(crate) fn open(&self) -> Result<std::sync::Arc<dyn crate::store::MatrixSource>> {
         match &self.raw {
             Some(r) => Ok(std::sync::Arc::new(r.open()?)),
             None => crate::store::open_source(&self.path),
@@ -159,26 +196,42 @@ impl Operand {
 }
 
 #[derive(Clone, Debug)]
+/// One product of a plan: `output = alpha · op(a) · op(b) + beta · c0`.
 pub struct Step {
+    /// Position in the plan (0-based).
     pub index: usize,
+    /// Line of the step in the plan file.
     pub line: usize,
+    /// The expression as written.
     pub expr: String,
+    /// Left operand.
     pub a: Operand,
+    /// Right operand.
     pub b: Operand,
+    /// Operand added with `beta`, if any.
     pub c0: Option<Operand>,
+    /// Scale of the product.
     pub alpha: f64,
+    /// Scale of `c0`.
     pub beta: f64,
+    /// Output rows.
     pub m: u64,
+    /// Output columns.
     pub n: u64,
+    /// Inner dimension.
     pub k: u64,
+    /// Output file.
     pub output: PathBuf,
+    /// Output element type.
     pub out_dtype: DType,
+    /// Output storage tile edge, if the plan sets one.
     pub out_tile: Option<u64>,
     /// Set when this step is one product of a whole-expression chain (`expr = "A @ B @ C"`).
     pub chain: Option<chain::ChainPart>,
 }
 
 impl Step {
+    /// Floating-point operations of the product (2·m·n·k).
     pub fn flops(&self) -> f64 {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64
     }
@@ -187,10 +240,15 @@ impl Step {
 /// A matrix declared in `[matrices]`.
 #[derive(Clone, Debug)]
 pub struct MatrixDecl {
+    /// Name in the plan.
     pub name: String,
+    /// File path.
     pub path: PathBuf,
+    /// Logical rows.
     pub rows: u64,
+    /// Logical columns.
     pub cols: u64,
+    /// Element type.
     pub dtype: DType,
     /// Set when the file is missing and must be generated before running.
     pub generate: Option<GenSpec>,
@@ -202,10 +260,15 @@ pub struct MatrixDecl {
 }
 
 #[derive(Clone, Debug)]
+/// A resolved plan: matrices, steps and engine settings, validated once.
 pub struct Plan {
+    /// The plan file.
     pub path: PathBuf,
+    /// Declared matrices.
     pub matrices: Vec<MatrixDecl>,
+    /// Products to compute, in order.
     pub steps: Vec<Step>,
+    /// Engine settings.
     pub engine: Engine,
 }
 
@@ -221,12 +284,6 @@ impl Plan {
         let src =
             std::fs::read_to_string(path).map_err(|e| Error::io(path, "cannot read plan", e))?;
         Plan::resolve(path, &src, sets, &header_from_disk)
-    }
-
-    /// Resolve plan text `src` as if read from `path` (paths are relative to its directory),
-    /// reading input headers from disk.
-    pub fn from_str(path: &Path, src: &str) -> Result<Plan> {
-        Plan::resolve(path, src, &[], &header_from_disk)
     }
 
     /// Resolve plan text: parse (syntax, keys, types), apply `sets`, resolve `[engine]`, read

@@ -11,59 +11,59 @@ use toml::Spanned;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawPlan {
+pub(crate) struct RawPlan {
     #[serde(default)]
-    pub matrices: BTreeMap<String, RawMatrix>,
+    pub(crate) matrices: BTreeMap<String, RawMatrix>,
     #[serde(default)]
-    pub step: Vec<RawStep>,
+    pub(crate) step: Vec<RawStep>,
     #[serde(default)]
-    pub engine: RawEngine,
+    pub(crate) engine: RawEngine,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawMatrix {
-    pub path: Spanned<String>,
-    pub generate: Option<Spanned<RawGenerate>>,
+pub(crate) struct RawMatrix {
+    pub(crate) path: Spanned<String>,
+    pub(crate) generate: Option<Spanned<RawGenerate>>,
     /// `"raw"` for a headerless binary file (then `rows`, `cols`, `dtype` are required).
-    pub format: Option<Spanned<String>>,
-    pub rows: Option<u64>,
-    pub cols: Option<u64>,
-    pub dtype: Option<String>,
+    pub(crate) format: Option<Spanned<String>>,
+    pub(crate) rows: Option<u64>,
+    pub(crate) cols: Option<u64>,
+    pub(crate) dtype: Option<String>,
     /// `"C"` (row-major, default) or `"F"` (column-major).
-    pub order: Option<String>,
+    pub(crate) order: Option<String>,
     /// Bytes before the first element (default 0).
-    pub offset: Option<u64>,
+    pub(crate) offset: Option<u64>,
 }
 
 #[derive(Debug, Deserialize, Clone)]
 #[serde(deny_unknown_fields)]
-pub struct RawGenerate {
-    pub rows: u64,
-    pub cols: u64,
-    pub dist: Option<String>,
-    pub seed: Option<u64>,
-    pub dtype: Option<String>,
-    pub tile: Option<u64>,
+pub(crate) struct RawGenerate {
+    pub(crate) rows: u64,
+    pub(crate) cols: u64,
+    pub(crate) dist: Option<String>,
+    pub(crate) seed: Option<u64>,
+    pub(crate) dtype: Option<String>,
+    pub(crate) tile: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawStep {
-    pub output: Spanned<String>,
-    pub expr: Spanned<String>,
+pub(crate) struct RawStep {
+    pub(crate) output: Spanned<String>,
+    pub(crate) expr: Spanned<String>,
     /// Name under which later steps can use this step's output.
-    pub name: Option<Spanned<String>>,
-    pub alpha: Option<Spanned<f64>>,
-    pub beta: Option<Spanned<f64>>,
-    pub accumulate: Option<Spanned<String>>,
+    pub(crate) name: Option<Spanned<String>>,
+    pub(crate) alpha: Option<Spanned<f64>>,
+    pub(crate) beta: Option<Spanned<f64>>,
+    pub(crate) accumulate: Option<Spanned<String>>,
     /// Storage tile of the output file (default: the compute tile).
-    pub tile: Option<Spanned<u64>>,
+    pub(crate) tile: Option<Spanned<u64>>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
-pub enum RawTile {
+pub(crate) enum RawTile {
     Word(String),
     Square(u64),
     Three([u64; 3]),
@@ -71,32 +71,32 @@ pub enum RawTile {
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
-pub enum RawDevices {
+pub(crate) enum RawDevices {
     Word(String),
     List(Vec<u32>),
 }
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
-pub struct RawEngine {
-    pub backend: Option<Spanned<String>>,
-    pub precision: Option<Spanned<String>>,
-    pub threads: Option<Spanned<usize>>,
-    pub host_memory: Option<Spanned<String>>,
-    pub device_memory: Option<Spanned<String>>,
-    pub tile: Option<Spanned<RawTile>>,
-    pub devices: Option<Spanned<RawDevices>>,
+pub(crate) struct RawEngine {
+    pub(crate) backend: Option<Spanned<String>>,
+    pub(crate) precision: Option<Spanned<String>>,
+    pub(crate) threads: Option<Spanned<usize>>,
+    pub(crate) host_memory: Option<Spanned<String>>,
+    pub(crate) device_memory: Option<Spanned<String>>,
+    pub(crate) tile: Option<Spanned<RawTile>>,
+    pub(crate) devices: Option<Spanned<RawDevices>>,
     /// fsync the output at the end (default true).
-    pub durable: Option<Spanned<bool>>,
+    pub(crate) durable: Option<Spanned<bool>>,
     /// Verify input tile checksums while reading.
-    pub verify_inputs: Option<Spanned<bool>>,
+    pub(crate) verify_inputs: Option<Spanned<bool>>,
     /// How output blocks reach the file: "mmap" (default) | "pwrite".
-    pub write: Option<Spanned<String>>,
+    pub(crate) write: Option<Spanned<String>>,
 }
 
 impl RawEngine {
     /// Replace every key `over` sets (a `--set` applied over the plan file's `[engine]`).
-    pub fn overlay(&mut self, over: RawEngine) {
+    pub(crate) fn overlay(&mut self, over: RawEngine) {
         let RawEngine {
             backend,
             precision,
@@ -123,13 +123,13 @@ impl RawEngine {
 }
 
 /// 1-based line of byte offset `byte` in `src`.
-pub fn line_of(src: &str, byte: usize) -> usize {
+pub(crate) fn line_of(src: &str, byte: usize) -> usize {
     src[..byte.min(src.len())].matches('\n').count() + 1
 }
 
 /// Parse plan text into its mirror. Syntax, unknown keys and wrong types are reported with the
 /// line, the column and the line's text.
-pub fn parse(src: &str) -> Result<RawPlan, String> {
+pub(crate) fn parse(src: &str) -> Result<RawPlan, String> {
     toml::from_str(src).map_err(|e| {
         let at = e
             .span()

@@ -25,7 +25,9 @@ use crate::store::{open_source, OutputFormat};
 pub struct MatrixInfo {
     /// The declared (logical) shape.
     pub rows: u64,
+    /// Stored columns.
     pub cols: u64,
+    /// Element type.
     pub dtype: DType,
     /// The file stores the transpose row-major (a Fortran-order `.npy`).
     pub transposed: bool,
@@ -112,16 +114,16 @@ fn raw_decl(cx: &Ctx, name: &str, key: &str, m: &RawMatrix, path: &Path) -> Resu
 /// The plan being resolved: its file, its text (for lines) and the directory paths are
 /// relative to.
 pub(crate) struct Ctx<'a> {
-    pub path: &'a Path,
-    pub src: &'a str,
-    pub base: PathBuf,
+    pub(crate) path: &'a Path,
+    pub(crate) src: &'a str,
+    pub(crate) base: PathBuf,
 }
 
 impl Ctx<'_> {
-    pub fn err(&self, msg: String) -> Error {
+    pub(crate) fn err(&self, msg: String) -> Error {
         Error::plan(self.path, msg)
     }
-    pub fn line<T>(&self, v: &Spanned<T>) -> usize {
+    pub(crate) fn line<T>(&self, v: &Spanned<T>) -> usize {
         line_of(self.src, v.span().start)
     }
 }

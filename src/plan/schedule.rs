@@ -14,7 +14,7 @@ use super::Step;
 use crate::store::Block;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Src {
+pub(crate) enum Src {
     A,
     B,
     C0,
@@ -22,31 +22,26 @@ pub enum Src {
 
 /// One output tile: its index in the schedule order and its block of C.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct OutTile {
-    pub seq: u32,
-    pub ti: u64,
-    pub tj: u64,
-    pub block: Block,
+pub(crate) struct OutTile {
+    pub(crate) seq: u32,
+    pub(crate) ti: u64,
+    pub(crate) tj: u64,
+    pub(crate) block: Block,
 }
 
 #[derive(Clone, Debug)]
-pub struct Schedule {
-    pub tiles: Vec<OutTile>,
-    pub gm: u64,
-    pub gn: u64,
-    pub gk: u64,
-    pub tm: u64,
-    pub tn: u64,
-    pub tk: u64,
-    pub m: u64,
-    pub n: u64,
-    pub k: u64,
-    pub a_trans: bool,
-    pub b_trans: bool,
+pub(crate) struct Schedule {
+    pub(crate) tiles: Vec<OutTile>,
+    pub(crate) gn: u64,
+    pub(crate) gk: u64,
+    pub(crate) tk: u64,
+    pub(crate) k: u64,
+    pub(crate) a_trans: bool,
+    pub(crate) b_trans: bool,
 }
 
 impl Schedule {
-    pub fn new(step: &Step, l: &Layout) -> Schedule {
+    pub(crate) fn new(step: &Step, l: &Layout) -> Schedule {
         let (gm, gn, gk) = l.grid(step);
         let mut tiles = Vec::with_capacity((gm * gn) as usize);
         for ti in 0..gm {
@@ -75,14 +70,9 @@ impl Schedule {
         }
         Schedule {
             tiles,
-            gm,
             gn,
             gk,
-            tm: l.tm,
-            tn: l.tn,
             tk: l.tk,
-            m: step.m,
-            n: step.n,
             k: step.k,
             a_trans: step.a.trans,
             b_trans: step.b.trans,
@@ -90,12 +80,12 @@ impl Schedule {
     }
 
     /// Depth of k-block `kk`.
-    pub fn kdepth(&self, kk: u64) -> u64 {
+    pub(crate) fn kdepth(&self, kk: u64) -> u64 {
         self.tk.min(self.k - kk * self.tk)
     }
 
     /// The stored block of A holding op(A)[i-block, k-block].
-    pub fn a_block(&self, t: &OutTile, kk: u64) -> Block {
+    pub(crate) fn a_block(&self, t: &OutTile, kk: u64) -> Block {
         let (r0, rows) = (t.block.r0, t.block.rows);
         let (k0, kd) = (kk * self.tk, self.kdepth(kk));
         if self.a_trans {
@@ -116,7 +106,7 @@ impl Schedule {
     }
 
     /// The stored block of B holding op(B)[k-block, j-block].
-    pub fn b_block(&self, t: &OutTile, kk: u64) -> Block {
+    pub(crate) fn b_block(&self, t: &OutTile, kk: u64) -> Block {
         let (c0, cols) = (t.block.c0, t.block.cols);
         let (k0, kd) = (kk * self.tk, self.kdepth(kk));
         if self.b_trans {
@@ -139,7 +129,7 @@ impl Schedule {
 
 /// LRU model of a lane's input-tile slots. Deterministic: the same sequence of requests gives
 /// the same hits, misses and slot numbers.
-pub struct TileCache {
+pub(crate) struct TileCache {
     owner: Vec<Option<(Src, u64, u64)>>,
     stamp: Vec<u64>,
     map: HashMap<(Src, u64, u64), usize>,
@@ -147,7 +137,7 @@ pub struct TileCache {
 }
 
 impl TileCache {
-    pub fn new(slots: usize) -> TileCache {
+    pub(crate) fn new(slots: usize) -> TileCache {
         assert!(
             slots >= 2,
             "need two slots: one A and one B tile per k-step"
@@ -160,7 +150,7 @@ impl TileCache {
         }
     }
     /// Slot for `key`, and whether it must be loaded.
-    pub fn get(&mut self, key: (Src, u64, u64)) -> (usize, bool) {
+    pub(crate) fn get(&mut self, key: (Src, u64, u64)) -> (usize, bool) {
         self.clock += 1;
         if let Some(&s) = self.map.get(&key) {
             self.stamp[s] = self.clock;
@@ -182,11 +172,17 @@ impl TileCache {
 /// Bytes each link carries for a step, from the cache model.
 #[derive(Clone, Debug, Default)]
 pub struct Traffic {
+    /// Input tiles loaded onto devices.
     pub tile_loads: u64,
+    /// Bytes read from the input files.
     pub read_bytes: u64,
+    /// Bytes copied host to device.
     pub h2d_bytes: u64,
+    /// Bytes copied device to host.
     pub d2h_bytes: u64,
+    /// Bytes written to the output.
     pub write_bytes: u64,
+    /// GEMMs run.
     pub gemms: u64,
     /// Bytes that must move at least: each input read once, the output written once.
     pub min_read_bytes: u64,
@@ -194,27 +190,27 @@ pub struct Traffic {
 
 /// The tile grid and cache size the traffic model needs (everything else is bytes per element).
 #[derive(Clone, Copy, Debug)]
-pub struct Grid {
-    pub m: u64,
-    pub n: u64,
-    pub k: u64,
-    pub tm: u64,
-    pub tn: u64,
-    pub tk: u64,
-    pub lanes: usize,
-    pub slots: usize,
+pub(crate) struct Grid {
+    pub(crate) m: u64,
+    pub(crate) n: u64,
+    pub(crate) k: u64,
+    pub(crate) tm: u64,
+    pub(crate) tn: u64,
+    pub(crate) tk: u64,
+    pub(crate) lanes: usize,
+    pub(crate) slots: usize,
 }
 
 /// Input tiles loaded into lanes' caches over a whole step, and their elements.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct InputLoads {
+pub(crate) struct InputLoads {
     /// Tile loads into device caches, all lanes together.
-    pub loads: u64,
+    pub(crate) loads: u64,
     /// Elements those loads carry (host to device).
-    pub elems: u128,
+    pub(crate) elems: u128,
     /// Elements read from the files: the same, less the B tiles that lanes running in phase
     /// share through the shared reader (one read serves every lane that needs the block).
-    pub file_elems: u128,
+    pub(crate) file_elems: u128,
 }
 
 /// What [`TileCache`] will load over the order lanes run the tiles in, before any stealing
@@ -235,7 +231,7 @@ pub struct InputLoads {
 ///
 /// Lanes in phase need the same B blocks at the same step, so the file reads of B are those of
 /// the lane with the most rows (lane 0); the A rows are disjoint between lanes.
-pub fn input_loads(g: &Grid) -> InputLoads {
+pub(crate) fn input_loads(g: &Grid) -> InputLoads {
     let (gm, gn, gk) = (g.m.div_ceil(g.tm), g.n.div_ceil(g.tn), g.k.div_ceil(g.tk));
     if gm * gn == 0 || gk == 0 {
         return InputLoads::default();

@@ -2,7 +2,7 @@
 
 /// Parse "2GiB", "512 MiB", "1.5GB", "4096", "64k". Binary (KiB) and decimal (KB) suffixes;
 /// a bare `k`/`m`/`g`/`t` is binary.
-pub fn parse_size(s: &str) -> Option<u64> {
+pub(crate) fn parse_size(s: &str) -> Option<u64> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -29,7 +29,7 @@ pub fn parse_size(s: &str) -> Option<u64> {
 }
 
 /// Format bytes as a short binary size ("1.50 GiB").
-pub fn fmt_bytes(b: u64) -> String {
+pub(crate) fn fmt_bytes(b: u64) -> String {
     let units = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut u = 0;

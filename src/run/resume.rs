@@ -19,6 +19,7 @@ pub enum ResumeState {
     Complete,
     /// Work to do on an output that is open for writing.
     Work {
+        /// The writer and the tiles left.
         work: Work,
         /// Output tiles in the step.
         total: u64,
@@ -30,7 +31,7 @@ pub enum ResumeState {
 impl ResumeState {
     /// Open the journal for `step` and decide what is left. The journal is returned so the
     /// caller can record tiles into it and mark it complete.
-    pub fn load(
+    pub(crate) fn load(
         step: &Step,
         layout: &Layout,
         fp: &Fingerprint,
@@ -76,7 +77,7 @@ impl ResumeState {
     /// tiles: those no shard journal records (under any earlier split) with a CRC that the
     /// output's bytes still match. The output must exist (prepared); it is written with
     /// `pwrite` through a sink that leaves the checksum table to `finalize`.
-    pub fn load_shard(
+    pub(crate) fn load_shard(
         step: &Step,
         layout: &Layout,
         fp: &Fingerprint,

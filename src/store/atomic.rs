@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::plan::size::fmt_bytes;
 
 /// The directory a new file at `path` goes into ("." for a bare name).
-pub fn parent_dir(path: &Path) -> PathBuf {
+pub(crate) fn parent_dir(path: &Path) -> PathBuf {
     match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
         _ => PathBuf::from("."),
@@ -26,7 +26,7 @@ pub fn parent_dir(path: &Path) -> PathBuf {
 
 /// Refuse when the filesystem holding `dir` has less than `need` bytes free for us. Filesystems
 /// that cannot be asked pass (the write itself then reports ENOSPC, and the partial file goes).
-pub fn ensure_space(dst: &Path, dir: &Path, need: u64) -> Result<()> {
+pub(crate) fn ensure_space(dst: &Path, dir: &Path, need: u64) -> Result<()> {
     if let Some(free) = fsutil::free_bytes(dir) {
         if free < need {
             return Err(Error::Usage(format!(
@@ -42,7 +42,7 @@ pub fn ensure_space(dst: &Path, dir: &Path, need: u64) -> Result<()> {
 }
 
 /// A file being written under a temporary name next to its final one.
-pub struct TempOutput {
+pub(crate) struct TempOutput {
     tmp: PathBuf,
     dst: PathBuf,
     committed: bool,
@@ -51,7 +51,7 @@ pub struct TempOutput {
 impl TempOutput {
     /// Check that `need` bytes fit beside `dst`, and choose the temporary name. Nothing is
     /// created yet: the caller creates [`TempOutput::path`].
-    pub fn new(dst: &Path, need: u64) -> Result<TempOutput> {
+    pub(crate) fn new(dst: &Path, need: u64) -> Result<TempOutput> {
         let dir = parent_dir(dst);
         let name = dst.file_name().ok_or_else(|| {
             Error::Usage(format!("{}: not a file name to write to", dst.display()))
@@ -67,13 +67,13 @@ impl TempOutput {
     }
 
     /// Where to write the bytes.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.tmp
     }
 
     /// Move the finished (and already synced) file onto its final name, and sync the
     /// directory so the rename survives a crash.
-    pub fn commit(mut self) -> Result<()> {
+    pub(crate) fn commit(mut self) -> Result<()> {
         std::fs::rename(&self.tmp, &self.dst)
             .map_err(|e| Error::io(&self.dst, "cannot move the finished file into place", e))?;
         self.committed = true;

@@ -12,13 +12,13 @@ use rustix::fs::{FallocateFlags, FlockOperation, StatVfsMountFlags};
 
 /// Free bytes for unprivileged writers on the filesystem holding `dir`; `None` if it cannot be
 /// asked (then callers skip the check rather than refuse).
-pub fn free_bytes(dir: &Path) -> Option<u64> {
+pub(crate) fn free_bytes(dir: &Path) -> Option<u64> {
     let st = rustix::fs::statvfs(dir).ok()?;
     Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// Whether the filesystem holding `dir` is mounted read-only (false if it cannot be asked).
-pub fn read_only(dir: &Path) -> bool {
+pub(crate) fn read_only(dir: &Path) -> bool {
     rustix::fs::statvfs(dir)
         .map(|st| st.f_flag.contains(StatVfsMountFlags::RDONLY))
         .unwrap_or(false)
@@ -27,7 +27,7 @@ pub fn read_only(dir: &Path) -> bool {
 /// Reserve the blocks of `file`'s first `len` bytes, so that writes through a memory map cannot
 /// fail for lack of space later (a map reports ENOSPC as SIGBUS). `Ok(false)` where the
 /// filesystem does not support preallocation; other errors (ENOSPC, EFBIG, EDQUOT) are returned.
-pub fn preallocate(file: &File, len: u64) -> io::Result<bool> {
+pub(crate) fn preallocate(file: &File, len: u64) -> io::Result<bool> {
     match rustix::fs::fallocate(file, FallocateFlags::empty(), 0, len) {
         Ok(()) => Ok(true),
         Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => Ok(false),
@@ -39,7 +39,7 @@ pub fn preallocate(file: &File, len: u64) -> io::Result<bool> {
 
 /// Take an exclusive advisory lock on `file` without waiting: `Ok(false)` if another process
 /// holds it. The lock is released when the file is closed.
-pub fn try_lock_exclusive(file: &File) -> io::Result<bool> {
+pub(crate) fn try_lock_exclusive(file: &File) -> io::Result<bool> {
     match rustix::fs::flock(file, FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => Ok(true),
         Err(e) if e == rustix::io::Errno::WOULDBLOCK => Ok(false),

@@ -15,56 +15,65 @@ use super::runs::Geometry;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-pub const MAGIC: [u8; 8] = *b"MGMTILE1";
-pub const VERSION: u32 = 1;
+pub(crate) const MAGIC: [u8; 8] = *b"MGMTILE1";
+pub(crate) const VERSION: u32 = 1;
 /// Data and tile strides are aligned to this many bytes.
-pub const ALIGN: u64 = 4096;
+pub(crate) const ALIGN: u64 = 4096;
 /// Flag bit 0: a CRC-32C per storage tile is stored at `checksum_table_offset`.
-pub const FLAG_CHECKSUMS: u64 = 1;
+pub(crate) const FLAG_CHECKSUMS: u64 = 1;
 const KNOWN_FLAGS: u64 = FLAG_CHECKSUMS;
 /// Upper bound on tile edge: a storage tile must stay far below any sane buffer size.
-pub const MAX_TILE_EDGE: u64 = 1 << 16;
+pub(crate) const MAX_TILE_EDGE: u64 = 1 << 16;
 
 /// Byte-exact on-disk header: 72 bytes, every field alignment 1, no padding.
 #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned, Clone, Copy, Debug)]
 #[repr(C)]
-pub struct RawHeader {
-    pub magic: [u8; 8],
-    pub version: U32,
-    pub dtype: U32,
-    pub rows: U64,
-    pub cols: U64,
-    pub tile_rows: U32,
-    pub tile_cols: U32,
-    pub data_offset: U64,
-    pub tile_stride: U64,
-    pub flags: U64,
-    pub checksum_table_offset: U64,
+pub(crate) struct RawHeader {
+    pub(crate) magic: [u8; 8],
+    pub(crate) version: U32,
+    pub(crate) dtype: U32,
+    pub(crate) rows: U64,
+    pub(crate) cols: U64,
+    pub(crate) tile_rows: U32,
+    pub(crate) tile_cols: U32,
+    pub(crate) data_offset: U64,
+    pub(crate) tile_stride: U64,
+    pub(crate) flags: U64,
+    pub(crate) checksum_table_offset: U64,
 }
 const _: () = assert!(std::mem::size_of::<RawHeader>() == 72);
 
 /// A validated header in native types.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// Element type.
     pub dtype: DType,
+    /// Rows.
     pub rows: u64,
+    /// Columns.
     pub cols: u64,
+    /// Rows of one storage tile.
     pub tile_rows: u64,
+    /// Columns of one storage tile.
     pub tile_cols: u64,
+    /// Byte offset of the first tile.
     pub data_offset: u64,
+    /// Bytes from one tile to the next.
     pub tile_stride: u64,
+    /// Flag bits ([`FLAG_CHECKSUMS`]).
     pub flags: u64,
+    /// Byte offset of the CRC table (with [`FLAG_CHECKSUMS`]).
     pub checksum_table_offset: u64,
 }
 
-pub fn round_up(x: u64, a: u64) -> u64 {
+pub(crate) fn round_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
 impl Header {
     /// A fresh header with the canonical layout: data at 4096, stride = tile bytes rounded up
     /// to 4096. Checksum table (if any) directly after the data.
-    pub fn new(
+    pub(crate) fn new(
         dtype: DType,
         rows: u64,
         cols: u64,
@@ -91,15 +100,19 @@ impl Header {
         h
     }
 
+    /// Rows of tiles.
     pub fn grid_rows(&self) -> u64 {
         self.rows.div_ceil(self.tile_rows)
     }
+    /// Columns of tiles.
     pub fn grid_cols(&self) -> u64 {
         self.cols.div_ceil(self.tile_cols)
     }
+    /// Tiles in all.
     pub fn tiles(&self) -> u64 {
         self.grid_rows() * self.grid_cols()
     }
+    /// Bytes per element.
     pub fn elem(&self) -> usize {
         self.dtype.size()
     }
@@ -115,12 +128,14 @@ impl Header {
             tile_stride: self.tile_stride,
         }
     }
+    /// Byte offset of tile (`ti`, `tj`).
     pub fn tile_offset(&self, ti: u64, tj: u64) -> u64 {
         self.data_offset + (ti * self.grid_cols() + tj) * self.tile_stride
     }
-    pub fn data_end(&self) -> u64 {
+    pub(crate) fn data_end(&self) -> u64 {
         self.data_offset + self.tiles() * self.tile_stride
     }
+    /// Whether the file has a CRC per tile.
     pub fn has_checksums(&self) -> bool {
         self.flags & FLAG_CHECKSUMS != 0
     }
@@ -133,7 +148,7 @@ impl Header {
         }
     }
 
-    pub fn to_raw(&self) -> RawHeader {
+    pub(crate) fn to_raw(self) -> RawHeader {
         RawHeader {
             magic: MAGIC,
             version: U32::new(VERSION),
@@ -150,7 +165,7 @@ impl Header {
     }
 
     /// The full 4096-byte header block (fields, then zeros up to data_offset's first page).
-    pub fn to_block(&self) -> Vec<u8> {
+    pub(crate) fn to_block(self) -> Vec<u8> {
         let mut b = vec![0u8; ALIGN as usize];
         self.to_raw()
             .write_to_prefix(&mut b)
@@ -159,7 +174,7 @@ impl Header {
     }
 
     /// Parse and validate `bytes` (the start of the file) against the file length `file_len`.
-    pub fn parse(path: &Path, bytes: &[u8], file_len: u64) -> Result<Header> {
+    pub(crate) fn parse(path: &Path, bytes: &[u8], file_len: u64) -> Result<Header> {
         let bad = |msg: String| Error::format(path, msg);
         let (raw, _) = RawHeader::ref_from_prefix(bytes).map_err(|_| {
             bad(format!(
@@ -184,84 +199,95 @@ impl Header {
                 raw.dtype.get()
             ))
         })?;
-        let rows = raw.rows.get();
-        let cols = raw.cols.get();
-        let tile_rows = raw.tile_rows.get() as u64;
-        let tile_cols = raw.tile_cols.get() as u64;
-        for (name, v) in [("rows", rows), ("cols", cols)] {
+        let h = Header {
+            dtype,
+            rows: raw.rows.get(),
+            cols: raw.cols.get(),
+            tile_rows: raw.tile_rows.get() as u64,
+            tile_cols: raw.tile_cols.get() as u64,
+            data_offset: raw.data_offset.get(),
+            tile_stride: raw.tile_stride.get(),
+            flags: raw.flags.get(),
+            checksum_table_offset: raw.checksum_table_offset.get(),
+        };
+        h.check_fields(path)?;
+        let needed = h.needed_len(path)?;
+        if file_len < needed {
+            let (rows, cols, tile_rows, tile_cols) = (h.rows, h.cols, h.tile_rows, h.tile_cols);
+            return Err(bad(format!(
+                "file is {file_len} bytes but its header ({rows}×{cols} {dtype}, {tile_rows}×{tile_cols} tiles) needs {needed}: the file is truncated"
+            )));
+        }
+        Ok(h)
+    }
+
+    /// Check the shape, tile and layout fields of a header read from `path` on their own.
+    fn check_fields(&self, path: &Path) -> Result<()> {
+        let bad = |msg: String| Error::format(path, msg);
+        for (name, v) in [("rows", self.rows), ("cols", self.cols)] {
             if v == 0 {
                 return Err(bad(format!(
                     "header field `{name}` is 0: empty matrices are not supported"
                 )));
             }
         }
-        for (name, v) in [("tile_rows", tile_rows), ("tile_cols", tile_cols)] {
+        for (name, v) in [("tile_rows", self.tile_rows), ("tile_cols", self.tile_cols)] {
             if v == 0 || v > MAX_TILE_EDGE {
                 return Err(bad(format!(
                     "header field `{name}` is {v}; it must be between 1 and {MAX_TILE_EDGE}"
                 )));
             }
         }
-        let data_offset = raw.data_offset.get();
-        if data_offset < ALIGN || data_offset % ALIGN != 0 {
+        let data_offset = self.data_offset;
+        if data_offset < ALIGN || !data_offset.is_multiple_of(ALIGN) {
             return Err(bad(format!(
                 "header field `data_offset` is {data_offset}; it must be a non-zero multiple of {ALIGN}"
             )));
         }
-        let tile_stride = raw.tile_stride.get();
-        let tile_bytes = tile_rows * tile_cols * dtype.size() as u64; // ≤ 2^32·8, no overflow
-        if tile_stride < tile_bytes || tile_stride % ALIGN != 0 {
+        let tile_stride = self.tile_stride;
+        let size = self.dtype.size();
+        let tile_bytes = self.tile_rows * self.tile_cols * size as u64; // ≤ 2^32·8, no overflow
+        if tile_stride < tile_bytes || !tile_stride.is_multiple_of(ALIGN) {
             return Err(bad(format!(
-                "header field `tile_stride` is {tile_stride}; it must be a multiple of {ALIGN} and at least tile_rows·tile_cols·{} = {tile_bytes}",
-                dtype.size()
+                "header field `tile_stride` is {tile_stride}; it must be a multiple of {ALIGN} and at least tile_rows·tile_cols·{size} = {tile_bytes}"
             )));
         }
-        let flags = raw.flags.get();
+        let flags = self.flags;
         if flags & !KNOWN_FLAGS != 0 {
             return Err(bad(format!(
                 "header field `flags` is {flags:#x}: unknown bits set; the file was written by a newer version"
             )));
         }
-        let tiles = rows
+        Ok(())
+    }
+
+    /// The file length a header read from `path` needs (data, then the checksum table if any),
+    /// with checked arithmetic: a header whose sizes overflow is an error.
+    fn needed_len(&self, path: &Path) -> Result<u64> {
+        let bad = |msg: String| Error::format(path, msg);
+        let (rows, cols, tile_rows, tile_cols) =
+            (self.rows, self.cols, self.tile_rows, self.tile_cols);
+        let tile_stride = self.tile_stride;
+        let data_end = rows
             .div_ceil(tile_rows)
-            .checked_mul(cols.div_ceil(tile_cols));
-        let data_end = tiles
+            .checked_mul(cols.div_ceil(tile_cols))
             .and_then(|t| t.checked_mul(tile_stride))
-            .and_then(|b| b.checked_add(data_offset))
+            .and_then(|b| b.checked_add(self.data_offset))
             .ok_or_else(|| {
                 bad(format!(
                     "header sizes overflow: {rows}×{cols} in {tile_rows}×{tile_cols} tiles of {tile_stride} bytes cannot be addressed"
                 ))
             })?;
-        let checksum_table_offset = raw.checksum_table_offset.get();
-        let h = Header {
-            dtype,
-            rows,
-            cols,
-            tile_rows,
-            tile_cols,
-            data_offset,
-            tile_stride,
-            flags,
-            checksum_table_offset,
-        };
-        let needed = if h.has_checksums() {
-            if checksum_table_offset < data_end || checksum_table_offset % ALIGN != 0 {
-                return Err(bad(format!(
-                    "header field `checksum_table_offset` is {checksum_table_offset}; it must be a multiple of {ALIGN} at or after the end of the tile data ({data_end})"
-                )));
-            }
-            checksum_table_offset
-                .checked_add(h.tiles() * 4)
-                .ok_or_else(|| bad("header field `checksum_table_offset` overflows".into()))?
-        } else {
-            data_end
-        };
-        if file_len < needed {
+        if !self.has_checksums() {
+            return Ok(data_end);
+        }
+        let off = self.checksum_table_offset;
+        if off < data_end || !off.is_multiple_of(ALIGN) {
             return Err(bad(format!(
-                "file is {file_len} bytes but its header ({rows}×{cols} {dtype}, {tile_rows}×{tile_cols} tiles) needs {needed}: the file is truncated"
+                "header field `checksum_table_offset` is {off}; it must be a multiple of {ALIGN} at or after the end of the tile data ({data_end})"
             )));
         }
-        Ok(h)
+        off.checked_add(self.tiles() * 4)
+            .ok_or_else(|| bad("header field `checksum_table_offset` overflows".into()))
     }
 }

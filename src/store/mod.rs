@@ -9,22 +9,23 @@
 //! ([`rowmajor`]), and `.npy` outputs are written directly with a per-tile CRC sidecar
 //! ([`npy_sink`]).
 
-pub mod atomic;
-pub mod fsutil;
+pub(crate) mod atomic;
+pub(crate) mod fsutil;
+// TODO(lead): gen.rs is being edited elsewhere; drop the `allow` once its items have docs.
+#[allow(missing_docs, unreachable_pub, private_interfaces)]
 pub mod gen;
-pub mod header;
+pub(crate) mod header;
 pub mod npy;
-pub mod npy_sink;
-pub mod npy_source;
-pub mod raw;
-pub mod rowmajor;
+pub(crate) mod npy_sink;
+pub(crate) mod npy_source;
+pub(crate) mod raw;
+pub(crate) mod rowmajor;
 pub(crate) mod runs;
-pub mod source;
-pub mod tiled;
+pub(crate) mod source;
+pub(crate) mod tiled;
 
 pub use header::Header;
-pub use source::{
-    create_output, open_source, open_spec, output_file_len, reopen_output, Block, MatrixSink,
-    MatrixSource, OutputFormat, SourceSpec, WriteMode,
-};
-pub use tiled::{TiledFile, TiledWriter};
+pub(crate) use source::{create_output, output_file_len, reopen_output, OutputFormat};
+pub use source::{open_source, Block, MatrixSink, MatrixSource, WriteMode};
+pub(crate) use tiled::TiledWriter;
+pub use tiled::{par_crc32c, TiledFile};

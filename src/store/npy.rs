@@ -26,9 +26,13 @@ const CHUNK_BYTES: usize = 64 << 20;
 /// Refuse headers longer than this (numpy's own limit is far smaller for sane arrays).
 const MAX_HEADER: usize = 1 << 20;
 
+/// The parts of a `.npy` header the engine uses.
 pub struct NpyHeader {
+    /// Element type.
     pub dtype: DType,
+    /// Rows.
     pub rows: u64,
+    /// Columns.
     pub cols: u64,
     /// Stored column by column (`fortran_order`): the bytes are the row-major transpose.
     pub fortran: bool,
@@ -361,7 +365,7 @@ pub fn read_header(path: &Path, r: &mut impl Read) -> Result<NpyHeader> {
 /// Import `src` into a new tiled file `dst` with storage tiles `tile`. `src` is anything a
 /// source reads: a `.npy` array (C or Fortran order, f16/f32/f64), a `.mgt` file, or a raw
 /// descriptor `raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH`.
-pub fn import(src: &Path, dst: &Path, tile: (u64, u64)) -> Result<Header> {
+pub(crate) fn import(src: &Path, dst: &Path, tile: (u64, u64)) -> Result<Header> {
     let spec = SourceSpec::parse_arg(&src.to_string_lossy())?;
     let s = spec.open()?;
     let (sr, sc) = s.shape();
@@ -441,7 +445,12 @@ pub fn header_bytes(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
 }
 
 /// The bytes of a .npy header for a 2-D array, C or Fortran (`fortran`) order.
-pub fn header_bytes_order(dtype: DType, rows: u64, cols: u64, fortran: bool) -> Result<Vec<u8>> {
+pub(crate) fn header_bytes_order(
+    dtype: DType,
+    rows: u64,
+    cols: u64,
+    fortran: bool,
+) -> Result<Vec<u8>> {
     let descr = match dtype {
         DType::F32 => "<f4",
         DType::F64 => "<f8",
@@ -480,7 +489,7 @@ pub fn header_bytes_order(dtype: DType, rows: u64, cols: u64, fortran: bool) -> 
 
 /// Export tiled file `src` to `dst` (.npy). 16-bit files are widened to f32. `dst` appears only
 /// when complete.
-pub fn export(src: &Path, dst: &Path) -> Result<()> {
+pub(crate) fn export(src: &Path, dst: &Path) -> Result<()> {
     // Any source (.mgt, .npy, raw:…); a transposed (column-major) one is written as a
     // Fortran-order array, byte for byte its stored row-major transpose.
     let t = SourceSpec::parse_arg(&src.to_string_lossy())?.open()?;

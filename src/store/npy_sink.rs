@@ -34,10 +34,10 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// Where the data of every `.npy` output starts.
-pub const DATA_OFFSET: u64 = 4096;
+pub(crate) const DATA_OFFSET: u64 = 4096;
 
 /// The 4096-byte header of a C-order `.npy` output.
-pub fn header(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
+pub(crate) fn header(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
     let descr = match dtype {
         DType::F32 => "<f4",
         DType::F64 => "<f8",
@@ -59,13 +59,13 @@ pub fn header(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
 }
 
 /// File length of the `.npy` output for `hdr` (sidecar included).
-pub fn file_len(hdr: &Header) -> u64 {
+pub(crate) fn file_len(hdr: &Header) -> u64 {
     let tiles = hdr.rows.div_ceil(hdr.tile_rows) * hdr.cols.div_ceil(hdr.tile_cols);
     DATA_OFFSET + hdr.rows * hdr.cols * hdr.dtype.size() as u64 + 60 + 4 * tiles
 }
 
 /// A `.npy` output being written.
-pub struct NpyWriter {
+pub(crate) struct NpyWriter {
     path: PathBuf,
     file: File,
     map: MmapMut,
@@ -79,7 +79,7 @@ pub struct NpyWriter {
 
 impl NpyWriter {
     /// Create `path` (replacing it and removing a stale sidecar) for the matrix `hdr` describes.
-    pub fn create(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
+    pub(crate) fn create(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         let _ = std::fs::remove_file(sidecar_path(path));
         let file = OpenOptions::new()
             .read(true)
@@ -95,7 +95,7 @@ impl NpyWriter {
     }
 
     /// Reopen a partly written output to resume it; its header must be the one `hdr` gives.
-    pub fn reopen(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
+    pub(crate) fn reopen(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         let _ = std::fs::remove_file(sidecar_path(path));
         let file = OpenOptions::new()
             .read(true)
@@ -272,7 +272,7 @@ impl MatrixSink for NpyWriter {
 }
 
 /// Write the sidecar of `npy` atomically (temporary file, then rename).
-pub fn write_sidecar(npy: &Path, side: &Sidecar, durable: bool) -> Result<()> {
+pub(crate) fn write_sidecar(npy: &Path, side: &Sidecar, durable: bool) -> Result<()> {
     let sp = sidecar_path(npy);
     let mut tmp = sp.as_os_str().to_owned();
     tmp.push(".tmp");

@@ -23,7 +23,7 @@ const MAGIC: &[u8; 8] = b"MGMNPYC1";
 const HEAD: usize = 56;
 
 /// The sidecar beside a `.npy` file: `C.npy` → `C.npy.crc32c`.
-pub fn sidecar_path(npy: &Path) -> PathBuf {
+pub(crate) fn sidecar_path(npy: &Path) -> PathBuf {
     let mut s = npy.as_os_str().to_owned();
     s.push(".crc32c");
     PathBuf::from(s)
@@ -31,20 +31,20 @@ pub fn sidecar_path(npy: &Path) -> PathBuf {
 
 /// The content of a sidecar.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Sidecar {
-    pub dtype: DType,
-    pub rows: u64,
-    pub cols: u64,
-    pub data_offset: u64,
-    pub file_len: u64,
-    pub crcs: TileCrcs,
+pub(crate) struct Sidecar {
+    pub(crate) dtype: DType,
+    pub(crate) rows: u64,
+    pub(crate) cols: u64,
+    pub(crate) data_offset: u64,
+    pub(crate) file_len: u64,
+    pub(crate) crcs: TileCrcs,
 }
 
 impl Sidecar {
     /// Little-endian bytes: magic, u32 version 1, u32 dtype code, u64 rows, u64 cols, u32 tile
     /// rows, u32 tile cols, u64 data offset, u64 `.npy` file length, the CRC table (grid
     /// row-major), then a CRC-32C of everything before it.
-    pub fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(HEAD + 4 * self.crcs.crcs.len() + 4);
         v.extend_from_slice(MAGIC);
         v.extend_from_slice(&1u32.to_le_bytes());
@@ -64,7 +64,7 @@ impl Sidecar {
     }
 
     /// Parse sidecar bytes; a message says what is wrong.
-    pub fn decode(b: &[u8]) -> std::result::Result<Sidecar, String> {
+    pub(crate) fn decode(b: &[u8]) -> std::result::Result<Sidecar, String> {
         if b.len() < HEAD + 4 || &b[..8] != MAGIC {
             return Err("not a sidecar (bad magic or too short)".into());
         }
@@ -130,7 +130,7 @@ fn load_sidecar(path: &Path, spec: &RowMajorSpec, len: u64) -> (Option<TileCrcs>
 }
 
 /// Open a `.npy` file for reading in place.
-pub fn open(path: &Path) -> Result<RowMajorFile> {
+pub(crate) fn open(path: &Path) -> Result<RowMajorFile> {
     let f = File::open(path).map_err(|e| Error::io(path, "cannot open .npy file", e))?;
     let len = f
         .metadata()

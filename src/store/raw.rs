@@ -6,7 +6,7 @@
 //! and dtypes before any data is read. Column-major (`order = "F"`) files are the row-major
 //! transpose and are read as such ([`super::rowmajor`]).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use super::rowmajor::{data_end, RowMajorFile, RowMajorSpec};
 use crate::dtype::DType;
@@ -22,7 +22,7 @@ pub enum Order {
 }
 
 impl Order {
-    pub fn parse(s: &str) -> Option<Order> {
+    pub(crate) fn parse(s: &str) -> Option<Order> {
         match s {
             "C" | "c" => Some(Order::C),
             "F" | "f" => Some(Order::F),
@@ -45,7 +45,7 @@ pub struct RawSpec {
 impl RawSpec {
     /// Parse the command-line form `rows=R,cols=C,dtype=D[,order=C|F][,offset=N]:PATH` (what
     /// follows `raw:`).
-    pub fn parse_arg(s: &str) -> Result<RawSpec> {
+    pub(crate) fn parse_arg(s: &str) -> Result<RawSpec> {
         let usage = |why: String| {
             Error::Usage(format!(
                 "raw:{s}: {why}; write raw:rows=R,cols=C,dtype=f32[,order=F][,offset=N]:PATH"
@@ -92,7 +92,7 @@ impl RawSpec {
     }
 
     /// The row-major layout this declaration gives the file.
-    pub fn row_major(&self) -> RowMajorSpec {
+    pub(crate) fn row_major(&self) -> RowMajorSpec {
         let t = self.order == Order::F;
         RowMajorSpec {
             rows: if t { self.cols } else { self.rows },
@@ -105,7 +105,7 @@ impl RawSpec {
     }
 
     /// Check the declaration against the file: it exists and is exactly as long as declared.
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let p = &self.path;
         if self.rows == 0 || self.cols == 0 {
             return Err(Error::format(
@@ -131,13 +131,9 @@ impl RawSpec {
     }
 
     /// Open the file for reading (after [`RawSpec::check`]).
-    pub fn open(&self) -> Result<RowMajorFile> {
+    pub(crate) fn open(&self) -> Result<RowMajorFile> {
         self.check()?;
         RowMajorFile::open(&self.path, self.row_major(), None)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
 

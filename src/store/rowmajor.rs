@@ -47,27 +47,27 @@ const SAMPLES: u64 = 8;
 /// Per-tile CRCs kept beside the data (the `.npy` sidecar): tile shape and one CRC-32C per tile
 /// of the tile's elements taken row by row (edge tiles clipped), grid row-major.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TileCrcs {
-    pub tile: (u64, u64),
-    pub crcs: Vec<u32>,
+pub(crate) struct TileCrcs {
+    pub(crate) tile: (u64, u64),
+    pub(crate) crcs: Vec<u32>,
 }
 
 /// Where a row-major matrix lies and what it is.
 #[derive(Clone, Debug)]
-pub struct RowMajorSpec {
+pub(crate) struct RowMajorSpec {
     /// Stored (row-major) shape.
-    pub rows: u64,
-    pub cols: u64,
-    pub dtype: DType,
-    pub data_offset: u64,
+    pub(crate) rows: u64,
+    pub(crate) cols: u64,
+    pub(crate) dtype: DType,
+    pub(crate) data_offset: u64,
     /// The file stores the declared matrix's transpose (Fortran / column-major order).
-    pub transposed: bool,
+    pub(crate) transposed: bool,
     /// How the format is described in `info` and in the journal identity (".npy v1.0", "raw").
-    pub kind: String,
+    pub(crate) kind: String,
 }
 
 /// A row-major matrix file opened for reading.
-pub struct RowMajorFile {
+pub(crate) struct RowMajorFile {
     path: PathBuf,
     file: File,
     map: Mmap,
@@ -82,7 +82,11 @@ pub struct RowMajorFile {
 impl RowMajorFile {
     /// Open `path` holding `spec`; the file must be at least as long as the data. `crcs`, when
     /// given, must describe this shape (the caller validated the sidecar).
-    pub fn open(path: &Path, spec: RowMajorSpec, crcs: Option<TileCrcs>) -> Result<RowMajorFile> {
+    pub(crate) fn open(
+        path: &Path,
+        spec: RowMajorSpec,
+        crcs: Option<TileCrcs>,
+    ) -> Result<RowMajorFile> {
         let file = File::open(path).map_err(|e| Error::io(path, "cannot open matrix file", e))?;
         let meta = file
             .metadata()
@@ -123,16 +127,6 @@ impl RowMajorFile {
             crcs,
             verified: OnceLock::new(),
         })
-    }
-
-    pub fn spec(&self) -> &RowMajorSpec {
-        &self.spec
-    }
-    pub fn file_len(&self) -> u64 {
-        self.len
-    }
-    pub fn tile_crcs(&self) -> Option<&TileCrcs> {
-        self.crcs.as_ref()
     }
 
     /// Whether the pages of file bytes `span` are (nearly all) in the page cache.
@@ -247,7 +241,7 @@ impl RowMajorFile {
     /// header plus [`SAMPLES`] samples of [`SAMPLE`] bytes spread over the data. Cheap, and it
     /// changes when the file is rewritten or resized; an in-place edit between samples that
     /// keeps the modification time is not seen (documented in docs/FORMAT.md).
-    pub fn identity(&self) -> String {
+    pub(crate) fn identity(&self) -> String {
         let mut crc = crc32c::crc32c(&self.map[..self.spec.data_offset as usize]);
         let (start, end) = (self.spec.data_offset, self.len);
         let span = end - start;
@@ -267,7 +261,7 @@ impl RowMajorFile {
 }
 
 /// End of the data: offset + rows·cols·element size, or `None` on overflow.
-pub fn data_end(spec: &RowMajorSpec) -> Option<u64> {
+pub(crate) fn data_end(spec: &RowMajorSpec) -> Option<u64> {
     spec.rows
         .checked_mul(spec.cols)
         .and_then(|n| n.checked_mul(spec.dtype.size() as u64))

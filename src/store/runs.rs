@@ -20,20 +20,20 @@ pub(crate) const IO_SPAN: u64 = 4 << 20;
 /// `data_offset` on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Geometry {
-    pub rows: u64,
-    pub cols: u64,
-    pub tile_rows: u64,
-    pub tile_cols: u64,
+    pub(crate) rows: u64,
+    pub(crate) cols: u64,
+    pub(crate) tile_rows: u64,
+    pub(crate) tile_cols: u64,
     /// Bytes per element in the file.
-    pub elem: u64,
-    pub data_offset: u64,
-    pub tile_stride: u64,
+    pub(crate) elem: u64,
+    pub(crate) data_offset: u64,
+    pub(crate) tile_stride: u64,
 }
 
 impl Geometry {
     /// A plain row-major matrix at `data_offset`: one storage tile holding the whole matrix.
     #[cfg_attr(not(test), allow(dead_code))] // the row-major sources of a later issue use it
-    pub fn row_major(rows: u64, cols: u64, elem: u64, data_offset: u64) -> Geometry {
+    pub(crate) fn row_major(rows: u64, cols: u64, elem: u64, data_offset: u64) -> Geometry {
         Geometry {
             rows,
             cols,
@@ -45,21 +45,21 @@ impl Geometry {
         }
     }
 
-    pub fn grid_cols(&self) -> u64 {
+    pub(crate) fn grid_cols(&self) -> u64 {
         self.cols.div_ceil(self.tile_cols)
     }
 
     /// Index of storage tile (ti, tj) in grid row-major order (the checksum table's order).
-    pub fn tile_index(&self, ti: u64, tj: u64) -> usize {
+    pub(crate) fn tile_index(&self, ti: u64, tj: u64) -> usize {
         (ti * self.grid_cols() + tj) as usize
     }
 
-    pub fn tile_offset(&self, ti: u64, tj: u64) -> u64 {
+    pub(crate) fn tile_offset(&self, ti: u64, tj: u64) -> u64 {
         self.data_offset + (ti * self.grid_cols() + tj) * self.tile_stride
     }
 
     /// Storage tiles that `b` touches, as (tile-row, tile-column) ranges.
-    pub fn tiles_of(&self, b: &Block) -> (Range<u64>, Range<u64>) {
+    pub(crate) fn tiles_of(&self, b: &Block) -> (Range<u64>, Range<u64>) {
         (
             b.r0 / self.tile_rows..(b.r0 + b.rows).div_ceil(self.tile_rows),
             b.c0 / self.tile_cols..(b.c0 + b.cols).div_ceil(self.tile_cols),
@@ -67,13 +67,13 @@ impl Geometry {
     }
 
     /// Every storage tile `b` touches, in grid row-major order.
-    pub fn tiles_iter(&self, b: &Block) -> impl Iterator<Item = (u64, u64)> {
+    pub(crate) fn tiles_iter(&self, b: &Block) -> impl Iterator<Item = (u64, u64)> {
         let (tis, tjs) = self.tiles_of(b);
         tis.flat_map(move |ti| tjs.clone().map(move |tj| (ti, tj)))
     }
 
     /// Whether `b` covers every element of storage tile (ti, tj) (edge tiles are partial).
-    pub fn covers_tile(&self, b: &Block, ti: u64, tj: u64) -> bool {
+    pub(crate) fn covers_tile(&self, b: &Block, ti: u64, tj: u64) -> bool {
         let (tr0, tc0) = (ti * self.tile_rows, tj * self.tile_cols);
         let tr1 = ((ti + 1) * self.tile_rows).min(self.rows);
         let tc1 = ((tj + 1) * self.tile_cols).min(self.cols);
@@ -81,7 +81,7 @@ impl Geometry {
     }
 
     /// Whether `b` is exactly storage tile (ti, tj) at its full (unclipped) size.
-    pub fn is_exact_tile(&self, b: &Block, ti: u64, tj: u64) -> bool {
+    pub(crate) fn is_exact_tile(&self, b: &Block, ti: u64, tj: u64) -> bool {
         (b.r0, b.c0, b.rows, b.cols)
             == (
                 ti * self.tile_rows,
@@ -93,7 +93,7 @@ impl Geometry {
 
     /// Per tile-row of `b`, the byte range from the first to the end of the last storage tile
     /// `b` touches in that row (contiguous in the file): what prefault and flush operate on.
-    pub fn tile_row_spans(&self, b: &Block) -> impl Iterator<Item = Range<u64>> + '_ {
+    pub(crate) fn tile_row_spans(&self, b: &Block) -> impl Iterator<Item = Range<u64>> + '_ {
         let (tis, tjs) = self.tiles_of(b);
         tis.map(move |ti| {
             self.tile_offset(ti, tjs.start)..self.tile_offset(ti, tjs.end - 1) + self.tile_stride
@@ -106,38 +106,38 @@ impl Geometry {
 /// `buf_pitch` apart in the dense row-major block buffer).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Run {
-    pub file_off: u64,
-    pub file_pitch: u64,
-    pub buf_off: usize,
-    pub buf_pitch: usize,
-    pub row_len: usize,
-    pub rows: usize,
+    pub(crate) file_off: u64,
+    pub(crate) file_pitch: u64,
+    pub(crate) buf_off: usize,
+    pub(crate) buf_pitch: usize,
+    pub(crate) row_len: usize,
+    pub(crate) rows: usize,
 }
 
 impl Run {
     /// The run's rows are back to back in the file.
-    pub fn file_contiguous(&self) -> bool {
+    pub(crate) fn file_contiguous(&self) -> bool {
         self.rows == 1 || self.row_len as u64 == self.file_pitch
     }
     /// The run's rows are back to back in the block buffer.
-    pub fn buf_contiguous(&self) -> bool {
+    pub(crate) fn buf_contiguous(&self) -> bool {
         self.rows == 1 || self.row_len == self.buf_pitch
     }
     /// Bytes of matrix data in the run.
-    pub fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         self.rows * self.row_len
     }
     /// The file bytes from the run's first to its last element.
-    pub fn file_span(&self) -> Range<u64> {
+    pub(crate) fn file_span(&self) -> Range<u64> {
         self.file_off
             ..self.file_off + (self.rows as u64 - 1) * self.file_pitch + self.row_len as u64
     }
     /// The block-buffer bytes from the run's first to its last element.
-    pub fn buf_span(&self) -> Range<usize> {
+    pub(crate) fn buf_span(&self) -> Range<usize> {
         self.buf_off..self.buf_off + (self.rows - 1) * self.buf_pitch + self.row_len
     }
     /// Row `r` of the run: (file offset, block-buffer offset), each `row_len` bytes long.
-    pub fn row(&self, r: usize) -> (u64, usize) {
+    pub(crate) fn row(&self, r: usize) -> (u64, usize) {
         (
             self.file_off + r as u64 * self.file_pitch,
             self.buf_off + r * self.buf_pitch,

@@ -17,13 +17,18 @@ use crate::error::{Error, Result};
 /// A block of a matrix: rows `r0..r0+rows`, columns `c0..c0+cols`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Block {
+    /// First row.
     pub r0: u64,
+    /// First column.
     pub c0: u64,
+    /// Rows.
     pub rows: u64,
+    /// Columns.
     pub cols: u64,
 }
 
 impl Block {
+    /// Elements in the block.
     pub fn elems(&self) -> usize {
         (self.rows * self.cols) as usize
     }
@@ -99,7 +104,7 @@ pub trait MatrixSink: Send + Sync {
 
 /// Open a matrix file for reading, choosing the implementation by its first bytes: `.mgt`
 /// (`MGMTILE1`) or `.npy` (`\x93NUMPY`). A raw binary file has no header and must be described
-/// ([`SourceSpec::Raw`], [`open_spec`]).
+/// ([`SourceSpec::Raw`]).
 pub fn open_source(path: &Path) -> Result<Arc<dyn MatrixSource>> {
     let meta =
         std::fs::metadata(path).map_err(|e| Error::io(path, "cannot open matrix file", e))?;
@@ -128,7 +133,7 @@ pub fn open_source(path: &Path) -> Result<Arc<dyn MatrixSource>> {
 /// `info` for anything that is not a `.mgt` file (`None` for a `.mgt`, which the caller prints
 /// from its header): a `.npy` array or a `raw:…` descriptor, described, and with `check` every
 /// sidecar tile's CRC verified.
-pub fn inspect(arg: &Path, check: bool) -> Result<Option<String>> {
+pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<String>> {
     let spec = SourceSpec::parse_arg(&arg.to_string_lossy())?;
     if let SourceSpec::File(p) = &spec {
         let mut magic = [0u8; 8];
@@ -170,26 +175,26 @@ pub fn inspect(arg: &Path, check: bool) -> Result<Option<String>> {
 /// Where a matrix comes from: a self-describing file (`.mgt`, `.npy`), or a raw binary file
 /// and its declared layout.
 #[derive(Clone, Debug, PartialEq)]
-pub enum SourceSpec {
+pub(crate) enum SourceSpec {
     File(PathBuf),
     Raw(super::raw::RawSpec),
 }
 
 impl SourceSpec {
     /// A command-line argument: `raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH`, or a path.
-    pub fn parse_arg(arg: &str) -> Result<SourceSpec> {
+    pub(crate) fn parse_arg(arg: &str) -> Result<SourceSpec> {
         match arg.strip_prefix("raw:") {
             Some(rest) => Ok(SourceSpec::Raw(super::raw::RawSpec::parse_arg(rest)?)),
             None => Ok(SourceSpec::File(PathBuf::from(arg))),
         }
     }
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         match self {
             SourceSpec::File(p) => p,
             SourceSpec::Raw(r) => &r.path,
         }
     }
-    pub fn open(&self) -> Result<Arc<dyn MatrixSource>> {
+    pub(crate) fn open(&self) -> Result<Arc<dyn MatrixSource>> {
         match self {
             SourceSpec::File(p) => open_source(p),
             SourceSpec::Raw(r) => Ok(Arc::new(r.open()?)),
@@ -197,20 +202,15 @@ impl SourceSpec {
     }
 }
 
-/// Open `spec` for reading.
-pub fn open_spec(spec: &SourceSpec) -> Result<Arc<dyn MatrixSource>> {
-    spec.open()
-}
-
 /// What an output file holds: chosen by the output path's extension (`.npy`, else `.mgt`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OutputFormat {
+pub(crate) enum OutputFormat {
     Mgt,
     Npy,
 }
 
 impl OutputFormat {
-    pub fn of(path: &Path) -> OutputFormat {
+    pub(crate) fn of(path: &Path) -> OutputFormat {
         match path.extension().and_then(|e| e.to_str()) {
             Some(e) if e.eq_ignore_ascii_case("npy") => OutputFormat::Npy,
             _ => OutputFormat::Mgt,
@@ -219,7 +219,7 @@ impl OutputFormat {
 }
 
 /// Bytes the output `path` with (`.mgt`-style) header `hdr` takes on disk, sidecar included.
-pub fn output_file_len(path: &Path, hdr: &super::Header) -> u64 {
+pub(crate) fn output_file_len(path: &Path, hdr: &super::Header) -> u64 {
     match OutputFormat::of(path) {
         OutputFormat::Mgt => hdr.file_len(),
         OutputFormat::Npy => super::npy_sink::file_len(hdr),
@@ -228,7 +228,7 @@ pub fn output_file_len(path: &Path, hdr: &super::Header) -> u64 {
 
 /// Create the output `path` for the matrix `hdr` describes (its shape, dtype and storage tile;
 /// a `.npy` output keeps the tile for its checksum sidecar).
-pub fn create_output(
+pub(crate) fn create_output(
     path: &Path,
     hdr: super::Header,
     mode: WriteMode,
@@ -240,7 +240,7 @@ pub fn create_output(
 }
 
 /// Reopen the partly written output `path` to resume it; it must match `hdr`.
-pub fn reopen_output(
+pub(crate) fn reopen_output(
     path: &Path,
     hdr: super::Header,
     mode: WriteMode,
@@ -266,33 +266,29 @@ pub fn reopen_output(
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WriteMode {
     #[default]
+    /// Chosen by the file size and the host budget.
     Auto,
+    /// Through a shared memory map.
     Mmap,
+    /// With `pwrite`.
     Pwrite,
 }
 
 impl WriteMode {
     /// The concrete mode for an output of `output_bytes` under a host budget of `host_memory`.
-    pub fn resolve(self, output_bytes: u64, host_memory: u64) -> WriteMode {
+    pub(crate) fn resolve(self, output_bytes: u64, host_memory: u64) -> WriteMode {
         match self {
             WriteMode::Auto if output_bytes <= host_memory => WriteMode::Mmap,
             WriteMode::Auto => WriteMode::Pwrite,
             m => m,
         }
     }
-    pub fn parse(s: &str) -> Option<WriteMode> {
+    pub(crate) fn parse(s: &str) -> Option<WriteMode> {
         match s {
             "auto" => Some(WriteMode::Auto),
             "mmap" => Some(WriteMode::Mmap),
             "pwrite" => Some(WriteMode::Pwrite),
             _ => None,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            WriteMode::Auto => "auto",
-            WriteMode::Mmap => "mmap",
-            WriteMode::Pwrite => "pwrite",
         }
     }
 }

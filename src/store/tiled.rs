@@ -202,6 +202,7 @@ pub struct TiledFile {
     path: PathBuf,
     file: File,
     map: Mmap,
+    /// The validated header.
     pub hdr: Header,
     geo: Geometry,
     /// Per storage tile: its checksum was verified (allocated on first verification).
@@ -209,6 +210,7 @@ pub struct TiledFile {
 }
 
 impl TiledFile {
+    /// Open and validate the `.mgt` file at `path` (its whole length is checked against the header).
     pub fn open(path: &Path) -> Result<TiledFile> {
         let file = File::open(path).map_err(|e| Error::io(path, "cannot open matrix file", e))?;
         let meta = file
@@ -236,18 +238,19 @@ impl TiledFile {
         })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
+    /// The open file.
     pub fn file(&self) -> &File {
         &self.file
     }
+    /// Rows.
     pub fn rows(&self) -> u64 {
         self.hdr.rows
     }
+    /// Columns.
     pub fn cols(&self) -> u64 {
         self.hdr.cols
     }
+    /// Element type.
     pub fn dtype(&self) -> DType {
         self.hdr.dtype
     }
@@ -259,7 +262,7 @@ impl TiledFile {
     }
 
     /// The stored checksum table, if the file has one.
-    pub fn checksum_table(&self) -> Option<Vec<u32>> {
+    pub(crate) fn checksum_table(&self) -> Option<Vec<u32>> {
         if !self.hdr.has_checksums() {
             return None;
         }
@@ -309,7 +312,7 @@ impl TiledFile {
     }
 
     /// Verify every storage tile `b` touches that this handle has not verified yet.
-    pub fn verify_block(&self, b: &Block) -> Result<()> {
+    pub(crate) fn verify_block(&self, b: &Block) -> Result<()> {
         if !self.hdr.has_checksums() {
             return Ok(());
         }
@@ -331,7 +334,7 @@ impl TiledFile {
     }
 
     /// Ask the kernel to read `b` ahead (asynchronous). Returns bytes advised.
-    pub fn will_need(&self, b: &Block) -> u64 {
+    pub(crate) fn will_need(&self, b: &Block) -> u64 {
         let mut total = 0;
         for run in runs(&self.geo, b, ADVISE_CHUNK) {
             let span = run.file_span();
@@ -380,7 +383,7 @@ impl TiledFile {
 
     /// The journal's identity of this file: path, length, header CRC and checksum-table CRC.
     /// The text is part of every journal's fingerprint, so it must not change between versions.
-    pub fn identity(&self) -> String {
+    pub(crate) fn identity(&self) -> String {
         let len = self.hdr.file_len();
         let head = crc32c::crc32c(&self.hdr.to_block());
         let table = self
@@ -425,11 +428,11 @@ impl MatrixSource for TiledFile {
 }
 
 /// An output matrix file being written.
-pub struct TiledWriter {
+pub(crate) struct TiledWriter {
     path: PathBuf,
     file: File,
     map: MmapMut,
-    pub hdr: Header,
+    pub(crate) hdr: Header,
     geo: Geometry,
     /// Checksums of storage tiles already known (computed when a tile is written whole).
     crcs: Mutex<Vec<Option<u32>>>,
@@ -442,12 +445,12 @@ pub struct TiledWriter {
 impl TiledWriter {
     /// Create `path` (replacing an existing file) at its full length, zero-filled, writing
     /// through the prefaulted map.
-    pub fn create(path: &Path, hdr: Header) -> Result<TiledWriter> {
+    pub(crate) fn create(path: &Path, hdr: Header) -> Result<TiledWriter> {
         Self::create_with(path, hdr, WriteMode::default())
     }
 
     /// [`TiledWriter::create`] with an explicit write mode.
-    pub fn create_with(path: &Path, hdr: Header, mode: WriteMode) -> Result<TiledWriter> {
+    pub(crate) fn create_with(path: &Path, hdr: Header, mode: WriteMode) -> Result<TiledWriter> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -458,13 +461,8 @@ impl TiledWriter {
         Self::init(path, file, hdr, true, mode)
     }
 
-    /// Open an existing output with header `hdr` to continue writing it (resume).
-    pub fn reopen(path: &Path, hdr: Header) -> Result<TiledWriter> {
-        Self::reopen_with(path, hdr, WriteMode::default())
-    }
-
     /// [`TiledWriter::reopen`] with an explicit write mode.
-    pub fn reopen_with(path: &Path, hdr: Header, mode: WriteMode) -> Result<TiledWriter> {
+    pub(crate) fn reopen_with(path: &Path, hdr: Header, mode: WriteMode) -> Result<TiledWriter> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -525,16 +523,12 @@ impl TiledWriter {
         })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Write dense row-major `src` (`b.rows × b.cols` elements of `from`) into block `b`, and
     /// return the CRC-32C of the block's bytes in the file's dtype (the resume journal records
     /// it; a storage tile that is exactly the block reuses it for the checksum table).
     /// Takes `&self`: concurrent calls must write disjoint blocks (the writeback stage
     /// guarantees that, one output tile per message).
-    pub fn write_block(&self, b: &Block, from: DType, src: &[u8]) -> Result<u32> {
+    pub(crate) fn write_block(&self, b: &Block, from: DType, src: &[u8]) -> Result<u32> {
         let h = &self.hdr;
         assert!(
             b.r0 + b.rows <= h.rows && b.c0 + b.cols <= h.cols,
@@ -593,7 +587,7 @@ impl TiledWriter {
     /// write, so that the later copy into them runs at memory speed. A hint: errors (an old
     /// kernel without MADV_POPULATE_WRITE) are ignored. Returns bytes populated; 0 when
     /// writing with `pwrite`, which does not use the map.
-    pub fn prefault(&self, b: &Block) -> u64 {
+    pub(crate) fn prefault(&self, b: &Block) -> u64 {
         if self.pwrite {
             return 0;
         }
@@ -608,7 +602,7 @@ impl TiledWriter {
     }
 
     /// Write raw file bytes at `offset` (whole storage tiles, already laid out).
-    pub fn write_raw(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+    pub(crate) fn write_raw(&self, offset: u64, bytes: &[u8]) -> Result<()> {
         assert!(
             offset >= self.hdr.data_offset && offset + bytes.len() as u64 <= self.hdr.data_end()
         );
@@ -618,7 +612,7 @@ impl TiledWriter {
     }
 
     /// Flush the bytes of block `b`'s storage tiles to disk (for the resume journal).
-    pub fn flush_block(&self, b: &Block) -> Result<()> {
+    pub(crate) fn flush_block(&self, b: &Block) -> Result<()> {
         for span in self.geo.tile_row_spans(b) {
             let (a, len) = (span.start as usize, (span.end - span.start) as usize);
             self.map
@@ -640,7 +634,7 @@ impl TiledWriter {
     }
 
     /// Compute missing checksums, write the table, and (if `durable`) flush everything to disk.
-    pub fn finish(mut self, durable: bool) -> Result<()> {
+    pub(crate) fn finish(mut self, durable: bool) -> Result<()> {
         let h = self.hdr;
         if h.has_checksums() {
             let known = std::mem::take(&mut *self.crcs.lock().unwrap());
@@ -673,7 +667,7 @@ impl TiledWriter {
     }
 
     /// Mark storage tile checksums as unknown (after partial writes on resume).
-    pub fn forget_checksums(&self) {
+    pub(crate) fn forget_checksums(&self) {
         self.crcs.lock().unwrap().iter_mut().for_each(|c| *c = None);
     }
 }

@@ -13,8 +13,8 @@
 //! the columns, and the failing storage tiles of the output are listed; `repair` recomputes
 //! just those through the journal.
 
-pub mod model;
-pub mod pass;
+pub(crate) mod model;
+pub(crate) mod pass;
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -27,7 +27,7 @@ use crate::error::{Error, Result};
 use crate::pipeline::journal;
 use crate::plan::{Plan, Precision, Step};
 use crate::store::gen::Rng;
-use crate::store::open_source;
+use crate::store::{open_source, MatrixSource};
 use model::{Cell, Model};
 use pass::{Dd, Groups, Op, Sums};
 
@@ -37,10 +37,15 @@ const GROUPS: usize = 32;
 const NAMED: usize = 64;
 
 #[derive(Clone, Debug, Serialize)]
+/// The verdict of `verify` on one step, with the numbers behind it.
 pub struct VerifyReport {
+    /// Step number (1-based).
     pub step: usize,
+    /// Output file.
     pub output: String,
+    /// Rounds of the randomized test.
     pub rounds: usize,
+    /// Whether the output passed.
     pub pass: bool,
     /// Why it failed before any residual was computed (journal: changed input, unfinished).
     pub reason: Option<String>,
@@ -48,8 +53,11 @@ pub struct VerifyReport {
     pub max_ratio: f64,
     /// Largest |residual| / σ of the statistical model.
     pub max_sigmas: f64,
+    /// Row of the largest residual ratio.
     pub worst_row: u64,
+    /// That row's residual.
     pub residual: f64,
+    /// That row's allowed residual.
     pub allowed: f64,
     /// Some residual exceeds the rigorous worst-case bound: certainly not a correct product.
     pub certainly_wrong: bool,
@@ -57,11 +65,13 @@ pub struct VerifyReport {
     pub failing_cells: usize,
     /// Output storage tiles (tile row, tile column) that fail.
     pub failing_tiles: Vec<(u64, u64)>,
+    /// Storage tile shape used to name failing tiles.
     pub tile_shape: (u64, u64),
     /// NaN/Inf in the output where the inputs give no IEEE reason for one.
     pub unexpected_nonfinite: u64,
     /// Cells (row, group) not checked because NaN/Inf or overflow may legitimately be there.
     pub skipped_cells: u64,
+    /// Seconds the check took.
     pub seconds: f64,
 }
 
@@ -286,6 +296,7 @@ fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
     Ok(None)
 }
 
+/// Check the output of `step` with Freivalds' test (`rounds` random vectors from `seed`) against error bounds for `precision`, after checking its journal.
 pub fn verify_step(
     step: &Step,
     precision: Precision,
@@ -293,7 +304,7 @@ pub fn verify_step(
     seed: u64,
 ) -> Result<VerifyReport> {
     let t0 = Instant::now();
-    let (m, n, k) = (step.m as usize, step.n as usize, step.k);
+    let (m, n) = (step.m as usize, step.n as usize);
     let out = open_source(&step.output)?;
     if out.shape() != (step.m, step.n) || out.transposed() {
         return Err(Error::format(
@@ -327,24 +338,45 @@ pub fn verify_step(
         skipped_cells: 0,
         seconds: 0.0,
     };
+    match no_residuals(step, precision)? {
+        Some((pass, why)) => {
+            rep.pass = pass;
+            rep.reason = Some(why);
+        }
+        None => residuals(step, precision, out.as_ref(), seed, &mut rep)?,
+    }
+    rep.seconds = t0.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
+/// Why the residual test is not run on `step`, with the verdict that stands instead: an
+/// intermediate of a chain or a chain without its intermediates passes on the journal alone;
+/// a journal that disagrees with the plan and inputs fails.
+fn no_residuals(step: &Step, precision: Precision) -> Result<Option<(bool, String)>> {
     if step.chain.as_ref().is_some_and(|c| c.part < c.parts) {
-        rep.reason = Some(
+        return Ok(Some((
+            true,
             "an intermediate of a whole-expression chain (a temporary file); the chain is checked at its last part".into(),
-        );
-        rep.seconds = t0.elapsed().as_secs_f64();
-        return Ok(rep);
+        )));
     }
     if let Some(why) = journal_check(step, precision)? {
-        rep.pass = false;
-        rep.reason = Some(why);
-        rep.seconds = t0.elapsed().as_secs_f64();
-        return Ok(rep);
+        return Ok(Some((false, why)));
     }
-    if let Some(why) = chain_gap(step) {
-        rep.reason = Some(why);
-        rep.seconds = t0.elapsed().as_secs_f64();
-        return Ok(rep);
-    }
+    Ok(chain_gap(step).map(|why| (true, why)))
+}
+
+/// Freivalds' test of `out` against the step's operands, row residuals first and, when some
+/// fail, column residuals to name the failing storage tiles; fills `rep` (its `rounds` and
+/// `tile_shape` are set).
+fn residuals(
+    step: &Step,
+    precision: Precision,
+    out: &dyn MatrixSource,
+    seed: u64,
+    rep: &mut VerifyReport,
+) -> Result<()> {
+    let (m, n, k) = (step.m as usize, step.n as usize, step.k);
+    let (r, tile) = (rep.rounds, rep.tile_shape);
     let (fa, fb) = (step.a.open()?, step.b.open()?);
     let fc0 = match &step.c0 {
         Some(c) if step.beta != 0.0 => Some(c.open()?),
@@ -361,7 +393,7 @@ pub fn verify_step(
     let rows = Side {
         a: op(fa.as_ref(), step.a.trans, rd),
         b: op(fb.as_ref(), step.b.trans, rd),
-        c: op(out.as_ref(), false, None),
+        c: op(out, false, None),
         c0: fc0.as_ref().map(|f| op(f.as_ref(), false, None)),
         alpha: step.alpha,
         beta: step.beta,
@@ -383,7 +415,7 @@ pub fn verify_step(
         let cols = Side {
             a: op(fb.as_ref(), !step.b.trans, rd),
             b: op(fa.as_ref(), !step.a.trans, rd),
-            c: op(out.as_ref(), true, None),
+            c: op(out, true, None),
             c0: fc0.as_ref().map(|f| op(f.as_ref(), true, None)),
             ..rows
         };
@@ -391,8 +423,7 @@ pub fn verify_step(
         let oc = cols.run(&rgp, r, seed, 0xC015)?;
         rep.failing_tiles = tiles(&o.fails, &cg, &oc.fails, &rgp, tile);
     }
-    rep.seconds = t0.elapsed().as_secs_f64();
-    Ok(rep)
+    Ok(())
 }
 
 /// Why the residual test cannot run on a part of a whole-expression chain: its intermediates
@@ -500,7 +531,7 @@ pub fn format(rep: &VerifyReport) -> String {
 
 /// `verify --repair`: make the next `run` recompute the failing storage tiles of `rep` (the
 /// compute tiles that overlap them lose their journal records). Returns how many were dropped.
-pub fn forget_failing(plan: &Plan, step: &Step, rep: &VerifyReport) -> Result<usize> {
+pub(crate) fn forget_failing(plan: &Plan, step: &Step, rep: &VerifyReport) -> Result<usize> {
     if journal::peek(&step.output)?.is_none() {
         return Err(Error::Usage(format!(
             "{}: no journal beside the output, so single tiles cannot be redone; rerun the step with `run --restart`",

@@ -34,40 +34,46 @@ use crate::dtype::DType;
 use crate::plan::Precision;
 
 /// Standard deviations a residual may reach before it is flagged.
-pub const SIGMAS: f64 = 8.0;
+pub(crate) const SIGMAS: f64 = 8.0;
 
 #[derive(Clone, Copy, Debug)]
-pub struct Model {
+pub(crate) struct Model {
     /// Accumulation unit roundoff.
-    pub u_acc: f64,
+    pub(crate) u_acc: f64,
     /// Input rounding unit roundoff (0 when the data are already in the GEMM's input format).
-    pub u_in: f64,
+    pub(crate) u_in: f64,
     /// Output file type unit roundoff.
-    pub u_out: f64,
-    pub k: f64,
+    pub(crate) u_out: f64,
+    pub(crate) k: f64,
     /// Relative error of the check's own sums (f64, or double-double for f64 data).
-    pub u_own: f64,
+    pub(crate) u_own: f64,
 }
 
 /// Terms of one (row, group) cell, each already summed over the group's columns.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Cell {
+pub(crate) struct Cell {
     /// α²·Σ_j Σ_k a_ik²·b_kj².
-    pub p: f64,
+    pub(crate) p: f64,
     /// Σ_j C_ij² (of the output as stored).
-    pub c2: f64,
+    pub(crate) c2: f64,
     /// β²·Σ_j C0_ij².
-    pub c0sq: f64,
+    pub(crate) c0sq: f64,
     /// |α|·Σ_j (|A||B|)_ij.
-    pub ab: f64,
+    pub(crate) ab: f64,
     /// |β|·Σ_j |C0_ij|.
-    pub c0abs: f64,
+    pub(crate) c0abs: f64,
     /// Σ_j |C_ij|.
-    pub cabs: f64,
+    pub(crate) cabs: f64,
 }
 
 impl Model {
-    pub fn new(precision: Precision, data: DType, out: DType, k: u64, exact_check: bool) -> Model {
+    pub(crate) fn new(
+        precision: Precision,
+        data: DType,
+        out: DType,
+        k: u64,
+        exact_check: bool,
+    ) -> Model {
         let u_in = match (precision, data) {
             (Precision::Fp32 | Precision::Fp64, _) => 0.0,
             (Precision::Tf32, DType::F16 | DType::BF16) => 0.0,
@@ -93,7 +99,7 @@ impl Model {
     }
 
     /// Variance bound σ² of a correct product's residual for this cell (x_j = ±1).
-    pub fn sigma2(&self, c: &Cell) -> f64 {
+    pub(crate) fn sigma2(&self, c: &Cell) -> f64 {
         let (ua, ui, uo) = (self.u_acc, self.u_in, self.u_out);
         ua * ua / 3.0 * (self.k * (c.c2 / 3.0 + c.p / 2.0) + c.p + c.c0sq)
             + ui * ui * (2.0 / 3.0 * c.p + 4.0 * c.c2)
@@ -101,7 +107,7 @@ impl Model {
     }
 
     /// Rigorous bound on |residual| of a correct product (∞ when K·u ≥ 1/2: it says nothing).
-    pub fn bound(&self, c: &Cell) -> f64 {
+    pub(crate) fn bound(&self, c: &Cell) -> f64 {
         let ku = (self.k + 1.0) * self.u_acc;
         if ku >= 0.5 {
             return f64::INFINITY;
@@ -111,12 +117,12 @@ impl Model {
     }
 
     /// Worst-case error of the check's own sums (added to the threshold).
-    pub fn own(&self, c: &Cell, n: usize) -> f64 {
+    pub(crate) fn own(&self, c: &Cell, n: usize) -> f64 {
         self.u_own * (self.k + n as f64 + 4.0) * (c.ab + c.c0abs + c.cabs)
     }
 
     /// The threshold a residual of this cell may not exceed, and σ.
-    pub fn threshold(&self, c: &Cell, n: usize) -> (f64, f64) {
+    pub(crate) fn threshold(&self, c: &Cell, n: usize) -> (f64, f64) {
         let sigma = self.sigma2(c).sqrt();
         ((SIGMAS * sigma).min(self.bound(c)) + self.own(c, n), sigma)
     }

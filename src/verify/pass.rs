@@ -26,15 +26,15 @@ const BAND_BYTES: u64 = 32 << 20;
 
 /// A double-double accumulator: `hi + lo` carries about 106 significant bits.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Dd {
-    pub hi: f64,
-    pub lo: f64,
+pub(crate) struct Dd {
+    pub(crate) hi: f64,
+    pub(crate) lo: f64,
 }
 
 impl Dd {
     /// Add `v` exactly (Knuth's TwoSum; the rounding error goes to `lo`).
     #[inline]
-    pub fn add(&mut self, v: f64) {
+    pub(crate) fn add(&mut self, v: f64) {
         let s = self.hi + v;
         let bb = s - self.hi;
         let err = (self.hi - (s - bb)) + (v - bb);
@@ -43,7 +43,7 @@ impl Dd {
     }
     /// Add the product `a·b` (TwoProd by fused multiply-add, then TwoSum).
     #[inline]
-    pub fn add_prod(&mut self, a: f64, b: f64) {
+    pub(crate) fn add_prod(&mut self, a: f64, b: f64) {
         let p = a * b;
         let e = a.mul_add(b, -p);
         self.add(p);
@@ -51,11 +51,11 @@ impl Dd {
     }
     /// Add `s · d` for another double-double `d`.
     #[inline]
-    pub fn add_scaled(&mut self, s: f64, d: Dd) {
+    pub(crate) fn add_scaled(&mut self, s: f64, d: Dd) {
         self.add_prod(s, d.hi);
         self.lo += s * d.lo;
     }
-    pub fn value(self) -> f64 {
+    pub(crate) fn value(self) -> f64 {
         self.hi + self.lo
     }
 }
@@ -64,15 +64,15 @@ impl Dd {
 /// input precision exactly as the CPU backend rounds it (so a value beyond fp16's range is
 /// infinite here too).
 #[derive(Clone, Copy)]
-pub struct Op<'a> {
-    pub file: &'a dyn MatrixSource,
-    pub trans: bool,
-    pub round: Option<Precision>,
+pub(crate) struct Op<'a> {
+    pub(crate) file: &'a dyn MatrixSource,
+    pub(crate) trans: bool,
+    pub(crate) round: Option<Precision>,
 }
 
 impl Op<'_> {
     /// Shape of op(M).
-    pub fn shape(&self) -> (usize, usize) {
+    pub(crate) fn shape(&self) -> (usize, usize) {
         let (r, c) = (self.file.shape().0 as usize, self.file.shape().1 as usize);
         if self.trans {
             (c, r)
@@ -86,13 +86,13 @@ impl Op<'_> {
 /// Each group lies inside one storage tile when there are fewer tiles than groups wanted, and
 /// spans whole tiles otherwise, so a failing group names its tiles.
 #[derive(Clone, Debug)]
-pub struct Groups {
-    pub starts: Vec<usize>,
+pub(crate) struct Groups {
+    pub(crate) starts: Vec<usize>,
     of: Vec<u32>,
 }
 
 impl Groups {
-    pub fn new(len: usize, tile: usize, want: usize) -> Groups {
+    pub(crate) fn new(len: usize, tile: usize, want: usize) -> Groups {
         let tile = tile.clamp(1, len.max(1));
         let tiles = len.div_ceil(tile);
         let mut starts = Vec::new();
@@ -118,29 +118,29 @@ impl Groups {
         }
         Groups { starts, of }
     }
-    pub fn count(&self) -> usize {
+    pub(crate) fn count(&self) -> usize {
         self.starts.len() - 1
     }
-    pub fn of(&self, j: usize) -> usize {
+    pub(crate) fn of(&self, j: usize) -> usize {
         self.of[j] as usize
     }
-    pub fn range(&self, g: usize) -> std::ops::Range<usize> {
+    pub(crate) fn range(&self, g: usize) -> std::ops::Range<usize> {
         self.starts[g]..self.starts[g + 1]
     }
 }
 
 /// Per op-row sums over column groups. Index `[t * rg + rho * g + grp]` for signed sums
 /// (rg = rounds·groups), `[t * g + grp]` for the others.
-pub struct Sums {
-    pub rounds: usize,
-    pub groups: usize,
-    pub signed: Vec<Dd>,
-    pub sq: Vec<f64>,
-    pub abs: Vec<f64>,
+pub(crate) struct Sums {
+    pub(crate) rounds: usize,
+    pub(crate) groups: usize,
+    pub(crate) signed: Vec<Dd>,
+    pub(crate) sq: Vec<f64>,
+    pub(crate) abs: Vec<f64>,
     /// NaN/Inf elements met in columns that are not excluded, per (row, group).
-    pub nonfinite: Vec<u32>,
-    pub bad_row: Vec<bool>,
-    pub bad_col: Vec<bool>,
+    pub(crate) nonfinite: Vec<u32>,
+    pub(crate) bad_row: Vec<bool>,
+    pub(crate) bad_col: Vec<bool>,
 }
 
 impl Sums {
@@ -243,7 +243,7 @@ impl RowSums<'_> {
 
 /// Fold op(M) (T × S) against the round vectors `x` (each of length S; 0 marks an excluded
 /// column, whose NaN/Inf are expected and not counted) over column groups.
-pub fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>]) -> Result<Sums> {
+pub(crate) fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>]) -> Result<Sums> {
     let (t_rows, s_cols) = op.shape();
     let (r, g) = (x.len(), groups.count());
     let mut out = Sums::new(t_rows, s_cols, r, g);
@@ -297,7 +297,7 @@ pub fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>]) -> Result<Sums> {
 /// double-double when `exact` (f64 data), in f64 through faer otherwise (f32 products are exact
 /// in f64 and the f64 sums' own error is counted by the model); `sq` columns are multiplied by
 /// op(A)∘op(A), `abs` by |op(A)|. Rows of op(A) holding NaN/Inf are marked in `bad_row`.
-pub fn dense(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
+pub(crate) fn dense(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
     let (m_rows, k) = op.shape();
     let (r, g) = (z.rounds, z.groups);
     let rg = r * g;

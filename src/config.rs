@@ -1,0 +1,24 @@
+//! Settings read from the process environment, in one place: the engine itself never reads
+//! the environment (hot paths get their settings as values), so every variable a run obeys is
+//! listed here or in [`crate::cluster::identity`] (the launcher's variables for split runs).
+//!
+//! Today that is the fault injection of the tests and the GPU resilience scripts
+//! (`MGMM_FAULT_*`, cargo feature `fault-injection`).
+
+#[cfg(feature = "fault-injection")]
+use crate::backend::fault::FaultConfig;
+
+/// Read `MGMM_FAULT_LANE`, `MGMM_FAULT_GEMM_AFTER`, `MGMM_FAULT_WRITE_AFTER`; `None` when
+/// neither a GEMM nor a write fault is set. Called once by the command line, never by the
+/// engine.
+#[cfg(feature = "fault-injection")]
+pub(crate) fn fault_config() -> Option<FaultConfig> {
+    let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
+    let c = FaultConfig {
+        lane: var("MGMM_FAULT_LANE").map(|v| v as usize),
+        gemm_after: var("MGMM_FAULT_GEMM_AFTER"),
+        write_after: var("MGMM_FAULT_WRITE_AFTER"),
+        write_delay_ms: 0,
+    };
+    (c.gemm_after.is_some() || c.write_after.is_some()).then_some(c)
+}
