@@ -120,9 +120,13 @@ case_chain() {
     run_to chain1 D.npy
     log "chain run $i: one step $(wall chain1) s, two-step .mgt plan $(wall chain2) s (goal: one step no slower)"
   done
-  "$MGMM" export D2.mgt D2.npy --force 2>&1 | tail -1
-  if cmp <(npy_data D.npy) <(npy_data D2.npy); then log "chain: D.npy bit-identical to the two-step plan"
-  else log "chain: D.npy DIFFERS from the two-step plan"; fi
+  if [ "${CHAIN_CMP:-1}" = 1 ]; then
+    "$MGMM" export D2.mgt D2.npy --force 2>&1 | tail -1
+    if cmp <(npy_data D.npy) <(npy_data D2.npy); then log "chain: D.npy bit-identical to the two-step plan"
+    else log "chain: D.npy DIFFERS from the two-step plan"; fi
+  else
+    log "chain: bytes not compared (CHAIN_CMP=0: a third 43 GB file does not fit the disk); tests/npy.rs checks the same chain bit-identical at CI size"
+  fi
   ls D.npy.part* 2>/dev/null && log "chain: intermediates left behind" || log "chain: intermediates removed"
 }
 
