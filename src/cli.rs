@@ -535,8 +535,12 @@ fn import_cmd(input: &Path, output: &Path, tile: u64, force: bool) -> Result<()>
 fn export_cmd(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Result<()> {
     refuse_same(input, output)?;
     refuse_existing(output, force)?;
-    if !allow_partial {
-        let f = TiledFile::open(input)?;
+    // An output `run` is still writing has a journal next to it; only tiled (.mgt) outputs
+    // are checked here (a raw descriptor or .npy input is read as it is).
+    let tiled = (!allow_partial && input.is_file())
+        .then(|| TiledFile::open(input).ok())
+        .flatten();
+    if let Some(f) = tiled {
         if let Some(progress) = unfinished(input, &f.hdr)? {
             return Err(Error::Usage(format!(
                 "{} is unfinished ({progress}): resume with `mgmm-stream run PLAN` (the plan that writes it), or pass --allow-partial to export it as it is",
