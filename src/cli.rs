@@ -22,6 +22,7 @@ use crate::store::gen::{self, Dist, GenSpec};
 use crate::store::{npy, Header, TiledFile};
 use crate::{diagln, interrupt, out, outln};
 
+/// The parsed command line of the `mgmm-stream` binary (see [`execute`]).
 #[derive(Parser, Debug)]
 #[command(
     name = "mgmm-stream",
@@ -30,11 +31,11 @@ use crate::{diagln, interrupt, out, outln};
 )]
 pub struct Cli {
     #[command(subcommand)]
-    pub cmd: Command,
+    pub(crate) cmd: Command,
 }
 
 #[derive(Subcommand, Debug)]
-pub enum Command {
+pub(crate) enum Command {
     /// Generate a matrix file with deterministic synthetic data.
     #[command(
         after_help = "Example:\n  mgmm-stream gen data/A.mgt --rows 4096 --cols 3000 --dist normal --seed 1"

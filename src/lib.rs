@@ -37,9 +37,6 @@
 
 pub mod api;
 pub mod backend;
-// TODO(lead): cli.rs, progress.rs, pipeline/mod.rs and run/mod.rs are being edited elsewhere;
-// drop these `allow`s once their items are `pub(crate)` or documented.
-#[allow(missing_docs, unreachable_pub, private_interfaces)]
 pub mod cli;
 pub mod cluster;
 pub(crate) mod config;
@@ -47,13 +44,10 @@ pub mod dtype;
 pub mod error;
 pub mod interrupt;
 pub mod out;
-#[allow(missing_docs, unreachable_pub, private_interfaces)]
 pub(crate) mod pipeline;
 pub mod plan;
-#[allow(missing_docs, unreachable_pub, private_interfaces)]
 pub mod progress;
 pub(crate) mod report;
-#[allow(missing_docs, unreachable_pub, private_interfaces)]
 pub mod run;
 pub mod store;
 pub mod verify;

@@ -39,29 +39,31 @@ const TICK: Duration = Duration::from_millis(200);
 const RATE_TAU_S: f64 = 30.0;
 
 /// Counters the display reads, for one step.
-pub struct Live<'a> {
+pub(crate) struct Live<'a> {
     /// When the step's stages started (rates and busy shares are measured from here).
-    pub started: Instant,
+    pub(crate) started: Instant,
     /// The step's index in the plan (0-based).
-    pub step: usize,
+    pub(crate) step: usize,
     /// The step's output, as the plan names it.
-    pub output: String,
-    pub tiles_total: u64,
+    pub(crate) output: String,
+    /// Output tiles of the whole step.
+    pub(crate) tiles_total: u64,
     /// FLOPs of the whole step.
-    pub flops_total: u64,
+    pub(crate) flops_total: u64,
     /// FLOPs of the tiles finished before this run (a resume).
-    pub flops_before: u64,
-    pub tiles_done: &'a AtomicU64,
+    pub(crate) flops_before: u64,
+    /// Output tiles written so far (including those finished before this run).
+    pub(crate) tiles_done: &'a AtomicU64,
     /// FLOPs of the tiles written so far (including `flops_before`).
-    pub flops_done: &'a AtomicU64,
+    pub(crate) flops_done: &'a AtomicU64,
     /// FLOPs of the GEMMs the lanes have issued in this run (the progress unit).
-    pub flops_issued: &'a AtomicU64,
+    pub(crate) flops_issued: &'a AtomicU64,
     /// Set when the run is being cancelled from outside (Ctrl-C).
-    pub cancel: Option<&'static AtomicBool>,
+    pub(crate) cancel: Option<&'static AtomicBool>,
     /// Whether the lanes are devices with their own engines worth showing (not the CPU).
-    pub show_devices: bool,
+    pub(crate) show_devices: bool,
     /// Each lane's name and its device statistics so far.
-    pub lanes: Vec<(String, &'a Mutex<crate::backend::DeviceStats>)>,
+    pub(crate) lanes: Vec<(String, &'a Mutex<crate::backend::DeviceStats>)>,
 }
 
 /// A recent-rate estimate: the plain average over the first [`RATE_TAU_S`] seconds, then an
@@ -276,16 +278,21 @@ enum Mode {
 pub struct Update {
     /// "step 1", …
     pub label: String,
+    /// Output tiles written so far.
     pub tiles_done: u64,
+    /// Output tiles of the whole step.
     pub tiles_total: u64,
     /// FLOPs done (GEMMs issued in this run plus the tiles finished before it).
     pub flops_done: u64,
+    /// FLOPs of the whole step.
     pub flops_total: u64,
     /// Seconds since the step's stages started.
     pub elapsed_s: f64,
+    /// Recent rate in GFLOP/s (0 until there is a rate).
     pub gflops_per_s: f64,
-    /// Bytes read from the inputs and written to the output so far.
+    /// Bytes read from the inputs so far.
     pub read_bytes: u64,
+    /// Bytes written to the output so far.
     pub write_bytes: u64,
     /// Estimated seconds left (NaN until there is a rate).
     pub eta_s: f64,
@@ -333,6 +340,7 @@ impl Progress {
         }
     }
 
+    /// A progress that shows nothing and reports to no one.
     pub fn quiet() -> Progress {
         Progress {
             mode: Mode::Quiet,
@@ -414,7 +422,7 @@ impl Progress {
         }
     }
 
-    pub fn is_quiet(&self) -> bool {
+    pub(crate) fn is_quiet(&self) -> bool {
         matches!(self.mode, Mode::Quiet)
     }
 
@@ -426,7 +434,7 @@ impl Progress {
     }
 
     /// Show progress of one step until `stop` disconnects.
-    pub fn watch(&self, live: &Live<'_>, stages: &[Arc<StageMetrics>], stop: &Receiver<()>) {
+    pub(crate) fn watch(&self, live: &Live<'_>, stages: &[Arc<StageMetrics>], stop: &Receiver<()>) {
         if let Mode::Quiet = self.mode {
             let _ = stop.recv();
             return;

@@ -88,7 +88,7 @@ impl ShardSpec {
 
 /// How a split run behaves, beyond which shards it takes.
 #[derive(Clone, Debug)]
-pub(crate) struct ShardOptions {
+pub struct ShardOptions {
     pub(crate) spec: ShardSpec,
     /// A claim whose heartbeat is older than this is presumed dead and taken over.
     pub(crate) claim_timeout: Duration,

@@ -8,12 +8,12 @@
 //! Backpressure comes only from bounded channels and the fixed pools. The first error cancels
 //! every stage and is the one returned; a failed run never reports success.
 
-pub mod control;
+pub(crate) mod control;
 pub mod journal;
-pub mod metrics;
-pub mod pool;
-pub mod shared;
-pub mod stages;
+pub(crate) mod metrics;
+pub(crate) mod pool;
+pub(crate) mod shared;
+pub(crate) mod stages;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -34,7 +34,7 @@ use pool::Pool;
 use stages::*;
 
 /// The output header a step writes.
-pub fn output_header(step: &Step, layout: &Layout) -> Header {
+pub(crate) fn output_header(step: &Step, layout: &Layout) -> Header {
     Header::new(
         step.out_dtype,
         step.m,
@@ -57,22 +57,25 @@ pub struct Work {
 
 /// The operands of a step, opened: A, B and the added matrix C0 if the step has one.
 pub struct StepSources {
+    /// The left operand A.
     pub a: Arc<dyn MatrixSource>,
+    /// The right operand B.
     pub b: Arc<dyn MatrixSource>,
+    /// The added matrix C0, if the step has one.
     pub c0: Option<Arc<dyn MatrixSource>>,
 }
 
 /// Settings of a run that are not part of the layout.
 #[derive(Clone, Copy, Debug)]
-pub struct RunConfig {
-    pub verify_inputs: bool,
-    pub durable: bool,
+pub(crate) struct RunConfig {
+    pub(crate) verify_inputs: bool,
+    pub(crate) durable: bool,
     /// A flag set from outside (Ctrl-C) that cancels the run; `None`: only errors cancel.
-    pub cancel: Option<&'static std::sync::atomic::AtomicBool>,
+    pub(crate) cancel: Option<&'static std::sync::atomic::AtomicBool>,
 }
 
 impl RunConfig {
-    pub fn from_engine(e: &Engine) -> RunConfig {
+    pub(crate) fn from_engine(e: &Engine) -> RunConfig {
         RunConfig {
             verify_inputs: e.verify_inputs,
             durable: e.durable,
@@ -92,25 +95,25 @@ pub struct PoolReport {
 
 /// What one run of a pipeline measured; no interpretation (see [`crate::report`]).
 #[derive(Clone, Debug)]
-pub struct RunStats {
-    pub wall_s: f64,
-    pub flush_s: f64,
-    pub stages: Vec<StageSnapshot>,
-    pub lanes: Vec<(String, DeviceStats)>,
-    pub pools: Vec<PoolReport>,
-    pub tiles_total: u64,
-    pub tiles_computed: u64,
+pub(crate) struct RunStats {
+    pub(crate) wall_s: f64,
+    pub(crate) flush_s: f64,
+    pub(crate) stages: Vec<StageSnapshot>,
+    pub(crate) lanes: Vec<(String, DeviceStats)>,
+    pub(crate) pools: Vec<PoolReport>,
+    pub(crate) tiles_total: u64,
+    pub(crate) tiles_computed: u64,
     /// FLOPs of the tiles computed in this run.
-    pub flops: f64,
-    pub nonfinite_inputs: u64,
+    pub(crate) flops: f64,
+    pub(crate) nonfinite_inputs: u64,
     /// Input bytes one lane took from another lane's read instead of reading them.
-    pub shared_read_bytes: u64,
+    pub(crate) shared_read_bytes: u64,
     /// Seconds from the start of the stages to the first GEMM issued on any lane.
-    pub first_gemm_s: Option<f64>,
+    pub(crate) first_gemm_s: Option<f64>,
 }
 
 /// One step, ready to run: inputs opened, output open, pools allocated, lanes made.
-pub struct Pipeline<'a> {
+pub(crate) struct Pipeline<'a> {
     step: &'a Step,
     layout: &'a Layout,
     sched: Schedule,
@@ -141,7 +144,7 @@ struct Counters {
 
 impl<'a> Pipeline<'a> {
     #[allow(clippy::too_many_arguments)]
-    pub fn build(
+    pub(crate) fn build(
         step: &'a Step,
         layout: &'a Layout,
         backend: &dyn Backend,
@@ -164,7 +167,7 @@ impl<'a> Pipeline<'a> {
     /// [`Pipeline::build`] reading the step's operands from `sources` (opened by the caller,
     /// e.g. arrays in memory) instead of opening `step.a.path` and `step.b.path`.
     #[allow(clippy::too_many_arguments)]
-    pub fn build_with(
+    pub(crate) fn build_with(
         step: &'a Step,
         layout: &'a Layout,
         backend: &dyn Backend,
@@ -219,7 +222,7 @@ impl<'a> Pipeline<'a> {
     }
 
     /// Run every stage to the end (or the first error), then finish the output.
-    pub fn run(mut self) -> Result<RunStats> {
+    pub(crate) fn run(mut self) -> Result<RunStats> {
         let nlanes = self.lanes.len();
         let all_flops = self.tile_flops(0..self.sched.tiles.len() as u32);
         let todo_flops = self.tile_flops(self.queue.order().iter().copied());

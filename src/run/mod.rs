@@ -33,6 +33,7 @@ pub use resume::ResumeState;
 /// How to run a plan, beyond what the plan says.
 #[derive(Default)]
 pub struct RunOptions {
+    /// Write the run report as JSON to this file after the run.
     pub report: Option<PathBuf>,
     /// Discard journals and recompute every step from scratch.
     pub restart: bool,
@@ -508,6 +509,6 @@ fn faulty_sink<'a>(
         })
 }
 
-pub fn default_log_every() -> Duration {
+pub(crate) fn default_log_every() -> Duration {
     Duration::from_secs(5)
 }

@@ -17,16 +17,21 @@ use super::tiled::TiledWriter;
 use crate::dtype::{self, DType};
 use crate::error::{Error, Result};
 
+/// The distribution of a generated matrix's values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dist {
+    /// Standard normal values.
     Normal,
+    /// Uniform values in [-1, 1).
     Uniform,
+    /// The identity: 1 on the diagonal, 0 elsewhere.
     Identity,
+    /// value = row·cols + col.
     Arange,
 }
 
 impl Dist {
-    pub fn parse(s: &str) -> Option<Dist> {
+    pub(crate) fn parse(s: &str) -> Option<Dist> {
         Some(match s {
             "normal" => Dist::Normal,
             "uniform" => Dist::Uniform,
@@ -35,7 +40,7 @@ impl Dist {
             _ => return None,
         })
     }
-    pub const NAMES: &'static str = "normal, uniform, identity, arange";
+    pub(crate) const NAMES: &'static str = "normal, uniform, identity, arange";
 }
 
 /// splitmix64, used to derive well-mixed seeds.
@@ -53,6 +58,7 @@ pub struct Rng {
 }
 
 impl Rng {
+    /// A generator for one `stream` (e.g. a row index) of `seed`.
     pub fn new(seed: u64, stream: u64) -> Rng {
         let mut x = seed ^ stream.wrapping_mul(0xD134_2543_DE82_EF95);
         let s = [
@@ -63,6 +69,7 @@ impl Rng {
         ];
         Rng { s }
     }
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         let s = &mut self.s;
         let result = (s[0].wrapping_add(s[3])).rotate_left(23).wrapping_add(s[0]);
@@ -117,13 +124,20 @@ pub fn row_values(dist: Dist, seed: u64, r: u64, cols: u64, out: &mut [f64]) {
     }
 }
 
+/// What to generate: shape, element type, storage tiles, distribution and seed.
 #[derive(Clone, Debug)]
 pub struct GenSpec {
+    /// Number of rows.
     pub rows: u64,
+    /// Number of columns.
     pub cols: u64,
+    /// Element type stored in the file.
     pub dtype: DType,
+    /// Storage tile shape (rows, columns).
     pub tile: (u64, u64),
+    /// Distribution of the values.
     pub dist: Dist,
+    /// Seed of the random streams (the same seed gives the same file).
     pub seed: u64,
 }
 

@@ -11,8 +11,6 @@
 
 pub(crate) mod atomic;
 pub(crate) mod fsutil;
-// TODO(lead): gen.rs is being edited elsewhere; drop the `allow` once its items have docs.
-#[allow(missing_docs, unreachable_pub, private_interfaces)]
 pub mod gen;
 pub(crate) mod header;
 pub mod npy;
