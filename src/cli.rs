@@ -48,14 +48,14 @@ pub(crate) enum Command {
         #[arg(long)]
         cols: u64,
         /// Element type: f32, f64, f16, bf16.
-        #[arg(long, default_value = "f32", value_parser = parse_dtype)]
-        dtype: DType,
+        #[arg(long, default_value = "f32")]
+        dtype: String,
         /// Storage tile edge (square tiles).
         #[arg(long, default_value_t = 1024)]
         tile: u64,
         /// normal, uniform (in [-1, 1)), identity, arange (value = row·cols + col).
-        #[arg(long, default_value = "normal", value_parser = parse_dist)]
-        dist: Dist,
+        #[arg(long, default_value = "normal")]
+        dist: String,
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Worker threads (0 = all cores).
@@ -363,24 +363,13 @@ pub fn execute(cli: Cli) -> Result<()> {
     }
 }
 
-/// `--dtype` for clap, through the same parser as the plan file's `dtype` keys (so the two
-/// accept the same names); clap reports a bad value before anything runs.
-fn parse_dtype(s: &str) -> std::result::Result<DType, String> {
-    DType::parse(s).ok_or_else(|| "use f32, f64, f16 or bf16".to_string())
-}
-
-/// `--dist` for clap, through the plan file's parser.
-fn parse_dist(s: &str) -> std::result::Result<Dist, String> {
-    Dist::parse(s).ok_or_else(|| format!("use one of {}", Dist::NAMES))
-}
-
 /// `gen`'s arguments besides the output path.
 struct GenArgs {
     rows: u64,
     cols: u64,
-    dtype: DType,
+    dtype: String,
     tile: u64,
-    dist: Dist,
+    dist: String,
     seed: u64,
     threads: usize,
     force: bool,
@@ -388,7 +377,10 @@ struct GenArgs {
 
 fn gen_cmd(out: &Path, a: GenArgs) -> Result<()> {
     refuse_existing(out, a.force)?;
-    let (dtype, dist) = (a.dtype, a.dist);
+    let dtype = DType::parse(&a.dtype)
+        .ok_or_else(|| Error::Usage(format!("--dtype {}: use f32, f64, f16 or bf16", a.dtype)))?;
+    let dist = Dist::parse(&a.dist)
+        .ok_or_else(|| Error::Usage(format!("--dist {}: use one of {}", a.dist, Dist::NAMES)))?;
     check_tile(a.tile)?;
     let (rows, cols) = (a.rows, a.cols);
     if rows == 0 || cols == 0 {
