@@ -204,6 +204,8 @@ fn existing_output_without_journal_is_not_overwritten() {
         "{err}"
     );
     assert_eq!(std::fs::read(dir.join("C.mgt")).unwrap(), b"precious");
+    // The refused run leaves no journal behind.
+    assert!(!dir.join("C.mgt.journal").exists());
 }
 
 #[test]

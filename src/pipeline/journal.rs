@@ -78,6 +78,7 @@ impl Journal {
         durable: bool,
     ) -> Result<(Journal, State)> {
         let path = journal_path(output);
+        let existed = path.exists();
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -89,7 +90,16 @@ impl Journal {
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)
             .map_err(|e| Error::io(&path, "cannot read journal", e))?;
-        let state = read_state(output, &path, fp, restart, &bytes)?;
+        let state = match read_state(output, &path, fp, restart, &bytes) {
+            Ok(s) => s,
+            Err(e) => {
+                // A refused run leaves nothing behind: not even the empty journal it created.
+                if !existed {
+                    let _ = std::fs::remove_file(&path);
+                }
+                return Err(e);
+            }
+        };
         if matches!(state, State::Fresh) {
             file.set_len(0)
                 .map_err(|e| Error::io(&path, "cannot reset journal", e))?;
