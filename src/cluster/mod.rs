@@ -197,15 +197,7 @@ pub(crate) fn generate_shared(
     progress: &Progress,
 ) -> Result<Vec<String>> {
     let mut out = Vec::new();
-    for d in &plan.matrices {
-        let Some(spec) = &d.generate else { continue };
-        if d.path.exists() {
-            continue;
-        }
-        if let Some(dir) = d.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| Error::io(dir, "cannot create directory", e))?;
-        }
+    for (d, spec) in crate::run::to_generate(plan)? {
         let claim_path = d.path.with_extension("mgt.generating");
         match claim::try_claim(&claim_path, sh.claim_timeout)? {
             claim::Try::Got(c) => {

@@ -190,12 +190,10 @@ pub fn init_threads(threads: usize) -> usize {
     n
 }
 
-/// Generate every declared input that is missing and has a `generate` spec.
-pub fn generate_missing(
+/// The declared inputs that are missing and have a `generate` spec, with their folders created.
+pub(crate) fn to_generate(
     plan: &Plan,
-    progress: &Progress,
-    cancel: Option<&std::sync::atomic::AtomicBool>,
-) -> Result<Vec<String>> {
+) -> Result<Vec<(&crate::plan::MatrixDecl, &crate::store::gen::GenSpec)>> {
     let mut out = Vec::new();
     for d in &plan.matrices {
         let Some(spec) = &d.generate else { continue };
@@ -206,6 +204,19 @@ pub fn generate_missing(
             std::fs::create_dir_all(dir)
                 .map_err(|e| Error::io(dir, "cannot create directory", e))?;
         }
+        out.push((d, spec));
+    }
+    Ok(out)
+}
+
+/// Generate every declared input that is missing and has a `generate` spec.
+pub fn generate_missing(
+    plan: &Plan,
+    progress: &Progress,
+    cancel: Option<&std::sync::atomic::AtomicBool>,
+) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for (d, spec) in to_generate(plan)? {
         let t = Instant::now();
         let h = crate::store::Header::new(
             spec.dtype,
