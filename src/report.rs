@@ -90,6 +90,10 @@ pub struct StepReport {
     pub nonfinite_inputs: u64,
     /// Seconds spent flushing the output at the end.
     pub flush_s: f64,
+    /// Seconds outside the step's `wall_s` that the step cost, by phase: loading the resume
+    /// state, making the lanes (contexts, device memory, kernels), building the pipeline
+    /// (opening files, allocating pinned pools) and dropping it afterwards.
+    pub setup_s: Vec<(String, f64)>,
 }
 
 #[derive(Debug, Serialize)]
@@ -108,6 +112,9 @@ pub struct RunReport {
     /// Age of the process when the run finished (its start-up included), from /proc on Linux;
     /// compare with the steps' `wall_s` to see what start-up costs.
     pub process_wall_s: Option<f64>,
+    /// Seconds before the first step, by phase: choosing and starting the backend (device
+    /// discovery, the first context), sizing the steps and checking space, generating inputs.
+    pub startup_s: Vec<(String, f64)>,
 }
 
 /// Seconds since this process started, from `/proc/self/stat` (start time in clock ticks since
@@ -245,6 +252,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         stages: st.stages,
         nonfinite_inputs: st.nonfinite_inputs,
         flush_s: st.flush_s,
+        setup_s: Vec::new(),
     }
 }
 

@@ -263,15 +263,29 @@ fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
 /// Run every step of `plan` on the backend the plan selects.
 pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<RunReport> {
     init_threads(plan.engine.threads);
-    run_plan_on(plan, choose_backend(plan, opts)?, opts, progress)
+    let t = Instant::now();
+    let backend = choose_backend(plan, opts)?;
+    let backend_s = t.elapsed().as_secs_f64();
+    run_plan_timed(plan, backend, opts, progress, backend_s)
 }
 
 /// Run every step of `plan` on `backend` (tests pass simulated or faulty backends here).
 pub fn run_plan_on(
     plan: &Plan,
+    backend: Box<dyn Backend>,
+    opts: &RunOptions,
+    progress: &Progress,
+) -> Result<RunReport> {
+    run_plan_timed(plan, backend, opts, progress, 0.0)
+}
+
+/// [`run_plan_on`], with the seconds it took to start `backend` for the report.
+fn run_plan_timed(
+    plan: &Plan,
     mut backend: Box<dyn Backend>,
     opts: &RunOptions,
     progress: &Progress,
+    backend_s: f64,
 ) -> Result<RunReport> {
     let t0 = Instant::now();
     ignore_sigxfsz();
@@ -300,10 +314,17 @@ pub fn run_plan_on(
             })
             .collect(),
     );
+    let prepare_s = t0.elapsed().as_secs_f64();
+    let tg = Instant::now();
     let generated = match &opts.shard {
         Some(sh) => crate::cluster::generate_shared(plan, sh, progress)?,
         None => generate_missing(plan, progress, opts.cancel)?,
     };
+    let startup_s = vec![
+        ("backend".to_string(), backend_s),
+        ("prepare".to_string(), prepare_s),
+        ("generate".to_string(), tg.elapsed().as_secs_f64()),
+    ];
     let mut steps = Vec::new();
     for (i, (step, layout)) in plan.steps.iter().zip(&layouts).enumerate() {
         if chain_done(plan, &layouts, i, backend.caps().kind, opts)? {
@@ -340,6 +361,7 @@ pub fn run_plan_on(
         steps,
         wall_s: t0.elapsed().as_secs_f64(),
         process_wall_s: report::process_age_s(),
+        startup_s,
     };
     if let Some(p) = &opts.report {
         let s = serde_json::to_string_pretty(&report).expect("report serializes");
@@ -367,6 +389,7 @@ pub(crate) fn run_step(
     let fp = fingerprint(step, layout, backend.caps().kind, e.precision)?;
     let n = step.index + 1;
     loop {
+        let tr = Instant::now();
         let (journal, state) = match shard {
             Some(ctx) => ResumeState::load_shard(step, layout, &fp, e.durable, ctx)?,
             None => ResumeState::load(
@@ -394,7 +417,10 @@ pub(crate) fn run_step(
             (ResumeState::Work { work, total, bad }, _) => (work, total, bad),
         };
         note_work(progress, step, shard, &work, total, bad);
+        let tl = Instant::now();
+        let resume_s = (tl - tr).as_secs_f64();
         let lanes = backend.lanes(layout, e.precision)?;
+        let lanes_s = tl.elapsed().as_secs_f64();
         let journal_sink = JournalSink(&journal);
         #[cfg(feature = "fault-injection")]
         let faulty = faulty_sink(opts, step, &journal_sink);
@@ -409,6 +435,7 @@ pub(crate) fn run_step(
             cancel: opts.cancel,
             ..RunConfig::from_engine(e)
         };
+        let tb = Instant::now();
         let pipe = Pipeline::build(
             step,
             layout,
@@ -419,8 +446,11 @@ pub(crate) fn run_step(
             sink,
             progress,
         )?;
+        let build_s = tb.elapsed().as_secs_f64();
+        let trun = Instant::now();
         match pipe.run() {
             Ok(stats) => {
+                let drop_s = (trun.elapsed().as_secs_f64() - stats.wall_s).max(0.0);
                 journal.complete()?;
                 let cx = StepContext {
                     step,
@@ -430,7 +460,14 @@ pub(crate) fn run_step(
                     precision: e.precision,
                     host_budget: e.host_memory,
                 };
-                return Ok(Some(report::step_report(&cx, stats)));
+                let mut rep = report::step_report(&cx, stats);
+                rep.setup_s = vec![
+                    ("resume".into(), resume_s),
+                    ("lanes".into(), lanes_s),
+                    ("build".into(), build_s),
+                    ("drop".into(), drop_s),
+                ];
+                return Ok(Some(rep));
             }
             // A device failed: if the backend can go on without it, its unfinished tiles are
             // redone on the rest. The journal holds every tile written so far, so this is an
