@@ -84,8 +84,8 @@ case_fp64() {
     [ -f $m.mgt ] || "$MGMM" gen $m.mgt --rows 60000 --cols 60000 --dtype f64 --seed 3 2>&1 | tail -1 | tee -a "$LOG"
   done
   cat A64.mgt B64.mgt > /dev/null
-  plan fp64 A64.mgt B64.mgt C64.mgt "A @ B" fp32 '"all"' 'host_memory = "32GiB"'; runs fp64 C64.mgt
-  plan fp64_20g A64.mgt B64.mgt C64.mgt "A @ B" fp32 '"all"' 'host_memory = "32GiB"' 'device_memory = "20GiB"'
+  plan fp64 A64.mgt B64.mgt C64.mgt "A @ B" fp64 '"all"' 'host_memory = "32GiB"'; runs fp64 C64.mgt
+  plan fp64_20g A64.mgt B64.mgt C64.mgt "A @ B" fp64 '"all"' 'host_memory = "32GiB"' 'device_memory = "20GiB"'
   runs fp64_20g C64.mgt
   rm -f A64.mgt B64.mgt
 }

@@ -6,10 +6,13 @@ bound tf32/bf16 runs on the GPU machine.)
 For P = 1, 2, 4, ... processes, each takes a disjoint slice of one new SIZE-byte file and
   populate: mmap(MAP_SHARED) + madvise(MADV_POPULATE_WRITE) of its slice (what outprep does);
   touch:    mmap + a write to every page (first-touch faults, what a copy without outprep costs);
-  pwrite:   pwrite of its slice from a 64 MiB buffer (buffered writes, page cache only).
+  pwrite:   pwrite of its slice from a 64 MiB buffer (buffered writes, page cache only);
+  falloc:   populate, on a file fallocate()d first (extents allocated, unwritten);
+  files:    populate, but each process on a file of its own (is the limit per file?);
+  anon:     MAP_PRIVATE|MAP_ANONYMOUS memory populated (no page cache: the allocator alone).
 The file is created fresh (ftruncate, sparse) for every measurement and removed after; nothing is
 fsynced. Prints GB/s of pages created per mode and P.
-Usage: page_probe.py DIR [SIZE_GIB] [P,P,...]
+Usage: page_probe.py DIR [SIZE_GIB] [P,P,...] [MODE,MODE,...]
 """
 import mmap, os, sys, time
 from multiprocessing import Process
@@ -22,7 +25,18 @@ PAGE = 4096
 
 
 def worker(path, mode, lo, hi):
-    fd = os.open(path, os.O_RDWR)
+    if mode == "anon":
+        mm = mmap.mmap(-1, hi - lo, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(MADV_POPULATE_WRITE)
+        mm.close()
+        return
+    if mode == "files":
+        path = f"{path}.{lo}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        os.ftruncate(fd, hi - lo)
+        lo, hi = 0, hi - lo
+    else:
+        fd = os.open(path, os.O_RDWR)
     if mode == "pwrite":
         buf = b"\1" * (64 << 20)
         off = lo
@@ -32,7 +46,7 @@ def worker(path, mode, lo, hi):
             off += n
     else:
         mm = mmap.mmap(fd, hi - lo, mmap.MAP_SHARED, offset=lo)
-        if mode == "populate":
+        if mode != "touch":
             mm.madvise(MADV_POPULATE_WRITE)
         else:
             for off in range(0, hi - lo, PAGE):
@@ -44,7 +58,10 @@ def worker(path, mode, lo, hi):
 def measure(mode, p):
     path = os.path.join(d, f"page_probe_{os.getpid()}.bin")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.ftruncate(fd, size)
+    if mode == "falloc":
+        os.posix_fallocate(fd, 0, size)
+    else:
+        os.ftruncate(fd, size)
     os.close(fd)
     per = (size // p) // (2 << 20) * (2 << 20)
     t = time.perf_counter()
@@ -56,12 +73,16 @@ def measure(mode, p):
     dt = time.perf_counter() - t
     t2 = time.perf_counter()
     os.remove(path)
+    if mode == "files":
+        for i in range(p):
+            os.remove(f"{path}.{i * per}")
     rm = time.perf_counter() - t2
     print(f"{mode:>8} P={p:2d}: {size / dt / 1e9:6.2f} GB/s ({size / 2**30:.0f} GiB in {dt:.2f} s; unlink {rm:.2f} s)", flush=True)
 
 
-for mode in ("populate", "pwrite", "touch"):
+modes = (sys.argv[4] if len(sys.argv) > 4 else "populate,pwrite,touch,falloc,files,anon").split(",")
+for mode in modes:
     for p in ps:
-        if mode == "touch" and p < 4:
+        if mode in ("touch",) and p < 4:
             continue  # python's per-page loop is too slow to mean anything with few processes
         measure(mode, p)
