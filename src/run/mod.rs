@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{self, Backend};
 use crate::error::{Error, Result};
+use crate::pipeline::checkpoint::Checkpoints;
 use crate::pipeline::journal::{Fingerprint, Journal};
 use crate::pipeline::stages::TileSink;
 use crate::pipeline::{self, Pipeline, RunConfig};
@@ -366,9 +367,10 @@ pub(crate) fn run_step(
     }
     let fp = fingerprint(step, layout, backend.caps().kind, e.precision)?;
     let n = step.index + 1;
+    let mut ckpt = Checkpoints::new(&step.output, &fp, e.checkpoint_every, layout, step.k);
     loop {
         let (journal, state) = match shard {
-            Some(ctx) => ResumeState::load_shard(step, layout, &fp, e.durable, ctx)?,
+            Some(ctx) => ResumeState::load_shard(step, layout, &fp, e.durable, ctx, &mut ckpt)?,
             None => ResumeState::load(
                 step,
                 layout,
@@ -377,6 +379,7 @@ pub(crate) fn run_step(
                 e.durable,
                 e.write,
                 e.host_memory,
+                &mut ckpt,
             )?,
         };
         let (work, total, bad) = match (state, shard) {
@@ -391,9 +394,23 @@ pub(crate) fn run_step(
                 ));
                 return Ok(None);
             }
-            (ResumeState::Work { work, total, bad }, _) => (work, total, bad),
+            (
+                ResumeState::Work {
+                    work,
+                    total,
+                    bad,
+                    notes,
+                },
+                _,
+            ) => {
+                for note in notes {
+                    progress.note(&format!("step {n}: {note}"));
+                }
+                (work, total, bad)
+            }
         };
         note_work(progress, step, shard, &work, total, bad);
+        note_partial(progress, step, &ckpt);
         let lanes = backend.lanes(layout, e.precision)?;
         let journal_sink = JournalSink(&journal);
         #[cfg(feature = "fault-injection")]
@@ -418,10 +435,16 @@ pub(crate) fn run_step(
             cfg,
             sink,
             progress,
-        )?;
+        )?
+        .with_checkpoints(&ckpt);
         match pipe.run() {
             Ok(stats) => {
                 journal.complete()?;
+                // Every tile is recorded: no checkpoint of this step (or shard) is needed.
+                match shard {
+                    None => ckpt.discard_all()?,
+                    Some(_) => ckpt.remove_dir_if_empty(),
+                }
                 let cx = StepContext {
                     step,
                     layout,
@@ -499,6 +522,23 @@ fn note_work(
             work.done_before,
         ));
     }
+}
+
+/// Say how many unfinished tiles resume from checkpoints, and how much of their K they hold.
+fn note_partial(progress: &Progress, step: &Step, ckpt: &Checkpoints) {
+    let resumed = ckpt.resumed();
+    if resumed.is_empty() {
+        return;
+    }
+    let done: u64 = resumed.keys().map(|&s| ckpt.k_before(s)).sum();
+    let of = resumed.len() as u64 * step.k.max(1);
+    let tiles = if resumed.len() == 1 { "tile" } else { "tiles" };
+    progress.note(&format!(
+        "step {}: resuming {} partial {tiles} from checkpoints ({:.0} % of their K done)",
+        step.index + 1,
+        resumed.len(),
+        100.0 * done as f64 / of as f64
+    ));
 }
 
 /// The journal sink wrapped with the sink-side faults asked for (tests only).
