@@ -218,30 +218,45 @@ fn single_long_tile_resumes(backend: &str) {
     );
 }
 
-/// A checkpoint whose data no longer matches its CRC is never trusted: it is deleted with a
-/// note and its tile computed from the start, to the same bytes.
+/// A checkpoint whose data or header no longer matches its CRC is never trusted: it is deleted
+/// with a note and its tile computed from the start, to the same bytes.
 fn corrupt_checkpoint_is_ignored(backend: &str) {
     let d = tmp();
     let dir = d.path();
     setup(dir, backend, 150, 130, true);
-    let saved = kill_after(dir, 2 * GK + 10);
-    for (p, _) in &saved {
-        let mut b = std::fs::read(p).unwrap();
+    // A flipped bit in the data; then a header saying one k-chunk more than was done (valid
+    // JSON, so only the header's own CRC can tell).
+    let data = |b: &mut Vec<u8>| {
         let last = b.len() - 5;
         b[last] ^= 0x40;
-        std::fs::write(p, b).unwrap();
+    };
+    let header = |b: &mut Vec<u8>| {
+        let text = String::from_utf8_lossy(&b[..200]).to_string();
+        let at = text.find("\"k_done\":").unwrap() + 9;
+        b[at] = if b[at] == b'9' { b'1' } else { b[at] + 1 };
+    };
+    for (i, corrupt) in [&data as &dyn Fn(&mut Vec<u8>), &header]
+        .into_iter()
+        .enumerate()
+    {
+        let saved = kill_after_restart(dir, 2 * GK + 10, i > 0);
+        for (p, _) in &saved {
+            let mut b = std::fs::read(p).unwrap();
+            corrupt(&mut b);
+            std::fs::write(p, b).unwrap();
+        }
+        let (r, notes) = resume(dir);
+        assert_eq!(gemms(&r), r.steps[0].tiles_computed * GK);
+        let ignored = notes
+            .iter()
+            .filter(|n| n.contains("ignoring the checkpoint") && n.contains("CRC"))
+            .count();
+        assert_eq!(ignored, saved.len(), "{notes:?}");
+        assert!(
+            !notes.iter().any(|n| n.contains("partial tile")),
+            "{notes:?}"
+        );
     }
-    let (r, notes) = resume(dir);
-    assert_eq!(gemms(&r), r.steps[0].tiles_computed * GK);
-    let ignored = notes
-        .iter()
-        .filter(|n| n.contains("ignoring the checkpoint") && n.contains("CRC"))
-        .count();
-    assert_eq!(ignored, saved.len(), "{notes:?}");
-    assert!(
-        !notes.iter().any(|n| n.contains("partial tile")),
-        "{notes:?}"
-    );
 }
 
 /// Checkpoints of other inputs (the output and its journal deleted, A regenerated) are

@@ -369,20 +369,8 @@ pub(crate) fn run_step(
     let n = step.index + 1;
     let mut ckpt = Checkpoints::new(&step.output, &fp, e.checkpoint_every, layout, step.k);
     loop {
-        let (journal, state) = match shard {
-            Some(ctx) => ResumeState::load_shard(step, layout, &fp, e.durable, ctx, &mut ckpt)?,
-            None => ResumeState::load(
-                step,
-                layout,
-                &fp,
-                opts.restart,
-                e.durable,
-                e.write,
-                e.host_memory,
-                &mut ckpt,
-            )?,
-        };
-        let (work, total, bad) = match (state, shard) {
+        let (journal, state) = load_state(step, layout, &fp, opts, e, shard, &mut ckpt)?;
+        let (work, total, bad, notes) = match (state, shard) {
             (ResumeState::Complete, Some(ctx)) => {
                 progress.note(&format!("step {n}: {} is already done", ctx.label));
                 return Ok(None);
@@ -394,23 +382,10 @@ pub(crate) fn run_step(
                 ));
                 return Ok(None);
             }
-            (
-                ResumeState::Work {
-                    work,
-                    total,
-                    bad,
-                    notes,
-                },
-                _,
-            ) => {
-                for note in notes {
-                    progress.note(&format!("step {n}: {note}"));
-                }
-                (work, total, bad)
-            }
+            (st, _) => st.into_work().expect("not complete"),
         };
         note_work(progress, step, shard, &work, total, bad);
-        note_partial(progress, step, &ckpt);
+        note_partial(progress, step, &notes, &ckpt);
         let lanes = backend.lanes(layout, e.precision)?;
         let journal_sink = JournalSink(&journal);
         #[cfg(feature = "fault-injection")]
@@ -465,6 +440,32 @@ pub(crate) fn run_step(
             }
             Err(err) => return Err(err),
         }
+    }
+}
+
+/// Open the journal of `step` (or of its shard) and decide what is left to do, and which
+/// tiles resume from their checkpoints in `ckpt`.
+fn load_state(
+    step: &Step,
+    layout: &Layout,
+    fp: &Fingerprint,
+    opts: &RunOptions,
+    e: &crate::plan::Engine,
+    shard: Option<&crate::cluster::ShardCtx>,
+    ckpt: &mut Checkpoints,
+) -> Result<(Journal, ResumeState)> {
+    match shard {
+        Some(ctx) => ResumeState::load_shard(step, layout, fp, e.durable, ctx, ckpt),
+        None => ResumeState::load(
+            step,
+            layout,
+            fp,
+            opts.restart,
+            e.durable,
+            e.write,
+            e.host_memory,
+            ckpt,
+        ),
     }
 }
 
@@ -524,8 +525,12 @@ fn note_work(
     }
 }
 
-/// Say how many unfinished tiles resume from checkpoints, and how much of their K they hold.
-fn note_partial(progress: &Progress, step: &Step, ckpt: &Checkpoints) {
+/// Say which checkpoints were ignored and why (`notes`), how many unfinished tiles resume from
+/// checkpoints, and how much of their K they hold.
+fn note_partial(progress: &Progress, step: &Step, notes: &[String], ckpt: &Checkpoints) {
+    for note in notes {
+        progress.note(&format!("step {}: {note}", step.index + 1));
+    }
     let resumed = ckpt.resumed();
     if resumed.is_empty() {
         return;

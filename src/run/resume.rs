@@ -38,6 +38,20 @@ pub enum ResumeState {
 }
 
 impl ResumeState {
+    /// The work, tile counts and checkpoint notes of [`ResumeState::Work`]; `None` when
+    /// complete.
+    pub(crate) fn into_work(self) -> Option<(Work, u64, u64, Vec<String>)> {
+        match self {
+            ResumeState::Complete => None,
+            ResumeState::Work {
+                work,
+                total,
+                bad,
+                notes,
+            } => Some((work, total, bad, notes)),
+        }
+    }
+
     /// Open the journal for `step` and decide what is left, and which unfinished tiles resume
     /// from their checkpoints in `ckpt`. The journal is returned so the caller can record tiles
     /// into it and mark it complete.
