@@ -210,6 +210,8 @@ fn single_long_tile_resumes(backend: &str) {
     let (r, notes) = resume(dir);
     assert_eq!(gemms(&r), GK - saved[0].1, "{saved:?}");
     assert!(gemms(&r) < GK);
+    // The report's work is this run's k-chunks only (each 2·60·50·100 FLOPs).
+    assert_eq!(r.steps[0].flops, (gemms(&r) * 2 * 60 * 50 * 100) as f64);
     assert!(
         notes
             .iter()
