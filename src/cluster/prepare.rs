@@ -228,9 +228,15 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
     Ok(m)
 }
 
-/// Throw away a split step's state: output, its journal and the shard directory (`prepare
-/// --restart`).
+/// Throw away a split step's state: output, its journal, its tiles' checkpoints and the shard
+/// directory (`prepare --restart`).
 pub(crate) fn reset(output: &Path) -> Result<()> {
+    let partial = crate::pipeline::checkpoint::partial_dir(output);
+    match std::fs::remove_dir_all(&partial) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(Error::io(&partial, "cannot remove checkpoints", e)),
+    }
     for p in [output.to_path_buf(), journal::journal_path(output)] {
         match std::fs::remove_file(&p) {
             Ok(()) => {}

@@ -8,6 +8,7 @@
 //! Backpressure comes only from bounded channels and the fixed pools. The first error cancels
 //! every stage and is the one returned; a failed run never reports success.
 
+pub(crate) mod checkpoint;
 pub(crate) mod control;
 pub mod journal;
 pub(crate) mod metrics;
@@ -130,6 +131,8 @@ pub(crate) struct Pipeline<'a> {
     sink: &'a dyn TileSink,
     progress: &'a Progress,
     done_before: u64,
+    /// Partial accumulators: saved while tiles are computed, resumed from at the start.
+    ckpt: Option<&'a checkpoint::Checkpoints>,
 }
 
 /// Counters shared by the stages and the progress display.
@@ -218,14 +221,35 @@ impl<'a> Pipeline<'a> {
             sink,
             progress,
             done_before: work.done_before,
+            ckpt: None,
         })
+    }
+
+    /// Save partial accumulators in `ckpt` as its interval says, and start the tiles it
+    /// resumes from their checkpoints (which [`checkpoint::Checkpoints::scan`] accepted for
+    /// exactly this step).
+    pub(crate) fn with_checkpoints(mut self, ckpt: &'a checkpoint::Checkpoints) -> Self {
+        self.ckpt = Some(ckpt);
+        self
+    }
+
+    /// FLOPs of the tiles left to compute, less what their checkpoints already hold.
+    fn todo_flops(&self) -> u64 {
+        let mut f = self.tile_flops(self.queue.order().iter().copied());
+        if let Some(c) = self.ckpt {
+            for &seq in c.resumed().keys() {
+                let b = &self.sched.tiles[seq as usize].block;
+                f -= 2 * b.rows * b.cols * c.k_before(seq);
+            }
+        }
+        f
     }
 
     /// Run every stage to the end (or the first error), then finish the output.
     pub(crate) fn run(mut self) -> Result<RunStats> {
         let nlanes = self.lanes.len();
         let all_flops = self.tile_flops(0..self.sched.tiles.len() as u32);
-        let todo_flops = self.tile_flops(self.queue.order().iter().copied());
+        let todo_flops = self.todo_flops();
         let c = Counters {
             first_gemm_ns: AtomicU64::new(u64::MAX),
             tiles_done: AtomicU64::new(self.done_before),
@@ -309,7 +333,7 @@ impl<'a> Pipeline<'a> {
             output: step.output.display().to_string(),
             tiles_total: self.queue.len() as u64 + self.done_before,
             flops_total: all_flops,
-            flops_before: all_flops - self.tile_flops(self.queue.order().iter().copied()),
+            flops_before: all_flops - self.todo_flops(),
             tiles_done: &c.tiles_done,
             flops_done: &c.flops_done,
             flops_issued: &c.flops_issued,
@@ -382,9 +406,10 @@ impl<'a> Pipeline<'a> {
             lanes,
             cfg,
             sink,
+            ckpt,
             ..
         } = self;
-        let (step, l, sink) = (*step, *l, *sink);
+        let (step, l, sink, ckpt) = (*step, *l, *sink, *ckpt);
         let writer: &dyn MatrixSink = writer.as_deref().expect("writer is open until run ends");
         let nlanes = lanes.len();
         let depth = l.staging_bufs.max(2);
@@ -411,6 +436,7 @@ impl<'a> Pipeline<'a> {
                 alpha: step.alpha,
                 beta: step.beta,
                 has_c0: step.c0.is_some(),
+                ckpt,
                 out: plan_tx,
                 m: m(StageKind::Planner),
             }));
@@ -440,6 +466,7 @@ impl<'a> Pipeline<'a> {
                 flops_issued: &c.flops_issued,
                 first_gemm: (t0, &c.first_gemm_ns),
                 live: &c.lane_live[i],
+                ckpt,
             }));
         }
         drop((done_tx, outprep_tx));
@@ -450,6 +477,7 @@ impl<'a> Pipeline<'a> {
             done_rx,
             outprep_rx,
             sink,
+            ckpt,
             durable: cfg.durable,
             k: step.k,
         };
@@ -482,6 +510,7 @@ struct OutputWiring<'p> {
     done_rx: crossbeam_channel::Receiver<Done>,
     outprep_rx: crossbeam_channel::Receiver<crate::store::Block>,
     sink: &'p dyn TileSink,
+    ckpt: Option<&'p checkpoint::Checkpoints>,
     durable: bool,
     k: u64,
 }
@@ -499,6 +528,7 @@ impl<'p> OutputWiring<'p> {
             done_rx,
             outprep_rx,
             sink,
+            ckpt,
             durable,
             k,
         } = self;
@@ -520,6 +550,7 @@ impl<'p> OutputWiring<'p> {
         metrics.extend([wb_m.clone(), sync_m.clone()]);
         stages.push(Box::new(Writeback {
             writer,
+            ckpt,
             host_dt: l.host_dt,
             rx: done_rx,
             out: sync_tx,
@@ -530,6 +561,7 @@ impl<'p> OutputWiring<'p> {
             rx: sync_rx,
             m: sync_m,
             sink,
+            ckpt,
             tiles_done: &c.tiles_done,
             flops_done: &c.flops_done,
             k,

@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
+use super::checkpoint::Checkpoints;
 use super::control::Control;
 use super::metrics::StageMetrics;
 use super::pool::{Lease, Pool};
@@ -37,12 +38,17 @@ pub(crate) enum PlanOp {
     Begin {
         acc: usize,
         c0: Option<Block>,
+        /// Start from this tile's checkpoint (then `c0` is `None`: it is in the checkpoint).
+        resume: Option<OutTile>,
     },
     Gemm {
         desc: GemmDesc,
         a_slot: usize,
         b_slot: usize,
         acc: usize,
+        /// The output tile and the k-chunk this GEMM computes (for checkpoints).
+        tile: OutTile,
+        kk: u64,
     },
     End {
         tile: OutTile,
@@ -60,12 +66,15 @@ pub(crate) enum LaneOp {
     Begin {
         acc: usize,
         c0: Option<(Arc<Lease>, usize)>,
+        resume: Option<OutTile>,
     },
     Gemm {
         desc: GemmDesc,
         a_slot: usize,
         b_slot: usize,
         acc: usize,
+        tile: OutTile,
+        kk: u64,
     },
     End {
         tile: OutTile,
@@ -73,10 +82,12 @@ pub(crate) enum LaneOp {
     },
 }
 
-/// Device lane → writeback: a finished output tile in a host buffer.
+/// Device lane → writeback: a finished output tile in a host buffer, or with `partial`, the
+/// accumulator of a tile after that many k-chunks (a checkpoint).
 pub(crate) struct Done {
     pub(crate) tile: OutTile,
     pub(crate) buf: Lease,
+    pub(crate) partial: Option<u32>,
 }
 
 /// Output tiles still to compute, dealt so that lanes run *in phase*.
@@ -199,6 +210,8 @@ pub(crate) struct Planner<'a> {
     pub(crate) alpha: f64,
     pub(crate) beta: f64,
     pub(crate) has_c0: bool,
+    /// Saved partial accumulators: tiles found there start at their next k-chunk.
+    pub(crate) ckpt: Option<&'a Checkpoints>,
     pub(crate) out: Sender<PlanOp>,
     pub(crate) m: Arc<StageMetrics>,
 }
@@ -217,11 +230,18 @@ impl Planner<'_> {
             let _ = self.outprep.try_send(tile.block);
             let acc = count % self.accs;
             count += 1;
+            // A tile resumed from its checkpoint continues at its next k-chunk; alpha, beta and
+            // C0 entered in k-chunk 0 and are in the saved accumulator.
+            let k0 = self
+                .ckpt
+                .and_then(|c| c.resumed().get(&seq))
+                .map_or(0, |&d| d as u64);
             let mut ops = vec![PlanOp::Begin {
                 acc,
-                c0: self.has_c0.then_some(tile.block),
+                c0: (self.has_c0 && k0 == 0).then_some(tile.block),
+                resume: (k0 > 0).then_some(tile),
             }];
-            for kk in 0..s.gk {
+            for kk in k0..s.gk {
                 let (a_slot, load_a) = cache.get((Src::A, tile.ti, kk));
                 if load_a {
                     ops.push(PlanOp::Load {
@@ -259,6 +279,8 @@ impl Planner<'_> {
                     a_slot,
                     b_slot,
                     acc,
+                    tile,
+                    kk,
                 });
             }
             ops.push(PlanOp::End { tile, acc });
@@ -404,23 +426,27 @@ impl Staging<'_> {
                     let (buf, elems) = self.fill(ctl, src, &block)?;
                     LaneOp::Upload { slot, buf, elems }
                 }
-                PlanOp::Begin { acc, c0, .. } => {
+                PlanOp::Begin { acc, c0, resume } => {
                     let c0 = match c0 {
                         Some(b) => Some(self.fill(ctl, Src::C0, &b)?),
                         None => None,
                     };
-                    LaneOp::Begin { acc, c0 }
+                    LaneOp::Begin { acc, c0, resume }
                 }
                 PlanOp::Gemm {
                     desc,
                     a_slot,
                     b_slot,
                     acc,
+                    tile,
+                    kk,
                 } => LaneOp::Gemm {
                     desc,
                     a_slot,
                     b_slot,
                     acc,
+                    tile,
+                    kk,
                 },
                 PlanOp::End { tile, acc } => LaneOp::End { tile, acc },
             };
@@ -442,6 +468,8 @@ pub(crate) struct DeviceLane<'a> {
     pub(crate) first_gemm: (Instant, &'a AtomicU64),
     /// The lane's device statistics, refreshed now and then for the progress display.
     pub(crate) live: &'a std::sync::Mutex<crate::backend::DeviceStats>,
+    /// Where partial accumulators are saved and resumed from (`None`: never).
+    pub(crate) ckpt: Option<&'a Checkpoints>,
 }
 
 struct Pending {
@@ -450,6 +478,56 @@ struct Pending {
 }
 
 impl DeviceLane<'_> {
+    /// An output buffer: a free one, or (after letting go of everything finished) the next one
+    /// writeback returns.
+    fn lease_out(&mut self, p: &mut Pending, ctl: &Control) -> Result<Lease> {
+        if let Some(b) = self.out_pool.try_lease() {
+            return Ok(b);
+        }
+        self.settle(p, ctl, true)?;
+        let t = Instant::now();
+        let b = self.out_pool.lease(ctl)?;
+        self.m.add_wait_out(t.elapsed());
+        Ok(b)
+    }
+
+    /// Put `tile`'s saved accumulator into `acc`, so that the tile continues where its
+    /// checkpoint left off. The file is read here, on the lane's thread, into an output buffer
+    /// (the only host buffer sized for a whole tile); it happens once per resumed tile.
+    fn resume(&mut self, tile: &OutTile, acc: usize, p: &mut Pending, ctl: &Control) -> Result<()> {
+        let ckpt = self.ckpt.expect("resumed tiles come from checkpoints");
+        let mut buf = self.lease_out(p, ctl)?;
+        ckpt.read_into(tile, buf.buf_mut().bytes_mut())?;
+        let tk = self
+            .lane
+            .upload(buf.buf(), tile.block.elems(), Dst::Acc(acc))?;
+        p.ups.push((tk, Arc::new(buf)));
+        Ok(())
+    }
+
+    /// Download `acc` (tile `tile` after `k_done` k-chunks) and send it to writeback to be
+    /// saved. The download is waited for before anything else is issued, so that the next GEMM
+    /// cannot change the accumulator under the copy on any backend; that costs one pipeline
+    /// drain per checkpoint, minutes apart.
+    fn checkpoint(
+        &mut self,
+        tile: &OutTile,
+        acc: usize,
+        k_done: u32,
+        p: &mut Pending,
+        ctl: &Control,
+    ) -> Result<()> {
+        let mut buf = self.lease_out(p, ctl)?;
+        let tk = self.lane.download(acc, tile.block.elems(), buf.buf_mut())?;
+        self.lane.wait(tk)?;
+        let done = Done {
+            tile: *tile,
+            buf,
+            partial: Some(k_done),
+        };
+        ctl.send_timed(&self.out, done, &self.m)
+    }
+
     /// Release finished uploads and forward finished downloads; with `all`, wait for everything.
     fn settle(&mut self, p: &mut Pending, ctl: &Control, all: bool) -> Result<()> {
         let mut i = 0;
@@ -488,6 +566,8 @@ impl DeviceLane<'_> {
             downs: Vec::new(),
         };
         let mut ops = 0u64;
+        // When the tile in progress started, or was last saved (for checkpoints).
+        let mut mark = Instant::now();
         loop {
             let op = match self.rx.try_recv() {
                 Ok(op) => op,
@@ -508,10 +588,14 @@ impl DeviceLane<'_> {
                     let tk = self.lane.upload(buf.buf(), elems, Dst::Slot(slot))?;
                     p.ups.push((tk, buf));
                 }
-                LaneOp::Begin { acc, c0 } => {
+                LaneOp::Begin { acc, c0, resume } => {
+                    mark = Instant::now();
                     if let Some((buf, elems)) = c0 {
                         let tk = self.lane.upload(buf.buf(), elems, Dst::Acc(acc))?;
                         p.ups.push((tk, buf));
+                    }
+                    if let Some(tile) = resume {
+                        self.resume(&tile, acc, &mut p, ctl)?;
                     }
                 }
                 LaneOp::Gemm {
@@ -519,6 +603,8 @@ impl DeviceLane<'_> {
                     a_slot,
                     b_slot,
                     acc,
+                    tile,
+                    kk,
                 } => {
                     self.lane.gemm(&desc, a_slot, b_slot, acc)?;
                     if ops == 0 || self.first_gemm.1.load(Ordering::Relaxed) == u64::MAX {
@@ -527,21 +613,19 @@ impl DeviceLane<'_> {
                     }
                     self.flops_issued
                         .fetch_add(2 * (desc.m * desc.n * desc.k) as u64, Ordering::Relaxed);
+                    if let Some(c) = self.ckpt {
+                        if kk + 1 < c.k_chunks() && c.due(mark) {
+                            self.checkpoint(&tile, acc, kk as u32 + 1, &mut p, ctl)?;
+                            mark = Instant::now();
+                        }
+                    }
                 }
                 LaneOp::End { tile, acc } => {
-                    let mut buf = match self.out_pool.try_lease() {
-                        Some(b) => b,
-                        None => {
-                            self.settle(&mut p, ctl, true)?;
-                            let t = Instant::now();
-                            let b = self.out_pool.lease(ctl)?;
-                            self.m.add_wait_out(t.elapsed());
-                            b
-                        }
-                    };
+                    let mut buf = self.lease_out(&mut p, ctl)?;
                     let elems = tile.block.elems();
                     let tk = self.lane.download(acc, elems, buf.buf_mut())?;
-                    p.downs.push((tk, Done { tile, buf }));
+                    let partial = None;
+                    p.downs.push((tk, Done { tile, buf, partial }));
                     self.m.add_item((elems * self.host_dt.size()) as u64);
                 }
             }
@@ -587,6 +671,8 @@ pub(crate) trait TileSink: Sync {
 
 pub(crate) struct Writeback<'a> {
     pub(crate) writer: &'a dyn MatrixSink,
+    /// Where checkpoints (partial accumulators) are saved.
+    pub(crate) ckpt: Option<&'a Checkpoints>,
     pub(crate) host_dt: DType,
     pub(crate) rx: Receiver<Done>,
     /// Written tiles (with their CRC) on their way to being made durable and recorded.
@@ -601,6 +687,13 @@ impl Writeback<'_> {
             let b = d.tile.block;
             let bytes = b.elems() * self.host_dt.size();
             let data = &d.buf.buf().bytes()[..bytes];
+            if let Some(k_done) = d.partial {
+                let c = self.ckpt.expect("only a run with checkpoints takes them");
+                c.save(&d.tile, k_done, data)?;
+                drop(d.buf);
+                self.m.add_busy(t.elapsed());
+                continue;
+            }
             let crc = self.writer.write_block(&b, self.host_dt, data)?;
             drop(d.buf);
             self.m.add_busy(t.elapsed());
@@ -620,6 +713,8 @@ pub(crate) struct Durable<'a> {
     pub(crate) rx: Receiver<(OutTile, u32)>,
     pub(crate) m: Arc<StageMetrics>,
     pub(crate) sink: &'a dyn TileSink,
+    /// Checkpoints of tiles, removed once the tile is recorded.
+    pub(crate) ckpt: Option<&'a Checkpoints>,
     pub(crate) tiles_done: &'a AtomicU64,
     pub(crate) flops_done: &'a AtomicU64,
     pub(crate) k: u64,
@@ -636,11 +731,17 @@ impl Durable<'_> {
                 self.writer.flush_block(&b)?;
             }
             self.sink.tile_written(&tile, crc)?;
+            // Work done before this run (a resumed checkpoint) was counted at the start.
+            let mut k = self.k;
+            if let Some(c) = self.ckpt {
+                c.finished(tile.seq)?;
+                k -= c.k_before(tile.seq);
+            }
             self.m.add_busy(t.elapsed());
             self.m.add_item(0);
             self.tiles_done.fetch_add(1, Ordering::Relaxed);
             self.flops_done
-                .fetch_add(2 * b.rows * b.cols * self.k, Ordering::Relaxed);
+                .fetch_add(2 * b.rows * b.cols * k, Ordering::Relaxed);
         }
         Ok(())
     }

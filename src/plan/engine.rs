@@ -189,7 +189,54 @@ pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engin
         durable: e.durable.as_ref().is_none_or(|v| *v.get_ref()),
         verify_inputs: e.verify_inputs.as_ref().is_none_or(|v| *v.get_ref()),
         write: resolve_write(e, from)?,
+        checkpoint_every: resolve_checkpoint_every(e, from)?,
     })
+}
+
+/// Default of `engine.checkpoint_every`: a kill loses at most about this much of a tile's work.
+pub(crate) const DEFAULT_CHECKPOINT_EVERY: std::time::Duration =
+    std::time::Duration::from_secs(300);
+
+fn resolve_checkpoint_every(
+    e: &RawEngine,
+    from: &EngineSource,
+) -> Result<Option<std::time::Duration>> {
+    let Some(v) = &e.checkpoint_every else {
+        return Ok(Some(DEFAULT_CHECKPOINT_EVERY));
+    };
+    let text = v.get_ref().trim();
+    if text == "off" {
+        return Ok(None);
+    }
+    parse_duration(text).map(Some).ok_or_else(|| {
+        from.err(
+            "checkpoint_every",
+            format!(
+                "{}: \"{}\" is not a duration; write e.g. \"5min\", \"30s\", \"250ms\", \"2h\", or \"off\"",
+                from.at("checkpoint_every", v),
+                v.get_ref()
+            ),
+        )
+    })
+}
+
+/// A duration written as a number and a unit: `ms`, `s`, `min`, `h` (`"5min"`, `"1.5h"`,
+/// `"0s"`); `None` for anything else (no unit, a negative or non-finite number).
+pub(crate) fn parse_duration(text: &str) -> Option<std::time::Duration> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = (t[..split].trim(), t[split..].trim());
+    let x: f64 = num.parse().ok()?;
+    let secs = match unit {
+        "ms" => x / 1e3,
+        "s" | "sec" => x,
+        "min" => x * 60.0,
+        "h" => x * 3600.0,
+        _ => return None,
+    };
+    std::time::Duration::try_from_secs_f64(secs).ok()
 }
 
 fn resolve_write(e: &RawEngine, from: &EngineSource) -> Result<crate::store::WriteMode> {
@@ -332,8 +379,39 @@ mod tests {
         assert!(m.contains("engine.KEY=VALUE"), "{m}");
         let m = msg("", &["engine.tile=[0, 1, 1]"]);
         assert!(m.starts_with("--set engine.tile=[0, 1, 1]: "), "{m}");
+        let m = msg("", &["engine.checkpoint_every=soon"]);
+        assert!(
+            m.starts_with("--set engine.checkpoint_every=soon: \"soon\" is not a duration"),
+            "{m}"
+        );
         let m = msg("", &["engine.durable=maybe"]);
         assert!(m.starts_with("--set engine.durable=maybe: "), "{m}");
+    }
+
+    #[test]
+    fn checkpoint_every_reads_durations_and_off() {
+        use std::time::Duration;
+        let every = |sets: &[&str]| engine("", sets).unwrap().checkpoint_every;
+        assert_eq!(every(&[]), Some(Duration::from_secs(300)));
+        assert_eq!(
+            every(&["engine.checkpoint_every=30s"]),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            every(&["engine.checkpoint_every=1.5h"]),
+            Some(Duration::from_secs(5400))
+        );
+        assert_eq!(
+            every(&["engine.checkpoint_every=250ms"]),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(every(&["engine.checkpoint_every=0s"]), Some(Duration::ZERO));
+        assert_eq!(every(&["engine.checkpoint_every=off"]), None);
+        let e = engine("checkpoint_every = \"2min\"\n", &[]).unwrap();
+        assert_eq!(e.checkpoint_every, Some(Duration::from_secs(120)));
+        for bad in ["5", "min", "-1s", "5 days", "1e3s", ""] {
+            assert_eq!(parse_duration(bad), None, "{bad:?}");
+        }
     }
 
     #[test]
@@ -353,6 +431,7 @@ mod tests {
             ("tile = [0, 1, 1]\n", "engine.tile", 1),
             ("\ndevices = []\n", "engine.devices", 2),
             ("devices = \"some\"\n", "engine.devices", 1),
+            ("\ncheckpoint_every = \"5\"\n", "engine.checkpoint_every", 2),
         ] {
             let m = engine(src, &[]).unwrap_err().to_string();
             let want = format!("{key} (line {line})");

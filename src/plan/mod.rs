@@ -153,6 +153,9 @@ pub struct Engine {
     pub verify_inputs: bool,
     /// How output blocks reach the file (`engine.write`).
     pub write: crate::store::WriteMode,
+    /// How often an output tile still being computed saves its partial accumulator
+    /// (`engine.checkpoint_every`); `None` = never.
+    pub checkpoint_every: Option<std::time::Duration>,
 }
 
 /// One operand of a step as it is stored on disk.

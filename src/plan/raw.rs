@@ -92,6 +92,8 @@ pub(crate) struct RawEngine {
     pub(crate) verify_inputs: Option<Spanned<bool>>,
     /// How output blocks reach the file: "mmap" (default) | "pwrite".
     pub(crate) write: Option<Spanned<String>>,
+    /// How often a long output tile saves its partial accumulator: "5min" (default) | "off".
+    pub(crate) checkpoint_every: Option<Spanned<String>>,
 }
 
 impl RawEngine {
@@ -108,6 +110,7 @@ impl RawEngine {
             durable,
             verify_inputs,
             write,
+            checkpoint_every,
         } = over;
         self.backend = backend.or(self.backend.take());
         self.precision = precision.or(self.precision.take());
@@ -119,6 +122,7 @@ impl RawEngine {
         self.durable = durable.or(self.durable.take());
         self.verify_inputs = verify_inputs.or(self.verify_inputs.take());
         self.write = write.or(self.write.take());
+        self.checkpoint_every = checkpoint_every.or(self.checkpoint_every.take());
     }
 }
 

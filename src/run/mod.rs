@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{self, Backend};
 use crate::error::{Error, Result};
+use crate::pipeline::checkpoint::Checkpoints;
 use crate::pipeline::journal::{Fingerprint, Journal};
 use crate::pipeline::stages::TileSink;
 use crate::pipeline::{self, Pipeline, RunConfig};
@@ -388,21 +389,11 @@ pub(crate) fn run_step(
     }
     let fp = fingerprint(step, layout, backend.caps().kind, e.precision)?;
     let n = step.index + 1;
+    let mut ckpt = Checkpoints::new(&step.output, &fp, e.checkpoint_every, layout, step.k);
     loop {
         let tr = Instant::now();
-        let (journal, state) = match shard {
-            Some(ctx) => ResumeState::load_shard(step, layout, &fp, e.durable, ctx)?,
-            None => ResumeState::load(
-                step,
-                layout,
-                &fp,
-                opts.restart,
-                e.durable,
-                e.write,
-                e.host_memory,
-            )?,
-        };
-        let (work, total, bad) = match (state, shard) {
+        let (journal, state) = load_state(step, layout, &fp, opts, e, shard, &mut ckpt)?;
+        let (work, total, bad, notes) = match (state, shard) {
             (ResumeState::Complete, Some(ctx)) => {
                 progress.note(&format!("step {n}: {} is already done", ctx.label));
                 return Ok(None);
@@ -414,9 +405,10 @@ pub(crate) fn run_step(
                 ));
                 return Ok(None);
             }
-            (ResumeState::Work { work, total, bad }, _) => (work, total, bad),
+            (st, _) => st.into_work().expect("not complete"),
         };
         note_work(progress, step, shard, &work, total, bad);
+        note_partial(progress, step, &notes, &ckpt);
         let tl = Instant::now();
         let resume_s = (tl - tr).as_secs_f64();
         let lanes = backend.lanes(layout, e.precision)?;
@@ -445,13 +437,19 @@ pub(crate) fn run_step(
             cfg,
             sink,
             progress,
-        )?;
+        )?
+        .with_checkpoints(&ckpt);
         let build_s = tb.elapsed().as_secs_f64();
         let trun = Instant::now();
         match pipe.run() {
             Ok(stats) => {
                 let drop_s = (trun.elapsed().as_secs_f64() - stats.wall_s).max(0.0);
                 journal.complete()?;
+                // Every tile is recorded: no checkpoint of this step (or shard) is needed.
+                match shard {
+                    None => ckpt.discard_all()?,
+                    Some(_) => ckpt.remove_dir_if_empty(),
+                }
                 let cx = StepContext {
                     step,
                     layout,
@@ -479,6 +477,32 @@ pub(crate) fn run_step(
             }
             Err(err) => return Err(err),
         }
+    }
+}
+
+/// Open the journal of `step` (or of its shard) and decide what is left to do, and which
+/// tiles resume from their checkpoints in `ckpt`.
+fn load_state(
+    step: &Step,
+    layout: &Layout,
+    fp: &Fingerprint,
+    opts: &RunOptions,
+    e: &crate::plan::Engine,
+    shard: Option<&crate::cluster::ShardCtx>,
+    ckpt: &mut Checkpoints,
+) -> Result<(Journal, ResumeState)> {
+    match shard {
+        Some(ctx) => ResumeState::load_shard(step, layout, fp, e.durable, ctx, ckpt),
+        None => ResumeState::load(
+            step,
+            layout,
+            fp,
+            opts.restart,
+            e.durable,
+            e.write,
+            e.host_memory,
+            ckpt,
+        ),
     }
 }
 
@@ -536,6 +560,27 @@ fn note_work(
             work.done_before,
         ));
     }
+}
+
+/// Say which checkpoints were ignored and why (`notes`), how many unfinished tiles resume from
+/// checkpoints, and how much of their K they hold.
+fn note_partial(progress: &Progress, step: &Step, notes: &[String], ckpt: &Checkpoints) {
+    for note in notes {
+        progress.note(&format!("step {}: {note}", step.index + 1));
+    }
+    let resumed = ckpt.resumed();
+    if resumed.is_empty() {
+        return;
+    }
+    let done: u64 = resumed.keys().map(|&s| ckpt.k_before(s)).sum();
+    let of = resumed.len() as u64 * step.k.max(1);
+    let tiles = if resumed.len() == 1 { "tile" } else { "tiles" };
+    progress.note(&format!(
+        "step {}: resuming {} partial {tiles} from checkpoints ({:.0} % of their K done)",
+        step.index + 1,
+        resumed.len(),
+        100.0 * done as f64 / of as f64
+    ));
 }
 
 /// The journal sink wrapped with the sink-side faults asked for (tests only).

@@ -4,8 +4,15 @@
 //! re-checks every recorded tile's CRC against the bytes in the output, and answers with the work
 //! left: nothing (complete), everything (fresh output), or the tiles whose records are missing or
 //! did not match. The run loop only acts on the answer.
+//!
+//! It also looks at the step's checkpoints ([`Checkpoints::scan`]): an unfinished tile with a
+//! valid one is resumed from its saved accumulator at its next k-chunk; any other checkpoint is
+//! deleted (with a note when it was invalid). `--restart` and a complete step delete them all.
+
+use std::collections::BTreeSet;
 
 use crate::error::Result;
+use crate::pipeline::checkpoint::Checkpoints;
 use crate::pipeline::journal::{Fingerprint, Journal, State};
 use crate::pipeline::{output_header, Work};
 use crate::plan::layout::Layout;
@@ -25,12 +32,30 @@ pub enum ResumeState {
         total: u64,
         /// Recorded tiles whose bytes no longer match their CRC (redone).
         bad: u64,
+        /// Why checkpoints found on disk were not used (each one was deleted).
+        notes: Vec<String>,
     },
 }
 
 impl ResumeState {
-    /// Open the journal for `step` and decide what is left. The journal is returned so the
-    /// caller can record tiles into it and mark it complete.
+    /// The work, tile counts and checkpoint notes of [`ResumeState::Work`]; `None` when
+    /// complete.
+    pub(crate) fn into_work(self) -> Option<(Work, u64, u64, Vec<String>)> {
+        match self {
+            ResumeState::Complete => None,
+            ResumeState::Work {
+                work,
+                total,
+                bad,
+                notes,
+            } => Some((work, total, bad, notes)),
+        }
+    }
+
+    /// Open the journal for `step` and decide what is left, and which unfinished tiles resume
+    /// from their checkpoints in `ckpt`. The journal is returned so the caller can record tiles
+    /// into it and mark it complete.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn load(
         step: &Step,
         layout: &Layout,
@@ -39,14 +64,21 @@ impl ResumeState {
         durable: bool,
         write: WriteMode,
         host_memory: u64,
+        ckpt: &mut Checkpoints,
     ) -> Result<(Journal, ResumeState)> {
         let (journal, state) = Journal::open(&step.output, fp, restart, durable)?;
         let sched = Schedule::new(step, layout);
         let header = output_header(step, layout);
         let write = write.resolve(header.file_len(), host_memory);
         let total = sched.tiles.len() as u64;
+        if restart {
+            ckpt.discard_all()?;
+        }
         let st = match state {
-            State::Complete => ResumeState::Complete,
+            State::Complete => {
+                ckpt.discard_all()?;
+                ResumeState::Complete
+            }
             // A journal with no finished tile says nothing about the output (a kill may have
             // landed while the output was being created): start the step afresh.
             State::Fresh => Self::fresh(step, header, total, write)?,
@@ -67,8 +99,27 @@ impl ResumeState {
                     },
                     total,
                     bad,
+                    notes: Vec::new(),
                 }
             }
+        };
+        let st = match st {
+            ResumeState::Work {
+                work, total, bad, ..
+            } => {
+                let todo: BTreeSet<u32> = match &work.todo {
+                    Some(t) => t.iter().copied().collect(),
+                    None => (0..total as u32).collect(),
+                };
+                let notes = ckpt.scan(&sched, &todo, 0..total as u32)?;
+                ResumeState::Work {
+                    work,
+                    total,
+                    bad,
+                    notes,
+                }
+            }
+            complete => complete,
         };
         Ok((journal, st))
     }
@@ -83,6 +134,7 @@ impl ResumeState {
         fp: &Fingerprint,
         durable: bool,
         ctx: &crate::cluster::ShardCtx,
+        ckpt: &mut Checkpoints,
     ) -> Result<(Journal, ResumeState)> {
         let (journal, _) = Journal::open_shard(&ctx.journal, fp, durable)?;
         let sched = Schedule::new(step, layout);
@@ -101,6 +153,8 @@ impl ResumeState {
         // Recorded tiles whose bytes match none of their records (counted once each).
         let recorded: std::collections::BTreeSet<u32> = done.iter().map(|d| d.0).collect();
         let bad = recorded.iter().filter(|&&s| !finished[s as usize]).count() as u64;
+        let todo_set: BTreeSet<u32> = todo.iter().copied().collect();
+        let notes = ckpt.scan(&sched, &todo_set, ctx.tiles.clone())?;
         if todo.is_empty() {
             return Ok((journal, ResumeState::Complete));
         }
@@ -112,7 +166,13 @@ impl ResumeState {
             todo: Some(todo),
             done_before,
         };
-        Ok((journal, ResumeState::Work { work, total, bad }))
+        let st = ResumeState::Work {
+            work,
+            total,
+            bad,
+            notes,
+        };
+        Ok((journal, st))
     }
 
     fn fresh(
@@ -129,6 +189,7 @@ impl ResumeState {
             },
             total,
             bad: 0,
+            notes: Vec::new(),
         })
     }
 }

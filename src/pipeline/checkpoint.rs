@@ -1,0 +1,399 @@
+//! Partial accumulators of output tiles still being computed, saved beside the output so that a
+//! kill in the middle of a long tile loses minutes, not the tile.
+//!
+//! The journal ([`super::journal`]) records only finished tiles. A tile whose k loop takes an
+//! hour would lose all of it on a kill, so while a lane computes a tile it downloads the
+//! accumulator every `engine.checkpoint_every` (after a k-chunk, when at least one remains) and
+//! writeback stores it here: `OUTPUT.partial/tile<seq>.ckpt`, one file per tile, the latest only,
+//! written to a temporary name, fsynced and renamed over the previous one. A file starts with
+//! one text line — `MGMCKPT1 <CRC-32C of the JSON, 8 hex digits> <JSON>` — whose JSON names the
+//! tile (seq and block), the k-chunks done and in all, the accumulator's dtype, the CRC-32C of
+//! the data and the step's journal fingerprint; the accumulator's bytes follow, exactly as the
+//! device held them (the accumulation dtype, little-endian, row-major `rows×cols`).
+//!
+//! On resume ([`Checkpoints::scan`]) a file is used only if every one of those agrees with the
+//! step and its data's CRC matches; anything else is deleted with a note and the tile is
+//! recomputed from its first k-chunk. A used checkpoint puts the accumulator back on the device
+//! and the tile continues at its next k-chunk — the k order, and where alpha, beta and C0 enter
+//! (in k-chunk 0), are those of an uninterrupted run, so the bytes are identical. A tile's file
+//! is removed once the tile is in the journal, and the directory when the step completes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::journal::Fingerprint;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::plan::layout::Layout;
+use crate::plan::schedule::{OutTile, Schedule};
+
+const MAGIC: &str = "MGMCKPT1";
+/// Longest header line accepted (the fingerprint names every input; a few KiB at most).
+const MAX_HEADER: u64 = 1 << 20;
+
+/// The checkpoint directory of `output`: `OUTPUT.partial` beside it.
+pub(crate) fn partial_dir(output: &Path) -> PathBuf {
+    let mut s = output.as_os_str().to_owned();
+    s.push(".partial");
+    PathBuf::from(s)
+}
+
+/// The header line's JSON.
+#[derive(Serialize, Deserialize, Debug, PartialEq)]
+struct Header {
+    seq: u32,
+    r0: u64,
+    c0: u64,
+    rows: u64,
+    cols: u64,
+    k_done: u32,
+    k_chunks: u32,
+    dtype: String,
+    data_crc32c: u32,
+    fingerprint: Fingerprint,
+}
+
+/// The checkpoints of one step: where they live, what makes one valid, when to take the next,
+/// and which tiles this run resumes from one.
+pub(crate) struct Checkpoints {
+    dir: PathBuf,
+    fp: Fingerprint,
+    /// Time between checkpoints of a tile; `None`: take none (existing ones are still used).
+    every: Option<Duration>,
+    dt: DType,
+    gk: u64,
+    tk: u64,
+    k: u64,
+    /// Tiles resumed from a checkpoint in this run: seq → k-chunks done before it.
+    resume: BTreeMap<u32, u32>,
+    /// Tiles whose file may exist (saved or resumed in this run), to remove once recorded.
+    present: Mutex<BTreeSet<u32>>,
+}
+
+impl Checkpoints {
+    /// The checkpoints of the step writing `output` (of depth `k`) under fingerprint `fp`, with
+    /// the accumulators and k-chunks of `layout`, taken every `every`.
+    pub(crate) fn new(
+        output: &Path,
+        fp: &Fingerprint,
+        every: Option<Duration>,
+        layout: &Layout,
+        k: u64,
+    ) -> Checkpoints {
+        Checkpoints {
+            dir: partial_dir(output),
+            fp: fp.clone(),
+            every,
+            dt: layout.host_dt,
+            gk: k.div_ceil(layout.tk),
+            tk: layout.tk,
+            k,
+            resume: BTreeMap::new(),
+            present: Mutex::new(BTreeSet::new()),
+        }
+    }
+
+    fn path(&self, seq: u32) -> PathBuf {
+        self.dir.join(format!("tile{seq}.ckpt"))
+    }
+
+    /// k-chunks of a tile.
+    pub(crate) fn k_chunks(&self) -> u64 {
+        self.gk
+    }
+
+    /// Whether a tile last saved (or started) at `mark` is due for a checkpoint.
+    pub(crate) fn due(&self, mark: Instant) -> bool {
+        self.every.is_some_and(|e| mark.elapsed() >= e)
+    }
+
+    /// Tiles this run resumes from a checkpoint: seq → k-chunks already done.
+    pub(crate) fn resumed(&self) -> &BTreeMap<u32, u32> {
+        &self.resume
+    }
+
+    /// Elements of K that `chunks` k-chunks cover.
+    pub(crate) fn k_elems(&self, chunks: u32) -> u64 {
+        (chunks as u64 * self.tk).min(self.k)
+    }
+
+    /// Elements of K a tile had done before this run (0 unless resumed from a checkpoint).
+    pub(crate) fn k_before(&self, seq: u32) -> u64 {
+        self.resume.get(&seq).map_or(0, |&c| self.k_elems(c))
+    }
+
+    /// Delete every checkpoint of the step (`--restart`, or the step is complete).
+    pub(crate) fn discard_all(&self) -> Result<()> {
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io(&self.dir, "cannot list checkpoints", e)),
+        };
+        for ent in entries.flatten() {
+            if parse_name(&ent.file_name().to_string_lossy()).is_some() {
+                remove(&ent.path())?;
+            }
+        }
+        self.remove_dir_if_empty();
+        self.present.lock().unwrap().clear();
+        Ok(())
+    }
+
+    /// Remove the directory when nothing is left in it (another process of a split step may
+    /// still have checkpoints there: then it stays).
+    pub(crate) fn remove_dir_if_empty(&self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+
+    /// Look at the checkpoints on disk of the tiles `mine` (all of the step's, or a shard's):
+    /// keep the valid ones of tiles in `todo` (they are resumed), delete the rest. Returns a
+    /// note for each one ignored.
+    pub(crate) fn scan(
+        &mut self,
+        sched: &Schedule,
+        todo: &BTreeSet<u32>,
+        mine: std::ops::Range<u32>,
+    ) -> Result<Vec<String>> {
+        self.resume.clear();
+        let mut notes = Vec::new();
+        let entries = match std::fs::read_dir(&self.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(notes),
+            Err(e) => return Err(Error::io(&self.dir, "cannot list checkpoints", e)),
+        };
+        let mut files: Vec<(u32, PathBuf)> = Vec::new();
+        for ent in entries.flatten() {
+            let name = ent.file_name().to_string_lossy().to_string();
+            let Some((seq, tmp)) = parse_name(&name) else {
+                continue;
+            };
+            if !mine.contains(&seq) || seq as usize >= sched.tiles.len() {
+                continue; // another process's tile of a split step (or not ours to judge)
+            }
+            if tmp {
+                // Left by a kill while a checkpoint was being written.
+                remove(&ent.path())?;
+            } else {
+                files.push((seq, ent.path()));
+            }
+        }
+        files.sort();
+        for (seq, path) in files {
+            if !todo.contains(&seq) {
+                // The tile was recorded finished: killed before its checkpoint was removed.
+                remove(&path)?;
+                continue;
+            }
+            match self.check(&path, &sched.tiles[seq as usize]) {
+                Ok(k_done) => {
+                    self.resume.insert(seq, k_done);
+                    self.present.lock().unwrap().insert(seq);
+                }
+                Err(why) => {
+                    notes.push(format!(
+                        "ignoring the checkpoint {} of output tile {seq}: {why}; the tile is computed from its start",
+                        path.display()
+                    ));
+                    remove(&path)?;
+                }
+            }
+        }
+        Ok(notes)
+    }
+
+    /// The k-chunks done that the checkpoint at `path` of `tile` holds, when it is valid for this
+    /// step; else why not.
+    fn check(&self, path: &Path, tile: &OutTile) -> std::result::Result<u32, String> {
+        let f = File::open(path).map_err(|e| format!("cannot open it ({e})"))?;
+        let mut r = BufReader::with_capacity(1 << 20, f);
+        let h = read_header(&mut r)?;
+        self.matches(&h, tile)?;
+        let crc = crc_of(&mut r, self.data_len(tile))?;
+        if crc != h.data_crc32c {
+            return Err(format!(
+                "its data's CRC-32C is {crc:08x}, the header says {:08x} (corrupt)",
+                h.data_crc32c
+            ));
+        }
+        Ok(h.k_done)
+    }
+
+    fn data_len(&self, tile: &OutTile) -> u64 {
+        tile.block.elems() as u64 * self.dt.size() as u64
+    }
+
+    /// Whether header `h` describes a checkpoint of `tile` in this step.
+    fn matches(&self, h: &Header, tile: &OutTile) -> std::result::Result<(), String> {
+        let b = &tile.block;
+        if h.fingerprint != self.fp {
+            return Err("it is from a different plan or different inputs".into());
+        }
+        if (h.seq, h.r0, h.c0, h.rows, h.cols) != (tile.seq, b.r0, b.c0, b.rows, b.cols) {
+            return Err("it describes a different output tile".into());
+        }
+        if h.dtype != self.dt.name() {
+            return Err(format!("its dtype is {}, not {}", h.dtype, self.dt));
+        }
+        if h.k_chunks as u64 != self.gk || h.k_done == 0 || h.k_done as u64 >= self.gk {
+            return Err(format!(
+                "it says {} of {} k-chunks are done, for a tile of {} k-chunks",
+                h.k_done, h.k_chunks, self.gk
+            ));
+        }
+        Ok(())
+    }
+
+    /// Read the accumulator of resumed `tile` into `dst` (its first `elems·size` bytes),
+    /// checking again that the file is the one [`Checkpoints::scan`] accepted. A file changed
+    /// since then is deleted and is an error (the next run recomputes the tile).
+    pub(crate) fn read_into(&self, tile: &OutTile, dst: &mut [u8]) -> Result<()> {
+        let path = self.path(tile.seq);
+        let want = self.resume.get(&tile.seq).copied();
+        let r = (|| -> std::result::Result<(), String> {
+            let f = File::open(&path).map_err(|e| format!("cannot open it ({e})"))?;
+            let mut r = BufReader::with_capacity(1 << 20, f);
+            let h = read_header(&mut r)?;
+            self.matches(&h, tile)?;
+            if Some(h.k_done) != want {
+                return Err("it changed since the run started".into());
+            }
+            let n = self.data_len(tile) as usize;
+            let dst = &mut dst[..n];
+            r.read_exact(dst)
+                .map_err(|e| format!("cannot read its data ({e})"))?;
+            let crc = crate::store::tiled::par_crc32c(dst);
+            if crc != h.data_crc32c {
+                return Err("its data changed since the run started (CRC mismatch)".into());
+            }
+            Ok(())
+        })();
+        r.map_err(|why| {
+            let _ = std::fs::remove_file(&path);
+            Error::Usage(format!(
+                "{}: checkpoint of output tile {}: {why}; it was deleted, run the same command again to recompute the tile",
+                path.display(),
+                tile.seq
+            ))
+        })
+    }
+
+    /// Save `data` (the accumulator of `tile` after `k_done` k-chunks) as the tile's
+    /// checkpoint: temporary file, fsync, rename over the previous one, fsync the directory.
+    pub(crate) fn save(&self, tile: &OutTile, k_done: u32, data: &[u8]) -> Result<()> {
+        let n = self.data_len(tile) as usize;
+        let data = &data[..n];
+        let b = &tile.block;
+        let h = Header {
+            seq: tile.seq,
+            r0: b.r0,
+            c0: b.c0,
+            rows: b.rows,
+            cols: b.cols,
+            k_done,
+            k_chunks: self.gk as u32,
+            dtype: self.dt.name().into(),
+            data_crc32c: crate::store::tiled::par_crc32c(data),
+            fingerprint: self.fp.clone(),
+        };
+        let json = serde_json::to_string(&h).expect("checkpoint header serializes");
+        let line = format!("{MAGIC} {:08x} {json}\n", crc32c::crc32c(json.as_bytes()));
+        std::fs::create_dir_all(&self.dir)
+            .map_err(|e| Error::io(&self.dir, "cannot create the checkpoint directory", e))?;
+        let path = self.path(tile.seq);
+        let tmp = self
+            .dir
+            .join(format!("tile{}.ckpt.tmp{}", tile.seq, std::process::id()));
+        let write = || -> std::io::Result<()> {
+            let mut f = File::create(&tmp)?;
+            f.write_all(line.as_bytes())?;
+            f.write_all(data)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)?;
+            File::open(&self.dir)?.sync_all()
+        };
+        if let Err(e) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(Error::io(&path, "cannot write the tile's checkpoint", e));
+        }
+        self.present.lock().unwrap().insert(tile.seq);
+        Ok(())
+    }
+
+    /// The tile `seq` is recorded in the journal: its checkpoint has served.
+    pub(crate) fn finished(&self, seq: u32) -> Result<()> {
+        if self.present.lock().unwrap().remove(&seq) {
+            remove(&self.path(seq))?;
+        }
+        Ok(())
+    }
+}
+
+/// The tile of a checkpoint's file name, and whether it is a temporary file
+/// (`tile<seq>.ckpt` or `tile<seq>.ckpt.tmp<pid>`); `None` for any other name.
+fn parse_name(name: &str) -> Option<(u32, bool)> {
+    let (seq, rest) = name.strip_prefix("tile")?.split_once(".ckpt")?;
+    let seq = seq.parse().ok()?;
+    match rest {
+        "" => Some((seq, false)),
+        r if r.starts_with(".tmp") => Some((seq, true)),
+        _ => None,
+    }
+}
+
+fn remove(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(Error::io(path, "cannot remove a checkpoint", e)),
+    }
+}
+
+/// The header line of a checkpoint, checked against its own CRC.
+fn read_header(r: &mut impl BufRead) -> std::result::Result<Header, String> {
+    let mut line = Vec::new();
+    r.take(MAX_HEADER)
+        .read_until(b'\n', &mut line)
+        .map_err(|e| format!("cannot read it ({e})"))?;
+    let text = std::str::from_utf8(&line).map_err(|_| "its header is not text".to_string())?;
+    let rest = text
+        .strip_suffix('\n')
+        .and_then(|t| t.strip_prefix(MAGIC))
+        .and_then(|t| t.strip_prefix(' '))
+        .ok_or("it is not a checkpoint this version understands")?;
+    let (crc, json) = rest.split_once(' ').ok_or("its header is cut short")?;
+    if u32::from_str_radix(crc, 16).ok() != Some(crc32c::crc32c(json.as_bytes())) {
+        return Err("its header does not match its CRC (corrupt)".into());
+    }
+    serde_json::from_str(json).map_err(|e| format!("its header is unreadable ({e})"))
+}
+
+/// CRC-32C of exactly the next `len` bytes of `r`, which must then be at its end.
+fn crc_of(r: &mut impl Read, len: u64) -> std::result::Result<u32, String> {
+    let mut crc = 0u32;
+    let mut left = len;
+    let mut buf = vec![0u8; 1 << 20];
+    while left > 0 {
+        let want = left.min(buf.len() as u64) as usize;
+        let got = r
+            .read(&mut buf[..want])
+            .map_err(|e| format!("cannot read its data ({e})"))?;
+        if got == 0 {
+            return Err(format!(
+                "its data is cut short ({} of {len} bytes)",
+                len - left
+            ));
+        }
+        crc = crc32c::crc32c_append(crc, &buf[..got]);
+        left -= got as u64;
+    }
+    if r.read(&mut buf[..1]).map_err(|e| e.to_string())? != 0 {
+        return Err("it is longer than its header says".into());
+    }
+    Ok(crc)
+}
