@@ -776,8 +776,14 @@ mod tests {
         let lines: Vec<&str> = w.lines().collect();
         assert_eq!(lines.len(), 2, "{w}");
         assert!(lines.iter().all(|l| l.chars().count() <= WIDTH), "{w}");
-        assert!(lines[0].ends_with(';'), "breaks after the last clause that fits: {w}");
-        assert!(lines[1].starts_with("      peak 704.00 KiB"), "indent + 4: {w}");
+        assert!(
+            lines[0].ends_with(';'),
+            "breaks after the last clause that fits: {w}"
+        );
+        assert!(
+            lines[1].starts_with("      peak 704.00 KiB"),
+            "indent + 4: {w}"
+        );
         // Never between a number and its unit.
         let many = vec!["12.50 GiB"; 20].join(" ");
         for l in wrap(&many).lines() {
