@@ -258,7 +258,7 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
             let progress = Progress::new(true, run::default_log_every());
             run::run_plan(p, &RunOptions::default(), &progress)?;
             rep = crate::verify::verify_step(step, p.engine.precision, rounds, seed)?;
-            outln!("after repair: {}", crate::verify::format(&rep));
+            outln!("after repair:\n{}", crate::verify::format(&rep));
         }
         if !rep.pass {
             failed.push(format!("step {} ({})", rep.step, rep.output));

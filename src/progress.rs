@@ -173,6 +173,85 @@ pub fn fit(s: &str) -> String {
     t
 }
 
+/// Every line of `s` broken into lines of at most [`WIDTH`] columns (characters), for the
+/// text a command prints when it is done (summaries, `plan`, verify's results). A long line
+/// breaks after ", " or "; ", before " => ", " | " or " — ", or at a run of spaces; failing
+/// those at a space that is not between a number and its unit ("16.00 KiB" stays whole).
+/// Continuation lines are indented four columns past the line's own indent. A word longer
+/// than a line (a long path) is left whole.
+pub fn wrap(s: &str) -> String {
+    let mut out = String::new();
+    for (n, line) in s.split('\n').enumerate() {
+        if n > 0 {
+            out.push('\n');
+        }
+        let lead = line.chars().take_while(|&c| c == ' ').count();
+        let cont = " ".repeat(lead + 4);
+        let mut rest: Vec<char> = line.chars().collect();
+        let mut first = true;
+        loop {
+            let width = if first { 0 } else { cont.len() };
+            if width + rest.len() <= WIDTH {
+                if !first {
+                    out += &cont;
+                }
+                out.extend(&rest);
+                break;
+            }
+            let Some((cut, skip)) = break_at(&rest, WIDTH - width, lead + 1) else {
+                if !first {
+                    out += &cont;
+                }
+                out.extend(&rest);
+                break;
+            };
+            if !first {
+                out += &cont;
+            }
+            let end = (1..=cut).rev().find(|&e| rest[e - 1] != ' ').unwrap_or(cut);
+            out.extend(&rest[..end]);
+            out.push('\n');
+            rest.drain(..skip);
+            first = false;
+        }
+    }
+    out
+}
+
+/// Where to break `c` so that its first part has at most `max` characters: (end of the first
+/// part, start of the rest). Never before `min` (the line's indent).
+fn break_at(c: &[char], max: usize, min: usize) -> Option<(usize, usize)> {
+    let at = |i: usize, p: &str| p.chars().enumerate().all(|(j, x)| c.get(i + j) == Some(&x));
+    let hi = max.min(c.len());
+    // Preferred: after ", " / "; " (cut after the mark), before " => " / " | " / " — ", or a
+    // run of two or more spaces; when the best such point leaves the line less than half
+    // full, a plain space further right is better.
+    let mut pref = None;
+    let mut plain = None;
+    for i in min..hi + 1 {
+        if i >= c.len() || c[i] != ' ' {
+            continue;
+        }
+        let clause = i > 0 && (c[i - 1] == ',' || c[i - 1] == ';');
+        if clause || at(i, " => ") || at(i, " | ") || at(i, " — ") {
+            pref = Some((i, i + 1));
+        } else if at(i, "  ") {
+            let end = (i..c.len()).find(|&j| c[j] != ' ').unwrap_or(c.len());
+            pref = Some((i, end));
+        } else if !(i > 0
+            && c[i - 1].is_ascii_digit()
+            && c.get(i + 1).is_some_and(|x| x.is_alphabetic() || *x == '%'))
+        {
+            plain = Some((i, i + 1));
+        }
+    }
+    match (pref, plain) {
+        (Some(p), Some(q)) if 2 * p.0 < max && q.0 > p.0 => Some(q),
+        (Some(p), _) => Some(p),
+        (None, q) => q,
+    }
+}
+
 /// A path shortened from the left to at most `n` characters ("…/out/C.mgt").
 fn short_path(p: &str, n: usize) -> String {
     let c = p.chars().count();
@@ -404,10 +483,10 @@ impl Progress {
             Mode::Log { .. } => {
                 let ts = timestamp();
                 for l in msg.lines() {
-                    self.emit(&format!("{ts} {l}"));
+                    self.emit(&wrap(&format!("{ts} {l}")));
                 }
             }
-            _ => self.emit(msg),
+            _ => self.emit(&wrap(msg)),
         }
     }
 
@@ -686,6 +765,37 @@ fn device_line(live: &Live<'_>, el: f64) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wrap_breaks_at_clauses_keeps_units_and_long_words() {
+        let line = format!(
+            "  host memory: staging 4×16.00 KiB (peak 4), output 2×16.00 KiB (peak 2); peak {} of 2.00 GiB",
+            "704.00 KiB"
+        );
+        let w = wrap(&line);
+        let lines: Vec<&str> = w.lines().collect();
+        assert_eq!(lines.len(), 2, "{w}");
+        assert!(lines.iter().all(|l| l.chars().count() <= WIDTH), "{w}");
+        assert!(
+            lines[0].ends_with(';'),
+            "breaks after the last clause that fits: {w}"
+        );
+        assert!(
+            lines[1].starts_with("      peak 704.00 KiB"),
+            "indent + 4: {w}"
+        );
+        // Never between a number and its unit.
+        let many = vec!["12.50 GiB"; 20].join(" ");
+        for l in wrap(&many).lines() {
+            assert!(l.trim_start().starts_with("12.50 GiB"), "{l}");
+            assert!(l.chars().count() <= WIDTH, "{l}");
+        }
+        // A word longer than a line stays whole; short text is unchanged.
+        let long = format!("output {}", "x".repeat(100));
+        assert_eq!(wrap(&long).lines().count(), 2);
+        assert!(wrap(&long).contains(&"x".repeat(100)));
+        assert_eq!(wrap("a\n  b"), "a\n  b");
+    }
 
     #[test]
     fn durations_read_like_people_write_them() {

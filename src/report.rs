@@ -282,54 +282,26 @@ fn device_lines(r: &StepReport) -> String {
     s
 }
 
-/// The end-of-step summary a person reads.
+/// The end-of-step summary a person reads, every line within 80 columns
+/// ([`crate::progress::wrap`]): what ran, time and rate, input traffic, host memory, devices,
+/// busy shares and the bottleneck.
 pub(crate) fn format_summary(r: &StepReport) -> String {
-    let mut s = format!(
-        "step {}: {} = {}  ({}×{}×{}, {}, {}, tile {}×{}×{})\n",
-        r.step,
-        r.output,
-        r.expr,
-        r.m,
-        r.n,
-        r.k,
-        r.precision,
-        r.backend,
-        r.tile[0],
-        r.tile[1],
-        r.tile[2]
+    let mut s = format!("step {}: {} = {}\n", r.step, r.output, r.expr);
+    s += &format!(
+        "  {}×{}×{}, {}, {}, tile {}×{}×{}\n",
+        r.m, r.n, r.k, r.precision, r.backend, r.tile[0], r.tile[1], r.tile[2]
     );
     s += &format!(
-        "  wall {:.3} s   {:.2} GFLOP/s   read {} ({:.0} MB/s)   written {}   flush {:.3} s\n",
+        "  wall {:.3} s, {:.2} GFLOP/s, written {}, flush {:.3} s\n",
         r.wall_s,
         r.gflops_per_s,
-        fmt_bytes(r.read_bytes),
-        r.read_bytes as f64 / r.wall_s / 1e6,
         fmt_bytes(r.write_bytes),
         r.flush_s
     );
-    let pools: Vec<String> = r
-        .pools
-        .iter()
-        .map(|p| {
-            format!(
-                "{} {}×{} (peak {})",
-                p.name,
-                p.buffers,
-                fmt_bytes(p.buffer_bytes),
-                p.high_water
-            )
-        })
-        .collect();
     s += &format!(
-        "  host memory: {}; peak {} of {} budget; process peak RSS {}\n",
-        pools.join(", "),
-        fmt_bytes(r.host_peak_bytes),
-        fmt_bytes(r.host_budget_bytes),
-        fmt_bytes(r.peak_rss_bytes)
-    );
-    s += &format!(
-        "  inputs: read {} from files (predicted {}, minimum {}){}; first GEMM after {}\n",
+        "  inputs: read {} from files at {:.0} MB/s (predicted {}, minimum {}){}; first GEMM after {}\n",
         fmt_bytes(r.read_bytes),
+        r.read_bytes as f64 / r.wall_s / 1e6,
         fmt_bytes(r.predicted_read_bytes),
         fmt_bytes(r.min_read_bytes),
         if r.shared_read_bytes > 0 {
@@ -344,12 +316,39 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
             .map(|t| format!("{t:.2} s"))
             .unwrap_or_else(|| "-".into())
     );
-    s += &device_lines(r);
-    let shares: Vec<String> = r
-        .busy_shares
+    s += &format!(
+        "  host memory: peak {} of {} budget; process peak RSS {}\n",
+        fmt_bytes(r.host_peak_bytes),
+        fmt_bytes(r.host_budget_bytes),
+        fmt_bytes(r.peak_rss_bytes)
+    );
+    let pools: Vec<String> = r
+        .pools
         .iter()
-        .map(|(n, v)| format!("{n} {:.0}%", 100.0 * v))
+        .map(|p| {
+            format!(
+                "{} {}×{} (peak {})",
+                p.name,
+                p.buffers,
+                fmt_bytes(p.buffer_bytes),
+                p.high_water
+            )
+        })
         .collect();
+    s += &format!("  host pools: {}\n", pools.join(", "));
+    s += &device_lines(r);
+    // Largest first; the long tail under 1% (many of them with several lanes) is counted, not
+    // listed (the JSON report has every share).
+    let mut shares: Vec<String> = (r.busy_shares.iter().enumerate())
+        .take_while(|&(i, (_, v))| i < 3 || *v >= 0.005)
+        .map(|(_, (n, v))| format!("{n} {:.0}%", 100.0 * v))
+        .collect();
+    if shares.len() < r.busy_shares.len() {
+        shares.push(format!(
+            "{} more under 1%",
+            r.busy_shares.len() - shares.len()
+        ));
+    }
     s += &format!("  busy: {}\n", shares.join(" | "));
     s += &format!("  bottleneck: {}", r.bottleneck);
     if r.nonfinite_inputs > 0 {
@@ -358,5 +357,5 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
             r.nonfinite_inputs
         );
     }
-    s
+    crate::progress::wrap(&s)
 }

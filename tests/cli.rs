@@ -502,3 +502,105 @@ fn set_overrides_engine_keys_on_plan_run_and_verify() {
         &["verify", "p.toml", "--set", "engine.host_memory=16MiB"],
     ));
 }
+
+/// Every line of `o`'s stdout and stderr, with the command, for the 80-column check.
+fn lines_of(what: &str, o: &Output) -> Vec<(String, String)> {
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    (out.lines().chain(err.lines()))
+        .map(|l| (what.to_string(), l.to_string()))
+        .collect()
+}
+
+/// What `run`, `plan`, `verify` and `info` print when they succeed fits an 80-column terminal
+/// (characters, not bytes: × is one), on a plan with several steps, a chain, an added matrix
+/// and generated inputs, on the CPU backend and on the simulated four-lane one (per-device
+/// lines); verify's FAIL text too (a report with many failing tiles).
+#[test]
+fn end_of_command_text_fits_80_columns() {
+    let plan = |backend: &str, chain: &str| {
+        format!(
+            "[matrices.A]\npath = \"A.mgt\"\ngenerate = {{ rows = 300, cols = 200 }}\n\
+             [matrices.B]\npath = \"B.mgt\"\ngenerate = {{ rows = 200, cols = 250 }}\n\
+             [matrices.E]\npath = \"E.mgt\"\ngenerate = {{ rows = 250, cols = 40 }}\n\
+             [matrices.C0]\npath = \"C0.mgt\"\ngenerate = {{ rows = 250, cols = 200, dist = \"uniform\" }}\n\
+             [[step]]\noutput = \"AB.mgt\"\nexpr = \"A @ B\"\nname = \"AB\"\n\
+             [[step]]\noutput = \"D.mgt\"\nexpr = \"-1.5 * AB.T @ A + 0.5 * C0\"\n\
+             {chain}[engine]\nbackend = \"{backend}\"\ntile = 64\nhost_memory = \"8MiB\"\n\
+             durable = false\n"
+        )
+    };
+    // A chain (its `plan` text has lines of its own); verify cannot check a chain's output
+    // once its intermediate is gone, so that plan is planned and run, not verified.
+    let chain = "[[step]]\noutput = \"F.mgt\"\nexpr = \"A @ B @ E\"\n";
+    let mut lines = Vec::new();
+    for backend in ["cpu", "sim"] {
+        let d = tmp();
+        let dir = d.path();
+        std::fs::write(dir.join("p.toml"), plan(backend, "")).unwrap();
+        std::fs::write(dir.join("q.toml"), plan(backend, chain)).unwrap();
+        for args in [
+            &["plan", "q.toml"][..],
+            &["run", "q.toml"],
+            &["plan", "p.toml"],
+            &["run", "p.toml"],
+            &["verify", "p.toml"],
+            &["run", "p.toml", "--restart", "--verify"],
+            &["info", "--check", "D.mgt"],
+            &["info", "AB.mgt"],
+        ] {
+            let o = mg(dir, args);
+            ok(&o);
+            lines.extend(lines_of(&format!("{backend}: {}", args.join(" ")), &o));
+        }
+    }
+    let fail = mgmm_stream::verify::VerifyReport {
+        step: 12,
+        output: "out/C.mgt".into(),
+        rounds: 2,
+        pass: false,
+        reason: None,
+        max_ratio: 1.234e5,
+        max_sigmas: 9.9e5,
+        worst_row: 123_456_789,
+        residual: 1.5e3,
+        allowed: 1.2e-2,
+        certainly_wrong: true,
+        failing_cells: 40,
+        failing_tiles: (0..40).map(|i| (1000 + i, 2000 + 3 * i)).collect(),
+        tile_shape: (4096, 4096),
+        unexpected_nonfinite: 7,
+        skipped_cells: 3,
+        seconds: 12.5,
+    };
+    let text = mgmm_stream::verify::format(&fail);
+    assert!(
+        text.starts_with("verify step 12 (out/C.mgt): FAIL") && text.contains("(1000, 2000)"),
+        "{text}"
+    );
+    lines.extend(
+        text.lines()
+            .map(|l| ("verify FAIL".to_string(), l.to_string())),
+    );
+    let all: String = lines.iter().map(|(_, l)| format!("{l}\n")).collect();
+    for want in [
+        "busy:",
+        "bottleneck:",
+        "host ceiling",
+        "PASS",
+        "done in",
+        "chain:",
+    ] {
+        assert!(all.contains(want), "no {want:?} in:\n{all}");
+    }
+    let long: Vec<String> = lines
+        .iter()
+        .filter(|(_, l)| l.chars().count() > 80)
+        .map(|(w, l)| format!("{w}: {} chars: {l}", l.chars().count()))
+        .collect();
+    assert!(
+        long.is_empty(),
+        "lines wider than 80 columns:\n{}",
+        long.join("\n")
+    );
+}

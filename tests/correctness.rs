@@ -252,6 +252,185 @@ fn f16_and_bf16_files(backend: &str) {
     }
 }
 
+/// A row-major f32 or f64 `.npy` file holding exactly `v` (an input whose every value the test
+/// chooses).
+fn write_npy(path: &std::path::Path, rows: usize, cols: usize, v: &[f64], dt: DType) {
+    let descr = if dt == DType::F64 { "<f8" } else { "<f4" };
+    let dict =
+        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    let total = (10 + dict.len() + 1).div_ceil(64) * 64;
+    let mut h = vec![0x93, b'N', b'U', b'M', b'P', b'Y', 1, 0];
+    h.extend_from_slice(&((total - 10) as u16).to_le_bytes());
+    h.extend_from_slice(dict.as_bytes());
+    h.resize(total - 1, b' ');
+    h.push(b'\n');
+    for &x in v {
+        if dt == DType::F64 {
+            h.extend_from_slice(&x.to_le_bytes());
+        } else {
+            h.extend_from_slice(&(x as f32).to_le_bytes());
+        }
+    }
+    std::fs::write(path, h).unwrap();
+}
+
+/// C = alpha·A·B + beta·C0 on inputs whose values the test chooses; returns C.
+#[allow(clippy::too_many_arguments)]
+fn run_exact(
+    backend: &str,
+    p: Precision,
+    (m, n, k): (usize, usize, usize),
+    a: &[f64],
+    b: &[f64],
+    c0: &[f64],
+    alpha: f64,
+    beta: f64,
+) -> Vec<f64> {
+    let d = tmp();
+    let dir = d.path();
+    let dt = if p == Precision::Fp64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    write_npy(&dir.join("A.npy"), m, k, a, dt);
+    write_npy(&dir.join("B.npy"), k, n, b, dt);
+    write_npy(&dir.join("C0.npy"), m, n, c0, dt);
+    let text = format!(
+        "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
+         [matrices.C0]\npath = \"C0.npy\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = {alpha:?}\n\
+         accumulate = \"C0\"\nbeta = {beta:?}\n\
+         [engine]\nbackend = \"{backend}\"\nprecision = \"{}\"\nhost_memory = \"64MiB\"\n\
+         tile = [16, 16, 16]\n",
+        p.name()
+    );
+    run_text(dir, &text).unwrap_or_else(|e| panic!("run failed: {e}\nplan:\n{text}"));
+    Mat::load(&dir.join("C.mgt")).v
+}
+
+/// C0 values with a full mantissa over many magnitudes (rounding them to 16 or 19 bits changes
+/// every one of them), led by values the issue measured: 0.3090552 and 100000 (beyond fp16).
+fn c0_values(len: usize) -> Vec<f64> {
+    let mut g = Rng::new(77, 5);
+    let mut v: Vec<f64> = (0..len)
+        .map(|i| {
+            let u = (g.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+            let x = 10f64.powf(-3.0 + 8.0 * u) * (1.0 + u * 0.618_033_988_7);
+            if i % 2 == 0 {
+                x
+            } else {
+                -x
+            }
+        })
+        .collect();
+    v[..4].copy_from_slice(&[0.309_055_2, 100_000.0, -100_000.0, 12_345.678]);
+    v
+}
+
+/// Small integers: exact in every input precision, and their products sum exactly in fp32,
+/// so the only rounding left in C is that of adding beta·C0.
+fn small_ints(len: usize, seed: u64) -> Vec<f64> {
+    let mut g = Rng::new(seed, 6);
+    (0..len).map(|_| (g.next_u64() % 7) as f64 - 3.0).collect()
+}
+
+/// The reference xGEMM contract, for every precision: alpha = 0 gives exactly beta·C0 (C0 is
+/// never rounded to the input precision and A, B are not read: NaN there and values beyond
+/// fp16 do not matter); with alpha ≠ 0 beta·C0 is added in the accumulation type (a bound of a
+/// few fp32 roundings, far below what rounding C0 to tf32/bf16/fp16 would cost); beta = 0
+/// never reads C0 (NaN/Inf there do not reach C).
+fn alpha_zero_and_c0_full_precision(backend: &str) {
+    let (m, n, k) = (37, 29, 40);
+    for p in [
+        Precision::Fp32,
+        Precision::Tf32,
+        Precision::Bf16,
+        Precision::Fp16,
+        Precision::Fp64,
+    ] {
+        let f64_out = p == Precision::Fp64;
+        let (a, b, c0) = (small_ints(m * k, 1), small_ints(k * n, 2), c0_values(m * n));
+        // alpha = 0: exactly beta·C0, computed in the output type, whatever A and B hold.
+        let (mut a_bad, mut b_bad) = (a.clone(), b.clone());
+        a_bad[0] = f64::NAN;
+        b_bad[n + 1] = 1e6;
+        b_bad[2 * n + 3] = f64::INFINITY;
+        for beta in [-0.7, 1.0] {
+            let c = run_exact(backend, p, (m, n, k), &a_bad, &b_bad, &c0, 0.0, beta);
+            for (i, (&got, &x)) in c.iter().zip(&c0).enumerate() {
+                let want = if f64_out {
+                    beta * x
+                } else {
+                    (beta as f32 * x as f32) as f64
+                };
+                assert!(
+                    got.to_bits() == want.to_bits(),
+                    "{} alpha = 0, beta = {beta}: element {i} is {got}, want beta·C0 = {want} (C0 = {x})",
+                    p.name()
+                );
+            }
+        }
+        // alpha ≠ 0: C0 keeps its full precision.
+        let (alpha, beta) = (1.5, 0.75);
+        let c = run_exact(backend, p, (m, n, k), &a, &b, &c0, alpha, beta);
+        let am = Mat {
+            rows: m,
+            cols: k,
+            v: a.clone(),
+        };
+        let bm = Mat {
+            rows: k,
+            cols: n,
+            v: b.clone(),
+        };
+        let c0s: Vec<f64> = if f64_out {
+            c0.clone()
+        } else {
+            c0.iter().map(|&x| x as f32 as f64).collect()
+        };
+        let c0m = Mat {
+            rows: m,
+            cols: n,
+            v: c0s,
+        };
+        let (r, mag) = reference(&am, false, &bm, false, Some(&c0m), alpha, beta, m, n, k);
+        let u = if f64_out {
+            f64::EPSILON
+        } else {
+            f32::EPSILON as f64
+        };
+        for i in 0..r.len() {
+            // A few roundings of the running sum (one per k-step and the epilogue); rounding
+            // C0 to tf32 would cost 2^-11·|beta·c0|, to bf16 2^-8 — hundreds of times more.
+            let allowed = 8.0 * u * mag[i];
+            assert!(
+                (c[i] - r[i]).abs() <= allowed,
+                "{} alpha = {alpha}, beta = {beta}: element {i} is {}, reference {} (C0 = {}), error {:e} > {allowed:e}: C0 was rounded?",
+                p.name(),
+                c[i],
+                r[i],
+                c0[i],
+                (c[i] - r[i]).abs()
+            );
+        }
+        // beta = 0: C0 is not read; C = alpha·A·B exactly (integer products).
+        let mut c0_bad = c0.clone();
+        c0_bad[0] = f64::NAN;
+        c0_bad[5] = f64::INFINITY;
+        c0_bad[m * n - 1] = f64::NEG_INFINITY;
+        let c = run_exact(backend, p, (m, n, k), &a, &b, &c0_bad, alpha, 0.0);
+        let (r, _) = reference(&am, false, &bm, false, None, alpha, 0.0, m, n, k);
+        for (i, (&got, &want)) in c.iter().zip(&r).enumerate() {
+            assert!(
+                got.is_finite() && got == want,
+                "{} beta = 0 with NaN/Inf in C0: element {i} is {got}, want alpha·A·B = {want}",
+                p.name()
+            );
+        }
+    }
+}
+
 per_backend! {
     sweep_f32_random_shapes_tiles_transposes => super::sweep_f32;
     sweep_f64_random_shapes => super::sweep_f64;
@@ -259,4 +438,5 @@ per_backend! {
     transposes_on_edge_shapes => super::transposes_and_edges;
     matrix_smaller_than_a_tile => super::small_matrix_big_tiles;
     sixteen_bit_files_widen_to_f32 => super::f16_and_bf16_files;
+    alpha_zero_beta_zero_and_c0_kept_in_full_precision => super::alpha_zero_and_c0_full_precision;
 }

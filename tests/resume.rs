@@ -139,7 +139,11 @@ fn write_failure_stops_cleanly_and_resume_completes() {
     );
     assert!(!err.contains("panicked"), "{err}");
     let o = run(dir, &["run", "plan.toml"]);
-    let err = String::from_utf8_lossy(&o.stderr);
+    // Notes wrap at 80 columns: compare with line breaks as spaces.
+    let err = String::from_utf8_lossy(&o.stderr)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
     assert!(o.status.success(), "{err}");
     assert!(
         err.contains("resuming") && err.contains("20 of 132 output tiles already done"),

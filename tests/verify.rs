@@ -530,9 +530,7 @@ fn cli_reports_on_stdout_and_repair_restores_clean_bytes() {
         String::from_utf8_lossy(&o.stderr),
     );
     assert!(
-        !o.status.success()
-            && out.contains("FAIL")
-            && out.contains("(tile row, tile col): (2, 1);"),
+        !o.status.success() && out.contains("FAIL") && out.contains("(tile row, tile col): (2, 1)"),
         "{out}\n{err}"
     );
     assert!(

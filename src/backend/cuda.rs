@@ -472,6 +472,43 @@ impl CudaLane {
     }
 }
 
+impl CudaLane {
+    /// `acc[..elems] *= beta` on the compute stream, in the accumulator's type (f32, or f64
+    /// for fp64): nothing for beta = 1, zeros for beta = 0 (C is not read), else cuBLAS scal.
+    fn scale_acc(&mut self, acc: usize, elems: usize, beta: f64) -> Result<()> {
+        if beta == 1.0 {
+            return Ok(());
+        }
+        let ordinal = self.ordinal;
+        let bytes = elems * self.host_dt.size();
+        if beta == 0.0 {
+            let mut view = self.accs[acc].slice_mut(..bytes);
+            return self
+                .comp
+                .memset_zeros(&mut view)
+                .map_err(|e| self.err("zero accumulator", e));
+        }
+        let (b32, b64) = (beta as f32, beta);
+        let n = elems as i32;
+        let blas = self.blas.as_ref().expect("handle lives until drop");
+        let (ptr_c, _gc) = self.accs[acc].device_ptr_mut(&self.comp);
+        // SAFETY: the accumulator belongs to this lane's context and holds at least `elems`
+        // values of the host compute type (layout sizes it for tm·tn); beta points to a live
+        // local of that type; the handle's stream is `comp`, on which the guard records the
+        // access.
+        let status = unsafe {
+            if self.host_dt == DType::F64 {
+                blas_sys::cublasDscal_v2(*blas.handle(), n, &b64, ptr_c as *mut f64, 1)
+            } else {
+                blas_sys::cublasSscal_v2(*blas.handle(), n, &b32, ptr_c as *mut f32, 1)
+            }
+        };
+        status
+            .result()
+            .map_err(|e| Error::backend(format!("cuda:{ordinal}"), format!("cublas scal: {e}")))
+    }
+}
+
 impl Lane for CudaLane {
     fn name(&self) -> String {
         self.name.clone()
@@ -550,6 +587,11 @@ impl Lane for CudaLane {
 
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        if g.alpha == 0.0 {
+            // Reference xGEMM: with alpha = 0, A and B are not read (NaN/Inf there, or values
+            // that overflow fp16, never reach C) and C = beta·C exactly.
+            return self.scale_acc(acc, g.m * g.n, g.beta);
+        }
         use blas_sys::cudaDataType::*;
         let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
         // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: pass B first.

@@ -1,5 +1,5 @@
 //! The text `mgmm-stream plan` prints: the resolved plan, each step's tiles, memory, traffic
-//! model and a lower bound on its time, before anything runs.
+//! model and a lower bound on its time, before anything runs; every line within 80 columns.
 
 use crate::backend::{self, describe_precision, Backend, MemorySpace};
 use crate::error::Result;
@@ -56,7 +56,7 @@ pub fn describe(plan: &Plan) -> Result<String> {
     for step in &plan.steps {
         s += &describe_step(plan, step, sel.as_ref())?;
     }
-    Ok(s)
+    Ok(crate::progress::wrap(&s))
 }
 
 /// `plan`'s lines for one step: shapes, tiles, pools, traffic model and bounds.

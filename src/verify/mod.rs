@@ -478,55 +478,64 @@ fn tiles(
     }
 }
 
-/// The one-line result for scripts (stdout).
+/// The result for scripts (stdout): a first line `verify step N (OUTPUT): PASS` (or `FAIL`)
+/// with the rounds and time, then indented details, every line within 80 columns.
 pub fn format(rep: &VerifyReport) -> String {
     let verdict = if rep.pass { "PASS" } else { "FAIL" };
     if let Some(why) = &rep.reason {
-        return format!(
+        return crate::progress::wrap(&format!(
             "verify step {} ({}): {verdict} — {why}",
             rep.step, rep.output
-        );
+        ));
     }
     let mut s = format!(
-        "verify step {} ({}): {verdict} — {} round(s): max residual/allowed = {:.3e} at row {} (residual {:.3e}, allowed {:.3e}; {:.1} σ of a correct product's rounding)",
-        rep.step, rep.output, rep.rounds, rep.max_ratio, rep.worst_row, rep.residual, rep.allowed, rep.max_sigmas
+        "verify step {} ({}): {verdict} — {} round(s) in {:.2} s\n",
+        rep.step, rep.output, rep.rounds, rep.seconds
+    );
+    s += &format!(
+        "  max residual/allowed = {:.3e} at row {} (residual {:.3e}, allowed {:.3e}; {:.1} σ of a correct product's rounding)",
+        rep.max_ratio, rep.worst_row, rep.residual, rep.allowed, rep.max_sigmas
     );
     if rep.skipped_cells > 0 {
         s += &format!(
-            "; {} row groups not checked (NaN/Inf or overflow there follow IEEE rules)",
+            "\n  {} row groups not checked (NaN/Inf or overflow there follow IEEE rules)",
             rep.skipped_cells
         );
     }
     if !rep.pass {
         if rep.unexpected_nonfinite > 0 {
             s += &format!(
-                "; {} unexpected NaN/Inf in the output",
+                "\n  {} unexpected NaN/Inf in the output",
                 rep.unexpected_nonfinite
             );
         }
         if rep.certainly_wrong {
-            s += "; above the rigorous rounding bound: certainly wrong";
+            s += "\n  above the rigorous rounding bound: certainly wrong";
         }
-        let shown: Vec<String> = rep
+        let mut shown: Vec<String> = rep
             .failing_tiles
             .iter()
             .take(NAMED)
             .map(|(a, b)| format!("({a}, {b})"))
             .collect();
-        s += &format!(
-            "; failing tiles of {}×{} (tile row, tile col): {}{}",
-            rep.tile_shape.0,
-            rep.tile_shape.1,
-            shown.join(" "),
-            if rep.failing_tiles.len() > NAMED {
-                format!(" … ({} in all)", rep.failing_tiles.len())
-            } else {
-                String::new()
-            }
+        if rep.failing_tiles.len() > NAMED {
+            shown.push(format!("… ({} in all)", rep.failing_tiles.len()));
+        }
+        // Packed by hand so that no (row, col) pair is split across lines.
+        let mut line = format!(
+            "  failing tiles of {}×{} (tile row, tile col):",
+            rep.tile_shape.0, rep.tile_shape.1
         );
+        for t in shown {
+            if line.chars().count() + 1 + t.chars().count() > crate::progress::WIDTH {
+                s += &format!("\n{line}");
+                line = "     ".into();
+            }
+            line += &format!(" {t}");
+        }
+        s += &format!("\n{line}");
     }
-    s += &format!("; {:.2} s", rep.seconds);
-    s
+    crate::progress::wrap(&s)
 }
 
 /// `verify --repair`: make the next `run` recompute the failing storage tiles of `rep` (the
