@@ -41,6 +41,18 @@ use crate::plan::{Devices, Engine, Precision};
 
 const CONVERT_SRC: &str = include_str!("../../kernels/convert.cu");
 
+/// kernels/convert.cu compiled once per process (NVRTC takes tens of milliseconds; every lane of
+/// every bf16/fp16 step loads the same PTX).
+fn convert_ptx() -> std::result::Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
+    static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(src) = PTX.get() {
+        return Ok(cudarc::nvrtc::Ptx::from_src(src.clone()));
+    }
+    let ptx = cudarc::nvrtc::compile_ptx(CONVERT_SRC)?;
+    let _ = PTX.set(ptx.to_src());
+    Ok(ptx)
+}
+
 /// Memory left free per GPU when `device_memory = "auto"`: cuBLAS workspaces, the CUDA context,
 /// and other processes.
 pub(crate) fn auto_margin(free: u64) -> u64 {
@@ -102,61 +114,129 @@ pub(crate) fn probe() -> Result<Vec<DeviceInfo>> {
             "the driver loaded but reports no CUDA devices",
         ));
     }
-    let mut out = Vec::new();
-    for i in 0..n as usize {
-        let ctx = CudaContext::new(i).map_err(|e| derr(&format!("cannot open GPU {i}"), e))?;
-        let (free, total) = ctx.mem_get_info().map_err(|e| derr("cuMemGetInfo", e))?;
-        out.push(DeviceInfo {
-            ordinal: i,
-            name: ctx.name().unwrap_or_else(|_| "?".into()),
-            free: free as u64,
-            total: total as u64,
-            cc: ctx.compute_capability().unwrap_or((0, 0)),
-        });
-    }
-    Ok(out)
+    // One thread per GPU: creating a primary context takes ~0.24 s on an H200 and they do not
+    // wait on each other (tools/gpu/startup_probe.py), so N GPUs cost one context, not N.
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n as usize)
+            .map(|i| s.spawn(move || device_info(i)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::backend("cuda", "device probe panicked")))
+            })
+            .collect()
+    })
 }
 
-/// Pinned (page-locked, cached) host memory from the first selected GPU's context.
+/// Open GPU `i`'s primary context and read what the backend needs to know about it.
+fn device_info(i: usize) -> Result<DeviceInfo> {
+    let ctx = CudaContext::new(i).map_err(|e| derr(&format!("cannot open GPU {i}"), e))?;
+    let (free, total) = ctx.mem_get_info().map_err(|e| derr("cuMemGetInfo", e))?;
+    Ok(DeviceInfo {
+        ordinal: i,
+        name: ctx.name().unwrap_or_else(|_| "?".into()),
+        free: free as u64,
+        total: total as u64,
+        cc: ctx.compute_capability().unwrap_or((0, 0)),
+    })
+}
+
+/// Pinned (page-locked, cached) host memory from the first selected GPU's context, with a cache
+/// of freed buffers.
+///
+/// Pinning is slow on the H200 host: about 2 GiB/s however many threads allocate, and freeing
+/// 4.5 GiB takes 0.6 s (tools/gpu/startup_probe.py). A plan of several steps, a split run of
+/// several shards, or the Python API called in a loop would pay that again for every pipeline.
+/// So a buffer that is dropped goes back to the cache, and the next pipeline takes buffers of the
+/// same size from there. Asking for another size first frees what the cache holds, so the pinned
+/// memory held never exceeds what one pipeline asked for.
 pub(crate) struct CudaAlloc {
     ctx: Arc<CudaContext>,
+    cache: Arc<PinnedCache>,
 }
 
-/// Owns a pinned allocation; never read, only kept alive and freed on drop.
-#[allow(dead_code)]
-struct Pinned(cudarc::driver::PinnedHostSlice<u8>);
+/// Freed pinned allocations, by length.
+#[derive(Default)]
+struct PinnedCache(std::sync::Mutex<Vec<cudarc::driver::PinnedHostSlice<u8>>>);
+
+/// Owns a pinned allocation while a [`HostBuf`] uses it; gives it back to the cache on drop.
+struct Pinned {
+    slice: Option<cudarc::driver::PinnedHostSlice<u8>>,
+    cache: Arc<PinnedCache>,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if let Some(p) = self.slice.take() {
+            self.cache
+                .0
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(p);
+        }
+    }
+}
+
+impl CudaAlloc {
+    /// A cached buffer of exactly `len` bytes; when there is none, the cache is emptied (freed)
+    /// so that the fresh allocation that follows replaces, not adds to, what is held.
+    fn cached(&self, len: usize) -> Option<cudarc::driver::PinnedHostSlice<u8>> {
+        let mut c = self.cache.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = c.iter().position(|p| p.len() == len) {
+            return Some(c.swap_remove(i));
+        }
+        let stale = std::mem::take(&mut *c);
+        drop(c);
+        drop(stale);
+        None
+    }
+}
 
 impl HostAlloc for CudaAlloc {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         let len = bytes.div_ceil(4096).max(1) * 4096;
-        // SAFETY: the memory is uninitialised bytes; every reader of a staging or output buffer
-        // reads only what a fill or a download wrote first. Flags 0 = cached (not
-        // write-combined: output buffers are read by the CPU) with PORTABLE so every GPU's
-        // context may use it.
-        let mut p = unsafe {
-            self.ctx
-                .alloc_pinned_with_flags::<u8>(len, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE)
-        }
-        .map_err(|e| {
-            derr(
-                &format!(
-                    "cannot allocate {} of pinned host memory (engine.host_memory)",
-                    fmt_bytes(len as u64)
-                ),
-                e,
-            )
-        })?;
+        let mut p = match self.cached(len) {
+            Some(p) => p,
+            // SAFETY: the memory is uninitialised bytes; every reader of a staging or output
+            // buffer reads only what a fill or a download wrote first. Flags 0 = cached (not
+            // write-combined: output buffers are read by the CPU) with PORTABLE so every GPU's
+            // context may use it.
+            None => unsafe {
+                self.ctx.alloc_pinned_with_flags::<u8>(
+                    len,
+                    cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
+                )
+            }
+            .map_err(|e| {
+                derr(
+                    &format!(
+                        "cannot allocate {} of pinned host memory (engine.host_memory)",
+                        fmt_bytes(len as u64)
+                    ),
+                    e,
+                )
+            })?,
+        };
         let ptr = p.as_mut_ptr().map_err(|e| derr("pinned pointer", e))?;
         let ptr = NonNull::new(ptr).ok_or_else(|| Error::backend("cuda", "null pinned pointer"))?;
-        // SAFETY: the pinned allocation lives as long as the owner box, which the HostBuf keeps;
-        // it is `len >= bytes` long.
-        Ok(unsafe { HostBuf::from_raw(ptr, bytes, Box::new(Pinned(p))) })
+        let owner = Pinned {
+            slice: Some(p),
+            cache: self.cache.clone(),
+        };
+        // SAFETY: the pinned allocation lives as long as the owner box, which the HostBuf keeps
+        // (dropping the owner returns it to the cache, where nobody uses it until it is handed
+        // out again); it is `len >= bytes` long.
+        Ok(unsafe { HostBuf::from_raw(ptr, bytes, Box::new(owner)) })
     }
 }
 
-// SAFETY: PinnedHostSlice is Send + Sync in cudarc; the wrapper adds nothing.
+// SAFETY: PinnedHostSlice is Send + Sync in cudarc; the wrapper and the cache add only a Mutex.
 unsafe impl Send for Pinned {}
 unsafe impl Sync for Pinned {}
+unsafe impl Send for PinnedCache {}
+unsafe impl Sync for PinnedCache {}
 
 /// Every chosen GPU as one backend: a lane per GPU, pinned host memory from the first GPU's
 /// context (portable, so every lane may DMA from it).
@@ -228,7 +308,10 @@ impl CudaBackend {
         Ok(CudaBackend {
             engine: engine.clone(),
             threads: super::resolve_threads(engine.threads),
-            alloc: CudaAlloc { ctx: ctx0 },
+            alloc: CudaAlloc {
+                ctx: ctx0,
+                cache: Arc::default(),
+            },
             caps: Caps {
                 kind: "cuda",
                 memory: MemorySpace::Device,
@@ -269,11 +352,22 @@ impl Backend for CudaBackend {
         self.threads
     }
     fn lanes(&self, layout: &Layout, p: Precision) -> Result<Vec<Box<dyn Lane>>> {
-        self.devices
-            .iter()
-            .enumerate()
-            .map(|(i, d)| Ok(Box::new(CudaLane::new(i, d.ordinal, layout, p)?) as Box<dyn Lane>))
-            .collect()
+        // One thread per GPU: streams, device buffers and the cuBLAS handle of one GPU do not
+        // wait for another's.
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (self.devices.iter().enumerate())
+                .map(|(i, d)| s.spawn(move || CudaLane::new(i, d.ordinal, layout, p)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    let lane = h.join().unwrap_or_else(|_| {
+                        Err(Error::backend("cuda", "creating a GPU lane panicked"))
+                    })?;
+                    Ok(Box::new(lane) as Box<dyn Lane>)
+                })
+                .collect()
+        })
     }
     fn without(&self, lane: usize) -> Option<Result<Box<dyn Backend>>> {
         if self.devices.len() <= 1 || lane >= self.devices.len() {
@@ -378,7 +472,7 @@ impl CudaLane {
             .map_err(|err| Error::device(lane, name.clone(), "cuBLAS handle", err))?;
         let convert = match precision {
             Precision::Bf16 | Precision::Fp16 => {
-                let ptx = cudarc::nvrtc::compile_ptx(CONVERT_SRC).map_err(|err| {
+                let ptx = convert_ptx().map_err(|err| {
                     Error::device(
                         lane,
                         name.clone(),

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::RecvTimeoutError;
+use crossbeam_channel::{RecvTimeoutError, TryRecvError};
 
 use crate::backend::{Backend, DeviceStats, Lane, MemorySpace};
 use crate::error::{Error, Result};
@@ -126,6 +126,9 @@ pub(crate) struct Pipeline<'a> {
     staging_pools: Vec<Pool>,
     out_pool: Pool,
     lanes: Vec<Box<dyn Lane>>,
+    /// Where the pools' missing buffers come from while the stages run (`None`: allocated in
+    /// full at build).
+    grow: Option<&'a dyn Backend>,
     show_devices: bool,
     cfg: RunConfig,
     sink: &'a dyn TileSink,
@@ -150,7 +153,7 @@ impl<'a> Pipeline<'a> {
     pub(crate) fn build(
         step: &'a Step,
         layout: &'a Layout,
-        backend: &dyn Backend,
+        backend: &'a dyn Backend,
         lanes: Vec<Box<dyn Lane>>,
         work: Work,
         cfg: RunConfig,
@@ -173,7 +176,7 @@ impl<'a> Pipeline<'a> {
     pub(crate) fn build_with(
         step: &'a Step,
         layout: &'a Layout,
-        backend: &dyn Backend,
+        backend: &'a dyn Backend,
         lanes: Vec<Box<dyn Lane>>,
         work: Work,
         cfg: RunConfig,
@@ -189,21 +192,27 @@ impl<'a> Pipeline<'a> {
             .unwrap_or_else(|| (0..sched.tiles.len() as u32).collect());
         let nlanes = lanes.len();
         let queue = TileQueue::new(&sched, order, nlanes);
+        // Pinned memory is slow to allocate (~2 GiB/s on the H200 host): start with what the
+        // first tiles need and let `grow_pools` allocate the rest while they run.
+        let lazy = backend.caps().memory == MemorySpace::Device;
+        let first = |n: usize, now: usize| if lazy { now.min(n) } else { n };
         let staging_pools = (0..nlanes)
             .map(|_| {
-                Pool::new(
+                Pool::new_partial(
                     "staging",
                     backend,
                     l.staging_bufs,
                     l.staging_buf_bytes as usize,
+                    first(l.staging_bufs, 2),
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let out_pool = Pool::new(
+        let out_pool = Pool::new_partial(
             "output",
             backend,
             l.out_bufs * nlanes,
             l.out_buf_bytes as usize,
+            first(l.out_bufs * nlanes, nlanes),
         )?;
         Ok(Pipeline {
             step,
@@ -216,6 +225,7 @@ impl<'a> Pipeline<'a> {
             staging_pools,
             out_pool,
             lanes,
+            grow: lazy.then_some(backend),
             show_devices: backend.caps().memory == MemorySpace::Device,
             cfg,
             sink,
@@ -347,6 +357,11 @@ impl<'a> Pipeline<'a> {
             .chain(progress.cancel_flag().map(|f| &**f))
             .collect();
         let mut metrics = Vec::new();
+        let grow = self.grow;
+        let pools: Vec<Pool> = (self.staging_pools.iter())
+            .chain(std::iter::once(&self.out_pool))
+            .cloned()
+            .collect();
         let stages = self.wire(c, t0, &mut metrics);
         std::thread::scope(|s| {
             let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
@@ -354,6 +369,10 @@ impl<'a> Pipeline<'a> {
                 .into_iter()
                 .map(|st| s.spawn(move || ctl.guard(|| st.run_boxed(ctl))))
                 .collect();
+            if let Some(alloc) = grow {
+                let (stop, pools) = (stop_rx.clone(), &pools);
+                s.spawn(move || grow_pools(alloc, pools, ctl, &stop, progress));
+            }
             if !flags.is_empty() {
                 // Cancel flags are polled, because whoever sets them (a signal handler, Python)
                 // may not be able to do more than store a bool.
@@ -486,6 +505,40 @@ impl<'a> Pipeline<'a> {
     }
 }
 
+/// Allocate the buffers the pools were built without, one per pool in turn, until every pool is
+/// complete, the stages have finished (`stop` disconnects) or the run is cancelled. A failed
+/// allocation is not an error of the run: the pools work with the buffers they have, more
+/// slowly, and a note says so.
+fn grow_pools(
+    alloc: &dyn Backend,
+    pools: &[Pool],
+    ctl: &Control,
+    stop: &crossbeam_channel::Receiver<()>,
+    progress: &Progress,
+) {
+    loop {
+        let mut grew = false;
+        for p in pools {
+            if ctl.is_cancelled() || stop.try_recv() == Err(TryRecvError::Disconnected) {
+                return;
+            }
+            match p.grow_one(alloc) {
+                Ok(g) => grew |= g,
+                Err(e) => {
+                    progress.note(&format!(
+                        "could not allocate every host buffer of the {} pool ({e}); going on with fewer, which is slower: lower engine.host_memory to make them fit",
+                        p.name()
+                    ));
+                    return;
+                }
+            }
+        }
+        if !grew {
+            return;
+        }
+    }
+}
+
 /// A stage ready to run on a thread of its own: every stage struct of [`stages`] is one.
 trait StageRun: Send {
     fn run_boxed(self: Box<Self>, ctl: &Control) -> Result<()>;
@@ -533,9 +586,12 @@ impl<'p> OutputWiring<'p> {
             k,
         } = self;
         let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
-        // Populating output pages is kernel work that one thread does at a few GB/s; with
-        // several lanes the devices outrun it, so give it a thread per lane (up to 4).
-        let outprep_threads = nlanes.clamp(1, 4);
+        // Populating output pages is kernel work that one thread does at ~3.5 GB/s. In a
+        // preallocated file (the writers fallocate) it scales with threads: 3.5, 8.7, 12.7 and
+        // 14.5 GB/s with 1, 2, 4 and 8 on the 32-core H200 host (tools/gpu/page_probe.py,
+        // docs/measurements), while an n = 32768 output is 4.3 GB. A quarter of the cores, 2 to 8.
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let outprep_threads = (cores / 4).clamp(2, 8).max(nlanes.min(8));
         for i in 0..outprep_threads {
             let m = StageMetrics::new(StageKind::OutPrep, i, outprep_threads);
             metrics.push(m.clone());
