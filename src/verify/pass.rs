@@ -244,6 +244,29 @@ impl RowSums<'_> {
 /// Fold op(M) (T × S) against the round vectors `x` (each of length S; 0 marks an excluded
 /// column, whose NaN/Inf are expected and not counted) over column groups.
 pub(crate) fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>]) -> Result<Sums> {
+    timed("scatter", op, || scatter_inner(op, groups, x))
+}
+
+/// Run one pass, and with `MGMM_VERIFY_TIMES` set report its time and input rate on stderr.
+fn timed<R>(what: &str, op: &Op, f: impl FnOnce() -> R) -> R {
+    let t0 = std::time::Instant::now();
+    let r = f();
+    if std::env::var_os("MGMM_VERIFY_TIMES").is_some() {
+        let (rows, cols) = op.file.shape();
+        let bytes = (rows * cols) as f64 * op.file.dtype().size() as f64;
+        let s = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "verify: {what} {}{} {rows}×{cols} {}: {s:.3} s, {:.2} GB/s",
+            op.file.path().display(),
+            if op.trans { " (transposed)" } else { "" },
+            op.file.dtype(),
+            bytes / s / 1e9
+        );
+    }
+    r
+}
+
+fn scatter_inner(op: &Op, groups: &Groups, x: &[Vec<f64>]) -> Result<Sums> {
     let (t_rows, s_cols) = op.shape();
     let (r, g) = (x.len(), groups.count());
     let mut out = Sums::new(t_rows, s_cols, r, g);
@@ -298,6 +321,10 @@ pub(crate) fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>]) -> Result<Sums> 
 /// in f64 and the f64 sums' own error is counted by the model); `sq` columns are multiplied by
 /// op(A)∘op(A), `abs` by |op(A)|. Rows of op(A) holding NaN/Inf are marked in `bad_row`.
 pub(crate) fn dense(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
+    timed("dense", op, || dense_inner(op, z, exact))
+}
+
+fn dense_inner(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
     let (m_rows, k) = op.shape();
     let (r, g) = (z.rounds, z.groups);
     let rg = r * g;
