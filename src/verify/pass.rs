@@ -1,14 +1,16 @@
-//! The streaming passes of `verify`: every matrix is read once in bands of stored rows, widened
-//! to f64, and folded into small per-row accumulators, so memory stays O(n·groups) however big
-//! the files are.
+//! The streaming passes of `verify`: every matrix is read once, in bands of stored rows that are
+//! read in parallel pieces while the previous band is folded, kept in their stored type (f32 or
+//! f64) and widened in registers, and folded into small per-row accumulators, so memory stays
+//! O(n·groups + band) however big the files are and the passes run near memory bandwidth.
 //!
 //! Two kinds of pass exist. A *scatter* pass folds op(M) against random ±1 vectors that are cut
 //! into column groups ([`Groups`]): for each op row t and group g it sums M·x, M² and |M| over the
 //! group's columns (what the residual, the statistical tolerance and the rigorous bound need).
-//! A *dense* pass multiplies op(A) by the K-row results of a scatter pass over op(B). Signed sums
-//! are kept in double-double ([`Dd`]) so that the check is more precise than the product even
-//! for f64 data; the tolerance sums need no such care. NaN/Inf elements are never multiplied:
-//! they are recorded (rows, columns, cells) and left out of every sum.
+//! A *dense* pass multiplies op(A) by the K-row results of a scatter pass over op(B), one GEMM
+//! over the whole pool per band. Signed sums are kept in double-double ([`Dd`]) for f64 data, so
+//! that the check is more precise than the product, and in f64 otherwise; the tolerance sums
+//! need no such care. NaN/Inf elements are never multiplied: they are recorded (rows, columns,
+//! cells) and left out of every sum.
 
 use std::ops::Range;
 use std::sync::Mutex;
