@@ -13,6 +13,7 @@
 //! the columns, and the failing storage tiles of the output are listed; `repair` recomputes
 //! just those through the journal.
 
+mod kernel;
 pub(crate) mod model;
 pub(crate) mod pass;
 
@@ -116,7 +117,7 @@ impl Side<'_> {
         if self.alpha == 0.0 {
             return Ok(None);
         }
-        let mut z = pass::scatter(&self.b, groups, x)?;
+        let mut z = pass::scatter(&self.b, groups, x, self.exact)?;
         let bad_col = z.bad_col.clone();
         if bad_col.iter().any(|&b| b) {
             // Columns of op(B) holding NaN/Inf make their output columns NaN/Inf by IEEE rules:
@@ -128,7 +129,7 @@ impl Side<'_> {
                     }
                 });
             }
-            z = pass::scatter(&self.b, groups, x)?;
+            z = pass::scatter(&self.b, groups, x, self.exact)?;
         }
         Ok(Some((pass::dense(&self.a, &z, self.exact)?, bad_col)))
     }
@@ -137,9 +138,9 @@ impl Side<'_> {
         let (m, n) = self.c.shape();
         let mut x = signs(n, rounds, seed, stream);
         let ab = self.product(groups, &mut x)?;
-        let cs = pass::scatter(&self.c, groups, &x)?;
+        let cs = pass::scatter(&self.c, groups, &x, self.exact)?;
         let c0s = match (&self.c0, self.beta != 0.0) {
-            (Some(op), true) => Some(pass::scatter(op, groups, &x)?),
+            (Some(op), true) => Some(pass::scatter(op, groups, &x, self.exact)?),
             _ => None,
         };
         let g = groups.count();

@@ -1,20 +1,24 @@
-//! The streaming passes of `verify`: every matrix is read once in bands of stored rows, widened
-//! to f64, and folded into small per-row accumulators, so memory stays O(n·groups) however big
-//! the files are.
+//! The streaming passes of `verify`: every matrix is read once, in bands of stored rows that are
+//! read in parallel pieces while the previous band is folded, kept in their stored type (f32 or
+//! f64) and widened in registers, and folded into small per-row accumulators, so memory stays
+//! O(n·groups + band) however big the files are and the passes run near memory bandwidth.
 //!
 //! Two kinds of pass exist. A *scatter* pass folds op(M) against random ±1 vectors that are cut
 //! into column groups ([`Groups`]): for each op row t and group g it sums M·x, M² and |M| over the
 //! group's columns (what the residual, the statistical tolerance and the rigorous bound need).
-//! A *dense* pass multiplies op(A) by the K-row results of a scatter pass over op(B). Signed sums
-//! are kept in double-double ([`Dd`]) so that the check is more precise than the product even
-//! for f64 data; the tolerance sums need no such care. NaN/Inf elements are never multiplied:
-//! they are recorded (rows, columns, cells) and left out of every sum.
+//! A *dense* pass multiplies op(A) by the K-row results of a scatter pass over op(B), one GEMM
+//! over the whole pool per band. Signed sums are kept in double-double ([`Dd`]) for f64 data, so
+//! that the check is more precise than the product, and in f64 otherwise; the tolerance sums
+//! need no such care. NaN/Inf elements are never multiplied: they are recorded (rows, columns,
+//! cells) and left out of every sum.
 
+use std::ops::Range;
 use std::sync::Mutex;
 
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
+use zerocopy::{FromBytes, Immutable, IntoBytes};
 
 use crate::backend::round_inputs;
 use crate::dtype::DType;
@@ -22,7 +26,7 @@ use crate::error::Result;
 use crate::plan::Precision;
 use crate::store::{Block, MatrixSource};
 
-const BAND_BYTES: u64 = 32 << 20;
+use super::kernel;
 
 /// A double-double accumulator: `hi + lo` carries about 106 significant bits.
 #[derive(Clone, Copy, Debug, Default)]
@@ -54,6 +58,12 @@ impl Dd {
     pub(crate) fn add_scaled(&mut self, s: f64, d: Dd) {
         self.add_prod(s, d.hi);
         self.lo += s * d.lo;
+    }
+    /// Add another double-double.
+    #[inline]
+    pub(crate) fn add_dd(&mut self, d: Dd) {
+        self.add(d.hi);
+        self.lo += d.lo;
     }
     pub(crate) fn value(self) -> f64 {
         self.hi + self.lo
@@ -143,6 +153,108 @@ pub(crate) struct Sums {
     pub(crate) bad_col: Vec<bool>,
 }
 
+/// Stored bytes of one band of rows; two bands are in memory at once (the next one is read
+/// while the current one is folded).
+const BAND_BYTES: usize = 32 << 20;
+
+/// The element type a pass reads a file as: f64 for f64 files, f32 for the others (the reader
+/// widens f16 and bf16). Bands stay in this type; values are widened to f64 in registers.
+pub(crate) trait Elem:
+    Copy + Default + Send + Sync + IntoBytes + FromBytes + Immutable + 'static
+{
+    const DTYPE: DType;
+    fn wide(self) -> f64;
+    /// Round to the GEMM's input format as the CPU backend does (f64 data is left as is).
+    fn round(p: Precision, v: &mut [Self]);
+}
+
+impl Elem for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self as f64
+    }
+    fn round(p: Precision, v: &mut [f32]) {
+        round_inputs(p, v)
+    }
+}
+
+impl Elem for f64 {
+    const DTYPE: DType = DType::F64;
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self
+    }
+    fn round(_: Precision, _: &mut [f64]) {}
+}
+
+/// Read stored rows `r0..r0 + h` (all columns) into `buf`, in parallel pieces.
+fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut Vec<T>) -> Result<()> {
+    let cols = op.file.shape().1 as usize;
+    buf.resize(h * cols, T::default());
+    let sub = h.div_ceil(rayon::current_num_threads().max(1) * 2).max(1);
+    buf.par_chunks_mut(sub * cols)
+        .enumerate()
+        .try_for_each(|(i, part)| {
+            let b = Block {
+                r0: (r0 + i * sub) as u64,
+                c0: 0,
+                rows: (part.len() / cols) as u64,
+                cols: cols as u64,
+            };
+            op.file.read_block(&b, T::DTYPE, part.as_mut_bytes())?;
+            if let Some(p) = op.round {
+                T::round(p, part);
+            }
+            Ok(())
+        })
+}
+
+/// Call `f(r0, h, band)` for consecutive bands of stored rows of `op`, reading the next band
+/// while `f` works on the current one.
+fn bands<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &[T]) + Send) -> Result<()> {
+    let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
+    if rows == 0 || cols == 0 {
+        return Ok(());
+    }
+    let band = (BAND_BYTES / (cols * std::mem::size_of::<T>())).clamp(1, rows);
+    let h_at = |r0: usize| band.min(rows - r0);
+    let (mut cur, mut next) = (Vec::new(), Vec::new());
+    read_band(op, 0, h_at(0), &mut cur)?;
+    let mut r0 = 0;
+    loop {
+        let n0 = r0 + h_at(r0);
+        let (read, ()) = rayon::join(
+            || match n0 < rows {
+                true => read_band(op, n0, h_at(n0), &mut next),
+                false => Ok(()),
+            },
+            || f(r0, h_at(r0), &cur),
+        );
+        read?;
+        if n0 >= rows {
+            return Ok(());
+        }
+        std::mem::swap(&mut cur, &mut next);
+        r0 = n0;
+    }
+}
+
+/// Pieces of work per rayon thread, so that uneven pieces still balance.
+fn pieces() -> usize {
+    rayon::current_num_threads().max(1) * 2
+}
+
+/// The sums of consecutive op rows `t0..t0 + len`, owned by one parallel task.
+struct Rows<'a> {
+    t0: usize,
+    signed: &'a mut [Dd],
+    sq: &'a mut [f64],
+    abs: &'a mut [f64],
+    nonfinite: &'a mut [u32],
+    bad: &'a mut [bool],
+}
+
 impl Sums {
     fn new(rows: usize, cols: usize, rounds: usize, groups: usize) -> Sums {
         Sums {
@@ -156,48 +268,56 @@ impl Sums {
             bad_col: vec![false; cols],
         }
     }
+
+    /// Op rows `lo..hi` cut into tasks of `per` rows.
+    fn pieces(
+        &mut self,
+        lo: usize,
+        hi: usize,
+        per: usize,
+    ) -> impl ParallelIterator<Item = Rows<'_>> {
+        let (rg, g) = (self.rounds * self.groups, self.groups);
+        self.signed[lo * rg..hi * rg]
+            .par_chunks_mut(per * rg)
+            .zip(self.sq[lo * g..hi * g].par_chunks_mut(per * g))
+            .zip(self.abs[lo * g..hi * g].par_chunks_mut(per * g))
+            .zip(self.nonfinite[lo * g..hi * g].par_chunks_mut(per * g))
+            .zip(self.bad_row[lo..hi].par_chunks_mut(per))
+            .enumerate()
+            .map(move |(i, ((((signed, sq), abs), nonfinite), bad))| Rows {
+                t0: lo + i * per,
+                signed,
+                sq,
+                abs,
+                nonfinite,
+                bad,
+            })
+    }
 }
 
-/// Stored rows `r0..r0 + h` of `f`, all columns, as f64 (rounded to `round`'s input format).
-fn read_band(f: &dyn MatrixSource, r0: u64, h: u64, round: Option<Precision>) -> Result<Vec<f64>> {
-    let b = Block {
-        r0,
-        c0: 0,
-        rows: h,
-        cols: f.shape().1,
-    };
-    if f.dtype() == DType::F64 {
-        let mut buf = vec![0f64; b.elems()];
-        f.read_block(&b, DType::F64, bytemuck_f64(&mut buf))?;
-        return Ok(buf);
+impl<'a> Rows<'a> {
+    fn len(&self) -> usize {
+        self.bad.len()
     }
-    let mut buf = vec![0f32; b.elems()];
-    f.read_block(&b, DType::F32, bytemuck_f32(&mut buf))?;
-    if let Some(p) = round {
-        round_inputs(p, &mut buf);
+    fn row(&mut self, l: usize) -> RowSums<'_> {
+        let g = self.sq.len() / self.len();
+        let rg = self.signed.len() / self.len();
+        RowSums {
+            signed: &mut self.signed[l * rg..(l + 1) * rg],
+            sq: &mut self.sq[l * g..(l + 1) * g],
+            abs: &mut self.abs[l * g..(l + 1) * g],
+            nonfinite: &mut self.nonfinite[l * g..(l + 1) * g],
+            bad: &mut self.bad[l],
+        }
     }
-    Ok(buf.par_iter().map(|&v| v as f64).collect())
 }
 
-fn bytemuck_f64(v: &mut [f64]) -> &mut [u8] {
-    zerocopy::IntoBytes::as_mut_bytes(v)
-}
-fn bytemuck_f32(v: &mut [f32]) -> &mut [u8] {
-    zerocopy::IntoBytes::as_mut_bytes(v)
-}
-
-/// Call `f(r0, h, band)` for consecutive bands of stored rows of `op`.
-fn bands(op: &Op, mut f: impl FnMut(usize, usize, &[f64]) -> Result<()>) -> Result<()> {
-    let (rows, cols) = op.file.shape();
-    let band = (BAND_BYTES / (cols * 8)).clamp(1, rows);
-    let mut r0 = 0;
-    while r0 < rows {
-        let h = band.min(rows - r0);
-        let m = read_band(op.file, r0, h, op.round)?;
-        f(r0 as usize, h as usize, &m)?;
-        r0 += h;
-    }
-    Ok(())
+/// What a scatter pass folds against.
+struct Scat<'a> {
+    groups: &'a Groups,
+    x: &'a [Vec<f64>],
+    exact: bool,
+    bad_cols: Mutex<Vec<usize>>,
 }
 
 /// The accumulators of one op row during a scatter pass.
@@ -206,23 +326,16 @@ struct RowSums<'a> {
     sq: &'a mut [f64],
     abs: &'a mut [f64],
     nonfinite: &'a mut [u32],
-    bad: bool,
+    bad: &'a mut bool,
 }
 
 impl RowSums<'_> {
-    #[inline]
-    fn visit(
-        &mut self,
-        s: usize,
-        v: f64,
-        x: &[Vec<f64>],
-        groups: &Groups,
-        bad_cols: &mut Vec<usize>,
-    ) {
-        let g = groups.of(s);
+    /// Fold element `v` of op column `s` (in group `g`) one at a time: the careful path, for
+    /// groups holding NaN/Inf (or squares beyond f64's range).
+    fn visit(&mut self, s: usize, v: f64, x: &[Vec<f64>], g: usize, bad_cols: &mut Vec<usize>) {
         let gs = self.sq.len();
         if !v.is_finite() {
-            self.bad = true;
+            *self.bad = true;
             bad_cols.push(s);
             if x[0][s] != 0.0 {
                 self.nonfinite[g] += 1;
@@ -239,156 +352,430 @@ impl RowSums<'_> {
             self.signed[rho * gs + g].add(v * xr[s]);
         }
     }
+
+    /// Fold op columns `s0..s0 + v.len()` (all in group `g`) with the vectorised kernels, or
+    /// element by element when the segment holds a value that is not finite.
+    fn segment<T: Elem>(&mut self, g: usize, v: &[T], s0: usize, sc: &Scat, bc: &mut Vec<usize>) {
+        let (x, gs, r) = (sc.x, self.sq.len(), s0..s0 + v.len());
+        let (s, q, a) = kernel::first(v, &x[0][r.clone()]);
+        if !q.is_finite() {
+            for (i, e) in v.iter().enumerate() {
+                self.visit(s0 + i, e.wide(), x, g, bc);
+            }
+            return;
+        }
+        self.sq[g] += q;
+        self.abs[g] += a;
+        for (rho, xr) in x.iter().enumerate() {
+            let d = match (sc.exact, rho) {
+                (true, _) => kernel::dot_dd(v, &xr[r.clone()]),
+                (false, 0) => Dd { hi: s, lo: 0.0 },
+                (false, _) => Dd {
+                    hi: kernel::dot(v, &xr[r.clone()]),
+                    lo: 0.0,
+                },
+            };
+            self.signed[rho * gs + g].add_dd(d);
+        }
+    }
 }
 
 /// Fold op(M) (T × S) against the round vectors `x` (each of length S; 0 marks an excluded
-/// column, whose NaN/Inf are expected and not counted) over column groups.
-pub(crate) fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>]) -> Result<Sums> {
+/// column, whose NaN/Inf are expected and not counted) over column groups; signed sums in
+/// double-double when `exact`, in f64 otherwise.
+pub(crate) fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> Result<Sums> {
+    timed("scatter", op, || match op.file.dtype() {
+        DType::F64 => scatter_t::<f64>(op, groups, x, exact),
+        _ => scatter_t::<f32>(op, groups, x, exact),
+    })
+}
+
+/// Run one pass, and with `MGMM_VERIFY_TIMES` set report its time and input rate on stderr.
+fn timed<R>(what: &str, op: &Op, f: impl FnOnce() -> R) -> R {
+    let t0 = std::time::Instant::now();
+    let r = f();
+    if std::env::var_os("MGMM_VERIFY_TIMES").is_some() {
+        let (rows, cols) = op.file.shape();
+        let bytes = (rows * cols) as f64 * op.file.dtype().size() as f64;
+        let s = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "verify: {what} {}{} {rows}×{cols} {}: {s:.3} s, {:.2} GB/s",
+            op.file.path().display(),
+            if op.trans { " (transposed)" } else { "" },
+            op.file.dtype(),
+            bytes / s / 1e9
+        );
+    }
+    r
+}
+
+fn scatter_t<T: Elem>(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> Result<Sums> {
     let (t_rows, s_cols) = op.shape();
-    let (r, g) = (x.len(), groups.count());
-    let mut out = Sums::new(t_rows, s_cols, r, g);
-    let bad_cols = Mutex::new(Vec::new());
-    let stored_cols = op.file.shape().1 as usize;
-    bands(op, |r0, h, m| {
-        // Op rows this band touches: all of them for op(M) = Mᵀ, the band's own otherwise.
-        let (lo, hi) = if op.trans { (0, t_rows) } else { (r0, r0 + h) };
-        let rows = out.signed[lo * r * g..hi * r * g]
-            .par_chunks_mut(r * g)
-            .zip(out.sq[lo * g..hi * g].par_chunks_mut(g))
-            .zip(out.abs[lo * g..hi * g].par_chunks_mut(g))
-            .zip(out.nonfinite[lo * g..hi * g].par_chunks_mut(g))
-            .zip(out.bad_row[lo..hi].par_iter_mut())
-            .enumerate();
-        rows.for_each(|(tl, ((((signed, sq), abs), nonfinite), bad))| {
-            let t = lo + tl;
-            let mut acc = RowSums {
-                signed,
-                sq,
-                abs,
-                nonfinite,
-                bad: *bad,
-            };
-            let mut bc = Vec::new();
-            if op.trans {
-                // op row t = stored column t; this band holds op columns r0..r0+h.
-                for sl in 0..h {
-                    acc.visit(r0 + sl, m[sl * stored_cols + t], x, groups, &mut bc);
-                }
-            } else {
-                let row = &m[(t - r0) * stored_cols..(t - r0 + 1) * stored_cols];
-                for (s, &v) in row.iter().enumerate() {
-                    acc.visit(s, v, x, groups, &mut bc);
-                }
-            }
-            *bad = acc.bad;
-            if !bc.is_empty() {
-                bad_cols.lock().unwrap().extend(bc);
-            }
-        });
-        Ok(())
+    let mut out = Sums::new(t_rows, s_cols, x.len(), groups.count());
+    let sc = Scat {
+        groups,
+        x,
+        exact,
+        bad_cols: Mutex::new(Vec::new()),
+    };
+    bands::<T>(op, |r0, h, m| match op.trans {
+        true => scatter_cols(&mut out, &sc, r0, h, m),
+        false => scatter_rows(&mut out, &sc, r0, h, m),
     })?;
-    for s in bad_cols.into_inner().unwrap() {
+    for s in sc.bad_cols.into_inner().unwrap_or_else(|e| e.into_inner()) {
         out.bad_col[s] = true;
     }
     Ok(out)
 }
 
-/// op(A)·Z for the sums `z` of a scatter pass over op(B) (K rows): signed sums in
-/// double-double when `exact` (f64 data), in f64 through faer otherwise (f32 products are exact
-/// in f64 and the f64 sums' own error is counted by the model); `sq` columns are multiplied by
-/// op(A)∘op(A), `abs` by |op(A)|. Rows of op(A) holding NaN/Inf are marked in `bad_row`.
-pub(crate) fn dense(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
-    let (m_rows, k) = op.shape();
-    let (r, g) = (z.rounds, z.groups);
-    let rg = r * g;
-    let mut out = Sums::new(m_rows, k, r, g);
-    let zf: Vec<f64> = z.signed.iter().map(|d| d.value()).collect();
-    let mut signed_f = if exact {
-        Vec::new()
-    } else {
-        vec![0f64; m_rows * rg]
-    };
-    let stored_cols = op.file.shape().1 as usize;
-    let par = Par::rayon(rayon::current_num_threads().max(1));
-    bands(op, |r0, h, m| {
-        let mut clean = m.to_vec();
-        let mut bad_rows = Vec::new();
-        for (e, v) in clean.iter_mut().enumerate() {
-            if !v.is_finite() {
-                *v = 0.0;
-                let (sr, sc) = (e / stored_cols, e % stored_cols);
-                bad_rows.push(if op.trans { sc } else { r0 + sr });
+/// A band of stored rows `r0..r0 + h` = op rows (op(M) = M): each task owns whole rows.
+fn scatter_rows<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, m: &[T]) {
+    let cols = m.len() / h;
+    let per = h.div_ceil(pieces()).max(1);
+    out.pieces(r0, r0 + h, per).for_each(|mut rows| {
+        let mut bc = Vec::new();
+        for l in 0..rows.len() {
+            let t = rows.t0 + l - r0;
+            let v = &m[t * cols..(t + 1) * cols];
+            let mut acc = rows.row(l);
+            for g in 0..sc.groups.count() {
+                let r = sc.groups.range(g);
+                acc.segment(g, &v[r.clone()], r.start, sc, &mut bc);
             }
         }
-        for i in bad_rows {
-            out.bad_row[i] = true;
+        if !bc.is_empty() {
+            sc.bad_cols
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(bc);
         }
-        let sq: Vec<f64> = clean.par_iter().map(|v| v * v).collect();
-        let ab: Vec<f64> = clean.par_iter().map(|v| v.abs()).collect();
-        fn zr(v: &[f64], k: usize, w: usize) -> MatRef<'_, f64> {
-            MatRef::from_row_major_slice(v, k, w)
-        }
-        let mul = |lhs: &[f64], rhs: MatRef<f64>, dst: &mut [f64], w: usize| {
-            let (dst, lhs, rhs) = if op.trans {
-                (
-                    MatMut::from_row_major_slice_mut(dst, m_rows, w),
-                    MatRef::from_row_major_slice(lhs, h, m_rows).transpose(),
-                    rhs.subrows(r0, h),
-                )
-            } else {
-                (
-                    MatMut::from_row_major_slice_mut(&mut dst[r0 * w..(r0 + h) * w], h, w),
-                    MatRef::from_row_major_slice(lhs, h, k),
-                    rhs,
-                )
-            };
-            matmul(dst, Accum::Add, lhs, rhs, 1.0, par);
-        };
-        mul(&sq, zr(&z.sq, k, g), &mut out.sq, g);
-        mul(&ab, zr(&z.abs, k, g), &mut out.abs, g);
-        if exact {
-            dense_dd(op, &clean, r0, h, &z.signed, rg, &mut out.signed);
-        } else {
-            mul(&clean, zr(&zf, k, rg), &mut signed_f, rg);
-        }
-        Ok(())
-    })?;
-    if !exact {
-        out.signed = signed_f.into_iter().map(|hi| Dd { hi, lo: 0.0 }).collect();
-    }
-    Ok(out)
+    });
 }
 
-/// The double-double part of [`dense`]: `out[i] += Σ_k op(A)[i][k] · z[k]` over this band.
-fn dense_dd(op: &Op, band: &[f64], r0: usize, h: usize, z: &[Dd], rg: usize, out: &mut [Dd]) {
-    let (_, k) = op.shape();
-    let stored_cols = op.file.shape().1 as usize;
-    if op.trans {
-        // Band rows are k indices r0..r0+h; op rows i are stored columns.
-        out.par_chunks_mut(rg).enumerate().for_each(|(i, o)| {
-            for kl in 0..h {
-                let a = band[kl * stored_cols + i];
-                if a != 0.0 {
-                    let zk = &z[(r0 + kl) * rg..(r0 + kl + 1) * rg];
+/// Per-column sums of one task's strip of op rows over a run of stored rows in one group.
+struct Strip {
+    tw: usize,
+    s: Vec<f64>,
+    dd: Vec<Dd>,
+    q: Vec<f64>,
+    a: Vec<f64>,
+    redo: Vec<bool>,
+}
+
+impl Strip {
+    fn new(tw: usize, rounds: usize, exact: bool) -> Strip {
+        Strip {
+            tw,
+            s: vec![0.0; tw * rounds],
+            dd: vec![Dd::default(); if exact { tw * rounds } else { 0 }],
+            q: vec![0.0; tw],
+            a: vec![0.0; tw],
+            redo: vec![false; tw],
+        }
+    }
+
+    /// Fold stored row `s` (this strip's part of it, `v`).
+    fn fold<T: Elem>(&mut self, v: &[T], s: usize, sc: &Scat) {
+        let (tw, x) = (self.tw, sc.x);
+        if x[0][s] == 0.0 {
+            // An excluded column of op(M): only its NaN/Inf matter (the careful path counts them).
+            v.iter()
+                .zip(&mut self.redo)
+                .for_each(|(e, r)| *r |= !e.wide().is_finite());
+            return;
+        }
+        kernel::axpy_first(v, x[0][s], &mut self.s[..tw], &mut self.q, &mut self.a);
+        if sc.exact {
+            for (rho, xr) in x.iter().enumerate() {
+                kernel::axpy_dd(v, xr[s], &mut self.dd[rho * tw..(rho + 1) * tw]);
+            }
+        } else {
+            for (rho, xr) in x.iter().enumerate().skip(1) {
+                kernel::axpy(v, xr[s], &mut self.s[rho * tw..(rho + 1) * tw]);
+            }
+        }
+    }
+
+    /// Add the sums of stored rows `rs` (group `g`) to `rows` and start afresh; op rows whose
+    /// sums are not finite are folded again element by element.
+    fn flush<T: Elem>(
+        &mut self,
+        rows: &mut Rows,
+        g: usize,
+        rs: Range<usize>,
+        band: &Band<T>,
+        sc: &Scat,
+        bc: &mut Vec<usize>,
+    ) {
+        let tw = self.tw;
+        for l in 0..tw {
+            let t = rows.t0 + l;
+            let mut acc = rows.row(l);
+            if self.redo[l] || !self.q[l].is_finite() {
+                for s in rs.clone() {
+                    acc.visit(s, band.at(s, t).wide(), sc.x, g, bc);
+                }
+                continue;
+            }
+            let gs = acc.sq.len();
+            acc.sq[g] += self.q[l];
+            acc.abs[g] += self.a[l];
+            for rho in 0..sc.x.len() {
+                let d = match sc.exact {
+                    true => self.dd[rho * tw + l],
+                    false => Dd {
+                        hi: self.s[rho * tw + l],
+                        lo: 0.0,
+                    },
+                };
+                acc.signed[rho * gs + g].add_dd(d);
+            }
+        }
+        self.s.fill(0.0);
+        self.dd.fill(Dd::default());
+        self.q.fill(0.0);
+        self.a.fill(0.0);
+        self.redo.fill(false);
+    }
+}
+
+/// A band of stored rows `r0..` of a file with `cols` columns.
+struct Band<'a, T> {
+    m: &'a [T],
+    r0: usize,
+    cols: usize,
+}
+
+impl<T: Elem> Band<'_, T> {
+    /// Stored row `s`, columns `c0..c0 + w`.
+    fn row(&self, s: usize, c0: usize, w: usize) -> &[T] {
+        let at = (s - self.r0) * self.cols + c0;
+        &self.m[at..at + w]
+    }
+    fn at(&self, s: usize, c: usize) -> T {
+        self.m[(s - self.r0) * self.cols + c]
+    }
+}
+
+/// A band of stored rows `r0..r0 + h` = op columns (op(M) = Mᵀ): each task owns a strip of op
+/// rows (stored columns) and walks the band's rows, one contiguous piece of each.
+fn scatter_cols<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, m: &[T]) {
+    let band = Band {
+        m,
+        r0,
+        cols: m.len() / h,
+    };
+    let per = band.cols.div_ceil(pieces()).max(16);
+    out.pieces(0, band.cols, per).for_each(|mut rows| {
+        let tw = rows.len();
+        let mut acc = Strip::new(tw, sc.x.len(), sc.exact);
+        let mut bc = Vec::new();
+        let (mut g, mut from) = (sc.groups.of(r0), r0);
+        for s in r0..r0 + h {
+            if sc.groups.of(s) != g {
+                acc.flush(&mut rows, g, from..s, &band, sc, &mut bc);
+                (g, from) = (sc.groups.of(s), s);
+            }
+            acc.fold(band.row(s, rows.t0, tw), s, sc);
+        }
+        acc.flush(&mut rows, g, from..r0 + h, &band, sc, &mut bc);
+        if !bc.is_empty() {
+            sc.bad_cols
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(bc);
+        }
+    });
+}
+
+/// The right-hand side of a dense pass: the K-row sums of the scatter pass over op(B).
+struct Rhs<'a> {
+    rg: usize,
+    g: usize,
+    /// Signed sums as f64 (K × rg), when the pass is not exact.
+    signed: Vec<f64>,
+    /// Signed sums in double-double (K × rg), when it is.
+    dd: &'a [Dd],
+    sq: &'a [f64],
+    abs: &'a [f64],
+}
+
+/// How a dense pass keeps its signed sums: f64 through faer, or double-double.
+trait Signed: Send + Sync + Copy + Default + 'static {
+    /// `dst (a.nrows() × rg) += a · Z[k0..k0 + a.ncols()]`, over the whole pool.
+    fn add(dst: &mut [Self], a: MatRef<f64>, z: &Rhs, k0: usize);
+    fn into_dd(v: Vec<Self>) -> Vec<Dd>;
+}
+
+impl Signed for f64 {
+    fn add(dst: &mut [f64], a: MatRef<f64>, z: &Rhs, k0: usize) {
+        gemm(dst, a, &z.signed, z.rg, k0);
+    }
+    fn into_dd(v: Vec<f64>) -> Vec<Dd> {
+        v.into_iter().map(|hi| Dd { hi, lo: 0.0 }).collect()
+    }
+}
+
+impl Signed for Dd {
+    fn add(dst: &mut [Dd], a: MatRef<f64>, z: &Rhs, k0: usize) {
+        dst.par_chunks_mut(z.rg).enumerate().for_each(|(i, o)| {
+            for kk in 0..a.ncols() {
+                let av = a[(i, kk)];
+                if av != 0.0 {
+                    let zk = &z.dd[(k0 + kk) * z.rg..(k0 + kk + 1) * z.rg];
                     o.iter_mut()
                         .zip(zk)
-                        .for_each(|(o, &zv)| o.add_scaled(a, zv));
+                        .for_each(|(o, &zv)| o.add_scaled(av, zv));
                 }
             }
         });
-    } else {
-        out[r0 * rg..(r0 + h) * rg]
-            .par_chunks_mut(rg)
-            .enumerate()
-            .for_each(|(il, o)| {
-                for (kk, &a) in band[il * k..(il + 1) * k].iter().enumerate() {
-                    if a != 0.0 {
-                        let zk = &z[kk * rg..(kk + 1) * rg];
-                        o.iter_mut()
-                            .zip(zk)
-                            .for_each(|(o, &zv)| o.add_scaled(a, zv));
+    }
+    fn into_dd(v: Vec<Dd>) -> Vec<Dd> {
+        v
+    }
+}
+
+/// op(A)·Z for the sums `z` of a scatter pass over op(B) (K rows): signed sums in
+/// double-double when `exact` (f64 data), in f64 through faer otherwise (f32 products are exact
+/// in f64 and the f64 sums' own error is counted by the model); `sq` columns are multiplied by
+/// op(A)∘op(A), `abs` by |op(A)|. Rows of op(A) holding NaN/Inf are marked in `bad_row` (their
+/// values count as 0, so they spoil no other row).
+pub(crate) fn dense(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
+    timed("dense", op, || match (op.file.dtype(), exact) {
+        (DType::F64, true) => dense_t::<f64, Dd>(op, z),
+        (DType::F64, false) => dense_t::<f64, f64>(op, z),
+        (_, true) => dense_t::<f32, Dd>(op, z),
+        (_, false) => dense_t::<f32, f64>(op, z),
+    })
+}
+
+fn dense_t<T: Elem, S: Signed>(op: &Op, z: &Sums) -> Result<Sums> {
+    let (m_rows, k) = op.shape();
+    let (rg, g) = (z.rounds * z.groups, z.groups);
+    let rhs = Rhs {
+        rg,
+        g,
+        signed: match std::any::TypeId::of::<S>() == std::any::TypeId::of::<f64>() {
+            true => z.signed.iter().map(|d| d.value()).collect(),
+            false => Vec::new(),
+        },
+        dd: &z.signed,
+        sq: &z.sq,
+        abs: &z.abs,
+    };
+    let mut out = Sums::new(m_rows, k, z.rounds, g);
+    let mut signed = vec![S::default(); m_rows * rg];
+    let mut a = Vec::new();
+    bands::<T>(op, |r0, h, m| {
+        let band = Band {
+            m,
+            r0,
+            cols: m.len() / h,
+        };
+        let lay = widen_band(&band, h, op.trans, &mut a, &mut out.bad_row);
+        // op(A) = A: the band is op rows r0..r0 + h over all of K. op(A) = Aᵀ: it is all op
+        // rows over k = r0..r0 + h.
+        let (rows, k0) = match op.trans {
+            true => (0..m_rows, r0),
+            false => (r0..r0 + h, 0),
+        };
+        S::add(
+            &mut signed[rows.start * rg..rows.end * rg],
+            lay.of(&a),
+            &rhs,
+            k0,
+        );
+        let (sq, abs) = (
+            &mut out.sq[rows.start * g..rows.end * g],
+            &mut out.abs[rows.start * g..rows.end * g],
+        );
+        tolerance(&mut a, lay, &rhs, k0, sq, abs);
+    })?;
+    out.signed = S::into_dd(signed);
+    Ok(out)
+}
+
+/// `dst (a.nrows() × w) += a · Z[k0..k0 + a.ncols()]` for a K × w row-major `z`, over the
+/// whole pool.
+fn gemm(dst: &mut [f64], a: MatRef<f64>, z: &[f64], w: usize, k0: usize) {
+    let rhs = MatRef::from_row_major_slice(z, z.len() / w, w).subrows(k0, a.ncols());
+    let dst = MatMut::from_row_major_slice_mut(dst, a.nrows(), w);
+    let par = Par::rayon(rayon::current_num_threads().max(1));
+    matmul(dst, Accum::Add, a, rhs, 1.0, par);
+}
+
+/// How the widened band (row-major `rows × cols`) is seen as a piece of op(A): as it is, or
+/// transposed.
+#[derive(Clone, Copy)]
+struct Layout {
+    rows: usize,
+    cols: usize,
+    trans: bool,
+}
+
+impl Layout {
+    fn of(self, v: &[f64]) -> MatRef<'_, f64> {
+        let m = MatRef::from_row_major_slice(v, self.rows, self.cols);
+        if self.trans {
+            m.transpose()
+        } else {
+            m
+        }
+    }
+}
+
+/// Widen `band` (h stored rows) into `a`, reused from band to band, with NaN/Inf set to 0 and
+/// their op rows marked in `bad` (stored rows when op(A) = A, stored columns when Aᵀ).
+fn widen_band<T: Elem>(
+    band: &Band<T>,
+    h: usize,
+    trans: bool,
+    a: &mut Vec<f64>,
+    bad: &mut [bool],
+) -> Layout {
+    let cols = band.cols;
+    a.resize(h * cols, 0.0);
+    let bad_ops = Mutex::new(Vec::new());
+    let per = h.div_ceil(pieces()).max(1);
+    a.par_chunks_mut(per * cols)
+        .enumerate()
+        .for_each(|(p, dst)| {
+            for (l, d) in dst.chunks_mut(cols).enumerate() {
+                if kernel::widen(band.row(band.r0 + p * per + l, 0, cols), d) {
+                    continue;
+                }
+                let mut found = Vec::new();
+                for (c, v) in d.iter_mut().enumerate() {
+                    if !v.is_finite() {
+                        *v = 0.0;
+                        found.push(c);
                     }
                 }
-            });
+                if !trans {
+                    found = vec![band.r0 + p * per + l];
+                }
+                bad_ops
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend(found);
+            }
+        });
+    for i in bad_ops.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        bad[i] = true;
     }
+    Layout {
+        rows: h,
+        cols,
+        trans,
+    }
+}
+
+/// Add |a|·Z_abs and (a∘a)·Z_sq; `a` is overwritten.
+fn tolerance(a: &mut [f64], lay: Layout, z: &Rhs, k0: usize, sq: &mut [f64], abs: &mut [f64]) {
+    a.par_chunks_mut(1 << 16)
+        .for_each(|c| c.iter_mut().for_each(|v| *v = v.abs()));
+    gemm(abs, lay.of(a), z.abs, z.g, k0);
+    a.par_chunks_mut(1 << 16)
+        .for_each(|c| c.iter_mut().for_each(|v| *v *= *v));
+    gemm(sq, lay.of(a), z.sq, z.g, k0);
 }

@@ -1,0 +1,154 @@
+//! The per-element loops of the verify passes. `verify` must run at memory bandwidth, so the
+//! loops are written for the compiler to vectorise (independent lanes, no branches) and are
+//! compiled twice: for the baseline x86-64 target the crate is built for (SSE2, two f64 lanes)
+//! and, picked at run time, for AVX2 + FMA (four lanes, twice the registers). Every loop only
+//! adds and multiplies, so both builds give the same sums up to the order of additions, which
+//! the error model already allows for.
+//!
+//! The sign vectors x hold ±1 (or 0 for an excluded column), so `v·x` is exact and every sum
+//! of such products is an ordinary f64 sum (or a double-double one, [`Dd`], for f64 data).
+
+use super::pass::{Dd, Elem};
+
+/// Independent accumulators per sum: enough to fill two AVX2 registers.
+const LANES: usize = 8;
+
+/// Σ y, Σ y² and Σ |y| for y = v·x.
+#[inline(always)]
+fn first_impl<T: Elem>(v: &[T], x: &[f64]) -> (f64, f64, f64) {
+    let n = v.len().min(x.len()) / LANES * LANES;
+    let (mut s, mut q, mut a) = ([0f64; LANES], [0f64; LANES], [0f64; LANES]);
+    for (vv, xx) in v[..n].chunks_exact(LANES).zip(x[..n].chunks_exact(LANES)) {
+        for l in 0..LANES {
+            let y = vv[l].wide() * xx[l];
+            s[l] += y;
+            q[l] += y * y;
+            a[l] += y.abs();
+        }
+    }
+    for (vv, xx) in v[n..].iter().zip(&x[n..]) {
+        let y = vv.wide() * xx;
+        s[0] += y;
+        q[0] += y * y;
+        a[0] += y.abs();
+    }
+    (s.iter().sum(), q.iter().sum(), a.iter().sum())
+}
+
+/// Σ v·x.
+#[inline(always)]
+fn dot_impl<T: Elem>(v: &[T], x: &[f64]) -> f64 {
+    let n = v.len().min(x.len()) / LANES * LANES;
+    let mut s = [0f64; LANES];
+    for (vv, xx) in v[..n].chunks_exact(LANES).zip(x[..n].chunks_exact(LANES)) {
+        for l in 0..LANES {
+            s[l] += vv[l].wide() * xx[l];
+        }
+    }
+    for (vv, xx) in v[n..].iter().zip(&x[n..]) {
+        s[0] += vv.wide() * xx;
+    }
+    s.iter().sum()
+}
+
+/// s += v·x, q += (v·x)², a += |v·x| elementwise (x one scalar).
+#[inline(always)]
+fn axpy_first_impl<T: Elem>(v: &[T], x: f64, s: &mut [f64], q: &mut [f64], a: &mut [f64]) {
+    for (((vv, s), q), a) in v.iter().zip(s).zip(q).zip(a) {
+        let y = vv.wide() * x;
+        *s += y;
+        *q += y * y;
+        *a += y.abs();
+    }
+}
+
+/// s += v·x elementwise.
+#[inline(always)]
+fn axpy_impl<T: Elem>(v: &[T], x: f64, s: &mut [f64]) {
+    for (vv, s) in v.iter().zip(s) {
+        *s += vv.wide() * x;
+    }
+}
+
+/// Widen `v` into `dst`; true when every value is finite (NaN·0 and ±Inf·0 are NaN).
+#[inline(always)]
+fn widen_impl<T: Elem>(v: &[T], dst: &mut [f64]) -> bool {
+    let mut z = [0f64; LANES];
+    let n = v.len().min(dst.len()) / LANES * LANES;
+    for (vv, dd) in v[..n]
+        .chunks_exact(LANES)
+        .zip(dst[..n].chunks_exact_mut(LANES))
+    {
+        for l in 0..LANES {
+            dd[l] = vv[l].wide();
+            z[l] += dd[l] * 0.0;
+        }
+    }
+    for (vv, dd) in v[n..].iter().zip(&mut dst[n..]) {
+        *dd = vv.wide();
+        z[0] += *dd * 0.0;
+    }
+    z.iter().sum::<f64>() == 0.0
+}
+
+/// Run-time dispatch between the AVX2 + FMA build of a kernel and the baseline one.
+macro_rules! dispatch {
+    ($(#[$doc:meta])* $name:ident, $avx:ident, $imp:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        fn $avx<T: Elem>($($arg: $ty),*) -> $ret {
+            $imp($($arg),*)
+        }
+        $(#[$doc])*
+        #[inline]
+        pub(crate) fn $name<T: Elem>($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU was just checked to support AVX2 and FMA, the only target
+                // features the function is compiled with; it is otherwise ordinary safe code.
+                return unsafe { $avx($($arg),*) };
+            }
+            $imp($($arg),*)
+        }
+    };
+}
+
+dispatch!(
+    /// Σ v·x, Σ (v·x)², Σ |v·x| over a row segment.
+    first, first_avx2, first_impl, (v: &[T], x: &[f64]) -> (f64, f64, f64)
+);
+dispatch!(
+    /// Σ v·x over a row segment.
+    dot, dot_avx2, dot_impl, (v: &[T], x: &[f64]) -> f64
+);
+dispatch!(
+    /// Fold one stored row, times the scalar sign x, into per-column sums (first round).
+    axpy_first, axpy_first_avx2, axpy_first_impl,
+    (v: &[T], x: f64, s: &mut [f64], q: &mut [f64], a: &mut [f64]) -> ()
+);
+dispatch!(
+    /// Fold one stored row, times the scalar sign x, into per-column signed sums.
+    axpy, axpy_avx2, axpy_impl, (v: &[T], x: f64, s: &mut [f64]) -> ()
+);
+dispatch!(
+    /// Widen to f64; true when all values are finite.
+    widen, widen_avx2, widen_impl, (v: &[T], dst: &mut [f64]) -> bool
+);
+
+/// Σ v·x in double-double (f64 data): x is ±1 or 0, so each product is exact.
+pub(crate) fn dot_dd<T: Elem>(v: &[T], x: &[f64]) -> Dd {
+    let mut d = Dd::default();
+    for (vv, xx) in v.iter().zip(x) {
+        d.add(vv.wide() * xx);
+    }
+    d
+}
+
+/// s += v·x elementwise in double-double.
+pub(crate) fn axpy_dd<T: Elem>(v: &[T], x: f64, s: &mut [Dd]) {
+    for (vv, s) in v.iter().zip(s) {
+        s.add(vv.wide() * x);
+    }
+}
