@@ -3,7 +3,8 @@
 //! listed here or in [`crate::cluster::identity`] (the launcher's variables for split runs).
 //!
 //! Today that is the fault injection of the tests and the GPU resilience scripts
-//! (`MGMM_FAULT_*`, cargo feature `fault-injection`).
+//! (`MGMM_FAULT_*`, cargo feature `fault-injection`), and `MGMM_VERIFY_TIMES`, which makes
+//! `verify` print each pass's time and input rate on stderr (for the benchmark scripts).
 
 #[cfg(feature = "fault-injection")]
 use crate::backend::fault::FaultConfig;
@@ -21,4 +22,11 @@ pub(crate) fn fault_config() -> Option<FaultConfig> {
         write_delay_ms: 0,
     };
     (c.gemm_after.is_some() || c.write_after.is_some()).then_some(c)
+}
+
+/// Whether `MGMM_VERIFY_TIMES` is set: `verify` then reports each pass's time on stderr. Read
+/// once per process.
+pub(crate) fn verify_times() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("MGMM_VERIFY_TIMES").is_some())
 }

@@ -394,7 +394,7 @@ pub(crate) fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
 fn timed<R>(what: &str, op: &Op, f: impl FnOnce() -> R) -> R {
     let t0 = std::time::Instant::now();
     let r = f();
-    if std::env::var_os("MGMM_VERIFY_TIMES").is_some() {
+    if crate::config::verify_times() {
         let (rows, cols) = op.file.shape();
         let bytes = (rows * cols) as f64 * op.file.dtype().size() as f64;
         let s = t0.elapsed().as_secs_f64();

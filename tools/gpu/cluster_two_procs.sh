@@ -3,6 +3,8 @@
 # (CUDA_VISIBLE_DEVICES=0 / =1, SLURM-style ranks, coordinating only through files) against one
 # process driving both GPUs. Expect bit-identical output and time within 10 %.
 # Size: N (default 32768), tile 4096 (fixed, so both runs use the same compute tiles), 3 rounds.
+# SHARDS=S passes --shards S to both processes (default: the engine's default, 4 per process);
+# with S = 2 each process reads B once, as the one-process run does per GPU.
 # GPU machine with 2 GPUs, repository root, .dev/bin carried. Log: $OUT/cluster_two_procs.log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
@@ -22,12 +24,12 @@ for r in $(seq "$ROUNDS"); do
   one=$(ms "$t")
   "$MGMM" prepare two.toml >/dev/null
   t=$(date +%s%N)
-  CUDA_VISIBLE_DEVICES=0 SLURM_PROCID=0 SLURM_NTASKS=2 "$MGMM" run two.toml --quiet --report "$OUT/c2_p0_$r.json" & p0=$!
-  CUDA_VISIBLE_DEVICES=1 SLURM_PROCID=1 SLURM_NTASKS=2 "$MGMM" run two.toml --quiet --report "$OUT/c2_p1_$r.json" & p1=$!
+  CUDA_VISIBLE_DEVICES=0 SLURM_PROCID=0 SLURM_NTASKS=2 "$MGMM" run two.toml --quiet ${SHARDS:+--shards $SHARDS} --report "$OUT/c2_p0_$r.json" & p0=$!
+  CUDA_VISIBLE_DEVICES=1 SLURM_PROCID=1 SLURM_NTASKS=2 "$MGMM" run two.toml --quiet ${SHARDS:+--shards $SHARDS} --report "$OUT/c2_p1_$r.json" & p1=$!
   wait $p0; e0=$?; wait $p1; e1=$?
   two=$(ms "$t")
   same=no; cmp -s C_one.mgt C_two.mgt && same=yes
-  log "round $r: one process × 2 GPUs ${one} ms; two processes × 1 GPU ${two} ms (exit $e0 $e1, includes finalize); ratio $(awk "BEGIN{printf \"%.3f\", $two/$one}"); bit-identical: $same"
+  log "round $r${SHARDS:+ (--shards $SHARDS)}: one process × 2 GPUs ${one} ms; two processes × 1 GPU ${two} ms (exit $e0 $e1, includes finalize); ratio $(awk "BEGIN{printf \"%.3f\", $two/$one}"); bit-identical: $same"
   # Where the time goes: each process's steps (shards), its start-up and its whole run.
   python3 - "$OUT/c2_one_$r.json" "$OUT/c2_p0_$r.json" "$OUT/c2_p1_$r.json" <<'PY' | tee -a "$LOG"
 import json, sys

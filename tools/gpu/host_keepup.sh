@@ -13,7 +13,9 @@
 #   big    100 000² tf32 on 2 GPUs, warm (inputs generated, then read once to warm them)
 #   peers  in-core cuBLAS per GPU on 8192² tiles (fp32, tf32, bf16, fp64; torch) and cuBLASXt
 #          fp32 on 1 and 2 GPUs on the 32768² inputs (tools/peers/cublasxt_torch.py)
-# Extra engine lines for every mgmm-stream plan: ENGINE_EXTRA='write = "pwrite"' etc.
+# Extra engine lines for every mgmm-stream plan: ENGINE_EXTRA='write = "mmap"' etc., with
+# TAG=_mmap appended to the job names so that the variant's reports stand beside the default's.
+# KEEP=1 keeps the generated fp64 and 100 000² inputs for a following variant run.
 # Log: $OUT/host_keepup.log; every run's report in $OUT/NAME-i.json; table at the end.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
@@ -31,7 +33,7 @@ nvidia-smi --query-gpu=index,name,memory.used --format=csv | tee -a "$LOG"
 
 # plan NAME A B OUT EXPR PRECISION DEVICES [ENGINE_LINE...]
 plan() {
-  local n=$1 a=$2 b=$3 o=$4 e=$5 p=$6 d=$7; shift 7
+  local n=$1${TAG:-} a=$2 b=$3 o=$4 e=$5 p=$6 d=$7; shift 7
   {
     printf '[matrices.A]\npath = "%s"\n[matrices.B]\npath = "%s"\n' "$a" "$b"
     printf '[[step]]\noutput = "%s"\nexpr = "%s"\n[engine]\n' "$o" "$e"
@@ -42,14 +44,14 @@ plan() {
 # runs NAME OUT: REPEAT runs of NAME.toml (OUT removed before each), reports in $OUT/NAME-i.json,
 # process wall measured around the process.
 runs() {
-  local i
+  local i n=$1${TAG:-}
   for i in $(seq 1 "$REPEAT"); do
     rm -f "$2" "$2.journal" "$2.crc32c"
-    log "mgmm $1 run $i"
+    log "mgmm $n run $i"
     local t0 t1; t0=$(date +%s.%N)
-    "$MGMM" run "$1.toml" --report "$OUT/$1-$i.json" >> "$LOG" 2>&1
+    "$MGMM" run "$n.toml" --report "$OUT/$n-$i.json" >> "$LOG" 2>&1
     t1=$(date +%s.%N)
-    python3 - "$OUT/$1-$i.json" "$t0" "$t1" <<'PY' | tee -a "$LOG"
+    python3 - "$OUT/$n-$i.json" "$t0" "$t1" <<'PY' | tee -a "$LOG"
 import json, sys
 r = json.load(open(sys.argv[1])); proc = float(sys.argv[3]) - float(sys.argv[2])
 r["outer_wall_s"] = proc
@@ -87,7 +89,7 @@ case_fp64() {
   plan fp64 A64.mgt B64.mgt C64.mgt "A @ B" fp64 '"all"' 'host_memory = "32GiB"'; runs fp64 C64.mgt
   plan fp64_20g A64.mgt B64.mgt C64.mgt "A @ B" fp64 '"all"' 'host_memory = "32GiB"' 'device_memory = "20GiB"'
   runs fp64_20g C64.mgt
-  rm -f A64.mgt B64.mgt
+  [ -n "${KEEP:-}" ] || rm -f A64.mgt B64.mgt
 }
 
 case_chain() {
@@ -99,7 +101,7 @@ case_chain() {
     printf '[[step]]\noutput = "D.mgt"\nexpr = "(A @ B @ C).T"\n[engine]\n'
     printf 'backend = "cuda"\ndevices = "all"\ndurable = false\nhost_memory = "16GiB"\n'
     local l; for l in "${EXTRA[@]}"; do printf '%s\n' "$l"; done
-  } > chain.toml
+  } > "chain${TAG:-}.toml"
   runs chain D.mgt
 }
 
@@ -109,7 +111,7 @@ case_big() {
   gen_matrix Ab.mgt 100000 100000 1; gen_matrix Bb.mgt 100000 100000 2
   cat Ab.mgt Bb.mgt > /dev/null
   plan big_tf32 Ab.mgt Bb.mgt Cb.mgt "A @ B" tf32 '"all"' 'host_memory = "32GiB"'; runs big_tf32 Cb.mgt
-  rm -f Ab.mgt Bb.mgt Ab.mgt.gen Bb.mgt.gen
+  [ -n "${KEEP:-}" ] || rm -f Ab.mgt Bb.mgt Ab.mgt.gen Bb.mgt.gen
 }
 
 case_peers() {
@@ -146,7 +148,7 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-[0-9]*.json"))):
     r = json.load(open(f))
     if not r.get("steps"):
         continue
-    s = r["steps"][-1] if name != "chain" else max(r["steps"], key=lambda s: s["wall_s"])
+    s = max(r["steps"], key=lambda s: s["wall_s"])
     runs.setdefault(name, []).append((sum(x["wall_s"] for x in r["steps"]), s["gflops_per_s"] / 1e3,
                                       s["bottleneck"], r.get("outer_wall_s", 0) - sum(x["wall_s"] for x in r["steps"])))
 print(f"{'job':<16} {'step wall s':<22} {'TFLOP/s':<20} {'process − step s':<18} bottleneck")
