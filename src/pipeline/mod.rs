@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{RecvTimeoutError, TryRecvError};
+use crossbeam_channel::RecvTimeoutError;
 
 use crate::backend::{Backend, DeviceStats, Lane, MemorySpace};
 use crate::error::{Error, Result};
@@ -126,9 +126,6 @@ pub(crate) struct Pipeline<'a> {
     staging_pools: Vec<Pool>,
     out_pool: Pool,
     lanes: Vec<Box<dyn Lane>>,
-    /// Where the pools' missing buffers come from while the stages run (`None`: allocated in
-    /// full at build).
-    grow: Option<&'a dyn Backend>,
     show_devices: bool,
     cfg: RunConfig,
     sink: &'a dyn TileSink,
@@ -153,7 +150,7 @@ impl<'a> Pipeline<'a> {
     pub(crate) fn build(
         step: &'a Step,
         layout: &'a Layout,
-        backend: &'a dyn Backend,
+        backend: &dyn Backend,
         lanes: Vec<Box<dyn Lane>>,
         work: Work,
         cfg: RunConfig,
@@ -176,7 +173,7 @@ impl<'a> Pipeline<'a> {
     pub(crate) fn build_with(
         step: &'a Step,
         layout: &'a Layout,
-        backend: &'a dyn Backend,
+        backend: &dyn Backend,
         lanes: Vec<Box<dyn Lane>>,
         work: Work,
         cfg: RunConfig,
@@ -192,27 +189,24 @@ impl<'a> Pipeline<'a> {
             .unwrap_or_else(|| (0..sched.tiles.len() as u32).collect());
         let nlanes = lanes.len();
         let queue = TileQueue::new(&sched, order, nlanes);
-        // Pinned memory is slow to allocate (~2 GiB/s on the H200 host): start with what the
-        // first tiles need and let `grow_pools` allocate the rest while they run.
-        let lazy = backend.caps().memory == MemorySpace::Device;
-        let first = |n: usize, now: usize| if lazy { now.min(n) } else { n };
+        // Every buffer is allocated here, before the stages start. Growing the pinned pools
+        // while the stages run was tried: cuMemHostAlloc then stalls both GPUs' GEMMs (32768²
+        // fp32 on 2 GPUs went from 1.2 to 2.5 s, docs/measurements/2026-11-30-keepup-*.log).
         let staging_pools = (0..nlanes)
             .map(|_| {
-                Pool::new_partial(
+                Pool::new(
                     "staging",
                     backend,
                     l.staging_bufs,
                     l.staging_buf_bytes as usize,
-                    first(l.staging_bufs, 2),
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let out_pool = Pool::new_partial(
+        let out_pool = Pool::new(
             "output",
             backend,
             l.out_bufs * nlanes,
             l.out_buf_bytes as usize,
-            first(l.out_bufs * nlanes, nlanes),
         )?;
         Ok(Pipeline {
             step,
@@ -225,7 +219,6 @@ impl<'a> Pipeline<'a> {
             staging_pools,
             out_pool,
             lanes,
-            grow: lazy.then_some(backend),
             show_devices: backend.caps().memory == MemorySpace::Device,
             cfg,
             sink,
@@ -357,11 +350,6 @@ impl<'a> Pipeline<'a> {
             .chain(progress.cancel_flag().map(|f| &**f))
             .collect();
         let mut metrics = Vec::new();
-        let grow = self.grow;
-        let pools: Vec<Pool> = (self.staging_pools.iter())
-            .chain(std::iter::once(&self.out_pool))
-            .cloned()
-            .collect();
         let stages = self.wire(c, t0, &mut metrics);
         std::thread::scope(|s| {
             let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(0);
@@ -369,10 +357,6 @@ impl<'a> Pipeline<'a> {
                 .into_iter()
                 .map(|st| s.spawn(move || ctl.guard(|| st.run_boxed(ctl))))
                 .collect();
-            if let Some(alloc) = grow {
-                let (stop, pools) = (stop_rx.clone(), &pools);
-                s.spawn(move || grow_pools(alloc, pools, ctl, &stop, progress));
-            }
             if !flags.is_empty() {
                 // Cancel flags are polled, because whoever sets them (a signal handler, Python)
                 // may not be able to do more than store a bool.
@@ -502,40 +486,6 @@ impl<'a> Pipeline<'a> {
         };
         stages.extend(out.stages(c, metrics));
         stages
-    }
-}
-
-/// Allocate the buffers the pools were built without, one per pool in turn, until every pool is
-/// complete, the stages have finished (`stop` disconnects) or the run is cancelled. A failed
-/// allocation is not an error of the run: the pools work with the buffers they have, more
-/// slowly, and a note says so.
-fn grow_pools(
-    alloc: &dyn Backend,
-    pools: &[Pool],
-    ctl: &Control,
-    stop: &crossbeam_channel::Receiver<()>,
-    progress: &Progress,
-) {
-    loop {
-        let mut grew = false;
-        for p in pools {
-            if ctl.is_cancelled() || stop.try_recv() == Err(TryRecvError::Disconnected) {
-                return;
-            }
-            match p.grow_one(alloc) {
-                Ok(g) => grew |= g,
-                Err(e) => {
-                    progress.note(&format!(
-                        "could not allocate every host buffer of the {} pool ({e}); going on with fewer, which is slower: lower engine.host_memory to make them fit",
-                        p.name()
-                    ));
-                    return;
-                }
-            }
-        }
-        if !grew {
-            return;
-        }
     }
 }
 

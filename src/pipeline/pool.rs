@@ -1,9 +1,5 @@
 //! A fixed pool of host buffers, allocated once from the plan's byte budget.
 //!
-//! Where allocating is slow (pinned memory: ~2 GiB/s on the H200 host), a pool may start with
-//! a few buffers and be grown to its full count while the pipeline already runs
-//! ([`Pool::new_partial`], [`Pool::grow_one`]), so the first GEMM does not wait for all of them.
-//!
 //! Stages lease a buffer (blocking when none is free — that is the backpressure) and the buffer
 //! goes back to the pool when the lease is dropped, wherever that happens. The pool counts how
 //! many buffers were ever out at once, so tests can assert that staged memory never exceeded
@@ -24,8 +20,6 @@ struct Inner {
     free_rx: Receiver<HostBuf>,
     buf_bytes: usize,
     count: usize,
-    /// Buffers allocated so far (`count` once grown).
-    made: AtomicUsize,
     out: AtomicUsize,
     high_water: AtomicUsize,
 }
@@ -39,14 +33,11 @@ pub(crate) struct Lease {
 }
 
 impl Pool {
-    /// A pool of `count` buffers of which only `now` are allocated here; [`Pool::grow_one`]
-    /// adds the others.
-    pub(crate) fn new_partial(
+    pub(crate) fn new(
         name: &'static str,
         alloc: &dyn HostAlloc,
         count: usize,
         buf_bytes: usize,
-        now: usize,
     ) -> Result<Pool> {
         let (free_tx, free_rx) = crossbeam_channel::bounded(count);
         let pool = Pool(Arc::new(Inner {
@@ -55,28 +46,17 @@ impl Pool {
             free_rx,
             buf_bytes,
             count,
-            made: AtomicUsize::new(0),
             out: AtomicUsize::new(0),
             high_water: AtomicUsize::new(0),
         }));
-        for _ in 0..now.clamp(1, count.max(1)) {
-            pool.grow_one(alloc)?;
+        for _ in 0..count {
+            let b = alloc.alloc_host(buf_bytes)?;
+            pool.0
+                .free_tx
+                .send(b)
+                .expect("pool channel has room for every buffer");
         }
         Ok(pool)
-    }
-
-    /// Allocate one more buffer if the pool is not complete; `Ok(false)` when it is.
-    pub(crate) fn grow_one(&self, alloc: &dyn HostAlloc) -> Result<bool> {
-        if self.0.made.load(Ordering::SeqCst) >= self.0.count {
-            return Ok(false);
-        }
-        let b = alloc.alloc_host(self.0.buf_bytes)?;
-        self.0.made.fetch_add(1, Ordering::SeqCst);
-        self.0
-            .free_tx
-            .send(b)
-            .expect("pool channel has room for every buffer");
-        Ok(true)
     }
 
     fn wrap(&self, b: HostBuf) -> Lease {
