@@ -71,6 +71,8 @@ pub struct StepSources {
 pub(crate) struct RunConfig {
     pub(crate) verify_inputs: bool,
     pub(crate) durable: bool,
+    /// Worker threads of the run (`engine.threads` resolved: 0 means every core).
+    pub(crate) threads: usize,
     /// A flag set from outside (Ctrl-C) that cancels the run; `None`: only errors cancel.
     pub(crate) cancel: Option<&'static std::sync::atomic::AtomicBool>,
 }
@@ -80,6 +82,7 @@ impl RunConfig {
         RunConfig {
             verify_inputs: e.verify_inputs,
             durable: e.durable,
+            threads: crate::backend::resolve_threads(e.threads),
             cancel: None,
         }
     }
@@ -482,6 +485,7 @@ impl<'a> Pipeline<'a> {
             sink,
             ckpt,
             durable: cfg.durable,
+            threads: cfg.threads,
             k: step.k,
         };
         stages.extend(out.stages(c, metrics));
@@ -515,6 +519,7 @@ struct OutputWiring<'p> {
     sink: &'p dyn TileSink,
     ckpt: Option<&'p checkpoint::Checkpoints>,
     durable: bool,
+    threads: usize,
     k: u64,
 }
 
@@ -533,15 +538,16 @@ impl<'p> OutputWiring<'p> {
             sink,
             ckpt,
             durable,
+            threads,
             k,
         } = self;
         let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
         // Populating output pages is kernel work that one thread does at ~3.5 GB/s. In a
         // preallocated file (the writers fallocate) it scales with threads: 3.5, 8.7, 12.7 and
         // 14.5 GB/s with 1, 2, 4 and 8 on the 32-core H200 host (tools/gpu/page_probe.py,
-        // docs/measurements), while an n = 32768 output is 4.3 GB. A quarter of the cores, 2 to 8.
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        let outprep_threads = (cores / 4).clamp(2, 8).max(nlanes.min(8));
+        // docs/measurements), while an n = 32768 output is 4.3 GB. A quarter of the worker
+        // threads (engine.threads), 2 to 8.
+        let outprep_threads = (threads / 4).clamp(2, 8).max(nlanes.min(8));
         for i in 0..outprep_threads {
             let m = StageMetrics::new(StageKind::OutPrep, i, outprep_threads);
             metrics.push(m.clone());
