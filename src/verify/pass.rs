@@ -697,11 +697,45 @@ fn dense_t<T: Elem, S: Signed>(op: &Op, z: &Sums) -> Result<Sums> {
 
 /// `dst (a.nrows() × w) += a · Z[k0..k0 + a.ncols()]` for a K × w row-major `z`, over the
 /// whole pool.
+///
+/// A band of op(A) = A is short (a few hundred rows) and very wide (all of K), and Z is narrow
+/// (w ≤ 128): faer's own parallel split of that shape kept 32 cores at ~90 GFLOP/s (the GPU
+/// host, n = 32768, docs/measurements/2026-11-30-keepup-4-final.log). So such a band is cut
+/// along K instead: each task multiplies one K range on one core into its own partial result,
+/// and the partials are added in order (the same sum whatever the scheduling).
 fn gemm(dst: &mut [f64], a: MatRef<f64>, z: &[f64], w: usize, k0: usize) {
     let rhs = MatRef::from_row_major_slice(z, z.len() / w, w).subrows(k0, a.ncols());
-    let dst = MatMut::from_row_major_slice_mut(dst, a.nrows(), w);
-    let par = Par::rayon(rayon::current_num_threads().max(1));
-    matmul(dst, Accum::Add, a, rhs, 1.0, par);
+    let (m, kk) = (a.nrows(), a.ncols());
+    let threads = rayon::current_num_threads().max(1);
+    if threads == 1 || m >= 64 * threads || kk < 1024 {
+        let dst = MatMut::from_row_major_slice_mut(dst, m, w);
+        matmul(dst, Accum::Add, a, rhs, 1.0, Par::rayon(threads));
+        return;
+    }
+    gemm_ksplit(dst, a, rhs, threads);
+}
+
+/// `dst += a · rhs` in K ranges of one task each (see [`gemm`]), for `threads` threads.
+fn gemm_ksplit(dst: &mut [f64], a: MatRef<f64>, rhs: MatRef<f64>, threads: usize) {
+    let (m, kk, w) = (a.nrows(), a.ncols(), rhs.ncols());
+    let chunk = kk.div_ceil(2 * threads).max(256);
+    let starts: Vec<usize> = (0..kk).step_by(chunk).collect();
+    let partials: Vec<Vec<f64>> = starts
+        .par_iter()
+        .map(|&c0| {
+            let len = chunk.min(kk - c0);
+            let mut part = vec![0.0; m * w];
+            let out = MatMut::from_row_major_slice_mut(&mut part, m, w);
+            let (lhs, r) = (a.subcols(c0, len), rhs.subrows(c0, len));
+            matmul(out, Accum::Replace, lhs, r, 1.0, Par::Seq);
+            part
+        })
+        .collect();
+    for part in &partials {
+        dst.par_chunks_mut(1 << 14)
+            .zip(part.par_chunks(1 << 14))
+            .for_each(|(d, p)| d.iter_mut().zip(p).for_each(|(d, p)| *d += p));
+    }
 }
 
 /// How the widened band (row-major `rows × cols`) is seen as a piece of op(A): as it is, or
@@ -770,12 +804,155 @@ fn widen_band<T: Elem>(
     }
 }
 
-/// Add |a|·Z_abs and (a∘a)·Z_sq; `a` is overwritten.
+/// Add |a|·Z_abs and (a∘a)·Z_sq; `a` may be overwritten.
 fn tolerance(a: &mut [f64], lay: Layout, z: &Rhs, k0: usize, sq: &mut [f64], abs: &mut [f64]) {
+    let threads = rayon::current_num_threads().max(1);
+    if !lay.trans && threads > 1 && lay.rows < 64 * threads && lay.cols >= 1024 {
+        return tolerance_ksplit(a, lay, z, k0, sq, abs, threads);
+    }
     a.par_chunks_mut(1 << 16)
         .for_each(|c| c.iter_mut().for_each(|v| *v = v.abs()));
     gemm(abs, lay.of(a), z.abs, z.g, k0);
     a.par_chunks_mut(1 << 16)
         .for_each(|c| c.iter_mut().for_each(|v| *v *= *v));
     gemm(sq, lay.of(a), z.sq, z.g, k0);
+}
+
+/// [`tolerance`] for a short, wide band of op(A) = A, cut along K like [`gemm`]: each task
+/// takes |a| and a∘a of its K range into a buffer of its own (cache-sized, instead of two more
+/// passes over the whole band) and multiplies them on one core; partials are added in order.
+fn tolerance_ksplit(
+    a: &[f64],
+    lay: Layout,
+    z: &Rhs,
+    k0: usize,
+    sq: &mut [f64],
+    abs: &mut [f64],
+    threads: usize,
+) {
+    let (m, kk, g) = (lay.rows, lay.cols, z.g);
+    let chunk = kk.div_ceil(2 * threads).max(256);
+    let starts: Vec<usize> = (0..kk).step_by(chunk).collect();
+    fn rhs(v: &[f64], g: usize, k: usize, len: usize) -> MatRef<'_, f64> {
+        MatRef::from_row_major_slice(v, v.len() / g, g).subrows(k, len)
+    }
+    let parts: Vec<(Vec<f64>, Vec<f64>)> = starts
+        .par_iter()
+        .map(|&c0| {
+            let len = chunk.min(kk - c0);
+            let mut loc = vec![0.0; m * len];
+            for (i, d) in loc.chunks_mut(len).enumerate() {
+                let src = &a[i * kk + c0..i * kk + c0 + len];
+                d.iter_mut().zip(src).for_each(|(d, s)| *d = s.abs());
+            }
+            let (mut pa, mut ps) = (vec![0.0; m * g], vec![0.0; m * g]);
+            let lhs = MatRef::from_row_major_slice(&loc, m, len);
+            let out = MatMut::from_row_major_slice_mut(&mut pa, m, g);
+            matmul(
+                out,
+                Accum::Replace,
+                lhs,
+                rhs(z.abs, g, k0 + c0, len),
+                1.0,
+                Par::Seq,
+            );
+            loc.iter_mut().for_each(|v| *v *= *v);
+            let lhs = MatRef::from_row_major_slice(&loc, m, len);
+            let out = MatMut::from_row_major_slice_mut(&mut ps, m, g);
+            matmul(
+                out,
+                Accum::Replace,
+                lhs,
+                rhs(z.sq, g, k0 + c0, len),
+                1.0,
+                Par::Seq,
+            );
+            (pa, ps)
+        })
+        .collect();
+    for (pa, ps) in &parts {
+        abs.iter_mut().zip(pa).for_each(|(d, p)| *d += p);
+        sq.iter_mut().zip(ps).for_each(|(d, p)| *d += p);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize, seed: u64) -> Vec<f64> {
+        let mut g = crate::store::gen::Rng::new(seed, 0);
+        (0..n)
+            .map(|_| (g.next_u64() >> 11) as f64 / (1u64 << 53) as f64 - 0.5)
+            .collect()
+    }
+
+    fn close(a: &[f64], b: &[f64]) {
+        for (x, y) in a.iter().zip(b) {
+            assert!((x - y).abs() <= 1e-12 * (1.0 + y.abs()), "{x} vs {y}");
+        }
+    }
+
+    /// The K-split products (used for short, wide bands on many cores) equal one plain product.
+    #[test]
+    fn ksplit_products_match_one_product() {
+        let (m, kk, w, g, k0) = (20, 3000, 12, 5, 7);
+        let a = data(m * kk, 1);
+        let z = data((kk + k0) * w, 2);
+        let zs = data((kk + k0) * g, 3);
+        let za = data((kk + k0) * g, 4);
+        let lhs = MatRef::from_row_major_slice(&a, m, kk);
+        let rhs = MatRef::from_row_major_slice(&z, kk + k0, w).subrows(k0, kk);
+        let mut want = vec![1.0; m * w];
+        let out = MatMut::from_row_major_slice_mut(&mut want, m, w);
+        matmul(out, Accum::Add, lhs, rhs, 1.0, Par::Seq);
+        let mut got = vec![1.0; m * w];
+        gemm_ksplit(&mut got, lhs, rhs, 8);
+        close(&got, &want);
+
+        let rhs_t = Rhs {
+            rg: w,
+            g,
+            signed: Vec::new(),
+            dd: &[],
+            sq: &zs,
+            abs: &za,
+        };
+        let lay = Layout {
+            rows: m,
+            cols: kk,
+            trans: false,
+        };
+        let (mut sq, mut abs) = (vec![0.5; m * g], vec![0.25; m * g]);
+        tolerance_ksplit(&a, lay, &rhs_t, k0, &mut sq, &mut abs, 8);
+        let (mut sq2, mut abs2) = (vec![0.5; m * g], vec![0.25; m * g]);
+        let mut a2 = a.clone();
+        a2.iter_mut().for_each(|v| *v = v.abs());
+        fn zr(v: &[f64], rows: usize, g: usize, k0: usize) -> MatRef<'_, f64> {
+            MatRef::from_row_major_slice(v, rows, g).subrows(k0, rows - k0)
+        }
+        let lhs2 = MatRef::from_row_major_slice(&a2, m, kk);
+        let out = MatMut::from_row_major_slice_mut(&mut abs2, m, g);
+        matmul(
+            out,
+            Accum::Add,
+            lhs2,
+            zr(&za, kk + k0, g, k0),
+            1.0,
+            Par::Seq,
+        );
+        a2.iter_mut().for_each(|v| *v *= *v);
+        let lhs2 = MatRef::from_row_major_slice(&a2, m, kk);
+        let out = MatMut::from_row_major_slice_mut(&mut sq2, m, g);
+        matmul(
+            out,
+            Accum::Add,
+            lhs2,
+            zr(&zs, kk + k0, g, k0),
+            1.0,
+            Par::Seq,
+        );
+        close(&abs, &abs2);
+        close(&sq, &sq2);
+    }
 }
