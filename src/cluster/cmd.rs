@@ -20,7 +20,7 @@ pub(crate) struct ShardArgs {
     #[arg(long, value_name = "K/S")]
     pub(crate) shard: Option<String>,
     /// Cut each step into S shards; this process is one of the launcher's ranks (SLURM,
-    /// Open MPI, PMI, or JOB_COMPLETION_INDEX, which needs it). Default: 4 per process.
+    /// Open MPI, PMI, or JOB_COMPLETION_INDEX, which needs it). Default: 1 per process when op(B) fits in half a GPU's tile cache, else 4 (docs/CLUSTER.md).
     #[arg(long, value_name = "S")]
     pub(crate) shards: Option<u32>,
     /// Ignore the launcher's variables: run the whole plan in this process.
@@ -86,7 +86,7 @@ pub(crate) struct ModelArgs {
     /// Compute tile edge.
     #[arg(long, default_value_t = 8192)]
     pub(crate) tile: u64,
-    /// Shards per step (default 4 per process).
+    /// Shards per step (default as `run` chooses: 1 or 4 per process).
     #[arg(long = "model-shards", value_name = "S")]
     pub(crate) shards: Option<u32>,
 }

@@ -94,7 +94,6 @@ pub(crate) fn detect(
                     "{source}: rank {rank} of {size} processes is impossible; check the launcher's variables or pass --shard K/S"
                 )));
             }
-            let shards = shards.unwrap_or(4 * size);
             Ok(Some(ShardSpec::Rank {
                 rank,
                 size,
@@ -105,7 +104,7 @@ pub(crate) fn detect(
         None => Ok(shards.map(|s| ShardSpec::Rank {
             rank: 0,
             size: 1,
-            shards: s,
+            shards: Some(s),
             source: "--shards",
         })),
     }
@@ -159,7 +158,7 @@ mod tests {
         match spec {
             Some(ShardSpec::Rank {
                 rank, size, shards, ..
-            }) => (rank, size, shards),
+            }) => (rank, size, shards.unwrap_or(0)),
             other => panic!("expected a rank, got {other:?}"),
         }
     }
@@ -167,7 +166,11 @@ mod tests {
     #[test]
     fn each_launcher_is_recognised() {
         let slurm = with(&[("SLURM_PROCID", "2"), ("SLURM_NTASKS", "4")]);
-        assert_eq!(rank(detect(None, None, &slurm).unwrap()), (2, 4, 16));
+        assert_eq!(
+            rank(detect(None, None, &slurm).unwrap()),
+            (2, 4, 0),
+            "0: chosen per step"
+        );
         let array = with(&[
             ("SLURM_PROCID", "0"),
             ("SLURM_NTASKS", "1"),
@@ -179,7 +182,7 @@ mod tests {
         assert_eq!(rank(detect(None, Some(6), &k8s).unwrap()), (3, 6, 6));
         assert!(detect(None, None, &k8s).is_err(), "needs --shards");
         let ompi = with(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "3")]);
-        assert_eq!(rank(detect(None, None, &ompi).unwrap()), (1, 3, 12));
+        assert_eq!(rank(detect(None, None, &ompi).unwrap()), (1, 3, 0));
         let pmi = with(&[("PMI_RANK", "0"), ("PMI_SIZE", "2")]);
         assert_eq!(rank(detect(None, Some(5), &pmi).unwrap()), (0, 2, 5));
     }

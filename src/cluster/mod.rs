@@ -50,31 +50,36 @@ use crate::run::RunOptions;
 pub(crate) enum ShardSpec {
     /// `--shard K/S`: shard K of S and nothing else.
     One { k: u32, s: u32 },
-    /// Rank `rank` of `size` processes over `shards` shards: its own shards (rank, rank+size,
-    /// …) first, then any unclaimed one.
+    /// Rank `rank` of `size` processes over `shards` shards (`None`: chosen per step, see
+    /// [`ShardSpec::shards`]): its own shards (rank, rank+size, …) first, then any unclaimed one.
     Rank {
         rank: u32,
         size: u32,
-        shards: u32,
+        shards: Option<u32>,
         source: &'static str,
     },
 }
 
 impl ShardSpec {
-    pub(crate) fn shards(&self) -> u32 {
+    /// How many shards `step` is cut into: as asked, or by default `size` times the shards per
+    /// process that [`per_process`] finds cheap for this step.
+    pub(crate) fn shards(&self, step: &Step, layout: &Layout) -> u32 {
         match *self {
             ShardSpec::One { s, .. } => s,
-            ShardSpec::Rank { shards, .. } => shards,
+            ShardSpec::Rank {
+                shards: Some(s), ..
+            } => s,
+            ShardSpec::Rank {
+                size, shards: None, ..
+            } => size * per_process(step, layout),
         }
     }
 
-    /// The shards this process tries, in order.
-    pub(crate) fn order(&self) -> Vec<u32> {
+    /// The shards of `shards` this process tries, in order.
+    pub(crate) fn order(&self, shards: u32) -> Vec<u32> {
         match *self {
             ShardSpec::One { k, .. } => vec![k],
-            ShardSpec::Rank {
-                rank, size, shards, ..
-            } => {
+            ShardSpec::Rank { rank, size, .. } => {
                 let own = (rank..shards).step_by(size.max(1) as usize);
                 let start = (rank as u64 * shards as u64 / size.max(1) as u64) as u32;
                 let rest = (0..shards)
@@ -83,6 +88,23 @@ impl ShardSpec {
                 own.chain(rest).collect()
             }
         }
+    }
+}
+
+/// Shards per process when none are asked for. Shards are bands of output tile rows, and each
+/// band reads all of op(B). When op(B) fits in a lane's device memory, one process's tiles
+/// share one read of it, and every extra shard reads it again: two processes with one GPU each
+/// took 1.13× one process with two GPUs at 4 shards per process, and 0.91× at one (n = 32768,
+/// docs/measurements/2026-11-30-cluster-two-procs-4.log). So: 1. When op(B) does not fit, every
+/// band of tiles reads it again anyway, so smaller shards cost nothing extra and 4 per process
+/// let a fast node take more.
+pub(crate) fn per_process(step: &Step, layout: &Layout) -> u32 {
+    let b_bytes = step.k.saturating_mul(step.n) * layout.dev_dt.size() as u64;
+    let room = layout.slots as u64 * layout.slot_bytes;
+    if b_bytes <= room / 2 {
+        1
+    } else {
+        4
     }
 }
 
@@ -246,10 +268,10 @@ pub(crate) fn run_step_shards(
     }
     let manifest = prepare::ensure(step, layout, &fp, sh, progress)?;
     let dir = state_dir(&step.output);
-    let s = sh.spec.shards();
+    let s = sh.spec.shards(step, layout);
     let mut reports = Vec::new();
     let mut busy = Vec::new();
-    for k in sh.spec.order() {
+    for k in sh.spec.order(s) {
         if shard_file(&dir, k, s, "done").exists() {
             continue;
         }
@@ -316,10 +338,10 @@ mod tests {
         let spec = ShardSpec::Rank {
             rank: 1,
             size: 3,
-            shards: 8,
+            shards: Some(8),
             source: "test",
         };
-        let o = spec.order();
+        let o = spec.order(8);
         assert_eq!(&o[..3], &[1, 4, 7]);
         let mut all = o.clone();
         all.sort();

@@ -33,7 +33,7 @@ pub(crate) struct Machine {
     pub(crate) gpu_memory: u64,
     /// Square compute tile edge.
     pub(crate) tile: u64,
-    /// Shards per step (`None`: 4 per process).
+    /// Shards per step (`None`: as `run` chooses, 1 or 4 per process).
     pub(crate) shards: Option<u32>,
 }
 
@@ -83,11 +83,15 @@ fn predict_step(step: &Step, mc: &Machine, procs: u64) -> (String, f64) {
     let t = mc.tile;
     let (gm, gn, gk) = (step.m.div_ceil(t), step.n.div_ceil(t), step.k.div_ceil(t));
     let tiles = (gm * gn) as u32;
+    let ins = step.a.dtype.size() as u128;
+    // As `run` chooses (cluster::per_process): one shard per process when op(B) fits in half a
+    // GPU's tile cache, else four.
+    let b_fits = step.k as u128 * step.n as u128 * ins <= mc.gpu_memory as u128 / 2;
+    let per = if b_fits { 1 } else { 4 };
     let sh = mc
         .shards
-        .unwrap_or((4 * procs).min(u32::MAX as u64) as u32)
+        .unwrap_or((per * procs).min(u32::MAX as u64) as u32)
         .clamp(1, tiles.max(1));
-    let ins = step.a.dtype.size() as u128;
     let (mut read, biggest) = shard_reads(step, mc, sh);
     let c0 = step
         .c0
