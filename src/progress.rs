@@ -180,6 +180,11 @@ pub fn fit(s: &str) -> String {
 /// Continuation lines are indented four columns past the line's own indent. A word longer
 /// than a line (a long path) is left whole.
 pub fn wrap(s: &str) -> String {
+    wrap_to(s, WIDTH)
+}
+
+/// [`wrap`] to `max` columns.
+fn wrap_to(s: &str, max: usize) -> String {
     let mut out = String::new();
     for (n, line) in s.split('\n').enumerate() {
         if n > 0 {
@@ -191,14 +196,15 @@ pub fn wrap(s: &str) -> String {
         let mut first = true;
         loop {
             let width = if first { 0 } else { cont.len() };
-            if width + rest.len() <= WIDTH {
+            if width + rest.len() <= max {
                 if !first {
                     out += &cont;
                 }
                 out.extend(&rest);
                 break;
             }
-            let Some((cut, skip)) = break_at(&rest, WIDTH - width, lead + 1) else {
+            let room = max.saturating_sub(width).max(1);
+            let Some((cut, skip)) = break_at(&rest, room, lead + 1) else {
                 if !first {
                     out += &cont;
                 }
@@ -478,6 +484,10 @@ impl Progress {
 
     /// Print a diagnostic line on stderr (above the bars when they are shown; with a
     /// timestamp in a log).
+    ///
+    /// Wrapped to 80 columns for people (bars, log lines: a log line's continuation is
+    /// indented under it); a listener (the Python package's `logging`) gets the message as it
+    /// is, one record per note.
     pub fn note(&self, msg: &str) {
         match &self.mode {
             Mode::Log { .. } => {
@@ -486,6 +496,7 @@ impl Progress {
                     self.emit(&wrap(&format!("{ts} {l}")));
                 }
             }
+            Mode::Listener { .. } => self.emit(msg),
             _ => self.emit(&wrap(msg)),
         }
     }
