@@ -74,6 +74,9 @@ pub(crate) struct Checkpoints {
     resume: BTreeMap<u32, u32>,
     /// Tiles whose file may exist (saved or resumed in this run), to remove once recorded.
     present: Mutex<BTreeSet<u32>>,
+    /// Why saving a checkpoint failed (disk full, read-only directory): no more are taken in
+    /// this run, which goes on; the caller says so once at the end of the step.
+    failed: Mutex<Option<String>>,
 }
 
 impl Checkpoints {
@@ -96,6 +99,7 @@ impl Checkpoints {
             k,
             resume: BTreeMap::new(),
             present: Mutex::new(BTreeSet::new()),
+            failed: Mutex::new(None),
         }
     }
 
@@ -108,9 +112,26 @@ impl Checkpoints {
         self.gk
     }
 
+    /// Saving failed with `e`: take no more checkpoints in this run (the tiles are still
+    /// computed and written; only what a kill would lose grows back to whole tiles).
+    pub(crate) fn give_up(&self, e: &Error) {
+        let mut f = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        f.get_or_insert_with(|| e.to_string());
+    }
+
+    /// Why checkpoints were given up in this run, once.
+    pub(crate) fn take_failure(&self) -> Option<String> {
+        self.failed.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
     /// Whether a tile last saved (or started) at `mark` is due for a checkpoint.
     pub(crate) fn due(&self, mark: Instant) -> bool {
         self.every.is_some_and(|e| mark.elapsed() >= e)
+            && self
+                .failed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none()
     }
 
     /// Tiles this run resumes from a checkpoint: seq → k-chunks already done.
@@ -346,10 +367,12 @@ fn parse_name(name: &str) -> Option<(u32, bool)> {
     }
 }
 
+/// Remove a checkpoint file; a directory of that name is not ours and stays.
 fn remove(path: &Path) -> Result<()> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::IsADirectory || path.is_dir() => Ok(()),
         Err(e) => Err(Error::io(path, "cannot remove a checkpoint", e)),
     }
 }

@@ -689,7 +689,11 @@ impl Writeback<'_> {
             let data = &d.buf.buf().bytes()[..bytes];
             if let Some(k_done) = d.partial {
                 let c = self.ckpt.expect("only a run with checkpoints takes them");
-                c.save(&d.tile, k_done, data)?;
+                // A checkpoint that cannot be saved (disk full, read-only directory) only
+                // means a kill would lose more: the run goes on without further checkpoints.
+                if let Err(e) = c.save(&d.tile, k_done, data) {
+                    c.give_up(&e);
+                }
                 drop(d.buf);
                 self.m.add_busy(t.elapsed());
                 continue;

@@ -441,7 +441,13 @@ pub(crate) fn run_step(
         .with_checkpoints(&ckpt);
         let build_s = tb.elapsed().as_secs_f64();
         let trun = Instant::now();
-        match pipe.run() {
+        let result = pipe.run();
+        if let Some(why) = ckpt.take_failure() {
+            progress.note(&format!(
+                "step {n}: checkpoints of long tiles were turned off for the rest of this run: {why}; free space there, or set engine.checkpoint_every = \"off\""
+            ));
+        }
+        match result {
             Ok(stats) => {
                 let drop_s = (trun.elapsed().as_secs_f64() - stats.wall_s).max(0.0);
                 journal.complete()?;
