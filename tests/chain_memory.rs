@@ -350,3 +350,64 @@ fn plan_split_runs_and_verify_name_where_intermediates_go() {
         "{out}"
     );
 }
+
+/// ((A·B)·C)·D with T1 = A·B (352 KiB) in memory and T2 = T1·C (703 KiB, which does not fit
+/// beside T1 in a 512 KiB budget) in a file. The last part fails after T2 completed: the rerun
+/// resumes it from T2's file without computing T1 again, to the bytes of an uninterrupted run.
+#[test]
+fn a_memory_intermediate_whose_reader_is_complete_is_not_recomputed() {
+    let d = tmp();
+    let dir = d.path();
+    let shapes = [
+        ("A", 300, 300),
+        ("B", 300, 300),
+        ("C", 300, 600),
+        ("D", 600, 900),
+    ];
+    let mut mats = String::new();
+    for (i, (name, r, c)) in shapes.into_iter().enumerate() {
+        let p = dir.join(format!("{name}.mgt"));
+        gen(&p, r, c, DType::F32, (64, 64), Dist::Uniform, i as u64 + 1);
+        mats += &format!("[matrices.{name}]\npath = \"{name}.mgt\"\n");
+    }
+    let eng = engine("cpu", "1MiB");
+    for (name, out) in [("p.toml", "E.mgt"), ("ref.toml", "E_ref.mgt")] {
+        std::fs::write(
+            dir.join(name),
+            format!("{mats}[[step]]\noutput = \"{out}\"\nexpr = \"A @ B @ C @ D\"\n{eng}"),
+        )
+        .unwrap();
+    }
+    let p = Plan::load(&dir.join("p.toml")).unwrap();
+    let c = p.steps[2].chain.clone().unwrap();
+    assert_eq!(c.order, "(((A @ B) @ C) @ D)");
+    assert_eq!(c.memory, [dir.join("E.mgt.part1.mgt")]);
+    assert_eq!(c.temps.len(), 2);
+    run_file(dir, "ref.toml", None).0.unwrap();
+
+    // T2 has 10×13 tiles of 32×48, the last part 10×19: it fails after 150 tiles.
+    let disk_full = FaultConfig {
+        write_after: Some(150),
+        ..Default::default()
+    };
+    let (r, notes) = run_file(dir, "p.toml", Some(disk_full));
+    let err = r.unwrap_err().to_string();
+    assert!(!err.contains("part2"), "T2 should have completed: {err}");
+    assert!(notes.contains("stays in host memory"), "{notes}");
+    assert!(dir.join("E.mgt.part2.mgt").exists());
+    let (r, notes) = run_file(dir, "p.toml", None);
+    r.unwrap();
+    assert!(
+        !notes.contains("stays in host memory"),
+        "T1 recomputed: {notes}"
+    );
+    assert!(
+        notes.contains("already complete") && notes.contains("resuming"),
+        "{notes}"
+    );
+    assert!(
+        bytes(dir, "E.mgt") == bytes(dir, "E_ref.mgt"),
+        "resumed chain differs"
+    );
+    assert_eq!(part_files(dir), Vec::<String>::new());
+}
