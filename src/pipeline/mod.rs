@@ -1,6 +1,6 @@
 //! The streaming pipeline that runs one step of a plan, identical for every backend.
 //!
-//! A [`Pipeline`] is a value: [`Pipeline::build`] takes the step, its layout, the backend's lanes
+//! A [`Pipeline`] is a value: [`Pipeline::build_with`] takes the step, its layout, the backend's lanes
 //! and the work left (all tiles, or what a resume left), allocates every pool from the layout,
 //! and [`Pipeline::run`] starts the stages of [`stages`] in one `std::thread::scope` — per lane a
 //! planner, a prefetch, a staging and a device-lane thread; shared outprep and writeback — waits,
@@ -149,29 +149,8 @@ struct Counters {
 }
 
 impl<'a> Pipeline<'a> {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn build(
-        step: &'a Step,
-        layout: &'a Layout,
-        backend: &dyn Backend,
-        lanes: Vec<Box<dyn Lane>>,
-        work: Work,
-        cfg: RunConfig,
-        sink: &'a dyn TileSink,
-        progress: &'a Progress,
-    ) -> Result<Pipeline<'a>> {
-        let sources = StepSources {
-            a: step.a.open()?,
-            b: step.b.open()?,
-            c0: step.c0.as_ref().map(|c| c.open()).transpose()?,
-        };
-        Self::build_with(
-            step, layout, backend, lanes, work, cfg, sink, progress, sources,
-        )
-    }
-
-    /// [`Pipeline::build`] reading the step's operands from `sources` (opened by the caller,
-    /// e.g. arrays in memory) instead of opening `step.a.path` and `step.b.path`.
+    /// Build the pipeline of `step`, reading its operands from `sources`, opened by the caller
+    /// (files, arrays in memory, a chain's intermediates held in memory).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn build_with(
         step: &'a Step,

@@ -1,13 +1,14 @@
 //! Whole expressions in one step: a product of several operands (`A @ B @ C`, `(A @ B @ C).T`)
-//! ordered by cost and cut into two-operand sub-products, each an ordinary step with its own
-//! journal, whose intermediates are temporary files next to the output.
+//! ordered by cost and cut into two-operand sub-products, each an ordinary step. An intermediate
+//! that fits in the chain's memory budget ([`memory_budget`]: half of `engine.host_memory`) is
+//! held in host memory and never touches the disk; a bigger one is a temporary file next to the
+//! output (`OUTPUT.partN.mgt`, with its own journal), removed when the chain completes. Split
+//! runs write every intermediate to its file, since other processes read it.
 //!
 //! The order comes from the classic matrix-chain dynamic program over the operands' shapes, with
-//! an I/O-aware cost: the FLOPs of each product, plus — for an intermediate larger than the host
+//! an I/O-aware cost: the FLOPs of each product, plus — for an intermediate larger than the
 //! memory budget, which must really go through the disk — the bytes written and read back,
-//! weighted at [`IO_WEIGHT`] FLOPs per byte. An intermediate that fits in memory is still written
-//! to a temporary file (the page cache usually keeps it; holding it in device or host memory
-//! without a file is not implemented). A transposed result needs no second pass: `.T` was pushed
+//! weighted at [`IO_WEIGHT`] FLOPs per byte. A transposed result needs no second pass: `.T` was pushed
 //! onto the operands when the expression was normalised (`(XY)ᵀ = YᵀXᵀ`), and an intermediate
 //! whose operands are both transposed is computed untransposed and read with `.T`, so
 //! `(A @ B @ C).T` computes `A @ B` exactly as the two-step plan does.
@@ -15,6 +16,15 @@
 use std::path::{Path, PathBuf};
 
 use super::Operand;
+use crate::plan::size::fmt_bytes;
+
+/// Bytes of host memory a chain may hold its intermediates in: half of `engine.host_memory`.
+/// The intermediates alive at the same time (the one being written and those still to be read)
+/// must fit together; they are held beside the pipeline's own pools, which `host_memory` bounds
+/// on its own, so a chain's process holds at most 1.5 × `host_memory`.
+pub(crate) fn memory_budget(host_memory: u64) -> u64 {
+    host_memory / 2
+}
 
 /// FLOPs one byte through the disk is worth: between the CPU backend (~300 GFLOP/s against a
 /// 1.6 GB/s disk: 190) and an H200 (54 TFLOP/s: 34 000), on the GPU side since that is where
@@ -31,6 +41,9 @@ pub struct ChainPart {
     pub root_output: PathBuf,
     /// Every intermediate file of the chain (removed after the last part completes).
     pub temps: Vec<PathBuf>,
+    /// The intermediates (by their file's path) that an unsplit run holds in host memory
+    /// instead; a split run writes them to their files like the others.
+    pub memory: Vec<PathBuf>,
     /// The chain's inputs, whose identities go into every part's journal fingerprint.
     pub leaves: Vec<Operand>,
     /// This sub-product as text (`T1 = B @ C`) and its cost.
@@ -46,12 +59,12 @@ pub struct ChainPart {
 impl ChainPart {
     /// What `plan` prints for this part: on the first part, the chosen order and its cost beside
     /// the naive left-to-right order's; on every part, its sub-product and cost, and where an
-    /// intermediate goes.
-    pub(crate) fn describe(&self, out_bytes: u64) -> String {
+    /// intermediate goes: `output` held in memory (`mem_bytes`) or in its file (`file_bytes`).
+    pub(crate) fn describe(&self, output: &Path, mem_bytes: u64, file_bytes: u64) -> String {
         let mut s = String::new();
         if self.part == 1 {
             s += &format!(
-                "  chain: {} sub-products in the order {} — cost {:.3e} (FLOPs + {IO_WEIGHT:.0e}·bytes of intermediates bigger than host_memory); naive left to right {}: {:.3e} ({:.2}×)\n",
+                "  chain: {} sub-products in the order {} — cost {:.3e} (FLOPs + {IO_WEIGHT:.0e}·bytes of intermediates bigger than half of host_memory); naive left to right {}: {:.3e} ({:.2}×)\n",
                 self.parts,
                 self.order,
                 self.order_cost,
@@ -60,20 +73,24 @@ impl ChainPart {
                 self.naive_cost / self.order_cost.max(1.0)
             );
         }
+        let place = if self.part == self.parts {
+            String::new()
+        } else if self.memory.iter().any(|p| p == output) {
+            format!(
+                "; intermediate {} stays in host memory (within half of host_memory; a split run writes it to the temporary file {})",
+                fmt_bytes(mem_bytes),
+                output.display()
+            )
+        } else {
+            format!(
+                "; intermediate {} in the temporary file {}, removed when the chain completes",
+                fmt_bytes(file_bytes),
+                output.display()
+            )
+        };
         s += &format!(
-            "  part {}/{}: {} — cost {:.3e}{}\n",
-            self.part,
-            self.parts,
-            self.text,
-            self.cost,
-            if self.part < self.parts {
-                format!(
-                    "; intermediate {} bytes in a temporary file, removed when the chain completes",
-                    out_bytes
-                )
-            } else {
-                String::new()
-            }
+            "  part {}/{}: {} — cost {:.3e}{place}\n",
+            self.part, self.parts, self.text, self.cost,
         );
         s
     }
@@ -181,6 +198,8 @@ pub(crate) struct SubProduct {
     /// Where it is written: a temporary file, or the step's output for the last one.
     pub(crate) output: PathBuf,
     pub(crate) temp: bool,
+    /// An intermediate held in host memory (in an unsplit run), set by [`place_in_memory`].
+    pub(crate) memory: bool,
     pub(crate) text: String,
     pub(crate) cost: f64,
 }
@@ -228,6 +247,7 @@ fn emit(
             b,
             output: output.to_path_buf(),
             temp: false,
+            memory: false,
             text,
             cost,
         });
@@ -265,6 +285,7 @@ fn emit(
         b: sb,
         output: path.clone(),
         temp: true,
+        memory: false,
         text,
         cost,
     });
@@ -277,6 +298,25 @@ fn emit(
         trans,
         raw: None,
         temp: true,
+    }
+}
+
+/// Choose which intermediates of `subs` (in execution order) an unsplit run holds in memory:
+/// each in turn, while it fits in `budget` bytes together with the in-memory intermediates still
+/// alive when it is written (those not yet read by a later sub-product, its own operands
+/// included). An intermediate stores `elem`-byte elements.
+pub(crate) fn place_in_memory(subs: &mut [SubProduct], budget: u64, elem: u64) {
+    let mut live: Vec<(PathBuf, u64)> = Vec::new();
+    for p in subs.iter_mut() {
+        if p.temp {
+            let bytes = p.a.op_shape().0 * p.b.op_shape().1 * elem;
+            let used: u64 = live.iter().map(|l| l.1).sum();
+            if used.saturating_add(bytes) <= budget {
+                live.push((p.output.clone(), bytes));
+                p.memory = true;
+            }
+        }
+        live.retain(|(path, _)| ![&p.a, &p.b].iter().any(|o| o.temp && &o.path == path));
     }
 }
 
@@ -317,5 +357,47 @@ mod tests {
         let names: Vec<String> = ["A", "B", "C"].map(String::from).to_vec();
         assert_eq!(best_order(&dims, u64::MAX, 4).show(&names), "((A @ B) @ C)");
         assert_eq!(best_order(&dims, 16, 4).show(&names), "(A @ (B @ C))");
+    }
+
+    #[test]
+    fn intermediates_alive_together_share_the_memory_budget() {
+        // ((A @ B) @ (C @ D)) over 10×10 operands: T1 and T2 (400 bytes each in f32) are both
+        // alive when the root is computed.
+        let op = |name: &str| Operand {
+            name: name.into(),
+            path: PathBuf::from(format!("{name}.mgt")),
+            rows: 10,
+            cols: 10,
+            dtype: crate::dtype::DType::F32,
+            trans: false,
+            raw: None,
+            temp: false,
+        };
+        let leaves: Vec<Operand> = ["A", "B", "C", "D"].iter().map(|n| op(n)).collect();
+        let tree = Tree::Node(
+            Box::new(Tree::Node(Box::new(Tree::Leaf(0)), Box::new(Tree::Leaf(1)))),
+            Box::new(Tree::Node(Box::new(Tree::Leaf(2)), Box::new(Tree::Leaf(3)))),
+        );
+        let placed = |budget| {
+            let mut subs = sub_products(&tree, &leaves, Path::new("D.npy"), budget, 4);
+            place_in_memory(&mut subs, budget, 4);
+            subs.iter().map(|s| s.memory).collect::<Vec<_>>()
+        };
+        assert_eq!(placed(800), [true, true, false]);
+        assert_eq!(placed(799), [true, false, false]);
+        assert_eq!(placed(399), [false, false, false]);
+        // Left to right: T1 is read (and freed) by the step that writes T2.
+        let mut subs = sub_products(&left_to_right(4), &leaves, Path::new("D.npy"), 800, 4);
+        place_in_memory(&mut subs, 800, 4);
+        assert_eq!(
+            subs.iter().map(|s| s.memory).collect::<Vec<_>>(),
+            [true, true, false]
+        );
+        let mut subs = sub_products(&left_to_right(4), &leaves, Path::new("D.npy"), 799, 4);
+        place_in_memory(&mut subs, 799, 4);
+        assert_eq!(
+            subs.iter().map(|s| s.memory).collect::<Vec<_>>(),
+            [true, false, false]
+        );
     }
 }

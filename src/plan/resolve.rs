@@ -430,24 +430,33 @@ fn step(cx: &Ctx, i: usize, s: &RawStep, avail: &Avail, mem: u64) -> Result<Vec<
     Ok(chain_steps(&leaves, &names, &output, mem, text, one))
 }
 
-/// The steps of a chain: the cheapest order, its sub-products as steps, each knowing the chain.
+/// The steps of a chain: the cheapest order, its sub-products as steps, each knowing the chain
+/// and which intermediates stay in memory (within [`chain::memory_budget`] of `host_memory`).
 fn chain_steps(
     leaves: &[Operand],
     names: &[String],
     output: &Path,
-    mem: u64,
+    host_memory: u64,
     text: &str,
     one: impl Fn(Operand, Operand, PathBuf, bool) -> Step,
 ) -> Vec<Step> {
+    let mem = chain::memory_budget(host_memory);
     let mut dims: Vec<u64> = leaves.iter().map(|o| o.op_shape().0).collect();
     dims.push(leaves[leaves.len() - 1].op_shape().1);
     let elem = leaves[0].dtype.compute().size() as u64;
     let best = chain::best_order(&dims, mem, elem);
     let naive = chain::left_to_right(leaves.len());
-    let subs = chain::sub_products(&best, leaves, output, mem, elem);
+    let mut subs = chain::sub_products(&best, leaves, output, mem, elem);
+    // Intermediates are stored as the steps' output dtype, f32 (`Step::out_dtype`).
+    chain::place_in_memory(&mut subs, mem, DType::F32.size() as u64);
     let temps: Vec<PathBuf> = subs
         .iter()
         .filter(|p| p.temp)
+        .map(|p| p.output.clone())
+        .collect();
+    let memory: Vec<PathBuf> = subs
+        .iter()
+        .filter(|p| p.memory)
         .map(|p| p.output.clone())
         .collect();
     let parts = subs.len();
@@ -461,6 +470,7 @@ fn chain_steps(
                 parts,
                 root_output: output.to_path_buf(),
                 temps: temps.clone(),
+                memory: memory.clone(),
                 leaves: leaves.to_vec(),
                 text: p.text,
                 cost: p.cost,
@@ -660,6 +670,8 @@ mod tests {
         assert_eq!((s2.m, s2.n, s2.k), (20, 20, 10));
         let c = s2.chain.as_ref().unwrap();
         assert_eq!((c.part, c.parts, c.temps.len()), (2, 2, 1));
+        // The 20×10 intermediate (800 bytes) fits in half of the default host_memory.
+        assert_eq!(c.memory, c.temps);
         assert!(c.naive_cost >= c.order_cost);
         // (A·B)ᵀ with both factors transposed: the intermediate is computed untransposed.
         let p = plan(&format!(

@@ -77,7 +77,9 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
     );
     if let Some(c) = &step.chain {
         let h = crate::pipeline::output_header(step, &l);
-        s += &c.describe(crate::store::output_file_len(&step.output, &h));
+        let mem_bytes = step.m * step.n * step.out_dtype.size() as u64;
+        let file_bytes = crate::store::output_file_len(&step.output, &h);
+        s += &c.describe(&step.output, mem_bytes, file_bytes);
     }
     s += &format!(
         "  shapes: op(A) {}×{}, op(B) {}×{}, C {}×{}{}  alpha {} beta {}\n",

@@ -5,9 +5,11 @@
 //! inputs, and then runs the steps in order. Each step is a short loop: load its
 //! [`ResumeState`], build a [`Pipeline`] for the work left, run it; when a device fails and the
 //! backend can go on without it ([`Backend::without`]), the loop goes round again — an ordinary
-//! resume with one device fewer, computing the same bytes.
+//! resume with one device fewer, computing the same bytes. The small intermediates of a
+//! whole-expression chain are held in memory instead ([`intermediates`]).
 
 mod describe;
+mod intermediates;
 mod resume;
 mod space;
 
@@ -142,19 +144,25 @@ fn chain_done(
     let Some(c) = step.chain.as_ref().filter(|c| c.part < c.parts) else {
         return Ok(false);
     };
+    step_complete(plan, layouts, i + c.parts - c.part, kind, opts)
+}
+
+/// Whether step `j`'s journal says it is complete for the same plan and inputs (never with
+/// `--restart`).
+fn step_complete(
+    plan: &Plan,
+    layouts: &[Layout],
+    j: usize,
+    kind: &str,
+    opts: &RunOptions,
+) -> Result<bool> {
     if opts.restart {
         return Ok(false);
     }
-    let root = i + c.parts - c.part;
-    let Some(peek) = crate::pipeline::journal::peek(&c.root_output)? else {
+    let Some(peek) = crate::pipeline::journal::peek(&plan.steps[j].output)? else {
         return Ok(false);
     };
-    let fp = fingerprint(
-        &plan.steps[root],
-        &layouts[root],
-        kind,
-        plan.engine.precision,
-    )?;
+    let fp = fingerprint(&plan.steps[j], &layouts[j], kind, plan.engine.precision)?;
     Ok(peek.complete && peek.fingerprint == fp)
 }
 
@@ -296,7 +304,7 @@ fn run_plan_timed(
         .iter()
         .map(|s| Layout::new(&plan.path, s, &plan.engine, backend.caps()))
         .collect::<Result<_>>()?;
-    space::check_space(plan, &layouts)?;
+    space::check_space(plan, &layouts, opts.shard.is_none())?;
     if let Some(n) = backend.note() {
         progress.note(&n);
     }
@@ -327,8 +335,11 @@ fn run_plan_timed(
         ("generate".to_string(), tg.elapsed().as_secs_f64()),
     ];
     let mut steps = Vec::new();
+    // The chain intermediates held in memory; dropped as soon as the step reading each is done.
+    let mut held = intermediates::Held::default();
     for (i, (step, layout)) in plan.steps.iter().zip(&layouts).enumerate() {
-        if chain_done(plan, &layouts, i, backend.caps().kind, opts)? {
+        let kind = backend.caps().kind;
+        if chain_done(plan, &layouts, i, kind, opts)? {
             continue;
         }
         let reps = match &opts.shard {
@@ -341,10 +352,27 @@ fn run_plan_timed(
                 sh,
                 progress,
             )?,
-            None => run_step(plan, step, layout, &mut backend, opts, progress, None)?
-                .into_iter()
-                .collect(),
+            None if intermediates::Held::in_memory(step, opts) => {
+                let complete = |j| step_complete(plan, &layouts, j, kind, opts);
+                if !intermediates::Held::needed(plan, opts, i, &complete)? {
+                    continue;
+                }
+                vec![held.compute(plan, step, layout, &mut backend, opts, progress)?]
+            }
+            None => run_step_with(
+                plan,
+                step,
+                layout,
+                &mut backend,
+                opts,
+                progress,
+                None,
+                &held,
+            )?
+            .into_iter()
+            .collect(),
         };
+        held.release(step);
         for rep in reps {
             progress.result(&report::format_summary(&rep));
             steps.push(rep);
@@ -381,6 +409,22 @@ pub(crate) fn run_step(
     opts: &RunOptions,
     progress: &Progress,
     shard: Option<&crate::cluster::ShardCtx>,
+) -> Result<Option<StepReport>> {
+    let none = intermediates::Held::default();
+    run_step_with(plan, step, layout, backend, opts, progress, shard, &none)
+}
+
+/// [`run_step`] reading the chain intermediates in `held` from memory.
+#[allow(clippy::too_many_arguments)]
+fn run_step_with(
+    plan: &Plan,
+    step: &Step,
+    layout: &Layout,
+    backend: &mut Box<dyn Backend>,
+    opts: &RunOptions,
+    progress: &Progress,
+    shard: Option<&crate::cluster::ShardCtx>,
+    held: &intermediates::Held,
 ) -> Result<Option<StepReport>> {
     let e = &plan.engine;
     if let Some(dir) = step.output.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -428,7 +472,7 @@ pub(crate) fn run_step(
             ..RunConfig::from_engine(e)
         };
         let tb = Instant::now();
-        let pipe = Pipeline::build(
+        let pipe = Pipeline::build_with(
             step,
             layout,
             backend.as_ref(),
@@ -437,6 +481,7 @@ pub(crate) fn run_step(
             cfg,
             sink,
             progress,
+            held.sources(step)?,
         )?
         .with_checkpoints(&ckpt);
         let build_s = tb.elapsed().as_secs_f64();

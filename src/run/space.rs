@@ -28,8 +28,9 @@ fn existing_dir(p: &Path) -> PathBuf {
     d
 }
 
-/// Refuse to start when the files this plan will create do not fit on their filesystems.
-pub(crate) fn check_space(plan: &Plan, layouts: &[Layout]) -> Result<()> {
+/// Refuse to start when the files this plan will create do not fit on their filesystems; with
+/// `unsplit`, the chain intermediates held in memory create none.
+pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Result<()> {
     let mut need: BTreeMap<PathBuf, (u64, Vec<String>)> = BTreeMap::new();
     for d in &plan.matrices {
         if let (Some(g), false) = (&d.generate, d.path.exists()) {
@@ -40,7 +41,9 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout]) -> Result<()> {
         }
     }
     for (s, l) in plan.steps.iter().zip(layouts) {
-        if !s.output.exists() {
+        let in_memory = unsplit
+            && (s.chain.as_ref()).is_some_and(|c| c.part < c.parts && c.memory.contains(&s.output));
+        if !s.output.exists() && !in_memory {
             let h = pipeline::output_header(s, l);
             let e = need.entry(existing_dir(&s.output)).or_default();
             e.0 += crate::store::output_file_len(&s.output, &h);

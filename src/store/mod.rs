@@ -13,6 +13,7 @@ pub(crate) mod atomic;
 pub(crate) mod fsutil;
 pub mod gen;
 pub(crate) mod header;
+pub(crate) mod memory;
 pub mod npy;
 pub(crate) mod npy_sink;
 pub(crate) mod npy_source;

@@ -26,7 +26,7 @@ use serde::Serialize;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::pipeline::journal;
-use crate::plan::{Plan, Precision, Step};
+use crate::plan::{Operand, Plan, Precision, Step};
 use crate::store::gen::Rng;
 use crate::store::{open_source, MatrixSource};
 use model::{Cell, Model};
@@ -305,6 +305,15 @@ pub fn verify_step(
     seed: u64,
 ) -> Result<VerifyReport> {
     let t0 = Instant::now();
+    let r = rounds.max(1);
+    // An intermediate of a chain has no file once the chain completed (none at all when it
+    // was held in memory): the chain is checked at its last part.
+    if let Some(why) = intermediate_part(step) {
+        let mut rep = blank_report(step, r, (step.m, step.n));
+        rep.reason = Some(why);
+        rep.seconds = t0.elapsed().as_secs_f64();
+        return Ok(rep);
+    }
     let (m, n) = (step.m as usize, step.n as usize);
     let out = open_source(&step.output)?;
     if out.shape() != (step.m, step.n) || out.transposed() {
@@ -318,12 +327,25 @@ pub fn verify_step(
             ),
         ));
     }
-    let r = rounds.max(1);
     let tile = out.checksum_tile().unwrap_or((step.m, step.n));
-    let mut rep = VerifyReport {
+    let mut rep = blank_report(step, r, tile);
+    match no_residuals(step, precision)? {
+        Some((pass, why)) => {
+            rep.pass = pass;
+            rep.reason = Some(why);
+        }
+        None => residuals(step, precision, out.as_ref(), seed, &mut rep)?,
+    }
+    rep.seconds = t0.elapsed().as_secs_f64();
+    Ok(rep)
+}
+
+/// A passing report of `step` with nothing measured yet.
+fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
+    VerifyReport {
         step: step.index + 1,
         output: step.output.display().to_string(),
-        rounds: r,
+        rounds,
         pass: true,
         reason: None,
         max_ratio: 0.0,
@@ -338,28 +360,27 @@ pub fn verify_step(
         unexpected_nonfinite: 0,
         skipped_cells: 0,
         seconds: 0.0,
-    };
-    match no_residuals(step, precision)? {
-        Some((pass, why)) => {
-            rep.pass = pass;
-            rep.reason = Some(why);
-        }
-        None => residuals(step, precision, out.as_ref(), seed, &mut rep)?,
     }
-    rep.seconds = t0.elapsed().as_secs_f64();
-    Ok(rep)
 }
 
-/// Why the residual test is not run on `step`, with the verdict that stands instead: an
-/// intermediate of a chain or a chain without its intermediates passes on the journal alone;
-/// a journal that disagrees with the plan and inputs fails.
+/// Why an intermediate part of a whole-expression chain is not checked on its own; `None` for
+/// any other step.
+fn intermediate_part(step: &Step) -> Option<String> {
+    let c = step.chain.as_ref().filter(|c| c.part < c.parts)?;
+    let kept = if c.memory.contains(&step.output) {
+        "held in host memory while the chain runs (a split run writes it to a temporary file)"
+    } else {
+        "a temporary file removed when the chain completes"
+    };
+    Some(format!(
+        "an intermediate of a whole-expression chain, {kept}; the chain is checked at its last part"
+    ))
+}
+
+/// Why the residual test is not run on the last part of a chain or an ordinary `step`, with
+/// the verdict that stands instead: a chain without its intermediates passes on the journal
+/// alone; a journal that disagrees with the plan and inputs fails.
 fn no_residuals(step: &Step, precision: Precision) -> Result<Option<(bool, String)>> {
-    if step.chain.as_ref().is_some_and(|c| c.part < c.parts) {
-        return Ok(Some((
-            true,
-            "an intermediate of a whole-expression chain (a temporary file); the chain is checked at its last part".into(),
-        )));
-    }
     if let Some(why) = journal_check(step, precision)? {
         return Ok(Some((false, why)));
     }
@@ -428,19 +449,27 @@ fn residuals(
 }
 
 /// Why the residual test cannot run on a part of a whole-expression chain: its intermediates
-/// are removed when the chain completes. The journal check above still ran (inputs unchanged,
-/// the chain complete). `None` for an ordinary step, or while the intermediates still exist.
+/// are removed when the chain completes, or were only ever held in memory. The journal check
+/// above still ran (inputs unchanged, the chain complete). `None` for an ordinary step, or
+/// while the intermediates still exist (a split run keeps them).
 fn chain_gap(step: &Step) -> Option<String> {
     let c = step.chain.as_ref()?;
-    let gone = [&step.a, &step.b]
-        .iter()
-        .any(|o| o.temp && !o.path.exists());
-    gone.then(|| {
-        format!(
-            "journal only (the chain {} is complete and its inputs are unchanged); residuals not computed: Freivalds' check of a chain needs its intermediates, which `run` removed — to check the product by residuals, run the chain as separate named steps",
-            c.order
-        )
-    })
+    let gone: Vec<&Operand> = [&step.a, &step.b]
+        .into_iter()
+        .filter(|o| o.temp && !o.path.exists())
+        .collect();
+    if gone.is_empty() {
+        return None;
+    }
+    let where_ = if gone.iter().all(|o| c.memory.contains(&o.path)) {
+        "which were held in host memory while the chain ran and are not kept"
+    } else {
+        "which `run` removed"
+    };
+    Some(format!(
+        "journal only (the chain {} is complete and its inputs are unchanged); residuals not computed: Freivalds' check of a chain needs its intermediates, {where_} — to check the product by residuals, run the chain as separate named steps",
+        c.order
+    ))
 }
 
 /// Groups per side: [`GROUPS`], fewer when the per-row sums would pass ~512 MiB.
