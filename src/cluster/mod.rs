@@ -61,9 +61,9 @@ pub(crate) enum ShardSpec {
 }
 
 impl ShardSpec {
-    /// How many shards `step` is cut into: as asked, or by default `size` times the shards per
-    /// process that [`per_process`] finds cheap for this step.
-    pub(crate) fn shards(&self, step: &Step, layout: &Layout) -> u32 {
+    /// How many shards a step is cut into: as asked, or by default `size` times the shards per
+    /// process that the step's preparer recorded (see [`per_process`]).
+    pub(crate) fn shards(&self, per_process: u32) -> u32 {
         match *self {
             ShardSpec::One { s, .. } => s,
             ShardSpec::Rank {
@@ -71,7 +71,7 @@ impl ShardSpec {
             } => s,
             ShardSpec::Rank {
                 size, shards: None, ..
-            } => size * per_process(step, layout),
+            } => size.saturating_mul(per_process.max(1)),
         }
     }
 
@@ -92,16 +92,16 @@ impl ShardSpec {
 }
 
 /// Shards per process when none are asked for. Shards are bands of output tile rows, and each
-/// band reads all of op(B). When op(B) fits in a lane's device memory, one process's tiles
-/// share one read of it, and every extra shard reads it again: two processes with one GPU each
-/// took 1.13× one process with two GPUs at 4 shards per process, and 0.91× at one (n = 32768,
-/// docs/measurements/2026-11-30-cluster-two-procs-4.log). So: 1. When op(B) does not fit, every
-/// band of tiles reads it again anyway, so smaller shards cost nothing extra and 4 per process
-/// let a fast node take more.
+/// band reads all of op(B). When op(B)'s tiles and one row panel of op(A) fit in a lane's tile
+/// cache, one process's tiles share one read of op(B), and every extra shard reads it again:
+/// two processes with one GPU each took 1.13× one process with two GPUs at 4 shards per
+/// process, and 0.91× at one (n = 32768, docs/measurements/2026-11-30-cluster-two-procs-4.log).
+/// So: 1. Otherwise every band of tiles reads op(B) again anyway, so smaller shards cost
+/// nothing extra and 4 per process let a fast node take more. The preparer decides it once and
+/// records it in the manifest, so every process of the step cuts it the same way.
 pub(crate) fn per_process(step: &Step, layout: &Layout) -> u32 {
-    let b_bytes = step.k.saturating_mul(step.n) * layout.dev_dt.size() as u64;
-    let room = layout.slots as u64 * layout.slot_bytes;
-    if b_bytes <= room / 2 {
+    let (_, gn, gk) = layout.grid(step);
+    if layout.slots as u64 >= gk.saturating_mul(gn).saturating_add(gk) {
         1
     } else {
         4
@@ -268,7 +268,7 @@ pub(crate) fn run_step_shards(
     }
     let manifest = prepare::ensure(step, layout, &fp, sh, progress)?;
     let dir = state_dir(&step.output);
-    let s = sh.spec.shards(step, layout);
+    let s = sh.spec.shards(manifest.per_process);
     let mut reports = Vec::new();
     let mut busy = Vec::new();
     for k in sh.spec.order(s) {
@@ -331,6 +331,41 @@ mod tests {
                 assert_eq!(next, total);
             }
         }
+    }
+
+    /// One shard per process when op(B)'s tiles and a panel of op(A) fit in the tile cache
+    /// (extra shards would each read op(B) again), four when they do not.
+    #[test]
+    fn shards_per_process_follow_the_tile_cache() {
+        use crate::backend::{cpu::CpuBackend, Backend};
+        use crate::plan::{MatrixInfo, Plan};
+        let headers = |_: &std::path::Path| {
+            Ok(Some(MatrixInfo {
+                rows: 64,
+                cols: 64,
+                dtype: crate::dtype::DType::F32,
+                transposed: false,
+            }))
+        };
+        let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\n\
+                    output = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\ntile = 8\n";
+        let plan = Plan::resolve(std::path::Path::new("p.toml"), text, &[], &headers).unwrap();
+        let step = &plan.steps[0];
+        let caps = CpuBackend::new(1, None).caps().clone();
+        let mut l = Layout::new(&plan.path, step, &plan.engine, &caps).unwrap();
+        // 8×8 tiles of 64²: op(B) is 64 tiles, a panel of op(A) 8.
+        l.slots = 72;
+        assert_eq!(per_process(step, &l), 1);
+        l.slots = 71;
+        assert_eq!(per_process(step, &l), 4);
+        let spec = ShardSpec::Rank {
+            rank: 0,
+            size: 3,
+            shards: None,
+            source: "test",
+        };
+        assert_eq!(spec.shards(1), 3);
+        assert_eq!(spec.shards(4), 12);
     }
 
     #[test]

@@ -84,9 +84,10 @@ fn predict_step(step: &Step, mc: &Machine, procs: u64) -> (String, f64) {
     let (gm, gn, gk) = (step.m.div_ceil(t), step.n.div_ceil(t), step.k.div_ceil(t));
     let tiles = (gm * gn) as u32;
     let ins = step.a.dtype.size() as u128;
-    // As `run` chooses (cluster::per_process): one shard per process when op(B) fits in half a
-    // GPU's tile cache, else four.
-    let b_fits = step.k as u128 * step.n as u128 * ins <= mc.gpu_memory as u128 / 2;
+    // As `run` chooses (cluster::per_process): one shard per process when op(B) and one row
+    // panel of op(A) fit in a GPU's memory, else four.
+    let b_fits = (step.k as u128 * step.n as u128 + t as u128 * step.k as u128) * ins
+        <= mc.gpu_memory as u128;
     let per = if b_fits { 1 } else { 4 };
     let sh = mc
         .shards

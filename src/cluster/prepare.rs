@@ -37,6 +37,10 @@ pub struct Manifest {
     pub gn: u64,
     /// Output tiles in all.
     pub tiles: u32,
+    /// Shards per process when the processes are not told (`--shards`): decided once here
+    /// ([`super::per_process`]) so that every process cuts the step the same way.
+    #[serde(default = "four")]
+    pub per_process: u32,
     /// Who prepared the output (`host pid N`).
     pub prepared_by: String,
 }
@@ -209,6 +213,7 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
         tn: layout.tn,
         gn,
         tiles: (gm * gn) as u32,
+        per_process: super::per_process(step, layout),
         prepared_by: format!("{} pid {}", identity::host(), std::process::id()),
     };
     let mp = manifest_path(out);
@@ -250,4 +255,9 @@ pub(crate) fn reset(output: &Path) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(Error::io(&dir, "cannot remove shard directory", e)),
     }
+}
+
+/// Manifests written before `per_process` existed used 4 shards per process.
+fn four() -> u32 {
+    4
 }
