@@ -340,7 +340,7 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
     // Largest first; the long tail under 1% (many of them with several lanes) is counted, not
     // listed (the JSON report has every share).
     let mut shares: Vec<String> = (r.busy_shares.iter().enumerate())
-        .take_while(|&(i, (_, v))| i < 3 || *v >= 0.005)
+        .take_while(|&(i, (_, v))| i < 3 || *v >= 0.01)
         .map(|(_, (n, v))| format!("{n} {:.0}%", 100.0 * v))
         .collect();
     if shares.len() < r.busy_shares.len() {

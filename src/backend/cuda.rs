@@ -147,10 +147,11 @@ fn device_info(i: usize) -> Result<DeviceInfo> {
 /// of freed buffers.
 ///
 /// Pinning is slow on the H200 host: about 2 GiB/s however many threads allocate, and freeing
-/// 4.5 GiB takes 0.6 s (tools/gpu/startup_probe.py). A plan of several steps, a split run of
-/// several shards, or the Python API called in a loop would pay that again for every pipeline.
-/// So a buffer that is dropped goes back to the cache, and the next pipeline takes buffers of the
-/// same size from there. Asking for another size first frees what the cache holds, so the pinned
+/// 4.5 GiB takes 0.6 s (tools/gpu/startup_probe.py). A plan of several steps or a split run of
+/// several shards would pay that again for every pipeline.
+/// So a buffer that is dropped goes back to the cache, and the next pipeline of this backend
+/// takes buffers of the same size from there (the Python API makes a backend per call, so it
+/// does not benefit). Asking for another size first frees what the cache holds, so the pinned
 /// memory held never exceeds what one pipeline asked for.
 pub(crate) struct CudaAlloc {
     ctx: Arc<CudaContext>,
@@ -597,9 +598,11 @@ impl CudaLane {
                 blas_sys::cublasSscal_v2(*blas.handle(), n, &b32, ptr_c as *mut f32, 1)
             }
         };
+        // A device error (not a backend one), so that a failing GPU fails over like any other.
+        let lane = self.lane;
         status
             .result()
-            .map_err(|e| Error::backend(format!("cuda:{ordinal}"), format!("cublas scal: {e}")))
+            .map_err(|e| Error::device(lane, format!("cuda:{ordinal}"), "cublas scal", e))
     }
 }
 
@@ -737,7 +740,7 @@ impl Lane for CudaLane {
             .comp
             .record_event(timing())
             .map_err(|e| self.err("event", e))?;
-        let ordinal = self.ordinal;
+        let (ordinal, lane) = (self.ordinal, self.lane);
         {
             let (acc_buf, rest) = (&mut self.accs[acc], &self.slots);
             let (ptr_b, _gb) = rest[b_slot].device_ptr(&self.comp);
@@ -771,7 +774,7 @@ impl Lane for CudaLane {
                     blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             }
-            .map_err(|e| Error::backend(format!("cuda:{ordinal}"), format!("cublasGemmEx: {e}")))?;
+            .map_err(|e| Error::device(lane, format!("cuda:{ordinal}"), "cublasGemmEx", e))?;
         }
         let end = self
             .comp

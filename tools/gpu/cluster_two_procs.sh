@@ -3,7 +3,8 @@
 # (CUDA_VISIBLE_DEVICES=0 / =1, SLURM-style ranks, coordinating only through files) against one
 # process driving both GPUs. Expect bit-identical output and time within 10 %.
 # Size: N (default 32768), tile 4096 (fixed, so both runs use the same compute tiles), 3 rounds.
-# SHARDS=S passes --shards S to both processes (default: the engine's default, 4 per process);
+# SHARDS=S passes --shards S to both processes (default: the engine's default, 1 or 4 per
+# process, docs/CLUSTER.md);
 # with S = 2 each process reads B once, as the one-process run does per GPU.
 # GPU machine with 2 GPUs, repository root, .dev/bin carried. Log: $OUT/cluster_two_procs.log.
 set -uo pipefail
