@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA test twins (`correctness`, `pipeline` and `checkpoint` test binaries, --ignored) on one GPU
+# The CUDA test twins (`correctness`, `pipeline`, `checkpoint`, `chain_memory` binaries, --ignored) on one GPU
 # (CUDA_VISIBLE_DEVICES=0) and then on every GPU. GPU machine, repository root, .dev/bin carried
 # (docs/GPU.md). Log: $OUT/gpu_tests.log.
 set -uo pipefail
@@ -7,7 +7,7 @@ set -uo pipefail
 log_to gpu_tests.log
 nvidia-smi --query-gpu=index,name --format=csv,noheader | tee -a "$LOG"
 for vis in 0 all; do
-  for t in correctness pipeline checkpoint; do
+  for t in correctness pipeline checkpoint chain_memory; do
     log "$t --ignored, GPUs: $vis"
     if [ $vis = all ]; then "$DEV/$t" --ignored --test-threads=1
     else CUDA_VISIBLE_DEVICES=0 "$DEV/$t" --ignored --test-threads=1; fi 2>&1 | tee -a "$LOG" | grep -E "^test |test result"
