@@ -261,17 +261,27 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
             outln!("after repair:\n{}", crate::verify::format(&rep));
         }
         if !rep.pass {
-            failed.push(format!("step {} ({})", rep.step, rep.output));
+            failed.push((
+                format!("step {} ({})", rep.step, rep.output),
+                rep.reason.is_some(),
+            ));
         }
     }
     if failed.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::Usage(format!(
-            "verification failed for {}: the output does not match the inputs; `verify --repair` recomputes the failing tiles, `run --restart` the whole step",
-            failed.join(", ")
-        )))
+        return Ok(());
     }
+    let names: Vec<&str> = failed.iter().map(|(n, _)| n.as_str()).collect();
+    // A failure found in the journal (other inputs or plan, unfinished) names no tiles: only
+    // rerunning the step (or resuming it) helps; residuals that fail name tiles to repair.
+    let advice = if failed.iter().all(|(_, journal)| *journal) {
+        "see the reason above: rerun with `run` (or `run --restart`)"
+    } else {
+        "the output does not match the inputs; `verify --repair` recomputes the failing tiles, `run --restart` the whole step"
+    };
+    Err(Error::Usage(format!(
+        "verification failed for {}: {advice}",
+        names.join(", ")
+    )))
 }
 
 /// Run one command.

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use mgmm_stream::dtype::DType;
+use mgmm_stream::store::gen::Dist;
 use mgmm_stream::store::npy;
 
 fn mg(dir: &Path, args: &[&str]) -> Output {
@@ -603,4 +604,46 @@ fn end_of_command_text_fits_80_columns() {
         "lines wider than 80 columns:\n{}",
         long.join("\n")
     );
+}
+
+/// The journal names inputs by their canonical paths: the same plan reached from another
+/// working directory, or by another spelling of its path, is the same job — a complete output
+/// is recognised as complete, resumes would continue, and `verify` passes.
+#[test]
+fn journal_does_not_depend_on_the_working_directory() {
+    let d = tmp();
+    let dir = d.path();
+    std::fs::create_dir_all(dir.join("job/data")).unwrap();
+    gen(
+        &dir.join("job/data/A.mgt"),
+        67,
+        45,
+        DType::F32,
+        (16, 16),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("job/data/B.mgt"),
+        45,
+        38,
+        DType::F32,
+        (16, 16),
+        Dist::Normal,
+        2,
+    );
+    std::fs::write(
+        dir.join("job/plan.toml"),
+        "[matrices.A]\npath = \"data/A.mgt\"\n[matrices.B]\npath = \"data/B.mgt\"\n\
+         [[step]]\noutput = \"data/C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\n",
+    )
+    .unwrap();
+    ok(&mg(dir, &["run", "job/plan.toml"]));
+    let again = mg(&dir.join("job"), &["run", "plan.toml"]);
+    let err = String::from_utf8_lossy(&again.stderr).to_string();
+    assert!(again.status.success(), "{err}");
+    assert!(err.contains("already complete"), "{err}");
+    let abs = dir.join("job/../job/plan.toml");
+    let v = mg(Path::new("/"), &["verify", abs.to_str().unwrap()]);
+    assert!(ok(&v).contains("PASS"), "{}", ok(&v));
 }

@@ -110,7 +110,10 @@ pub fn input_ids(step: &Step) -> Result<Vec<(String, String)>> {
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     for op in ops.into_iter().flatten() {
         let id = if op.temp {
-            format!("intermediate {}", op.path.display())
+            format!(
+                "intermediate {}",
+                crate::store::fsutil::identity_path(&op.path).display()
+            )
         } else {
             input_identity(op)?
         };

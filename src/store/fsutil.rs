@@ -10,6 +10,25 @@ use std::path::Path;
 
 use rustix::fs::{FallocateFlags, FlockOperation, StatVfsMountFlags};
 
+/// How a file is named in the journal's identity of an input: its canonical path (symlinks and
+/// `..` resolved), so that the same file reached from another working directory, or through
+/// another relative spelling of the plan's path, is recognised as the same input; the path as
+/// given when it cannot be resolved.
+pub(crate) fn identity_path(p: &Path) -> std::path::PathBuf {
+    if let Ok(c) = std::fs::canonicalize(p) {
+        return c;
+    }
+    // A file not written yet (a chain's intermediate): its folder's canonical path.
+    let parent = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    match (std::fs::canonicalize(parent), p.file_name()) {
+        (Ok(d), Some(f)) => d.join(f),
+        _ => std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()),
+    }
+}
+
 /// Free bytes for unprivileged writers on the filesystem holding `dir`; `None` if it cannot be
 /// asked (then callers skip the check rather than refuse).
 pub(crate) fn free_bytes(dir: &Path) -> Option<u64> {

@@ -177,7 +177,7 @@ impl MatrixSource for MemoryMatrix {
             self.rows,
             self.cols,
             self.dtype,
-            self.label.display()
+            super::fsutil::identity_path(&self.label).display()
         )
     }
 }

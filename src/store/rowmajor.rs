@@ -252,7 +252,7 @@ impl RowMajorFile {
         }
         format!(
             "{} ({} bytes, mtime {} ns, {}, sample crc {crc:08x})",
-            self.path.display(),
+            super::fsutil::identity_path(&self.path).display(),
             self.len,
             self.mtime_ns,
             self.spec.kind

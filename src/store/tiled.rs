@@ -381,8 +381,9 @@ impl TiledFile {
         Ok(())
     }
 
-    /// The journal's identity of this file: path, length, header CRC and checksum-table CRC.
-    /// The text is part of every journal's fingerprint, so it must not change between versions.
+    /// The journal's identity of this file: canonical path, length, header CRC and
+    /// checksum-table CRC. The text is part of every journal's fingerprint, so it must not
+    /// change between versions.
     pub(crate) fn identity(&self) -> String {
         let len = self.hdr.file_len();
         let head = crc32c::crc32c(&self.hdr.to_block());
@@ -395,7 +396,7 @@ impl TiledFile {
             .unwrap_or_else(|| "none".into());
         format!(
             "{} ({len} bytes, header {head:08x}, tile checksums {table})",
-            self.path.display()
+            super::fsutil::identity_path(&self.path).display()
         )
     }
 }
