@@ -588,7 +588,12 @@ fn devices_cmd() -> Result<()> {
                 );
             }
         }
-        Err(e) => outln!("no usable GPU: {e}\nbackend = \"auto\" will use the CPU."),
+        Err(e) => outln!(
+            "{}",
+            crate::progress::wrap(&format!(
+                "no usable GPU: {e}\nbackend = \"auto\" will use the CPU."
+            ))
+        ),
     }
     Ok(())
 }

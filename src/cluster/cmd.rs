@@ -109,7 +109,7 @@ pub(crate) fn plan_cmd(plan: &Path, set: &[String], m: &ModelArgs) -> Result<()>
         tile: m.tile,
         shards: m.shards,
     };
-    print!("{}", model::predict(&p, &mc)?);
+    print!("{}", crate::progress::wrap(&model::predict(&p, &mc)?));
     Ok(())
 }
 
@@ -168,9 +168,7 @@ pub(crate) fn finalize_cmd(plan: &Path, set: &[String], verify: bool) -> Result<
 /// `status PLAN`: done/left/rate/ETA per step and per shard.
 pub(crate) fn status_cmd(plan: &Path, set: &[String], claim_timeout: f64) -> Result<()> {
     let p = Plan::load_with(plan, set)?;
-    print!(
-        "{}",
-        status::status_text(&p, Duration::from_secs_f64(claim_timeout.max(0.5)))?
-    );
+    let text = status::status_text(&p, Duration::from_secs_f64(claim_timeout.max(0.5)))?;
+    print!("{}", crate::progress::wrap(&text));
     Ok(())
 }
