@@ -154,14 +154,7 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
                 if let Some(j) = &journal {
                     j.complete()?;
                 }
-                let cx = StepContext {
-                    step: job.step,
-                    layout: &layout,
-                    caps: backend.caps(),
-                    backend: backend.name(),
-                    precision: e.precision,
-                    host_budget: e.host_memory,
-                };
+                let cx = StepContext::of(job.step, &layout, backend.as_ref(), e);
                 let rep = report::step_report(&cx, stats);
                 job.progress.note(&report::format_summary(&rep));
                 return Ok(Some(rep));

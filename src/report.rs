@@ -143,6 +143,26 @@ pub(crate) struct StepContext<'a> {
     pub(crate) host_budget: u64,
 }
 
+impl<'a> StepContext<'a> {
+    /// The context of `step` run on `backend` under `engine`: what every caller of
+    /// [`step_report`] (the run loop, chain intermediates, the Python API) passes.
+    pub(crate) fn of(
+        step: &'a Step,
+        layout: &'a Layout,
+        backend: &'a dyn crate::backend::Backend,
+        engine: &crate::plan::Engine,
+    ) -> StepContext<'a> {
+        StepContext {
+            step,
+            layout,
+            caps: backend.caps(),
+            backend: backend.name(),
+            precision: engine.precision,
+            host_budget: engine.host_memory,
+        }
+    }
+}
+
 fn sum_bytes(stages: &[StageSnapshot], kind: StageKind) -> u64 {
     stages
         .iter()

@@ -37,21 +37,7 @@ impl RawMatrix {
 }
 
 fn check_block(label: &Path, shape: (u64, u64), b: &Block) -> Result<()> {
-    if b.r0 + b.rows > shape.0 || b.c0 + b.cols > shape.1 {
-        return Err(Error::format(
-            label,
-            format!(
-                "block {}..{} × {}..{} is outside the {}×{} matrix",
-                b.r0,
-                b.r0 + b.rows,
-                b.c0,
-                b.c0 + b.cols,
-                shape.0,
-                shape.1
-            ),
-        ));
-    }
-    Ok(())
+    b.check_inside(label, shape)
 }
 
 fn unsupported(label: &Path, from: DType, to: DType) -> Error {

@@ -173,14 +173,7 @@ impl Held {
             )?;
             match pipe.run() {
                 Ok(stats) => {
-                    let cx = StepContext {
-                        step,
-                        layout,
-                        caps: backend.caps(),
-                        backend: backend.name(),
-                        precision: e.precision,
-                        host_budget: e.host_memory,
-                    };
+                    let cx = StepContext::of(step, layout, backend.as_ref(), e);
                     let mut rep = report::step_report(&cx, stats);
                     rep.output = format!("{} (held in memory)", step.output.display());
                     rep.setup_s = vec![("alloc".into(), alloc_s)];

@@ -504,14 +504,7 @@ fn run_step_with(
                     None => ckpt.discard_all()?,
                     Some(_) => ckpt.remove_dir_if_empty(),
                 }
-                let cx = StepContext {
-                    step,
-                    layout,
-                    caps: backend.caps(),
-                    backend: backend.name(),
-                    precision: e.precision,
-                    host_budget: e.host_memory,
-                };
+                let cx = StepContext::of(step, layout, backend.as_ref(), e);
                 let mut rep = report::step_report(&cx, stats);
                 rep.setup_s = vec![
                     ("resume".into(), resume_s),

@@ -83,21 +83,7 @@ impl MemoryMatrix {
     }
 
     fn check(&self, b: &Block) -> Result<()> {
-        if b.r0 + b.rows > self.rows || b.c0 + b.cols > self.cols {
-            return Err(Error::format(
-                &self.label,
-                format!(
-                    "block {}..{} × {}..{} is outside the {}×{} intermediate held in memory",
-                    b.r0,
-                    b.r0 + b.rows,
-                    b.c0,
-                    b.c0 + b.cols,
-                    self.rows,
-                    self.cols
-                ),
-            ));
-        }
-        Ok(())
+        b.check_inside(&self.label, (self.rows, self.cols))
     }
 
     /// The tile columns that columns `c0..c0+cols` touch, each with the columns it holds:

@@ -25,11 +25,9 @@ use super::header::Header;
 use super::npy::{read_header, NpyHeader};
 use super::npy_source::{sidecar_path, Sidecar};
 use super::rowmajor::{clip_tile, TileCrcs};
-use super::runs::{runs, Geometry, Run, IO_SPAN};
+use super::runs::Geometry;
 use super::source::{Block, MatrixSink, WriteMode};
-use super::tiled::{
-    convert_par, copy_runs_to_map, par_crc32c, pwrite_runs, size_error, MAP_COPY_SPAN,
-};
+use super::tiled::{size_error, BlockOut};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -191,25 +189,14 @@ impl MatrixSink for NpyWriter {
             b.r0 + b.rows <= self.geo.rows && b.c0 + b.cols <= self.geo.cols,
             "write_block: outside"
         );
-        assert_eq!(src.len(), b.elems() * host.size(), "write_block: src size");
-        let converted;
-        let raw: &[u8] = if host == self.dtype {
-            src
-        } else {
-            let mut v = vec![0u8; b.elems() * self.dtype.size()];
-            convert_par(host, src, self.dtype, &mut v);
-            converted = v;
-            &converted
+        let out = BlockOut {
+            geo: &self.geo,
+            file: &self.file,
+            map: &self.map,
+            path: &self.path,
+            pwrite: self.pwrite,
         };
-        let crc = par_crc32c(raw);
-        if self.pwrite {
-            let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
-            pwrite_runs(&self.file, &rs, raw)
-                .map_err(|e| Error::io(&self.path, "cannot write output tile", e))?;
-        } else {
-            let rs: Vec<Run> = runs(&self.geo, b, MAP_COPY_SPAN).collect();
-            copy_runs_to_map(&self.map, &rs, raw);
-        }
+        let (crc, _) = out.write(b, host, self.dtype, src)?;
         // A block that is exactly one checksum tile (clipped at the edges) has the tile's CRC.
         let tg = self.tile_geo();
         if b.r0.is_multiple_of(self.tile.0) && b.c0.is_multiple_of(self.tile.1) {

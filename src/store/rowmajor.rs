@@ -302,13 +302,7 @@ impl MatrixSource for RowMajorFile {
         self.spec.dtype
     }
     fn read_block(&self, b: &Block, host: DType, dst: &mut [u8]) -> Result<()> {
-        let (rows, cols) = (self.spec.rows, self.spec.cols);
-        if b.r0 + b.rows > rows || b.c0 + b.cols > cols {
-            return Err(Error::format(
-                &self.path,
-                format!("block {b:?} is outside the stored {rows}×{cols} matrix"),
-            ));
-        }
+        b.check_inside(&self.path, (self.spec.rows, self.spec.cols))?;
         assert_eq!(dst.len(), b.elems() * host.size(), "read_block: dst size");
         let dt = self.spec.dtype;
         if !supported(dt, host) {

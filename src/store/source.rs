@@ -32,6 +32,26 @@ impl Block {
     pub fn elems(&self) -> usize {
         (self.rows * self.cols) as usize
     }
+
+    /// `Ok` when the block lies inside a `shape.0 × shape.1` matrix; else an error naming
+    /// `path` (what every source's `read_block` checks first).
+    pub fn check_inside(&self, path: &Path, shape: (u64, u64)) -> Result<()> {
+        if self.r0 + self.rows > shape.0 || self.c0 + self.cols > shape.1 {
+            return Err(Error::format(
+                path,
+                format!(
+                    "block {}..{} × {}..{} is outside the {}×{} matrix",
+                    self.r0,
+                    self.r0 + self.rows,
+                    self.c0,
+                    self.c0 + self.cols,
+                    shape.0,
+                    shape.1
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A matrix the engine reads blocks of.

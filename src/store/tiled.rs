@@ -127,6 +127,50 @@ pub(crate) fn pwrite_runs(file: &File, rs: &[Run], raw: &[u8]) -> std::io::Resul
     Ok(())
 }
 
+/// Where an output block goes: the file's geometry, and its map or (with `pwrite`) its file.
+/// Shared by the `.mgt` and `.npy` writers.
+pub(crate) struct BlockOut<'a> {
+    pub(crate) geo: &'a Geometry,
+    pub(crate) file: &'a File,
+    pub(crate) map: &'a MmapMut,
+    pub(crate) path: &'a Path,
+    pub(crate) pwrite: bool,
+}
+
+impl BlockOut<'_> {
+    /// Write dense row-major `src` (`b.elems()` elements of `from`) into block `b` as `to`
+    /// (converting on the rayon pool when they differ); returns the CRC-32C and the length of
+    /// the bytes written.
+    pub(crate) fn write(
+        &self,
+        b: &Block,
+        from: DType,
+        to: DType,
+        src: &[u8],
+    ) -> Result<(u32, usize)> {
+        assert_eq!(src.len(), b.elems() * from.size(), "write_block: src size");
+        let converted;
+        let raw: &[u8] = if from == to {
+            src
+        } else {
+            let mut v = vec![0u8; b.elems() * to.size()];
+            convert_par(from, src, to, &mut v);
+            converted = v;
+            &converted
+        };
+        let crc = par_crc32c(raw);
+        if self.pwrite {
+            let rs: Vec<Run> = runs(self.geo, b, IO_SPAN).collect();
+            pwrite_runs(self.file, &rs, raw)
+                .map_err(|e| Error::io(self.path, "cannot write output tile", e))?;
+        } else {
+            let rs: Vec<Run> = runs(self.geo, b, MAP_COPY_SPAN).collect();
+            copy_runs_to_map(self.map, &rs, raw);
+        }
+        Ok((crc, raw.len()))
+    }
+}
+
 /// Copy every run of a block from `raw` (dense block, file dtype) into the writable map,
 /// in parallel when the block is large.
 pub(crate) fn copy_runs_to_map(map: &MmapMut, rs: &[Run], raw: &[u8]) {
@@ -357,12 +401,7 @@ impl TiledFile {
     /// that is then converted.
     pub fn read_block(&self, b: &Block, out: DType, dst: &mut [u8]) -> Result<()> {
         let h = &self.hdr;
-        if b.r0 + b.rows > h.rows || b.c0 + b.cols > h.cols {
-            return Err(Error::format(
-                &self.path,
-                format!("block {b:?} is outside the {}×{} matrix", h.rows, h.cols),
-            ));
-        }
+        b.check_inside(&self.path, (h.rows, h.cols))?;
         assert_eq!(dst.len(), b.elems() * out.size(), "read_block: dst size");
         if !supported(h.dtype, out) {
             return Err(Error::format(
@@ -535,26 +574,15 @@ impl TiledWriter {
             b.r0 + b.rows <= h.rows && b.c0 + b.cols <= h.cols,
             "write_block: outside"
         );
-        assert_eq!(src.len(), b.elems() * from.size(), "write_block: src size");
-        let converted;
-        let raw: &[u8] = if from == h.dtype {
-            src
-        } else {
-            let mut v = vec![0u8; b.elems() * h.elem()];
-            convert_par(from, src, h.dtype, &mut v);
-            converted = v;
-            &converted
+        let out = BlockOut {
+            geo: &self.geo,
+            file: &self.file,
+            map: &self.map,
+            path: &self.path,
+            pwrite: self.pwrite,
         };
-        let crc = par_crc32c(raw);
-        if self.pwrite {
-            let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
-            pwrite_runs(&self.file, &rs, raw)
-                .map_err(|e| Error::io(&self.path, "cannot write output tile", e))?;
-        } else {
-            let rs: Vec<Run> = runs(&self.geo, b, MAP_COPY_SPAN).collect();
-            copy_runs_to_map(&self.map, &rs, raw);
-        }
-        self.note_checksums(b, Some((crc, raw.len())));
+        let (crc, len) = out.write(b, from, h.dtype, src)?;
+        self.note_checksums(b, Some((crc, len)));
         Ok(crc)
     }
 
