@@ -77,6 +77,8 @@ pub(crate) struct Checkpoints {
     /// Why saving a checkpoint failed (disk full, read-only directory): no more are taken in
     /// this run, which goes on; the caller says so once at the end of the step.
     failed: Mutex<Option<String>>,
+    /// Set with `failed`, and never cleared: read on every GEMM without a lock.
+    off: std::sync::atomic::AtomicBool,
 }
 
 impl Checkpoints {
@@ -100,6 +102,7 @@ impl Checkpoints {
             resume: BTreeMap::new(),
             present: Mutex::new(BTreeSet::new()),
             failed: Mutex::new(None),
+            off: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -115,6 +118,7 @@ impl Checkpoints {
     /// Saving failed with `e`: take no more checkpoints in this run (the tiles are still
     /// computed and written; only what a kill would lose grows back to whole tiles).
     pub(crate) fn give_up(&self, e: &Error) {
+        self.off.store(true, std::sync::atomic::Ordering::Relaxed);
         let mut f = self.failed.lock().unwrap_or_else(|e| e.into_inner());
         f.get_or_insert_with(|| e.to_string());
     }
@@ -127,11 +131,7 @@ impl Checkpoints {
     /// Whether a tile last saved (or started) at `mark` is due for a checkpoint.
     pub(crate) fn due(&self, mark: Instant) -> bool {
         self.every.is_some_and(|e| mark.elapsed() >= e)
-            && self
-                .failed
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .is_none()
+            && !self.off.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Tiles this run resumes from a checkpoint: seq → k-chunks already done.
