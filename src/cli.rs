@@ -286,6 +286,7 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
 
 /// Run one command.
 pub fn execute(cli: Cli) -> Result<()> {
+    crate::report::mark_process_start();
     match cli.cmd {
         Command::Gen {
             out,

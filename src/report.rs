@@ -109,28 +109,28 @@ pub struct RunReport {
     pub steps: Vec<StepReport>,
     /// Wall time of the whole run (all steps, with backend start-up and input generation).
     pub wall_s: f64,
-    /// Age of the process when the run finished (its start-up included), from /proc on Linux;
-    /// compare with the steps' `wall_s` to see what start-up costs.
+    /// Seconds from the start of the command to the end of the run (its start-up included;
+    /// `None` through the library); compare with the steps' `wall_s` to see what
+    /// start-up costs.
     pub process_wall_s: Option<f64>,
     /// Seconds before the first step, by phase: choosing and starting the backend (device
     /// discovery, the first context), sizing the steps and checking space, generating inputs.
     pub startup_s: Vec<(String, f64)>,
 }
 
-/// Seconds since this process started, from `/proc/self/stat` (start time in clock ticks since
-/// boot, at Linux's fixed USER_HZ of 100) and `/proc/uptime`; `None` where those do not exist.
+static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Mark the start of the process: the command line calls it first thing. (The kernel's
+/// start time would do, but `cargo run` execs the binary inside cargo's process, so that clock
+/// would include the build.)
+pub(crate) fn mark_process_start() {
+    let _ = PROCESS_START.set(std::time::Instant::now());
+}
+
+/// Seconds since [`mark_process_start`]; `None` when it was never called (a library caller,
+/// such as the Python package, whose process is not the job's).
 pub(crate) fn process_age_s() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // The command name (field 2) may hold spaces; fields after its closing parenthesis are plain.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let start_ticks: f64 = rest.split_whitespace().nth(19)?.parse().ok()?;
-    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()?;
-    Some((uptime - start_ticks / 100.0).max(0.0))
+    PROCESS_START.get().map(|t| t.elapsed().as_secs_f64())
 }
 
 /// Everything about the run of one step that is not in its stats.
