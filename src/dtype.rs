@@ -208,6 +208,38 @@ pub fn get(dt: DType, src: &[u8]) -> f64 {
 #[cfg(not(target_endian = "little"))]
 compile_error!("mgmm-stream reads tile payloads as native little-endian floats");
 
+/// The number of NaN and Inf elements in `bytes` (little-endian `dt` elements); 0 for the
+/// 16-bit types, which the engine only ever produces by conversion from f32.
+pub fn count_nonfinite(dt: DType, bytes: &[u8]) -> u64 {
+    match dt {
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .filter(|x| {
+                let bits = u32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                bits & 0x7f80_0000 == 0x7f80_0000
+            })
+            .count() as u64,
+        DType::F64 => bytes
+            .chunks_exact(8)
+            .filter(|x| {
+                let bits = u64::from_le_bytes((*x).try_into().unwrap());
+                bits & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
+            })
+            .count() as u64,
+        _ => 0,
+    }
+}
+
+/// [`count_nonfinite`] on the rayon pool, for whole blocks.
+pub fn count_nonfinite_par(dt: DType, bytes: &[u8]) -> u64 {
+    use rayon::prelude::*;
+    let chunk = (1 << 20) / dt.size() * dt.size();
+    bytes
+        .par_chunks(chunk)
+        .map(|c| count_nonfinite(dt, c))
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -189,13 +189,6 @@ impl Inputs {
                 .expect("C0 is only requested when the step has one"),
         }
     }
-    /// Verify the stored checksums behind `b` (each storage tile once), if asked to.
-    pub(crate) fn verify_block(&self, s: Src, b: &Block) -> Result<()> {
-        if !self.verify {
-            return Ok(());
-        }
-        self.file(s).verify_block(b)
-    }
 }
 
 pub(crate) struct Planner<'a> {
@@ -325,29 +318,6 @@ impl Prefetch<'_> {
     }
 }
 
-fn count_nonfinite(dt: DType, bytes: &[u8]) -> u64 {
-    use rayon::prelude::*;
-    match dt {
-        DType::F32 => bytes
-            .par_chunks(1 << 20)
-            .map(|c| {
-                c.chunks_exact(4)
-                    .filter(|x| !f32::from_le_bytes([x[0], x[1], x[2], x[3]]).is_finite())
-                    .count() as u64
-            })
-            .sum(),
-        DType::F64 => bytes
-            .par_chunks(1 << 20)
-            .map(|c| {
-                c.chunks_exact(8)
-                    .filter(|x| !f64::from_le_bytes((*x).try_into().unwrap()).is_finite())
-                    .count() as u64
-            })
-            .sum(),
-        _ => 0,
-    }
-}
-
 pub(crate) struct Staging<'a> {
     /// This lane's index (owner of `pool` in the shared reader).
     pub(crate) lane: usize,
@@ -403,12 +373,11 @@ impl Staging<'_> {
         let t = Instant::now();
         let elems = block.elems();
         let bytes = elems * self.host_dt.size();
-        self.inputs.verify_block(src, block)?;
         let f = self.inputs.file(src);
         let dst = &mut lease.buf_mut().bytes_mut()[..bytes];
-        f.read_block(block, self.host_dt, dst)?;
-        // NaN and Inf are computed as IEEE arithmetic says; count them for the summary.
-        let nonfinite = count_nonfinite(self.host_dt, dst);
+        // Checksums, the copy and the NaN/Inf count in one pass where the format can.
+        // NaN and Inf are computed as IEEE arithmetic says; they are counted for the summary.
+        let nonfinite = f.read_staged(block, self.host_dt, dst, self.inputs.verify)?;
         if nonfinite > 0 {
             self.inputs
                 .nonfinite

@@ -8,7 +8,12 @@
 //! part of the file span is read as its whole band (`pread`s of ≤ [`IO_SPAN`] bytes, many in
 //! flight on the rayon pool) and sliced in memory — unless its pages are already in the page
 //! cache (checked with `mincore`), where slicing would only copy more. Readahead advice covers
-//! the same band, so the other column panels of that band are then read from memory.
+//! the same band, so the other column panels of that band are then read from memory. A step
+//! reads every column panel of its inputs, so when the page cache can hold the whole file
+//! (half of the kernel's `MemAvailable` at open), a band read first is never wasted: later
+//! panels find it resident. Then every short strided run is read as its band, whatever the
+//! fraction (50000² f32 from a cold `.npy`, 32 KiB segments of 195 KiB rows, fell under the
+//! fraction and read at 0.90 GB/s against dd's 1.08).
 //!
 //! A file stored column-major (a Fortran-order `.npy`, a raw file with `order = "F"`) holds the
 //! row-major transpose of the declared matrix: the source reports that stored shape and
@@ -31,6 +36,7 @@ use rayon::prelude::*;
 
 use super::runs::{runs, Geometry, Run, IO_SPAN};
 use super::source::{Block, MatrixSource};
+use super::tiled::read_run_visiting;
 use super::tiled::{convert_par, read_runs, supported};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -77,6 +83,17 @@ pub(crate) struct RowMajorFile {
     mtime_ns: i128,
     crcs: Option<TileCrcs>,
     verified: OnceLock<Vec<AtomicBool>>,
+    /// The page cache can hold the whole file (module doc): band reads are never wasted.
+    cache_holds_file: bool,
+}
+
+/// The kernel's estimate of memory available without swapping (`MemAvailable` in
+/// /proc/meminfo), in bytes; `None` where it cannot be read.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 impl RowMajorFile {
@@ -126,6 +143,7 @@ impl RowMajorFile {
             spec,
             crcs,
             verified: OnceLock::new(),
+            cache_holds_file: mem_available().is_some_and(|m| len <= m / 2),
         })
     }
 
@@ -153,44 +171,73 @@ impl RowMajorFile {
     }
 
     /// A strided run whose whole file span is cheaper to read than its segments.
-    fn band_worthy(run: &Run) -> bool {
+    fn band_worthy(&self, run: &Run) -> bool {
         !run.file_contiguous()
             && run.row_len < SHORT_SEGMENT
-            && run.row_len as f64 >= BAND_FRACTION * run.file_pitch as f64
+            && (self.cache_holds_file
+                || run.row_len as f64 >= BAND_FRACTION * run.file_pitch as f64)
     }
 
     /// Read `rs` into `raw` (dense block, file dtype): band-worthy runs not in the page cache
     /// as whole bands sliced in memory, the rest by [`read_runs`].
     fn read_into(&self, rs: &[Run], raw: &mut [u8]) -> std::io::Result<()> {
+        self.read_counting(rs, raw, None).map(|_| ())
+    }
+
+    /// [`Self::read_into`], counting the NaN and Inf elements of `count`'s dtype (stored =
+    /// host) as each piece is copied, while it is in cache; 0 with `None`.
+    fn read_counting(
+        &self,
+        rs: &[Run],
+        raw: &mut [u8],
+        count: Option<DType>,
+    ) -> std::io::Result<u64> {
+        let tally = |piece: &[u8]| count.map_or(0, |dt| crate::dtype::count_nonfinite(dt, piece));
         let (bands, rest): (Vec<Run>, Vec<Run>) = rs
             .iter()
-            .partition(|r| Self::band_worthy(r) && !self.resident(r.file_span()));
-        read_runs(&self.file, &rest, raw)?;
-        if bands.is_empty() {
-            return Ok(());
-        }
+            .partition(|r| self.band_worthy(r) && !self.resident(r.file_span()));
         let base = SendPtr(raw.as_mut_ptr());
         let raw_len = raw.len();
-        bands
+        // SAFETY (both loops): runs of one block cover disjoint bytes of the block buffer,
+        // `span` lies inside it (asserted) and `raw` outlives the loop.
+        let span_of = |g: &Run| {
+            let span = g.buf_span();
+            assert!(span.end <= raw_len);
+            unsafe { std::slice::from_raw_parts_mut(base.get().add(span.start), span.len()) }
+        };
+        let in_rest: u64 = if count.is_none() {
+            read_runs(&self.file, &rest, raw)?;
+            0
+        } else {
+            rest.par_iter()
+                .map_init(Vec::new, |scratch: &mut Vec<u8>, g| {
+                    let mut n = 0;
+                    read_run_visiting(&self.file, g, span_of(g), scratch, &mut |p: &[u8]| {
+                        n += tally(p)
+                    })?;
+                    Ok(n)
+                })
+                .sum::<std::io::Result<u64>>()?
+        };
+        let in_bands: u64 = bands
             .par_iter()
-            .try_for_each_init(Vec::new, |scratch: &mut Vec<u8>, g| {
+            .map_init(Vec::new, |scratch: &mut Vec<u8>, g| {
                 let fs = g.file_span();
                 scratch.resize((fs.end - fs.start) as usize, 0);
                 self.file.read_exact_at(scratch, fs.start)?;
-                let span = g.buf_span();
-                assert!(span.end <= raw_len);
-                // SAFETY: runs of one block cover disjoint bytes of the block buffer, `span`
-                // lies inside it (asserted) and `raw` outlives the loop.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(base.get().add(span.start), span.len())
-                };
+                let dst = span_of(g);
+                let mut n = 0;
                 for r in 0..g.rows {
                     let f = r * g.file_pitch as usize;
                     let b = r * g.buf_pitch;
-                    dst[b..b + g.row_len].copy_from_slice(&scratch[f..f + g.row_len]);
+                    let row = &mut dst[b..b + g.row_len];
+                    row.copy_from_slice(&scratch[f..f + g.row_len]);
+                    n += tally(row);
                 }
-                Ok(())
+                Ok(n)
             })
+            .sum::<std::io::Result<u64>>()?;
+        Ok(in_rest + in_bands)
     }
 
     /// CRC-32C of storage tile (ti, tj) of the checksum grid, row by row from the map.
@@ -325,7 +372,7 @@ impl MatrixSource for RowMajorFile {
         let mut total = 0;
         for run in runs(&self.geo, b, IO_SPAN) {
             let spans: Vec<std::ops::Range<u64>> =
-                if run.file_contiguous() || Self::band_worthy(&run) {
+                if run.file_contiguous() || self.band_worthy(&run) {
                     vec![run.file_span()]
                 } else if run.row_len >= SHORT_SEGMENT {
                     (0..run.rows)
@@ -347,6 +394,20 @@ impl MatrixSource for RowMajorFile {
     }
     fn verify_block(&self, b: &Block) -> Result<()> {
         self.verify_tiles(b)
+    }
+    fn read_staged(&self, b: &Block, host: DType, dst: &mut [u8], verify: bool) -> Result<u64> {
+        if verify {
+            self.verify_tiles(b)?;
+        }
+        if self.spec.dtype != host {
+            self.read_block(b, host, dst)?;
+            return Ok(crate::dtype::count_nonfinite_par(host, dst));
+        }
+        b.check_inside(&self.path, (self.spec.rows, self.spec.cols))?;
+        assert_eq!(dst.len(), b.elems() * host.size(), "read_staged: dst size");
+        let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
+        self.read_counting(&rs, dst, Some(host))
+            .map_err(|e| Error::io(&self.path, "cannot read matrix data", e))
     }
     fn identity(&self) -> String {
         RowMajorFile::identity(self)

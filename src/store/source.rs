@@ -72,6 +72,20 @@ pub trait MatrixSource: Send + Sync {
     /// Check the stored checksums of the data behind `b`, each piece at most once per source.
     /// `Ok(())` for formats without checksums.
     fn verify_block(&self, b: &Block) -> Result<()>;
+    /// What the pipeline's staging does with every input block: [`verify_block`] when
+    /// `verify`, [`read_block`], and the count of NaN and Inf elements read (returned).
+    /// Formats may do the three in one pass over the data ([`super::TiledFile`] does); this
+    /// default runs them one after another.
+    ///
+    /// [`verify_block`]: Self::verify_block
+    /// [`read_block`]: Self::read_block
+    fn read_staged(&self, b: &Block, host: DType, dst: &mut [u8], verify: bool) -> Result<u64> {
+        if verify {
+            self.verify_block(b)?;
+        }
+        self.read_block(b, host, dst)?;
+        Ok(crate::dtype::count_nonfinite_par(host, dst))
+    }
     /// What identifies the data for the resume journal's fingerprint: a journal written against
     /// a source with a different identity is not resumed. Cheap (no pass over the data).
     fn identity(&self) -> String;

@@ -100,6 +100,82 @@ pub(crate) fn read_runs(file: &File, rs: &[Run], raw: &mut [u8]) -> std::io::Res
         })
 }
 
+/// Bytes per `pread` in [`read_run_visiting`]: small enough that the piece is still in the
+/// core's cache when it is checksummed, counted and (for runs strided in the block) scattered.
+const VISIT_PIECE: usize = 512 << 10;
+
+/// The CRC-32C of part of a storage tile, computed while reading it ([`TiledFile::read_staged`]).
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    /// Index of the storage tile in the checksum table.
+    tile: usize,
+    /// File offset and length of the bytes covered.
+    start: u64,
+    len: u64,
+    crc: u32,
+}
+
+/// Read run `g` into `span` (its bytes of the dense block buffer, file dtype) with `pread`s of
+/// at most [`VISIT_PIECE`] bytes, handing each piece to `visit` in file order right after it is
+/// read. Rows that are not back to back in the file are read, and visited, one by one.
+pub(crate) fn read_run_visiting(
+    file: &File,
+    g: &Run,
+    span: &mut [u8],
+    scratch: &mut Vec<u8>,
+    visit: &mut impl FnMut(&[u8]),
+) -> std::io::Result<()> {
+    if g.file_contiguous() && g.buf_contiguous() {
+        let bytes = g.bytes();
+        let mut o = 0;
+        while o < bytes {
+            let piece = &mut span[o..bytes.min(o + VISIT_PIECE)];
+            file.read_exact_at(piece, g.file_off + o as u64)?;
+            visit(piece);
+            o += piece.len();
+        }
+    } else if g.file_contiguous() {
+        let per = (VISIT_PIECE / g.row_len.max(1)).max(1);
+        let mut r = 0;
+        while r < g.rows {
+            let n = per.min(g.rows - r);
+            scratch.resize(n * g.row_len, 0);
+            file.read_exact_at(scratch, g.file_off + (r * g.row_len) as u64)?;
+            visit(scratch);
+            for (i, row) in scratch.chunks_exact(g.row_len).enumerate() {
+                let o = (r + i) * g.buf_pitch;
+                span[o..o + g.row_len].copy_from_slice(row);
+            }
+            r += n;
+        }
+    } else {
+        for r in 0..g.rows {
+            let d = &mut span[r * g.buf_pitch..r * g.buf_pitch + g.row_len];
+            file.read_exact_at(d, g.file_off + r as u64 * g.file_pitch)?;
+            visit(d);
+        }
+    }
+    Ok(())
+}
+
+/// `crc` continued over the file bytes `range`, read with `pread` in 128 KiB pieces (small:
+/// several tiles are checked at once, and the buffer is heap outside the pools).
+fn crc32c_file_range(
+    file: &File,
+    mut crc: u32,
+    range: std::ops::Range<u64>,
+) -> std::io::Result<u32> {
+    let mut buf = vec![0u8; (range.end - range.start).min(128 << 10) as usize];
+    let mut at = range.start;
+    while at < range.end {
+        let l = ((range.end - at) as usize).min(buf.len());
+        file.read_exact_at(&mut buf[..l], at)?;
+        crc = crc32c::crc32c_append(crc, &buf[..l]);
+        at += l as u64;
+    }
+    Ok(crc)
+}
+
 /// Write every run of a block from `raw` (dense block, file dtype) into `file` with `pwrite`,
 /// from one thread in large sequential pieces: buffered writes to one file serialise on the
 /// inode lock in most filesystems, so more threads would only queue.
@@ -325,24 +401,38 @@ impl TiledFile {
         if !self.hdr.has_checksums() {
             return Ok(());
         }
+        self.check_tile(ti, tj, &mut [])
+    }
+
+    /// The stored checksum of storage tile (ti, tj) (the file has a table).
+    fn stored_crc(&self, ti: u64, tj: u64) -> u32 {
         let idx = self.geo.tile_index(ti, tj);
         let off = self.hdr.checksum_table_offset as usize + 4 * idx;
-        let stored = u32::from_le_bytes(self.map[off..off + 4].try_into().unwrap());
-        let computed = crc32c::crc32c(self.tile_bytes(ti, tj));
-        // Unmap the tile behind us: verification is the only reader of input pages through the
-        // map, and without this every verified page would count in the process's RSS (as page
-        // cache, reclaimable, but alarming next to `host_memory`).
-        let off = self.hdr.tile_offset(ti, tj) as usize;
-        // SAFETY: DontNeed on a read-only shared file map only drops this process's page-table
-        // entries; the slice borrowed for the CRC above is no longer used, and later reads
-        // fault the same file data back in.
-        let _ = unsafe {
-            self.map.unchecked_advise_range(
-                memmap2::UncheckedAdvice::DontNeed,
-                off,
-                self.hdr.tile_stride as usize,
-            )
-        };
+        u32::from_le_bytes(self.map[off..off + 4].try_into().unwrap())
+    }
+
+    /// Check storage tile (ti, tj) against its stored checksum, given the CRCs of `pieces` of
+    /// it that a read already computed; the bytes between and around them are read here with
+    /// `pread` (not through the map: faulting input pages into the process and dropping them
+    /// again costs page-table work and TLB shootdowns on every thread of the process).
+    fn check_tile(&self, ti: u64, tj: u64, pieces: &mut [Piece]) -> Result<()> {
+        let t0 = self.hdr.tile_offset(ti, tj);
+        let t1 = t0 + self.hdr.tile_stride;
+        pieces.sort_unstable_by_key(|p| p.start);
+        let io_err = |e| Error::io(&self.path, "cannot read tile data to verify it", e);
+        let mut crc = 0u32;
+        let mut at = t0;
+        for p in pieces.iter() {
+            debug_assert!(
+                p.start >= at && p.start + p.len <= t1,
+                "pieces lie inside the tile"
+            );
+            crc = crc32c_file_range(&self.file, crc, at..p.start).map_err(io_err)?;
+            crc = crc32c::crc32c_combine(crc, p.crc, p.len as usize);
+            at = p.start + p.len;
+        }
+        let computed = crc32c_file_range(&self.file, crc, at..t1).map_err(io_err)?;
+        let stored = self.stored_crc(ti, tj);
         if stored != computed {
             return Err(Error::Checksum {
                 path: self.path.clone(),
@@ -355,16 +445,21 @@ impl TiledFile {
         Ok(())
     }
 
+    /// Per storage tile, whether this handle verified it already.
+    fn marks(&self) -> &[AtomicBool] {
+        self.verified.get_or_init(|| {
+            (0..self.hdr.tiles())
+                .map(|_| AtomicBool::new(false))
+                .collect()
+        })
+    }
+
     /// Verify every storage tile `b` touches that this handle has not verified yet.
     pub(crate) fn verify_block(&self, b: &Block) -> Result<()> {
         if !self.hdr.has_checksums() {
             return Ok(());
         }
-        let marks = self.verified.get_or_init(|| {
-            (0..self.hdr.tiles())
-                .map(|_| AtomicBool::new(false))
-                .collect()
-        });
+        let marks = self.marks();
         let todo: Vec<(u64, u64)> = self
             .geo
             .tiles_iter(b)
@@ -420,6 +515,91 @@ impl TiledFile {
         Ok(())
     }
 
+    /// Read `b` for the pipeline's staging in one pass over the data: the block is read in
+    /// pieces small enough to stay in the core's cache, and each piece's CRC (for storage tiles
+    /// not yet verified, when `verify`) and NaN/Inf count are taken while it is there, instead
+    /// of a checksum pass through the map, the copy, and a counting pass over the copy (three
+    /// trips through memory). Returns the number of non-finite elements read. Reading as
+    /// another dtype falls back to those separate passes.
+    pub(crate) fn read_staged(
+        &self,
+        b: &Block,
+        host: DType,
+        dst: &mut [u8],
+        verify: bool,
+    ) -> Result<u64> {
+        let h = &self.hdr;
+        if h.dtype != host {
+            if verify {
+                self.verify_block(b)?;
+            }
+            self.read_block(b, host, dst)?;
+            return Ok(dtype::count_nonfinite_par(host, dst));
+        }
+        b.check_inside(&self.path, (h.rows, h.cols))?;
+        assert_eq!(dst.len(), b.elems() * host.size(), "read_staged: dst size");
+        let marks = (verify && h.has_checksums()).then(|| self.marks());
+        let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
+        let base = SendPtr(dst.as_mut_ptr());
+        let dst_len = dst.len();
+        let geo = self.geo;
+        let per_run: Vec<(u64, Option<Piece>)> = rs
+            .par_iter()
+            .map_init(Vec::new, |scratch: &mut Vec<u8>, g| {
+                let span = g.buf_span();
+                assert!(span.end <= dst_len);
+                // SAFETY: as in `read_runs`: the runs of a block cover disjoint bytes of the
+                // block buffer, `span` lies inside it (asserted), and `dst` outlives the loop.
+                let span = unsafe {
+                    std::slice::from_raw_parts_mut(base.get().add(span.start), span.len())
+                };
+                let tile = ((g.file_off - geo.data_offset) / geo.tile_stride) as usize;
+                let want_crc =
+                    g.file_contiguous() && marks.is_some_and(|m| !m[tile].load(Ordering::Relaxed));
+                let (mut crc, mut nonfinite) = (0u32, 0u64);
+                read_run_visiting(&self.file, g, span, scratch, &mut |piece: &[u8]| {
+                    if want_crc {
+                        crc = crc32c::crc32c_append(crc, piece);
+                    }
+                    nonfinite += dtype::count_nonfinite(host, piece);
+                })?;
+                let piece = want_crc.then_some(Piece {
+                    tile,
+                    start: g.file_off,
+                    len: g.bytes() as u64,
+                    crc,
+                });
+                Ok((nonfinite, piece))
+            })
+            .collect::<std::io::Result<_>>()
+            .map_err(|e| Error::io(&self.path, "cannot read tile data", e))?;
+        let nonfinite = per_run.iter().map(|r| r.0).sum();
+        if let Some(marks) = marks {
+            let mut pieces: Vec<Piece> = per_run.into_iter().filter_map(|r| r.1).collect();
+            pieces.sort_unstable_by_key(|p| (p.tile, p.start));
+            let todo: Vec<(u64, u64)> = self
+                .geo
+                .tiles_iter(b)
+                .filter(|&(ti, tj)| !marks[self.geo.tile_index(ti, tj)].load(Ordering::Relaxed))
+                .collect();
+            let mut groups: Vec<(u64, u64, Vec<Piece>)> = todo
+                .into_iter()
+                .map(|(ti, tj)| {
+                    let idx = self.geo.tile_index(ti, tj);
+                    let lo = pieces.partition_point(|p| p.tile < idx);
+                    let hi = pieces.partition_point(|p| p.tile <= idx);
+                    (ti, tj, pieces[lo..hi].to_vec())
+                })
+                .collect();
+            groups.par_iter_mut().try_for_each(|(ti, tj, ps)| {
+                self.check_tile(*ti, *tj, ps)?;
+                marks[self.geo.tile_index(*ti, *tj)].store(true, Ordering::Relaxed);
+                Ok::<(), Error>(())
+            })?;
+        }
+        Ok(nonfinite)
+    }
+
     /// The journal's identity of this file: canonical path, length, header CRC and
     /// checksum-table CRC. The text is part of every journal's fingerprint, so it must not
     /// change between versions.
@@ -458,6 +638,9 @@ impl MatrixSource for TiledFile {
     }
     fn verify_block(&self, b: &Block) -> Result<()> {
         TiledFile::verify_block(self, b)
+    }
+    fn read_staged(&self, b: &Block, host: DType, dst: &mut [u8], verify: bool) -> Result<u64> {
+        TiledFile::read_staged(self, b, host, dst, verify)
     }
     fn identity(&self) -> String {
         TiledFile::identity(self)
@@ -844,6 +1027,116 @@ mod tests {
         };
         let e = f.read_block(&outside, DType::F32, &mut buf).unwrap_err();
         assert!(e.to_string().contains("outside"), "{e}");
+    }
+
+    /// An f32 .mgt of `rows × cols` (element (r, c) = `r·cols + c`) in `tr × tc` storage tiles.
+    fn write_grid(path: &Path, rows: u64, cols: u64, tr: u64, tc: u64) -> Header {
+        let hdr = Header::new(DType::F32, rows, cols, tr, tc, true);
+        let w = TiledWriter::create(path, hdr).unwrap();
+        let all = Block {
+            r0: 0,
+            c0: 0,
+            rows,
+            cols,
+        };
+        let data: Vec<u8> = (0..rows * cols)
+            .flat_map(|i| (i as f32).to_le_bytes())
+            .collect();
+        let sink: &dyn MatrixSink = &w;
+        sink.write_block(&all, DType::F32, &data).unwrap();
+        w.finish(false).unwrap();
+        hdr
+    }
+
+    #[test]
+    fn read_staged_reads_checks_and_counts_in_one_pass() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("s.mgt");
+        // 786 KiB storage tiles (pieces of 512 KiB split them), partial edge tiles, padding.
+        let (rows, cols) = (701u64, 653u64);
+        let hdr = write_grid(&p, rows, cols, 512, 384);
+        let blocks = [
+            (0, 0, rows, cols),
+            (3, 5, 509, 389),
+            (512, 384, 189, 269),
+            (0, 0, 512, 384),
+            (100, 0, 1, cols),
+            (0, 652, rows, 1),
+            (511, 383, 2, 2),
+        ];
+        for (r0, c0, r, c) in blocks {
+            let b = Block {
+                r0,
+                c0,
+                rows: r,
+                cols: c,
+            };
+            let f = TiledFile::open(&p).unwrap();
+            let mut want = vec![0u8; b.elems() * 4];
+            f.read_block(&b, DType::F32, &mut want).unwrap();
+            let mut got = vec![0u8; b.elems() * 4];
+            assert_eq!(f.read_staged(&b, DType::F32, &mut got, true).unwrap(), 0);
+            assert_eq!(got, want, "{b:?}");
+            let first = u32::from_le_bytes(got[..4].try_into().unwrap());
+            assert_eq!(f32::from_bits(first), (r0 * cols + c0) as f32);
+            // Every tile the block touches is now marked verified.
+            for (ti, tj) in f.geo.tiles_iter(&b) {
+                assert!(f.marks()[f.geo.tile_index(ti, tj)].load(Ordering::Relaxed));
+            }
+        }
+        // Damage in a tile's data, and in its padding, is found and names the tile; NaN and
+        // Inf are counted.
+        let poke = |off: u64, v: f32| {
+            let f = OpenOptions::new().write(true).open(&p).unwrap();
+            f.write_all_at(&v.to_le_bytes(), off).unwrap();
+        };
+        let b = Block {
+            r0: 500,
+            c0: 370,
+            rows: 30,
+            cols: 30,
+        };
+        let f = TiledFile::open(&p).unwrap();
+        let mut buf = vec![0u8; b.elems() * 4];
+        f.read_staged(&b, DType::F32, &mut buf, true).unwrap();
+        // Element (510, 380) lies in tile (0, 0), row 510, column 380.
+        poke(hdr.tile_offset(0, 0) + (510 * 384 + 380) * 4, f32::NAN);
+        // Element (520, 390): tile (1, 1), row 8, column 6.
+        poke(hdr.tile_offset(1, 1) + (8 * 384 + 6) * 4, f32::NEG_INFINITY);
+        // Checked once per handle: this one verified both tiles before the damage.
+        assert_eq!(f.read_staged(&b, DType::F32, &mut buf, true).unwrap(), 2);
+        let e = TiledFile::open(&p)
+            .unwrap()
+            .read_staged(&b, DType::F32, &mut buf, true)
+            .unwrap_err();
+        assert!(matches!(e, Error::Checksum { .. }), "{e}");
+        let no_check = TiledFile::open(&p).unwrap();
+        assert_eq!(
+            no_check
+                .read_staged(&b, DType::F32, &mut buf, false)
+                .unwrap(),
+            2
+        );
+        // Padding after tile (1, 0)'s last valid row (row 701 - 512 = 189 of 512).
+        write_grid(&p, rows, cols, 512, 384);
+        let pad = hdr.tile_offset(1, 0) + 300 * 384 * 4;
+        let f = OpenOptions::new().write(true).open(&p).unwrap();
+        f.write_all_at(&[1, 2, 3, 4], pad).unwrap();
+        let b = Block {
+            r0: 600,
+            c0: 0,
+            rows: 10,
+            cols: 10,
+        };
+        let mut buf = vec![0u8; b.elems() * 4];
+        let e = TiledFile::open(&p)
+            .unwrap()
+            .read_staged(&b, DType::F32, &mut buf, true)
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Checksum { ti: 1, tj: 0, .. }),
+            "expected tile (1, 0): {e}"
+        );
     }
 
     #[test]
