@@ -4,7 +4,10 @@
 //!
 //! Today that is the fault injection of the tests and the GPU resilience scripts
 //! (`MGMM_FAULT_*`, cargo feature `fault-injection`), and `MGMM_VERIFY_TIMES`, which makes
-//! `verify` print each pass's time and input rate on stderr (for the benchmark scripts).
+//! `verify` print each pass's time and input rate on stderr (for the benchmark scripts), and
+//! `MGMM_PINNED_ALLOC`, which makes the CUDA backend pin its host buffers with
+//! `cuMemHostAlloc` instead of registering memory it mapped (to compare the two on a GPU
+//! machine, tools/gpu/host_keepup.sh).
 
 #[cfg(feature = "fault-injection")]
 use crate::backend::fault::FaultConfig;
@@ -29,4 +32,11 @@ pub(crate) fn fault_config() -> Option<FaultConfig> {
 pub(crate) fn verify_times() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("MGMM_VERIFY_TIMES").is_some())
+}
+
+/// Whether `MGMM_PINNED_ALLOC` is set: the CUDA backend then allocates its pinned host buffers
+/// with `cuMemHostAlloc` rather than mapping and registering them. Read once per process.
+pub(crate) fn pinned_alloc() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("MGMM_PINNED_ALLOC").is_some())
 }

@@ -146,31 +146,109 @@ fn device_info(i: usize) -> Result<DeviceInfo> {
 /// Pinned (page-locked, cached) host memory from the first selected GPU's context, with a cache
 /// of freed buffers.
 ///
-/// Pinning is slow on the H200 host: about 2 GiB/s however many threads allocate, and freeing
-/// 4.5 GiB takes 0.6 s (tools/gpu/startup_probe.py). A plan of several steps or a split run of
-/// several shards would pay that again for every pipeline.
-/// So a buffer that is dropped goes back to the cache, and the next pipeline of this backend
-/// takes buffers of the same size from there (the Python API makes a backend per call, so it
-/// does not benefit). Asking for another size first frees what the cache holds, so the pinned
-/// memory held never exceeds what one pipeline asked for.
+/// Pinning is slow on the H200 host: `cuMemHostAlloc` runs at about 2.2–2.6 GiB/s however many
+/// threads allocate, and freeing 4.5 GiB takes 0.6 s (tools/gpu/startup_probe.py). Mapping the
+/// memory ourselves in transparent huge pages, populating it, and then registering it with
+/// `cuMemHostRegister` runs at 4.4–5.2 GiB/s and frees in a fifth of the time (same probe,
+/// docs/measurements/2026-12-01-*.log), so that is how buffers are made ([`Registered`]);
+/// `cuMemHostAlloc` remains the fallback when registering fails.
+///
+/// A plan of several steps or a split run of several shards would pay the pinning again for
+/// every pipeline. So a buffer that is dropped goes back to the cache, and the next pipeline of
+/// this backend takes buffers of the same size from there (the Python API makes a backend per
+/// call, so it does not benefit). Asking for another size first frees what the cache holds, so
+/// the pinned memory held never exceeds what one pipeline asked for.
 pub(crate) struct CudaAlloc {
     ctx: Arc<CudaContext>,
     cache: Arc<PinnedCache>,
 }
 
+/// Page-locked host memory, either kind.
+enum PinnedMem {
+    Registered(Registered),
+    Alloc(cudarc::driver::PinnedHostSlice<u8>),
+}
+
+impl PinnedMem {
+    fn len(&self) -> usize {
+        match self {
+            PinnedMem::Registered(r) => r.map.len(),
+            PinnedMem::Alloc(p) => p.len(),
+        }
+    }
+    fn ptr(&mut self) -> Result<*mut u8> {
+        match self {
+            PinnedMem::Registered(r) => Ok(r.map.as_mut_ptr()),
+            PinnedMem::Alloc(p) => p.as_mut_ptr().map_err(|e| derr("pinned pointer", e)),
+        }
+    }
+}
+
+/// An anonymous map of our own, in transparent huge pages where the kernel gives them,
+/// populated, then page-locked and made visible to every context with
+/// `cuMemHostRegister(PORTABLE)`; unregistered before it is unmapped.
+struct Registered {
+    map: memmap2::MmapMut,
+    ctx: Arc<CudaContext>,
+}
+
+impl Registered {
+    fn new(ctx: &Arc<CudaContext>, len: usize) -> std::result::Result<Registered, String> {
+        let mut map = memmap2::MmapOptions::new()
+            .len(len)
+            .map_anon()
+            .map_err(|e| format!("anonymous map: {e}"))?;
+        // Both are hints: without huge pages registration is slower, not wrong; without
+        // MADV_POPULATE_WRITE (Linux < 5.14) the pages are touched one by one instead.
+        let _ = map.advise(memmap2::Advice::HugePage);
+        if map.advise(memmap2::Advice::PopulateWrite).is_err() {
+            for page in map.chunks_mut(4096) {
+                page[0] = 0;
+            }
+        }
+        ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: the range is our own live mapping of `len` bytes, registered once; it is
+        // unregistered in Drop before the map is unmapped, and nothing is copied to or from it
+        // after that (the pipeline waits for every copy before it drops a buffer).
+        unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(
+                map.as_mut_ptr() as *mut c_void,
+                len,
+                cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuMemHostRegister: {e}"))?;
+        Ok(Registered {
+            map,
+            ctx: ctx.clone(),
+        })
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: registered in `new`; no copy uses the range any more (see there).
+        let _ = unsafe {
+            cudarc::driver::sys::cuMemHostUnregister(self.map.as_mut_ptr() as *mut c_void)
+        };
+    }
+}
+
 /// Freed pinned allocations, by length.
 #[derive(Default)]
-struct PinnedCache(std::sync::Mutex<Vec<cudarc::driver::PinnedHostSlice<u8>>>);
+struct PinnedCache(std::sync::Mutex<Vec<PinnedMem>>);
 
 /// Owns a pinned allocation while a [`HostBuf`] uses it; gives it back to the cache on drop.
 struct Pinned {
-    slice: Option<cudarc::driver::PinnedHostSlice<u8>>,
+    mem: Option<PinnedMem>,
     cache: Arc<PinnedCache>,
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        if let Some(p) = self.slice.take() {
+        if let Some(p) = self.mem.take() {
             self.cache
                 .0
                 .lock()
@@ -183,7 +261,7 @@ impl Drop for Pinned {
 impl CudaAlloc {
     /// A cached buffer of exactly `len` bytes; when there is none, the cache is emptied (freed)
     /// so that the fresh allocation that follows replaces, not adds to, what is held.
-    fn cached(&self, len: usize) -> Option<cudarc::driver::PinnedHostSlice<u8>> {
+    fn cached(&self, len: usize) -> Option<PinnedMem> {
         let mut c = self.cache.0.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(i) = c.iter().position(|p| p.len() == len) {
             return Some(c.swap_remove(i));
@@ -193,6 +271,33 @@ impl CudaAlloc {
         drop(stale);
         None
     }
+
+    /// Fresh page-locked memory: registered, or from `cuMemHostAlloc` if registering fails.
+    fn fresh(&self, len: usize) -> Result<PinnedMem> {
+        if !crate::config::pinned_alloc() {
+            if let Ok(r) = Registered::new(&self.ctx, len) {
+                return Ok(PinnedMem::Registered(r));
+            }
+        }
+        // SAFETY: the memory is uninitialised bytes; every reader of a staging or output
+        // buffer reads only what a fill or a download wrote first. Flags 0 = cached (not
+        // write-combined: output buffers are read by the CPU) with PORTABLE so every GPU's
+        // context may use it.
+        unsafe {
+            self.ctx
+                .alloc_pinned_with_flags::<u8>(len, cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE)
+        }
+        .map(PinnedMem::Alloc)
+        .map_err(|e| {
+            derr(
+                &format!(
+                    "cannot allocate {} of pinned host memory (engine.host_memory)",
+                    fmt_bytes(len as u64)
+                ),
+                e,
+            )
+        })
+    }
 }
 
 impl HostAlloc for CudaAlloc {
@@ -200,30 +305,12 @@ impl HostAlloc for CudaAlloc {
         let len = bytes.div_ceil(4096).max(1) * 4096;
         let mut p = match self.cached(len) {
             Some(p) => p,
-            // SAFETY: the memory is uninitialised bytes; every reader of a staging or output
-            // buffer reads only what a fill or a download wrote first. Flags 0 = cached (not
-            // write-combined: output buffers are read by the CPU) with PORTABLE so every GPU's
-            // context may use it.
-            None => unsafe {
-                self.ctx.alloc_pinned_with_flags::<u8>(
-                    len,
-                    cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE,
-                )
-            }
-            .map_err(|e| {
-                derr(
-                    &format!(
-                        "cannot allocate {} of pinned host memory (engine.host_memory)",
-                        fmt_bytes(len as u64)
-                    ),
-                    e,
-                )
-            })?,
+            None => self.fresh(len)?,
         };
-        let ptr = p.as_mut_ptr().map_err(|e| derr("pinned pointer", e))?;
+        let ptr = p.ptr()?;
         let ptr = NonNull::new(ptr).ok_or_else(|| Error::backend("cuda", "null pinned pointer"))?;
         let owner = Pinned {
-            slice: Some(p),
+            mem: Some(p),
             cache: self.cache.clone(),
         };
         // SAFETY: the pinned allocation lives as long as the owner box, which the HostBuf keeps
@@ -233,7 +320,9 @@ impl HostAlloc for CudaAlloc {
     }
 }
 
-// SAFETY: PinnedHostSlice is Send + Sync in cudarc; the wrapper and the cache add only a Mutex.
+// SAFETY: PinnedHostSlice is Send + Sync in cudarc; a registered map is plain memory owned by
+// its struct (the raw pointer in MmapMut is only used through &mut self); the wrapper and the
+// cache add only a Mutex.
 unsafe impl Send for Pinned {}
 unsafe impl Sync for Pinned {}
 unsafe impl Send for PinnedCache {}

@@ -49,8 +49,13 @@ impl Pool {
             out: AtomicUsize::new(0),
             high_water: AtomicUsize::new(0),
         }));
-        for _ in 0..count {
-            let b = alloc.alloc_host(buf_bytes)?;
+        // Several at once: populating fresh pages is per-thread work in the kernel.
+        use rayon::prelude::*;
+        let bufs = (0..count)
+            .into_par_iter()
+            .map(|_| alloc.alloc_host(buf_bytes))
+            .collect::<Result<Vec<HostBuf>>>()?;
+        for b in bufs {
             pool.0
                 .free_tx
                 .send(b)
