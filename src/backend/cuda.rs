@@ -586,7 +586,7 @@ impl CudaLane {
             }
             _ => None,
         };
-        Ok(CudaLane {
+        let mut lane = CudaLane {
             ordinal,
             name: format!("cuda:{ordinal} {}", ctx.name().unwrap_or_default()),
             ctx,
@@ -607,7 +607,47 @@ impl CudaLane {
             gemm_events: VecDeque::new(),
             stats: DeviceStats::default(),
             lane,
-        })
+        };
+        lane.warm_up(l)?;
+        Ok(lane)
+    }
+
+    /// One full-tile GEMM on zeroed buffers, waited for, then forgotten. cuBLAS loads the
+    /// kernels it picks lazily, on their first call; without this the pipeline's first GEMM
+    /// waited for that load (the first GEMM of 32768² fp32 on one H200 was issued 0.25 s after
+    /// the stages started, while its two tiles take about 0.05 s to read and upload), and the
+    /// stages behind it stalled. Tiles of other shapes (edges) and transposed operands may
+    /// still load a kernel on first use.
+    fn warm_up(&mut self, l: &Layout) -> Result<()> {
+        let (dev, host) = (self.dev_dt.size() as u64, self.host_dt.size() as u64);
+        let fits = l.tm * l.tk * dev <= l.slot_bytes
+            && l.tk * l.tn * dev <= l.slot_bytes
+            && l.tm * l.tn * host <= l.acc_bytes;
+        if !fits || self.slots.is_empty() || self.accs.is_empty() {
+            return Ok(());
+        }
+        let b_slot = 1.min(self.slots.len() - 1);
+        for i in [0, b_slot] {
+            self.comp
+                .memset_zeros(&mut self.slots[i])
+                .map_err(|e| self.err("zero a slot", e))?;
+        }
+        let desc = GemmDesc {
+            m: l.tm as usize,
+            n: l.tn as usize,
+            k: l.tk as usize,
+            a_trans: false,
+            b_trans: false,
+            alpha: 1.0,
+            beta: 0.0,
+        };
+        self.gemm(&desc, 0, b_slot, 0)?;
+        self.comp
+            .synchronize()
+            .map_err(|e| self.err("synchronize after warm-up GEMM", e))?;
+        self.gemm_events.clear();
+        self.stats = DeviceStats::default();
+        Ok(())
     }
 
     fn err(&self, what: &str, e: impl Into<DeviceError>) -> Error {
@@ -825,16 +865,20 @@ impl Lane for CudaLane {
                 &b32 as *const f32 as *const c_void,
             )
         };
-        let start = self
-            .comp
-            .record_event(timing())
-            .map_err(|e| self.err("event", e))?;
         let (ordinal, lane) = (self.ordinal, self.lane);
+        let start;
         {
             let (acc_buf, rest) = (&mut self.accs[acc], &self.slots);
             let (ptr_b, _gb) = rest[b_slot].device_ptr(&self.comp);
             let (ptr_a, _ga) = rest[a_slot].device_ptr(&self.comp);
             let (ptr_c, _gc) = acc_buf.device_ptr_mut(&self.comp);
+            // After the pointers: taking them makes the stream wait for the uploads into the
+            // slots, and that wait is not GEMM time (it was counted as such before, which
+            // showed staging-bound tf32 runs' GEMMs at half cuBLAS's rate).
+            start = self
+                .comp
+                .record_event(timing())
+                .map_err(|e| Error::device(lane, format!("cuda:{ordinal}"), "event", e))?;
             let blas = self.blas.as_ref().expect("handle lives until drop");
             // SAFETY: all three buffers belong to this lane's context and are at least as large
             // as the GEMM reads/writes (layout sizes slots for tm·tk and tk·tn elements and
