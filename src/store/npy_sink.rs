@@ -254,7 +254,9 @@ impl MatrixSink for NpyWriter {
                 crcs,
             },
         };
-        write_sidecar(&self.path, &side, durable)
+        let NpyWriter { path, map, .. } = *self;
+        super::fsutil::unmap_in_background(map);
+        write_sidecar(&path, &side, durable)
     }
 }
 

@@ -875,6 +875,7 @@ impl TiledWriter {
                 .sync_all()
                 .map_err(|e| Error::io(&self.path, "cannot sync output to disk", e))?;
         }
+        fsutil::unmap_in_background(self.map);
         Ok(())
     }
 
