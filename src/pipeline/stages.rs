@@ -5,7 +5,7 @@
 //!        │ (each lane's planner pulls the next output tile)
 //!   Planner ──PlanOp──▶ Prefetch ──PlanOp──▶ Staging ──LaneOp──▶ DeviceLane ──Done──▶ Writeback
 //!   (cache model,        (madvise            (lease buffer,       (upload, GEMM,       (write tile
-//!    slot choice)         WILLNEED)           copy from map)       download)            into output)
+//!    slot choice)         WILLNEED)           pread, CRC, NaNs)    download)            into output)
 //! ```
 //! A stage loops over its receiver, stops when upstream disconnects, leaves when downstream
 //! does, and reports its first error through [`Control`], which cancels the others.
