@@ -14,6 +14,14 @@ use mgmm_stream::progress::Progress;
 use mgmm_stream::run::{run_plan_on, RunOptions, RunReport};
 use mgmm_stream::store::gen::Dist;
 
+/// The tests of this file run one at a time: the shared-reader test measures how four simulated
+/// lanes keep in step, which the other tests' processes and threads upset on a 2-core machine.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn write(dir: &Path, m: u64, n: u64, k: u64, engine: &str) {
     gen(
         &dir.join("A.mgt"),
@@ -49,6 +57,7 @@ fn within(actual: u64, predicted: u64, tol: f64) -> bool {
 
 #[test]
 fn cpu_reads_what_plan_predicts_when_inputs_exceed_the_cache() {
+    let _serial = serial();
     let d = tmp();
     // 3.3 MiB + 3.5 MiB of inputs through a 2 MiB budget: B is re-read for every row band.
     write(
@@ -93,6 +102,7 @@ const ALLOWED: f64 = 1.5;
 
 #[test]
 fn four_lanes_read_each_input_block_once_between_them() {
+    let _serial = serial();
     let d = tmp();
     write(
         d.path(),
@@ -141,6 +151,7 @@ fn four_lanes_read_each_input_block_once_between_them() {
 
 #[test]
 fn an_output_larger_than_host_memory_keeps_resident_memory_bounded() {
+    let _serial = serial();
     let d = tmp();
     // A 256 MiB output from 4 MiB inputs under a 32 MiB budget: with engine.write = "auto" the
     // output is written with pwrite, not through a mapping whose pages would count as resident.

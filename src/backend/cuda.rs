@@ -198,10 +198,14 @@ impl Registered {
             .len(len)
             .map_anon()
             .map_err(|e| format!("anonymous map: {e}"))?;
-        // Both are hints: without huge pages registration is slower, not wrong; without
-        // MADV_POPULATE_WRITE (Linux < 5.14) the pages are touched one by one instead.
+        // Without huge pages registration is slower, not wrong. Without MADV_POPULATE_WRITE
+        // (EINVAL: Linux < 5.14) the pages are touched one by one instead; any other failure
+        // (ENOMEM above all) is reported, so that memory short does not become an OOM kill.
         let _ = map.advise(memmap2::Advice::HugePage);
-        if map.advise(memmap2::Advice::PopulateWrite).is_err() {
+        if let Err(e) = map.advise(memmap2::Advice::PopulateWrite) {
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(format!("populating the pages: {e}"));
+            }
             for page in map.chunks_mut(4096) {
                 page[0] = 0;
             }
@@ -274,9 +278,11 @@ impl CudaAlloc {
 
     /// Fresh page-locked memory: registered, or from `cuMemHostAlloc` if registering fails.
     fn fresh(&self, len: usize) -> Result<PinnedMem> {
+        let mut why = String::new();
         if !crate::config::pinned_alloc() {
-            if let Ok(r) = Registered::new(&self.ctx, len) {
-                return Ok(PinnedMem::Registered(r));
+            match Registered::new(&self.ctx, len) {
+                Ok(r) => return Ok(PinnedMem::Registered(r)),
+                Err(e) => why = format!(" (registering mapped memory failed first: {e})"),
             }
         }
         // SAFETY: the memory is uninitialised bytes; every reader of a staging or output
@@ -291,7 +297,7 @@ impl CudaAlloc {
         .map_err(|e| {
             derr(
                 &format!(
-                    "cannot allocate {} of pinned host memory (engine.host_memory)",
+                    "cannot allocate {} of pinned host memory (engine.host_memory){why}",
                     fmt_bytes(len as u64)
                 ),
                 e,
@@ -320,8 +326,9 @@ impl HostAlloc for CudaAlloc {
     }
 }
 
-// SAFETY: PinnedHostSlice is Send + Sync in cudarc; a registered map is plain memory owned by
-// its struct (the raw pointer in MmapMut is only used through &mut self); the wrapper and the
+// SAFETY: PinnedHostSlice is Send + Sync in cudarc, and so are MmapMut and Arc<CudaContext>
+// (a registered map); `Pinned` never hands out a slice of either (the HostBuf holds the raw
+// pointer, and the pipeline gives each buffer to one stage at a time); the wrapper and the
 // cache add only a Mutex.
 unsafe impl Send for Pinned {}
 unsafe impl Sync for Pinned {}
@@ -872,9 +879,11 @@ impl Lane for CudaLane {
             let (ptr_b, _gb) = rest[b_slot].device_ptr(&self.comp);
             let (ptr_a, _ga) = rest[a_slot].device_ptr(&self.comp);
             let (ptr_c, _gc) = acc_buf.device_ptr_mut(&self.comp);
-            // After the pointers: taking them makes the stream wait for the uploads into the
-            // slots, and that wait is not GEMM time (it was counted as such before, which
-            // showed staging-bound tf32 runs' GEMMs at half cuBLAS's rate).
+            // After the pointers: taking them makes the stream wait for the buffers' last use
+            // on the other streams, above all the accumulator's download of its previous tile
+            // (the uploads were waited for in `upload`). That wait is not GEMM time; it was
+            // counted as such before, which showed staging-bound tf32 runs' GEMMs at half
+            // cuBLAS's rate.
             start = self
                 .comp
                 .record_event(timing())

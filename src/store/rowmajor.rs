@@ -9,10 +9,11 @@
 //! flight on the rayon pool) and sliced in memory — unless its pages are already in the page
 //! cache (checked with `mincore`), where slicing would only copy more. Readahead advice covers
 //! the same band, so the other column panels of that band are then read from memory. A step
-//! reads every column panel of its inputs, so when the page cache can hold the whole file
-//! (half of the kernel's `MemAvailable` at open), a band read first is never wasted: later
-//! panels find it resident. Then every short strided run is read as its band, whatever the
-//! fraction (50000² f32 from a cold `.npy`, 32 KiB segments of 195 KiB rows, fell under the
+//! reads every column panel of its inputs, so when the page cache can likely hold the whole
+//! file (at most half of the kernel's `MemAvailable` when it is opened), a band read first is
+//! rarely wasted: later panels find it resident, unless other inputs and the output push it
+//! out first (each file is judged alone). Then every short strided run is read as its band,
+//! whatever the fraction (50000² f32 from a cold `.npy`, 32 KiB segments of 195 KiB rows, fell under the
 //! fraction and read at 0.90 GB/s against dd's 1.08).
 //!
 //! A file stored column-major (a Fortran-order `.npy`, a raw file with `order = "F"`) holds the
@@ -83,7 +84,7 @@ pub(crate) struct RowMajorFile {
     mtime_ns: i128,
     crcs: Option<TileCrcs>,
     verified: OnceLock<Vec<AtomicBool>>,
-    /// The page cache can hold the whole file (module doc): band reads are never wasted.
+    /// The page cache can likely hold the whole file (module doc): band reads are rarely wasted.
     cache_holds_file: bool,
 }
 
@@ -196,6 +197,10 @@ impl RowMajorFile {
         let (bands, rest): (Vec<Run>, Vec<Run>) = rs
             .iter()
             .partition(|r| self.band_worthy(r) && !self.resident(r.file_span()));
+        if count.is_none() {
+            // Before `base` is taken: every later write goes through it.
+            read_runs(&self.file, &rest, raw)?;
+        }
         let base = SendPtr(raw.as_mut_ptr());
         let raw_len = raw.len();
         // SAFETY (both loops): runs of one block cover disjoint bytes of the block buffer,
@@ -206,7 +211,6 @@ impl RowMajorFile {
             unsafe { std::slice::from_raw_parts_mut(base.get().add(span.start), span.len()) }
         };
         let in_rest: u64 = if count.is_none() {
-            read_runs(&self.file, &rest, raw)?;
             0
         } else {
             rest.par_iter()

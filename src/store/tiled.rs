@@ -1,8 +1,9 @@
 //! Reading and writing `.mgt` tiled matrix files: the first [`MatrixSource`] and [`MatrixSink`].
 //!
 //! [`TiledFile`] reads arbitrary row/column blocks of an input with parallel `pread`s of the
-//! block's contiguous runs ([`super::runs`]); it keeps a read-only map only for readahead advice
-//! and checksum verification. [`TiledWriter`] creates an output at its full length and writes
+//! block's contiguous runs ([`super::runs`]), checking storage-tile checksums on the pieces it
+//! reads ([`TiledFile::read_staged`]) or with `pread`s of their own; it keeps a read-only map
+//! for readahead advice and the checksum table. [`TiledWriter`] creates an output at its full length and writes
 //! blocks either by copying into a writable map whose pages a prefault stage populated, or by
 //! `pwrite` ([`WriteMode`]); `finish` fills in the checksum table and makes the data durable.
 //!
@@ -316,8 +317,8 @@ pub(crate) fn supported(from: DType, to: DType) -> bool {
         )
 }
 
-/// An input matrix file, validated, read with `pread` and mapped read-only for advice and
-/// checksum verification.
+/// An input matrix file, validated, read with `pread` and mapped read-only for advice and its
+/// checksum table.
 pub struct TiledFile {
     path: PathBuf,
     file: File,
@@ -520,7 +521,9 @@ impl TiledFile {
     /// not yet verified, when `verify`) and NaN/Inf count are taken while it is there, instead
     /// of a checksum pass through the map, the copy, and a counting pass over the copy (three
     /// trips through memory). Returns the number of non-finite elements read. Reading as
-    /// another dtype falls back to those separate passes.
+    /// another dtype falls back to those separate passes. Only runs whose rows are back to back
+    /// in the file yield CRC pieces: a block narrower than a storage tile (or a tile's padding
+    /// and the rows outside the block) is checked by reading the rest of the tile again.
     pub(crate) fn read_staged(
         &self,
         b: &Block,
@@ -1049,11 +1052,61 @@ mod tests {
         hdr
     }
 
+    /// Storage tiles of 4.3 MiB, more than a run's `IO_SPAN`: one tile's CRC is combined from
+    /// several runs' pieces (and from `pread`s of what the block leaves out).
+    #[test]
+    fn read_staged_combines_several_runs_of_a_tile() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("big.mgt");
+        let (rows, cols) = (2100u64, 1200u64);
+        write_grid(&p, rows, cols, 1024, 1100);
+        for (r0, c0, r, c) in [
+            (0, 0, 1024, 1200),
+            (3, 0, 1500, 1100),
+            (0, 0, rows, cols),
+            (1000, 0, 1100, 1100),
+        ] {
+            let b = Block {
+                r0,
+                c0,
+                rows: r,
+                cols: c,
+            };
+            let f = TiledFile::open(&p).unwrap();
+            let mut want = vec![0u8; b.elems() * 4];
+            f.read_block(&b, DType::F32, &mut want).unwrap();
+            let mut got = vec![0u8; b.elems() * 4];
+            assert_eq!(f.read_staged(&b, DType::F32, &mut got, true).unwrap(), 0);
+            assert_eq!(got, want, "{b:?}");
+        }
+        // A damaged byte in the second run of tile (0, 0) is found through the combined CRC.
+        let hdr = TiledFile::open(&p).unwrap().hdr;
+        let off = hdr.tile_offset(0, 0) + 1000 * 1100 * 4;
+        OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .write_all_at(&[0x7f; 4], off)
+            .unwrap();
+        let b = Block {
+            r0: 0,
+            c0: 0,
+            rows: 1024,
+            cols: 1100,
+        };
+        let mut buf = vec![0u8; b.elems() * 4];
+        let e = TiledFile::open(&p)
+            .unwrap()
+            .read_staged(&b, DType::F32, &mut buf, true)
+            .unwrap_err();
+        assert!(matches!(e, Error::Checksum { ti: 0, tj: 0, .. }), "{e}");
+    }
+
     #[test]
     fn read_staged_reads_checks_and_counts_in_one_pass() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("s.mgt");
-        // 786 KiB storage tiles (pieces of 512 KiB split them), partial edge tiles, padding.
+        // 768 KiB storage tiles (pieces of 512 KiB split them), partial edge tiles, padding.
         let (rows, cols) = (701u64, 653u64);
         let hdr = write_grid(&p, rows, cols, 512, 384);
         let blocks = [
