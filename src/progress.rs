@@ -44,6 +44,8 @@ pub(crate) struct Live<'a> {
     pub(crate) started: Instant,
     /// The step's index in the plan (0-based).
     pub(crate) step: usize,
+    /// For one product of a whole-expression chain: its part number (1-based) and the count.
+    pub(crate) part: Option<(usize, usize)>,
     /// The step's output, as the plan names it.
     pub(crate) output: String,
     /// Output tiles of the whole step.
@@ -285,6 +287,7 @@ fn stage_label(k: StageKind) -> &'static str {
 struct View {
     step: usize,
     steps: usize,
+    part: Option<(usize, usize)>,
     output: String,
     elapsed: f64,
     frac: f64,
@@ -298,12 +301,20 @@ struct View {
 }
 
 impl View {
+    /// "step 2/3", or "step 1/1, part 2/2" for a product of a chain.
+    fn label(&self) -> String {
+        let mut l = format!("step {}/{}", self.step + 1, self.steps);
+        if let Some((p, n)) = self.part {
+            let _ = write!(l, ", part {p}/{n}");
+        }
+        l
+    }
     fn head(&self) -> String {
-        let name = short_path(&self.output, 44);
+        let label = self.label();
+        // 44 columns of name beside "step 12/12"; a part label takes them from the name.
+        let name = short_path(&self.output, 54usize.saturating_sub(label.len()).max(20));
         fit(&format!(
-            "step {}/{}: {name}, elapsed {}",
-            self.step + 1,
-            self.steps,
+            "{label}: {name}, elapsed {}",
             fmt_duration(Some(self.elapsed))
         ))
     }
@@ -329,12 +340,7 @@ impl View {
     fn log_lines(&self) -> Vec<String> {
         let ts = timestamp();
         let mut v = vec![
-            fit(&format!(
-                "{ts} step {}/{} {}",
-                self.step + 1,
-                self.steps,
-                self.numbers()
-            )),
+            fit(&format!("{ts} {} {}", self.label(), self.numbers())),
             fit(&format!("{ts}   {}", self.io())),
         ];
         if let Some(d) = &self.devices {
@@ -397,8 +403,8 @@ pub trait ProgressListener: Send + Sync {
 /// The display for one invocation of the engine.
 pub struct Progress {
     mode: Mode,
-    /// Each step's output name and FLOPs, for the plan-level line.
-    plan: Mutex<Vec<(String, u64)>>,
+    /// Each step's output name, FLOPs and index in the plan, for the plan-level line.
+    plan: Mutex<Vec<(String, u64, usize)>>,
     cancel: Option<Arc<AtomicBool>>,
 }
 
@@ -467,8 +473,9 @@ impl Progress {
         }
     }
 
-    /// Tell the display the plan's steps (output name, FLOPs), for `step i/N` and the plan ETA.
-    pub fn begin_plan(&self, steps: Vec<(String, u64)>) {
+    /// Tell the display the plan's steps as run (output name, FLOPs, the step's index in the
+    /// plan: a chain's products share their step's index), for `step i/N` and the plan ETA.
+    pub fn begin_plan(&self, steps: Vec<(String, u64, usize)>) {
         *self.plan.lock().unwrap() = steps;
     }
 
@@ -516,11 +523,17 @@ impl Progress {
         matches!(self.mode, Mode::Quiet)
     }
 
-    /// Later steps' FLOPs and the step count, from [`Progress::begin_plan`].
-    fn plan_context(&self, step: usize) -> (usize, f64) {
+    /// The plan's step count and the FLOPs of what runs after the step writing `output`
+    /// (step index `step`), from [`Progress::begin_plan`].
+    fn plan_context(&self, step: usize, output: &str) -> (usize, f64) {
         let p = self.plan.lock().unwrap();
-        let later = p.iter().skip(step + 1).map(|(_, f)| *f as f64).sum();
-        (p.len().max(step + 1), later)
+        let steps = p.iter().map(|e| e.2 + 1).max().unwrap_or(0).max(step + 1);
+        let pos = p
+            .iter()
+            .position(|e| e.0 == output)
+            .or_else(|| p.iter().rposition(|e| e.2 == step));
+        let later = pos.map_or(0.0, |i| p.iter().skip(i + 1).map(|e| e.1 as f64).sum());
+        (steps, later)
     }
 
     /// Show progress of one step until `stop` disconnects.
@@ -529,7 +542,7 @@ impl Progress {
             let _ = stop.recv();
             return;
         }
-        let (steps, later) = self.plan_context(live.step);
+        let (steps, later) = self.plan_context(live.step, &live.output);
         let mut rate = Rate::default();
         let mut sample = || -> View {
             let el = live.started.elapsed().as_secs_f64();
@@ -544,6 +557,7 @@ impl Progress {
             View {
                 step: live.step,
                 steps,
+                part: live.part,
                 output: live.output.clone(),
                 elapsed: el,
                 frac: done / total,
@@ -558,9 +572,8 @@ impl Progress {
         };
         let first = sample();
         self.note(&format!(
-            "step {}/{}: {}{}",
-            first.step + 1,
-            first.steps,
+            "{}: {}{}",
+            first.label(),
             live.output,
             if live.flops_before > 0 {
                 format!(" (resuming at {:.1}%)", 100.0 * first.frac)
@@ -605,9 +618,8 @@ impl Progress {
         if live.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
             let v = sample();
             self.note(&format!(
-                "step {}/{}: stopped at {:.1}% (interrupted)",
-                v.step + 1,
-                v.steps,
+                "{}: stopped at {:.1}% (interrupted)",
+                v.label(),
                 100.0 * v.frac
             ));
         }
@@ -859,6 +871,7 @@ mod tests {
         let v = View {
             step: 11,
             steps: 12,
+            part: Some((3, 4)),
             output: "/very/long/path/to/some/output/directory/with/a/matrix/C_final_result.mgt"
                 .into(),
             elapsed: 3723.0,
@@ -885,6 +898,10 @@ mod tests {
             );
             assert!(!l.contains("NaN") && !l.contains("inf"), "{l}");
         }
-        assert!(v.head().contains("step 12/12") && v.head().contains("1h02m"));
+        let head = v.head();
+        assert!(
+            head.contains("step 12/12, part 3/4: ") && head.contains("1h02m"),
+            "{head}"
+        );
     }
 }

@@ -379,3 +379,47 @@ fn a_resume_starts_where_the_journal_left_off() {
         "progress starts at the resumed point: {lines:#?}"
     );
 }
+
+/// A whole-expression step runs as several products: each is labelled with the plan's step
+/// and its part ("step 2/2, part 1/2"), never with a count of products posing as steps.
+#[test]
+fn chain_parts_are_labelled_as_parts_of_their_step() {
+    let d = tmp();
+    let dir = d.path();
+    for (name, r, c, seed) in [
+        ("A", 40, 9, 1),
+        ("B", 9, 9, 2),
+        ("C", 9, 700, 3),
+        ("E", 5, 5, 4),
+    ] {
+        gen(
+            &dir.join(format!("{name}.mgt")),
+            r,
+            c,
+            DType::F32,
+            (64, 64),
+            Dist::Normal,
+            seed,
+        );
+    }
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+                [matrices.C]\npath = \"C.mgt\"\n[matrices.E]\npath = \"E.mgt\"\n\
+                [[step]]\noutput = \"F.mgt\"\nexpr = \"E @ E\"\n\
+                [[step]]\noutput = \"D.mgt\"\nexpr = \"(A @ B @ C).T\"\n\
+                [engine]\nbackend = \"cpu\"\ndurable = false\n";
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let progress = Progress::log_into(Duration::from_millis(5), lines.clone());
+    let backend = mgmm_stream::backend::select(&plan.engine).unwrap();
+    run_plan_on(&plan, backend, &RunOptions::default(), &progress).unwrap();
+    let lines = lines.lock().unwrap().clone();
+    let has = |s: &str, end: &str| lines.iter().any(|l| l.contains(s) && l.ends_with(end));
+    assert!(has("step 1/2: ", "/F.mgt"), "{lines:#?}");
+    assert!(
+        has("step 2/2, part 1/2: ", "/D.mgt.part1.mgt"),
+        "{lines:#?}"
+    );
+    assert!(has("step 2/2, part 2/2: ", "/D.mgt"), "{lines:#?}");
+    assert!(!has("step 3/", ""), "three products, two steps: {lines:#?}");
+}

@@ -315,6 +315,7 @@ impl<'a> Pipeline<'a> {
         let live = Live {
             started: t0,
             step: step.index,
+            part: step.chain.as_ref().map(|c| (c.part, c.parts)),
             output: step.output.display().to_string(),
             tiles_total: self.queue.len() as u64 + self.done_before,
             flops_total: all_flops,

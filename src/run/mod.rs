@@ -322,7 +322,11 @@ fn run_plan_timed(
             .iter()
             .map(|s| {
                 let flops = 2u64.saturating_mul(s.m).saturating_mul(s.n);
-                (s.output.display().to_string(), flops.saturating_mul(s.k))
+                (
+                    s.output.display().to_string(),
+                    flops.saturating_mul(s.k),
+                    s.index,
+                )
             })
             .collect(),
     );
