@@ -204,9 +204,15 @@ fn finalize_refuses_and_names_missing_shards_then_status_and_rerun_complete() {
     let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
     assert!(st.contains("shard   1/3") && st.contains("waiting"), "{st}");
     assert!(st.contains("shard   0/3") && st.contains("done"), "{st}");
-    ok(cmd(dir, &["run", "plan.toml", "--shard", "1/3"], &[])
+    let last = ok(cmd(dir, &["run", "plan.toml", "--shard", "1/3"], &[])
         .output()
         .unwrap());
+    // Progress counts within the shard: the other shards' tiles are not "resumed" work.
+    assert!(last.contains("step 1/1: ./C.mgt"), "{last}");
+    assert!(
+        !last.contains("resuming"),
+        "a fresh shard starts at 0 %: {last}"
+    );
     assert!(std::fs::read(dir.join("C.mgt")).unwrap() == reference);
     let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
     assert!(st.contains("FINALIZED"), "{st}");

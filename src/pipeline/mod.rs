@@ -136,6 +136,9 @@ pub(crate) struct Pipeline<'a> {
     done_before: u64,
     /// Partial accumulators: saved while tiles are computed, resumed from at the start.
     ckpt: Option<&'a checkpoint::Checkpoints>,
+    /// The output tiles this run answers for (a shard's), when not the whole step: progress
+    /// counts within them.
+    scope: Option<std::ops::Range<u32>>,
 }
 
 /// Counters shared by the stages and the progress display.
@@ -207,7 +210,15 @@ impl<'a> Pipeline<'a> {
             progress,
             done_before: work.done_before,
             ckpt: None,
+            scope: None,
         })
+    }
+
+    /// Count progress within `tiles` (a shard of the step) instead of the whole step, so that
+    /// a fresh shard starts at 0 %, not at the share the other shards hold.
+    pub(crate) fn with_scope(mut self, tiles: std::ops::Range<u32>) -> Self {
+        self.scope = Some(tiles);
+        self
     }
 
     /// Save partial accumulators in `ckpt` as its interval says, and start the tiles it
@@ -233,11 +244,17 @@ impl<'a> Pipeline<'a> {
     /// Run every stage to the end (or the first error), then finish the output.
     pub(crate) fn run(mut self) -> Result<RunStats> {
         let nlanes = self.lanes.len();
-        let all_flops = self.tile_flops(0..self.sched.tiles.len() as u32);
+        let scope = (self.scope.clone()).unwrap_or(0..self.sched.tiles.len() as u32);
+        let all_flops = self.tile_flops(scope.clone());
         let todo_flops = self.todo_flops();
+        // Tiles of the scope finished before this run.
+        let done_start = match &self.scope {
+            Some(r) => (r.len() as u64).saturating_sub(self.queue.len() as u64),
+            None => self.done_before,
+        };
         let c = Counters {
             first_gemm_ns: AtomicU64::new(u64::MAX),
-            tiles_done: AtomicU64::new(self.done_before),
+            tiles_done: AtomicU64::new(done_start),
             flops_done: AtomicU64::new(all_flops - todo_flops),
             flops_issued: AtomicU64::new(0),
             lane_live: (0..nlanes).map(|_| Default::default()).collect(),
@@ -254,7 +271,7 @@ impl<'a> Pipeline<'a> {
         if ctl.is_cancelled() {
             return Err(Error::Cancelled);
         }
-        let computed = c.tiles_done.load(Ordering::Relaxed) - self.done_before;
+        let computed = c.tiles_done.load(Ordering::Relaxed) - done_start;
         if computed != self.queue.len() as u64 {
             return Err(Error::Usage(format!(
                 "internal error: {computed} of {} output tiles were written",
@@ -317,7 +334,10 @@ impl<'a> Pipeline<'a> {
             step: step.index,
             part: step.chain.as_ref().map(|c| (c.part, c.parts)),
             output: step.output.display().to_string(),
-            tiles_total: self.queue.len() as u64 + self.done_before,
+            tiles_total: match &self.scope {
+                Some(r) => r.len() as u64,
+                None => self.queue.len() as u64 + self.done_before,
+            },
             flops_total: all_flops,
             flops_before: all_flops - self.todo_flops(),
             tiles_done: &c.tiles_done,

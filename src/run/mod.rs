@@ -491,6 +491,10 @@ fn run_step_with(
             held.sources(step)?,
         )?
         .with_checkpoints(&ckpt);
+        let pipe = match shard {
+            Some(ctx) => pipe.with_scope(ctx.tiles.clone()),
+            None => pipe,
+        };
         let build_s = tb.elapsed().as_secs_f64();
         let trun = Instant::now();
         let result = pipe.run();
