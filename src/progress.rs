@@ -109,6 +109,11 @@ impl Rate {
     }
 }
 
+/// `n` and the noun that goes with it: "1 tile", "16 tiles".
+pub fn count(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
 /// A duration for people: "42s", "3m05s", "1h02m", "2d03h"; `--` for none.
 pub fn fmt_duration(s: Option<f64>) -> String {
     let Some(s) = s.filter(|s| s.is_finite() && *s >= 0.0) else {
@@ -864,6 +869,13 @@ mod tests {
             r.sample(i as f64, 2.0 * i as f64);
         }
         assert!((r.per_s().unwrap() - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn counts_take_the_noun_they_need() {
+        assert_eq!(count(1, "output tile", "output tiles"), "1 output tile");
+        assert_eq!(count(0, "tile", "tiles"), "0 tiles");
+        assert_eq!(count(16, "tile", "tiles"), "16 tiles");
     }
 
     #[test]

@@ -61,10 +61,10 @@ pub(crate) fn try_auto(
         } else {
             finalize_step(step, &m).map(|f| {
                 progress.note(&format!(
-                    "step {}: finalized {} ({} tiles checked, checksum table written) in {:.2} s",
+                    "step {}: finalized {} ({} checked, checksum table written) in {:.2} s",
                     step.index + 1,
                     step.output.display(),
-                    f.tiles,
+                    crate::progress::count(f.tiles as u64, "tile", "tiles"),
                     f.secs
                 ))
             })
@@ -228,9 +228,9 @@ pub(crate) fn finalize_plan(plan: &Plan, verify: Option<(Precision, usize, u64)>
         } else {
             let f = finalize_step(step, &m)?;
             println!(
-                "step {n}: finalized {}: {} tiles checked against their journals, checksum table written ({:.2} s)",
+                "step {n}: finalized {}: {} checked against their journals, checksum table written ({:.2} s)",
                 step.output.display(),
-                f.tiles,
+                crate::progress::count(f.tiles as u64, "tile", "tiles"),
                 f.secs
             );
         }

@@ -225,10 +225,10 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
     .and_then(|_| std::fs::rename(&mtmp, &mp))
     .map_err(|e| Error::io(&mp, "cannot write manifest", e))?;
     progress.note(&format!(
-        "step {}: prepared {} ({} output tiles) for a split run",
+        "step {}: prepared {} ({}) for a split run",
         step.index + 1,
         out.display(),
-        m.tiles
+        crate::progress::count(m.tiles as u64, "output tile", "output tiles")
     ));
     Ok(m)
 }

@@ -7,6 +7,7 @@ use crate::plan::layout::Layout;
 use crate::plan::schedule::traffic;
 use crate::plan::size::fmt_bytes;
 use crate::plan::Plan;
+use crate::progress::count;
 
 /// Disk read rate assumed for the cold-cache bound (documented in docs/PLAN.md).
 const DISK_READ: f64 = 1.6e9;
@@ -97,8 +98,17 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
         step.beta
     );
     s += &format!(
-        "  compute tile {}×{}×{}: {} output tiles ({}×{}), {} k-steps each, {} GEMM calls; output storage tile {}×{}\n",
-        l.tm, l.tn, l.tk, gm * gn, gm, gn, gk, t.gemms, l.out_tile.0, l.out_tile.1
+        "  compute tile {}×{}×{}: {} ({}×{}), {} each, {}; output storage tile {}×{}\n",
+        l.tm,
+        l.tn,
+        l.tk,
+        count(gm * gn, "output tile", "output tiles"),
+        gm,
+        gn,
+        count(gk, "k-step", "k-steps"),
+        count(t.gemms, "GEMM call", "GEMM calls"),
+        l.out_tile.0,
+        l.out_tile.1
     );
     s += &format!(
         "  host pools: staging {}×{} per lane, output {}×{} per lane{}  => host ceiling {} of {}\n",

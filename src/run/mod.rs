@@ -603,10 +603,10 @@ fn note_work(
     };
     if let Some(ctx) = shard {
         progress.note(&format!(
-            "step {n}: {} of {}: {} tiles to compute{redone}",
+            "step {n}: {} of {}: {} to compute{redone}",
             ctx.label,
             step.output.display(),
-            total - work.done_before,
+            crate::progress::count(total - work.done_before, "tile", "tiles"),
         ));
     } else if work.done_before > 0 || bad > 0 {
         progress.note(&format!(
