@@ -52,8 +52,11 @@ pub struct StepReport {
     pub flops: f64,
     /// Achieved GFLOP/s.
     pub gflops_per_s: f64,
-    /// Bytes read from the input files (file dtype).
+    /// Bytes of input read (file dtype): from the input files, and from a chain's
+    /// intermediates held in memory (`memory_read_bytes` of them).
     pub read_bytes: u64,
+    /// Of `read_bytes`, those read from intermediates held in host memory.
+    pub memory_read_bytes: u64,
     /// What `plan`'s traffic model predicted for `read_bytes` (for the whole step: compare only
     /// when `tiles_computed == tiles_total`).
     pub predicted_read_bytes: u64,
@@ -253,6 +256,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         read_bytes: sum_bytes(&st.stages, StageKind::Staging),
         predicted_read_bytes: predicted.read_bytes,
         shared_read_bytes: st.shared_read_bytes,
+        memory_read_bytes: st.memory_read_bytes,
         min_read_bytes: predicted.min_read_bytes,
         first_gemm_s: st.first_gemm_s,
         peak_rss_bytes: peak_rss_bytes(),
@@ -319,8 +323,17 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         r.flush_s
     );
     s += &format!(
-        "  inputs: read {} from files at {:.0} MB/s (predicted {}, minimum {}){}; first GEMM after {}\n",
+        "  inputs: read {}{} at {:.0} MB/s (predicted {}, minimum {}){}; first GEMM after {}\n",
         fmt_bytes(r.read_bytes),
+        if r.memory_read_bytes > 0 {
+            format!(
+                " ({} from files, {} from memory)",
+                fmt_bytes(r.read_bytes - r.memory_read_bytes),
+                fmt_bytes(r.memory_read_bytes)
+            )
+        } else {
+            " from files".to_string()
+        },
         r.read_bytes as f64 / r.wall_s / 1e6,
         fmt_bytes(r.predicted_read_bytes),
         fmt_bytes(r.min_read_bytes),

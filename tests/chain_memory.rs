@@ -160,18 +160,27 @@ fn memory_file_and_two_steps_agree(backend: &str) {
     assert!(file.memory.is_empty() && file.temps.len() == 1);
 
     let (r, notes) = run_file(dir, "mem.toml", None);
-    r.unwrap();
+    let r = r.unwrap();
     assert!(
         notes.contains("T1 = A @ B (534.77 KiB) stays in host memory"),
         "{notes}"
     );
+    // The part reading T1 reads it from memory (at least once whole), the one making it none.
+    let (first, last) = (&r.steps[0], &r.steps[1]);
+    assert_eq!(first.memory_read_bytes, 0);
+    assert!(
+        last.memory_read_bytes >= 534_770,
+        "{}",
+        last.memory_read_bytes
+    );
+    assert!(last.memory_read_bytes < last.read_bytes);
     assert_eq!(
         part_files(dir),
         Vec::<String>::new(),
         "a memory chain made files"
     );
     let (r, notes) = run_file(dir, "file.toml", None);
-    r.unwrap();
+    assert!(r.unwrap().steps.iter().all(|s| s.memory_read_bytes == 0));
     assert!(!notes.contains("stays in host memory"), "{notes}");
     assert_eq!(
         part_files(dir),

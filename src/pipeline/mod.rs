@@ -112,6 +112,8 @@ pub(crate) struct RunStats {
     pub(crate) nonfinite_inputs: u64,
     /// Input bytes one lane took from another lane's read instead of reading them.
     pub(crate) shared_read_bytes: u64,
+    /// Of the bytes staged, those from sources held in memory.
+    pub(crate) memory_read_bytes: u64,
     /// Seconds from the start of the stages to the first GEMM issued on any lane.
     pub(crate) first_gemm_s: Option<f64>,
 }
@@ -304,6 +306,7 @@ impl<'a> Pipeline<'a> {
             flops: todo_flops as f64,
             nonfinite_inputs: self.inputs.nonfinite.load(Ordering::Relaxed),
             shared_read_bytes: self.shared.shared_bytes.load(Ordering::Relaxed),
+            memory_read_bytes: self.inputs.memory_bytes.load(Ordering::Relaxed),
             first_gemm_s: match c.first_gemm_ns.load(Ordering::Relaxed) {
                 u64::MAX => None,
                 ns => Some(ns as f64 * 1e-9),

@@ -162,6 +162,8 @@ pub(crate) struct Inputs {
     pub(crate) c0: Option<Arc<dyn MatrixSource>>,
     pub(crate) verify: bool,
     pub(crate) nonfinite: AtomicU64,
+    /// Bytes staged from sources held in memory (a chain's intermediate), not from files.
+    pub(crate) memory_bytes: AtomicU64,
 }
 
 impl Inputs {
@@ -177,6 +179,7 @@ impl Inputs {
             c0,
             verify,
             nonfinite: AtomicU64::new(0),
+            memory_bytes: AtomicU64::new(0),
         }
     }
     pub(crate) fn file(&self, s: Src) -> &dyn MatrixSource {
@@ -384,7 +387,11 @@ impl Staging<'_> {
                 .fetch_add(nonfinite, Ordering::Relaxed);
         }
         self.m.add_busy(t.elapsed());
-        self.m.add_item((elems * f.dtype().size()) as u64);
+        let read = (elems * f.dtype().size()) as u64;
+        self.m.add_item(read);
+        if f.in_memory() {
+            self.inputs.memory_bytes.fetch_add(read, Ordering::Relaxed);
+        }
         Ok(Arc::new(lease))
     }
 

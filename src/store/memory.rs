@@ -121,6 +121,9 @@ impl MatrixSource for MemoryMatrix {
     fn path(&self) -> &Path {
         &self.label
     }
+    fn in_memory(&self) -> bool {
+        true
+    }
     fn shape(&self) -> (u64, u64) {
         (self.rows, self.cols)
     }

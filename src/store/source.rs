@@ -89,6 +89,11 @@ pub trait MatrixSource: Send + Sync {
     /// What identifies the data for the resume journal's fingerprint: a journal written against
     /// a source with a different identity is not resumed. Cheap (no pass over the data).
     fn identity(&self) -> String;
+    /// True for a matrix held in host memory (a chain's intermediate), not read from a file:
+    /// the report tells its bytes apart from file reads.
+    fn in_memory(&self) -> bool {
+        false
+    }
     /// True when the file stores the transpose of the matrix it holds (a Fortran-order `.npy`,
     /// a raw file with `order = "F"`): [`shape`](Self::shape) and blocks are those of the stored
     /// row-major transpose, and the plan reads the operand with `.T` flipped (no copy is made).
