@@ -6,7 +6,9 @@
 //! is written. Rate and ETA count only this run's work (a resume does not inflate them) and come
 //! from an exponentially weighted recent rate ([`Rate`]) that adapts when throughput changes;
 //! until there is a rate the ETA reads `--`, never NaN. With several steps a plan-level line says
-//! `step i/N: output` and the whole plan's ETA (later steps counted in full at today's rate).
+//! `step i/N: output` and the whole plan's ETA (later steps counted in full at today's rate); a
+//! whole-expression step's products are `step i/N, part p/P`, and the plan ETA counts the parts
+//! still to come.
 //!
 //! On a terminal: indicatif bars on stderr, every line at most 80 columns. When stderr is not a
 //! terminal (batch jobs, CI): a timestamped log line every `--log-every` seconds with human
@@ -48,13 +50,14 @@ pub(crate) struct Live<'a> {
     pub(crate) part: Option<(usize, usize)>,
     /// The step's output, as the plan names it.
     pub(crate) output: String,
-    /// Output tiles of the whole step.
+    /// Output tiles of the whole step (of a split run's shard: the shard's).
     pub(crate) tiles_total: u64,
-    /// FLOPs of the whole step.
+    /// FLOPs of the whole step (of a split run's shard: the shard's).
     pub(crate) flops_total: u64,
     /// FLOPs of the tiles finished before this run (a resume).
     pub(crate) flops_before: u64,
-    /// Output tiles written so far (including those finished before this run).
+    /// Output tiles written so far (including those finished before this run; of a shard,
+    /// the shard's).
     pub(crate) tiles_done: &'a AtomicU64,
     /// FLOPs of the tiles written so far (including `flops_before`).
     pub(crate) flops_done: &'a AtomicU64,
@@ -330,7 +333,7 @@ impl View {
             fmt_flops(self.rate),
             fmt_duration(self.eta)
         );
-        if self.steps > 1 {
+        if self.steps > 1 || self.part.is_some_and(|(p, n)| p < n) {
             let _ = write!(s, "  plan ETA {}", fmt_duration(self.plan_eta));
         }
         s
@@ -372,11 +375,11 @@ enum Mode {
 /// One progress update as data (what the display shows), for a [`ProgressListener`].
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct Update {
-    /// "step 1", …
+    /// "step 1/2", or "step 2/2, part 1/2" for a product of a whole-expression step.
     pub label: String,
     /// Output tiles written so far.
     pub tiles_done: u64,
-    /// Output tiles of the whole step.
+    /// Output tiles of the whole step (of a split run's shard: the shard's).
     pub tiles_total: u64,
     /// FLOPs done (GEMMs issued in this run plus the tiles finished before it).
     pub flops_done: u64,
@@ -591,7 +594,7 @@ impl Progress {
             Mode::Bars(mp) => Self::bars(mp, &mut sample, stop),
             Mode::Listener { every, to } => {
                 let update = |v: &View, finished: bool| Update {
-                    label: format!("step {}", v.step + 1),
+                    label: v.label(),
                     tiles_done: live.tiles_done.load(Ordering::Relaxed),
                     tiles_total: live.tiles_total,
                     flops_done: (v.frac * live.flops_total as f64) as u64,
@@ -915,5 +918,18 @@ mod tests {
             head.contains("step 12/12, part 3/4: ") && head.contains("1h02m"),
             "{head}"
         );
+        // A one-step chain: the plan ETA shows while a later part remains.
+        let first = View {
+            steps: 1,
+            step: 0,
+            part: Some((1, 2)),
+            ..v
+        };
+        assert!(first.numbers().contains("plan ETA"), "{}", first.numbers());
+        let last = View {
+            part: Some((2, 2)),
+            ..first
+        };
+        assert!(!last.numbers().contains("plan ETA"), "{}", last.numbers());
     }
 }

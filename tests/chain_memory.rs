@@ -169,7 +169,7 @@ fn memory_file_and_two_steps_agree(backend: &str) {
     let (first, last) = (&r.steps[0], &r.steps[1]);
     assert_eq!(first.memory_read_bytes, 0);
     assert!(
-        last.memory_read_bytes >= 534_770,
+        last.memory_read_bytes >= 370 * 370 * 4,
         "{}",
         last.memory_read_bytes
     );

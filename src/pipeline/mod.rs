@@ -249,6 +249,10 @@ impl<'a> Pipeline<'a> {
         let scope = (self.scope.clone()).unwrap_or(0..self.sched.tiles.len() as u32);
         let all_flops = self.tile_flops(scope.clone());
         let todo_flops = self.todo_flops();
+        debug_assert!(
+            (self.scope.as_ref()).is_none_or(|r| self.queue.order().iter().all(|s| r.contains(s))),
+            "a shard's tiles to compute lie inside its scope"
+        );
         // Tiles of the scope finished before this run.
         let done_start = match &self.scope {
             Some(r) => (r.len() as u64).saturating_sub(self.queue.len() as u64),

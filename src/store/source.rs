@@ -89,8 +89,9 @@ pub trait MatrixSource: Send + Sync {
     /// What identifies the data for the resume journal's fingerprint: a journal written against
     /// a source with a different identity is not resumed. Cheap (no pass over the data).
     fn identity(&self) -> String;
-    /// True for a matrix held in host memory (a chain's intermediate), not read from a file:
-    /// the report tells its bytes apart from file reads.
+    /// True for a chain's intermediate that the engine holds in host memory instead of a file:
+    /// the report tells its bytes apart from file reads. (Arrays handed in by the Python
+    /// package are not counted so: they may be memory maps of files.)
     fn in_memory(&self) -> bool {
         false
     }
