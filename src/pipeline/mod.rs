@@ -268,7 +268,7 @@ impl<'a> Pipeline<'a> {
         let ctl = Control::new();
         let lane_names: Vec<String> = self.lanes.iter().map(|l| l.name()).collect();
         let t0 = Instant::now();
-        let metrics = self.run_stages(&ctl, &c, &lane_names, all_flops, t0);
+        let metrics = self.run_stages(&ctl, &c, &lane_names, all_flops, done_start, t0);
         let lane_stats: Vec<DeviceStats> = self.lanes.iter_mut().map(|l| l.stats()).collect();
         drop(std::mem::take(&mut self.lanes));
         if let Some(e) = ctl.take_error() {
@@ -333,6 +333,7 @@ impl<'a> Pipeline<'a> {
         c: &Counters,
         lane_names: &[String],
         all_flops: u64,
+        done_start: u64,
         t0: Instant,
     ) -> Vec<Arc<StageMetrics>> {
         let step = self.step;
@@ -341,10 +342,7 @@ impl<'a> Pipeline<'a> {
             step: step.index,
             part: step.chain.as_ref().map(|c| (c.part, c.parts)),
             output: step.output.display().to_string(),
-            tiles_total: match &self.scope {
-                Some(r) => r.len() as u64,
-                None => self.queue.len() as u64 + self.done_before,
-            },
+            tiles_total: self.queue.len() as u64 + done_start,
             flops_total: all_flops,
             flops_before: all_flops - self.todo_flops(),
             tiles_done: &c.tiles_done,

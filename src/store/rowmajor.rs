@@ -13,8 +13,8 @@
 //! file (at most half of the kernel's `MemAvailable` when it is opened), a band read first is
 //! rarely wasted: later panels find it resident, unless other inputs and the output push it
 //! out first (each file is judged alone). Then every short strided run is read as its band,
-//! whatever the fraction (50000² f32 from a cold `.npy`, 32 KiB segments of 195 KiB rows, fell under the
-//! fraction and read at 0.90 GB/s against dd's 1.08).
+//! whatever the fraction (50000² f32 from a cold `.npy`, 32 KiB segments of 195 KiB rows, fell
+//! under the fraction and took 18.9 s against 13.5 s as bands, BENCHMARKS.md §13).
 //!
 //! A file stored column-major (a Fortran-order `.npy`, a raw file with `order = "F"`) holds the
 //! row-major transpose of the declared matrix: the source reports that stored shape and
@@ -37,8 +37,7 @@ use rayon::prelude::*;
 
 use super::runs::{runs, Geometry, Run, IO_SPAN};
 use super::source::{Block, MatrixSource};
-use super::tiled::read_run_visiting;
-use super::tiled::{convert_par, read_runs, supported};
+use super::tiled::{convert_par, read_runs_with, supported};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -180,56 +179,35 @@ impl RowMajorFile {
     }
 
     /// Read `rs` into `raw` (dense block, file dtype): band-worthy runs not in the page cache
-    /// as whole bands sliced in memory, the rest by [`read_runs`].
-    fn read_into(&self, rs: &[Run], raw: &mut [u8]) -> std::io::Result<()> {
-        self.read_counting(rs, raw, None).map(|_| ())
-    }
-
-    /// [`Self::read_into`], counting the NaN and Inf elements of `count`'s dtype (stored =
-    /// host) as each piece is copied, while it is in cache; 0 with `None`.
-    fn read_counting(
-        &self,
-        rs: &[Run],
-        raw: &mut [u8],
-        count: Option<DType>,
-    ) -> std::io::Result<u64> {
+    /// as whole bands sliced in memory, the rest by [`read_runs_with`]; with `count`, the NaN and
+    /// Inf elements of that dtype (stored = host) are counted on each piece while it is in
+    /// cache (0 with `None`).
+    fn read_into(&self, rs: &[Run], raw: &mut [u8], count: Option<DType>) -> std::io::Result<u64> {
         let tally = |piece: &[u8]| count.map_or(0, |dt| crate::dtype::count_nonfinite(dt, piece));
         let (bands, rest): (Vec<Run>, Vec<Run>) = rs
             .iter()
             .partition(|r| self.band_worthy(r) && !self.resident(r.file_span()));
-        if count.is_none() {
-            // Before `base` is taken: every later write goes through it.
-            read_runs(&self.file, &rest, raw)?;
+        let in_rest: u64 = read_runs_with(&self.file, &rest, raw, |_| 0, |n, p| *n += tally(p))?
+            .into_iter()
+            .sum();
+        if bands.is_empty() {
+            return Ok(in_rest);
         }
         let base = SendPtr(raw.as_mut_ptr());
         let raw_len = raw.len();
-        // SAFETY (both loops): runs of one block cover disjoint bytes of the block buffer,
-        // `span` lies inside it (asserted) and `raw` outlives the loop.
-        let span_of = |g: &Run| {
-            let span = g.buf_span();
-            assert!(span.end <= raw_len);
-            unsafe { std::slice::from_raw_parts_mut(base.get().add(span.start), span.len()) }
-        };
-        let in_rest: u64 = if count.is_none() {
-            0
-        } else {
-            rest.par_iter()
-                .map_init(Vec::new, |scratch: &mut Vec<u8>, g| {
-                    let mut n = 0;
-                    read_run_visiting(&self.file, g, span_of(g), scratch, &mut |p: &[u8]| {
-                        n += tally(p)
-                    })?;
-                    Ok(n)
-                })
-                .sum::<std::io::Result<u64>>()?
-        };
         let in_bands: u64 = bands
             .par_iter()
             .map_init(Vec::new, |scratch: &mut Vec<u8>, g| {
                 let fs = g.file_span();
                 scratch.resize((fs.end - fs.start) as usize, 0);
                 self.file.read_exact_at(scratch, fs.start)?;
-                let dst = span_of(g);
+                let span = g.buf_span();
+                assert!(span.end <= raw_len);
+                // SAFETY: runs of one block cover disjoint bytes of the block buffer, `span`
+                // lies inside it (asserted) and `raw` outlives the loop.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(base.get().add(span.start), span.len())
+                };
                 let mut n = 0;
                 for r in 0..g.rows {
                     let f = r * g.file_pitch as usize;
@@ -365,10 +343,10 @@ impl MatrixSource for RowMajorFile {
         let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
         let io_err = |e| Error::io(&self.path, "cannot read matrix data", e);
         if dt == host {
-            return self.read_into(&rs, dst).map_err(io_err);
+            return self.read_into(&rs, dst, None).map(|_| ()).map_err(io_err);
         }
         let mut scratch = vec![0u8; b.elems() * dt.size()];
-        self.read_into(&rs, &mut scratch).map_err(io_err)?;
+        self.read_into(&rs, &mut scratch, None).map_err(io_err)?;
         convert_par(dt, &scratch, host, dst);
         Ok(())
     }
@@ -400,17 +378,16 @@ impl MatrixSource for RowMajorFile {
         self.verify_tiles(b)
     }
     fn read_staged(&self, b: &Block, host: DType, dst: &mut [u8], verify: bool) -> Result<u64> {
+        if self.spec.dtype != host {
+            return super::source::read_staged_in_passes(self, b, host, dst, verify);
+        }
         if verify {
             self.verify_tiles(b)?;
-        }
-        if self.spec.dtype != host {
-            self.read_block(b, host, dst)?;
-            return Ok(crate::dtype::count_nonfinite_par(host, dst));
         }
         b.check_inside(&self.path, (self.spec.rows, self.spec.cols))?;
         assert_eq!(dst.len(), b.elems() * host.size(), "read_staged: dst size");
         let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
-        self.read_counting(&rs, dst, Some(host))
+        self.read_into(&rs, dst, Some(host))
             .map_err(|e| Error::io(&self.path, "cannot read matrix data", e))
     }
     fn identity(&self) -> String {

@@ -80,11 +80,7 @@ pub trait MatrixSource: Send + Sync {
     /// [`verify_block`]: Self::verify_block
     /// [`read_block`]: Self::read_block
     fn read_staged(&self, b: &Block, host: DType, dst: &mut [u8], verify: bool) -> Result<u64> {
-        if verify {
-            self.verify_block(b)?;
-        }
-        self.read_block(b, host, dst)?;
-        Ok(crate::dtype::count_nonfinite_par(host, dst))
+        read_staged_in_passes(self, b, host, dst, verify)
     }
     /// What identifies the data for the resume journal's fingerprint: a journal written against
     /// a source with a different identity is not resumed. Cheap (no pass over the data).
@@ -114,6 +110,23 @@ pub trait MatrixSource: Send + Sync {
             self.dtype()
         )
     }
+}
+
+/// [`MatrixSource::read_staged`] as three passes: checksums, the read (converting), the
+/// NaN/Inf count over what was read. The default, and what one-pass readers fall back to when
+/// the block is converted to another dtype.
+pub(crate) fn read_staged_in_passes<S: MatrixSource + ?Sized>(
+    src: &S,
+    b: &Block,
+    host: DType,
+    dst: &mut [u8],
+    verify: bool,
+) -> Result<u64> {
+    if verify {
+        src.verify_block(b)?;
+    }
+    src.read_block(b, host, dst)?;
+    Ok(crate::dtype::count_nonfinite_par(host, dst))
 }
 
 /// A matrix the engine writes blocks of.

@@ -3,9 +3,10 @@
 //! [`TiledFile`] reads arbitrary row/column blocks of an input with parallel `pread`s of the
 //! block's contiguous runs ([`super::runs`]), checking storage-tile checksums on the pieces it
 //! reads ([`TiledFile::read_staged`]) or with `pread`s of their own; it keeps a read-only map
-//! for readahead advice and the checksum table. [`TiledWriter`] creates an output at its full length and writes
-//! blocks either by copying into a writable map whose pages a prefault stage populated, or by
-//! `pwrite` ([`WriteMode`]); `finish` fills in the checksum table and makes the data durable.
+//! for readahead advice and the checksum table. [`TiledWriter`] creates an output at its full
+//! length and writes blocks either by copying into a writable map whose pages a prefault stage
+//! populated, or by `pwrite` ([`WriteMode`]); `finish` fills in the checksum table and makes
+//! the data durable.
 //!
 //! Measured choices (docs/GPU.md): input blocks are read with `pread` (21.5 GB/s into pinned
 //! memory on the H200 host, against 19.4 for registering the map with CUDA, and 2.12 s against
@@ -67,14 +68,25 @@ pub(crate) fn convert_par(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
         });
 }
 
-/// Read every run of a block from `file` into `raw` (the dense block, file dtype), in parallel:
-/// one pread per run when its rows are contiguous in the file (scattered into the block from a
-/// scratch buffer if they are not contiguous there), one pread per row otherwise.
+/// Read every run of a block from `file` into `raw` (the dense block, file dtype), in parallel
+/// on the rayon pool, one [`read_run_visiting`] per run.
 pub(crate) fn read_runs(file: &File, rs: &[Run], raw: &mut [u8]) -> std::io::Result<()> {
+    read_runs_with(file, rs, raw, |_| (), |_, _| ()).map(|_| ())
+}
+
+/// [`read_runs`], handing every piece read to `visit` with that run's state (made by `init`),
+/// while the piece is still in cache; returns the runs' states in the order of `rs`.
+pub(crate) fn read_runs_with<S: Send>(
+    file: &File,
+    rs: &[Run],
+    raw: &mut [u8],
+    init: impl Fn(&Run) -> S + Sync,
+    visit: impl Fn(&mut S, &[u8]) + Sync,
+) -> std::io::Result<Vec<S>> {
     let base = SendPtr(raw.as_mut_ptr());
     let raw_len = raw.len();
     rs.par_iter()
-        .try_for_each_init(Vec::new, |scratch: &mut Vec<u8>, g| {
+        .map_init(Vec::new, |scratch: &mut Vec<u8>, g| {
             let span = g.buf_span();
             assert!(span.end <= raw_len);
             // SAFETY: runs of one block cover disjoint bytes of the dense block buffer (each
@@ -82,23 +94,13 @@ pub(crate) fn read_runs(file: &File, rs: &[Run], raw: &mut [u8]) -> std::io::Res
             // outlives this loop.
             let span =
                 unsafe { std::slice::from_raw_parts_mut(base.get().add(span.start), span.len()) };
-            if g.file_contiguous() && g.buf_contiguous() {
-                file.read_exact_at(&mut span[..g.bytes()], g.file_off)
-            } else if g.file_contiguous() {
-                scratch.resize(g.bytes(), 0);
-                file.read_exact_at(scratch, g.file_off)?;
-                for (r, row) in scratch.chunks_exact(g.row_len).enumerate() {
-                    span[r * g.buf_pitch..r * g.buf_pitch + g.row_len].copy_from_slice(row);
-                }
-                Ok(())
-            } else {
-                for r in 0..g.rows {
-                    let d = &mut span[r * g.buf_pitch..r * g.buf_pitch + g.row_len];
-                    file.read_exact_at(d, g.file_off + r as u64 * g.file_pitch)?;
-                }
-                Ok(())
-            }
+            let mut state = init(g);
+            read_run_visiting(file, g, span, scratch, &mut |piece| {
+                visit(&mut state, piece)
+            })?;
+            Ok(state)
         })
+        .collect()
 }
 
 /// Bytes per `pread` in [`read_run_visiting`]: small enough that the piece is still in the
@@ -119,7 +121,7 @@ struct Piece {
 /// Read run `g` into `span` (its bytes of the dense block buffer, file dtype) with `pread`s of
 /// at most [`VISIT_PIECE`] bytes, handing each piece to `visit` in file order right after it is
 /// read. Rows that are not back to back in the file are read, and visited, one by one.
-pub(crate) fn read_run_visiting(
+fn read_run_visiting(
     file: &File,
     g: &Run,
     span: &mut [u8],
@@ -533,49 +535,38 @@ impl TiledFile {
     ) -> Result<u64> {
         let h = &self.hdr;
         if h.dtype != host {
-            if verify {
-                self.verify_block(b)?;
-            }
-            self.read_block(b, host, dst)?;
-            return Ok(dtype::count_nonfinite_par(host, dst));
+            return super::source::read_staged_in_passes(self, b, host, dst, verify);
         }
         b.check_inside(&self.path, (h.rows, h.cols))?;
         assert_eq!(dst.len(), b.elems() * host.size(), "read_staged: dst size");
         let marks = (verify && h.has_checksums()).then(|| self.marks());
         let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
-        let base = SendPtr(dst.as_mut_ptr());
-        let dst_len = dst.len();
         let geo = self.geo;
-        let per_run: Vec<(u64, Option<Piece>)> = rs
-            .par_iter()
-            .map_init(Vec::new, |scratch: &mut Vec<u8>, g| {
-                let span = g.buf_span();
-                assert!(span.end <= dst_len);
-                // SAFETY: as in `read_runs`: the runs of a block cover disjoint bytes of the
-                // block buffer, `span` lies inside it (asserted), and `dst` outlives the loop.
-                let span = unsafe {
-                    std::slice::from_raw_parts_mut(base.get().add(span.start), span.len())
-                };
+        // Per run: its nonfinite count, and the CRC piece it makes for a tile still unchecked.
+        let per_run: Vec<(u64, Option<Piece>)> = read_runs_with(
+            &self.file,
+            &rs,
+            dst,
+            |g| {
                 let tile = ((g.file_off - geo.data_offset) / geo.tile_stride) as usize;
                 let want_crc =
                     g.file_contiguous() && marks.is_some_and(|m| !m[tile].load(Ordering::Relaxed));
-                let (mut crc, mut nonfinite) = (0u32, 0u64);
-                read_run_visiting(&self.file, g, span, scratch, &mut |piece: &[u8]| {
-                    if want_crc {
-                        crc = crc32c::crc32c_append(crc, piece);
-                    }
-                    nonfinite += dtype::count_nonfinite(host, piece);
-                })?;
                 let piece = want_crc.then_some(Piece {
                     tile,
                     start: g.file_off,
                     len: g.bytes() as u64,
-                    crc,
+                    crc: 0,
                 });
-                Ok((nonfinite, piece))
-            })
-            .collect::<std::io::Result<_>>()
-            .map_err(|e| Error::io(&self.path, "cannot read tile data", e))?;
+                (0, piece)
+            },
+            |(nonfinite, piece), bytes| {
+                if let Some(p) = piece {
+                    p.crc = crc32c::crc32c_append(p.crc, bytes);
+                }
+                *nonfinite += dtype::count_nonfinite(host, bytes);
+            },
+        )
+        .map_err(|e| Error::io(&self.path, "cannot read tile data", e))?;
         let nonfinite = per_run.iter().map(|r| r.0).sum();
         if let Some(marks) = marks {
             let mut pieces: Vec<Piece> = per_run.into_iter().filter_map(|r| r.1).collect();
@@ -1052,6 +1043,24 @@ mod tests {
         hdr
     }
 
+    /// Read each `(r0, c0, rows, cols)` block of the f32 file `p` with `read_staged` (checking
+    /// checksums) by a fresh handle: no NaN, the bytes of `read_block`, and every tile the block
+    /// touches marked as checked.
+    fn staged_matches_read_block(p: &Path, blocks: &[(u64, u64, u64, u64)]) {
+        for &(r0, c0, rows, cols) in blocks {
+            let b = Block { r0, c0, rows, cols };
+            let f = TiledFile::open(p).unwrap();
+            let mut want = vec![0u8; b.elems() * 4];
+            f.read_block(&b, DType::F32, &mut want).unwrap();
+            let mut got = vec![0u8; b.elems() * 4];
+            assert_eq!(f.read_staged(&b, DType::F32, &mut got, true).unwrap(), 0);
+            assert_eq!(got, want, "{b:?}");
+            for (ti, tj) in f.geo.tiles_iter(&b) {
+                assert!(f.marks()[f.geo.tile_index(ti, tj)].load(Ordering::Relaxed));
+            }
+        }
+    }
+
     /// Storage tiles of 4.3 MiB, more than a run's `IO_SPAN`: one tile's CRC is combined from
     /// several runs' pieces (and from `pread`s of what the block leaves out).
     #[test]
@@ -1060,25 +1069,15 @@ mod tests {
         let p = d.path().join("big.mgt");
         let (rows, cols) = (2100u64, 1200u64);
         write_grid(&p, rows, cols, 1024, 1100);
-        for (r0, c0, r, c) in [
-            (0, 0, 1024, 1200),
-            (3, 0, 1500, 1100),
-            (0, 0, rows, cols),
-            (1000, 0, 1100, 1100),
-        ] {
-            let b = Block {
-                r0,
-                c0,
-                rows: r,
-                cols: c,
-            };
-            let f = TiledFile::open(&p).unwrap();
-            let mut want = vec![0u8; b.elems() * 4];
-            f.read_block(&b, DType::F32, &mut want).unwrap();
-            let mut got = vec![0u8; b.elems() * 4];
-            assert_eq!(f.read_staged(&b, DType::F32, &mut got, true).unwrap(), 0);
-            assert_eq!(got, want, "{b:?}");
-        }
+        staged_matches_read_block(
+            &p,
+            &[
+                (0, 0, 1024, 1200),
+                (3, 0, 1500, 1100),
+                (0, 0, rows, cols),
+                (1000, 0, 1100, 1100),
+            ],
+        );
         // A damaged byte in the second run of tile (0, 0) is found through the combined CRC.
         let hdr = TiledFile::open(&p).unwrap().hdr;
         let off = hdr.tile_offset(0, 0) + 1000 * 1100 * 4;
@@ -1118,25 +1117,20 @@ mod tests {
             (0, 652, rows, 1),
             (511, 383, 2, 2),
         ];
-        for (r0, c0, r, c) in blocks {
+        staged_matches_read_block(&p, &blocks);
+        // And read_block itself reads the test matrix (element (r, c) = r·cols + c).
+        let f = TiledFile::open(&p).unwrap();
+        for &(r0, c0, r, c) in &blocks {
             let b = Block {
                 r0,
                 c0,
                 rows: r,
                 cols: c,
             };
-            let f = TiledFile::open(&p).unwrap();
-            let mut want = vec![0u8; b.elems() * 4];
-            f.read_block(&b, DType::F32, &mut want).unwrap();
             let mut got = vec![0u8; b.elems() * 4];
-            assert_eq!(f.read_staged(&b, DType::F32, &mut got, true).unwrap(), 0);
-            assert_eq!(got, want, "{b:?}");
-            let first = u32::from_le_bytes(got[..4].try_into().unwrap());
-            assert_eq!(f32::from_bits(first), (r0 * cols + c0) as f32);
-            // Every tile the block touches is now marked verified.
-            for (ti, tj) in f.geo.tiles_iter(&b) {
-                assert!(f.marks()[f.geo.tile_index(ti, tj)].load(Ordering::Relaxed));
-            }
+            f.read_block(&b, DType::F32, &mut got).unwrap();
+            let first = f32::from_le_bytes(got[..4].try_into().unwrap());
+            assert_eq!(first, (r0 * cols + c0) as f32, "{b:?}");
         }
         // Damage in a tile's data, and in its padding, is found and names the tile; NaN and
         // Inf are counted.
