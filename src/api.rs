@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::pipeline::journal::{Journal, State};
 use crate::pipeline::stages::TileSink;
 pub use crate::pipeline::StepSources;
-use crate::pipeline::{output_header, Pipeline, RunConfig, Work};
+use crate::pipeline::{output_header, Engines, Pipeline, RunConfig, Work};
 use crate::plan::engine::{EngineSet, EngineSource};
 use crate::plan::layout::Layout;
 use crate::plan::raw::RawEngine;
@@ -136,13 +136,13 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
             b: job.sources.b.clone(),
             c0: job.sources.c0.clone(),
         };
-        let lanes = backend.lanes(&layout, e.precision)?;
+        let engines = Engines::make(backend.as_ref(), &layout, e.precision)?;
         let cfg = RunConfig::from_engine(e);
         let pipe = Pipeline::build_with(
             job.step,
             &layout,
             backend.as_ref(),
-            lanes,
+            engines,
             work,
             cfg,
             &record,

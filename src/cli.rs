@@ -632,7 +632,11 @@ fn run_cmd(
         #[cfg(feature = "fault-injection")]
         faults: crate::backend::fault::FaultConfig::from_env(),
     };
-    let rep = run::run_plan(&p, &opts, &progress).map_err(|e| {
+    let rep = run::run_plan(&p, &opts, &progress);
+    if let Err(e) = crate::trace::write() {
+        crate::diagln!("warning: {e}");
+    }
+    let rep = rep.map_err(|e| {
         interrupted(
             e,
             "run the same command again to resume (finished tiles are kept)",

@@ -7,7 +7,8 @@
 //! `verify` print each pass's time and input rate on stderr (for the benchmark scripts), and
 //! `MGMM_PINNED_ALLOC`, which makes the CUDA backend pin its host buffers with
 //! `cuMemHostAlloc` instead of registering memory it mapped (to compare the two on a GPU
-//! machine, tools/gpu/host_keepup.sh).
+//! machine, tools/gpu/host_keepup.sh); `MGMM_TRACE=PATH`, which records a timeline of the run
+//! into PATH ([`crate::trace`]).
 
 #[cfg(feature = "fault-injection")]
 use crate::backend::fault::FaultConfig;
@@ -39,4 +40,15 @@ pub(crate) fn verify_times() -> bool {
 pub(crate) fn pinned_alloc() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("MGMM_PINNED_ALLOC").is_some())
+}
+
+/// `MGMM_TRACE`: where to write the run's timeline ([`crate::trace`]); `None` when unset.
+pub(crate) fn trace_path() -> Option<std::path::PathBuf> {
+    static P: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+    P.get_or_init(|| {
+        std::env::var_os("MGMM_TRACE")
+            .filter(|v| !v.is_empty())
+            .map(Into::into)
+    })
+    .clone()
 }

@@ -50,6 +50,7 @@ pub mod progress;
 pub(crate) mod report;
 pub mod run;
 pub mod store;
+pub(crate) mod trace;
 pub mod verify;
 
 pub use error::{Error, Result};

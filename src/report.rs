@@ -130,8 +130,13 @@ pub(crate) fn mark_process_start() {
     let _ = PROCESS_START.set(std::time::Instant::now());
 }
 
-/// Seconds since [`mark_process_start`]; `None` when it was never called (a library caller,
+/// When [`mark_process_start`] was called; `None` when it was never called (a library caller,
 /// such as the Python package, whose process is not the job's).
+pub(crate) fn process_start() -> Option<std::time::Instant> {
+    PROCESS_START.get().copied()
+}
+
+/// Seconds since [`mark_process_start`]; `None` when it was never called.
 pub(crate) fn process_age_s() -> Option<f64> {
     PROCESS_START.get().map(|t| t.elapsed().as_secs_f64())
 }

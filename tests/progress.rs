@@ -428,3 +428,107 @@ fn chain_parts_are_labelled_as_parts_of_their_step() {
     assert!(has("step 2/2, part 2/2: ", "/D.mgt"), "{lines:#?}");
     assert!(!has("step 3/", ""), "three products, two steps: {lines:#?}");
 }
+
+/// `MGMM_TRACE=PATH` writes the run's timeline as Chrome trace-event JSON: the start-up phases,
+/// and every stage's busy and waiting intervals, all inside the process's lifetime, on the
+/// tracks the report names; the step's GEMM time on the lane track matches the report's.
+#[test]
+fn mgmm_trace_writes_a_timeline_of_every_stage() {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        97,
+        61,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        61,
+        83,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\ntile = 32\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    let t0 = std::time::Instant::now();
+    let o = Command::new(bin())
+        .args(["run", "p.toml", "-q", "--report", "r.json"])
+        .env("MGMM_TRACE", dir.join("t.json"))
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let lifetime_us = t0.elapsed().as_secs_f64() * 1e6;
+    assert!(o.status.success(), "{o:?}");
+    let t: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("t.json")).unwrap()).unwrap();
+    let ev = t["traceEvents"].as_array().unwrap();
+    let names: std::collections::HashMap<u64, String> = ev
+        .iter()
+        .filter(|e| e["ph"] == "M" && e["name"] == "thread_name")
+        .map(|e| {
+            (
+                e["tid"].as_u64().unwrap(),
+                e["args"]["name"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    let spans: Vec<(String, String, f64, f64)> = ev
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| {
+            let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+            (
+                names[&e["tid"].as_u64().unwrap()].clone(),
+                e["name"].as_str().unwrap().into(),
+                ts,
+                dur,
+            )
+        })
+        .collect();
+    for (track, name, ts, dur) in &spans {
+        assert!(
+            *ts >= 0.0 && *dur >= 0.0 && ts + dur <= lifetime_us,
+            "{track} {name} {ts} {dur}"
+        );
+    }
+    let phase = |n: &str| spans.iter().find(|s| s.0 == "start-up" && s.1 == n);
+    for n in ["backend", "lanes", "pools", "step 1", "backend teardown"] {
+        assert!(phase(n).is_some(), "start-up phase {n} missing: {spans:?}");
+    }
+    let step = phase("step 1").unwrap();
+    assert!(phase("backend").unwrap().2 <= step.2 && phase("lanes").unwrap().2 <= step.2);
+    for track in ["planner", "staging", "lane", "writeback"] {
+        assert!(
+            spans.iter().any(|s| s.0 == track && s.1 == "busy"),
+            "no busy span on {track}"
+        );
+    }
+    // The lane's busy spans sum to the busy time the report gives the lane.
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("r.json")).unwrap()).unwrap();
+    let lane_busy: f64 = spans
+        .iter()
+        .filter(|s| s.0 == "lane" && s.1 == "busy")
+        .map(|s| s.3 * 1e-6)
+        .sum();
+    let st = &r["steps"][0];
+    let share = st["busy_shares"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s[0] == "lane")
+        .unwrap()[1]
+        .as_f64()
+        .unwrap();
+    let reported = share * st["wall_s"].as_f64().unwrap();
+    assert!(
+        (lane_busy - reported).abs() <= 1e-3 + 0.01 * reported,
+        "trace {lane_busy} s against report {reported} s"
+    );
+}

@@ -251,3 +251,39 @@ fn plan_backend_sim_runs_through_the_cli() {
     assert!(out.contains("sim:3"), "{out}");
     assert!(same_output(d.path()));
 }
+
+/// On a device with room for the whole B panel in its tile cache, each lane computes its first
+/// output tiles of a row k-chunk by k-chunk as a group (`Layout::start_group`), so that the
+/// empty cache does not starve the first GEMMs. The bytes are the CPU's (each tile still sums
+/// its k-chunks in order) on one lane and on three, one lane reads exactly what the plain order
+/// predicts, and a tiny cache that turns the group off gives the same bytes too.
+#[test]
+fn the_start_group_keeps_the_bytes_and_the_predicted_reads() {
+    use mgmm_stream::plan::layout::Layout;
+    let d = tmp();
+    // 5 × 9 output tiles of 64², 3 k-chunks (the last one 62 deep): a group of 4 per lane.
+    setup(d.path(), 300, 520, 190, 64, "64MiB");
+    let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
+    for lanes in [1usize, 3] {
+        let backend = sim(vec![50; lanes]);
+        let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, backend.caps()).unwrap();
+        assert_eq!(l.start_group, 4, "{l:?}");
+        assert!(l.accs >= 5, "{l:?}");
+        let r = run_on(d.path(), backend).unwrap();
+        assert!(same_output(d.path()), "{lanes} lanes");
+        // One lane reads exactly the prediction; several lanes share and steal tiles as their
+        // timing goes, so their reads vary from run to run (with or without the group).
+        let s = &r.steps[0];
+        if lanes == 1 {
+            assert_eq!(s.read_bytes, s.predicted_read_bytes);
+        }
+        std::fs::remove_file(d.path().join("C.mgt")).unwrap();
+        let _ = std::fs::remove_file(d.path().join("C.mgt.journal"));
+    }
+    // A device cache of a few tiles: no group, same bytes.
+    let small = Box::new(SimBackend::with_delays(vec![50], 6 * 64 * 64 * 4));
+    let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, small.caps()).unwrap();
+    assert_eq!(l.start_group, 1, "{l:?}");
+    run_on(d.path(), small).unwrap();
+    assert!(same_output(d.path()));
+}

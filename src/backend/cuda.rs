@@ -66,26 +66,35 @@ pub(crate) struct DeviceInfo {
     pub(crate) free: u64,
     pub(crate) total: u64,
     pub(crate) cc: (i32, i32),
+    /// The GPU's primary context, held open: a primary context is destroyed when its last
+    /// holder lets go, and creating it again costs 0.12–0.24 s, so the probe's context is the
+    /// one the backend and its lanes use.
+    pub(crate) ctx: Arc<CudaContext>,
 }
 
 fn derr(what: &str, e: impl std::fmt::Display) -> Error {
     Error::backend("cuda", format!("{what}: {e}"))
 }
 
-/// Check that the CUDA libraries load and list the devices. Never panics.
+/// Check that the CUDA libraries load and list the devices, each with its primary context
+/// open. Never panics.
+///
+/// Start-up is on the critical path of every run (issue 10: process wall − step wall), so the
+/// independent parts overlap: cuBLAS and NVRTC (hundreds of MB of libraries) are loaded on one
+/// thread while the driver initialises (`cuInit`, about 0.19 s on an H200 host) and every GPU's
+/// primary context is created on threads of their own.
 pub(crate) fn probe() -> Result<Vec<DeviceInfo>> {
     // SAFETY: these only attempt to dlopen the libraries and report success; no CUDA call is
     // made through a missing library.
-    let (drv, blas, rtc) = unsafe {
+    let libs = std::thread::spawn(|| unsafe {
         (
-            cudarc::driver::sys::is_culib_present(),
             cudarc::cublas::sys::is_culib_present(),
             cudarc::nvrtc::sys::is_culib_present(),
         )
-    };
-    if !drv {
-        return Err(Error::backend("cuda", "the CUDA driver library (libcuda.so.1) was not found: no NVIDIA driver on this machine"));
-    }
+    });
+    let devices = probe_devices();
+    let (blas, rtc) = libs.join().unwrap_or((false, false));
+    let devices = devices?;
     if !blas {
         return Err(Error::backend(
             "cuda",
@@ -97,6 +106,15 @@ pub(crate) fn probe() -> Result<Vec<DeviceInfo>> {
             "cuda",
             "NVRTC (libnvrtc.so.13) was not found; install the CUDA 13 runtime libraries",
         ));
+    }
+    Ok(devices)
+}
+
+/// The driver's devices, each with its primary context open.
+fn probe_devices() -> Result<Vec<DeviceInfo>> {
+    // SAFETY: only attempts to dlopen the driver library and reports success.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(Error::backend("cuda", "the CUDA driver library (libcuda.so.1) was not found: no NVIDIA driver on this machine"));
     }
     let n = match std::panic::catch_unwind(CudaContext::device_count) {
         Ok(Ok(n)) => n,
@@ -140,6 +158,7 @@ fn device_info(i: usize) -> Result<DeviceInfo> {
         free: free as u64,
         total: total as u64,
         cc: ctx.compute_capability().unwrap_or((0, 0)),
+        ctx,
     })
 }
 
@@ -194,6 +213,7 @@ struct Registered {
 
 impl Registered {
     fn new(ctx: &Arc<CudaContext>, len: usize) -> std::result::Result<Registered, String> {
+        let t = std::time::Instant::now();
         let mut map = memmap2::MmapOptions::new()
             .len(len)
             .map_anon()
@@ -210,6 +230,9 @@ impl Registered {
                 page[0] = 0;
             }
         }
+        let track = "pinned memory";
+        crate::trace::span(track, "populate", t, std::time::Instant::now());
+        let t = std::time::Instant::now();
         ctx.bind_to_thread().map_err(|e| e.to_string())?;
         // SAFETY: the range is our own live mapping of `len` bytes, registered once; it is
         // unregistered in Drop before the map is unmapped, and nothing is copied to or from it
@@ -223,6 +246,7 @@ impl Registered {
         }
         .result()
         .map_err(|e| format!("cuMemHostRegister: {e}"))?;
+        crate::trace::span(track, "register", t, std::time::Instant::now());
         Ok(Registered {
             map,
             ctx: ctx.clone(),
@@ -335,6 +359,38 @@ unsafe impl Sync for Pinned {}
 unsafe impl Send for PinnedCache {}
 unsafe impl Sync for PinnedCache {}
 
+/// Keep (`keep`) or give back (`!keep`) the memory that `ctx`'s device buffers return to the
+/// device's default stream-ordered pool, where cudarc allocates them (`cuMemAllocAsync`).
+///
+/// By default a pool returns freed memory to the driver at the next synchronisation, which
+/// costs 18 ms for the 9 GiB of 32768² fp32's slots at the end of every step (`MGMM_TRACE`,
+/// BENCHMARKS §13), on the step's critical path. The backend keeps it instead, so a plan's
+/// later steps take their buffers from the pool, and gives it back when it is dropped or loses
+/// a device (see [`CudaBackend::without`]); a command-line run that exits leaves it to the
+/// driver. Failing only costs that time, so errors are ignored.
+fn keep_pool_memory(ctx: &CudaContext, keep: bool) {
+    use cudarc::driver::result::{device, mem_pool};
+    let _ = ctx.bind_to_thread();
+    // SAFETY: the device comes from a live context; the pool is its default pool, valid while
+    // the context is; the threshold attribute takes a u64, passed by pointer.
+    unsafe {
+        let Ok(pool) = device::get_default_mem_pool(ctx.cu_device()) else {
+            return;
+        };
+        if keep {
+            let mut max = u64::MAX;
+            let _ = mem_pool::set_attribute(
+                pool,
+                cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut max as *mut u64 as *mut c_void,
+            );
+        } else {
+            let _ = ctx.synchronize();
+            let _ = mem_pool::trim_to(pool, 0);
+        }
+    }
+}
+
 /// Every chosen GPU as one backend: a lane per GPU, pinned host memory from the first GPU's
 /// context (portable, so every lane may DMA from it).
 pub(crate) struct CudaBackend {
@@ -401,7 +457,10 @@ impl CudaBackend {
             }
             None => min_free.saturating_sub(auto_margin(min_free)),
         };
-        let ctx0 = CudaContext::new(chosen[0].ordinal).map_err(|e| derr("cannot open GPU", e))?;
+        let ctx0 = chosen[0].ctx.clone();
+        for d in &chosen {
+            keep_pool_memory(&d.ctx, true);
+        }
         Ok(CudaBackend {
             engine: engine.clone(),
             threads: super::resolve_threads(engine.threads),
@@ -453,7 +512,7 @@ impl Backend for CudaBackend {
         // wait for another's.
         std::thread::scope(|s| {
             let handles: Vec<_> = (self.devices.iter().enumerate())
-                .map(|(i, d)| s.spawn(move || CudaLane::new(i, d.ordinal, layout, p)))
+                .map(|(i, d)| s.spawn(move || CudaLane::new(i, &d.ctx, layout, p)))
                 .collect();
             handles
                 .into_iter()
@@ -470,6 +529,10 @@ impl Backend for CudaBackend {
         if self.devices.len() <= 1 || lane >= self.devices.len() {
             return None;
         }
+        // The new backend sizes its buffers from the memory the GPUs report free.
+        for d in &self.devices {
+            keep_pool_memory(&d.ctx, false);
+        }
         let rest: Vec<u32> = (self.devices.iter().enumerate())
             .filter(|&(i, _)| i != lane)
             .map(|(_, d)| d.ordinal as u32)
@@ -479,6 +542,14 @@ impl Backend for CudaBackend {
             ..self.engine.clone()
         };
         Some(CudaBackend::select(&engine).map(|b| Box::new(b) as Box<dyn Backend>))
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        for d in &self.devices {
+            keep_pool_memory(&d.ctx, false);
+        }
     }
 }
 
@@ -508,6 +579,9 @@ pub(crate) struct CudaLane {
     next_ticket: u64,
     gemm_events: VecDeque<(CudaEvent, CudaEvent)>,
     stats: DeviceStats,
+    /// With a timeline being recorded ([`crate::trace`]): an event that completed at a known
+    /// host instant, so that device-timed GEMMs and copies can be placed on the host clock.
+    clock: Option<(CudaEvent, std::time::Instant)>,
     /// Index of this lane in the backend's lane list (for [`Error::Device`]).
     lane: usize,
 }
@@ -523,10 +597,11 @@ fn timing() -> Option<CUevent_flags> {
 impl CudaLane {
     pub(crate) fn new(
         lane: usize,
-        ordinal: usize,
+        ctx: &Arc<CudaContext>,
         l: &Layout,
         precision: Precision,
     ) -> Result<CudaLane> {
+        let ordinal = ctx.ordinal();
         let name = format!("cuda:{ordinal}");
         let e = |what: &str| {
             let name = name.clone();
@@ -535,7 +610,10 @@ impl CudaLane {
                 Error::device(lane, name.clone(), what.clone(), err)
             }
         };
-        let ctx = CudaContext::new(ordinal).map_err(e("cannot create context"))?;
+        let ctx = ctx.clone();
+        let track = format!("cuda:{ordinal} lane");
+        let t = std::time::Instant::now();
+        ctx.bind_to_thread().map_err(e("cannot use context"))?;
         let h2d = ctx.new_stream().map_err(e("cannot create stream"))?;
         let comp = ctx.new_stream().map_err(e("cannot create stream"))?;
         let d2h = ctx.new_stream().map_err(e("cannot create stream"))?;
@@ -560,39 +638,68 @@ impl CudaLane {
                 })
                 .collect()
         };
-        let slots = alloc(l.slot_bytes as usize, l.slots, "tile-cache slot")?;
-        let accs = alloc(l.acc_bytes as usize, l.accs, "accumulator")?;
-        let landing = alloc(l.landing_bytes as usize, l.landing, "landing buffer")?;
-        ctx.synchronize()
-            .map_err(e("synchronize after allocation"))?;
-        let blas = CudaBlas::new(comp.clone())
-            .map_err(|err| Error::device(lane, name.clone(), "cuBLAS handle", err))?;
-        let convert = match precision {
-            Precision::Bf16 | Precision::Fp16 => {
-                let ptx = convert_ptx().map_err(|err| {
-                    Error::device(
-                        lane,
-                        name.clone(),
-                        "NVRTC failed on kernels/convert.cu",
-                        err,
+        crate::trace::span(&track, "streams", t, std::time::Instant::now());
+        // The device buffers, and on a thread of its own the cuBLAS handle and the conversion
+        // kernel (library loads, 90–100 ms on an H200), which do not need the buffers.
+        let libs = || -> Result<(CudaBlas, Option<CudaFunction>)> {
+            let t = std::time::Instant::now();
+            ctx.bind_to_thread().map_err(e("cannot use context"))?;
+            let blas = CudaBlas::new(comp.clone())
+                .map_err(|err| Error::device(lane, name.clone(), "cuBLAS handle", err))?;
+            crate::trace::span(&track, "cuBLAS handle", t, std::time::Instant::now());
+            let t = std::time::Instant::now();
+            let convert = match precision {
+                Precision::Bf16 | Precision::Fp16 => {
+                    let ptx = convert_ptx().map_err(|err| {
+                        Error::device(
+                            lane,
+                            name.clone(),
+                            "NVRTC failed on kernels/convert.cu",
+                            err,
+                        )
+                    })?;
+                    let module = ctx
+                        .load_module(ptx)
+                        .map_err(e("cannot load kernels/convert.cu"))?;
+                    let f = if precision == Precision::Bf16 {
+                        "f32_to_bf16"
+                    } else {
+                        "f32_to_f16"
+                    };
+                    Some(
+                        module
+                            .load_function(f)
+                            .map_err(e("cannot find conversion kernel"))?,
                     )
-                })?;
-                let module = ctx
-                    .load_module(ptx)
-                    .map_err(e("cannot load kernels/convert.cu"))?;
-                let f = if precision == Precision::Bf16 {
-                    "f32_to_bf16"
-                } else {
-                    "f32_to_f16"
-                };
-                Some(
-                    module
-                        .load_function(f)
-                        .map_err(e("cannot find conversion kernel"))?,
-                )
-            }
-            _ => None,
+                }
+                _ => None,
+            };
+            crate::trace::span(&track, "kernels", t, std::time::Instant::now());
+            Ok((blas, convert))
         };
+        let bufs = || -> Result<_> {
+            let t = std::time::Instant::now();
+            let slots = alloc(l.slot_bytes as usize, l.slots, "tile-cache slot")?;
+            let accs = alloc(l.acc_bytes as usize, l.accs, "accumulator")?;
+            let landing = alloc(l.landing_bytes as usize, l.landing, "landing buffer")?;
+            ctx.synchronize()
+                .map_err(e("synchronize after allocation"))?;
+            crate::trace::span(&track, "device buffers", t, std::time::Instant::now());
+            Ok((slots, accs, landing))
+        };
+        let (bufs, libs) = std::thread::scope(|s| {
+            let libs = s.spawn(libs);
+            let bufs = bufs();
+            let libs = libs.join().unwrap_or_else(|_| {
+                Err(Error::backend(
+                    "cuda",
+                    "loading cuBLAS for a GPU lane panicked",
+                ))
+            });
+            (bufs, libs)
+        });
+        let ((slots, accs, landing), (blas, convert)) = (bufs?, libs?);
+        ctx.bind_to_thread().map_err(e("cannot use context"))?;
         let mut lane = CudaLane {
             ordinal,
             name: format!("cuda:{ordinal} {}", ctx.name().unwrap_or_default()),
@@ -613,9 +720,20 @@ impl CudaLane {
             next_ticket: 1,
             gemm_events: VecDeque::new(),
             stats: DeviceStats::default(),
+            clock: None,
             lane,
         };
+        let t = std::time::Instant::now();
         lane.warm_up(l)?;
+        crate::trace::span(&track, "warm-up GEMM", t, std::time::Instant::now());
+        if crate::trace::enabled() {
+            let ev = lane
+                .comp
+                .record_event(timing())
+                .map_err(|e| lane.err("event", e))?;
+            ev.synchronize().map_err(|e| lane.err("event wait", e))?;
+            lane.clock = Some((ev, std::time::Instant::now()));
+        }
         Ok(lane)
     }
 
@@ -668,9 +786,29 @@ impl CudaLane {
         Ticket(t)
     }
 
+    /// Put the device-timed interval from `s` to `e` (both complete) on the timeline.
+    fn trace(&self, what: &str, s: &CudaEvent, e: &CudaEvent) {
+        let Some((base, at)) = &self.clock else {
+            return;
+        };
+        let (Ok(a), Ok(b)) = (base.elapsed_ms(s), base.elapsed_ms(e)) else {
+            return;
+        };
+        let t = |ms: f32| *at + std::time::Duration::from_secs_f64((ms as f64 * 1e-3).max(0.0));
+        crate::trace::span(&format!("cuda:{} {what}", self.ordinal), what, t(a), t(b));
+    }
+
     fn finish_ticket(&mut self, t: u64) -> Result<()> {
         if let Some((s, e, kind, bytes)) = self.tickets.remove(&t) {
             let ms = s.elapsed_ms(&e).map_err(|x| self.err("event timing", x))? as f64;
+            self.trace(
+                match kind {
+                    Kind::H2d => "h2d",
+                    Kind::D2h => "d2h",
+                },
+                &s,
+                &e,
+            );
             match kind {
                 Kind::H2d => {
                     self.stats.h2d_s += ms * 1e-3;
@@ -696,6 +834,7 @@ impl CudaLane {
                 break;
             }
             let ms = s.elapsed_ms(e).map_err(|x| self.err("event timing", x))? as f64;
+            self.trace("gemm", s, e);
             self.stats.gemm_s += ms * 1e-3;
             self.gemm_events.pop_front();
         }
@@ -721,7 +860,10 @@ impl CudaLane {
         }
         let (b32, b64) = (beta as f32, beta);
         let n = elems as i32;
-        let blas = self.blas.as_ref().expect("handle lives until drop");
+        let blas = self
+            .blas
+            .as_ref()
+            .expect("the handle lives until release (no GEMM after it)");
         let (ptr_c, _gc) = self.accs[acc].device_ptr_mut(&self.comp);
         // SAFETY: the accumulator belongs to this lane's context and holds at least `elems`
         // values of the host compute type (layout sizes it for tm·tn); beta points to a live
@@ -888,7 +1030,10 @@ impl Lane for CudaLane {
                 .comp
                 .record_event(timing())
                 .map_err(|e| Error::device(lane, format!("cuda:{ordinal}"), "event", e))?;
-            let blas = self.blas.as_ref().expect("handle lives until drop");
+            let blas = self
+                .blas
+                .as_ref()
+                .expect("the handle lives until release (no GEMM after it)");
             // SAFETY: all three buffers belong to this lane's context and are at least as large
             // as the GEMM reads/writes (layout sizes slots for tm·tk and tk·tn elements and
             // accumulators for tm·tn); alpha/beta point to live locals of the right type; the
@@ -986,14 +1131,44 @@ impl Lane for CudaLane {
         let _ = self.harvest_gemms(true);
         self.stats.clone()
     }
+
+    fn release(&mut self) {
+        let t = std::time::Instant::now();
+        self.stats();
+        let _ = self.ctx.synchronize();
+        // The cuBLAS handle first (see Drop), then every device buffer.
+        self.blas.take();
+        self.slots.clear();
+        self.accs.clear();
+        self.landing.clear();
+        // The frees are stream-ordered and go to the pool the backend keeps
+        // (`keep_pool_memory`): waiting for them is quick.
+        let _ = self.ctx.synchronize();
+        crate::trace::span(
+            &format!("cuda:{} lane", self.ordinal),
+            "release",
+            t,
+            std::time::Instant::now(),
+        );
+    }
 }
 
 impl Drop for CudaLane {
     fn drop(&mut self) {
         // Finish queued work before buffers are freed; drop the cuBLAS handle first (its Drop
         // unwraps, so never let it run during a failing teardown of the context).
+        let t = std::time::Instant::now();
         let _ = self.ctx.bind_to_thread();
         let _ = self.ctx.synchronize();
         self.blas.take();
+        self.slots.clear();
+        self.accs.clear();
+        self.landing.clear();
+        self.tickets.clear();
+        self.gemm_events.clear();
+        self.clock = None;
+        let _ = self.ctx.synchronize();
+        let track = format!("cuda:{} lane", self.ordinal);
+        crate::trace::span(&track, "drop: buffers", t, std::time::Instant::now());
     }
 }

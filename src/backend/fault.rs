@@ -148,6 +148,9 @@ impl Lane for FaultyLane {
     fn live_stats(&mut self) -> DeviceStats {
         self.inner.live_stats()
     }
+    fn release(&mut self) {
+        self.inner.release()
+    }
 }
 
 /// A tile sink that fails like a full disk after `write_after` tiles: the tile's journal record

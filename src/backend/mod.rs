@@ -171,6 +171,11 @@ pub trait Lane: Send {
     fn live_stats(&mut self) -> DeviceStats {
         self.stats()
     }
+    /// The lane's work is over (all its downloads waited for): wait for anything still queued,
+    /// keep the statistics, and free the device buffers and handles now, while the last tiles
+    /// are still being written, rather than when the pipeline ends. Nothing is uploaded,
+    /// computed or downloaded afterwards; `stats` still answers.
+    fn release(&mut self) {}
 }
 
 /// Which precision the lane computes in, and the host dtype it exchanges.

@@ -105,6 +105,23 @@ impl Control {
         r
     }
 
+    /// `recv` for at most `d`: `Ok(None)` when nothing came in that time, `Err(())` when
+    /// upstream is finished or the run is cancelled.
+    pub(crate) fn recv_within<T>(
+        &self,
+        rx: &Receiver<T>,
+        d: std::time::Duration,
+    ) -> std::result::Result<Option<T>, ()> {
+        if self.is_cancelled() {
+            return Err(());
+        }
+        select! {
+            recv(rx) -> r => r.map(Some).map_err(|_| ()),
+            recv(self.rx) -> _ => Err(()),
+            default(d) => Ok(None),
+        }
+    }
+
     /// Blocking receive: `None` when upstream is finished or the run is cancelled.
     pub(crate) fn recv<T>(&self, rx: &Receiver<T>) -> Option<T> {
         if self.is_cancelled() {

@@ -76,14 +76,19 @@ impl StageMetrics {
             ..Default::default()
         })
     }
+    // Each interval ends when it is counted, so it is also where the timeline
+    // ([`crate::trace`]) learns of it.
     pub(crate) fn add_busy(&self, d: Duration) {
         self.busy_ns.fetch_add(ns(d), Ordering::Relaxed);
+        crate::trace::ended_now(&self.name, "busy", d);
     }
     pub(crate) fn add_wait_in(&self, d: Duration) {
         self.wait_in_ns.fetch_add(ns(d), Ordering::Relaxed);
+        crate::trace::ended_now(&self.name, "wait in", d);
     }
     pub(crate) fn add_wait_out(&self, d: Duration) {
         self.wait_out_ns.fetch_add(ns(d), Ordering::Relaxed);
+        crate::trace::ended_now(&self.name, "wait out", d);
     }
     pub(crate) fn add_item(&self, bytes: u64) {
         self.items.fetch_add(1, Ordering::Relaxed);

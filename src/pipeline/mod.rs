@@ -118,6 +118,93 @@ pub(crate) struct RunStats {
     pub(crate) first_gemm_s: Option<f64>,
 }
 
+/// What a pipeline runs on: the backend's lanes (on a GPU: context, streams, device buffers,
+/// cuBLAS handle) and the host pools (pinned staging and output buffers), allocated before the
+/// stages start.
+///
+/// The two do not depend on each other and each takes tenths of a second on a GPU machine
+/// (32768² fp32 on one H200: lanes 0.13–0.24 s, 2.25 GiB of pools 0.32–0.60 s,
+/// docs/measurements/2026-12-01-h200-*.log), so [`Engines::make`] makes them on two threads at
+/// once. Every buffer is allocated before the stages start: growing the pinned pools while the
+/// stages ran was tried, and `cuMemHostAlloc` then stalled both GPUs' GEMMs (32768² fp32 on 2
+/// GPUs went from 1.2 to 2.5 s, docs/measurements/2026-11-30-keepup-*.log).
+pub(crate) struct Engines {
+    lanes: Vec<Box<dyn Lane>>,
+    staging_pools: Vec<Pool>,
+    out_pool: Pool,
+    /// Seconds taken: both together, the lanes alone, the pools alone.
+    pub(crate) times: [(&'static str, f64); 3],
+}
+
+impl Engines {
+    /// The lanes of `backend` for `layout` in precision `p`, and the pools `layout` asks for.
+    pub(crate) fn make(
+        backend: &dyn Backend,
+        layout: &Layout,
+        p: crate::plan::Precision,
+    ) -> Result<Engines> {
+        let t = Instant::now();
+        let n = backend.caps().lanes.max(1);
+        let (lanes, pools) = std::thread::scope(|s| {
+            let pools = s.spawn(move || {
+                let t = Instant::now();
+                let r = Self::pools(backend, layout, n);
+                crate::trace::span("start-up", "pools", t, Instant::now());
+                r.map(|p| (p, t.elapsed().as_secs_f64()))
+            });
+            let t = Instant::now();
+            let lanes = backend.lanes(layout, p);
+            crate::trace::span("start-up", "lanes", t, Instant::now());
+            let lanes = lanes.map(|l| (l, t.elapsed().as_secs_f64()));
+            let pools = pools.join().unwrap_or_else(|_| {
+                Err(Error::Usage(
+                    "allocating the host pools panicked (this is a bug; please report it)".into(),
+                ))
+            });
+            (lanes, pools)
+        });
+        let (lanes, lanes_s) = lanes?;
+        let ((mut staging_pools, mut out_pool), mut pools_s) = pools?;
+        if lanes.len() != n {
+            // A backend whose lane count differs from what its caps said: size the pools again.
+            let t = Instant::now();
+            (staging_pools, out_pool) = Self::pools(backend, layout, lanes.len())?;
+            pools_s += t.elapsed().as_secs_f64();
+        }
+        Ok(Engines {
+            lanes,
+            staging_pools,
+            out_pool,
+            times: [
+                ("engines", t.elapsed().as_secs_f64()),
+                ("lanes", lanes_s),
+                ("pools", pools_s),
+            ],
+        })
+    }
+
+    /// One staging pool per lane and the output pool they share.
+    fn pools(alloc: &dyn Backend, l: &Layout, nlanes: usize) -> Result<(Vec<Pool>, Pool)> {
+        let staging = (0..nlanes)
+            .map(|_| {
+                Pool::new(
+                    "staging",
+                    alloc,
+                    l.staging_bufs,
+                    l.staging_buf_bytes as usize,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let out = Pool::new(
+            "output",
+            alloc,
+            l.out_bufs * nlanes,
+            l.out_buf_bytes as usize,
+        )?;
+        Ok((staging, out))
+    }
+}
+
 /// One step, ready to run: inputs opened, output open, pools allocated, lanes made.
 pub(crate) struct Pipeline<'a> {
     step: &'a Step,
@@ -161,7 +248,7 @@ impl<'a> Pipeline<'a> {
         step: &'a Step,
         layout: &'a Layout,
         backend: &dyn Backend,
-        lanes: Vec<Box<dyn Lane>>,
+        engines: Engines,
         work: Work,
         cfg: RunConfig,
         sink: &'a dyn TileSink,
@@ -174,27 +261,14 @@ impl<'a> Pipeline<'a> {
         let order = work
             .todo
             .unwrap_or_else(|| (0..sched.tiles.len() as u32).collect());
+        let Engines {
+            lanes,
+            staging_pools,
+            out_pool,
+            ..
+        } = engines;
         let nlanes = lanes.len();
         let queue = TileQueue::new(&sched, order, nlanes);
-        // Every buffer is allocated here, before the stages start. Growing the pinned pools
-        // while the stages run was tried: cuMemHostAlloc then stalls both GPUs' GEMMs (32768²
-        // fp32 on 2 GPUs went from 1.2 to 2.5 s, docs/measurements/2026-11-30-keepup-*.log).
-        let staging_pools = (0..nlanes)
-            .map(|_| {
-                Pool::new(
-                    "staging",
-                    backend,
-                    l.staging_bufs,
-                    l.staging_buf_bytes as usize,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let out_pool = Pool::new(
-            "output",
-            backend,
-            l.out_bufs * nlanes,
-            l.out_buf_bytes as usize,
-        )?;
         Ok(Pipeline {
             step,
             layout,
@@ -269,8 +343,10 @@ impl<'a> Pipeline<'a> {
         let lane_names: Vec<String> = self.lanes.iter().map(|l| l.name()).collect();
         let t0 = Instant::now();
         let metrics = self.run_stages(&ctl, &c, &lane_names, all_flops, done_start, t0);
+        let tl = Instant::now();
         let lane_stats: Vec<DeviceStats> = self.lanes.iter_mut().map(|l| l.stats()).collect();
         drop(std::mem::take(&mut self.lanes));
+        crate::trace::span("start-up", "lanes drop", tl, Instant::now());
         if let Some(e) = ctl.take_error() {
             return Err(e);
         }
@@ -287,6 +363,7 @@ impl<'a> Pipeline<'a> {
         let tf = Instant::now();
         let writer = self.writer.take().expect("the writer is finished once");
         writer.finish(self.cfg.durable)?;
+        crate::trace::span("start-up", "output finish", tf, Instant::now());
         let flush_s = tf.elapsed().as_secs_f64();
         let pools = self
             .staging_pools
@@ -444,6 +521,7 @@ impl<'a> Pipeline<'a> {
                 queue,
                 slots: l.slots,
                 accs: l.accs,
+                start_group: l.start_group,
                 alpha: step.alpha,
                 beta: step.beta,
                 has_c0: step.c0.is_some(),

@@ -141,6 +141,12 @@ impl TileQueue {
         let victim = (0..runs.len()).max_by_key(|&i| runs[i].len())?;
         runs[victim].pop_back()
     }
+    /// The lane's next tile if `pred` accepts it (never stolen from another lane).
+    pub(crate) fn pop_if(&self, lane: usize, pred: impl Fn(u32) -> bool) -> Option<u32> {
+        let mut runs = self.runs.lock().unwrap();
+        let next = *runs[lane].front()?;
+        pred(next).then(|| runs[lane].pop_front()).flatten()
+    }
     /// Lane `lane`'s run as dealt (before any tile was taken or stolen).
     #[cfg(test)]
     pub(crate) fn run(&self, lane: usize) -> Vec<u32> {
@@ -203,6 +209,9 @@ pub(crate) struct Planner<'a> {
     pub(crate) queue: &'a TileQueue,
     pub(crate) slots: usize,
     pub(crate) accs: usize,
+    /// Output tiles the lane's first group computes k-chunk by k-chunk
+    /// ([`crate::plan::layout::Layout::start_group`]; 1: none).
+    pub(crate) start_group: usize,
     pub(crate) alpha: f64,
     pub(crate) beta: f64,
     pub(crate) has_c0: bool,
@@ -213,6 +222,87 @@ pub(crate) struct Planner<'a> {
 }
 
 impl Planner<'_> {
+    /// The k-chunk `seq` starts at: its checkpoint's next chunk when it resumes from one.
+    fn k0(&self, seq: u32) -> u64 {
+        self.ckpt
+            .and_then(|c| c.resumed().get(&seq))
+            .map_or(0, |&d| d as u64)
+    }
+
+    /// The loads and the GEMM of k-chunk `kk` of `tile` into `acc`.
+    fn gemm_ops(
+        &self,
+        cache: &mut TileCache,
+        tile: OutTile,
+        kk: u64,
+        acc: usize,
+        ops: &mut Vec<PlanOp>,
+    ) {
+        let s = self.sched;
+        let (a_slot, load_a) = cache.get((Src::A, tile.ti, kk));
+        if load_a {
+            ops.push(PlanOp::Load {
+                slot: a_slot,
+                src: Src::A,
+                block: s.a_block(&tile, kk),
+            });
+        }
+        let (b_slot, load_b) = cache.get((Src::B, kk, tile.tj));
+        if load_b {
+            ops.push(PlanOp::Load {
+                slot: b_slot,
+                src: Src::B,
+                block: s.b_block(&tile, kk),
+            });
+        }
+        let beta = if kk > 0 {
+            1.0
+        } else if self.has_c0 {
+            self.beta
+        } else {
+            0.0
+        };
+        let desc = GemmDesc {
+            m: tile.block.rows as usize,
+            n: tile.block.cols as usize,
+            k: s.kdepth(kk) as usize,
+            a_trans: s.a_trans,
+            b_trans: s.b_trans,
+            alpha: self.alpha,
+            beta,
+        };
+        ops.push(PlanOp::Gemm {
+            desc,
+            a_slot,
+            b_slot,
+            acc,
+            tile,
+            kk,
+        });
+    }
+
+    /// The first output tiles of the lane's row, up to [`Layout::start_group`] of them, that
+    /// start from k-chunk 0: computed k-chunk by k-chunk across the group (see there).
+    ///
+    /// [`Layout::start_group`]: crate::plan::layout::Layout::start_group
+    fn first_group(&self, seq: u32) -> Vec<u32> {
+        let mut group = vec![seq];
+        if self.start_group < 2 || self.k0(seq) > 0 {
+            return group;
+        }
+        let ti = self.sched.tiles[seq as usize].ti;
+        while group.len() < self.start_group {
+            let next = self.queue.pop_if(self.lane, |q| {
+                self.sched.tiles[q as usize].ti == ti && self.k0(q) == 0
+            });
+            match next {
+                Some(q) => group.push(q),
+                None => break,
+            }
+        }
+        group
+    }
+
     pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         let mut cache = TileCache::new(self.slots);
         let mut count = 0usize;
@@ -222,66 +312,54 @@ impl Planner<'_> {
                 return Err(Error::Cancelled);
             }
             let t0 = Instant::now();
-            let tile = s.tiles[seq as usize];
-            let _ = self.outprep.try_send(tile.block);
-            let acc = count % self.accs;
-            count += 1;
-            // A tile resumed from its checkpoint continues at its next k-chunk; alpha, beta and
-            // C0 entered in k-chunk 0 and are in the saved accumulator.
-            let k0 = self
-                .ckpt
-                .and_then(|c| c.resumed().get(&seq))
-                .map_or(0, |&d| d as u64);
-            let mut ops = vec![PlanOp::Begin {
-                acc,
-                c0: (self.has_c0 && k0 == 0).then_some(tile.block),
-                resume: (k0 > 0).then_some(tile),
-            }];
-            for kk in k0..s.gk {
-                let (a_slot, load_a) = cache.get((Src::A, tile.ti, kk));
-                if load_a {
-                    ops.push(PlanOp::Load {
-                        slot: a_slot,
-                        src: Src::A,
-                        block: s.a_block(&tile, kk),
-                    });
-                }
-                let (b_slot, load_b) = cache.get((Src::B, kk, tile.tj));
-                if load_b {
-                    ops.push(PlanOp::Load {
-                        slot: b_slot,
-                        src: Src::B,
-                        block: s.b_block(&tile, kk),
-                    });
-                }
-                let beta = if kk > 0 {
-                    1.0
-                } else if self.has_c0 {
-                    self.beta
-                } else {
-                    0.0
-                };
-                let desc = GemmDesc {
-                    m: tile.block.rows as usize,
-                    n: tile.block.cols as usize,
-                    k: s.kdepth(kk) as usize,
-                    a_trans: s.a_trans,
-                    b_trans: s.b_trans,
-                    alpha: self.alpha,
-                    beta,
-                };
-                ops.push(PlanOp::Gemm {
-                    desc,
-                    a_slot,
-                    b_slot,
+            let group = if count == 0 {
+                self.first_group(seq)
+            } else {
+                vec![seq]
+            };
+            let mut ops = Vec::new();
+            let mut tiles = Vec::with_capacity(group.len());
+            for &q in &group {
+                let tile = s.tiles[q as usize];
+                let _ = self.outprep.try_send(tile.block);
+                let acc = count % self.accs;
+                count += 1;
+                // A tile resumed from its checkpoint continues at its next k-chunk; alpha,
+                // beta and C0 entered in k-chunk 0 and are in the saved accumulator.
+                let k0 = self.k0(q);
+                ops.push(PlanOp::Begin {
                     acc,
-                    tile,
-                    kk,
+                    c0: (self.has_c0 && k0 == 0).then_some(tile.block),
+                    resume: (k0 > 0).then_some(tile),
                 });
+                tiles.push((tile, acc, k0));
             }
-            ops.push(PlanOp::End { tile, acc });
+            // One tile: its k-chunks in order. A group: k-chunk by k-chunk across the tiles,
+            // each tile's download as soon as its last GEMM is queued. Either way each tile
+            // sums its k-chunks in the same order, so the bytes do not depend on grouping.
+            let k_first = tiles.iter().map(|t| t.2).min().unwrap_or(0);
+            let mut ended = vec![false; tiles.len()];
+            for kk in k_first..s.gk {
+                for (i, &(tile, acc, k0)) in tiles.iter().enumerate() {
+                    if kk < k0 {
+                        continue;
+                    }
+                    self.gemm_ops(&mut cache, tile, kk, acc, &mut ops);
+                    if kk + 1 == s.gk {
+                        ops.push(PlanOp::End { tile, acc });
+                        ended[i] = true;
+                    }
+                }
+            }
+            for (i, &(tile, acc, _)) in tiles.iter().enumerate() {
+                if !ended[i] {
+                    ops.push(PlanOp::End { tile, acc });
+                }
+            }
             self.m.add_busy(t0.elapsed());
-            self.m.add_item(0);
+            for _ in &tiles {
+                self.m.add_item(0);
+            }
             for op in ops {
                 ctl.send_timed(&self.out, op, &self.m)?;
             }
@@ -448,6 +526,9 @@ pub(crate) struct DeviceLane<'a> {
     pub(crate) ckpt: Option<&'a Checkpoints>,
 }
 
+/// How often a device lane waiting for its next op checks for finished copies.
+const LANE_POLL: std::time::Duration = std::time::Duration::from_micros(500);
+
 struct Pending {
     ups: Vec<(Ticket, Arc<Lease>)>,
     downs: Vec<(Ticket, Done)>,
@@ -535,6 +616,31 @@ impl DeviceLane<'_> {
         Ok(())
     }
 
+    /// Wait for the next op. Meanwhile let go of whatever the device has finished, so that
+    /// staging (waiting for the staging buffers our uploads hold) and writeback (for our
+    /// downloads) go on, polling every [`LANE_POLL`]; block outright only when nothing is in
+    /// flight. It never waits for the device itself: that used to be done here, and waiting
+    /// for the last download waits for every GEMM queued before it, so the GPU ran dry and sat
+    /// idle until the next upload arrived (about 10 ms at every output tile of 32768² fp32 on
+    /// one H200, 76–101 ms in all, seen in `MGMM_TRACE` timelines). `None`: upstream is
+    /// finished or the run is cancelled.
+    fn next_op(&mut self, p: &mut Pending, ctl: &Control) -> Result<Option<LaneOp>> {
+        let t = Instant::now();
+        let op = loop {
+            self.settle(p, ctl, false)?;
+            if p.ups.is_empty() && p.downs.is_empty() {
+                break ctl.recv(&self.rx);
+            }
+            match ctl.recv_within(&self.rx, LANE_POLL) {
+                Ok(Some(op)) => break Some(op),
+                Ok(None) => continue,
+                Err(()) => break None,
+            }
+        };
+        self.m.add_wait_in(t.elapsed());
+        Ok(op)
+    }
+
     pub(crate) fn run(mut self, ctl: &Control) -> Result<()> {
         self.lane.bind_thread()?;
         let mut p = Pending {
@@ -549,10 +655,7 @@ impl DeviceLane<'_> {
                 Ok(op) => op,
                 Err(TryRecvError::Disconnected) => break,
                 Err(TryRecvError::Empty) => {
-                    // About to block: first let go of everything that is finished, so that
-                    // upstream stages waiting on our leases can proceed.
-                    self.settle(&mut p, ctl, true)?;
-                    let Some(op) = ctl.recv_timed(&self.rx, &self.m) else {
+                    let Some(op) = self.next_op(&mut p, ctl)? else {
                         break;
                     };
                     op
@@ -614,6 +717,8 @@ impl DeviceLane<'_> {
         }
         if !ctl.is_cancelled() {
             self.settle(&mut p, ctl, true)?;
+            *self.live.lock().unwrap() = self.lane.live_stats();
+            self.lane.release();
         }
         Ok(())
     }

@@ -40,6 +40,9 @@ pub struct Layout {
     pub slot_bytes: u64,
     /// Accumulators per lane.
     pub accs: usize,
+    /// Output tiles of the same row that each lane's first group computes k-chunk by k-chunk
+    /// (1: none). See [`Layout::start_group`].
+    pub start_group: usize,
     /// Bytes of one accumulator.
     pub acc_bytes: u64,
     /// Device landing buffers for on-device conversion (bf16/fp16), per lane.
@@ -55,6 +58,9 @@ pub struct Layout {
     /// Lanes (devices) the step runs on.
     pub lanes: usize,
 }
+
+/// The most output tiles a lane's first group computes together ([`Layout::start_group`]).
+const START_GROUP_MAX: u64 = 4;
 
 impl Layout {
     /// The layout of `step` under `engine`'s budgets on a backend with `caps`; errors name `origin`.
@@ -149,6 +155,7 @@ impl Layout {
             slots: 2,
             slot_bytes: (tm * tk).max(tk * tn) * dev_dt.size() as u64,
             accs: 2,
+            start_group: 1,
             acc_bytes,
             landing,
             landing_bytes,
@@ -214,6 +221,19 @@ impl Layout {
                 self.recount(caps);
             }
         }
+        if caps.memory == MemorySpace::Device && gn > 1 {
+            // Accumulators for the start group, and one more for the tile after it.
+            let want = gn.min(START_GROUP_MAX) as usize + 1;
+            if want > self.accs {
+                let old = self.accs;
+                self.accs = want;
+                self.recount(caps);
+                if !self.fits(engine, caps) {
+                    self.accs = old;
+                    self.recount(caps);
+                }
+            }
+        }
         let spare = if caps.memory == MemorySpace::Device {
             caps.device_memory.saturating_sub(self.device_bytes)
         } else {
@@ -222,7 +242,34 @@ impl Layout {
         let extra = (spare / self.slot_bytes.max(1)) as usize;
         self.slots = (self.slots + extra).min(distinct.max(2));
         self.recount(caps);
+        self.start_group = self.choose_start_group(gn, gk);
         self
+    }
+
+    /// How many output tiles each lane's first group computes k-chunk by k-chunk: k-chunk 0
+    /// of every tile of the group, then k-chunk 1 of each, and so on.
+    ///
+    /// At the start the device tile cache is empty, so a lane's first output tile needs two
+    /// new input tiles per GEMM (its A row and its B column), while every later tile of the row
+    /// needs one (the A row is cached). Where reading and uploading a tile takes about as long
+    /// as one GEMM, the device waits for the first tile's inputs: 38 ms of idle GPU in the
+    /// first 0.2 s of 32768² fp32 on one H200 (`MGMM_TRACE` timeline, BENCHMARKS §13). Across
+    /// a group of `w` tiles of one row, k-chunk `kk` needs one A tile and `w` B tiles for `w`
+    /// GEMMs, so the device is fed from the first GEMM on. The tiles' sums are unchanged (each
+    /// adds its k-chunks in order), so the output's bytes do not depend on it.
+    ///
+    /// Only on a device (its accumulators are device memory: one per tile of the group, plus
+    /// one), and only when the tile cache holds every B tile of a row band and two A rows
+    /// (`slots ≥ gk·(gn + 2)`): then no tile of the first rows is evicted, and the reads are
+    /// exactly what [`crate::plan::schedule::input_loads`] predicts for the plain order.
+    pub fn choose_start_group(&self, gn: u64, gk: u64) -> usize {
+        if self.device_bytes == 0 || (self.slots as u64) < gk * (gn + 2) {
+            return 1;
+        }
+        (self.accs - 1)
+            .min(gn as usize)
+            .min(START_GROUP_MAX as usize)
+            .max(1)
     }
 
     /// Compute tiles of `step` along m, n and k.

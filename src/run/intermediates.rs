@@ -22,7 +22,7 @@ use super::{fail_over, RunOptions};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::pipeline::stages::TileSink;
-use crate::pipeline::{Pipeline, RunConfig, StepSources, Work};
+use crate::pipeline::{Engines, Pipeline, RunConfig, StepSources, Work};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::{OutTile, Schedule};
 use crate::plan::{Operand, Plan, Step};
@@ -154,7 +154,7 @@ impl Held {
                 done_before: (total as usize - todo.len()) as u64,
                 todo: Some(todo),
             };
-            let lanes = backend.lanes(layout, e.precision)?;
+            let engines = Engines::make(backend.as_ref(), layout, e.precision)?;
             let cfg = RunConfig {
                 cancel: opts.cancel,
                 ..RunConfig::from_engine(e)
@@ -164,7 +164,7 @@ impl Held {
                 step,
                 layout,
                 backend.as_ref(),
-                lanes,
+                engines,
                 work,
                 cfg,
                 &written,

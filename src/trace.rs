@@ -1,0 +1,131 @@
+//! An optional timeline of a run, for finding where a device waits.
+//!
+//! The report gives each stage's busy and waiting *totals*; they say which stage is the
+//! bottleneck but not *when* a GPU sat idle (at the start, between tiles, at the end) or what
+//! it waited for at that moment. With `MGMM_TRACE=PATH` set ([`crate::config::trace_path`]),
+//! every stage's busy and waiting intervals (recorded where [`StageMetrics`] counts them), each
+//! GPU's GEMMs and copies as the device timed them (CUDA events, placed on the host clock), and
+//! the phases of start-up and tear-down are kept in memory and written at the end as Chrome
+//! trace-event JSON: open it in `chrome://tracing` or <https://ui.perfetto.dev>, or read it with
+//! `tools/trace_gaps.py`, which prints the GPU idle gaps and what the stages did meanwhile.
+//!
+//! Off (the default) it costs one relaxed load per recorded interval. On, it keeps at most
+//! [`MAX_EVENTS`] events (a few per tile and k-step), so even long runs stay bounded.
+//!
+//! [`StageMetrics`]: crate::pipeline::metrics::StageMetrics
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
+
+/// Events kept at most; later ones are counted and dropped.
+pub(crate) const MAX_EVENTS: usize = 1 << 20;
+
+struct Event {
+    track: u32,
+    name: String,
+    start_us: f64,
+    dur_us: f64,
+}
+
+#[derive(Default)]
+struct Trace {
+    tracks: HashMap<String, u32>,
+    events: Vec<Event>,
+    dropped: u64,
+}
+
+struct Global {
+    origin: Instant,
+    trace: Mutex<Trace>,
+}
+
+static GLOBAL: OnceLock<Option<Global>> = OnceLock::new();
+
+fn global() -> Option<&'static Global> {
+    GLOBAL
+        .get_or_init(|| {
+            crate::config::trace_path().map(|_| Global {
+                origin: crate::report::process_start().unwrap_or_else(Instant::now),
+                trace: Mutex::default(),
+            })
+        })
+        .as_ref()
+}
+
+/// Whether a timeline is being recorded.
+pub(crate) fn enabled() -> bool {
+    global().is_some()
+}
+
+/// Record that `track` (a stage, a GPU's engine, "start-up") was in state `name` from `start`
+/// to `end`.
+pub(crate) fn span(track: &str, name: &str, start: Instant, end: Instant) {
+    let Some(g) = global() else { return };
+    let us = |t: Instant| {
+        if t >= g.origin {
+            (t - g.origin).as_secs_f64() * 1e6
+        } else {
+            -((g.origin - t).as_secs_f64() * 1e6)
+        }
+    };
+    let (s, e) = (us(start), us(end));
+    let mut t = g.trace.lock().unwrap_or_else(|e| e.into_inner());
+    if t.events.len() >= MAX_EVENTS {
+        t.dropped += 1;
+        return;
+    }
+    let n = t.tracks.len() as u32;
+    let track = *t.tracks.entry(track.to_string()).or_insert(n);
+    t.events.push(Event {
+        track,
+        name: name.to_string(),
+        start_us: s,
+        dur_us: (e - s).max(0.0),
+    });
+}
+
+/// Record `name` on `track` for the `d` that ended just now (how the stages count time).
+pub(crate) fn ended_now(track: &str, name: &str, d: std::time::Duration) {
+    if !enabled() || d.is_zero() {
+        return;
+    }
+    let now = Instant::now();
+    span(track, name, now.checked_sub(d).unwrap_or(now), now);
+}
+
+/// Write what was recorded to the `MGMM_TRACE` path (Chrome trace-event JSON). Called when the
+/// command ends; a later call writes everything recorded until then again.
+pub(crate) fn write() -> crate::error::Result<()> {
+    let (Some(g), Some(path)) = (global(), crate::config::trace_path()) else {
+        return Ok(());
+    };
+    let t = g.trace.lock().unwrap_or_else(|e| e.into_inner());
+    let mut names: Vec<(&String, &u32)> = t.tracks.iter().collect();
+    names.sort_by_key(|(_, &i)| i);
+    let mut ev = Vec::with_capacity(t.events.len() + names.len());
+    for (name, &id) in names {
+        ev.push(
+            serde_json::json!({"ph": "M", "name": "thread_name", "pid": 1, "tid": id,
+            "args": {"name": name}}),
+        );
+        ev.push(
+            serde_json::json!({"ph": "M", "name": "thread_sort_index", "pid": 1,
+            "tid": id, "args": {"sort_index": id}}),
+        );
+    }
+    for e in &t.events {
+        ev.push(
+            serde_json::json!({"ph": "X", "name": e.name, "pid": 1, "tid": e.track,
+            "ts": e.start_us, "dur": e.dur_us}),
+        );
+    }
+    let doc = serde_json::json!({
+        "traceEvents": ev,
+        "displayTimeUnit": "ms",
+        "otherData": {"dropped_events": t.dropped, "origin": "process start"},
+    });
+    let s = serde_json::to_string(&doc).expect("trace serializes");
+    std::fs::write(&path, s)
+        .map_err(|e| crate::error::Error::io(&path, "cannot write the trace (MGMM_TRACE)", e))
+}

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Where did the GPUs wait? Reads a timeline written with MGMM_TRACE=PATH (src/trace.rs).
+
+    python3 tools/trace_gaps.py TRACE.json [--min-ms 2] [--top 12]
+
+Prints the start-up phases, then per GEMM track ("cuda:0 gemm", or the CPU lane's "lane"
+busy spans): time to the first GEMM, GEMM busy time, the idle time between GEMMs and after the
+last one, and the largest gaps with what every other track was doing during each (the share of
+the gap each track spent busy or waiting).
+"""
+import argparse
+import json
+import sys
+
+
+def load(path):
+    d = json.load(open(path))
+    names, spans = {}, {}
+    for e in d["traceEvents"]:
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            names[e["tid"]] = e["args"]["name"]
+    for e in d["traceEvents"]:
+        if e.get("ph") == "X":
+            spans.setdefault(names.get(e["tid"], str(e["tid"])), []).append(
+                (e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3, e["name"]))
+    for v in spans.values():
+        v.sort()
+    return spans, d.get("otherData", {}).get("dropped_events", 0)
+
+
+def overlap(spans, a, b):
+    """Milliseconds of [a, b) covered by each state of `spans`."""
+    out = {}
+    for s, e, n in spans:
+        if e <= a or s >= b:
+            continue
+        out[n] = out.get(n, 0.0) + min(e, b) - max(s, a)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--min-ms", type=float, default=2.0, help="smallest gap listed")
+    ap.add_argument("--top", type=int, default=12, help="gaps listed per GPU")
+    a = ap.parse_args()
+    spans, dropped = load(a.trace)
+    if dropped:
+        print(f"note: {dropped} events were dropped (trace buffer full)")
+    print("start-up phases (ms from process start):")
+    for s, e, n in spans.get("start-up", []):
+        print(f"  {n:<18} {s:9.1f} .. {e:9.1f}  ({e - s:8.1f} ms)")
+    steps = [(s, e) for s, e, n in spans.get("start-up", []) if n.startswith("step")]
+    gemm_tracks = [t for t in spans if t.endswith(" gemm")]
+    if not gemm_tracks and "lane" in spans:
+        gemm_tracks = ["lane"]
+    for t in gemm_tracks:
+        g = [x for x in spans[t] if x[2] in ("gemm", "busy")]
+        if not g:
+            continue
+        st = [x for x in steps if x[0] <= g[0][0] <= x[1]]
+        s0, s1 = st[0] if st else (g[0][0], g[-1][1])
+        busy = sum(e - s for s, e, _ in g)
+        gaps = [(g[i + 1][0] - g[i][1], g[i][1], g[i + 1][0]) for i in range(len(g) - 1)]
+        between = sum(x[0] for x in gaps if x[0] > 0)
+        print(f"\n{t}: step {s1 - s0:.1f} ms; first GEMM at +{g[0][0] - s0:.1f} ms; "
+              f"GEMMs {busy:.1f} ms ({len(g)}); idle between GEMMs {between:.1f} ms; "
+              f"after the last GEMM {s1 - g[-1][1]:.1f} ms")
+        big = sorted((x for x in gaps if x[0] >= a.min_ms), reverse=True)[: a.top]
+        for d, ga, gb in sorted(big, key=lambda x: x[1]):
+            print(f"  gap {d:7.1f} ms at +{ga - s0:8.1f} ms:")
+            for other, sp in spans.items():
+                if other in (t, "start-up"):
+                    continue
+                o = overlap(sp, ga, gb)
+                if o:
+                    parts = ", ".join(f"{n} {100 * v / d:.0f}%" for n, v in sorted(o.items()))
+                    print(f"      {other:<22} {parts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
