@@ -431,7 +431,8 @@ fn chain_parts_are_labelled_as_parts_of_their_step() {
 
 /// `MGMM_TRACE=PATH` writes the run's timeline as Chrome trace-event JSON: the start-up phases,
 /// and every stage's busy and waiting intervals, all inside the process's lifetime, on the
-/// tracks the report names; the step's GEMM time on the lane track matches the report's.
+/// tracks the report names; the lane's busy intervals add up to the busy time the report gives
+/// the lane.
 #[test]
 fn mgmm_trace_writes_a_timeline_of_every_stage() {
     let d = tmp();

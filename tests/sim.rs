@@ -283,7 +283,11 @@ fn the_start_group_keeps_the_bytes_and_the_predicted_reads() {
     // A device cache of a few tiles: no group, same bytes.
     let small = Box::new(SimBackend::with_delays(vec![50], 6 * 64 * 64 * 4));
     let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, small.caps()).unwrap();
-    assert_eq!(l.start_group, 1, "{l:?}");
+    assert_eq!(
+        (l.start_group, l.accs),
+        (1, 2),
+        "no group, no extra accumulators: {l:?}"
+    );
     run_on(d.path(), small).unwrap();
     assert!(same_output(d.path()));
 }

@@ -50,16 +50,22 @@ def main():
     print("start-up phases (ms from process start):")
     for s, e, n in spans.get("start-up", []):
         print(f"  {n:<18} {s:9.1f} .. {e:9.1f}  ({e - s:8.1f} ms)")
-    steps = [(s, e) for s, e, n in spans.get("start-up", []) if n.startswith("step")]
+    steps = [(s, e, n) for s, e, n in spans.get("start-up", []) if n.startswith("step")]
     gemm_tracks = [t for t in spans if t.endswith(" gemm")]
     if not gemm_tracks and "lane" in spans:
         gemm_tracks = ["lane"]
+    # One section per GPU and step: a plan's steps each start from an idle GPU.
+    sections = []
     for t in gemm_tracks:
-        g = [x for x in spans[t] if x[2] in ("gemm", "busy")]
-        if not g:
-            continue
-        st = [x for x in steps if x[0] <= g[0][0] <= x[1]]
-        s0, s1 = st[0] if st else (g[0][0], g[-1][1])
+        all_g = [x for x in spans[t] if x[2] in ("gemm", "busy")]
+        for s0, s1, name in steps or [(float("-inf"), float("inf"), "run")]:
+            g = [x for x in all_g if s0 <= x[0] <= s1]
+            if g:
+                if steps:
+                    sections.append((f"{t}, {name}", s0, s1, g))
+                else:
+                    sections.append((t, g[0][0], g[-1][1], g))
+    for t, s0, s1, g in sections:
         busy = sum(e - s for s, e, _ in g)
         gaps = [(g[i + 1][0] - g[i][1], g[i][1], g[i + 1][0]) for i in range(len(g) - 1)]
         between = sum(x[0] for x in gaps if x[0] > 0)
@@ -70,7 +76,7 @@ def main():
         for d, ga, gb in sorted(big, key=lambda x: x[1]):
             print(f"  gap {d:7.1f} ms at +{ga - s0:8.1f} ms:")
             for other, sp in spans.items():
-                if other in (t, "start-up"):
+                if other == "start-up" or t.startswith(other):
                     continue
                 o = overlap(sp, ga, gb)
                 if o:

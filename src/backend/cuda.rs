@@ -70,6 +70,8 @@ pub(crate) struct DeviceInfo {
     /// holder lets go, and creating it again costs 0.12–0.24 s, so the probe's context is the
     /// one the backend and its lanes use.
     pub(crate) ctx: Arc<CudaContext>,
+    /// The GPU's memory pool, held while a backend uses the GPU (`None` in a probe).
+    pub(crate) held: Option<Arc<HeldPool>>,
 }
 
 fn derr(what: &str, e: impl std::fmt::Display) -> Error {
@@ -87,13 +89,25 @@ pub(crate) fn probe() -> Result<Vec<DeviceInfo>> {
     // SAFETY: these only attempt to dlopen the libraries and report success; no CUDA call is
     // made through a missing library.
     let libs = std::thread::spawn(|| unsafe {
-        (
-            cudarc::cublas::sys::is_culib_present(),
-            cudarc::nvrtc::sys::is_culib_present(),
-        )
+        let blas = cudarc::cublas::sys::is_culib_present();
+        let rtc = cudarc::nvrtc::sys::is_culib_present();
+        // `is_culib_present` closes what it opened; load for good the ones that are there,
+        // so that the work is not done again on the first cuBLAS or NVRTC call.
+        if blas {
+            cudarc::cublas::sys::culib();
+        }
+        if rtc {
+            cudarc::nvrtc::sys::culib();
+        }
+        (blas, rtc)
     });
     let devices = probe_devices();
-    let (blas, rtc) = libs.join().unwrap_or((false, false));
+    let (blas, rtc) = libs.join().map_err(|_| {
+        Error::backend(
+            "cuda",
+            "loading cuBLAS and NVRTC panicked (this is a bug; please report it)",
+        )
+    })?;
     let devices = devices?;
     if !blas {
         return Err(Error::backend(
@@ -159,6 +173,7 @@ fn device_info(i: usize) -> Result<DeviceInfo> {
         total: total as u64,
         cc: ctx.compute_capability().unwrap_or((0, 0)),
         ctx,
+        held: None,
     })
 }
 
@@ -359,35 +374,73 @@ unsafe impl Sync for Pinned {}
 unsafe impl Send for PinnedCache {}
 unsafe impl Sync for PinnedCache {}
 
-/// Keep (`keep`) or give back (`!keep`) the memory that `ctx`'s device buffers return to the
-/// device's default stream-ordered pool, where cudarc allocates them (`cuMemAllocAsync`).
+/// A GPU's current stream-ordered memory pool (where cudarc's `cuMemAllocAsync` takes device
+/// buffers from), told to keep the memory freed into it while the backend lives.
 ///
 /// By default a pool returns freed memory to the driver at the next synchronisation, which
-/// costs 18 ms for the 9 GiB of 32768² fp32's slots at the end of every step (`MGMM_TRACE`,
-/// BENCHMARKS §13), on the step's critical path. The backend keeps it instead, so a plan's
-/// later steps take their buffers from the pool, and gives it back when it is dropped or loses
-/// a device (see [`CudaBackend::without`]); a command-line run that exits leaves it to the
-/// driver. Failing only costs that time, so errors are ignored.
-fn keep_pool_memory(ctx: &CudaContext, keep: bool) {
-    use cudarc::driver::result::{device, mem_pool};
-    let _ = ctx.bind_to_thread();
-    // SAFETY: the device comes from a live context; the pool is its default pool, valid while
-    // the context is; the threshold attribute takes a u64, passed by pointer.
-    unsafe {
-        let Ok(pool) = device::get_default_mem_pool(ctx.cu_device()) else {
-            return;
-        };
-        if keep {
+/// cost 18 ms for the 9 GiB of 32768² fp32's slots at the end of every step (`MGMM_TRACE`,
+/// BENCHMARKS.md §14), on the step's critical path. Kept, a plan's later steps take their
+/// buffers from the pool. Dropped (with the last backend holding it: a backend that replaces
+/// one after a GPU failed shares its survivors'), the pool is trimmed and its previous release
+/// threshold restored, so that a process that goes on (Python, with torch or CuPy in it) gets
+/// the pool back as it was. Failing only costs time, so errors are ignored.
+#[derive(Debug)]
+pub(crate) struct HeldPool {
+    ctx: Arc<CudaContext>,
+    pool: cudarc::driver::sys::CUmemoryPool,
+    old_threshold: u64,
+}
+
+// SAFETY: a memory pool handle is a driver object that may be used from any thread; every use
+// here binds the pool's context first.
+unsafe impl Send for HeldPool {}
+unsafe impl Sync for HeldPool {}
+
+const RELEASE_THRESHOLD: cudarc::driver::sys::CUmemPool_attribute =
+    cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+
+impl HeldPool {
+    fn hold(ctx: &Arc<CudaContext>) -> Option<HeldPool> {
+        use cudarc::driver::result::{device, mem_pool};
+        ctx.bind_to_thread().ok()?;
+        // SAFETY: the device comes from a live context and its current pool is valid while the
+        // context is (we hold the context); the threshold attribute is a u64, by pointer.
+        unsafe {
+            let pool = device::get_mem_pool(ctx.cu_device()).ok()?;
+            let mut old = 0u64;
+            mem_pool::get_attribute(pool, RELEASE_THRESHOLD, &mut old as *mut u64 as *mut c_void)
+                .ok()?;
             let mut max = u64::MAX;
-            let _ = mem_pool::set_attribute(
+            mem_pool::set_attribute(pool, RELEASE_THRESHOLD, &mut max as *mut u64 as *mut c_void)
+                .ok()?;
+            Some(HeldPool {
+                ctx: ctx.clone(),
                 pool,
-                cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut max as *mut u64 as *mut c_void,
-            );
-        } else {
-            let _ = ctx.synchronize();
-            let _ = mem_pool::trim_to(pool, 0);
+                old_threshold: old,
+            })
         }
+    }
+
+    /// Give the memory freed into the pool back to the driver (so that it counts as free).
+    fn trim(&self) {
+        let _ = self.ctx.synchronize();
+        // SAFETY: the pool is valid while `ctx` lives (see `hold`).
+        let _ = unsafe { cudarc::driver::result::mem_pool::trim_to(self.pool, 0) };
+    }
+}
+
+impl Drop for HeldPool {
+    fn drop(&mut self) {
+        self.trim();
+        let mut old = self.old_threshold;
+        // SAFETY: as in `hold`.
+        let _ = unsafe {
+            cudarc::driver::result::mem_pool::set_attribute(
+                self.pool,
+                RELEASE_THRESHOLD,
+                &mut old as *mut u64 as *mut c_void,
+            )
+        };
     }
 }
 
@@ -444,6 +497,16 @@ impl CudaBackend {
     pub(crate) fn select(engine: &Engine) -> Result<CudaBackend> {
         let devs = probe()?;
         let chosen = choose(engine, &devs)?;
+        CudaBackend::from_devices(engine, chosen)
+    }
+
+    /// The backend over `chosen` (opened GPUs), their pools held.
+    fn from_devices(engine: &Engine, mut chosen: Vec<DeviceInfo>) -> Result<CudaBackend> {
+        for d in &mut chosen {
+            if d.held.is_none() {
+                d.held = HeldPool::hold(&d.ctx).map(Arc::new);
+            }
+        }
         let min_free = chosen.iter().map(|d| d.free).min().unwrap_or(0);
         let device_memory = match engine.device_memory {
             Some(b) => {
@@ -458,9 +521,6 @@ impl CudaBackend {
             None => min_free.saturating_sub(auto_margin(min_free)),
         };
         let ctx0 = chosen[0].ctx.clone();
-        for d in &chosen {
-            keep_pool_memory(&d.ctx, true);
-        }
         Ok(CudaBackend {
             engine: engine.clone(),
             threads: super::resolve_threads(engine.threads),
@@ -512,7 +572,7 @@ impl Backend for CudaBackend {
         // wait for another's.
         std::thread::scope(|s| {
             let handles: Vec<_> = (self.devices.iter().enumerate())
-                .map(|(i, d)| s.spawn(move || CudaLane::new(i, &d.ctx, layout, p)))
+                .map(|(i, d)| s.spawn(move || CudaLane::new(i, d.ordinal, layout, p)))
                 .collect();
             handles
                 .into_iter()
@@ -529,27 +589,28 @@ impl Backend for CudaBackend {
         if self.devices.len() <= 1 || lane >= self.devices.len() {
             return None;
         }
-        // The new backend sizes its buffers from the memory the GPUs report free.
-        for d in &self.devices {
-            keep_pool_memory(&d.ctx, false);
-        }
-        let rest: Vec<u32> = (self.devices.iter().enumerate())
+        // The GPUs left, with their open contexts and held pools; the failed one is not
+        // touched again (after some errors its context is unusable, and a fresh probe of
+        // every GPU would fail on it). Their free memory is measured again, with what the
+        // pools kept given back first.
+        let rest: Vec<DeviceInfo> = (self.devices.iter().enumerate())
             .filter(|&(i, _)| i != lane)
-            .map(|(_, d)| d.ordinal as u32)
+            .map(|(_, d)| {
+                let mut d = d.clone();
+                if let Some(h) = &d.held {
+                    h.trim();
+                }
+                if let Ok((free, _)) = d.ctx.mem_get_info() {
+                    d.free = free as u64;
+                }
+                d
+            })
             .collect();
         let engine = Engine {
-            devices: Devices::List(rest),
+            devices: Devices::List(rest.iter().map(|d| d.ordinal as u32).collect()),
             ..self.engine.clone()
         };
-        Some(CudaBackend::select(&engine).map(|b| Box::new(b) as Box<dyn Backend>))
-    }
-}
-
-impl Drop for CudaBackend {
-    fn drop(&mut self) {
-        for d in &self.devices {
-            keep_pool_memory(&d.ctx, false);
-        }
+        Some(CudaBackend::from_devices(&engine, rest).map(|b| Box::new(b) as Box<dyn Backend>))
     }
 }
 
@@ -597,11 +658,10 @@ fn timing() -> Option<CUevent_flags> {
 impl CudaLane {
     pub(crate) fn new(
         lane: usize,
-        ctx: &Arc<CudaContext>,
+        ordinal: usize,
         l: &Layout,
         precision: Precision,
     ) -> Result<CudaLane> {
-        let ordinal = ctx.ordinal();
         let name = format!("cuda:{ordinal}");
         let e = |what: &str| {
             let name = name.clone();
@@ -610,9 +670,12 @@ impl CudaLane {
                 Error::device(lane, name.clone(), what.clone(), err)
             }
         };
-        let ctx = ctx.clone();
         let track = format!("cuda:{ordinal} lane");
         let t = std::time::Instant::now();
+        // The backend holds the GPU's primary context open, so this only retains it; the lane
+        // has a handle of its own so that errors cudarc records on one (in a Drop, say)
+        // surface in this lane's calls, not in another lane's or step's.
+        let ctx = CudaContext::new(ordinal).map_err(e("cannot open context"))?;
         ctx.bind_to_thread().map_err(e("cannot use context"))?;
         let h2d = ctx.new_stream().map_err(e("cannot create stream"))?;
         let comp = ctx.new_stream().map_err(e("cannot create stream"))?;
@@ -698,7 +761,17 @@ impl CudaLane {
             });
             (bufs, libs)
         });
-        let ((slots, accs, landing), (blas, convert)) = (bufs?, libs?);
+        let ((slots, accs, landing), (blas, convert)) = match (bufs, libs) {
+            (Ok(b), Ok(l)) => (b, l),
+            (Err(e), Ok((blas, _))) => {
+                // cudarc's CudaBlas panics in Drop if destroying the handle fails, as it may
+                // on a context the failed allocation left unusable: leak the handle rather
+                // than turn a device error into a panic.
+                std::mem::forget(blas);
+                return Err(e);
+            }
+            (Err(e), Err(_)) | (Ok(_), Err(e)) => return Err(e),
+        };
         ctx.bind_to_thread().map_err(e("cannot use context"))?;
         let mut lane = CudaLane {
             ordinal,

@@ -625,19 +625,26 @@ impl DeviceLane<'_> {
     /// one H200, 76–101 ms in all, seen in `MGMM_TRACE` timelines). `None`: upstream is
     /// finished or the run is cancelled.
     fn next_op(&mut self, p: &mut Pending, ctl: &Control) -> Result<Option<LaneOp>> {
-        let t = Instant::now();
+        // Only the time spent in `recv` counts as waiting for input (handing on finished
+        // downloads counts as waiting for room downstream, in `settle`).
+        let mut waited = std::time::Duration::ZERO;
         let op = loop {
             self.settle(p, ctl, false)?;
+            let t = Instant::now();
             if p.ups.is_empty() && p.downs.is_empty() {
-                break ctl.recv(&self.rx);
+                let op = ctl.recv(&self.rx);
+                waited += t.elapsed();
+                break op;
             }
-            match ctl.recv_within(&self.rx, LANE_POLL) {
+            let r = ctl.recv_within(&self.rx, LANE_POLL);
+            waited += t.elapsed();
+            match r {
                 Ok(Some(op)) => break Some(op),
                 Ok(None) => continue,
                 Err(()) => break None,
             }
         };
-        self.m.add_wait_in(t.elapsed());
+        self.m.add_wait_in(waited);
         Ok(op)
     }
 
@@ -648,8 +655,9 @@ impl DeviceLane<'_> {
             downs: Vec::new(),
         };
         let mut ops = 0u64;
-        // When the tile in progress started, or was last saved (for checkpoints).
-        let mut mark = Instant::now();
+        // When each accumulator's tile started, or was last saved (for checkpoints): per
+        // accumulator, because a start group interleaves several tiles' k-chunks.
+        let mut marks: Vec<Instant> = Vec::new();
         loop {
             let op = match self.rx.try_recv() {
                 Ok(op) => op,
@@ -668,7 +676,10 @@ impl DeviceLane<'_> {
                     p.ups.push((tk, buf));
                 }
                 LaneOp::Begin { acc, c0, resume } => {
-                    mark = Instant::now();
+                    if marks.len() <= acc {
+                        marks.resize(acc + 1, Instant::now());
+                    }
+                    marks[acc] = Instant::now();
                     if let Some((buf, elems)) = c0 {
                         let tk = self.lane.upload(buf.buf(), elems, Dst::Acc(acc))?;
                         p.ups.push((tk, buf));
@@ -693,9 +704,10 @@ impl DeviceLane<'_> {
                     self.flops_issued
                         .fetch_add(2 * (desc.m * desc.n * desc.k) as u64, Ordering::Relaxed);
                     if let Some(c) = self.ckpt {
+                        let mark = marks.get(acc).copied().unwrap_or_else(Instant::now);
                         if kk + 1 < c.k_chunks() && c.due(mark) {
                             self.checkpoint(&tile, acc, kk as u32 + 1, &mut p, ctl)?;
-                            mark = Instant::now();
+                            marks[acc] = Instant::now();
                         }
                     }
                 }
@@ -829,5 +841,147 @@ impl Durable<'_> {
                 .fetch_add(2 * b.rows * b.cols * k, Ordering::Relaxed);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Caps, MemorySpace};
+    use crate::pipeline::metrics::StageKind;
+    use crate::plan::layout::Layout;
+
+    /// A 300×190 · 190×520 step in 64² tiles (5 × 9 output tiles, 3 k-chunks) on a device
+    /// with 1 GiB, and the planner's ops for it with the layout's start group or `group`.
+    fn planner_ops(group: Option<usize>) -> (Schedule, Layout, Vec<PlanOp>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.toml");
+        std::fs::write(
+            &path,
+            "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 300, cols = 190 }\n\
+             [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 190, cols = 520 }\n\
+             [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\ntile = 64\n",
+        )
+        .unwrap();
+        let plan = crate::plan::Plan::load(&path).unwrap();
+        let caps = Caps {
+            kind: "test",
+            memory: MemorySpace::Device,
+            tile_ladder: &[64],
+            staging_depth: 4,
+            extra_out_buf: true,
+            lanes: 1,
+            device_memory: 1 << 30,
+            narrow_slots: false,
+            link_names: ("H2D", "D2H"),
+            link_rate: None,
+            peak_flops: |_, _| 1e12,
+            peak_source: "test",
+        };
+        let step = &plan.steps[0];
+        let l = Layout::new(&plan.path, step, &plan.engine, &caps).unwrap();
+        let sched = Schedule::new(step, &l);
+        let queue = TileQueue::new(&sched, (0..sched.tiles.len() as u32).collect(), 1);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (prep_tx, _prep_rx) = crossbeam_channel::unbounded();
+        Planner {
+            lane: 0,
+            outprep: prep_tx,
+            sched: &sched,
+            queue: &queue,
+            slots: l.slots,
+            accs: l.accs,
+            start_group: group.unwrap_or(l.start_group),
+            alpha: 1.0,
+            beta: 0.0,
+            has_c0: false,
+            ckpt: None,
+            out: tx,
+            m: StageMetrics::new(StageKind::Planner, 0, 1),
+        }
+        .run(&Control::new())
+        .unwrap();
+        let ops = rx.try_iter().collect();
+        (sched, l, ops)
+    }
+
+    /// (tile seq, k-chunk) of every GEMM, in order.
+    type Gemms = Vec<(u32, u64)>;
+
+    /// Every GEMM's (tile seq, k-chunk), in order, and each End's position and tile.
+    fn gemms_and_ends(ops: &[PlanOp]) -> (Gemms, Vec<(usize, u32)>) {
+        let (mut g, mut e) = (Vec::new(), Vec::new());
+        for (i, op) in ops.iter().enumerate() {
+            match op {
+                PlanOp::Gemm { tile, kk, .. } => g.push((tile.seq, *kk)),
+                PlanOp::End { tile, .. } => e.push((i, tile.seq)),
+                _ => {}
+            }
+        }
+        (g, e)
+    }
+
+    /// The lane's first four tiles of row 0 go k-chunk by k-chunk (k-chunk 0 of all four, then
+    /// 1, then 2), each tile's End right after its last GEMM, on four accumulators; every later
+    /// tile runs its k-chunks in order on its own. Each tile's k-chunks are in order either way.
+    #[test]
+    fn a_start_group_runs_k_chunk_by_k_chunk() {
+        let (sched, l, ops) = planner_ops(None);
+        assert_eq!((l.start_group, l.accs), (4, 5), "{l:?}");
+        let gk = sched.gk;
+        assert_eq!(gk, 3);
+        let begins: Vec<usize> = ops
+            .iter()
+            .take_while(|op| matches!(op, PlanOp::Begin { .. }))
+            .map(|op| match op {
+                PlanOp::Begin { acc, .. } => *acc,
+                _ => unreachable!(),
+            })
+            .collect();
+        assert_eq!(begins, vec![0, 1, 2, 3]);
+        let (g, ends) = gemms_and_ends(&ops);
+        assert_eq!(g.len() as u64, sched.tiles.len() as u64 * gk);
+        let group: Vec<u32> = g[..4].iter().map(|x| x.0).collect();
+        let ti = sched.tiles[group[0] as usize].ti;
+        assert!(group
+            .iter()
+            .all(|&q| sched.tiles[q as usize].ti == ti && g.contains(&(q, 0))));
+        for kk in 0..gk {
+            let chunk: Vec<(u32, u64)> = group.iter().map(|&q| (q, kk)).collect();
+            assert_eq!(&g[4 * kk as usize..4 * (kk as usize + 1)], &chunk[..]);
+        }
+        // The group's Ends come after each tile's last GEMM and before the next tile's Begin.
+        let pos = |want: &dyn Fn(&PlanOp) -> bool| ops.iter().position(want).unwrap();
+        for &q in &group {
+            let last = pos(
+                &|op| matches!(op, PlanOp::Gemm { tile, kk, .. } if tile.seq == q && *kk == gk - 1),
+            );
+            let end = ends.iter().find(|e| e.1 == q).unwrap().0;
+            assert_eq!(end, last + 1, "tile {q}");
+        }
+        // After the group: one tile at a time, its k-chunks in order.
+        for w in g[4 * gk as usize..].chunks(gk as usize) {
+            assert!(w.iter().all(|x| x.0 == w[0].0), "{w:?}");
+            assert_eq!(w.iter().map(|x| x.1).collect::<Vec<_>>(), vec![0, 1, 2]);
+        }
+        // With the group off, the same tiles in the same order, each on its own.
+        let (_, _, plain) = planner_ops(Some(1));
+        let (pg, _) = gemms_and_ends(&plain);
+        for w in pg.chunks(gk as usize) {
+            assert!(w.iter().all(|x| x.0 == w[0].0), "{w:?}");
+        }
+        let order = |g: &[(u32, u64)]| {
+            let mut v: Vec<u32> = g.iter().map(|x| x.0).collect();
+            v.dedup();
+            v
+        };
+        assert_eq!(
+            order(&pg),
+            group
+                .iter()
+                .copied()
+                .chain(order(&g[12..]))
+                .collect::<Vec<_>>()
+        );
     }
 }

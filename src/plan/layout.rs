@@ -243,6 +243,20 @@ impl Layout {
         self.slots = (self.slots + extra).min(distinct.max(2));
         self.recount(caps);
         self.start_group = self.choose_start_group(gn, gk);
+        // Accumulators the group does not use go back to the tile cache.
+        let need = if self.start_group > 1 {
+            self.start_group + 1
+        } else {
+            2
+        };
+        if self.accs > need {
+            self.accs = need;
+            self.recount(caps);
+            let spare = caps.device_memory.saturating_sub(self.device_bytes);
+            let extra = (spare / self.slot_bytes.max(1)) as usize;
+            self.slots = (self.slots + extra).min(distinct.max(2));
+            self.recount(caps);
+        }
         self
     }
 
@@ -253,16 +267,17 @@ impl Layout {
     /// new input tiles per GEMM (its A row and its B column), while every later tile of the row
     /// needs one (the A row is cached). Where reading and uploading a tile takes about as long
     /// as one GEMM, the device waits for the first tile's inputs: 38 ms of idle GPU in the
-    /// first 0.2 s of 32768² fp32 on one H200 (`MGMM_TRACE` timeline, BENCHMARKS §13). Across
+    /// first 0.2 s of 32768² fp32 on one H200 (`MGMM_TRACE` timeline, BENCHMARKS.md §14). Across
     /// a group of `w` tiles of one row, k-chunk `kk` needs one A tile and `w` B tiles for `w`
     /// GEMMs, so the device is fed from the first GEMM on. The tiles' sums are unchanged (each
     /// adds its k-chunks in order), so the output's bytes do not depend on it.
     ///
     /// Only on a device (its accumulators are device memory: one per tile of the group, plus
-    /// one), and only when the tile cache holds every B tile of a row band and two A rows
-    /// (`slots ≥ gk·(gn + 2)`): then no tile of the first rows is evicted, and the reads are
-    /// exactly what [`crate::plan::schedule::input_loads`] predicts for the plain order.
-    pub fn choose_start_group(&self, gn: u64, gk: u64) -> usize {
+    /// one; when there is no group they go back to the tile cache), and only when the tile
+    /// cache holds all of B and two A rows (`slots ≥ gk·(gn + 2)`): then no tile of the first
+    /// rows is evicted, and the reads are exactly what
+    /// [`crate::plan::schedule::input_loads`] predicts for the plain order.
+    pub(crate) fn choose_start_group(&self, gn: u64, gk: u64) -> usize {
         if self.device_bytes == 0 || (self.slots as u64) < gk * (gn + 2) {
             return 1;
         }
