@@ -36,7 +36,9 @@ for i in $(seq 1 "$RUNS"); do
     rm -f C.mgt C.mgt.journal C.mgt.crc32c
     tr=(); [ $which = B ] && [ "$i" = "$RUNS" ] && tr=(env "MGMM_TRACE=$OUT/trace_B.json")
     t0=$(date +%s.%N)
-    "${tr[@]}" "$bin" run p.toml -q --report "$OUT/ab_${which}_$i.json" > /dev/null 2>&1
+    if ! "${tr[@]}" "$bin" run p.toml -q --report "$OUT/ab_${which}_$i.json" > "$OUT/ab_${which}_$i.err" 2>&1; then
+      log "$which run $i failed:"; tail -5 "$OUT/ab_${which}_$i.err" | tee -a "$LOG"; continue
+    fi
     t1=$(date +%s.%N)
     python3 - "$OUT/ab_${which}_$i.json" "$t0" "$t1" "$which" "$i" <<'PY' | tee -a "$LOG"
 import json, sys
@@ -48,4 +50,4 @@ PY
 done
 peer
 rm -f C.mgt C.mgt.journal C.mgt.crc32c
-python3 "$TOOLS/trace_gaps.py" "$OUT/trace_B.json" --top 6 > "$OUT/gaps.log" 2>&1
+[ -f "$OUT/trace_B.json" ] && python3 "$TOOLS/trace_gaps.py" "$OUT/trace_B.json" --top 6 > "$OUT/gaps.log" 2>&1
