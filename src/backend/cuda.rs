@@ -399,10 +399,34 @@ unsafe impl Sync for HeldPool {}
 const RELEASE_THRESHOLD: cudarc::driver::sys::CUmemPool_attribute =
     cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
 
+/// The pools held now, by GPU, so that backends alive at the same time (Python calls on
+/// threads of their own, a failover's backend) share one [`HeldPool`]: each saving and
+/// restoring the threshold on its own would restore the other's `u64::MAX` for good.
+static HELD: std::sync::Mutex<Vec<(usize, std::sync::Weak<HeldPool>)>> =
+    std::sync::Mutex::new(Vec::new());
+
 impl HeldPool {
+    /// The pool of `ctx`'s GPU, held: the one already held, or held now.
+    fn shared(ctx: &Arc<CudaContext>) -> Option<Arc<HeldPool>> {
+        let mut held = HELD.lock().unwrap_or_else(|e| e.into_inner());
+        held.retain(|(_, w)| w.strong_count() > 0);
+        let ordinal = ctx.ordinal();
+        if let Some(p) = held
+            .iter()
+            .find(|(o, _)| *o == ordinal)
+            .and_then(|(_, w)| w.upgrade())
+        {
+            return Some(p);
+        }
+        let p = Arc::new(HeldPool::hold(ctx)?);
+        held.push((ordinal, Arc::downgrade(&p)));
+        Some(p)
+    }
+
     fn hold(ctx: &Arc<CudaContext>) -> Option<HeldPool> {
         use cudarc::driver::result::{device, mem_pool};
-        ctx.bind_to_thread().ok()?;
+        // No context is made current: the pool calls need none (a Python caller's current
+        // context stays as it was).
         // SAFETY: the device comes from a live context and its current pool is valid while the
         // context is (we hold the context); the threshold attribute is a u64, by pointer.
         unsafe {
@@ -497,19 +521,26 @@ impl CudaBackend {
     pub(crate) fn select(engine: &Engine) -> Result<CudaBackend> {
         let devs = probe()?;
         let chosen = choose(engine, &devs)?;
-        CudaBackend::from_devices(engine, chosen)
+        CudaBackend::from_devices(engine, chosen, None)
     }
 
-    /// The backend over `chosen` (opened GPUs), their pools held.
-    fn from_devices(engine: &Engine, mut chosen: Vec<DeviceInfo>) -> Result<CudaBackend> {
+    /// The backend over `chosen` (opened GPUs), their pools held. `device_memory`: the budget
+    /// per GPU when it is already fixed (a failover: the steps' layouts were sized from it),
+    /// else from `engine` and the GPUs' free memory.
+    fn from_devices(
+        engine: &Engine,
+        mut chosen: Vec<DeviceInfo>,
+        device_memory: Option<u64>,
+    ) -> Result<CudaBackend> {
         for d in &mut chosen {
             if d.held.is_none() {
-                d.held = HeldPool::hold(&d.ctx).map(Arc::new);
+                d.held = HeldPool::shared(&d.ctx);
             }
         }
         let min_free = chosen.iter().map(|d| d.free).min().unwrap_or(0);
-        let device_memory = match engine.device_memory {
-            Some(b) => {
+        let device_memory = match (device_memory, engine.device_memory) {
+            (Some(fixed), _) => fixed,
+            (None, Some(b)) => {
                 if b > min_free {
                     return Err(Error::backend(
                         "cuda",
@@ -518,7 +549,7 @@ impl CudaBackend {
                 }
                 b
             }
-            None => min_free.saturating_sub(auto_margin(min_free)),
+            (None, None) => min_free.saturating_sub(auto_margin(min_free)),
         };
         let ctx0 = chosen[0].ctx.clone();
         Ok(CudaBackend {
@@ -592,7 +623,8 @@ impl Backend for CudaBackend {
         // The GPUs left, with their open contexts and held pools; the failed one is not
         // touched again (after some errors its context is unusable, and a fresh probe of
         // every GPU would fail on it). Their free memory is measured again, with what the
-        // pools kept given back first.
+        // pools kept given back first; the device budget stays the one the steps' layouts
+        // were sized from (the contexts' loaded libraries now take some of the free memory).
         let rest: Vec<DeviceInfo> = (self.devices.iter().enumerate())
             .filter(|&(i, _)| i != lane)
             .map(|(_, d)| {
@@ -610,7 +642,11 @@ impl Backend for CudaBackend {
             devices: Devices::List(rest.iter().map(|d| d.ordinal as u32).collect()),
             ..self.engine.clone()
         };
-        Some(CudaBackend::from_devices(&engine, rest).map(|b| Box::new(b) as Box<dyn Backend>))
+        let fixed = Some(self.caps.device_memory);
+        Some(
+            CudaBackend::from_devices(&engine, rest, fixed)
+                .map(|b| Box::new(b) as Box<dyn Backend>),
+        )
     }
 }
 
@@ -618,6 +654,18 @@ impl Backend for CudaBackend {
 enum Kind {
     H2d,
     D2h,
+}
+
+/// Let go of a cuBLAS handle without letting a broken context turn into a panic: cudarc's
+/// `CudaBlas` unwraps `cublasDestroy` in its Drop, which fails on a context that took an error
+/// (an illegal address, an ECC error). There the handle is leaked (with the stream and the
+/// context retain it holds: the GPU is unusable anyway); on a healthy context it is dropped.
+fn let_go_of_blas(ctx: &CudaContext, blas: CudaBlas) {
+    if ctx.synchronize().is_ok() {
+        drop(blas);
+    } else {
+        std::mem::forget(blas);
+    }
 }
 
 pub(crate) struct CudaLane {
@@ -711,34 +759,43 @@ impl CudaLane {
                 .map_err(|err| Error::device(lane, name.clone(), "cuBLAS handle", err))?;
             crate::trace::span(&track, "cuBLAS handle", t, std::time::Instant::now());
             let t = std::time::Instant::now();
-            let convert = match precision {
-                Precision::Bf16 | Precision::Fp16 => {
-                    let ptx = convert_ptx().map_err(|err| {
-                        Error::device(
-                            lane,
-                            name.clone(),
-                            "NVRTC failed on kernels/convert.cu",
-                            err,
+            let convert = || -> Result<Option<CudaFunction>> {
+                Ok(match precision {
+                    Precision::Bf16 | Precision::Fp16 => {
+                        let ptx = convert_ptx().map_err(|err| {
+                            Error::device(
+                                lane,
+                                name.clone(),
+                                "NVRTC failed on kernels/convert.cu",
+                                err,
+                            )
+                        })?;
+                        let module = ctx
+                            .load_module(ptx)
+                            .map_err(e("cannot load kernels/convert.cu"))?;
+                        let f = if precision == Precision::Bf16 {
+                            "f32_to_bf16"
+                        } else {
+                            "f32_to_f16"
+                        };
+                        Some(
+                            module
+                                .load_function(f)
+                                .map_err(e("cannot find conversion kernel"))?,
                         )
-                    })?;
-                    let module = ctx
-                        .load_module(ptx)
-                        .map_err(e("cannot load kernels/convert.cu"))?;
-                    let f = if precision == Precision::Bf16 {
-                        "f32_to_bf16"
-                    } else {
-                        "f32_to_f16"
-                    };
-                    Some(
-                        module
-                            .load_function(f)
-                            .map_err(e("cannot find conversion kernel"))?,
-                    )
-                }
-                _ => None,
+                    }
+                    _ => None,
+                })
             };
+            let convert = convert();
             crate::trace::span(&track, "kernels", t, std::time::Instant::now());
-            Ok((blas, convert))
+            match convert {
+                Ok(c) => Ok((blas, c)),
+                Err(err) => {
+                    let_go_of_blas(&ctx, blas);
+                    Err(err)
+                }
+            }
         };
         let bufs = || -> Result<_> {
             let t = std::time::Instant::now();
@@ -764,10 +821,7 @@ impl CudaLane {
         let ((slots, accs, landing), (blas, convert)) = match (bufs, libs) {
             (Ok(b), Ok(l)) => (b, l),
             (Err(e), Ok((blas, _))) => {
-                // cudarc's CudaBlas panics in Drop if destroying the handle fails, as it may
-                // on a context the failed allocation left unusable: leak the handle rather
-                // than turn a device error into a panic.
-                std::mem::forget(blas);
+                let_go_of_blas(&ctx, blas);
                 return Err(e);
             }
             (Err(e), Err(_)) | (Ok(_), Err(e)) => return Err(e),
@@ -1198,6 +1252,23 @@ impl Lane for CudaLane {
         self.stats.clone()
     }
 
+    fn in_flight(&mut self) -> usize {
+        let _ = self.harvest_gemms(false);
+        self.gemm_events.len()
+    }
+
+    fn wait_in_flight_below(&mut self, n: usize) -> Result<()> {
+        while self.gemm_events.len() >= n.max(1) {
+            let waited = match self.gemm_events.front() {
+                Some((_, end)) => end.synchronize(),
+                None => break,
+            };
+            waited.map_err(|x| self.err("event wait", x))?;
+            self.harvest_gemms(false)?;
+        }
+        Ok(())
+    }
+
     fn stats(&mut self) -> DeviceStats {
         let _ = self.ctx.bind_to_thread();
         let _ = self.comp.synchronize();
@@ -1208,14 +1279,15 @@ impl Lane for CudaLane {
     fn release(&mut self) {
         let t = std::time::Instant::now();
         self.stats();
-        let _ = self.ctx.synchronize();
-        // The cuBLAS handle first (see Drop), then every device buffer.
-        self.blas.take();
+        // The cuBLAS handle first, then every device buffer.
+        if let Some(b) = self.blas.take() {
+            let_go_of_blas(&self.ctx, b);
+        }
         self.slots.clear();
         self.accs.clear();
         self.landing.clear();
-        // The frees are stream-ordered and go to the pool the backend keeps
-        // (`keep_pool_memory`): waiting for them is quick.
+        // The frees are stream-ordered and go to the pool the backend holds (`HeldPool`):
+        // waiting for them is quick.
         let _ = self.ctx.synchronize();
         crate::trace::span(
             &format!("cuda:{} lane", self.ordinal),
@@ -1228,12 +1300,13 @@ impl Lane for CudaLane {
 
 impl Drop for CudaLane {
     fn drop(&mut self) {
-        // Finish queued work before buffers are freed; drop the cuBLAS handle first (its Drop
-        // unwraps, so never let it run during a failing teardown of the context).
+        // Finish queued work before buffers are freed; the cuBLAS handle first (see
+        // `let_go_of_blas`).
         let t = std::time::Instant::now();
         let _ = self.ctx.bind_to_thread();
-        let _ = self.ctx.synchronize();
-        self.blas.take();
+        if let Some(b) = self.blas.take() {
+            let_go_of_blas(&self.ctx, b);
+        }
         self.slots.clear();
         self.accs.clear();
         self.landing.clear();

@@ -151,6 +151,12 @@ impl Lane for FaultyLane {
     fn release(&mut self) {
         self.inner.release()
     }
+    fn in_flight(&mut self) -> usize {
+        self.inner.in_flight()
+    }
+    fn wait_in_flight_below(&mut self, n: usize) -> Result<()> {
+        self.inner.wait_in_flight_below(n)
+    }
 }
 
 /// A tile sink that fails like a full disk after `write_after` tiles: the tile's journal record

@@ -176,6 +176,16 @@ pub trait Lane: Send {
     /// are still being written, rather than when the pipeline ends. Nothing is uploaded,
     /// computed or downloaded afterwards; `stats` still answers.
     fn release(&mut self) {}
+    /// Work queued on the device and not yet known to be finished (GEMMs; a simulated device
+    /// counts every op), so that the pipeline can keep a lane from running too far ahead of
+    /// its device. 0 where the work is done when called (the CPU).
+    fn in_flight(&mut self) -> usize {
+        0
+    }
+    /// Block until fewer than `n` of [`Lane::in_flight`] remain.
+    fn wait_in_flight_below(&mut self, _n: usize) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Which precision the lane computes in, and the host dtype it exchanges.

@@ -287,6 +287,18 @@ impl Lane for SimLane {
             RawBuf(dst.as_ptr() as *mut u8, dst.len()),
         ))
     }
+    fn in_flight(&mut self) -> usize {
+        let s = self.shared.0.lock().unwrap();
+        (self.next - s.done_below.min(self.next)) as usize
+    }
+    fn wait_in_flight_below(&mut self, n: usize) -> Result<()> {
+        let (m, cv) = &*self.shared;
+        let mut s = m.lock().unwrap();
+        while self.next - s.done_below.min(self.next) >= n.max(1) as u64 && s.error.is_none() {
+            s = cv.wait(s).unwrap();
+        }
+        Ok(())
+    }
     fn done(&mut self, t: Ticket) -> Result<bool> {
         let s = self.shared.0.lock().unwrap();
         if let Some(e) = &s.error {

@@ -548,6 +548,7 @@ impl<'a> Pipeline<'a> {
             stages.push(Box::new(DeviceLane {
                 lane: lane.as_mut(),
                 out_pool: out_pool.clone(),
+                max_downs: l.out_bufs,
                 host_dt: l.host_dt,
                 rx: lane_rx,
                 out: done_tx.clone(),
