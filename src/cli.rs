@@ -622,6 +622,7 @@ fn run_cmd(
         verify,
     } = flags;
     let p = Plan::load_with(plan, &split.with_local_gpu(set.to_vec()))?;
+    crate::trace::check_path()?;
     interrupt::install();
     let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
     let opts = RunOptions {

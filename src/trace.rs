@@ -94,6 +94,26 @@ pub(crate) fn ended_now(track: &str, name: &str, d: std::time::Duration) {
     span(track, name, now.checked_sub(d).unwrap_or(now), now);
 }
 
+/// Check, before a run, that the `MGMM_TRACE` path can be written (its folder exists), so
+/// that a long run does not find out at its end that its timeline is lost.
+pub(crate) fn check_path() -> crate::error::Result<()> {
+    let Some(path) = crate::config::trace_path() else {
+        return Ok(());
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    if dir.is_dir() {
+        return Ok(());
+    }
+    Err(crate::error::Error::Usage(format!(
+        "MGMM_TRACE={}: the folder {} does not exist; create it or point MGMM_TRACE elsewhere",
+        path.display(),
+        dir.display()
+    )))
+}
+
 /// Write what was recorded to the `MGMM_TRACE` path (Chrome trace-event JSON). Called when the
 /// command ends; a later call writes everything recorded until then again.
 pub(crate) fn write() -> crate::error::Result<()> {

@@ -532,4 +532,16 @@ fn mgmm_trace_writes_a_timeline_of_every_stage() {
         (lane_busy - reported).abs() <= 1e-3 + 0.01 * reported,
         "trace {lane_busy} s against report {reported} s"
     );
+    // A trace into a folder that does not exist is refused before the run, naming the folder.
+    let o = Command::new(bin())
+        .args(["run", "p.toml", "-q", "--restart"])
+        .env("MGMM_TRACE", dir.join("no such dir").join("t.json"))
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("MGMM_TRACE") && err.contains("no such dir"),
+        "{err}"
+    );
 }

@@ -3,10 +3,10 @@
 
     python3 tools/trace_gaps.py TRACE.json [--min-ms 2] [--top 12]
 
-Prints the start-up phases, then per GEMM track ("cuda:0 gemm", or the CPU lane's "lane"
-busy spans): time to the first GEMM, GEMM busy time, the idle time between GEMMs and after the
-last one, and the largest gaps with what every other track was doing during each (the share of
-the gap each track spent busy or waiting).
+Prints the start-up phases, then per GPU and step ("cuda:0 gemm, step 1"; on the CPU the lane's
+busy spans, which include its copies, stand in for GEMMs): time to the first GEMM, GEMM busy
+time, the idle time between GEMMs and after the last one, and the largest gaps with what every
+other track was doing during each (the share of the gap each track spent busy or waiting).
 """
 import argparse
 import json
@@ -50,7 +50,8 @@ def main():
     print("start-up phases (ms from process start):")
     for s, e, n in spans.get("start-up", []):
         print(f"  {n:<18} {s:9.1f} .. {e:9.1f}  ({e - s:8.1f} ms)")
-    steps = [(s, e, n) for s, e, n in spans.get("start-up", []) if n.startswith("step")]
+    steps = [(s, e, n) for s, e, n in spans.get("start-up", [])
+             if n.startswith("step") and ":" not in n]
     gemm_tracks = [t for t in spans if t.endswith(" gemm")]
     if not gemm_tracks and "lane" in spans:
         gemm_tracks = ["lane"]
@@ -65,13 +66,17 @@ def main():
                     sections.append((f"{t}, {name}", s0, s1, g))
                 else:
                     sections.append((t, g[0][0], g[-1][1], g))
+    if not steps:
+        print("\nno step ran in this trace (a step already complete is skipped: run with --restart)")
     for t, s0, s1, g in sections:
+        # On the CPU the lane computes the GEMMs itself: its busy spans (copies included) stand in.
+        what = "lane busy spans" if t.startswith("lane") else "GEMMs"
         busy = sum(e - s for s, e, _ in g)
         gaps = [(g[i + 1][0] - g[i][1], g[i][1], g[i + 1][0]) for i in range(len(g) - 1)]
         between = sum(x[0] for x in gaps if x[0] > 0)
-        print(f"\n{t}: step {s1 - s0:.1f} ms; first GEMM at +{g[0][0] - s0:.1f} ms; "
-              f"GEMMs {busy:.1f} ms ({len(g)}); idle between GEMMs {between:.1f} ms; "
-              f"after the last GEMM {s1 - g[-1][1]:.1f} ms")
+        print(f"\n{t}: step {s1 - s0:.1f} ms; first of the {what} at +{g[0][0] - s0:.1f} ms; "
+              f"{what} {busy:.1f} ms ({len(g)}); idle between them {between:.1f} ms; "
+              f"after the last {s1 - g[-1][1]:.1f} ms")
         big = sorted((x for x in gaps if x[0] >= a.min_ms), reverse=True)[: a.top]
         for d, ga, gb in sorted(big, key=lambda x: x[1]):
             print(f"  gap {d:7.1f} ms at +{ga - s0:8.1f} ms:")
@@ -86,4 +91,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `| head`
+        sys.stderr.close()
+        sys.exit(0)

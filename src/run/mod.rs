@@ -337,6 +337,7 @@ fn run_plan_timed(
         Some(sh) => crate::cluster::generate_shared(plan, sh, progress)?,
         None => generate_missing(plan, progress, opts.cancel)?,
     };
+    crate::trace::span("start-up", "generate", tg, Instant::now());
     let startup_s = vec![
         ("backend".to_string(), backend_s),
         ("prepare".to_string(), prepare_s),
@@ -467,6 +468,7 @@ fn run_step_with(
         note_work(progress, step, shard, &work, total, bad);
         note_partial(progress, step, &notes, &ckpt);
         let tl = Instant::now();
+        crate::trace::span("start-up", &format!("step {n}: resume"), tr, tl);
         let resume_s = (tl - tr).as_secs_f64();
         let engines = Engines::make(backend.as_ref(), layout, e.precision)?;
         let engine_times = engines.times;
