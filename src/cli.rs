@@ -634,8 +634,13 @@ fn run_cmd(
         faults: crate::backend::fault::FaultConfig::from_env(),
     };
     let rep = run::run_plan(&p, &opts, &progress);
-    if let Err(e) = crate::trace::write() {
-        crate::diagln!("warning: {e}");
+    match crate::trace::write() {
+        Err(e) => crate::diagln!("warning: {e}"),
+        Ok(0) => {}
+        Ok(n) => crate::diagln!(
+            "note: the timeline (MGMM_TRACE) kept its first {} events; {n} later ones were dropped",
+            crate::trace::MAX_EVENTS
+        ),
     }
     let rep = rep.map_err(|e| {
         interrupted(

@@ -116,9 +116,10 @@ pub(crate) fn check_path() -> crate::error::Result<()> {
 
 /// Write what was recorded to the `MGMM_TRACE` path (Chrome trace-event JSON). Called when the
 /// command ends; a later call writes everything recorded until then again.
-pub(crate) fn write() -> crate::error::Result<()> {
+/// Returns how many events were dropped (the buffer keeps the first [`MAX_EVENTS`]).
+pub(crate) fn write() -> crate::error::Result<u64> {
     let (Some(g), Some(path)) = (global(), crate::config::trace_path()) else {
-        return Ok(());
+        return Ok(0);
     };
     let t = g.trace.lock().unwrap_or_else(|e| e.into_inner());
     let mut names: Vec<(&String, &u32)> = t.tracks.iter().collect();
@@ -147,5 +148,6 @@ pub(crate) fn write() -> crate::error::Result<()> {
     });
     let s = serde_json::to_string(&doc).expect("trace serializes");
     std::fs::write(&path, s)
-        .map_err(|e| crate::error::Error::io(&path, "cannot write the trace (MGMM_TRACE)", e))
+        .map_err(|e| crate::error::Error::io(&path, "cannot write the trace (MGMM_TRACE)", e))?;
+    Ok(t.dropped)
 }

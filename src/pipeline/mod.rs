@@ -122,10 +122,10 @@ pub(crate) struct RunStats {
 /// cuBLAS handle) and the host pools (pinned staging and output buffers), allocated before the
 /// stages start.
 ///
-/// The two do not depend on each other and each takes tenths of a second on a GPU machine
-/// (32768² fp32 on one H200: lanes 0.13–0.24 s, 2.25 GiB of pools 0.32–0.60 s,
-/// docs/measurements/2026-12-01-h200-*.log), so [`Engines::make`] makes them on two threads at
-/// once. Every buffer is allocated before the stages start: growing the pinned pools while the
+/// The two do not depend on each other and each takes tenths of a second on a GPU machine, so
+/// [`Engines::make`] makes them on two threads at once: for 32768² fp32 on one H200, 1.04–1.80 s
+/// one after the other became 0.55–0.77 s together (BENCHMARKS.md §14; they still contend in the
+/// driver, a lane's calls waiting while pool buffers are registered). Every buffer is allocated before the stages start: growing the pinned pools while the
 /// stages ran was tried, and `cuMemHostAlloc` then stalled both GPUs' GEMMs (32768² fp32 on 2
 /// GPUs went from 1.2 to 2.5 s, docs/measurements/2026-11-30-keepup-*.log).
 pub(crate) struct Engines {

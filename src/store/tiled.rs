@@ -1046,7 +1046,10 @@ mod tests {
     /// Read each `(r0, c0, rows, cols)` block of the f32 file `p` with `read_staged` (checking
     /// checksums) by a fresh handle: no NaN, the bytes of `read_block`, and every tile the block
     /// touches marked as checked.
-    fn staged_matches_read_block(p: &Path, blocks: &[(u64, u64, u64, u64)]) {
+    /// A block as (r0, c0, rows, cols).
+    type Tile4 = (u64, u64, u64, u64);
+
+    fn staged_matches_read_block(p: &Path, blocks: &[Tile4]) {
         for &(r0, c0, rows, cols) in blocks {
             let b = Block { r0, c0, rows, cols };
             let f = TiledFile::open(p).unwrap();
@@ -1081,24 +1084,25 @@ mod tests {
         // A damaged byte in the second run of tile (0, 0) is found through the combined CRC.
         let hdr = TiledFile::open(&p).unwrap().hdr;
         let off = hdr.tile_offset(0, 0) + 1000 * 1100 * 4;
+        let e = staged_error_after_damage(&p, off, (0, 0, 1024, 1100));
+        assert!(matches!(e, Error::Checksum { ti: 0, tj: 0, .. }), "{e}");
+    }
+
+    /// Write four bytes of damage at `off` of `p`, then read block `(r0, c0, rows, cols)`
+    /// staged, with checks, through a fresh handle: the error it must give.
+    fn staged_error_after_damage(p: &Path, off: u64, (r0, c0, rows, cols): Tile4) -> Error {
         OpenOptions::new()
             .write(true)
-            .open(&p)
+            .open(p)
             .unwrap()
             .write_all_at(&[0x7f; 4], off)
             .unwrap();
-        let b = Block {
-            r0: 0,
-            c0: 0,
-            rows: 1024,
-            cols: 1100,
-        };
+        let b = Block { r0, c0, rows, cols };
         let mut buf = vec![0u8; b.elems() * 4];
-        let e = TiledFile::open(&p)
+        TiledFile::open(p)
             .unwrap()
             .read_staged(&b, DType::F32, &mut buf, true)
-            .unwrap_err();
-        assert!(matches!(e, Error::Checksum { ti: 0, tj: 0, .. }), "{e}");
+            .unwrap_err()
     }
 
     #[test]
@@ -1168,19 +1172,7 @@ mod tests {
         // Padding after tile (1, 0)'s last valid row (row 701 - 512 = 189 of 512).
         write_grid(&p, rows, cols, 512, 384);
         let pad = hdr.tile_offset(1, 0) + 300 * 384 * 4;
-        let f = OpenOptions::new().write(true).open(&p).unwrap();
-        f.write_all_at(&[1, 2, 3, 4], pad).unwrap();
-        let b = Block {
-            r0: 600,
-            c0: 0,
-            rows: 10,
-            cols: 10,
-        };
-        let mut buf = vec![0u8; b.elems() * 4];
-        let e = TiledFile::open(&p)
-            .unwrap()
-            .read_staged(&b, DType::F32, &mut buf, true)
-            .unwrap_err();
+        let e = staged_error_after_damage(&p, pad, (600, 0, 10, 10));
         assert!(
             matches!(e, Error::Checksum { ti: 1, tj: 0, .. }),
             "expected tile (1, 0): {e}"
