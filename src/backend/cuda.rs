@@ -195,6 +195,8 @@ fn device_info(i: usize) -> Result<DeviceInfo> {
 pub(crate) struct CudaAlloc {
     ctx: Arc<CudaContext>,
     cache: Arc<PinnedCache>,
+    /// Registering [`prefill`]'s maps into `cache`; joined by the first allocation.
+    adopting: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// Page-locked host memory, either kind.
@@ -226,28 +228,55 @@ struct Registered {
     ctx: Arc<CudaContext>,
 }
 
-impl Registered {
-    fn new(ctx: &Arc<CudaContext>, len: usize) -> std::result::Result<Registered, String> {
-        let t = std::time::Instant::now();
-        let mut map = memmap2::MmapOptions::new()
-            .len(len)
-            .map_anon()
-            .map_err(|e| format!("anonymous map: {e}"))?;
-        // Without huge pages registration is slower, not wrong. Without MADV_POPULATE_WRITE
-        // (EINVAL: Linux < 5.14) the pages are touched one by one instead; any other failure
-        // (ENOMEM above all) is reported, so that memory short does not become an OOM kill.
-        let _ = map.advise(memmap2::Advice::HugePage);
-        if let Err(e) = map.advise(memmap2::Advice::PopulateWrite) {
+/// Bytes populated per `madvise` call in [`populated_map`].
+const POPULATE_PIECE: usize = 4 << 20;
+
+/// An anonymous map of `len` bytes in transparent huge pages where the kernel gives them,
+/// every page populated (`MADV_POPULATE_WRITE`).
+fn populated_map(len: usize) -> std::result::Result<memmap2::MmapMut, String> {
+    let t = std::time::Instant::now();
+    let mut map = memmap2::MmapOptions::new()
+        .len(len)
+        .map_anon()
+        .map_err(|e| format!("anonymous map: {e}"))?;
+    // Without huge pages registration is slower, not wrong. Without MADV_POPULATE_WRITE
+    // (EINVAL: Linux < 5.14) the pages are touched one by one instead; any other failure
+    // (ENOMEM above all) is reported, so that memory short does not become an OOM kill.
+    //
+    // In pieces of [`POPULATE_PIECE`]: populating holds the process's memory-map lock, and the
+    // driver's own `mmap` calls (`cuInit`, stream creation) wait for it; one 256 MiB call made
+    // `cuInit` beside it take 0.92 s instead of 0.32 s (2026-12-01c call 2).
+    let _ = map.advise(memmap2::Advice::HugePage);
+    let mut off = 0;
+    while off < len {
+        let n = POPULATE_PIECE.min(len - off);
+        if let Err(e) = map.advise_range(memmap2::Advice::PopulateWrite, off, n) {
             if e.raw_os_error() != Some(libc::EINVAL) {
                 return Err(format!("populating the pages: {e}"));
             }
-            for page in map.chunks_mut(4096) {
+            for page in map[off..].chunks_mut(4096) {
                 page[0] = 0;
             }
+            break;
         }
-        let track = "pinned memory";
-        crate::trace::span(track, "populate", t, std::time::Instant::now());
+        off += n;
+    }
+    crate::trace::span("pinned memory", "populate", t, std::time::Instant::now());
+    Ok(map)
+}
+
+impl Registered {
+    fn new(ctx: &Arc<CudaContext>, len: usize) -> std::result::Result<Registered, String> {
+        Registered::register(ctx, populated_map(len)?)
+    }
+
+    /// Page-lock `map` for every context of the process.
+    fn register(
+        ctx: &Arc<CudaContext>,
+        mut map: memmap2::MmapMut,
+    ) -> std::result::Result<Registered, String> {
         let t = std::time::Instant::now();
+        let len = map.len();
         ctx.bind_to_thread().map_err(|e| e.to_string())?;
         // SAFETY: the range is our own live mapping of `len` bytes, registered once; it is
         // unregistered in Drop before the map is unmapped, and nothing is copied to or from it
@@ -261,7 +290,7 @@ impl Registered {
         }
         .result()
         .map_err(|e| format!("cuMemHostRegister: {e}"))?;
-        crate::trace::span(track, "register", t, std::time::Instant::now());
+        crate::trace::span("pinned memory", "register", t, std::time::Instant::now());
         Ok(Registered {
             map,
             ctx: ctx.clone(),
@@ -345,8 +374,134 @@ impl CudaAlloc {
     }
 }
 
+/// The populating thread started by [`prefill`], until a backend adopts what it made.
+static PREFILL: std::sync::Mutex<Option<std::thread::JoinHandle<Vec<memmap2::MmapMut>>>> =
+    std::sync::Mutex::new(None);
+
+/// Start populating the host memory the first step's pinned pools will ask for, on threads of
+/// their own, before the CUDA backend exists: `cuInit` and the contexts take 0.3 s, and
+/// populating 2.25 GiB of pools took 0.42–0.69 s on one H200's host (BENCHMARKS.md §14), so
+/// most of it is done before the backend needs it. [`CudaBackend::select`] registers the maps
+/// with the driver beside the lanes' creation and puts them in its cache of pinned buffers,
+/// where the pools find them by size. `lens` comes from the plan's layout with the GPU count
+/// guessed (`guess_pool_lens`); a size no pool asks for is freed by the cache's rule (asking
+/// for another size first frees what the cache holds). Nothing runs with
+/// `MGMM_PINNED_ALLOC=1`.
+///
+/// Measured on one H200, 32768² fp32, interleaved with the build before it (BENCHMARKS.md
+/// §15): process − step 1.30–1.50 → 1.06–1.19 s; the backend 0.44 → 0.51 s (the populating
+/// slows `cuInit` a little, even in 4 MiB pieces), lanes and pools together 0.52 → 0.21 s.
+pub(crate) fn prefill(lens: Vec<usize>) {
+    if lens.is_empty() || crate::config::pinned_alloc() {
+        return;
+    }
+    // Threads of its own, not the rayon pool: the pools' allocation runs on rayon workers and
+    // waits for this work (`CudaAlloc::await_prefill`), so jobs of it queued on those workers
+    // could never run (with `threads = 1`, they never did: the first version hung so).
+    let h = std::thread::spawn(move || {
+        let workers = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let per = lens.len().div_ceil(workers.max(1)).max(1);
+        std::thread::scope(|s| {
+            let hs: Vec<_> = lens
+                .chunks(per)
+                .map(|c| {
+                    s.spawn(move || {
+                        c.iter()
+                            .filter_map(|&len| populated_map(len).ok())
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        })
+    });
+    *PREFILL.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+}
+
+/// Free what [`prefill`] made (the CUDA backend could not start: `auto` fell back to the CPU).
+pub(crate) fn discard_prefill() {
+    let h = PREFILL.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(h) = h {
+        drop(h.join());
+    }
+}
+
+/// The GPUs a run of `engine` would use, guessed without starting the driver: the listed
+/// ones, or those `CUDA_VISIBLE_DEVICES` names, or those the driver lists under
+/// `/proc/driver/nvidia/gpus`. 0 when there is no sign of a GPU.
+fn guess_gpu_count(engine: &Engine) -> usize {
+    if let Devices::List(l) = &engine.devices {
+        return l.len();
+    }
+    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        return v.split(',').filter(|x| !x.trim().is_empty()).count();
+    }
+    std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count())
+}
+
+/// The byte lengths of the pinned buffers the first step of `plan` would allocate on this
+/// machine's GPUs, as [`CudaAlloc`] rounds them; empty when no GPU is in sight or the first
+/// step's layout cannot be made. Device memory is taken as 64 GiB (or `engine.device_memory`):
+/// it changes the pools only through the tile size, which on GPUs with less memory may come
+/// out smaller — then the guess is simply not used.
+pub(crate) fn guess_pool_lens(plan: &crate::plan::Plan) -> Vec<usize> {
+    let e = &plan.engine;
+    let lanes = guess_gpu_count(e);
+    let Some(step) = plan.steps.first() else {
+        return Vec::new();
+    };
+    if lanes == 0 {
+        return Vec::new();
+    }
+    let caps = cuda_caps(lanes, e.device_memory.unwrap_or(64 << 30));
+    let Ok(l) = Layout::new(&plan.path, step, e, &caps) else {
+        return Vec::new();
+    };
+    let round = |b: u64| (b as usize).div_ceil(4096).max(1) * 4096;
+    let mut lens = vec![round(l.staging_buf_bytes); l.staging_bufs * lanes];
+    lens.extend(std::iter::repeat_n(
+        round(l.out_buf_bytes),
+        l.out_bufs * lanes,
+    ));
+    lens
+}
+
+impl CudaAlloc {
+    /// Register what [`prefill`] populated, on a thread of its own, and put it in the cache;
+    /// the first allocation waits for that thread.
+    fn adopt_prefill(&self) {
+        let Some(h) = PREFILL.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return;
+        };
+        let (ctx, cache) = (self.ctx.clone(), self.cache.clone());
+        let adopt = std::thread::spawn(move || {
+            for map in h.join().unwrap_or_default() {
+                if let Ok(r) = Registered::register(&ctx, map) {
+                    cache
+                        .0
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(PinnedMem::Registered(r));
+                }
+            }
+        });
+        *self.adopting.lock().unwrap_or_else(|e| e.into_inner()) = Some(adopt);
+    }
+
+    /// Wait until the prefilled buffers are in the cache (if any are coming).
+    fn await_prefill(&self) {
+        let mut a = self.adopting.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(h) = a.take() {
+            let _ = h.join();
+        }
+    }
+}
+
 impl HostAlloc for CudaAlloc {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
+        self.await_prefill();
         let len = bytes.div_ceil(4096).max(1) * 4096;
         let mut p = match self.cached(len) {
             Some(p) => p,
@@ -493,6 +648,24 @@ fn h200_peak(p: Precision, lanes: usize) -> f64 {
     per * lanes as f64
 }
 
+/// What the CUDA backend offers with `lanes` GPUs of `device_memory` bytes each.
+fn cuda_caps(lanes: usize, device_memory: u64) -> Caps {
+    Caps {
+        kind: "cuda",
+        memory: MemorySpace::Device,
+        tile_ladder: GPU_TILES,
+        staging_depth: 6,
+        extra_out_buf: true,
+        lanes,
+        device_memory,
+        narrow_slots: true,
+        link_names: ("H2D", "D2H"),
+        link_rate: Some(55e9),
+        peak_flops: h200_peak,
+        peak_source: "H200 cuBLAS rates measured in docs/GPU.md",
+    }
+}
+
 fn choose(engine: &Engine, devs: &[DeviceInfo]) -> Result<Vec<DeviceInfo>> {
     match &engine.devices {
         Devices::All => Ok(devs.to_vec()),
@@ -552,27 +725,17 @@ impl CudaBackend {
             (None, None) => min_free.saturating_sub(auto_margin(min_free)),
         };
         let ctx0 = chosen[0].ctx.clone();
+        let alloc = CudaAlloc {
+            ctx: ctx0,
+            cache: Arc::default(),
+            adopting: Default::default(),
+        };
+        alloc.adopt_prefill();
         Ok(CudaBackend {
             engine: engine.clone(),
             threads: super::resolve_threads(engine.threads),
-            alloc: CudaAlloc {
-                ctx: ctx0,
-                cache: Arc::default(),
-            },
-            caps: Caps {
-                kind: "cuda",
-                memory: MemorySpace::Device,
-                tile_ladder: GPU_TILES,
-                staging_depth: 6,
-                extra_out_buf: true,
-                lanes: chosen.len(),
-                device_memory,
-                narrow_slots: true,
-                link_names: ("H2D", "D2H"),
-                link_rate: Some(55e9),
-                peak_flops: h200_peak,
-                peak_source: "H200 cuBLAS rates measured in docs/GPU.md",
-            },
+            alloc,
+            caps: cuda_caps(chosen.len(), device_memory),
             devices: chosen,
         })
     }
@@ -1316,5 +1479,37 @@ impl Drop for CudaLane {
         let _ = self.ctx.synchronize();
         let track = format!("cuda:{} lane", self.ordinal);
         crate::trace::span(&track, "drop: buffers", t, std::time::Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The prefill's guess is the pools' own sizes: for 32768² fp32 on one listed GPU, six
+    /// staging buffers and three output buffers of one 8192² f32 tile each; with no GPU in
+    /// sight (none listed, none visible), nothing.
+    #[test]
+    fn prefill_guesses_the_pools_of_the_first_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 32768, cols = 32768 }\n\
+                    [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 32768, cols = 32768 }\n\
+                    [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+                    [engine]\nbackend = \"cuda\"\ndevices = [0]\nhost_memory = \"16GiB\"\n";
+        let path = dir.path().join("p.toml");
+        std::fs::write(&path, text).unwrap();
+        let plan = crate::plan::Plan::load(&path).unwrap();
+        let tile = 8192 * 8192 * 4;
+        assert_eq!(guess_pool_lens(&plan), vec![tile; 9]);
+        let caps = cuda_caps(1, 64 << 30);
+        let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
+        assert_eq!((l.staging_bufs, l.out_bufs), (6, 3));
+        let mut none = plan.clone();
+        none.engine.devices = Devices::List(Vec::new());
+        assert!(guess_pool_lens(&none).is_empty());
+        // Started and discarded without a backend: nothing is left behind.
+        prefill(vec![4096, 8192]);
+        discard_prefill();
+        assert!(PREFILL.lock().unwrap().is_none());
     }
 }

@@ -298,7 +298,9 @@ pub fn select(engine: &crate::plan::Engine) -> Result<Box<dyn Backend>> {
     use crate::plan::BackendKind;
     match engine.backend {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(engine.threads, None))),
-        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine)?)),
+        BackendKind::Cuda => Ok(Box::new(
+            cuda::CudaBackend::select(engine).inspect_err(|_| cuda::discard_prefill())?,
+        )),
         #[cfg(feature = "fault-injection")]
         BackendKind::Sim => Ok(Box::new(sim::SimBackend::new(engine))),
         #[cfg(not(feature = "fault-injection"))]
@@ -307,10 +309,22 @@ pub fn select(engine: &crate::plan::Engine) -> Result<Box<dyn Backend>> {
         )),
         BackendKind::Auto => match cuda::CudaBackend::select(engine) {
             Ok(s) => Ok(Box::new(s)),
-            Err(e) => Ok(Box::new(cpu::CpuBackend::new(
-                engine.threads,
-                Some(format!("backend auto: using the CPU ({e})")),
-            ))),
+            Err(e) => {
+                cuda::discard_prefill();
+                Ok(Box::new(cpu::CpuBackend::new(
+                    engine.threads,
+                    Some(format!("backend auto: using the CPU ({e})")),
+                )))
+            }
         },
+    }
+}
+
+/// Start preparing host memory for `plan`'s first step before the backend exists, where the
+/// backend would take time to start (the CUDA driver): see [`cuda::prefill`].
+pub(crate) fn prefill_for(plan: &crate::plan::Plan) {
+    use crate::plan::BackendKind;
+    if matches!(plan.engine.backend, BackendKind::Cuda | BackendKind::Auto) {
+        cuda::prefill(cuda::guess_pool_lens(plan));
     }
 }

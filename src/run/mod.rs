@@ -276,6 +276,7 @@ fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
 pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<RunReport> {
     init_threads(plan.engine.threads);
     let t = Instant::now();
+    backend::prefill_for(plan);
     let backend = choose_backend(plan, opts)?;
     crate::trace::span("start-up", "backend", t, Instant::now());
     let backend_s = t.elapsed().as_secs_f64();
