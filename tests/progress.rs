@@ -519,6 +519,10 @@ fn mgmm_trace_writes_a_timeline_of_every_stage() {
         .map(|s| s.3 * 1e-6)
         .sum();
     let st = &r["steps"][0];
+    // The kernel's dirty-page limit is reported for an output on disk (null on tmpfs or
+    // without /proc).
+    let dl = &st["dirty_limit_bytes"];
+    assert!(dl.is_null() || dl.as_u64().is_some_and(|b| b > 0), "{dl}");
     let share = st["busy_shares"]
         .as_array()
         .unwrap()

@@ -28,6 +28,7 @@ use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::{Engine, Step};
 use crate::progress::{Live, Progress};
+use crate::store::fsutil::DirtyLimits;
 use crate::store::{Header, MatrixSink, MatrixSource};
 use control::Control;
 use metrics::{StageKind, StageMetrics, StageSnapshot};
@@ -116,6 +117,8 @@ pub(crate) struct RunStats {
     pub(crate) memory_read_bytes: u64,
     /// Seconds from the start of the stages to the first GEMM issued on any lane.
     pub(crate) first_gemm_s: Option<f64>,
+    /// The kernel's dirty-page limits when the output is a disk-backed file (for the report).
+    pub(crate) dirty: Option<DirtyLimits>,
 }
 
 /// What a pipeline runs on: the backend's lanes (on a GPU: context, streams, device buffers,
@@ -228,6 +231,9 @@ pub(crate) struct Pipeline<'a> {
     /// The output tiles this run answers for (a shard's), when not the whole step: progress
     /// counts within them.
     scope: Option<std::ops::Range<u32>>,
+    /// The kernel's dirty-page limits when the output is a disk-backed file, read when the
+    /// pipeline is built (for the report's note on outputs larger than them).
+    dirty: Option<DirtyLimits>,
 }
 
 /// Counters shared by the stages and the progress display.
@@ -269,6 +275,9 @@ impl<'a> Pipeline<'a> {
         } = engines;
         let nlanes = lanes.len();
         let queue = TileQueue::new(&sched, order, nlanes);
+        let dirty = (work.writer.counts_dirty_pages())
+            .then(crate::store::fsutil::dirty_limits)
+            .flatten();
         Ok(Pipeline {
             step,
             layout,
@@ -287,6 +296,7 @@ impl<'a> Pipeline<'a> {
             done_before: work.done_before,
             ckpt: None,
             scope: None,
+            dirty,
         })
     }
 
@@ -392,6 +402,7 @@ impl<'a> Pipeline<'a> {
                 u64::MAX => None,
                 ns => Some(ns as f64 * 1e-9),
             },
+            dirty: self.dirty,
         })
     }
 

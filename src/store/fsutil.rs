@@ -1,6 +1,7 @@
 //! Filesystem questions and reservations the engine asks before and while writing: free space,
-//! read-only mounts, preallocation and exclusive locks; and letting go of a finished output's
-//! map off the critical path.
+//! read-only mounts, preallocation and exclusive locks; letting go of a finished output's map
+//! off the critical path; and the kernel's dirty-page limits, which decide how fast an output
+//! much larger than RAM's share for dirty pages can be written (docs/PLAN.md, `durable`).
 //!
 //! These go through `rustix`, whose safe wrappers replace hand-written `libc` calls and their
 //! `unsafe` blocks (zeroed C structs, raw descriptors, `errno` reads).
@@ -82,6 +83,89 @@ pub(crate) fn unmap_in_background(map: memmap2::MmapMut) {
     drop(spawned);
 }
 
+/// The kernel's thresholds for dirty page-cache pages (written by the process, not yet on
+/// disk), in bytes. Below `background` the kernel leaves them alone; past it, it starts writing
+/// them out; writers that push the total towards `limit` are made to wait for the disk (from
+/// half-way between the two: `balance_dirty_pages`). On the one-H200 machine (125 GB, the
+/// default `vm.dirty_ratio = 20`) the limit was about 23 GB: a 43 GB output's `Dirty` stayed
+/// there while the job wrote at the disk's pace (BENCHMARKS.md §15).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct DirtyLimits {
+    pub(crate) background: u64,
+    pub(crate) limit: u64,
+}
+
+/// [`DirtyLimits`] as the kernel computes them, approximately: `vm.dirty_bytes` when set, else
+/// `vm.dirty_ratio` percent of the memory that can hold dirty pages (free memory plus the file
+/// pages, as `/proc/meminfo` says; the kernel also subtracts small reserves); the same for the
+/// background threshold. `None` where `/proc` cannot be read. A memory cgroup's own, smaller
+/// limits are not seen.
+pub(crate) fn dirty_limits() -> Option<DirtyLimits> {
+    let read = |name: &str| -> Option<u64> {
+        std::fs::read_to_string(format!("/proc/sys/vm/{name}"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    let vm = VmDirty {
+        ratio: read("dirty_ratio")?,
+        bytes: read("dirty_bytes").unwrap_or(0),
+        background_ratio: read("dirty_background_ratio")?,
+        background_bytes: read("dirty_background_bytes").unwrap_or(0),
+    };
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    vm.limits(&meminfo)
+}
+
+/// The `vm.dirty_*` settings.
+struct VmDirty {
+    ratio: u64,
+    bytes: u64,
+    background_ratio: u64,
+    background_bytes: u64,
+}
+
+impl VmDirty {
+    fn limits(&self, meminfo: &str) -> Option<DirtyLimits> {
+        let kib = |key: &str| -> Option<u64> {
+            let line = meminfo.lines().find(|l| l.starts_with(key))?;
+            line[key.len()..].split_whitespace().next()?.parse().ok()
+        };
+        let dirtyable = (kib("MemFree:")? + kib("Active(file):")? + kib("Inactive(file):")?) * 1024;
+        let of = |bytes: u64, ratio: u64| {
+            if bytes > 0 {
+                bytes
+            } else {
+                dirtyable / 100 * ratio
+            }
+        };
+        let limit = of(self.bytes, self.ratio);
+        // The kernel caps the background threshold at half the limit when it is not lower.
+        let mut background = of(self.background_bytes, self.background_ratio);
+        if background >= limit {
+            background = limit / 2;
+        }
+        Some(DirtyLimits { background, limit })
+    }
+}
+
+/// Whether writes to `file` become dirty pages that the kernel limits (a disk-backed file), as
+/// opposed to memory filesystems (tmpfs such as `/dev/shm`, ramfs), whose pages never go to a
+/// disk and are not held back. True when it cannot be asked.
+pub(crate) fn counts_dirty_pages(file: &File) -> bool {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    match rustix::fs::fstatfs(file) {
+        Ok(st) => {
+            #[allow(clippy::unnecessary_cast)] // f_type's C type differs between targets
+            let t = st.f_type as i64;
+            t != TMPFS_MAGIC && t != RAMFS_MAGIC
+        }
+        Err(_) => true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,5 +191,57 @@ mod tests {
         assert!(!try_lock_exclusive(&g).unwrap(), "second lock must fail");
         drop(f);
         assert!(try_lock_exclusive(&g).unwrap(), "lock is released on close");
+    }
+
+    /// The limits from `vm.dirty_*` and `/proc/meminfo` as the kernel derives them: percent
+    /// of free plus file memory, or the byte settings when set; background at most half.
+    #[test]
+    fn dirty_limits_follow_the_vm_settings() {
+        let meminfo = "MemTotal:       131072000 kB\nMemFree:        80000000 kB\n\
+                       MemAvailable:   120000000 kB\nActive(file):   10000000 kB\n\
+                       Inactive(file): 10000000 kB\n";
+        let dirtyable = 100_000_000u64 * 1024;
+        let vm = |ratio, bytes, background_ratio, background_bytes| VmDirty {
+            ratio,
+            bytes,
+            background_ratio,
+            background_bytes,
+        };
+        assert_eq!(
+            vm(20, 0, 10, 0).limits(meminfo),
+            Some(DirtyLimits {
+                background: dirtyable / 100 * 10,
+                limit: dirtyable / 100 * 20
+            })
+        );
+        assert_eq!(
+            vm(20, 64 << 30, 10, 0).limits(meminfo),
+            Some(DirtyLimits {
+                background: dirtyable / 100 * 10,
+                limit: 64 << 30
+            })
+        );
+        let l = vm(10, 0, 30, 0).limits(meminfo).unwrap();
+        assert_eq!(l.background, l.limit / 2);
+        assert_eq!(vm(20, 0, 10, 0).limits("MemFree: 1 kB\n"), None);
+        // This machine's own answer is consistent.
+        if let Some(l) = dirty_limits() {
+            assert!(l.background <= l.limit && l.limit > 0);
+        }
+    }
+
+    /// A temporary directory on disk counts dirty pages, `/dev/shm` (tmpfs) does not.
+    #[test]
+    fn dirty_pages_counted_on_disk_not_in_tmpfs() {
+        let d = tempfile::tempdir_in(".").unwrap();
+        let f = File::create(d.path().join("f")).unwrap();
+        if let Ok(st) = rustix::fs::fstatfs(&f) {
+            #[allow(clippy::unnecessary_cast)]
+            let tmpfs = st.f_type as i64 == 0x0102_1994;
+            assert_eq!(counts_dirty_pages(&f), !tmpfs);
+        }
+        if let Ok(shm) = tempfile::tempfile_in("/dev/shm") {
+            assert!(!counts_dirty_pages(&shm));
+        }
     }
 }

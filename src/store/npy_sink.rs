@@ -218,6 +218,9 @@ impl MatrixSink for NpyWriter {
             0
         }
     }
+    fn counts_dirty_pages(&self) -> bool {
+        super::fsutil::counts_dirty_pages(&self.file)
+    }
     fn flush_block(&self, b: &Block) -> Result<()> {
         let (a, len) = self.span(b);
         self.map

@@ -148,6 +148,12 @@ pub trait MatrixSink: Send + Sync {
     fn prefault(&self, b: &Block) -> u64;
     /// Make the bytes of block `b` durable (before the journal records it).
     fn flush_block(&self, b: &Block) -> Result<()>;
+    /// Whether written bytes become dirty pages of a disk-backed file, which the kernel lets
+    /// pile up only to its dirty limit ([`super::fsutil::DirtyLimits`]); false for memory and
+    /// for memory filesystems (tmpfs).
+    fn counts_dirty_pages(&self) -> bool {
+        false
+    }
     /// Forget what the sink learnt about blocks written so far (after a resume reopened a
     /// partially written output whose earlier contents it did not see being written).
     fn forget_checksums(&self);

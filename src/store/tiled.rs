@@ -898,6 +898,10 @@ impl MatrixSink for TiledWriter {
     fn prefault(&self, b: &Block) -> u64 {
         TiledWriter::prefault(self, b)
     }
+    fn counts_dirty_pages(&self) -> bool {
+        fsutil::counts_dirty_pages(&self.file)
+    }
+
     fn flush_block(&self, b: &Block) -> Result<()> {
         TiledWriter::flush_block(self, b)
     }
