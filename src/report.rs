@@ -94,9 +94,14 @@ pub struct StepReport {
     /// Seconds spent flushing the output at the end.
     pub flush_s: f64,
     /// The kernel's limit on dirty page-cache pages, in bytes (approximate: `vm.dirty_bytes`,
-    /// or `vm.dirty_ratio` of free and file memory), when the output is a disk-backed file;
-    /// `None` for memory and tmpfs outputs. Past it, writes wait for the disk.
+    /// or `vm.dirty_ratio` of free and file memory; a memory cgroup's own limit is not seen),
+    /// when the output is a disk-backed file; `None` for memory and tmpfs outputs.
     pub dirty_limit_bytes: Option<u64>,
+    /// Where the kernel starts making this run's writers wait for the disk (half-way between
+    /// its background threshold and its limit), when that paces the run: dirty pages piling up
+    /// (`durable = false`) and created in parallel through the output's map (`write = "mmap"`);
+    /// `None` otherwise (each tile flushed, one `pwrite`r, tmpfs, memory).
+    pub dirty_throttle_bytes: Option<u64>,
     /// Seconds outside the step's `wall_s` that the step cost, by phase: loading the resume
     /// state, making the lanes (contexts, device memory, kernels), building the pipeline
     /// (opening files, allocating pinned pools) and dropping it afterwards.
@@ -286,6 +291,9 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         nonfinite_inputs: st.nonfinite_inputs,
         flush_s: st.flush_s,
         dirty_limit_bytes: st.dirty.map(|d| d.limit),
+        dirty_throttle_bytes: (st.dirty)
+            .filter(|_| st.dirty_paced)
+            .map(|d| (d.background + d.limit) / 2),
         setup_s: Vec::new(),
     }
 }
@@ -400,23 +408,24 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
             r.nonfinite_inputs
         );
     }
-    if let Some(note) = dirty_note(r.write_bytes, r.dirty_limit_bytes) {
+    if let Some(note) = dirty_note(r.write_bytes, r.dirty_throttle_bytes) {
         s += &format!("\n  note: {note}");
     }
     crate::progress::wrap(&s)
 }
 
-/// Why a step that wrote more than the kernel's dirty-page limit into a disk-backed file was
-/// bound by the disk. Measured on one H200's host (125 GB, `vm.dirty_ratio = 20`: a limit of
-/// about 25 GiB; BENCHMARKS.md §15): the 43 GB chain with `write = "mmap"` held `Dirty` at 23 GB
-/// from the 7th second on and took 17–19 s, the disk's pace; into `/dev/shm` the same step took
-/// 4.0 s. `None` when it wrote less or the limit is unknown (tmpfs, memory, no `/proc`).
-fn dirty_note(write_bytes: u64, limit: Option<u64>) -> Option<String> {
-    let limit = limit.filter(|&l| write_bytes > l)?;
+/// Why a step that wrote through the output's map (`write = "mmap"`, `durable = false`) past
+/// the point where the kernel starts throttling dirty pages was bound by the disk. Measured on
+/// one H200's host (126 GiB, `vm.dirty_ratio = 20`: a limit of about 25 GiB; BENCHMARKS.md §15):
+/// the 43 GB chain so written held `Dirty` at about 23 GB from its 7th second on and took
+/// 16.6–20.0 s, the disk's pace; into `/dev/shm` the same step took 4.0 s. `None` when it wrote
+/// less or the throttle does not pace the run (`throttle` is `None`).
+fn dirty_note(write_bytes: u64, throttle: Option<u64>) -> Option<String> {
+    let throttle = throttle.filter(|&l| write_bytes > l)?;
     Some(format!(
-        "wrote {} into a file on disk, more than the kernel keeps waiting in memory (its dirty-page limit, about {} here: vm.dirty_ratio or vm.dirty_bytes); beyond that, writing waits for the disk. Faster: an output on tmpfs (/dev/shm), or a larger vm.dirty_bytes (docs/PLAN.md, durable)",
+        "wrote {} through the output's map, past the {} of dirty pages from which the kernel makes writers wait for the disk (vm.dirty_ratio or vm.dirty_bytes); from there on the disk set the pace. Faster: an output on tmpfs (/dev/shm), or a larger vm.dirty_bytes (docs/PLAN.md, durable)",
         fmt_bytes(write_bytes),
-        fmt_bytes(limit)
+        fmt_bytes(throttle)
     ))
 }
 
@@ -428,7 +437,7 @@ mod tests {
     fn the_dirty_note_appears_only_past_the_limit() {
         let gb = 1_000_000_000;
         let n = dirty_note(43 * gb, Some(23 * gb)).expect("43 GB > 23 GB");
-        assert!(n.contains("dirty-page limit") && n.contains("tmpfs"), "{n}");
+        assert!(n.contains("dirty pages") && n.contains("tmpfs"), "{n}");
         assert!(dirty_note(4 * gb, Some(23 * gb)).is_none());
         assert!(
             dirty_note(43 * gb, None).is_none(),

@@ -523,6 +523,30 @@ fn mgmm_trace_writes_a_timeline_of_every_stage() {
     // without /proc).
     let dl = &st["dirty_limit_bytes"];
     assert!(dl.is_null() || dl.as_u64().is_some_and(|b| b > 0), "{dl}");
+    // With `durable = true` (the default) each tile is flushed: the threshold does not pace
+    // the run. Written through the map without flushing, it does (when the limit is known).
+    assert!(st["dirty_throttle_bytes"].is_null());
+    let mmap = text.replace(
+        "tile = 32\n",
+        "tile = 32\ndurable = false\nwrite = \"mmap\"\n",
+    );
+    std::fs::write(dir.join("p2.toml"), mmap).unwrap();
+    let o = Command::new(bin())
+        .args(["run", "p2.toml", "-q", "--report", "r2.json"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{o:?}");
+    let r2: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("r2.json")).unwrap()).unwrap();
+    let (dl2, th2) = (
+        &r2["steps"][0]["dirty_limit_bytes"],
+        &r2["steps"][0]["dirty_throttle_bytes"],
+    );
+    match dl2.as_u64() {
+        Some(l) => assert!(th2.as_u64().is_some_and(|t| t > 0 && t <= l), "{th2} {dl2}"),
+        None => assert!(th2.is_null()),
+    }
     let share = st["busy_shares"]
         .as_array()
         .unwrap()

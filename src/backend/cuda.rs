@@ -21,6 +21,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -195,7 +196,11 @@ fn device_info(i: usize) -> Result<DeviceInfo> {
 pub(crate) struct CudaAlloc {
     ctx: Arc<CudaContext>,
     cache: Arc<PinnedCache>,
-    /// Registering [`prefill`]'s maps into `cache`; joined by the first allocation.
+    /// A [`prefill`]'s buffers, registered, until the first pipeline's pools are made
+    /// ([`HostAlloc::pools_made`] frees those no pool took).
+    prefilled: Arc<PinnedCache>,
+    /// Registering the prefill's maps into `prefilled`; joined by the first allocation, by
+    /// `pools_made` and on drop.
     adopting: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -232,8 +237,13 @@ struct Registered {
 const POPULATE_PIECE: usize = 4 << 20;
 
 /// An anonymous map of `len` bytes in transparent huge pages where the kernel gives them,
-/// every page populated (`MADV_POPULATE_WRITE`).
-fn populated_map(len: usize) -> std::result::Result<memmap2::MmapMut, String> {
+/// every page populated (`MADV_POPULATE_WRITE`). For a [`prefill`] (`stop` given) it gives up
+/// when `stop` is set between pieces, and where the kernel lacks `MADV_POPULATE_WRITE`: the
+/// page-by-page fallback cannot report a lack of memory, which a guess should not risk.
+fn populated_map(
+    len: usize,
+    stop: Option<&AtomicBool>,
+) -> std::result::Result<memmap2::MmapMut, String> {
     let t = std::time::Instant::now();
     let mut map = memmap2::MmapOptions::new()
         .len(len)
@@ -245,13 +255,17 @@ fn populated_map(len: usize) -> std::result::Result<memmap2::MmapMut, String> {
     //
     // In pieces of [`POPULATE_PIECE`]: populating holds the process's memory-map lock, and the
     // driver's own `mmap` calls (`cuInit`, stream creation) wait for it; one 256 MiB call made
-    // `cuInit` beside it take 0.92 s instead of 0.32 s (2026-12-01c call 2).
+    // the backend's start (`cuInit`, contexts, libraries) beside it take 0.92 s in one traced
+    // run (2026-12-01c call 2), against 0.44–0.51 s in pieces (call 3).
     let _ = map.advise(memmap2::Advice::HugePage);
     let mut off = 0;
     while off < len {
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            return Err("the prefill was called off".into());
+        }
         let n = POPULATE_PIECE.min(len - off);
         if let Err(e) = map.advise_range(memmap2::Advice::PopulateWrite, off, n) {
-            if e.raw_os_error() != Some(libc::EINVAL) {
+            if e.raw_os_error() != Some(libc::EINVAL) || stop.is_some() {
                 return Err(format!("populating the pages: {e}"));
             }
             for page in map[off..].chunks_mut(4096) {
@@ -267,7 +281,7 @@ fn populated_map(len: usize) -> std::result::Result<memmap2::MmapMut, String> {
 
 impl Registered {
     fn new(ctx: &Arc<CudaContext>, len: usize) -> std::result::Result<Registered, String> {
-        Registered::register(ctx, populated_map(len)?)
+        Registered::register(ctx, populated_map(len, None)?)
     }
 
     /// Page-lock `map` for every context of the process.
@@ -301,7 +315,7 @@ impl Registered {
 impl Drop for Registered {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: registered in `new`; no copy uses the range any more (see there).
+        // SAFETY: registered in `register`; no copy uses the range any more (see there).
         let _ = unsafe {
             cudarc::driver::sys::cuMemHostUnregister(self.map.as_mut_ptr() as *mut c_void)
         };
@@ -374,128 +388,185 @@ impl CudaAlloc {
     }
 }
 
-/// The populating thread started by [`prefill`], until a backend adopts what it made.
-static PREFILL: std::sync::Mutex<Option<std::thread::JoinHandle<Vec<memmap2::MmapMut>>>> =
-    std::sync::Mutex::new(None);
+/// Host memory being populated for a run's pinned pools before its backend exists
+/// ([`prefill`]), until [`CudaBackend::select`] adopts it. Dropped unadopted (`auto` fell back
+/// to the CPU), it calls the populating off at its next 4 MiB piece and frees what it made.
+pub(crate) struct Prefill {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Vec<memmap2::MmapMut>>>,
+}
 
-/// Start populating the host memory the first step's pinned pools will ask for, on threads of
-/// their own, before the CUDA backend exists: `cuInit` and the contexts take 0.3 s, and
-/// populating 2.25 GiB of pools took 0.42–0.69 s on one H200's host (BENCHMARKS.md §14), so
-/// most of it is done before the backend needs it. [`CudaBackend::select`] registers the maps
-/// with the driver beside the lanes' creation and puts them in its cache of pinned buffers,
-/// where the pools find them by size. `lens` comes from the plan's layout with the GPU count
-/// guessed (`guess_pool_lens`); a size no pool asks for is freed by the cache's rule (asking
-/// for another size first frees what the cache holds). Nothing runs with
-/// `MGMM_PINNED_ALLOC=1`.
+impl Drop for Prefill {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.thread.take() {
+            drop(h.join());
+        }
+    }
+}
+
+/// Start populating the host memory of pinned buffers of `lens` bytes on at most `threads`
+/// threads of their own, before the CUDA backend exists: `cuInit` and the contexts take 0.3 s,
+/// and populating 2.25 GiB of pools took 0.42–0.69 s on one H200's host (BENCHMARKS.md §14), so
+/// much of it is done before the backend needs it. [`CudaBackend::select`] registers the maps
+/// with the driver beside the lanes' creation, the pools take them by size, and those no pool
+/// took are freed once the first pipeline's pools are made. `lens` comes from the plan
+/// ([`guess_pool_lens`]). `None`: nothing to do, `MGMM_PINNED_ALLOC=1`, or no thread to be had.
 ///
 /// Measured on one H200, 32768² fp32, interleaved with the build before it (BENCHMARKS.md
-/// §15): process − step 1.30–1.50 → 1.06–1.19 s; the backend 0.44 → 0.51 s (the populating
-/// slows `cuInit` a little, even in 4 MiB pieces), lanes and pools together 0.52 → 0.21 s.
-pub(crate) fn prefill(lens: Vec<usize>) {
+/// §15): process − step 1.30–1.50 → 1.06–1.19 s; in one traced run each, the backend 0.44 →
+/// 0.51 s (the populating slows the driver's start a little, even in 4 MiB pieces), lanes and
+/// pools together 0.52 → 0.21 s.
+pub(crate) fn prefill(lens: Vec<usize>, threads: usize) -> Option<Prefill> {
     if lens.is_empty() || crate::config::pinned_alloc() {
-        return;
+        return None;
     }
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
     // Threads of its own, not the rayon pool: the pools' allocation runs on rayon workers and
     // waits for this work (`CudaAlloc::await_prefill`), so jobs of it queued on those workers
     // could never run (with `threads = 1`, they never did: the first version hung so).
-    let h = std::thread::spawn(move || {
-        let workers = std::thread::available_parallelism().map_or(4, |n| n.get());
-        let per = lens.len().div_ceil(workers.max(1)).max(1);
-        std::thread::scope(|s| {
-            let hs: Vec<_> = lens
-                .chunks(per)
-                .map(|c| {
-                    s.spawn(move || {
-                        c.iter()
-                            .filter_map(|&len| populated_map(len).ok())
+    let thread = std::thread::Builder::new()
+        .name("mgmm-prefill".into())
+        .spawn(move || {
+            let per = lens.len().div_ceil(threads.max(1)).max(1);
+            std::thread::scope(|s| {
+                let mut maps = Vec::new();
+                let mut hs = Vec::new();
+                for c in lens.chunks(per) {
+                    let flag = &flag;
+                    let job = move || {
+                        (c.iter())
+                            .map_while(|&len| populated_map(len, Some(flag)).ok())
                             .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .flat_map(|h| h.join().unwrap_or_default())
-                .collect()
+                    };
+                    match std::thread::Builder::new().spawn_scoped(s, job) {
+                        Ok(h) => hs.push(h),
+                        Err(_) => break, // fewer threads, fewer buffers: the pools make the rest
+                    }
+                }
+                for h in hs {
+                    maps.extend(h.join().unwrap_or_default());
+                }
+                maps
+            })
         })
-    });
-    *PREFILL.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+        .ok()?;
+    Some(Prefill {
+        stop,
+        thread: Some(thread),
+    })
 }
 
-/// Free what [`prefill`] made (the CUDA backend could not start: `auto` fell back to the CPU).
-pub(crate) fn discard_prefill() {
-    let h = PREFILL.lock().unwrap_or_else(|e| e.into_inner()).take();
-    if let Some(h) = h {
-        drop(h.join());
-    }
+/// How many GPUs `CUDA_VISIBLE_DEVICES` lets CUDA see, read as CUDA reads it: indices or
+/// `GPU-`/`MIG-` UUIDs up to the first entry that is neither (`"0,1,-1,2"`: two; `"-1"`,
+/// `""`: none).
+fn visible_count(v: &str) -> usize {
+    v.split(',')
+        .map(str::trim)
+        .take_while(|x| x.parse::<u32>().is_ok() || x.starts_with("GPU-") || x.starts_with("MIG-"))
+        .count()
 }
 
 /// The GPUs a run of `engine` would use, guessed without starting the driver: the listed
-/// ones, or those `CUDA_VISIBLE_DEVICES` names, or those the driver lists under
-/// `/proc/driver/nvidia/gpus`. 0 when there is no sign of a GPU.
+/// ones, or those `CUDA_VISIBLE_DEVICES` lets through, at most as many as the driver lists
+/// under `/proc/driver/nvidia/gpus`. 0 when there is no sign of a GPU.
 fn guess_gpu_count(engine: &Engine) -> usize {
-    if let Devices::List(l) = &engine.devices {
-        return l.len();
-    }
-    if let Ok(v) = std::env::var("CUDA_VISIBLE_DEVICES") {
-        return v.split(',').filter(|x| !x.trim().is_empty()).count();
-    }
-    std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count())
+    let present = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
+    let n = match (&engine.devices, std::env::var("CUDA_VISIBLE_DEVICES")) {
+        (Devices::List(l), _) => l.len(),
+        (_, Ok(v)) => visible_count(&v),
+        _ => present,
+    };
+    n.min(present)
 }
 
-/// The byte lengths of the pinned buffers the first step of `plan` would allocate on this
-/// machine's GPUs, as [`CudaAlloc`] rounds them; empty when no GPU is in sight or the first
-/// step's layout cannot be made. Device memory is taken as 64 GiB (or `engine.device_memory`):
-/// it changes the pools only through the tile size, which on GPUs with less memory may come
-/// out smaller — then the guess is simply not used.
+/// The byte lengths of the pinned buffers of `plan`'s step with the largest pools on this
+/// machine's GPUs, as [`CudaAlloc`] rounds them (the largest: a chain's first part is often
+/// tiny, and the pools of one step are reused by the next when the sizes match). Empty when no
+/// GPU is in sight or no layout can be made. Device memory is taken as 64 GiB (or
+/// `engine.device_memory`): it changes the pools only through the tile size, which on GPUs
+/// with less memory may come out smaller — then the guess is not used, and freed once the
+/// first pools are made.
 pub(crate) fn guess_pool_lens(plan: &crate::plan::Plan) -> Vec<usize> {
+    pool_lens_on(plan, guess_gpu_count(&plan.engine))
+}
+
+/// [`guess_pool_lens`] for `lanes` GPUs.
+fn pool_lens_on(plan: &crate::plan::Plan, lanes: usize) -> Vec<usize> {
     let e = &plan.engine;
-    let lanes = guess_gpu_count(e);
-    let Some(step) = plan.steps.first() else {
-        return Vec::new();
-    };
     if lanes == 0 {
         return Vec::new();
     }
     let caps = cuda_caps(lanes, e.device_memory.unwrap_or(64 << 30));
-    let Ok(l) = Layout::new(&plan.path, step, e, &caps) else {
-        return Vec::new();
-    };
     let round = |b: u64| (b as usize).div_ceil(4096).max(1) * 4096;
-    let mut lens = vec![round(l.staging_buf_bytes); l.staging_bufs * lanes];
-    lens.extend(std::iter::repeat_n(
-        round(l.out_buf_bytes),
-        l.out_bufs * lanes,
-    ));
-    lens
+    let lens_of = |l: &Layout| {
+        let mut lens = vec![round(l.staging_buf_bytes); l.staging_bufs * lanes];
+        lens.extend(std::iter::repeat_n(
+            round(l.out_buf_bytes),
+            l.out_bufs * lanes,
+        ));
+        lens
+    };
+    (plan.steps.iter())
+        .filter_map(|step| Layout::new(&plan.path, step, e, &caps).ok())
+        .map(|l| lens_of(&l))
+        .max_by_key(|lens| lens.iter().sum::<usize>())
+        .unwrap_or_default()
 }
 
 impl CudaAlloc {
-    /// Register what [`prefill`] populated, on a thread of its own, and put it in the cache;
-    /// the first allocation waits for that thread.
-    fn adopt_prefill(&self) {
-        let Some(h) = PREFILL.lock().unwrap_or_else(|e| e.into_inner()).take() else {
-            return;
-        };
-        let (ctx, cache) = (self.ctx.clone(), self.cache.clone());
-        let adopt = std::thread::spawn(move || {
-            for map in h.join().unwrap_or_default() {
-                if let Ok(r) = Registered::register(&ctx, map) {
-                    cache
-                        .0
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(PinnedMem::Registered(r));
-                }
-            }
-        });
-        *self.adopting.lock().unwrap_or_else(|e| e.into_inner()) = Some(adopt);
+    fn new(ctx: Arc<CudaContext>) -> CudaAlloc {
+        CudaAlloc {
+            ctx,
+            cache: Arc::default(),
+            prefilled: Arc::default(),
+            adopting: Default::default(),
+        }
     }
 
-    /// Wait until the prefilled buffers are in the cache (if any are coming).
+    /// Register what `p` populated, on a thread of its own, into `prefilled`; the first
+    /// allocation waits for that thread. Without a thread, `p` is dropped (freed).
+    fn adopt_prefill(&self, mut p: Prefill) {
+        let Some(h) = p.thread.take() else {
+            return;
+        };
+        let (ctx, into) = (self.ctx.clone(), self.prefilled.clone());
+        let adopt = std::thread::Builder::new()
+            .name("mgmm-register".into())
+            .spawn(move || {
+                for map in h.join().unwrap_or_default() {
+                    if let Ok(r) = Registered::register(&ctx, map) {
+                        (into.0.lock().unwrap_or_else(|e| e.into_inner()))
+                            .push(PinnedMem::Registered(r));
+                    }
+                }
+            });
+        if let Ok(adopt) = adopt {
+            *self.adopting.lock().unwrap_or_else(|e| e.into_inner()) = Some(adopt);
+        }
+    }
+
+    /// Wait until the prefilled buffers are registered (if any are coming).
     fn await_prefill(&self) {
         let mut a = self.adopting.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(h) = a.take() {
             let _ = h.join();
         }
+    }
+
+    /// A prefilled buffer of exactly `len` bytes.
+    fn prefilled(&self, len: usize) -> Option<PinnedMem> {
+        let mut c = self.prefilled.0.lock().unwrap_or_else(|e| e.into_inner());
+        let i = c.iter().position(|p| p.len() == len)?;
+        Some(c.swap_remove(i))
+    }
+}
+
+impl Drop for CudaAlloc {
+    fn drop(&mut self) {
+        // The registering thread uses the context: it ends before the backend lets go of it.
+        self.await_prefill();
     }
 }
 
@@ -503,7 +574,7 @@ impl HostAlloc for CudaAlloc {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         self.await_prefill();
         let len = bytes.div_ceil(4096).max(1) * 4096;
-        let mut p = match self.cached(len) {
+        let mut p = match self.prefilled(len).or_else(|| self.cached(len)) {
             Some(p) => p,
             None => self.fresh(len)?,
         };
@@ -517,6 +588,11 @@ impl HostAlloc for CudaAlloc {
         // (dropping the owner returns it to the cache, where nobody uses it until it is handed
         // out again); it is `len >= bytes` long.
         Ok(unsafe { HostBuf::from_raw(ptr, bytes, Box::new(owner)) })
+    }
+    fn pools_made(&self) {
+        self.await_prefill();
+        let rest = std::mem::take(&mut *self.prefilled.0.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(rest);
     }
 }
 
@@ -691,10 +767,16 @@ fn choose(engine: &Engine, devs: &[DeviceInfo]) -> Result<Vec<DeviceInfo>> {
 }
 
 impl CudaBackend {
-    pub(crate) fn select(engine: &Engine) -> Result<CudaBackend> {
+    /// The backend over the GPUs `engine` asks for, adopting `prefill`'s memory (freed on
+    /// error).
+    pub(crate) fn select(engine: &Engine, prefill: Option<Prefill>) -> Result<CudaBackend> {
         let devs = probe()?;
         let chosen = choose(engine, &devs)?;
-        CudaBackend::from_devices(engine, chosen, None)
+        let b = CudaBackend::from_devices(engine, chosen, None)?;
+        if let Some(p) = prefill {
+            b.alloc.adopt_prefill(p);
+        }
+        Ok(b)
     }
 
     /// The backend over `chosen` (opened GPUs), their pools held. `device_memory`: the budget
@@ -725,12 +807,7 @@ impl CudaBackend {
             (None, None) => min_free.saturating_sub(auto_margin(min_free)),
         };
         let ctx0 = chosen[0].ctx.clone();
-        let alloc = CudaAlloc {
-            ctx: ctx0,
-            cache: Arc::default(),
-            adopting: Default::default(),
-        };
-        alloc.adopt_prefill();
+        let alloc = CudaAlloc::new(ctx0);
         Ok(CudaBackend {
             engine: engine.clone(),
             threads: super::resolve_threads(engine.threads),
@@ -744,6 +821,9 @@ impl CudaBackend {
 impl HostAlloc for CudaBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         self.alloc.alloc_host(bytes)
+    }
+    fn pools_made(&self) {
+        self.alloc.pools_made()
     }
 }
 
@@ -1486,11 +1566,11 @@ impl Drop for CudaLane {
 mod tests {
     use super::*;
 
-    /// The prefill's guess is the pools' own sizes: for 32768² fp32 on one listed GPU, six
-    /// staging buffers and three output buffers of one 8192² f32 tile each; with no GPU in
-    /// sight (none listed, none visible), nothing.
+    /// The prefill's guess is the pools' own sizes: for 32768² fp32 on one GPU, six staging
+    /// buffers and three output buffers of one 8192² f32 tile each, twice as many on two; the
+    /// largest step of a chain, not its tiny first part; nothing without a GPU.
     #[test]
-    fn prefill_guesses_the_pools_of_the_first_step() {
+    fn prefill_guesses_the_pools_of_the_largest_step() {
         let dir = tempfile::tempdir().unwrap();
         let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 32768, cols = 32768 }\n\
                     [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 32768, cols = 32768 }\n\
@@ -1500,16 +1580,51 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         let plan = crate::plan::Plan::load(&path).unwrap();
         let tile = 8192 * 8192 * 4;
-        assert_eq!(guess_pool_lens(&plan), vec![tile; 9]);
+        assert_eq!(pool_lens_on(&plan, 1), vec![tile; 9]);
+        assert_eq!(pool_lens_on(&plan, 2), vec![tile; 18]);
+        assert!(pool_lens_on(&plan, 0).is_empty());
         let caps = cuda_caps(1, 64 << 30);
         let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
         assert_eq!((l.staging_bufs, l.out_bufs), (6, 3));
-        let mut none = plan.clone();
-        none.engine.devices = Devices::List(Vec::new());
-        assert!(guess_pool_lens(&none).is_empty());
-        // Started and discarded without a backend: nothing is left behind.
-        prefill(vec![4096, 8192]);
-        discard_prefill();
-        assert!(PREFILL.lock().unwrap().is_none());
+        // The 43 GB chain: two parts, the first 3000×100·100×100; the guess is the second's.
+        let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 3000, cols = 100 }\n\
+                    [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 100, cols = 100 }\n\
+                    [matrices.C]\npath = \"C.mgt\"\ngenerate = { rows = 100, cols = 3600000 }\n\
+                    [[step]]\noutput = \"D.mgt\"\nexpr = \"(A @ B @ C).T\"\n\
+                    [engine]\nbackend = \"cuda\"\nhost_memory = \"16GiB\"\n";
+        std::fs::write(&path, text).unwrap();
+        let chain = crate::plan::Plan::load(&path).unwrap();
+        assert_eq!(chain.steps.len(), 2);
+        let big = Layout::new(&chain.path, &chain.steps[1], &chain.engine, &caps).unwrap();
+        let lens = pool_lens_on(&chain, 1);
+        assert!(lens.contains(&((big.out_buf_bytes as usize).div_ceil(4096) * 4096)));
+        assert!(lens.iter().sum::<usize>() > 100 << 20, "{lens:?}");
+    }
+
+    /// `CUDA_VISIBLE_DEVICES` as CUDA reads it: up to the first entry that is not a GPU.
+    #[test]
+    fn visible_devices_stop_at_the_first_invalid_entry() {
+        assert_eq!(visible_count("0,1"), 2);
+        assert_eq!(visible_count("0,1,-1,2"), 2);
+        assert_eq!(visible_count("-1"), 0);
+        assert_eq!(visible_count(""), 0);
+        assert_eq!(visible_count("GPU-8f2c,MIG-1a2b/1/0"), 2);
+    }
+
+    /// A prefill populates buffers of the asked sizes on its own threads; called off (`stop`),
+    /// populating gives up; dropped, it frees what it made.
+    #[test]
+    fn a_prefill_populates_and_can_be_called_off() {
+        let mut p = prefill(vec![1 << 20, 3 << 20, 1 << 20], 2).expect("threads");
+        let maps = p.thread.take().unwrap().join().unwrap();
+        let mut lens: Vec<usize> = maps.iter().map(|m| m.len()).collect();
+        lens.sort();
+        assert_eq!(lens, vec![1 << 20, 1 << 20, 3 << 20]);
+        assert!(maps.iter().all(|m| m.iter().all(|&b| b == 0)));
+        let stop = AtomicBool::new(true);
+        assert!(populated_map(8 << 20, Some(&stop)).is_err());
+        assert!(populated_map(8 << 20, None).is_ok());
+        drop(prefill(vec![64 << 20; 4], 2)); // returns once its threads have stopped
+        assert!(prefill(Vec::new(), 2).is_none());
     }
 }

@@ -55,6 +55,9 @@ impl HostAlloc for FaultyBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         self.inner.alloc_host(bytes)
     }
+    fn pools_made(&self) {
+        self.inner.pools_made()
+    }
 }
 
 impl Backend for FaultyBackend {

@@ -99,6 +99,9 @@ impl HostBuf {
 pub trait HostAlloc: Send + Sync {
     /// Allocate a host buffer of `bytes` bytes for the pipeline's pools.
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf>;
+    /// A pipeline's pools are all allocated: memory prepared ahead for them that no pool took
+    /// can go (the CUDA backend's prefill).
+    fn pools_made(&self) {}
 }
 
 /// Identifies asynchronous work issued on a lane.
@@ -295,36 +298,45 @@ pub(crate) fn resolve_threads(threads: usize) -> usize {
 /// Choose the backend for `engine`: `cpu`, `cuda` (an error if no GPU is usable), or `auto`
 /// (every visible GPU if the driver loads and one exists, else the CPU with a note).
 pub fn select(engine: &crate::plan::Engine) -> Result<Box<dyn Backend>> {
+    select_with(engine, None)
+}
+
+/// [`select`], handing a CUDA backend the host memory [`prefill_for`] prepared for it (freed,
+/// the populating called off, when the backend is not CUDA after all).
+pub(crate) fn select_with(
+    engine: &crate::plan::Engine,
+    prefill: Option<cuda::Prefill>,
+) -> Result<Box<dyn Backend>> {
     use crate::plan::BackendKind;
     match engine.backend {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(engine.threads, None))),
-        BackendKind::Cuda => Ok(Box::new(
-            cuda::CudaBackend::select(engine).inspect_err(|_| cuda::discard_prefill())?,
-        )),
+        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine, prefill)?)),
         #[cfg(feature = "fault-injection")]
         BackendKind::Sim => Ok(Box::new(sim::SimBackend::new(engine))),
         #[cfg(not(feature = "fault-injection"))]
         BackendKind::Sim => Err(crate::error::Error::Usage(
             "engine.backend = \"sim\" (simulated devices) exists only in test builds (cargo feature fault-injection); use \"auto\", \"cpu\" or \"cuda\"".into(),
         )),
-        BackendKind::Auto => match cuda::CudaBackend::select(engine) {
+        BackendKind::Auto => match cuda::CudaBackend::select(engine, prefill) {
             Ok(s) => Ok(Box::new(s)),
-            Err(e) => {
-                cuda::discard_prefill();
-                Ok(Box::new(cpu::CpuBackend::new(
-                    engine.threads,
-                    Some(format!("backend auto: using the CPU ({e})")),
-                )))
-            }
+            Err(e) => Ok(Box::new(cpu::CpuBackend::new(
+                engine.threads,
+                Some(format!("backend auto: using the CPU ({e})")),
+            ))),
         },
     }
 }
 
-/// Start preparing host memory for `plan`'s first step before the backend exists, where the
-/// backend would take time to start (the CUDA driver): see [`cuda::prefill`].
-pub(crate) fn prefill_for(plan: &crate::plan::Plan) {
+/// Start preparing host memory for `plan`'s pinned pools before the backend exists, where the
+/// backend would take time to start (the CUDA driver): see [`cuda::prefill`]. Give the result
+/// to [`select_with`].
+pub(crate) fn prefill_for(plan: &crate::plan::Plan) -> Option<cuda::Prefill> {
     use crate::plan::BackendKind;
-    if matches!(plan.engine.backend, BackendKind::Cuda | BackendKind::Auto) {
-        cuda::prefill(cuda::guess_pool_lens(plan));
+    if !matches!(plan.engine.backend, BackendKind::Cuda | BackendKind::Auto) {
+        return None;
     }
+    cuda::prefill(
+        cuda::guess_pool_lens(plan),
+        resolve_threads(plan.engine.threads),
+    )
 }

@@ -43,6 +43,9 @@ impl MatrixSink for ShardWriter {
     fn prefault(&self, _b: &Block) -> u64 {
         0
     }
+    fn counts_dirty_pages(&self) -> bool {
+        self.inner.counts_dirty_pages()
+    }
     fn flush_block(&self, _b: &Block) -> Result<()> {
         // `pwrite`s go through the page cache; fdatasync the file (on NFS this also sends the
         // data to the server, so another node's finalize sees it).

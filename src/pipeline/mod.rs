@@ -119,6 +119,9 @@ pub(crate) struct RunStats {
     pub(crate) first_gemm_s: Option<f64>,
     /// The kernel's dirty-page limits when the output is a disk-backed file (for the report).
     pub(crate) dirty: Option<DirtyLimits>,
+    /// Whether those limits pace this run's writing: dirty pages pile up (not `durable`) and
+    /// are created in parallel through the map (not one `pwrite`r, whose ~3 GB/s binds first).
+    pub(crate) dirty_paced: bool,
 }
 
 /// What a pipeline runs on: the backend's lanes (on a GPU: context, streams, device buffers,
@@ -174,6 +177,7 @@ impl Engines {
             (staging_pools, out_pool) = Self::pools(backend, layout, lanes.len())?;
             pools_s += t.elapsed().as_secs_f64();
         }
+        backend.pools_made();
         Ok(Engines {
             lanes,
             staging_pools,
@@ -372,6 +376,7 @@ impl<'a> Pipeline<'a> {
         }
         let tf = Instant::now();
         let writer = self.writer.take().expect("the writer is finished once");
+        let through_map = writer.writes_through_map();
         writer.finish(self.cfg.durable)?;
         crate::trace::span("start-up", "output finish", tf, Instant::now());
         let flush_s = tf.elapsed().as_secs_f64();
@@ -403,6 +408,7 @@ impl<'a> Pipeline<'a> {
                 ns => Some(ns as f64 * 1e-9),
             },
             dirty: self.dirty,
+            dirty_paced: self.dirty.is_some() && !self.cfg.durable && through_map,
         })
     }
 

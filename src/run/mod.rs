@@ -261,7 +261,7 @@ pub fn generate_missing(
 
 /// The backend a run uses: the plan's, wrapped with injected faults when asked (tests only).
 fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
-    let b = backend::select(&plan.engine)?;
+    let b = backend::select_with(&plan.engine, backend::prefill_for(plan))?;
     #[cfg(feature = "fault-injection")]
     if let Some(f) = &_opts.faults {
         return Ok(Box::new(crate::backend::fault::FaultyBackend::new(
@@ -276,7 +276,6 @@ fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
 pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<RunReport> {
     init_threads(plan.engine.threads);
     let t = Instant::now();
-    backend::prefill_for(plan);
     let backend = choose_backend(plan, opts)?;
     crate::trace::span("start-up", "backend", t, Instant::now());
     let backend_s = t.elapsed().as_secs_f64();

@@ -85,10 +85,11 @@ pub(crate) fn unmap_in_background(map: memmap2::MmapMut) {
 
 /// The kernel's thresholds for dirty page-cache pages (written by the process, not yet on
 /// disk), in bytes. Below `background` the kernel leaves them alone; past it, it starts writing
-/// them out; writers that push the total towards `limit` are made to wait for the disk (from
-/// half-way between the two: `balance_dirty_pages`). On the one-H200 machine (125 GB, the
-/// default `vm.dirty_ratio = 20`) the limit was about 23 GB: a 43 GB output's `Dirty` stayed
-/// there while the job wrote at the disk's pace (BENCHMARKS.md §15).
+/// them out; from half-way between the two towards `limit` it makes the writers wait for the
+/// disk (`balance_dirty_pages`). On the one-H200 machine (126 GiB, the default
+/// `vm.dirty_ratio = 20`) this computed a limit of about 25 GiB, and a 43 GB output written
+/// through its map held `Dirty` at about 23 GB while the job wrote at the disk's pace
+/// (BENCHMARKS.md §15).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct DirtyLimits {
     pub(crate) background: u64,
@@ -154,12 +155,13 @@ impl VmDirty {
 /// opposed to memory filesystems (tmpfs such as `/dev/shm`, ramfs), whose pages never go to a
 /// disk and are not held back. True when it cannot be asked.
 pub(crate) fn counts_dirty_pages(file: &File) -> bool {
-    const TMPFS_MAGIC: i64 = 0x0102_1994;
-    const RAMFS_MAGIC: i64 = 0x8584_58f6;
+    const TMPFS_MAGIC: u32 = 0x0102_1994;
+    const RAMFS_MAGIC: u32 = 0x8584_58f6;
     match rustix::fs::fstatfs(file) {
         Ok(st) => {
-            #[allow(clippy::unnecessary_cast)] // f_type's C type differs between targets
-            let t = st.f_type as i64;
+            // The magic numbers are 32-bit; `f_type` is signed, 32 or 64 bits by target.
+            #[allow(clippy::unnecessary_cast)]
+            let t = st.f_type as u32;
             t != TMPFS_MAGIC && t != RAMFS_MAGIC
         }
         Err(_) => true,
@@ -237,7 +239,7 @@ mod tests {
         let f = File::create(d.path().join("f")).unwrap();
         if let Ok(st) = rustix::fs::fstatfs(&f) {
             #[allow(clippy::unnecessary_cast)]
-            let tmpfs = st.f_type as i64 == 0x0102_1994;
+            let tmpfs = st.f_type as u32 == 0x0102_1994;
             assert_eq!(counts_dirty_pages(&f), !tmpfs);
         }
         if let Ok(shm) = tempfile::tempfile_in("/dev/shm") {

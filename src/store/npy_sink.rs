@@ -221,6 +221,9 @@ impl MatrixSink for NpyWriter {
     fn counts_dirty_pages(&self) -> bool {
         super::fsutil::counts_dirty_pages(&self.file)
     }
+    fn writes_through_map(&self) -> bool {
+        !self.pwrite
+    }
     fn flush_block(&self, b: &Block) -> Result<()> {
         let (a, len) = self.span(b);
         self.map

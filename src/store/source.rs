@@ -154,6 +154,11 @@ pub trait MatrixSink: Send + Sync {
     fn counts_dirty_pages(&self) -> bool {
         false
     }
+    /// Whether blocks are copied through a writable map of the output (whose pages the outprep
+    /// threads create in parallel), rather than written with `pwrite` or held in memory.
+    fn writes_through_map(&self) -> bool {
+        false
+    }
     /// Forget what the sink learnt about blocks written so far (after a resume reopened a
     /// partially written output whose earlier contents it did not see being written).
     fn forget_checksums(&self);

@@ -901,6 +901,9 @@ impl MatrixSink for TiledWriter {
     fn counts_dirty_pages(&self) -> bool {
         fsutil::counts_dirty_pages(&self.file)
     }
+    fn writes_through_map(&self) -> bool {
+        !self.pwrite
+    }
 
     fn flush_block(&self, b: &Block) -> Result<()> {
         TiledWriter::flush_block(self, b)
