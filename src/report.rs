@@ -93,6 +93,9 @@ pub struct StepReport {
     pub nonfinite_inputs: u64,
     /// Seconds spent flushing the output at the end.
     pub flush_s: f64,
+    /// How the output was written: `"mmap"`, `"pwrite"` (what `write = "auto"` chose, or the
+    /// plan's `write`) or `"memory"` (a chain's intermediate, the Python API's arrays).
+    pub write_mode: String,
     /// The kernel's limit on dirty page-cache pages, in bytes (approximate: `vm.dirty_bytes`,
     /// or `vm.dirty_ratio` of free and file memory; a memory cgroup's own limit is not seen),
     /// when the output is a disk-backed file; `None` for memory and tmpfs outputs.
@@ -290,6 +293,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         stages: st.stages,
         nonfinite_inputs: st.nonfinite_inputs,
         flush_s: st.flush_s,
+        write_mode: st.write_mode.into(),
         dirty_limit_bytes: st.dirty.map(|d| d.limit),
         dirty_throttle_bytes: (st.dirty)
             .filter(|_| st.dirty_paced)
@@ -334,10 +338,11 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         r.m, r.n, r.k, r.precision, r.backend, r.tile[0], r.tile[1], r.tile[2]
     );
     s += &format!(
-        "  wall {:.3} s, {:.2} GFLOP/s, written {}, flush {:.3} s\n",
+        "  wall {:.3} s, {:.2} GFLOP/s, written {} ({}), flush {:.3} s\n",
         r.wall_s,
         r.gflops_per_s,
         fmt_bytes(r.write_bytes),
+        r.write_mode,
         r.flush_s
     );
     s += &format!(
@@ -418,12 +423,14 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
 /// the point where the kernel starts throttling dirty pages was bound by the disk. Measured on
 /// one H200's host (126 GiB, `vm.dirty_ratio = 20`: a limit of about 25 GiB; BENCHMARKS.md §15):
 /// the 43 GB chain so written held `Dirty` at about 23 GB from its 7th second on and took
-/// 16.6–20.0 s, the disk's pace; into `/dev/shm` the same step took 4.0 s. `None` when it wrote
-/// less or the throttle does not pace the run (`throttle` is `None`).
+/// 16.6–20.0 s, the disk's pace; into `/dev/shm` the same step took 4.0 s. The note says "can":
+/// on the 2-core development VM a 5 GiB output so written was bound by the kernel's page work
+/// on the CPU (outprep busy 90 %, `Dirty` at 2.4 GB, under the 3.45 GiB estimate). `None` when
+/// it wrote less or the throttle does not pace the run (`throttle` is `None`).
 fn dirty_note(write_bytes: u64, throttle: Option<u64>) -> Option<String> {
     let throttle = throttle.filter(|&l| write_bytes > l)?;
     Some(format!(
-        "wrote {} through the output's map, past the {} of dirty pages from which the kernel makes writers wait for the disk (vm.dirty_ratio or vm.dirty_bytes); from there on the disk set the pace. Faster: an output on tmpfs (/dev/shm), or a larger vm.dirty_bytes (docs/PLAN.md, durable)",
+        "wrote {} through the output's map, more than the {} of dirty pages from which the kernel makes writers wait for the disk (vm.dirty_ratio or vm.dirty_bytes, estimated), so the disk can have set the pace. If so, faster: an output on tmpfs (/dev/shm), or a larger vm.dirty_bytes (docs/PLAN.md, durable)",
         fmt_bytes(write_bytes),
         fmt_bytes(throttle)
     ))

@@ -315,6 +315,9 @@ impl MatrixSink for RawFileSink {
     fn path(&self) -> &Path {
         &self.path
     }
+    fn write_mode(&self) -> &'static str {
+        "pwrite"
+    }
     fn shape(&self) -> (u64, u64) {
         (self.rows, self.cols)
     }

@@ -46,6 +46,9 @@ impl MatrixSink for ShardWriter {
     fn counts_dirty_pages(&self) -> bool {
         self.inner.counts_dirty_pages()
     }
+    fn write_mode(&self) -> &'static str {
+        "pwrite"
+    }
     fn flush_block(&self, _b: &Block) -> Result<()> {
         // `pwrite`s go through the page cache; fdatasync the file (on NFS this also sends the
         // data to the server, so another node's finalize sees it).

@@ -122,6 +122,8 @@ pub(crate) struct RunStats {
     /// Whether those limits pace this run's writing: dirty pages pile up (not `durable`) and
     /// are created in parallel through the map (not one `pwrite`r, whose ~3 GB/s binds first).
     pub(crate) dirty_paced: bool,
+    /// How the output was written ([`MatrixSink::write_mode`]).
+    pub(crate) write_mode: &'static str,
 }
 
 /// What a pipeline runs on: the backend's lanes (on a GPU: context, streams, device buffers,
@@ -376,7 +378,7 @@ impl<'a> Pipeline<'a> {
         }
         let tf = Instant::now();
         let writer = self.writer.take().expect("the writer is finished once");
-        let through_map = writer.writes_through_map();
+        let write_mode = writer.write_mode();
         writer.finish(self.cfg.durable)?;
         crate::trace::span("start-up", "output finish", tf, Instant::now());
         let flush_s = tf.elapsed().as_secs_f64();
@@ -408,7 +410,8 @@ impl<'a> Pipeline<'a> {
                 ns => Some(ns as f64 * 1e-9),
             },
             dirty: self.dirty,
-            dirty_paced: self.dirty.is_some() && !self.cfg.durable && through_map,
+            dirty_paced: self.dirty.is_some() && !self.cfg.durable && write_mode == "mmap",
+            write_mode,
         })
     }
 

@@ -18,7 +18,7 @@ use crate::pipeline::{output_header, Work};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::Step;
-use crate::store::{create_output, open_source, reopen_output, WriteMode};
+use crate::store::{create_output, fsutil, open_source, reopen_output, WriteMode};
 
 /// A step's state on disk, as the journal and the output's bytes agree on it.
 pub enum ResumeState {
@@ -69,7 +69,11 @@ impl ResumeState {
         let (journal, state) = Journal::open(&step.output, fp, restart, durable)?;
         let sched = Schedule::new(step, layout);
         let header = output_header(step, layout);
-        let write = write.resolve(header.file_len(), host_memory);
+        let dirty_limit = (!durable && fsutil::dir_counts_dirty_pages(&step.output))
+            .then(fsutil::dirty_limits)
+            .flatten()
+            .map(|d| d.limit);
+        let write = write.resolve(header.file_len(), host_memory, dirty_limit);
         let total = sched.tiles.len() as u64;
         if restart {
             ckpt.discard_all()?;

@@ -151,6 +151,18 @@ impl VmDirty {
     }
 }
 
+/// [`counts_dirty_pages`] for a file `path` about to be created: asked of its folder.
+pub(crate) fn dir_counts_dirty_pages(path: &Path) -> bool {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    match std::fs::File::open(dir) {
+        Ok(f) => counts_dirty_pages(&f),
+        Err(_) => true,
+    }
+}
+
 /// Whether writes to `file` become dirty pages that the kernel limits (a disk-backed file), as
 /// opposed to memory filesystems (tmpfs such as `/dev/shm`, ramfs), whose pages never go to a
 /// disk and are not held back. True when it cannot be asked.

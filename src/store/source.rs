@@ -154,10 +154,10 @@ pub trait MatrixSink: Send + Sync {
     fn counts_dirty_pages(&self) -> bool {
         false
     }
-    /// Whether blocks are copied through a writable map of the output (whose pages the outprep
-    /// threads create in parallel), rather than written with `pwrite` or held in memory.
-    fn writes_through_map(&self) -> bool {
-        false
+    /// How blocks reach the output, for the report: `"mmap"` (copied through a writable map
+    /// whose pages the outprep threads create in parallel), `"pwrite"`, or `"memory"`.
+    fn write_mode(&self) -> &'static str {
+        "memory"
     }
     /// Forget what the sink learnt about blocks written so far (after a resume reopened a
     /// partially written output whose earlier contents it did not see being written).
@@ -326,7 +326,15 @@ pub(crate) fn reopen_output(
 ///
 /// `Auto` (the default) picks per output: `Mmap` when the output fits in `host_memory` (its
 /// mapped pages then stay within the memory the plan grants), else `Pwrite`, so an output larger
-/// than the budget never makes the process's resident memory grow with it.
+/// than the budget never makes the process's resident memory grow with it. And `Pwrite` for an
+/// output on disk, not flushed tile by tile (`durable = false`), larger than the kernel's
+/// limit for dirty pages, where writers through the map are made to wait for the disk.
+/// Measured (BENCHMARKS.md §12, §15): over the limit the map lost — the 43 GB chain on one
+/// H200's machine (limit about 25 GiB) 16.6–20.0 s against 13.6–16.2 s with `pwrite` (bar two
+/// slow first runs), a 5 GiB output on the 2-core development VM (limit about 4.8 GB)
+/// 11.9–17.4 s against 5.4–13.8 s (median 10.1); under it the map won — on two H200s (limit
+/// estimated near 48 GB) the 43 GB chain 8.0 s against 13.1 s and 60000² fp64 (28.8 GB) 9.6 s
+/// against 20.8 s, on the VM a 2 GiB output 1.3–1.9 s against 3.4–4.6 s.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WriteMode {
     #[default]
@@ -340,9 +348,17 @@ pub enum WriteMode {
 
 impl WriteMode {
     /// The concrete mode for an output of `output_bytes` under a host budget of `host_memory`.
-    pub(crate) fn resolve(self, output_bytes: u64, host_memory: u64) -> WriteMode {
+    /// `dirty_limit`: the kernel's limit for dirty pages, for an output on disk written with
+    /// `durable = false` (else `None`).
+    pub(crate) fn resolve(
+        self,
+        output_bytes: u64,
+        host_memory: u64,
+        dirty_limit: Option<u64>,
+    ) -> WriteMode {
+        let under_limit = dirty_limit.is_none_or(|l| output_bytes <= l);
         match self {
-            WriteMode::Auto if output_bytes <= host_memory => WriteMode::Mmap,
+            WriteMode::Auto if output_bytes <= host_memory && under_limit => WriteMode::Mmap,
             WriteMode::Auto => WriteMode::Pwrite,
             m => m,
         }
@@ -354,5 +370,24 @@ impl WriteMode {
             "pwrite" => Some(WriteMode::Pwrite),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WriteMode::{self, *};
+
+    /// `auto` maps an output that fits the host budget and, on disk without `durable`, the
+    /// kernel's limit for dirty pages; anything else is written with `pwrite`.
+    /// An explicit mode stays.
+    #[test]
+    fn auto_maps_only_outputs_under_the_budget_and_the_dirty_threshold() {
+        let gib = 1u64 << 30;
+        assert_eq!(Auto.resolve(4 * gib, 16 * gib, None), Mmap);
+        assert_eq!(Auto.resolve(4 * gib, 16 * gib, Some(12 * gib)), Mmap);
+        assert_eq!(Auto.resolve(20 * gib, 32 * gib, Some(12 * gib)), Pwrite);
+        assert_eq!(Auto.resolve(20 * gib, 16 * gib, None), Pwrite);
+        assert_eq!(Mmap.resolve(20 * gib, 16 * gib, Some(gib)), Mmap);
+        assert_eq!(WriteMode::Pwrite.resolve(1, 16 * gib, None), Pwrite);
     }
 }

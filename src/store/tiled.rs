@@ -901,8 +901,12 @@ impl MatrixSink for TiledWriter {
     fn counts_dirty_pages(&self) -> bool {
         fsutil::counts_dirty_pages(&self.file)
     }
-    fn writes_through_map(&self) -> bool {
-        !self.pwrite
+    fn write_mode(&self) -> &'static str {
+        if self.pwrite {
+            "pwrite"
+        } else {
+            "mmap"
+        }
     }
 
     fn flush_block(&self, b: &Block) -> Result<()> {
