@@ -15,11 +15,12 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 LOG=${LOG:-/dev/null}
 
-# The mgmm-stream binary: $MGMM if set, else the carried .dev/bin copy (GPU machine), else the
-# release build of this checkout (honouring CARGO_TARGET_DIR).
+# The mgmm-stream binary: $MGMM if set, else the release build of this checkout (honouring
+# CARGO_TARGET_DIR), else the carried .dev/bin copy (the GPU machine, where nothing is built).
+# The build comes first so that a stale carried copy on the development machine is not used.
 if [ -z "${MGMM:-}" ]; then
-  if [ -x "$DEV/mgmm-stream" ]; then MGMM=$DEV/mgmm-stream
-  else MGMM=${CARGO_TARGET_DIR:-$ROOT/target}/release/mgmm-stream; fi
+  MGMM=${CARGO_TARGET_DIR:-$ROOT/target}/release/mgmm-stream
+  [ -x "$MGMM" ] || MGMM=$DEV/mgmm-stream
 fi
 [ -x "$MGMM" ] || { echo "no mgmm-stream binary at $MGMM: run 'cargo build --release' or set MGMM" >&2; exit 2; }
 
