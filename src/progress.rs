@@ -738,8 +738,9 @@ fn kind_bytes(stages: &[Arc<StageMetrics>], kind: StageKind) -> u64 {
         .sum()
 }
 
-/// Busy share of each kind of stage (averaged over its threads), main stages first; the
-/// helper stages (plan, prefetch, page-in) only when at least 10% busy.
+/// Busy share of each kind of stage (averaged over its threads), busiest first (a log line
+/// cut at 80 columns keeps the bottleneck); the helper stages (plan, prefetch, page-in) only
+/// when at least 10% busy.
 fn busy_shares(stages: &[Arc<StageMetrics>], el: f64) -> String {
     let kinds = [
         StageKind::Staging,
@@ -764,11 +765,16 @@ fn busy_shares(stages: &[Arc<StageMetrics>], el: f64) -> String {
                 StageKind::Staging | StageKind::Lane | StageKind::Writeback
             );
             if main || share >= 10.0 {
-                parts.push(format!("{} {:.0}%", stage_label(k), share.min(100.0)));
+                parts.push((share.min(100.0), stage_label(k)));
             }
         }
     }
-    parts.join(" ")
+    // Busiest first: a line cut at 80 columns keeps the bottleneck.
+    parts.sort_by(|a, b| b.0.total_cmp(&a.0));
+    (parts.iter())
+        .map(|(share, label)| format!("{label} {share:.0}%"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Devices' GEMM share and link rates, averaged over the lanes (GPU backends only).
