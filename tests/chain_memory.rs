@@ -324,6 +324,8 @@ fn plan_split_runs_and_verify_name_where_intermediates_go() {
         out.contains("intermediate 534.77 KiB stays in host memory (within half of host_memory; a split run writes it to the temporary file ./D.mgt.part1.mgt)"),
         "{out}"
     );
+    // Only the final part writes a file, so only it says how.
+    assert_eq!(out.matches("output written with").count(), 1, "{out}");
     let (ok, out, err) = cli(dir, &["plan", "file.toml"]);
     assert!(ok, "{err}");
     assert!(

@@ -283,6 +283,7 @@ fn plan_then_run_then_export() {
         "host ceiling",
         "lower bound",
         "traffic",
+        "output written with mmap (write = auto: a ",
     ] {
         assert!(s.contains(want), "plan output lacks {want:?}:\n{s}");
     }
@@ -297,6 +298,7 @@ fn plan_then_run_then_export() {
     let rep: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("r.json")).unwrap()).unwrap();
     assert_eq!(rep["steps"][0]["m"], 70);
+    assert_eq!(rep["steps"][0]["write_mode"], "mmap", "as plan said");
     assert!(rep["steps"][0]["bottleneck"].is_string());
     ok(&mg(dir, &["export", "C.mgt", "C.npy"]));
     let (_, r, c, v) = read_npy(&dir.join("C.npy"));

@@ -20,6 +20,26 @@ use crate::plan::schedule::Schedule;
 use crate::plan::Step;
 use crate::store::{create_output, fsutil, open_source, reopen_output, WriteMode};
 
+/// How the output at `output` (a file of `file_len` bytes) will be written, `write = "auto"`
+/// resolved ([`WriteMode::resolve`]), and the kernel's dirty limit that decided it (`None` when
+/// it did not apply: `durable`, tmpfs, no `/proc`). `run` and `plan` ask the same question.
+pub(crate) fn resolve_write(
+    output: &std::path::Path,
+    file_len: u64,
+    durable: bool,
+    write: WriteMode,
+    host_memory: u64,
+) -> (WriteMode, Option<u64>) {
+    let dirty_limit = (!durable && fsutil::dir_counts_dirty_pages(output))
+        .then(fsutil::dirty_limits)
+        .flatten()
+        .map(|d| d.limit);
+    (
+        write.resolve(file_len, host_memory, dirty_limit),
+        dirty_limit,
+    )
+}
+
 /// A step's state on disk, as the journal and the output's bytes agree on it.
 pub enum ResumeState {
     /// The journal says the step finished: nothing to do.
@@ -69,11 +89,7 @@ impl ResumeState {
         let (journal, state) = Journal::open(&step.output, fp, restart, durable)?;
         let sched = Schedule::new(step, layout);
         let header = output_header(step, layout);
-        let dirty_limit = (!durable && fsutil::dir_counts_dirty_pages(&step.output))
-            .then(fsutil::dirty_limits)
-            .flatten()
-            .map(|d| d.limit);
-        let write = write.resolve(header.file_len(), host_memory, dirty_limit);
+        let write = resolve_write(&step.output, header.file_len(), durable, write, host_memory).0;
         let total = sched.tiles.len() as u64;
         if restart {
             ckpt.discard_all()?;
