@@ -218,7 +218,7 @@ fn a_second_writer_fails_at_once() {
     let d = tmp();
     let dir = d.path();
     setup(dir, false);
-    // Another run holds the journal lock.
+    // Another run holds the journal lock (the run waits up to a second for it, then says so).
     let j = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)

@@ -56,8 +56,21 @@ pub fn journal_path(output: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// How long a journal lock held by someone else is waited for before the run gives up: a lock
+/// can outlive its holder for a moment. A `flock` belongs to the open file, and a process
+/// forked between another run's open and its exec (a test harness running the command line
+/// beside the library) holds that file until it execs (`O_CLOEXEC`); one CI run met that
+/// (`tests/progress.rs`, a resume right after a failed run in the same process).
+const LOCK_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn lock(file: &File, path: &Path) -> Result<()> {
-    match crate::store::fsutil::try_lock_exclusive(file) {
+    let t = std::time::Instant::now();
+    let mut got = crate::store::fsutil::try_lock_exclusive(file);
+    while matches!(got, Ok(false)) && t.elapsed() < LOCK_GRACE {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        got = crate::store::fsutil::try_lock_exclusive(file);
+    }
+    match got {
         Ok(true) => Ok(()),
         Ok(false) => Err(Error::Usage(format!(
             "{}: another mgmm-stream run is writing this output (its journal is locked); wait for it to finish or stop it first",
