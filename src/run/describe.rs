@@ -212,10 +212,12 @@ fn describe_bounds(
         2.0 * step.m as f64 * step.n as f64 * step.k as f64 / (words.max(1) as f64).sqrt();
     let hs = l.host_dt.size() as f64;
     s += &format!(
-        "  communication bound: a cache of {} words per lane moves at least {} (2·m·n·k/√M); this schedule moves {} into the caches and reads {} from files\n",
+        "  communication bound: a cache of {} words per lane moves at least {} in and out (2·m·n·k/√M); this schedule moves {} in and {} out ({} in all) and reads {} from files\n",
         words,
         fmt_bytes((bound_words * hs) as u64),
         fmt_bytes(t.h2d_bytes),
+        fmt_bytes(t.d2h_bytes),
+        fmt_bytes(t.h2d_bytes + t.d2h_bytes),
         fmt_bytes(t.read_bytes)
     );
     let rate = (caps.peak_flops)(e.precision, if device { caps.lanes } else { sel.threads() });
