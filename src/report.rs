@@ -101,7 +101,7 @@ pub struct StepReport {
     /// when the output is a disk-backed file; `None` for memory and tmpfs outputs.
     pub dirty_limit_bytes: Option<u64>,
     /// Where the kernel starts making this run's writers wait for the disk (half-way between
-    /// its background threshold and its limit), when that paces the run: dirty pages piling up
+    /// its background threshold and its limit), where that can pace the run: dirty pages piling up
     /// (`durable = false`) and created in parallel through the output's map (`write = "mmap"`);
     /// `None` otherwise (each tile flushed, one `pwrite`r, tmpfs, memory).
     pub dirty_throttle_bytes: Option<u64>,
@@ -441,7 +441,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_dirty_note_appears_only_past_the_limit() {
+    fn the_dirty_note_appears_only_past_the_throttling_point() {
         let gb = 1_000_000_000;
         let n = dirty_note(43 * gb, Some(23 * gb)).expect("43 GB > 23 GB");
         assert!(n.contains("dirty pages") && n.contains("tmpfs"), "{n}");

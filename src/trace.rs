@@ -100,10 +100,7 @@ pub(crate) fn check_path() -> crate::error::Result<()> {
     let Some(path) = crate::config::trace_path() else {
         return Ok(());
     };
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => std::path::PathBuf::from("."),
-    };
+    let dir = crate::store::atomic::parent_dir(&path);
     if dir.is_dir() {
         return Ok(());
     }

@@ -388,6 +388,12 @@ impl CudaAlloc {
     }
 }
 
+/// The length of the pinned allocation that holds `bytes`: whole pages, at least one. The
+/// prefill's guess must round as the allocator does, or no pool would find its buffers.
+fn pinned_len(bytes: usize) -> usize {
+    bytes.div_ceil(4096).max(1) * 4096
+}
+
 /// Host memory being populated for a run's pinned pools before its backend exists
 /// ([`prefill`]), until [`CudaBackend::select`] adopts it. Dropped unadopted (`auto` fell back
 /// to the CPU), it calls the populating off at its next 4 MiB piece and frees what it made.
@@ -499,11 +505,10 @@ fn pool_lens_on(plan: &crate::plan::Plan, lanes: usize) -> Vec<usize> {
         return Vec::new();
     }
     let caps = cuda_caps(lanes, e.device_memory.unwrap_or(64 << 30));
-    let round = |b: u64| (b as usize).div_ceil(4096).max(1) * 4096;
     let lens_of = |l: &Layout| {
-        let mut lens = vec![round(l.staging_buf_bytes); l.staging_bufs * lanes];
+        let mut lens = vec![pinned_len(l.staging_buf_bytes as usize); l.staging_bufs * lanes];
         lens.extend(std::iter::repeat_n(
-            round(l.out_buf_bytes),
+            pinned_len(l.out_buf_bytes as usize),
             l.out_bufs * lanes,
         ));
         lens
@@ -573,7 +578,7 @@ impl Drop for CudaAlloc {
 impl HostAlloc for CudaAlloc {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         self.await_prefill();
-        let len = bytes.div_ceil(4096).max(1) * 4096;
+        let len = pinned_len(bytes);
         let mut p = match self.prefilled(len).or_else(|| self.cached(len)) {
             Some(p) => p,
             None => self.fresh(len)?,
@@ -1597,7 +1602,7 @@ mod tests {
         assert_eq!(chain.steps.len(), 2);
         let big = Layout::new(&chain.path, &chain.steps[1], &chain.engine, &caps).unwrap();
         let lens = pool_lens_on(&chain, 1);
-        assert!(lens.contains(&((big.out_buf_bytes as usize).div_ceil(4096) * 4096)));
+        assert!(lens.contains(&pinned_len(big.out_buf_bytes as usize)));
         assert!(lens.iter().sum::<usize>() > 100 << 20, "{lens:?}");
     }
 

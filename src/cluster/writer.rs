@@ -47,7 +47,7 @@ impl MatrixSink for ShardWriter {
         self.inner.counts_dirty_pages()
     }
     fn write_mode(&self) -> &'static str {
-        "pwrite"
+        WriteMode::Pwrite.name()
     }
     fn flush_block(&self, _b: &Block) -> Result<()> {
         // `pwrite`s go through the page cache; fdatasync the file (on NFS this also sends the

@@ -234,14 +234,7 @@ impl Layout {
                 }
             }
         }
-        let spare = if caps.memory == MemorySpace::Device {
-            caps.device_memory.saturating_sub(self.device_bytes)
-        } else {
-            engine.host_memory.saturating_sub(self.host_bytes)
-        };
-        let extra = (spare / self.slot_bytes.max(1)) as usize;
-        self.slots = (self.slots + extra).min(distinct.max(2));
-        self.recount(caps);
+        self.fill_slots(engine, caps, distinct);
         self.start_group = self.choose_start_group(gn, gk);
         // Accumulators the group does not use go back to the tile cache.
         let need = if self.start_group > 1 {
@@ -252,12 +245,22 @@ impl Layout {
         if self.accs > need {
             self.accs = need;
             self.recount(caps);
-            let spare = caps.device_memory.saturating_sub(self.device_bytes);
-            let extra = (spare / self.slot_bytes.max(1)) as usize;
-            self.slots = (self.slots + extra).min(distinct.max(2));
-            self.recount(caps);
+            self.fill_slots(engine, caps, distinct);
         }
         self
+    }
+
+    /// Give the tile cache every slot the budget (device or host memory) has room for, up to
+    /// `distinct` (the input tiles there are).
+    fn fill_slots(&mut self, engine: &Engine, caps: &Caps, distinct: usize) {
+        let spare = if caps.memory == MemorySpace::Device {
+            caps.device_memory.saturating_sub(self.device_bytes)
+        } else {
+            engine.host_memory.saturating_sub(self.host_bytes)
+        };
+        let extra = (spare / self.slot_bytes.max(1)) as usize;
+        self.slots = (self.slots + extra).min(distinct.max(2));
+        self.recount(caps);
     }
 
     /// How many output tiles each lane's first group computes k-chunk by k-chunk: k-chunk 0

@@ -238,6 +238,12 @@ impl Step {
     pub fn flops(&self) -> f64 {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64
     }
+
+    /// Whether this step writes a chain intermediate that an unsplit run holds in host memory
+    /// instead of a file (a split run writes every intermediate to its file).
+    pub(crate) fn output_in_memory(&self) -> bool {
+        (self.chain.as_ref()).is_some_and(|c| c.part < c.parts && c.memory.contains(&self.output))
+    }
 }
 
 /// A matrix declared in `[matrices]`.

@@ -157,9 +157,7 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
         fmt_bytes(t.d2h_bytes),
         fmt_bytes(t.write_bytes)
     );
-    let in_memory =
-        (step.chain.as_ref()).is_some_and(|c| c.memory.iter().any(|p| p == &step.output));
-    if !in_memory {
+    if !step.output_in_memory() {
         s += &describe_write(step, &l, e);
     }
     s += &describe_bounds(step, &l, &t, sel, e);
@@ -168,13 +166,10 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
 
 /// How the output file will be written (docs/PLAN.md, `write`), and why when `auto` chose.
 fn describe_write(step: &crate::plan::Step, l: &Layout, e: &crate::plan::Engine) -> String {
-    let len = crate::store::output_file_len(&step.output, &crate::pipeline::output_header(step, l));
-    let (mode, dirty) =
-        super::resume::resolve_write(&step.output, len, e.durable, e.write, e.host_memory);
-    let name = match mode {
-        crate::store::WriteMode::Pwrite => "pwrite",
-        _ => "mmap",
-    };
+    let header = crate::pipeline::output_header(step, l);
+    let (mode, len, dirty) =
+        super::resume::resolve_write(&step.output, &header, e.durable, e.write, e.host_memory);
+    let name = mode.name();
     let why = match (e.write, dirty) {
         (crate::store::WriteMode::Auto, Some(d)) => format!(
             " (write = auto: a {} file, host_memory {}, the kernel's dirty limit about {})",

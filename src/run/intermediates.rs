@@ -54,11 +54,7 @@ impl TileSink for Written {
 impl Held {
     /// Whether `step` writes an intermediate that this run holds in memory.
     pub(crate) fn in_memory(step: &Step, opts: &RunOptions) -> bool {
-        opts.shard.is_none()
-            && step
-                .chain
-                .as_ref()
-                .is_some_and(|c| c.part < c.parts && c.memory.contains(&step.output))
+        opts.shard.is_none() && step.output_in_memory()
     }
 
     /// The operands of `step`: an intermediate held here from memory, anything else opened

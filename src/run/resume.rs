@@ -20,24 +20,24 @@ use crate::plan::schedule::Schedule;
 use crate::plan::Step;
 use crate::store::{create_output, fsutil, open_source, reopen_output, WriteMode};
 
-/// How the output at `output` (a file of `file_len` bytes) will be written, `write = "auto"`
-/// resolved ([`WriteMode::resolve`]), and the kernel's dirty limit that decided it (`None` when
-/// it did not apply: `durable`, tmpfs, no `/proc`). `run` and `plan` ask the same question.
+/// How the output at `output` (header `header`) will be written, `write = "auto"` resolved
+/// ([`WriteMode::resolve`]) for the file's size on disk, with that size and the kernel's dirty
+/// limit that decided it (`None` when it did not apply: `durable`, tmpfs, no `/proc`). `run`
+/// and `plan` ask the same question.
 pub(crate) fn resolve_write(
     output: &std::path::Path,
-    file_len: u64,
+    header: &crate::store::Header,
     durable: bool,
     write: WriteMode,
     host_memory: u64,
-) -> (WriteMode, Option<u64>) {
+) -> (WriteMode, u64, Option<u64>) {
+    let file_len = crate::store::output_file_len(output, header);
     let dirty_limit = (!durable && fsutil::dir_counts_dirty_pages(output))
         .then(fsutil::dirty_limits)
         .flatten()
         .map(|d| d.limit);
-    (
-        write.resolve(file_len, host_memory, dirty_limit),
-        dirty_limit,
-    )
+    let mode = write.resolve(file_len, host_memory, dirty_limit);
+    (mode, file_len, dirty_limit)
 }
 
 /// A step's state on disk, as the journal and the output's bytes agree on it.
@@ -89,7 +89,7 @@ impl ResumeState {
         let (journal, state) = Journal::open(&step.output, fp, restart, durable)?;
         let sched = Schedule::new(step, layout);
         let header = output_header(step, layout);
-        let write = resolve_write(&step.output, header.file_len(), durable, write, host_memory).0;
+        let write = resolve_write(&step.output, &header, durable, write, host_memory).0;
         let total = sched.tiles.len() as u64;
         if restart {
             ckpt.discard_all()?;

@@ -41,8 +41,7 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
         }
     }
     for (s, l) in plan.steps.iter().zip(layouts) {
-        let in_memory = unsplit
-            && (s.chain.as_ref()).is_some_and(|c| c.part < c.parts && c.memory.contains(&s.output));
+        let in_memory = unsplit && s.output_in_memory();
         if !s.output.exists() && !in_memory {
             let h = pipeline::output_header(s, l);
             let e = need.entry(existing_dir(&s.output)).or_default();

@@ -153,11 +153,7 @@ impl VmDirty {
 
 /// [`counts_dirty_pages`] for a file `path` about to be created: asked of its folder.
 pub(crate) fn dir_counts_dirty_pages(path: &Path) -> bool {
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    match std::fs::File::open(dir) {
+    match std::fs::File::open(super::atomic::parent_dir(path)) {
         Ok(f) => counts_dirty_pages(&f),
         Err(_) => true,
     }

@@ -222,11 +222,12 @@ impl MatrixSink for NpyWriter {
         super::fsutil::counts_dirty_pages(&self.file)
     }
     fn write_mode(&self) -> &'static str {
-        if self.pwrite {
-            "pwrite"
+        let mode = if self.pwrite {
+            WriteMode::Pwrite
         } else {
-            "mmap"
-        }
+            WriteMode::Mmap
+        };
+        mode.name()
     }
     fn flush_block(&self, b: &Block) -> Result<()> {
         let (a, len) = self.span(b);

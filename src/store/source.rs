@@ -363,6 +363,14 @@ impl WriteMode {
             m => m,
         }
     }
+    /// The plan's spelling (`"auto"`, `"mmap"`, `"pwrite"`), also what the report says.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            WriteMode::Auto => "auto",
+            WriteMode::Mmap => "mmap",
+            WriteMode::Pwrite => "pwrite",
+        }
+    }
     pub(crate) fn parse(s: &str) -> Option<WriteMode> {
         match s {
             "auto" => Some(WriteMode::Auto),

@@ -902,13 +902,13 @@ impl MatrixSink for TiledWriter {
         fsutil::counts_dirty_pages(&self.file)
     }
     fn write_mode(&self) -> &'static str {
-        if self.pwrite {
-            "pwrite"
+        let mode = if self.pwrite {
+            WriteMode::Pwrite
         } else {
-            "mmap"
-        }
+            WriteMode::Mmap
+        };
+        mode.name()
     }
-
     fn flush_block(&self, b: &Block) -> Result<()> {
         TiledWriter::flush_block(self, b)
     }
@@ -1054,12 +1054,12 @@ mod tests {
         hdr
     }
 
-    /// Read each `(r0, c0, rows, cols)` block of the f32 file `p` with `read_staged` (checking
-    /// checksums) by a fresh handle: no NaN, the bytes of `read_block`, and every tile the block
-    /// touches marked as checked.
     /// A block as (r0, c0, rows, cols).
     type Tile4 = (u64, u64, u64, u64);
 
+    /// Read each `(r0, c0, rows, cols)` block of the f32 file `p` with `read_staged` (checking
+    /// checksums) by a fresh handle: no NaN, the bytes of `read_block`, and every tile the block
+    /// touches marked as checked.
     fn staged_matches_read_block(p: &Path, blocks: &[Tile4]) {
         for &(r0, c0, rows, cols) in blocks {
             let b = Block { r0, c0, rows, cols };
