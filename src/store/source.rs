@@ -363,6 +363,14 @@ impl WriteMode {
             m => m,
         }
     }
+    /// The mode a file writer that writes with `pwrite` (or not: through its map) uses.
+    pub(crate) fn of_file(pwrite: bool) -> WriteMode {
+        if pwrite {
+            WriteMode::Pwrite
+        } else {
+            WriteMode::Mmap
+        }
+    }
     /// The plan's spelling (`"auto"`, `"mmap"`, `"pwrite"`), also what the report says.
     pub(crate) fn name(self) -> &'static str {
         match self {

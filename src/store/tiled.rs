@@ -902,12 +902,7 @@ impl MatrixSink for TiledWriter {
         fsutil::counts_dirty_pages(&self.file)
     }
     fn write_mode(&self) -> &'static str {
-        let mode = if self.pwrite {
-            WriteMode::Pwrite
-        } else {
-            WriteMode::Mmap
-        };
-        mode.name()
+        WriteMode::of_file(self.pwrite).name()
     }
     fn flush_block(&self, b: &Block) -> Result<()> {
         TiledWriter::flush_block(self, b)
