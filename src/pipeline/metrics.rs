@@ -82,6 +82,18 @@ impl StageMetrics {
         self.busy_ns.fetch_add(ns(d), Ordering::Relaxed);
         crate::trace::ended_now(&self.name, "busy", d);
     }
+    /// Time waited for room downstream so far (for [`Self::add_busy_since`]).
+    pub(crate) fn waited_out(&self) -> Duration {
+        Duration::from_nanos(self.wait_out_ns.load(Ordering::Relaxed))
+    }
+    /// Count the time since `start` as busy, less the waits for room downstream counted since
+    /// then (`waited_before`: [`Self::waited_out`] at `start`), so that a stage whose work
+    /// includes such waits (the device lane leasing an output buffer or holding back) does not
+    /// count them twice: busy, wait-in and wait-out add up to at most the wall time.
+    pub(crate) fn add_busy_since(&self, start: std::time::Instant, waited_before: Duration) {
+        let waited = self.waited_out().saturating_sub(waited_before);
+        self.add_busy(start.elapsed().saturating_sub(waited));
+    }
     pub(crate) fn add_wait_in(&self, d: Duration) {
         self.wait_in_ns.fetch_add(ns(d), Ordering::Relaxed);
         crate::trace::ended_now(&self.name, "wait in", d);

@@ -694,7 +694,7 @@ impl DeviceLane<'_> {
                     op
                 }
             };
-            let t = Instant::now();
+            let (t, waited) = (Instant::now(), self.m.waited_out());
             match op {
                 LaneOp::Upload { slot, buf, elems } => {
                     let tk = self.lane.upload(buf.buf(), elems, Dst::Slot(slot))?;
@@ -759,7 +759,7 @@ impl DeviceLane<'_> {
                     self.m.add_item((elems * self.host_dt.size()) as u64);
                 }
             }
-            self.m.add_busy(t.elapsed());
+            self.m.add_busy_since(t, waited);
             self.settle(&mut p, ctl, false)?;
             ops += 1;
             if ops.is_multiple_of(16) {
