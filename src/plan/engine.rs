@@ -247,7 +247,7 @@ fn resolve_write(e: &RawEngine, from: &EngineSource) -> Result<crate::store::Wri
         from.err(
             "write",
             format!(
-                "{}: \"{}\" is unknown; use \"mmap\" (the default) or \"pwrite\"",
+                "{}: \"{}\" is unknown; use \"auto\" (the default), \"mmap\" or \"pwrite\" (docs/PLAN.md, write)",
                 from.at("write", v),
                 v.get_ref()
             ),
@@ -437,5 +437,11 @@ mod tests {
             let want = format!("{key} (line {line})");
             assert!(m.contains(&want), "{src:?}: {m} lacks {want}");
         }
+        // The values offered are the real ones, the default named as such.
+        let m = engine("write = \"fast\"\n", &[]).unwrap_err().to_string();
+        assert!(
+            m.contains("engine.write (line 1)") && m.contains("\"auto\" (the default)"),
+            "{m}"
+        );
     }
 }
