@@ -430,7 +430,7 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
 fn dirty_note(write_bytes: u64, throttle: Option<u64>) -> Option<String> {
     let throttle = throttle.filter(|&l| write_bytes > l)?;
     Some(format!(
-        "wrote {} through the output's map, more than the {} of dirty pages from which the kernel makes writers wait for the disk (half-way between vm.dirty_background_ratio and vm.dirty_ratio, estimated), so the disk can have set the pace. If so, faster: write = \"auto\" (pwrite for such outputs), an output on tmpfs (/dev/shm), or a larger vm.dirty_bytes (docs/PLAN.md, durable)",
+        "wrote {} through the output's map, more than the {} of dirty pages from which the kernel makes writers wait for the disk (half-way between vm.dirty_background_ratio and vm.dirty_ratio, estimated), so the disk can have set the pace. If so, faster: write = \"pwrite\", an output on tmpfs (/dev/shm), or a larger vm.dirty_bytes (docs/PLAN.md, durable)",
         fmt_bytes(write_bytes),
         fmt_bytes(throttle)
     ))
