@@ -14,7 +14,18 @@ import sys
 
 
 def load(path):
-    d = json.load(open(path))
+    """The trace's spans by track name; exits with a message naming `path` if it is not one."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        sys.exit(f"trace_gaps: cannot read {path}: {e.strerror}")
+    except ValueError as e:
+        sys.exit(f"trace_gaps: {path} is not JSON ({e}); give the file MGMM_TRACE=PATH wrote")
+    if not isinstance(d, dict) or "traceEvents" not in d:
+        what = "a run's report (--report)" if isinstance(d, dict) and "steps" in d else "not a trace"
+        sys.exit(f"trace_gaps: {path} is {what}: give the file MGMM_TRACE=PATH wrote "
+                 "(e.g. MGMM_TRACE=trace.json mgmm-stream run plan.toml)")
     names, spans = {}, {}
     for e in d["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "thread_name":
@@ -47,11 +58,23 @@ def main():
     spans, dropped = load(a.trace)
     if dropped:
         print(f"note: {dropped} events were dropped (trace buffer full)")
+    steps = [(s, e, n) for s, e, n in spans.get("start-up", [])
+             if n.startswith("step") and ":" not in n]
     print("start-up phases (ms from process start):")
     for s, e, n in spans.get("start-up", []):
         print(f"  {n:<18} {s:9.1f} .. {e:9.1f}  ({e - s:8.1f} ms)")
-    steps = [(s, e, n) for s, e, n in spans.get("start-up", [])
-             if n.startswith("step") and ":" not in n]
+    # What the phases are made of, up to the first step: each GPU lane's parts (context,
+    # streams, cuBLAS handle, warm-up GEMM), and the pinned buffers' populating and registering.
+    first = steps[0][0] if steps else float("inf")
+    parts = [(s, e, f"{t}: {n}") for t, sp in spans.items() if t.endswith(" lane")
+             for s, e, n in sp if s < first]
+    for s, e, n in sorted(parts):
+        print(f"  {n:<30} {s:9.1f} .. {e:9.1f}  ({e - s:8.1f} ms)")
+    for what in ("populate", "register"):
+        sp = [x for x in spans.get("pinned memory", []) if x[2] == what]
+        if sp:
+            print(f"  pinned memory: {what} {len(sp)} buffers {min(x[0] for x in sp):9.1f} .. "
+                  f"{max(x[1] for x in sp):9.1f}  (longest {max(x[1] - x[0] for x in sp):.1f} ms)")
     gemm_tracks = [t for t in spans if t.endswith(" gemm")]
     if not gemm_tracks and "lane" in spans:
         gemm_tracks = ["lane"]

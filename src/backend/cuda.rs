@@ -73,6 +73,8 @@ pub(crate) struct DeviceInfo {
     pub(crate) ctx: Arc<CudaContext>,
     /// The GPU's memory pool, held while a backend uses the GPU (`None` in a probe).
     pub(crate) held: Option<Arc<HeldPool>>,
+    /// The GEMM whose kernel the probe loaded on this GPU ([`EarlyStart`]).
+    warmed: Option<WarmSpec>,
 }
 
 fn derr(what: &str, e: impl std::fmt::Display) -> Error {
@@ -81,35 +83,119 @@ fn derr(what: &str, e: impl std::fmt::Display) -> Error {
 
 /// Check that the CUDA libraries load and list the devices, each with its primary context
 /// open. Never panics.
+pub(crate) fn probe() -> Result<Vec<DeviceInfo>> {
+    probe_with(None)
+}
+
+/// Load the CUDA library `name` as cudarc looks for it and keep it (`load`: cudarc's loader,
+/// called once the library is known to be there, so that it never panics); false if it is
+/// not there. cudarc's own check (`is_culib_present`) closes what it opened, which unloaded
+/// cuBLAS and cuBLASLt (hundreds of MB) only for its loader to load them again.
+///
+/// # Safety
+/// Loads a shared library (its initialisers run), as cudarc's loaders do.
+unsafe fn load_for_good(name: &str, load: impl FnOnce()) -> bool {
+    for choice in cudarc::get_lib_name_candidates(name) {
+        let Ok(c) = std::ffi::CString::new(choice) else {
+            continue;
+        };
+        // SAFETY: dlopen of a NUL-terminated name with the flags libloading uses; the handle
+        // is closed below, after cudarc's loader has opened the same library (found under the
+        // same first name), so it stays loaded.
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+        if !h.is_null() {
+            load();
+            unsafe { libc::dlclose(h) };
+            return true;
+        }
+    }
+    false
+}
+
+/// Whether cuBLAS and NVRTC loaded (`Err`: loading them panicked), once the thread loading
+/// them is done.
+#[derive(Default)]
+struct LibsLoaded(
+    std::sync::Mutex<Option<std::result::Result<(bool, bool), ()>>>,
+    std::sync::Condvar,
+);
+
+impl LibsLoaded {
+    fn set(&self, v: std::result::Result<(bool, bool), ()>) {
+        *lock(&self.0) = Some(v);
+        self.1.notify_all();
+    }
+    fn wait(&self) -> std::result::Result<(bool, bool), ()> {
+        let mut g = lock(&self.0);
+        loop {
+            if let Some(v) = *g {
+                return v;
+            }
+            g = self.1.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// [`probe`], starting `early`'s work as soon as the driver allows it.
 ///
 /// Start-up is on the critical path of every run (issue 10: process wall − step wall), so the
 /// independent parts overlap: cuBLAS and NVRTC (hundreds of MB of libraries) are loaded on one
-/// thread while the driver initialises (`cuInit`, about 0.19 s on an H200 host) and every GPU's
-/// primary context is created on threads of their own.
-pub(crate) fn probe() -> Result<Vec<DeviceInfo>> {
-    // SAFETY: these only attempt to dlopen the libraries and report success; no CUDA call is
-    // made through a missing library.
-    let libs = std::thread::spawn(|| unsafe {
-        let blas = cudarc::cublas::sys::is_culib_present();
-        let rtc = cudarc::nvrtc::sys::is_culib_present();
-        // `is_culib_present` closes what it opened; load for good the ones that are there,
-        // so that the work is not done again on the first cuBLAS or NVRTC call.
-        if blas {
-            cudarc::cublas::sys::culib();
+/// thread while the driver initialises (`cuInit`, 0.11 s alone on an H200 host), every GPU's
+/// primary context is created on a thread of its own, the prefill populates once `cuInit` is
+/// done and registers from the first context on, and each GPU runs its warm-up GEMM as soon as
+/// its context and cuBLAS are there.
+fn probe_with(early: Option<&EarlyStart>) -> Result<Vec<DeviceInfo>> {
+    let loaded = Arc::new(LibsLoaded::default());
+    let precision = early.and_then(|e| e.warm).map(|w| w.precision);
+    let load = {
+        let loaded = loaded.clone();
+        // SAFETY: these only attempt to dlopen the libraries and report success; no CUDA call
+        // is made through a missing library.
+        move || {
+            let t = std::time::Instant::now();
+            let r = std::panic::catch_unwind(|| unsafe {
+                (
+                    load_for_good("cublas", || {
+                        cudarc::cublas::sys::culib();
+                    }),
+                    load_for_good("nvrtc", || {
+                        cudarc::nvrtc::sys::culib();
+                    }),
+                )
+            });
+            crate::trace::span(
+                "start-up",
+                "load cuBLAS, NVRTC",
+                t,
+                std::time::Instant::now(),
+            );
+            // Always set: the GPUs' threads wait for it.
+            let rtc = matches!(r, Ok((_, true)));
+            loaded.set(r.map_err(|_| ()));
+            // A bf16/fp16 plan's lanes load kernels/convert.cu: compiled here, beside `cuInit`
+            // (17 ms of a bf16 lane's creation before, 2026-12-02 call 5); an error surfaces
+            // there.
+            if rtc && matches!(precision, Some(Precision::Bf16 | Precision::Fp16)) {
+                let _ = convert_ptx();
+            }
         }
-        if rtc {
-            cudarc::nvrtc::sys::culib();
-        }
-        (blas, rtc)
-    });
-    let devices = probe_devices();
-    let (blas, rtc) = libs.join().map_err(|_| {
-        Error::backend(
+    };
+    let libs = std::thread::spawn(load);
+    let devices = probe_devices(early, &loaded);
+    let loading = libs.join();
+    let devices = devices?;
+    if loading.is_err() {
+        return Err(Error::backend(
             "cuda",
             "loading cuBLAS and NVRTC panicked (this is a bug; please report it)",
-        )
-    })?;
-    let devices = devices?;
+        ));
+    }
+    let Ok((blas, rtc)) = loaded.wait() else {
+        return Err(Error::backend(
+            "cuda",
+            "loading cuBLAS and NVRTC panicked (this is a bug; please report it)",
+        ));
+    };
     if !blas {
         return Err(Error::backend(
             "cuda",
@@ -126,12 +212,18 @@ pub(crate) fn probe() -> Result<Vec<DeviceInfo>> {
 }
 
 /// The driver's devices, each with its primary context open.
-fn probe_devices() -> Result<Vec<DeviceInfo>> {
+fn probe_devices(early: Option<&EarlyStart>, loaded: &LibsLoaded) -> Result<Vec<DeviceInfo>> {
     // SAFETY: only attempts to dlopen the driver library and reports success.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err(Error::backend("cuda", "the CUDA driver library (libcuda.so.1) was not found: no NVIDIA driver on this machine"));
     }
-    let n = match std::panic::catch_unwind(CudaContext::device_count) {
+    let t = std::time::Instant::now();
+    let n = std::panic::catch_unwind(CudaContext::device_count);
+    crate::trace::span("start-up", "cuInit", t, std::time::Instant::now());
+    if let Some(p) = early.and_then(|e| e.prefill.as_ref()) {
+        p.start();
+    }
+    let n = match n {
         Ok(Ok(n)) => n,
         Ok(Err(e)) => return Err(derr("cuInit/cuDeviceGetCount failed", e)),
         Err(_) => {
@@ -147,11 +239,11 @@ fn probe_devices() -> Result<Vec<DeviceInfo>> {
             "the driver loaded but reports no CUDA devices",
         ));
     }
-    // One thread per GPU: creating a primary context takes ~0.24 s on an H200 and they do not
+    // One thread per GPU: creating a primary context takes ~0.14 s on an H200 and they do not
     // wait on each other (tools/gpu/startup_probe.py), so N GPUs cost one context, not N.
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n as usize)
-            .map(|i| s.spawn(move || device_info(i)))
+            .map(|i| s.spawn(move || device_info(i, early, loaded)))
             .collect();
         handles
             .into_iter()
@@ -163,10 +255,25 @@ fn probe_devices() -> Result<Vec<DeviceInfo>> {
     })
 }
 
-/// Open GPU `i`'s primary context and read what the backend needs to know about it.
-fn device_info(i: usize) -> Result<DeviceInfo> {
+/// Open GPU `i`'s primary context and read what the backend needs to know about it; then
+/// start registering `early`'s prefill and run its warm-up GEMM.
+fn device_info(i: usize, early: Option<&EarlyStart>, loaded: &LibsLoaded) -> Result<DeviceInfo> {
+    let t = std::time::Instant::now();
     let ctx = CudaContext::new(i).map_err(|e| derr(&format!("cannot open GPU {i}"), e))?;
+    crate::trace::span(
+        &format!("cuda:{i} lane"),
+        "context",
+        t,
+        std::time::Instant::now(),
+    );
+    if let Some(p) = early.and_then(|e| e.prefill.as_ref()) {
+        p.register_with(&ctx);
+    }
     let (free, total) = ctx.mem_get_info().map_err(|e| derr("cuMemGetInfo", e))?;
+    let listed = |e: &&EarlyStart| e.devices.as_ref().is_none_or(|l| l.contains(&i));
+    let warmed = (early.filter(listed).and_then(|e| e.warm))
+        .filter(|_| loaded.wait().is_ok_and(|(blas, _)| blas))
+        .filter(|w| warm_up_early(&ctx, i, w).is_ok());
     Ok(DeviceInfo {
         ordinal: i,
         name: ctx.name().unwrap_or_else(|_| "?".into()),
@@ -175,7 +282,61 @@ fn device_info(i: usize) -> Result<DeviceInfo> {
         cc: ctx.compute_capability().unwrap_or((0, 0)),
         ctx,
         held: None,
+        warmed,
     })
+}
+
+/// One GEMM of `w`'s shape on scratch memory of GPU `ordinal`, waited for and freed: cuBLAS
+/// loads the kernel it picks on its first call (0.13–0.15 s for 8192³ fp32 on an H200,
+/// 2026-12-02 call 1), so done here, beside the rest of the start, the lanes need not. The
+/// operands are uninitialised (A and B share one buffer: both are only read) — only the kernel
+/// matters. Any failure (memory short, say) just leaves the warm-up to the lanes.
+fn warm_up_early(
+    ctx: &Arc<CudaContext>,
+    ordinal: usize,
+    w: &WarmSpec,
+) -> std::result::Result<(), String> {
+    let t = std::time::Instant::now();
+    let track = format!("cuda:{ordinal} lane");
+    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+    let blas = CudaBlas::new(stream.clone()).map_err(|e| e.to_string())?;
+    crate::trace::span(&track, "early: handle", t, std::time::Instant::now());
+    let (in_size, out_size) = gemm_sizes(w.precision);
+    let run = || -> std::result::Result<(), String> {
+        // SAFETY: scratch memory, read (a) and written (c) only by the GEMM below, which fits
+        // in it: A is m·k and B k·n elements, both within `a`; C m·n within `c`.
+        let a = unsafe { stream.alloc::<u8>((w.m * w.k).max(w.k * w.n) * in_size) }
+            .map_err(|e| e.to_string())?;
+        let mut c =
+            unsafe { stream.alloc::<u8>(w.m * w.n * out_size) }.map_err(|e| e.to_string())?;
+        stream.synchronize().map_err(|e| e.to_string())?;
+        crate::trace::span(&track, "early: scratch", t, std::time::Instant::now());
+        let t = std::time::Instant::now();
+        let g = GemmDesc {
+            m: w.m,
+            n: w.n,
+            k: w.k,
+            a_trans: false,
+            b_trans: false,
+            alpha: 1.0,
+            beta: 0.0,
+        };
+        {
+            let (pa, _ga) = a.device_ptr(&stream);
+            let (pc, _gc) = c.device_ptr_mut(&stream);
+            // SAFETY: the handle's stream is `stream`, where the guards record the accesses;
+            // the buffers are large enough (above).
+            unsafe { gemm_ex(*blas.handle(), w.precision, &g, pa, pa, pc) }
+                .map_err(|e| e.to_string())?;
+        }
+        crate::trace::span(&track, "early: issue", t, std::time::Instant::now());
+        stream.synchronize().map_err(|e| e.to_string())
+    };
+    let t0 = t;
+    let r = run();
+    let_go_of_blas(ctx, blas);
+    crate::trace::span(&track, "early warm-up GEMM", t0, std::time::Instant::now());
+    r
 }
 
 /// Pinned (page-locked, cached) host memory from the first selected GPU's context, with a cache
@@ -196,12 +357,9 @@ fn device_info(i: usize) -> Result<DeviceInfo> {
 pub(crate) struct CudaAlloc {
     ctx: Arc<CudaContext>,
     cache: Arc<PinnedCache>,
-    /// A [`prefill`]'s buffers, registered, until the first pipeline's pools are made
+    /// The [`Prefill`]'s buffers until the first pipeline's pools are made
     /// ([`HostAlloc::pools_made`] frees those no pool took).
-    prefilled: Arc<PinnedCache>,
-    /// Registering the prefill's maps into `prefilled`; joined by the first allocation, by
-    /// `pools_made` and on drop.
-    adopting: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+    prefill: std::sync::Mutex<Option<Prefill>>,
 }
 
 /// Page-locked host memory, either kind.
@@ -236,36 +394,33 @@ struct Registered {
 /// Bytes populated per `madvise` call in [`populated_map`].
 const POPULATE_PIECE: usize = 4 << 20;
 
-/// An anonymous map of `len` bytes in transparent huge pages where the kernel gives them,
-/// every page populated (`MADV_POPULATE_WRITE`). For a [`prefill`] (`stop` given) it gives up
-/// when `stop` is set between pieces, and where the kernel lacks `MADV_POPULATE_WRITE`: the
-/// page-by-page fallback cannot report a lack of memory, which a guess should not risk.
-fn populated_map(
-    len: usize,
-    stop: Option<&AtomicBool>,
-) -> std::result::Result<memmap2::MmapMut, String> {
-    let t = std::time::Instant::now();
-    let mut map = memmap2::MmapOptions::new()
+/// An anonymous map of `len` bytes, in transparent huge pages where the kernel gives them
+/// (without, registering is slower, not wrong).
+fn huge_map(len: usize) -> std::result::Result<memmap2::MmapMut, String> {
+    let map = memmap2::MmapOptions::new()
         .len(len)
         .map_anon()
         .map_err(|e| format!("anonymous map: {e}"))?;
-    // Without huge pages registration is slower, not wrong. Without MADV_POPULATE_WRITE
-    // (EINVAL: Linux < 5.14) the pages are touched one by one instead; any other failure
-    // (ENOMEM above all) is reported, so that memory short does not become an OOM kill.
-    //
-    // In pieces of [`POPULATE_PIECE`]: populating holds the process's memory-map lock, and the
-    // driver's own `mmap` calls (`cuInit`, stream creation) wait for it; one 256 MiB call made
-    // the backend's start (`cuInit`, contexts, libraries) beside it take 0.92 s in one traced
-    // run (2026-12-01c call 2), against 0.44–0.51 s in pieces (call 3).
     let _ = map.advise(memmap2::Advice::HugePage);
+    Ok(map)
+}
+
+/// [`huge_map`], every page populated (`MADV_POPULATE_WRITE`), so that a lack of memory is
+/// reported (ENOMEM) instead of becoming an OOM kill; without `MADV_POPULATE_WRITE` (EINVAL:
+/// Linux < 5.14) the pages are touched one by one instead.
+///
+/// In pieces of [`POPULATE_PIECE`]: populating holds the process's memory-map lock, and the
+/// driver's own `mmap` calls (stream creation, say) wait for it; one call per 256 MiB buffer
+/// made the backend's start beside it take 0.92 s in one traced run (2026-12-01c call 2),
+/// against 0.44–0.51 s in pieces (call 3).
+fn populated_map(len: usize) -> std::result::Result<memmap2::MmapMut, String> {
+    let t = std::time::Instant::now();
+    let mut map = huge_map(len)?;
     let mut off = 0;
     while off < len {
-        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
-            return Err("the prefill was called off".into());
-        }
         let n = POPULATE_PIECE.min(len - off);
         if let Err(e) = map.advise_range(memmap2::Advice::PopulateWrite, off, n) {
-            if e.raw_os_error() != Some(libc::EINVAL) || stop.is_some() {
+            if e.raw_os_error() != Some(libc::EINVAL) {
                 return Err(format!("populating the pages: {e}"));
             }
             for page in map[off..].chunks_mut(4096) {
@@ -279,9 +434,36 @@ fn populated_map(
     Ok(map)
 }
 
+/// [`huge_map`] for a [`Prefill`], every page touched; gives up when `stop` is set between
+/// pieces of [`POPULATE_PIECE`].
+///
+/// Touched, not populated with `MADV_POPULATE_WRITE`: a page fault takes only the lock of its
+/// own mapping (Linux ≥ 6.4), while `MADV_POPULATE_WRITE` takes the process's memory-map lock,
+/// which every `mmap` of `cuInit` and of the context's creation waits for. Beside the prefill,
+/// 32768² fp32 on one H200 (2026-12-02 calls 2–4, docs/measurements/2026-12-02-h200-*.log):
+/// populating 2.25 GiB took 0.22–0.26 s advised and 0.06–0.08 s touched; the context 0.26–0.29
+/// s and 0.12–0.14 s. A fault cannot report a lack of memory, so [`Prefill::new`] prefills only
+/// what fits in half of what the kernel calls available.
+fn touched_map(len: usize, stop: &AtomicBool) -> std::result::Result<memmap2::MmapMut, String> {
+    let t = std::time::Instant::now();
+    let mut map = huge_map(len)?;
+    for piece in map.chunks_mut(POPULATE_PIECE) {
+        if stop.load(Ordering::Relaxed) {
+            return Err("the prefill was called off".into());
+        }
+        for page in piece.chunks_mut(4096) {
+            // SAFETY: a byte of our own live mapping; volatile, so that the write that makes
+            // the kernel allocate the page is not optimised away.
+            unsafe { std::ptr::write_volatile(page.as_mut_ptr(), 0) };
+        }
+    }
+    crate::trace::span("pinned memory", "populate", t, std::time::Instant::now());
+    Ok(map)
+}
+
 impl Registered {
     fn new(ctx: &Arc<CudaContext>, len: usize) -> std::result::Result<Registered, String> {
-        Registered::register(ctx, populated_map(len, None)?)
+        Registered::register(ctx, populated_map(len)?)
     }
 
     /// Page-lock `map` for every context of the process.
@@ -394,74 +576,176 @@ fn pinned_len(bytes: usize) -> usize {
     bytes.div_ceil(4096).max(1) * 4096
 }
 
-/// Host memory being populated for a run's pinned pools before its backend exists
-/// ([`prefill`]), until [`CudaBackend::select`] adopts it. Dropped unadopted (`auto` fell back
-/// to the CPU), it calls the populating off at its next 4 MiB piece and frees what it made.
+/// What a run can start before its CUDA backend is ready, guessed from its plan
+/// ([`early_start`]): populating the pinned pools' memory, and each GPU's first GEMM of the
+/// plan's tile shape, which loads cuBLAS's kernel.
+pub(crate) struct EarlyStart {
+    prefill: Option<Prefill>,
+    warm: Option<WarmSpec>,
+    /// The GPUs the plan lists (`None`: all), the only ones warmed up.
+    devices: Option<Vec<usize>>,
+}
+
+/// A GEMM shape and precision whose cuBLAS kernel a GPU has loaded (a lane of that tile shape
+/// skips its own warm-up GEMM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WarmSpec {
+    m: usize,
+    n: usize,
+    k: usize,
+    precision: Precision,
+}
+
+/// The start of `plan`'s CUDA backend that can be prepared before the driver is up: `None`
+/// when no GPU is in sight or no layout can be made.
+pub(crate) fn early_start(plan: &crate::plan::Plan, threads: usize) -> Option<EarlyStart> {
+    let lanes = guess_gpu_count(&plan.engine);
+    let l = guess_layout(plan, lanes)?;
+    Some(EarlyStart {
+        prefill: Prefill::new(pool_lens(&l, lanes), threads),
+        warm: Some(WarmSpec {
+            m: l.tm as usize,
+            n: l.tn as usize,
+            k: l.tk as usize,
+            precision: plan.engine.precision,
+        }),
+        devices: match &plan.engine.devices {
+            Devices::List(l) => Some(l.iter().map(|&d| d as usize).collect()),
+            _ => None,
+        },
+    })
+}
+
+/// Host memory populated for a run's pinned pools while the driver starts, then registered
+/// with it ([`EarlyStart`]). The pools take the buffers by size; those no pool took are freed
+/// once the first pipeline's pools are made. Dropped before that (`auto` fell back to the
+/// CPU), it calls the populating off at its next 4 MiB piece and frees what it made.
+///
+/// Populating waits for `cuInit` ([`Prefill::start`]): it holds the process's memory-map lock
+/// piece by piece, and `cuInit` — many `mmap`s — took 0.45–0.63 s beside it instead of 0.11 s
+/// alone (32768² fp32 on one H200, 2026-12-02 call 1). Registering starts with the first GPU
+/// context ([`Prefill::register_with`]), a buffer as soon as it is populated.
 pub(crate) struct Prefill {
+    lens: Vec<usize>,
+    threads: usize,
     stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<Vec<memmap2::MmapMut>>>,
+    workers: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// Populated maps, from the workers to the registering thread.
+    tx: std::sync::Mutex<Option<crossbeam_channel::Sender<memmap2::MmapMut>>>,
+    rx: std::sync::Mutex<Option<crossbeam_channel::Receiver<memmap2::MmapMut>>>,
+    registered: Arc<PinnedCache>,
+    registering: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Prefill {
+    /// Buffers of `lens` bytes, to be populated on at most `threads` threads once started.
+    /// `None`: nothing to do, more than half of the memory the kernel calls available (the
+    /// pages are touched: [`touched_map`]), or `MGMM_PINNED_ALLOC=1`.
+    pub(crate) fn new(lens: Vec<usize>, threads: usize) -> Option<Prefill> {
+        let total: usize = lens.iter().sum();
+        let fits = crate::store::fsutil::mem_available().is_some_and(|m| total as u64 <= m / 2);
+        if lens.is_empty() || !fits || crate::config::pinned_alloc() {
+            return None;
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
+        Some(Prefill {
+            lens,
+            threads: threads.max(1),
+            stop: Arc::default(),
+            workers: Default::default(),
+            tx: std::sync::Mutex::new(Some(tx)),
+            rx: std::sync::Mutex::new(Some(rx)),
+            registered: Arc::default(),
+            registering: Default::default(),
+        })
+    }
+
+    /// Start populating (once), on threads of their own, not the rayon pool: the pools'
+    /// allocation runs on rayon workers and waits for this work ([`Prefill::await_registered`]),
+    /// so jobs of it queued on those workers could never run (with `threads = 1`, they never
+    /// did: the first version hung so).
+    fn start(&self) {
+        let Some(tx) = lock(&self.tx).take() else {
+            return;
+        };
+        let per = self.lens.len().div_ceil(self.threads);
+        let mut workers = lock(&self.workers);
+        for c in self.lens.chunks(per) {
+            let (c, stop, tx) = (c.to_vec(), self.stop.clone(), tx.clone());
+            let job = move || {
+                for &len in &c {
+                    let Ok(m) = touched_map(len, &stop) else {
+                        return;
+                    };
+                    if tx.send(m).is_err() {
+                        return;
+                    }
+                }
+            };
+            // Fewer threads, fewer buffers: the pools make the rest.
+            match std::thread::Builder::new()
+                .name("mgmm-prefill".into())
+                .spawn(job)
+            {
+                Ok(h) => workers.push(h),
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// Register the populated buffers with `ctx` (once) on a thread of its own, each as soon
+    /// as it is ready; registered memory is portable, so any GPU's context will do.
+    fn register_with(&self, ctx: &Arc<CudaContext>) {
+        let Some(rx) = lock(&self.rx).take() else {
+            return;
+        };
+        let (ctx, into) = (ctx.clone(), self.registered.clone());
+        let job = move || {
+            for map in rx {
+                if let Ok(r) = Registered::register(&ctx, map) {
+                    lock(&into.0).push(PinnedMem::Registered(r));
+                }
+            }
+        };
+        if let Ok(h) = std::thread::Builder::new()
+            .name("mgmm-register".into())
+            .spawn(job)
+        {
+            *lock(&self.registering) = Some(h);
+        }
+    }
+
+    /// Wait until every buffer is populated and registered (if registering started).
+    fn await_registered(&self) {
+        if let Some(h) = lock(&self.registering).take() {
+            let _ = h.join();
+        }
+    }
+
+    /// A registered buffer of exactly `len` bytes.
+    fn take(&self, len: usize) -> Option<PinnedMem> {
+        let mut c = lock(&self.registered.0);
+        let i = c.iter().position(|p| p.len() == len)?;
+        Some(c.swap_remove(i))
+    }
 }
 
 impl Drop for Prefill {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(h) = self.thread.take() {
-            drop(h.join());
+        drop(lock(&self.tx).take());
+        // Without a registering thread the maps are dropped as they are sent, or the send
+        // fails: either way the workers end.
+        drop(lock(&self.rx).take());
+        for h in lock(&self.workers).drain(..) {
+            let _ = h.join();
         }
+        self.await_registered();
     }
-}
-
-/// Start populating the host memory of pinned buffers of `lens` bytes on at most `threads`
-/// threads of their own, before the CUDA backend exists: `cuInit` and the contexts take 0.3 s,
-/// and populating 2.25 GiB of pools took 0.42–0.69 s on one H200's host (BENCHMARKS.md §14), so
-/// much of it is done before the backend needs it. [`CudaBackend::select`] registers the maps
-/// with the driver beside the lanes' creation, the pools take them by size, and those no pool
-/// took are freed once the first pipeline's pools are made. `lens` comes from the plan
-/// ([`guess_pool_lens`]). `None`: nothing to do, `MGMM_PINNED_ALLOC=1`, or no thread to be had.
-///
-/// Measured on one H200, 32768² fp32, interleaved with the build before it (BENCHMARKS.md
-/// §15): process − step 1.30–1.50 → 1.06–1.19 s; in one traced run each, the backend 0.44 →
-/// 0.51 s (the populating slows the driver's start a little, even in 4 MiB pieces), lanes and
-/// pools together 0.52 → 0.21 s.
-pub(crate) fn prefill(lens: Vec<usize>, threads: usize) -> Option<Prefill> {
-    if lens.is_empty() || crate::config::pinned_alloc() {
-        return None;
-    }
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    // Threads of its own, not the rayon pool: the pools' allocation runs on rayon workers and
-    // waits for this work (`CudaAlloc::await_prefill`), so jobs of it queued on those workers
-    // could never run (with `threads = 1`, they never did: the first version hung so).
-    let thread = std::thread::Builder::new()
-        .name("mgmm-prefill".into())
-        .spawn(move || {
-            let per = lens.len().div_ceil(threads.max(1)).max(1);
-            std::thread::scope(|s| {
-                let mut maps = Vec::new();
-                let mut hs = Vec::new();
-                for c in lens.chunks(per) {
-                    let flag = &flag;
-                    let job = move || {
-                        (c.iter())
-                            .map_while(|&len| populated_map(len, Some(flag)).ok())
-                            .collect::<Vec<_>>()
-                    };
-                    match std::thread::Builder::new().spawn_scoped(s, job) {
-                        Ok(h) => hs.push(h),
-                        Err(_) => break, // fewer threads, fewer buffers: the pools make the rest
-                    }
-                }
-                for h in hs {
-                    maps.extend(h.join().unwrap_or_default());
-                }
-                maps
-            })
-        })
-        .ok()?;
-    Some(Prefill {
-        stop,
-        thread: Some(thread),
-    })
 }
 
 /// How many GPUs `CUDA_VISIBLE_DEVICES` lets CUDA see, read as CUDA reads it: indices or
@@ -487,97 +771,62 @@ fn guess_gpu_count(engine: &Engine) -> usize {
     n.min(present)
 }
 
-/// The byte lengths of the pinned buffers of `plan`'s step with the largest pools on this
-/// machine's GPUs, as [`CudaAlloc`] rounds them (the largest: a chain's first part is often
-/// tiny, and the pools of one step are reused by the next when the sizes match). Empty when no
-/// GPU is in sight or no layout can be made. Device memory is taken as 64 GiB (or
-/// `engine.device_memory`): it changes the pools only through the tile size, which on GPUs
-/// with less memory may come out smaller — then the guess is not used, and freed once the
-/// first pools are made.
-pub(crate) fn guess_pool_lens(plan: &crate::plan::Plan) -> Vec<usize> {
-    pool_lens_on(plan, guess_gpu_count(&plan.engine))
-}
-
-/// [`guess_pool_lens`] for `lanes` GPUs.
-fn pool_lens_on(plan: &crate::plan::Plan, lanes: usize) -> Vec<usize> {
+/// The layout of `plan`'s step with the largest pinned pools on `lanes` GPUs (the largest: a
+/// chain's first part is often tiny, and the pools of one step are reused by the next when
+/// the sizes match). `None` when there is no GPU or no layout can be made. Device memory is
+/// taken as 64 GiB (or `engine.device_memory`): it changes the layout only through the tile
+/// size, which on GPUs with less memory may come out smaller — then the guess goes unused:
+/// the prefilled buffers are freed once the first pools are made, and the lanes warm up
+/// their own tile shape.
+fn guess_layout(plan: &crate::plan::Plan, lanes: usize) -> Option<Layout> {
     let e = &plan.engine;
     if lanes == 0 {
-        return Vec::new();
+        return None;
     }
     let caps = cuda_caps(lanes, e.device_memory.unwrap_or(64 << 30));
-    let lens_of = |l: &Layout| {
-        let mut lens = vec![pinned_len(l.staging_buf_bytes as usize); l.staging_bufs * lanes];
-        lens.extend(std::iter::repeat_n(
-            pinned_len(l.out_buf_bytes as usize),
-            l.out_bufs * lanes,
-        ));
-        lens
-    };
     (plan.steps.iter())
         .filter_map(|step| Layout::new(&plan.path, step, e, &caps).ok())
-        .map(|l| lens_of(&l))
-        .max_by_key(|lens| lens.iter().sum::<usize>())
-        .unwrap_or_default()
+        .max_by_key(|l| pool_lens(l, lanes).iter().sum::<usize>())
+}
+
+/// The byte lengths of the pinned buffers of `l`'s pools on `lanes` GPUs, as [`CudaAlloc`]
+/// rounds them.
+fn pool_lens(l: &Layout, lanes: usize) -> Vec<usize> {
+    let mut lens = vec![pinned_len(l.staging_buf_bytes as usize); l.staging_bufs * lanes];
+    lens.extend(std::iter::repeat_n(
+        pinned_len(l.out_buf_bytes as usize),
+        l.out_bufs * lanes,
+    ));
+    lens
 }
 
 impl CudaAlloc {
-    fn new(ctx: Arc<CudaContext>) -> CudaAlloc {
+    fn new(ctx: Arc<CudaContext>, prefill: Option<Prefill>) -> CudaAlloc {
         CudaAlloc {
             ctx,
             cache: Arc::default(),
-            prefilled: Arc::default(),
-            adopting: Default::default(),
+            prefill: std::sync::Mutex::new(prefill),
         }
     }
 
-    /// Register what `p` populated, on a thread of its own, into `prefilled`; the first
-    /// allocation waits for that thread. Without a thread, `p` is dropped (freed).
-    fn adopt_prefill(&self, mut p: Prefill) {
-        let Some(h) = p.thread.take() else {
-            return;
-        };
-        let (ctx, into) = (self.ctx.clone(), self.prefilled.clone());
-        let adopt = std::thread::Builder::new()
-            .name("mgmm-register".into())
-            .spawn(move || {
-                for map in h.join().unwrap_or_default() {
-                    if let Ok(r) = Registered::register(&ctx, map) {
-                        (into.0.lock().unwrap_or_else(|e| e.into_inner()))
-                            .push(PinnedMem::Registered(r));
-                    }
-                }
-            });
-        if let Ok(adopt) = adopt {
-            *self.adopting.lock().unwrap_or_else(|e| e.into_inner()) = Some(adopt);
-        }
-    }
-
-    /// Wait until the prefilled buffers are registered (if any are coming).
-    fn await_prefill(&self) {
-        let mut a = self.adopting.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(h) = a.take() {
-            let _ = h.join();
-        }
-    }
-
-    /// A prefilled buffer of exactly `len` bytes.
+    /// A prefilled buffer of exactly `len` bytes, once the prefill's buffers are registered.
     fn prefilled(&self, len: usize) -> Option<PinnedMem> {
-        let mut c = self.prefilled.0.lock().unwrap_or_else(|e| e.into_inner());
-        let i = c.iter().position(|p| p.len() == len)?;
-        Some(c.swap_remove(i))
+        let p = lock(&self.prefill);
+        let p = p.as_ref()?;
+        p.await_registered();
+        p.take(len)
     }
 }
 
 impl Drop for CudaAlloc {
     fn drop(&mut self) {
         // The registering thread uses the context: it ends before the backend lets go of it.
-        self.await_prefill();
+        drop(lock(&self.prefill).take());
     }
 }
 
 impl HostAlloc for CudaAlloc {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
-        self.await_prefill();
         let len = pinned_len(bytes);
         let mut p = match self.prefilled(len).or_else(|| self.cached(len)) {
             Some(p) => p,
@@ -595,9 +844,7 @@ impl HostAlloc for CudaAlloc {
         Ok(unsafe { HostBuf::from_raw(ptr, bytes, Box::new(owner)) })
     }
     fn pools_made(&self) {
-        self.await_prefill();
-        let rest = std::mem::take(&mut *self.prefilled.0.lock().unwrap_or_else(|e| e.into_inner()));
-        drop(rest);
+        drop(lock(&self.prefill).take());
     }
 }
 
@@ -772,16 +1019,12 @@ fn choose(engine: &Engine, devs: &[DeviceInfo]) -> Result<Vec<DeviceInfo>> {
 }
 
 impl CudaBackend {
-    /// The backend over the GPUs `engine` asks for, adopting `prefill`'s memory (freed on
-    /// error).
-    pub(crate) fn select(engine: &Engine, prefill: Option<Prefill>) -> Result<CudaBackend> {
-        let devs = probe()?;
+    /// The backend over the GPUs `engine` asks for, with `early`'s work started as the
+    /// driver comes up and its prefilled memory adopted (freed on error).
+    pub(crate) fn select(engine: &Engine, early: Option<EarlyStart>) -> Result<CudaBackend> {
+        let devs = probe_with(early.as_ref())?;
         let chosen = choose(engine, &devs)?;
-        let b = CudaBackend::from_devices(engine, chosen, None)?;
-        if let Some(p) = prefill {
-            b.alloc.adopt_prefill(p);
-        }
-        Ok(b)
+        CudaBackend::from_devices(engine, chosen, None, early.and_then(|e| e.prefill))
     }
 
     /// The backend over `chosen` (opened GPUs), their pools held. `device_memory`: the budget
@@ -791,6 +1034,7 @@ impl CudaBackend {
         engine: &Engine,
         mut chosen: Vec<DeviceInfo>,
         device_memory: Option<u64>,
+        prefill: Option<Prefill>,
     ) -> Result<CudaBackend> {
         for d in &mut chosen {
             if d.held.is_none() {
@@ -812,7 +1056,7 @@ impl CudaBackend {
             (None, None) => min_free.saturating_sub(auto_margin(min_free)),
         };
         let ctx0 = chosen[0].ctx.clone();
-        let alloc = CudaAlloc::new(ctx0);
+        let alloc = CudaAlloc::new(ctx0, prefill);
         Ok(CudaBackend {
             engine: engine.clone(),
             threads: super::resolve_threads(engine.threads),
@@ -851,7 +1095,7 @@ impl Backend for CudaBackend {
         // wait for another's.
         std::thread::scope(|s| {
             let handles: Vec<_> = (self.devices.iter().enumerate())
-                .map(|(i, d)| s.spawn(move || CudaLane::new(i, d.ordinal, layout, p)))
+                .map(|(i, d)| s.spawn(move || CudaLane::new(i, d, layout, p)))
                 .collect();
             handles
                 .into_iter()
@@ -892,8 +1136,107 @@ impl Backend for CudaBackend {
         };
         let fixed = Some(self.caps.device_memory);
         Some(
-            CudaBackend::from_devices(&engine, rest, fixed)
+            CudaBackend::from_devices(&engine, rest, fixed, None)
                 .map(|b| Box::new(b) as Box<dyn Backend>),
+        )
+    }
+}
+
+/// Bytes per element of a GEMM's inputs and of its output in precision `p`.
+fn gemm_sizes(p: Precision) -> (usize, usize) {
+    match p {
+        Precision::Fp32 | Precision::Tf32 => (4, 4),
+        Precision::Bf16 | Precision::Fp16 => (2, 4),
+        Precision::Fp64 => (8, 8),
+    }
+}
+
+/// Row-major `C = alpha·op(A)·op(B) + beta·C` for `g` in precision `p`, through
+/// `cublasGemmEx` (SGEMM, TF32, bf16/fp16 inputs with fp32 accumulate, DGEMM).
+///
+/// # Safety
+/// `a`, `b` and `c` must be device pointers of `handle`'s context holding at least `g.m·g.k`,
+/// `g.k·g.n` and `g.m·g.n` elements of [`gemm_sizes`]`(p)`, with nothing else writing them
+/// before the GEMM on `handle`'s stream is done.
+unsafe fn gemm_ex(
+    handle: blas_sys::cublasHandle_t,
+    p: Precision,
+    g: &GemmDesc,
+    a: cudarc::driver::sys::CUdeviceptr,
+    b: cudarc::driver::sys::CUdeviceptr,
+    c: cudarc::driver::sys::CUdeviceptr,
+) -> std::result::Result<(), blas_result::CublasError> {
+    use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    use blas_sys::cudaDataType::*;
+    let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
+    // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: pass B first.
+    let transa = if g.b_trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
+    let lda = if g.b_trans { k } else { n };
+    let transb = if g.a_trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
+    let ldb = if g.a_trans { m } else { k };
+    let (in_t, out_t, compute) = match p {
+        Precision::Fp32 => (
+            CUDA_R_32F,
+            CUDA_R_32F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        Precision::Tf32 => (
+            CUDA_R_32F,
+            CUDA_R_32F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        ),
+        Precision::Bf16 => (
+            CUDA_R_16BF,
+            CUDA_R_32F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        Precision::Fp16 => (
+            CUDA_R_16F,
+            CUDA_R_32F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        ),
+        Precision::Fp64 => (
+            CUDA_R_64F,
+            CUDA_R_64F,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
+        ),
+    };
+    let (a32, b32) = (g.alpha as f32, g.beta as f32);
+    let (a64, b64) = (g.alpha, g.beta);
+    let (pa, pb): (*const c_void, *const c_void) = if p == Precision::Fp64 {
+        (
+            &a64 as *const f64 as *const c_void,
+            &b64 as *const f64 as *const c_void,
+        )
+    } else {
+        (
+            &a32 as *const f32 as *const c_void,
+            &b32 as *const f32 as *const c_void,
+        )
+    };
+    // SAFETY: the caller's buffers (above); alpha/beta point to live locals of the type that
+    // `compute` reads.
+    unsafe {
+        blas_result::gemm_ex(
+            handle,
+            transa,
+            transb,
+            n,
+            m,
+            k,
+            pa,
+            b as *const c_void,
+            in_t,
+            lda,
+            a as *const c_void,
+            in_t,
+            ldb,
+            pb,
+            c as *mut c_void,
+            out_t,
+            n,
+            compute,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
     }
 }
@@ -952,12 +1295,8 @@ fn timing() -> Option<CUevent_flags> {
 }
 
 impl CudaLane {
-    pub(crate) fn new(
-        lane: usize,
-        ordinal: usize,
-        l: &Layout,
-        precision: Precision,
-    ) -> Result<CudaLane> {
+    fn new(lane: usize, d: &DeviceInfo, l: &Layout, precision: Precision) -> Result<CudaLane> {
+        let ordinal = d.ordinal;
         let name = format!("cuda:{ordinal}");
         let e = |what: &str| {
             let name = name.clone();
@@ -1098,9 +1437,17 @@ impl CudaLane {
             clock: None,
             lane,
         };
-        let t = std::time::Instant::now();
-        lane.warm_up(l)?;
-        crate::trace::span(&track, "warm-up GEMM", t, std::time::Instant::now());
+        let shape = WarmSpec {
+            m: l.tm as usize,
+            n: l.tn as usize,
+            k: l.tk as usize,
+            precision,
+        };
+        if d.warmed != Some(shape) {
+            let t = std::time::Instant::now();
+            lane.warm_up(l)?;
+            crate::trace::span(&track, "warm-up GEMM", t, std::time::Instant::now());
+        }
         if crate::trace::enabled() {
             let ev = lane
                 .comp
@@ -1117,7 +1464,8 @@ impl CudaLane {
     /// waited for that load (the first GEMM of 32768² fp32 on one H200 was issued 0.25 s after
     /// the stages started, while its two tiles take about 0.05 s to read and upload), and the
     /// stages behind it stalled. Tiles of other shapes (edges) and transposed operands may
-    /// still load a kernel on first use.
+    /// still load a kernel on first use. Skipped when the probe already ran this tile shape
+    /// ([`warm_up_early`]), which moves the load off the lanes' creation.
     fn warm_up(&mut self, l: &Layout) -> Result<()> {
         let (dev, host) = (self.dev_dt.size() as u64, self.host_dt.size() as u64);
         let fits = l.tm * l.tk * dev <= l.slot_bytes
@@ -1141,7 +1489,10 @@ impl CudaLane {
             alpha: 1.0,
             beta: 0.0,
         };
+        let t = std::time::Instant::now();
         self.gemm(&desc, 0, b_slot, 0)?;
+        let track = format!("cuda:{} lane", self.ordinal);
+        crate::trace::span(&track, "warm-up: issue", t, std::time::Instant::now());
         self.comp
             .synchronize()
             .map_err(|e| self.err("synchronize after warm-up GEMM", e))?;
@@ -1336,59 +1687,11 @@ impl Lane for CudaLane {
     }
 
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {
-        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         if g.alpha == 0.0 {
             // Reference xGEMM: with alpha = 0, A and B are not read (NaN/Inf there, or values
             // that overflow fp16, never reach C) and C = beta·C exactly.
             return self.scale_acc(acc, g.m * g.n, g.beta);
         }
-        use blas_sys::cudaDataType::*;
-        let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
-        // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: pass B first.
-        let transa = if g.b_trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
-        let lda = if g.b_trans { k } else { n };
-        let transb = if g.a_trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
-        let ldb = if g.a_trans { m } else { k };
-        let (in_t, out_t, compute) = match self.precision {
-            Precision::Fp32 => (
-                CUDA_R_32F,
-                CUDA_R_32F,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-            Precision::Tf32 => (
-                CUDA_R_32F,
-                CUDA_R_32F,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-            ),
-            Precision::Bf16 => (
-                CUDA_R_16BF,
-                CUDA_R_32F,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-            Precision::Fp16 => (
-                CUDA_R_16F,
-                CUDA_R_32F,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            ),
-            Precision::Fp64 => (
-                CUDA_R_64F,
-                CUDA_R_64F,
-                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-            ),
-        };
-        let (a32, b32) = (g.alpha as f32, g.beta as f32);
-        let (a64, b64) = (g.alpha, g.beta);
-        let (pa, pb): (*const c_void, *const c_void) = if self.precision == Precision::Fp64 {
-            (
-                &a64 as *const f64 as *const c_void,
-                &b64 as *const f64 as *const c_void,
-            )
-        } else {
-            (
-                &a32 as *const f32 as *const c_void,
-                &b32 as *const f32 as *const c_void,
-            )
-        };
         let (ordinal, lane) = (self.ordinal, self.lane);
         let start;
         {
@@ -1411,32 +1714,10 @@ impl Lane for CudaLane {
                 .expect("the handle lives until release (no GEMM after it)");
             // SAFETY: all three buffers belong to this lane's context and are at least as large
             // as the GEMM reads/writes (layout sizes slots for tm·tk and tk·tn elements and
-            // accumulators for tm·tn); alpha/beta point to live locals of the right type; the
-            // handle's stream is `comp`, on which the guards above record the accesses.
-            unsafe {
-                blas_result::gemm_ex(
-                    *blas.handle(),
-                    transa,
-                    transb,
-                    n,
-                    m,
-                    k,
-                    pa,
-                    ptr_b as *const c_void,
-                    in_t,
-                    lda,
-                    ptr_a as *const c_void,
-                    in_t,
-                    ldb,
-                    pb,
-                    ptr_c as *mut c_void,
-                    out_t,
-                    n,
-                    compute,
-                    blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(|e| Error::device(lane, format!("cuda:{ordinal}"), "cublasGemmEx", e))?;
+            // accumulators for tm·tn); the handle's stream is `comp`, on which the guards above
+            // record the accesses.
+            unsafe { gemm_ex(*blas.handle(), self.precision, g, ptr_a, ptr_b, ptr_c) }
+                .map_err(|e| Error::device(lane, format!("cuda:{ordinal}"), "cublasGemmEx", e))?;
         }
         let end = self
             .comp
@@ -1584,10 +1865,19 @@ mod tests {
         let path = dir.path().join("p.toml");
         std::fs::write(&path, text).unwrap();
         let plan = crate::plan::Plan::load(&path).unwrap();
+        let pool_lens_on = |plan: &crate::plan::Plan, lanes: usize| {
+            (guess_layout(plan, lanes).map(|l| pool_lens(&l, lanes))).unwrap_or_default()
+        };
         let tile = 8192 * 8192 * 4;
         assert_eq!(pool_lens_on(&plan, 1), vec![tile; 9]);
         assert_eq!(pool_lens_on(&plan, 2), vec![tile; 18]);
         assert!(pool_lens_on(&plan, 0).is_empty());
+        let l = guess_layout(&plan, 1).unwrap();
+        assert_eq!(
+            (l.tm, l.tn, l.tk),
+            (8192, 8192, 8192),
+            "the early warm-up's shape"
+        );
         let caps = cuda_caps(1, 64 << 30);
         let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
         assert_eq!((l.staging_bufs, l.out_bufs), (6, 3));
@@ -1620,16 +1910,30 @@ mod tests {
     /// populating gives up; dropped, it frees what it made.
     #[test]
     fn a_prefill_populates_and_can_be_called_off() {
-        let mut p = prefill(vec![1 << 20, 3 << 20, 1 << 20], 2).expect("threads");
-        let maps = p.thread.take().unwrap().join().unwrap();
+        let p = Prefill::new(vec![1 << 20, 3 << 20, 1 << 20], 2).expect("buffers");
+        assert!(lock(&p.workers).is_empty(), "nothing runs before start");
+        p.start();
+        p.start(); // once only
+        let workers: Vec<_> = lock(&p.workers).drain(..).collect();
+        assert_eq!(workers.len(), 2);
+        workers.into_iter().for_each(|h| h.join().unwrap());
+        let maps: Vec<_> = lock(&p.rx).as_ref().unwrap().try_iter().collect();
         let mut lens: Vec<usize> = maps.iter().map(|m| m.len()).collect();
         lens.sort();
         assert_eq!(lens, vec![1 << 20, 1 << 20, 3 << 20]);
         assert!(maps.iter().all(|m| m.iter().all(|&b| b == 0)));
         let stop = AtomicBool::new(true);
-        assert!(populated_map(8 << 20, Some(&stop)).is_err());
-        assert!(populated_map(8 << 20, None).is_ok());
-        drop(prefill(vec![64 << 20; 4], 2)); // returns once its threads have stopped
-        assert!(prefill(Vec::new(), 2).is_none());
+        assert!(touched_map(8 << 20, &stop).is_err());
+        assert!(touched_map(8 << 20, &AtomicBool::new(false)).is_ok_and(|m| m.len() == 8 << 20));
+        assert!(populated_map(8 << 20).is_ok_and(|m| m.iter().all(|&b| b == 0)));
+        assert!(
+            Prefill::new(vec![usize::MAX / 4; 2], 2).is_none(),
+            "more than memory holds"
+        );
+        let p = Prefill::new(vec![64 << 20; 4], 2).unwrap();
+        p.start();
+        drop(p); // returns once its threads have stopped
+        drop(Prefill::new(vec![64 << 20; 4], 2)); // never started
+        assert!(Prefill::new(Vec::new(), 2).is_none());
     }
 }

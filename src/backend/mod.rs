@@ -301,23 +301,23 @@ pub fn select(engine: &crate::plan::Engine) -> Result<Box<dyn Backend>> {
     select_with(engine, None)
 }
 
-/// [`select`], handing a CUDA backend the host memory [`prefill_for`] prepared for it (freed,
+/// [`select`], handing a CUDA backend what [`early_start_for`] prepared for it (freed,
 /// the populating called off, when the backend is not CUDA after all).
 pub(crate) fn select_with(
     engine: &crate::plan::Engine,
-    prefill: Option<cuda::Prefill>,
+    early: Option<cuda::EarlyStart>,
 ) -> Result<Box<dyn Backend>> {
     use crate::plan::BackendKind;
     match engine.backend {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(engine.threads, None))),
-        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine, prefill)?)),
+        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine, early)?)),
         #[cfg(feature = "fault-injection")]
         BackendKind::Sim => Ok(Box::new(sim::SimBackend::new(engine))),
         #[cfg(not(feature = "fault-injection"))]
         BackendKind::Sim => Err(crate::error::Error::Usage(
             "engine.backend = \"sim\" (simulated devices) exists only in test builds (cargo feature fault-injection); use \"auto\", \"cpu\" or \"cuda\"".into(),
         )),
-        BackendKind::Auto => match cuda::CudaBackend::select(engine, prefill) {
+        BackendKind::Auto => match cuda::CudaBackend::select(engine, early) {
             Ok(s) => Ok(Box::new(s)),
             Err(e) => Ok(Box::new(cpu::CpuBackend::new(
                 engine.threads,
@@ -327,16 +327,12 @@ pub(crate) fn select_with(
     }
 }
 
-/// Start preparing host memory for `plan`'s pinned pools before the backend exists, where the
-/// backend would take time to start (the CUDA driver): see [`cuda::prefill`]. Give the result
-/// to [`select_with`].
-pub(crate) fn prefill_for(plan: &crate::plan::Plan) -> Option<cuda::Prefill> {
+/// Start what a CUDA backend for `plan` can prepare before the driver is up (see
+/// [`cuda::EarlyStart`]). Give the result to [`select_with`].
+pub(crate) fn early_start_for(plan: &crate::plan::Plan) -> Option<cuda::EarlyStart> {
     use crate::plan::BackendKind;
     if !matches!(plan.engine.backend, BackendKind::Cuda | BackendKind::Auto) {
         return None;
     }
-    cuda::prefill(
-        cuda::guess_pool_lens(plan),
-        resolve_threads(plan.engine.threads),
-    )
+    cuda::early_start(plan, resolve_threads(plan.engine.threads))
 }

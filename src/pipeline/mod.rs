@@ -133,8 +133,10 @@ pub(crate) struct RunStats {
 /// The two do not depend on each other and each takes tenths of a second on a GPU machine, so
 /// [`Engines::make`] makes them on two threads at once: for 32768² fp32 on one H200, 1.04–1.80 s
 /// one after the other became 0.55–0.77 s together (BENCHMARKS.md §14; they still contend in the
-/// driver, a lane's calls waiting while pool buffers are registered), and 0.16–0.21 s once the
-/// pools' memory was populated before the backend started (the CUDA backend's prefill, §15).
+/// driver, a lane's calls waiting while pool buffers are registered), 0.16–0.21 s once the
+/// pools' memory was populated before the backend started (the CUDA backend's prefill, §15),
+/// and 0.01–0.02 s once the backend had registered it and run the lanes' warm-up GEMM before
+/// returning (§16).
 /// Every buffer is allocated before the stages start: growing the pinned pools while the
 /// stages ran was tried, and `cuMemHostAlloc` then stalled both GPUs' GEMMs (32768² fp32 on 2
 /// GPUs went from 1.2 to 2.5 s, docs/measurements/2026-11-30-keepup-*.log).

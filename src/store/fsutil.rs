@@ -176,6 +176,15 @@ pub(crate) fn counts_dirty_pages(file: &File) -> bool {
     }
 }
 
+/// The kernel's estimate of memory available without swapping (`MemAvailable` in
+/// /proc/meminfo), in bytes; `None` where it cannot be read.
+pub(crate) fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -87,15 +87,6 @@ pub(crate) struct RowMajorFile {
     cache_holds_file: bool,
 }
 
-/// The kernel's estimate of memory available without swapping (`MemAvailable` in
-/// /proc/meminfo), in bytes; `None` where it cannot be read.
-fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 impl RowMajorFile {
     /// Open `path` holding `spec`; the file must be at least as long as the data. `crcs`, when
     /// given, must describe this shape (the caller validated the sidecar).
@@ -143,7 +134,7 @@ impl RowMajorFile {
             spec,
             crcs,
             verified: OnceLock::new(),
-            cache_holds_file: mem_available().is_some_and(|m| len <= m / 2),
+            cache_holds_file: crate::store::fsutil::mem_available().is_some_and(|m| len <= m / 2),
         })
     }
 
