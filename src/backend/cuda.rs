@@ -441,8 +441,8 @@ fn populated_map(len: usize) -> std::result::Result<memmap2::MmapMut, String> {
 /// own mapping (Linux ≥ 6.4), while `MADV_POPULATE_WRITE` takes the process's memory-map lock,
 /// which every `mmap` of `cuInit` and of the context's creation waits for. Beside the prefill,
 /// 32768² fp32 on one H200 (2026-12-02 calls 2–4, docs/measurements/2026-12-02-h200-*.log):
-/// populating 2.25 GiB took 0.22–0.26 s advised and 0.06–0.08 s touched; the context 0.26–0.29
-/// s and 0.12–0.14 s. A fault cannot report a lack of memory, so [`Prefill::new`] prefills only
+/// populating 2.25 GiB took 0.22–0.32 s advised and 0.06–0.08 s touched; the context 0.26–0.30
+/// s and 0.11–0.14 s. A fault cannot report a lack of memory, so [`Prefill::new`] prefills only
 /// what fits in half of what the kernel calls available.
 fn touched_map(len: usize, stop: &AtomicBool) -> std::result::Result<memmap2::MmapMut, String> {
     let t = std::time::Instant::now();
