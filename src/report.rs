@@ -153,6 +153,15 @@ pub(crate) fn process_age_s() -> Option<f64> {
     PROCESS_START.get().map(|t| t.elapsed().as_secs_f64())
 }
 
+/// A byte rate in MB/s below 1 GB/s, else in GB/s.
+fn fmt_rate(bytes_per_s: f64) -> String {
+    if bytes_per_s >= 1e9 {
+        format!("{:.1} GB/s", bytes_per_s / 1e9)
+    } else {
+        format!("{:.0} MB/s", bytes_per_s / 1e6)
+    }
+}
+
 /// Everything about the run of one step that is not in its stats.
 pub(crate) struct StepContext<'a> {
     pub(crate) step: &'a Step,
@@ -346,7 +355,7 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         r.flush_s
     );
     s += &format!(
-        "  inputs: read {}{} at {:.0} MB/s (predicted {}, minimum {}){}; first GEMM after {}\n",
+        "  inputs: read {}{} ({}predicted {}, minimum {}){}; first GEMM after {}\n",
         fmt_bytes(r.read_bytes),
         if r.memory_read_bytes > 0 {
             format!(
@@ -357,7 +366,16 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         } else {
             " from files".to_string()
         },
-        r.read_bytes as f64 / r.wall_s / 1e6,
+        // An average over the step, not the disk's speed; meaningless for a step of a few
+        // milliseconds (a new user read "1 MB/s" off a tiny run), so left out there.
+        if r.wall_s >= 0.05 && r.read_bytes > 0 {
+            format!(
+                "{} over the step; ",
+                fmt_rate(r.read_bytes as f64 / r.wall_s)
+            )
+        } else {
+            String::new()
+        },
         fmt_bytes(r.predicted_read_bytes),
         fmt_bytes(r.min_read_bytes),
         if r.shared_read_bytes > 0 {

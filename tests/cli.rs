@@ -287,6 +287,7 @@ fn plan_then_run_then_export() {
     ] {
         assert!(s.contains(want), "plan output lacks {want:?}:\n{s}");
     }
+    assert!(!s.contains("status:"), "nothing on disk yet:\n{s}");
     assert!(
         !dir.join("A.mgt").exists(),
         "plan must not generate anything"
@@ -315,6 +316,24 @@ fn plan_then_run_then_export() {
     // A second run of the same plan does not regenerate and succeeds.
     let s = ok(&mg(dir, &["run", "plan.toml", "--quiet"]));
     assert!(s.is_empty(), "--quiet prints nothing: {s}");
+    // `plan` says what `run` would do with what is on disk: skip, resume, refuse.
+    let plan = |dir| ok(&mg(dir, &["plan", "plan.toml"]));
+    assert!(plan(dir).contains("status: complete: `run` skips this step"));
+    let j = dir.join("C.mgt.journal");
+    let len = std::fs::metadata(&j).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(&j).unwrap();
+    f.set_len(len - 32).unwrap(); // the completion mark and the last tile's record
+    drop(f);
+    let s = plan(dir);
+    assert!(
+        s.contains("status: 5 of 6 output tiles done: `run` resumes"),
+        "{s}"
+    );
+    let r = ok(&mg(dir, &["run", "plan.toml"]));
+    assert!(r.contains("resum"), "the run resumes:\n{r}");
+    assert!(plan(dir).contains("status: complete"));
+    std::fs::remove_file(&j).unwrap();
+    assert!(plan(dir).contains("exists but no journal says this plan wrote it"));
 }
 
 #[test]

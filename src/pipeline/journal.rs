@@ -220,7 +220,7 @@ fn read_state(
 }
 
 /// What differs between two fingerprints: `key: was X, now Y` for each key, joined by `; `.
-fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> String {
+pub(crate) fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> String {
     let mut changes = Vec::new();
     for k in old
         .keys()

@@ -4,9 +4,9 @@
 use crate::backend::{self, describe_precision, Backend, MemorySpace};
 use crate::error::Result;
 use crate::plan::layout::Layout;
-use crate::plan::schedule::traffic;
+use crate::plan::schedule::{traffic, Schedule};
 use crate::plan::size::fmt_bytes;
-use crate::plan::Plan;
+use crate::plan::{Plan, Precision};
 use crate::progress::count;
 
 /// Disk read rate assumed for the cold-cache bound (documented in docs/PLAN.md).
@@ -23,9 +23,8 @@ pub fn describe(plan: &Plan) -> Result<String> {
         s += &format!("note: {n}\n");
     }
     s += &format!(
-        "engine: backend {} | precision {} ({}) | threads {} | host_memory {}{}\n",
+        "engine: backend {} | precision {} | threads {} | host_memory {}{}\n",
         sel.name(),
-        e.precision.name(),
         describe_precision(e.precision),
         sel.threads(),
         fmt_bytes(e.host_memory),
@@ -161,7 +160,53 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
         s += &describe_write(step, &l, e);
     }
     s += &describe_bounds(step, &l, &t, sel, e);
+    s += &describe_status(step, &l, caps.kind, e.precision)?;
     Ok(s)
+}
+
+/// What `run` would do with what is already on disk for `step`: skip it (complete), resume it,
+/// or refuse (an output without a journal, or a journal of another plan or other inputs).
+/// Read without locking or changing anything; empty when nothing is there yet, or when the
+/// inputs are not there to compare with (they are to be generated).
+fn describe_status(
+    step: &crate::plan::Step,
+    l: &Layout,
+    kind: &str,
+    p: Precision,
+) -> Result<String> {
+    use crate::pipeline::journal;
+    if step.output_in_memory() {
+        return Ok(String::new());
+    }
+    let out = step.output.display();
+    let Some(j) = journal::peek(&step.output)? else {
+        return Ok(if step.output.exists() {
+            format!("  status: {out} exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it\n")
+        } else {
+            String::new()
+        });
+    };
+    let Ok(ids) = crate::run::input_ids(step) else {
+        return Ok(String::new());
+    };
+    let fp = crate::run::fingerprint_with(step, l, kind, p, &ids);
+    if j.fingerprint != fp {
+        return Ok(format!(
+            "  status: the journal of {out} is from a different plan or different inputs ({}): `run` refuses it; `run --restart` starts the step over\n",
+            journal::fingerprint_changes(&j.fingerprint, &fp)
+        ));
+    }
+    let total = Schedule::new(step, l).tiles.len();
+    Ok(if !step.output.exists() {
+        format!("  status: the journal is there but {out} is not: `run` starts the step afresh\n")
+    } else if j.complete {
+        "  status: complete: `run` skips this step (`run --restart` computes it again)\n".into()
+    } else {
+        format!(
+            "  status: {} of {total} output tiles done: `run` resumes (each done tile's checksum is checked first)\n",
+            j.done.len()
+        )
+    })
 }
 
 /// How the output file will be written (docs/PLAN.md, `write`), and why when `auto` chose.
