@@ -155,7 +155,7 @@ pub(crate) fn process_age_s() -> Option<f64> {
 
 /// A byte rate in MB/s below 1 GB/s, else in GB/s.
 fn fmt_rate(bytes_per_s: f64) -> String {
-    if bytes_per_s >= 1e9 {
+    if bytes_per_s >= 999.5e6 {
         format!("{:.1} GB/s", bytes_per_s / 1e9)
     } else {
         format!("{:.0} MB/s", bytes_per_s / 1e6)
@@ -354,30 +354,37 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         r.write_mode,
         r.flush_s
     );
+    // One bracket: where the bytes came from, their rate over the step, what `plan` predicted.
+    let mut about = Vec::new();
+    if r.memory_read_bytes > 0 {
+        about.push(format!(
+            "{} from files, {} from memory",
+            fmt_bytes(r.read_bytes - r.memory_read_bytes),
+            fmt_bytes(r.memory_read_bytes)
+        ));
+    }
+    // An average over the step, not the disk's speed; meaningless for a step of a few
+    // milliseconds (a new user read "1 MB/s" off a tiny run), so left out there.
+    if r.wall_s >= 0.05 && r.read_bytes > 0 {
+        about.push(format!(
+            "{} over the step",
+            fmt_rate(r.read_bytes as f64 / r.wall_s)
+        ));
+    }
+    about.push(format!(
+        "predicted {}, minimum {}",
+        fmt_bytes(r.predicted_read_bytes),
+        fmt_bytes(r.min_read_bytes)
+    ));
     s += &format!(
-        "  inputs: read {}{} ({}predicted {}, minimum {}){}; first GEMM after {}\n",
+        "  inputs: read {}{} ({}){}; first GEMM after {}\n",
         fmt_bytes(r.read_bytes),
         if r.memory_read_bytes > 0 {
-            format!(
-                " ({} from files, {} from memory)",
-                fmt_bytes(r.read_bytes - r.memory_read_bytes),
-                fmt_bytes(r.memory_read_bytes)
-            )
+            ""
         } else {
-            " from files".to_string()
+            " from files"
         },
-        // An average over the step, not the disk's speed; meaningless for a step of a few
-        // milliseconds (a new user read "1 MB/s" off a tiny run), so left out there.
-        if r.wall_s >= 0.05 && r.read_bytes > 0 {
-            format!(
-                "{} over the step; ",
-                fmt_rate(r.read_bytes as f64 / r.wall_s)
-            )
-        } else {
-            String::new()
-        },
-        fmt_bytes(r.predicted_read_bytes),
-        fmt_bytes(r.min_read_bytes),
+        about.join("; "),
         if r.shared_read_bytes > 0 {
             format!(
                 ", {} shared between devices",

@@ -329,11 +329,53 @@ fn plan_then_run_then_export() {
         s.contains("status: 5 of 6 output tiles done: `run` resumes"),
         "{s}"
     );
+    // A tile recorded twice (redone after a failed check) counts once.
+    let mut bytes = std::fs::read(&j).unwrap();
+    let last = bytes[bytes.len() - 16..].to_vec();
+    bytes.extend_from_slice(&last);
+    std::fs::write(&j, &bytes).unwrap();
+    let s = plan(dir);
+    assert!(s.contains("status: 5 of 6 output tiles done"), "{s}");
     let r = ok(&mg(dir, &["run", "plan.toml"]));
-    assert!(r.contains("resum"), "the run resumes:\n{r}");
+    assert!(
+        r.contains("5 of 6 output tiles already done"),
+        "as plan said:\n{r}"
+    );
     assert!(plan(dir).contains("status: complete"));
+    // Another plan for the same output: run refuses the journal, and plan says why first.
+    let other = PLAN.replace("tile = 32", "tile = 16");
+    std::fs::write(dir.join("other.toml"), other).unwrap();
+    let s = ok(&mg(dir, &["plan", "other.toml"]));
+    assert!(
+        s.contains("is from a different plan") && s.contains("compute tile: was 32×32×32"),
+        "{s}"
+    );
+    fails(&mg(dir, &["run", "other.toml"]), &["different plan"]);
+    let bytes = std::fs::read(&j).unwrap();
+    std::fs::write(&j, b"not a journal\n").unwrap();
+    let s = plan(dir);
+    assert!(
+        s.contains("status: ./C.mgt.journal: not a journal this version understands"),
+        "{s}"
+    );
+    std::fs::write(&j, bytes).unwrap();
+    std::fs::rename(dir.join("C.mgt"), dir.join("C.keep")).unwrap();
+    assert!(
+        plan(dir).contains("the journal is there but ./C.mgt is not: `run` starts the step afresh")
+    );
+    std::fs::rename(dir.join("C.keep"), dir.join("C.mgt")).unwrap();
+    let header = std::fs::read(&j).unwrap();
+    let nl = header.iter().position(|&b| b == b'\n').unwrap();
+    std::fs::write(&j, &header[..=nl]).unwrap();
+    assert!(
+        plan(dir).contains("started, no output tile recorded yet: `run` starts the step afresh")
+    );
     std::fs::remove_file(&j).unwrap();
     assert!(plan(dir).contains("exists but no journal says this plan wrote it"));
+    fails(&mg(dir, &["run", "plan.toml"]), &["no journal"]);
+    std::fs::create_dir(dir.join("C.mgt.shards")).unwrap();
+    std::fs::write(dir.join("C.mgt.shards/manifest.json"), "{}").unwrap();
+    assert!(plan(dir).contains("a split run is writing ./C.mgt"));
 }
 
 #[test]

@@ -71,7 +71,7 @@ def main():
     for s, e, n in sorted(parts):
         print(f"  {n:<30} {s:9.1f} .. {e:9.1f}  ({e - s:8.1f} ms)")
     for what in ("populate", "register"):
-        sp = [x for x in spans.get("pinned memory", []) if x[2] == what]
+        sp = [x for x in spans.get("pinned memory", []) if x[2] == what and x[0] < first]
         if sp:
             print(f"  pinned memory: {what} {len(sp)} buffers {min(x[0] for x in sp):9.1f} .. "
                   f"{max(x[1] for x in sp):9.1f}  (longest {max(x[1] - x[0] for x in sp):.1f} ms)")

@@ -149,10 +149,22 @@ fn probe_with(early: Option<&EarlyStart>) -> Result<Vec<DeviceInfo>> {
     let precision = early.and_then(|e| e.warm).map(|w| w.precision);
     let load = {
         let loaded = loaded.clone();
-        // SAFETY: these only attempt to dlopen the libraries and report success; no CUDA call
-        // is made through a missing library.
         move || {
+            // Sets the latch however this ends (a panic included): the GPUs' threads wait on it.
+            struct Latch(
+                Arc<LibsLoaded>,
+                Option<std::result::Result<(bool, bool), ()>>,
+            );
+            impl Drop for Latch {
+                fn drop(&mut self) {
+                    self.0.set(self.1.take().unwrap_or(Err(())));
+                }
+            }
+            let mut latch = Latch(loaded, None);
             let t = std::time::Instant::now();
+            // SAFETY: these only load the libraries (their initialisers run, as on any
+            // dlopen) and report whether they are there; no CUDA call is made through a
+            // missing library.
             let r = std::panic::catch_unwind(|| unsafe {
                 (
                     load_for_good("cublas", || {
@@ -169,27 +181,29 @@ fn probe_with(early: Option<&EarlyStart>) -> Result<Vec<DeviceInfo>> {
                 t,
                 std::time::Instant::now(),
             );
-            // Always set: the GPUs' threads wait for it.
             let rtc = matches!(r, Ok((_, true)));
-            loaded.set(r.map_err(|_| ()));
+            latch.1 = Some(r.map_err(|_| ()));
+            drop(latch);
             // A bf16/fp16 plan's lanes load kernels/convert.cu: compiled here, beside `cuInit`
             // (17 ms of a bf16 lane's creation before, 2026-12-02 call 5); an error surfaces
-            // there.
+            // there, when the lane compiles it again.
             if rtc && matches!(precision, Some(Precision::Bf16 | Precision::Fp16)) {
-                let _ = convert_ptx();
+                let _ = std::panic::catch_unwind(convert_ptx);
             }
         }
     };
-    let libs = std::thread::spawn(load);
-    let devices = probe_devices(early, &loaded);
-    let loading = libs.join();
-    let devices = devices?;
-    if loading.is_err() {
-        return Err(Error::backend(
-            "cuda",
-            "loading cuBLAS and NVRTC panicked (this is a bug; please report it)",
-        ));
+    // Without a thread to be had, the libraries load first, then the driver starts.
+    let libs = (std::thread::Builder::new().name("mgmm-cuda-libs".into()))
+        .spawn(load.clone())
+        .ok();
+    if libs.is_none() {
+        load();
     }
+    let devices = probe_devices(early, &loaded);
+    if let Some(h) = libs {
+        let _ = h.join(); // a panic there left the latch at Err (below)
+    }
+    let devices = devices?;
     let Ok((blas, rtc)) = loaded.wait() else {
         return Err(Error::backend(
             "cuda",
@@ -220,9 +234,6 @@ fn probe_devices(early: Option<&EarlyStart>, loaded: &LibsLoaded) -> Result<Vec<
     let t = std::time::Instant::now();
     let n = std::panic::catch_unwind(CudaContext::device_count);
     crate::trace::span("start-up", "cuInit", t, std::time::Instant::now());
-    if let Some(p) = early.and_then(|e| e.prefill.as_ref()) {
-        p.start();
-    }
     let n = match n {
         Ok(Ok(n)) => n,
         Ok(Err(e)) => return Err(derr("cuInit/cuDeviceGetCount failed", e)),
@@ -239,16 +250,23 @@ fn probe_devices(early: Option<&EarlyStart>, loaded: &LibsLoaded) -> Result<Vec<
             "the driver loaded but reports no CUDA devices",
         ));
     }
+    if let Some(p) = early.and_then(|e| e.prefill.as_ref()) {
+        p.start();
+    }
     // One thread per GPU: creating a primary context takes ~0.14 s on an H200 and they do not
     // wait on each other (tools/gpu/startup_probe.py), so N GPUs cost one context, not N.
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n as usize)
-            .map(|i| s.spawn(move || device_info(i, early, loaded)))
+            .map(|i| {
+                std::thread::Builder::new()
+                    .spawn_scoped(s, move || device_info(i, early, loaded))
+                    .map_err(|e| derr("cannot start a thread to open a GPU", e))
+            })
             .collect();
         handles
             .into_iter()
             .map(|h| {
-                h.join()
+                h?.join()
                     .unwrap_or_else(|_| Err(Error::backend("cuda", "device probe panicked")))
             })
             .collect()
@@ -266,12 +284,13 @@ fn device_info(i: usize, early: Option<&EarlyStart>, loaded: &LibsLoaded) -> Res
         t,
         std::time::Instant::now(),
     );
+    // Only GPUs the plan uses: a registered buffer holds its context open for the whole run.
+    let early = early.filter(|e| e.devices.as_ref().is_none_or(|l| l.contains(&i)));
     if let Some(p) = early.and_then(|e| e.prefill.as_ref()) {
         p.register_with(&ctx);
     }
     let (free, total) = ctx.mem_get_info().map_err(|e| derr("cuMemGetInfo", e))?;
-    let listed = |e: &&EarlyStart| e.devices.as_ref().is_none_or(|l| l.contains(&i));
-    let warmed = (early.filter(listed).and_then(|e| e.warm))
+    let warmed = (early.and_then(|e| e.warm))
         .filter(|_| loaded.wait().is_ok_and(|(blas, _)| blas))
         .filter(|w| warm_up_early(&ctx, i, w).is_ok());
     Ok(DeviceInfo {
@@ -405,9 +424,9 @@ fn huge_map(len: usize) -> std::result::Result<memmap2::MmapMut, String> {
     Ok(map)
 }
 
-/// [`huge_map`], every page populated (`MADV_POPULATE_WRITE`), so that a lack of memory is
-/// reported (ENOMEM) instead of becoming an OOM kill; without `MADV_POPULATE_WRITE` (EINVAL:
-/// Linux < 5.14) the pages are touched one by one instead.
+/// [`huge_map`], every page populated (`MADV_POPULATE_WRITE`), so that a lack of memory the
+/// kernel reports (ENOMEM) becomes an error naming `host_memory`; without
+/// `MADV_POPULATE_WRITE` (EINVAL: Linux < 5.14) the pages are touched one by one instead.
 ///
 /// In pieces of [`POPULATE_PIECE`]: populating holds the process's memory-map lock, and the
 /// driver's own `mmap` calls (stream creation, say) wait for it; one call per 256 MiB buffer
@@ -442,8 +461,9 @@ fn populated_map(len: usize) -> std::result::Result<memmap2::MmapMut, String> {
 /// which every `mmap` of `cuInit` and of the context's creation waits for. Beside the prefill,
 /// 32768² fp32 on one H200 (2026-12-02 calls 2–4, docs/measurements/2026-12-02-h200-*.log):
 /// populating 2.25 GiB took 0.22–0.32 s advised and 0.06–0.08 s touched; the context 0.26–0.30
-/// s and 0.11–0.14 s. A fault cannot report a lack of memory, so [`Prefill::new`] prefills only
-/// what fits in half of what the kernel calls available.
+/// s and 0.11–0.14 s. A fault cannot fail softly where memory runs out (nor can populating
+/// reliably: the OOM killer may act first), so [`Prefill::new`] prefills only what fits in
+/// half of what the process can take.
 fn touched_map(len: usize, stop: &AtomicBool) -> std::result::Result<memmap2::MmapMut, String> {
     let t = std::time::Instant::now();
     let mut map = huge_map(len)?;
@@ -621,10 +641,13 @@ pub(crate) fn early_start(plan: &crate::plan::Plan, threads: usize) -> Option<Ea
 /// once the first pipeline's pools are made. Dropped before that (`auto` fell back to the
 /// CPU), it calls the populating off at its next 4 MiB piece and frees what it made.
 ///
-/// Populating waits for `cuInit` ([`Prefill::start`]): it holds the process's memory-map lock
-/// piece by piece, and `cuInit` — many `mmap`s — took 0.45–0.63 s beside it instead of 0.11 s
-/// alone (32768² fp32 on one H200, 2026-12-02 call 1). Registering starts with the first GPU
-/// context ([`Prefill::register_with`]), a buffer as soon as it is populated.
+/// Populating starts once `cuInit` is done ([`Prefill::start`]): `cuInit` — many `mmap`s —
+/// took 0.45–0.63 s with the populating (then `MADV_POPULATE_WRITE`, which holds the process's
+/// memory-map lock) and the libraries' loading beside it, against 0.11 s alone (32768² fp32 on
+/// one H200, 2026-12-02 call 1). Since the pages are touched instead ([`touched_map`]), starting
+/// before `cuInit` measured the same (call 4); after it stays, for kernels older than 6.4, where
+/// a fault takes that lock too. Registering starts with the first context of a GPU the plan
+/// uses ([`Prefill::register_with`]), a buffer as soon as it is populated.
 pub(crate) struct Prefill {
     lens: Vec<usize>,
     threads: usize,
@@ -643,11 +666,12 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Prefill {
     /// Buffers of `lens` bytes, to be populated on at most `threads` threads once started.
-    /// `None`: nothing to do, more than half of the memory the kernel calls available (the
-    /// pages are touched: [`touched_map`]), or `MGMM_PINNED_ALLOC=1`.
+    /// `None`: nothing to do, more than half of the memory the process can take (the host's
+    /// `MemAvailable`, or its memory cgroup's headroom: a guess must not run the process out
+    /// of memory — [`touched_map`]), or `MGMM_PINNED_ALLOC=1`.
     pub(crate) fn new(lens: Vec<usize>, threads: usize) -> Option<Prefill> {
         let total: usize = lens.iter().sum();
-        let fits = crate::store::fsutil::mem_available().is_some_and(|m| total as u64 <= m / 2);
+        let fits = crate::store::fsutil::memory_headroom().is_some_and(|m| total as u64 <= m / 2);
         if lens.is_empty() || !fits || crate::config::pinned_alloc() {
             return None;
         }
@@ -1930,10 +1954,10 @@ mod tests {
             Prefill::new(vec![usize::MAX / 4; 2], 2).is_none(),
             "more than memory holds"
         );
-        let p = Prefill::new(vec![64 << 20; 4], 2).unwrap();
+        let p = Prefill::new(vec![8 << 20; 4], 2).unwrap();
         p.start();
         drop(p); // returns once its threads have stopped
-        drop(Prefill::new(vec![64 << 20; 4], 2)); // never started
+        drop(Prefill::new(vec![8 << 20; 4], 2)); // never started
         assert!(Prefill::new(Vec::new(), 2).is_none());
     }
 }

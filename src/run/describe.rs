@@ -4,7 +4,7 @@
 use crate::backend::{self, describe_precision, Backend, MemorySpace};
 use crate::error::Result;
 use crate::plan::layout::Layout;
-use crate::plan::schedule::{traffic, Schedule};
+use crate::plan::schedule::traffic;
 use crate::plan::size::fmt_bytes;
 use crate::plan::{Plan, Precision};
 use crate::progress::count;
@@ -165,9 +165,10 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
 }
 
 /// What `run` would do with what is already on disk for `step`: skip it (complete), resume it,
-/// or refuse (an output without a journal, or a journal of another plan or other inputs).
-/// Read without locking or changing anything; empty when nothing is there yet, or when the
-/// inputs are not there to compare with (they are to be generated).
+/// start it afresh, or refuse (an output without a journal, a journal of another plan, other
+/// inputs or another backend, or one it cannot read), or that a split run is writing it. Read
+/// without locking or changing anything; empty when nothing is there yet, or when the inputs
+/// are not there to compare with (they are to be generated).
 fn describe_status(
     step: &crate::plan::Step,
     l: &Layout,
@@ -179,32 +180,48 @@ fn describe_status(
         return Ok(String::new());
     }
     let out = step.output.display();
-    let Some(j) = journal::peek(&step.output)? else {
-        return Ok(if step.output.exists() {
-            format!("  status: {out} exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it\n")
-        } else {
-            String::new()
-        });
+    let line = |s: String| Ok(format!("  status: {s}\n"));
+    let shards = crate::cluster::state_dir(&step.output);
+    if shards.join("manifest.json").exists() {
+        return line(format!(
+            "a split run is writing {out} ({} holds its state): `mgmm-stream status` shows its progress, `finalize` completes it",
+            shards.display()
+        ));
+    }
+    let j = match journal::peek(&step.output) {
+        Ok(Some(j)) => j,
+        Ok(None) if step.output.exists() => {
+            return line(format!("{out} exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it"));
+        }
+        Ok(None) => return Ok(String::new()),
+        Err(e) => return line(format!("{e} (`run` refuses it too)")),
     };
     let Ok(ids) = crate::run::input_ids(step) else {
         return Ok(String::new());
     };
     let fp = crate::run::fingerprint_with(step, l, kind, p, &ids);
     if j.fingerprint != fp {
-        return Ok(format!(
-            "  status: the journal of {out} is from a different plan or different inputs ({}): `run` refuses it; `run --restart` starts the step over\n",
+        return line(format!(
+            "the journal of {out} is from a different plan, other inputs or another backend ({}): `run` here refuses it; `run --restart` starts the step over",
             journal::fingerprint_changes(&j.fingerprint, &fp)
         ));
     }
-    let total = Schedule::new(step, l).tiles.len();
-    Ok(if !step.output.exists() {
-        format!("  status: the journal is there but {out} is not: `run` starts the step afresh\n")
+    let (gm, gn, _) = l.grid(step);
+    let total = gm * gn;
+    let done: std::collections::BTreeSet<u32> = (j.done.iter())
+        .map(|&(seq, _)| seq)
+        .filter(|&seq| u64::from(seq) < total)
+        .collect();
+    line(if !step.output.exists() {
+        format!("the journal is there but {out} is not: `run` starts the step afresh")
     } else if j.complete {
-        "  status: complete: `run` skips this step (`run --restart` computes it again)\n".into()
+        "complete: `run` skips this step (`run --restart` computes it again)".into()
+    } else if done.is_empty() {
+        "started, no output tile recorded yet: `run` starts the step afresh".into()
     } else {
         format!(
-            "  status: {} of {total} output tiles done: `run` resumes (each done tile's checksum is checked first)\n",
-            j.done.len()
+            "{} of {total} output tiles done: `run` resumes (each done tile's checksum is checked first)",
+            done.len()
         )
     })
 }

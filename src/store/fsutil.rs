@@ -185,8 +185,83 @@ pub(crate) fn mem_available() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// Memory this process can still take before the kernel has to reclaim or kill: the host's
+/// [`mem_available`], or less where a memory cgroup (Slurm, a container) limits the process —
+/// the smallest `limit − usage` of its cgroup and every ancestor, cgroup v2 (`memory.max`,
+/// `memory.current`) or v1 (`memory.limit_in_bytes`, `memory.usage_in_bytes`). `None` where
+/// /proc/meminfo cannot be read.
+pub(crate) fn memory_headroom() -> Option<u64> {
+    let host = mem_available()?;
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    Some(host.min(cgroup_headroom(
+        &cgroups,
+        std::path::Path::new("/sys/fs/cgroup"),
+    )))
+}
+
+/// The smallest `limit − usage` over the memory cgroups named in `cgroups` (the text of
+/// /proc/self/cgroup) and their ancestors under `root`; `u64::MAX` without a limit.
+fn cgroup_headroom(cgroups: &str, root: &std::path::Path) -> u64 {
+    let read = |p: std::path::PathBuf| -> Option<u64> {
+        std::fs::read_to_string(p).ok()?.trim().parse().ok()
+    };
+    let mut best = u64::MAX;
+    for line in cgroups.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(_), Some(ctrl), Some(path)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let (base, max, cur) = match ctrl {
+            "" => (root.to_path_buf(), "memory.max", "memory.current"),
+            c if c.split(',').any(|c| c == "memory") => (
+                root.join("memory"),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            ),
+            _ => continue,
+        };
+        let mut dir = base.join(path.trim_start_matches('/'));
+        loop {
+            // "max" (v2) does not parse: no limit here.
+            if let (Some(limit), Some(used)) = (read(dir.join(max)), read(dir.join(cur))) {
+                best = best.min(limit.saturating_sub(used));
+            }
+            if dir == base || !dir.pop() {
+                break;
+            }
+        }
+    }
+    best
+}
+
 #[cfg(test)]
 mod tests {
+    /// The cgroup limit that binds is the smallest headroom of the process's cgroup and its
+    /// ancestors, in either cgroup version; "max" and a missing controller mean no limit.
+    #[test]
+    fn cgroup_headroom_takes_the_tightest_ancestor() {
+        let root = tempfile::tempdir().unwrap();
+        let put = |p: &str, v: &str| {
+            let p = root.path().join(p);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, v).unwrap();
+        };
+        put("job/memory.max", "max\n");
+        put("job/memory.current", "100\n");
+        put("job/step/memory.max", "1000\n");
+        put("job/step/memory.current", "400\n");
+        assert_eq!(cgroup_headroom("0::/job/step\n", root.path()), 600);
+        put("job/memory.max", "500\n");
+        assert_eq!(cgroup_headroom("0::/job/step\n", root.path()), 400);
+        put("memory/a/memory.limit_in_bytes", "9223372036854771712\n");
+        put("memory/a/memory.usage_in_bytes", "7\n");
+        put("memory/memory.limit_in_bytes", "300\n");
+        put("memory/memory.usage_in_bytes", "100\n");
+        assert_eq!(cgroup_headroom("4:memory:/a\n3:cpu:/\n", root.path()), 200);
+        assert_eq!(cgroup_headroom("3:cpu:/\n", root.path()), u64::MAX);
+        assert!(memory_headroom().is_some_and(|m| m > 0));
+    }
+
     use super::*;
 
     #[test]
