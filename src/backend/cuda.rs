@@ -376,7 +376,7 @@ fn warm_up_early(
 pub(crate) struct CudaAlloc {
     ctx: Arc<CudaContext>,
     cache: Arc<PinnedCache>,
-    /// The [`Prefill`]'s buffers until the first pipeline's pools are made
+    /// The [`Prefill`]'s buffers until the pools of the step it was made for are made
     /// ([`HostAlloc::pools_made`] frees those no pool took).
     prefill: std::sync::Mutex<Option<Prefill>>,
 }
@@ -620,9 +620,9 @@ pub(crate) struct WarmSpec {
 /// when no GPU is in sight or no layout can be made.
 pub(crate) fn early_start(plan: &crate::plan::Plan, threads: usize) -> Option<EarlyStart> {
     let lanes = guess_gpu_count(&plan.engine);
-    let l = guess_layout(plan, lanes)?;
+    let (step, l) = guess_layout(plan, lanes)?;
     Some(EarlyStart {
-        prefill: Prefill::new(pool_lens(&l, lanes), threads),
+        prefill: Prefill::new(pool_lens(&l, lanes), threads, step),
         warm: Some(WarmSpec {
             m: l.tm as usize,
             n: l.tn as usize,
@@ -650,6 +650,9 @@ pub(crate) fn early_start(plan: &crate::plan::Plan, threads: usize) -> Option<Ea
 /// uses ([`Prefill::register_with`]), a buffer as soon as it is populated.
 pub(crate) struct Prefill {
     lens: Vec<usize>,
+    /// The plan step whose pools were guessed: pipelines of earlier steps leave the buffers
+    /// for it ([`HostAlloc::pools_made`]).
+    step: usize,
     threads: usize,
     stop: Arc<AtomicBool>,
     workers: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
@@ -669,7 +672,7 @@ impl Prefill {
     /// `None`: nothing to do, more than half of the memory the process can take (the host's
     /// `MemAvailable`, or its memory cgroup's headroom: a guess must not run the process out
     /// of memory — [`touched_map`]), or `MGMM_PINNED_ALLOC=1`.
-    pub(crate) fn new(lens: Vec<usize>, threads: usize) -> Option<Prefill> {
+    pub(crate) fn new(lens: Vec<usize>, threads: usize, step: usize) -> Option<Prefill> {
         let total: usize = lens.iter().sum();
         let fits = crate::store::fsutil::memory_headroom().is_some_and(|m| total as u64 <= m / 2);
         if lens.is_empty() || !fits || crate::config::pinned_alloc() {
@@ -678,6 +681,7 @@ impl Prefill {
         let (tx, rx) = crossbeam_channel::unbounded();
         Some(Prefill {
             lens,
+            step,
             threads: threads.max(1),
             stop: Arc::default(),
             workers: Default::default(),
@@ -795,22 +799,22 @@ fn guess_gpu_count(engine: &Engine) -> usize {
     n.min(present)
 }
 
-/// The layout of `plan`'s step with the largest pinned pools on `lanes` GPUs (the largest: a
+/// The index and layout of `plan`'s step with the largest pinned pools on `lanes` GPUs (the largest: a
 /// chain's first part is often tiny, and the pools of one step are reused by the next when
 /// the sizes match). `None` when there is no GPU or no layout can be made. Device memory is
 /// taken as 64 GiB (or `engine.device_memory`): it changes the layout only through the tile
 /// size, which on GPUs with less memory may come out smaller — then the guess goes unused:
 /// the prefilled buffers are freed once the first pools are made, and the lanes warm up
 /// their own tile shape.
-fn guess_layout(plan: &crate::plan::Plan, lanes: usize) -> Option<Layout> {
+fn guess_layout(plan: &crate::plan::Plan, lanes: usize) -> Option<(usize, Layout)> {
     let e = &plan.engine;
     if lanes == 0 {
         return None;
     }
     let caps = cuda_caps(lanes, e.device_memory.unwrap_or(64 << 30));
     (plan.steps.iter())
-        .filter_map(|step| Layout::new(&plan.path, step, e, &caps).ok())
-        .max_by_key(|l| pool_lens(l, lanes).iter().sum::<usize>())
+        .filter_map(|step| Some((step.index, Layout::new(&plan.path, step, e, &caps).ok()?)))
+        .max_by_key(|(_, l)| pool_lens(l, lanes).iter().sum::<usize>())
 }
 
 /// The byte lengths of the pinned buffers of `l`'s pools on `lanes` GPUs, as [`CudaAlloc`]
@@ -867,8 +871,12 @@ impl HostAlloc for CudaAlloc {
         // out again); it is `len >= bytes` long.
         Ok(unsafe { HostBuf::from_raw(ptr, bytes, Box::new(owner)) })
     }
-    fn pools_made(&self) {
-        drop(lock(&self.prefill).take());
+    fn pools_made(&self, step: usize) {
+        let mut p = lock(&self.prefill);
+        // A chain's first part has tiny pools; the prefill was made for a later step's.
+        if p.as_ref().is_some_and(|p| step >= p.step) {
+            drop(p.take());
+        }
     }
 }
 
@@ -1095,8 +1103,8 @@ impl HostAlloc for CudaBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         self.alloc.alloc_host(bytes)
     }
-    fn pools_made(&self) {
-        self.alloc.pools_made()
+    fn pools_made(&self, step: usize) {
+        self.alloc.pools_made(step)
     }
 }
 
@@ -1890,13 +1898,13 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         let plan = crate::plan::Plan::load(&path).unwrap();
         let pool_lens_on = |plan: &crate::plan::Plan, lanes: usize| {
-            (guess_layout(plan, lanes).map(|l| pool_lens(&l, lanes))).unwrap_or_default()
+            (guess_layout(plan, lanes).map(|(_, l)| pool_lens(&l, lanes))).unwrap_or_default()
         };
         let tile = 8192 * 8192 * 4;
         assert_eq!(pool_lens_on(&plan, 1), vec![tile; 9]);
         assert_eq!(pool_lens_on(&plan, 2), vec![tile; 18]);
         assert!(pool_lens_on(&plan, 0).is_empty());
-        let l = guess_layout(&plan, 1).unwrap();
+        let (_, l) = guess_layout(&plan, 1).unwrap();
         assert_eq!(
             (l.tm, l.tn, l.tk),
             (8192, 8192, 8192),
@@ -1916,6 +1924,11 @@ mod tests {
         assert_eq!(chain.steps.len(), 2);
         let big = Layout::new(&chain.path, &chain.steps[1], &chain.engine, &caps).unwrap();
         let lens = pool_lens_on(&chain, 1);
+        assert_eq!(
+            guess_layout(&chain, 1).unwrap().0,
+            1,
+            "made for the second part"
+        );
         assert!(lens.contains(&pinned_len(big.out_buf_bytes as usize)));
         assert!(lens.iter().sum::<usize>() > 100 << 20, "{lens:?}");
     }
@@ -1934,7 +1947,7 @@ mod tests {
     /// populating gives up; dropped, it frees what it made.
     #[test]
     fn a_prefill_populates_and_can_be_called_off() {
-        let p = Prefill::new(vec![1 << 20, 3 << 20, 1 << 20], 2).expect("buffers");
+        let p = Prefill::new(vec![1 << 20, 3 << 20, 1 << 20], 2, 0).expect("buffers");
         assert!(lock(&p.workers).is_empty(), "nothing runs before start");
         p.start();
         p.start(); // once only
@@ -1951,13 +1964,13 @@ mod tests {
         assert!(touched_map(8 << 20, &AtomicBool::new(false)).is_ok_and(|m| m.len() == 8 << 20));
         assert!(populated_map(8 << 20).is_ok_and(|m| m.iter().all(|&b| b == 0)));
         assert!(
-            Prefill::new(vec![usize::MAX / 4; 2], 2).is_none(),
+            Prefill::new(vec![usize::MAX / 4; 2], 2, 0).is_none(),
             "more than memory holds"
         );
-        let p = Prefill::new(vec![8 << 20; 4], 2).unwrap();
+        let p = Prefill::new(vec![8 << 20; 4], 2, 0).unwrap();
         p.start();
         drop(p); // returns once its threads have stopped
-        drop(Prefill::new(vec![8 << 20; 4], 2)); // never started
-        assert!(Prefill::new(Vec::new(), 2).is_none());
+        drop(Prefill::new(vec![8 << 20; 4], 2, 0)); // never started
+        assert!(Prefill::new(Vec::new(), 2, 0).is_none());
     }
 }

@@ -55,8 +55,8 @@ impl HostAlloc for FaultyBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         self.inner.alloc_host(bytes)
     }
-    fn pools_made(&self) {
-        self.inner.pools_made()
+    fn pools_made(&self, step: usize) {
+        self.inner.pools_made(step)
     }
 }
 

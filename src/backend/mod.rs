@@ -99,9 +99,10 @@ impl HostBuf {
 pub trait HostAlloc: Send + Sync {
     /// Allocate a host buffer of `bytes` bytes for the pipeline's pools.
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf>;
-    /// A pipeline's pools are all allocated: memory prepared ahead for them that no pool took
-    /// can go (the CUDA backend's prefill).
-    fn pools_made(&self) {}
+    /// The pools of a pipeline of plan step `step` (an index; 0 for a lone product) are all
+    /// allocated: memory prepared ahead for this step or an earlier one that no pool took can
+    /// go (the CUDA backend's prefill, made for the step with the largest pools).
+    fn pools_made(&self, _step: usize) {}
 }
 
 /// Identifies asynchronous work issued on a lane.

@@ -149,11 +149,13 @@ pub(crate) struct Engines {
 }
 
 impl Engines {
-    /// The lanes of `backend` for `layout` in precision `p`, and the pools `layout` asks for.
+    /// The lanes of `backend` for `layout` in precision `p`, and the pools `layout` asks for,
+    /// for plan step `step` (an index; 0 for a lone product).
     pub(crate) fn make(
         backend: &dyn Backend,
         layout: &Layout,
         p: crate::plan::Precision,
+        step: usize,
     ) -> Result<Engines> {
         let t = Instant::now();
         let n = backend.caps().lanes.max(1);
@@ -183,7 +185,7 @@ impl Engines {
             (staging_pools, out_pool) = Self::pools(backend, layout, lanes.len())?;
             pools_s += t.elapsed().as_secs_f64();
         }
-        backend.pools_made();
+        backend.pools_made(step);
         Ok(Engines {
             lanes,
             staging_pools,
