@@ -63,9 +63,11 @@ pub(crate) struct SharedReads {
 pub(crate) enum Got {
     /// Another lane's read of this block.
     Shared(Arc<Lease>),
-    /// Nobody has it: the caller must read it and then [`SharedReads::publish`] (or
-    /// [`SharedReads::abandon`] on error).
+    /// Nobody has it, and the caller claimed the read: it must read it and then
+    /// [`SharedReads::publish`] (or [`SharedReads::abandon`] on error).
     Read,
+    /// Nobody has it, and the caller did not claim it (`claim` false).
+    Absent,
 }
 
 impl SharedReads {
@@ -84,9 +86,15 @@ impl SharedReads {
         self.lanes > 1
     }
 
-    /// Take block `b` of `src` if another lane read it, wait if one is reading it, or claim the
-    /// read.
-    pub(crate) fn get(&self, ctl: &Control, src: Src, b: &Block) -> Result<Got> {
+    /// Take block `b` of `src` if another lane read it, wait if one is reading it, or else —
+    /// with `claim` — claim the read.
+    ///
+    /// Claim only with a buffer in hand: lanes wait for a claimed read, so a claim made before
+    /// leasing would make them wait for the claimer's pool, and a slow lane's pool is empty most
+    /// of the time. Four simulated lanes, one twenty times slower, once split a run's GEMMs
+    /// [35, 65, 295, 210], most likely that way: the fast lane in phase with the slow one held
+    /// behind it (tests/sim.rs; not reproduced in twenty local runs).
+    pub(crate) fn get(&self, ctl: &Control, src: Src, b: &Block, claim: bool) -> Result<Got> {
         let k = key(src, b);
         let mut st = self.st.lock().unwrap();
         loop {
@@ -109,10 +117,11 @@ impl SharedReads {
                         .unwrap()
                         .0;
                 }
-                None => {
+                None if claim => {
                     st.map.insert(k, Slot::Reading);
                     return Ok(Got::Read);
                 }
+                None => return Ok(Got::Absent),
             }
         }
     }

@@ -413,34 +413,46 @@ pub(crate) struct Staging<'a> {
 
 impl Staging<'_> {
     /// The host buffer holding `block` of `src`: another lane's read of it when the shared
-    /// reader has one, else a read of our own (published for the other lanes).
+    /// reader has one, else a read of our own (published for the other lanes). The read is
+    /// claimed only once a buffer is leased ([`SharedReads::get`]).
     fn fill(&self, ctl: &Control, src: Src, block: &Block) -> Result<(Arc<Lease>, usize)> {
         let elems = block.elems();
-        let shared = self.shared.enabled() && src != Src::C0;
-        if shared {
+        if !self.shared.enabled() || src == Src::C0 {
+            let lease = self.lease(ctl)?;
+            return Ok((self.read_into(lease, src, block)?, elems));
+        }
+        // Take it if another lane read it (waiting while one reads it); else lease a buffer and
+        // look again, claiming the read this time. At most two rounds: a claim never finds
+        // the block absent.
+        let mut lease = None;
+        loop {
             let t = Instant::now();
-            let got = self.shared.get(ctl, src, block)?;
+            let got = self.shared.get(ctl, src, block, lease.is_some())?;
             self.m.add_wait_in(t.elapsed());
-            if let Got::Shared(buf) = got {
-                let f = self.inputs.file(src);
-                self.shared.count_shared((elems * f.dtype().size()) as u64);
-                return Ok((buf, elems));
+            match got {
+                Got::Shared(buf) => {
+                    let f = self.inputs.file(src);
+                    self.shared.count_shared((elems * f.dtype().size()) as u64);
+                    return Ok((buf, elems)); // a buffer leased meanwhile goes back to the pool
+                }
+                Got::Read => break,
+                Got::Absent => lease = Some(self.lease(ctl)?),
             }
         }
-        let r = self.read(ctl, src, block);
+        let lease = lease.expect("a read is claimed only with a buffer in hand");
+        let r = self.read_into(lease, src, block);
         match &r {
-            Ok(buf) if shared => self.shared.publish(src, block, buf, self.lane),
-            Err(_) if shared => self.shared.abandon(src, block),
-            _ => {}
+            Ok(buf) => self.shared.publish(src, block, buf, self.lane),
+            Err(_) => self.shared.abandon(src, block),
         }
         Ok((r?, elems))
     }
 
-    /// Lease a buffer from this lane's pool (first handing back what the shared reader holds of
-    /// it, if the pool is empty) and read `block` into it.
-    fn read(&self, ctl: &Control, src: Src, block: &Block) -> Result<Arc<Lease>> {
+    /// Lease a buffer from this lane's pool, first handing back what the shared reader holds of
+    /// it if the pool is empty.
+    fn lease(&self, ctl: &Control) -> Result<Lease> {
         let t = Instant::now();
-        let mut lease = loop {
+        let lease = loop {
             if let Some(l) = self.pool.try_lease() {
                 break l;
             }
@@ -451,6 +463,11 @@ impl Staging<'_> {
             }
         };
         self.m.add_wait_out(t.elapsed());
+        Ok(lease)
+    }
+
+    /// Read `block` of `src` into `lease`.
+    fn read_into(&self, mut lease: Lease, src: Src, block: &Block) -> Result<Arc<Lease>> {
         let t = Instant::now();
         let elems = block.elems();
         let bytes = elems * self.host_dt.size();
