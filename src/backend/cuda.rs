@@ -652,7 +652,7 @@ pub(crate) struct Prefill {
     lens: Vec<usize>,
     /// The plan step whose pools were guessed: pipelines of earlier steps leave the buffers
     /// for it ([`HostAlloc::pools_made`]).
-    step: usize,
+    step: (usize, usize),
     threads: usize,
     stop: Arc<AtomicBool>,
     workers: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>>,
@@ -672,7 +672,7 @@ impl Prefill {
     /// `None`: nothing to do, more than half of the memory the process can take (the host's
     /// `MemAvailable`, or its memory cgroup's headroom: a guess must not run the process out
     /// of memory — [`touched_map`]), or `MGMM_PINNED_ALLOC=1`.
-    pub(crate) fn new(lens: Vec<usize>, threads: usize, step: usize) -> Option<Prefill> {
+    pub(crate) fn new(lens: Vec<usize>, threads: usize, step: (usize, usize)) -> Option<Prefill> {
         let total: usize = lens.iter().sum();
         let fits = crate::store::fsutil::memory_headroom().is_some_and(|m| total as u64 <= m / 2);
         if lens.is_empty() || !fits || crate::config::pinned_alloc() {
@@ -799,21 +799,21 @@ fn guess_gpu_count(engine: &Engine) -> usize {
     n.min(present)
 }
 
-/// The index and layout of `plan`'s step with the largest pinned pools on `lanes` GPUs (the largest: a
+/// The [`Step::order`](crate::plan::Step::order) and layout of `plan`'s step with the largest pinned pools on `lanes` GPUs (the largest: a
 /// chain's first part is often tiny, and the pools of one step are reused by the next when
 /// the sizes match). `None` when there is no GPU or no layout can be made. Device memory is
 /// taken as 64 GiB (or `engine.device_memory`): it changes the layout only through the tile
 /// size, which on GPUs with less memory may come out smaller — then the guess goes unused:
 /// the prefilled buffers are freed once the first pools are made, and the lanes warm up
 /// their own tile shape.
-fn guess_layout(plan: &crate::plan::Plan, lanes: usize) -> Option<(usize, Layout)> {
+fn guess_layout(plan: &crate::plan::Plan, lanes: usize) -> Option<((usize, usize), Layout)> {
     let e = &plan.engine;
     if lanes == 0 {
         return None;
     }
     let caps = cuda_caps(lanes, e.device_memory.unwrap_or(64 << 30));
     (plan.steps.iter())
-        .filter_map(|step| Some((step.index, Layout::new(&plan.path, step, e, &caps).ok()?)))
+        .filter_map(|step| Some((step.order(), Layout::new(&plan.path, step, e, &caps).ok()?)))
         .max_by_key(|(_, l)| pool_lens(l, lanes).iter().sum::<usize>())
 }
 
@@ -871,7 +871,7 @@ impl HostAlloc for CudaAlloc {
         // out again); it is `len >= bytes` long.
         Ok(unsafe { HostBuf::from_raw(ptr, bytes, Box::new(owner)) })
     }
-    fn pools_made(&self, step: usize) {
+    fn pools_made(&self, step: (usize, usize)) {
         let mut p = lock(&self.prefill);
         // A chain's first part has tiny pools; the prefill was made for a later step's.
         if p.as_ref().is_some_and(|p| step >= p.step) {
@@ -1103,7 +1103,7 @@ impl HostAlloc for CudaBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         self.alloc.alloc_host(bytes)
     }
-    fn pools_made(&self, step: usize) {
+    fn pools_made(&self, step: (usize, usize)) {
         self.alloc.pools_made(step)
     }
 }
@@ -1926,7 +1926,7 @@ mod tests {
         let lens = pool_lens_on(&chain, 1);
         assert_eq!(
             guess_layout(&chain, 1).unwrap().0,
-            1,
+            (0, 2),
             "made for the second part"
         );
         assert!(lens.contains(&pinned_len(big.out_buf_bytes as usize)));
@@ -1947,7 +1947,7 @@ mod tests {
     /// populating gives up; dropped, it frees what it made.
     #[test]
     fn a_prefill_populates_and_can_be_called_off() {
-        let p = Prefill::new(vec![1 << 20, 3 << 20, 1 << 20], 2, 0).expect("buffers");
+        let p = Prefill::new(vec![1 << 20, 3 << 20, 1 << 20], 2, (0, 0)).expect("buffers");
         assert!(lock(&p.workers).is_empty(), "nothing runs before start");
         p.start();
         p.start(); // once only
@@ -1964,13 +1964,13 @@ mod tests {
         assert!(touched_map(8 << 20, &AtomicBool::new(false)).is_ok_and(|m| m.len() == 8 << 20));
         assert!(populated_map(8 << 20).is_ok_and(|m| m.iter().all(|&b| b == 0)));
         assert!(
-            Prefill::new(vec![usize::MAX / 4; 2], 2, 0).is_none(),
+            Prefill::new(vec![usize::MAX / 4; 2], 2, (0, 0)).is_none(),
             "more than memory holds"
         );
-        let p = Prefill::new(vec![8 << 20; 4], 2, 0).unwrap();
+        let p = Prefill::new(vec![8 << 20; 4], 2, (0, 0)).unwrap();
         p.start();
         drop(p); // returns once its threads have stopped
-        drop(Prefill::new(vec![8 << 20; 4], 2, 0)); // never started
-        assert!(Prefill::new(Vec::new(), 2, 0).is_none());
+        drop(Prefill::new(vec![8 << 20; 4], 2, (0, 0))); // never started
+        assert!(Prefill::new(Vec::new(), 2, (0, 0)).is_none());
     }
 }

@@ -55,7 +55,7 @@ impl HostAlloc for FaultyBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         self.inner.alloc_host(bytes)
     }
-    fn pools_made(&self, step: usize) {
+    fn pools_made(&self, step: (usize, usize)) {
         self.inner.pools_made(step)
     }
 }

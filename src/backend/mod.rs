@@ -99,10 +99,13 @@ impl HostBuf {
 pub trait HostAlloc: Send + Sync {
     /// Allocate a host buffer of `bytes` bytes for the pipeline's pools.
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf>;
-    /// The pools of a pipeline of plan step `step` (an index; 0 for a lone product) are all
-    /// allocated: memory prepared ahead for this step or an earlier one that no pool took can
-    /// go (the CUDA backend's prefill, made for the step with the largest pools).
-    fn pools_made(&self, _step: usize) {}
+    /// The pools of a pipeline of the plan step at `step` ([`Step::order`]; `(0, 0)` for a
+    /// lone product) are all allocated: memory prepared ahead for this step or an earlier one
+    /// that no pool took can go (the CUDA backend's prefill, made for the step with the
+    /// largest pools).
+    ///
+    /// [`Step::order`]: crate::plan::Step::order
+    fn pools_made(&self, _step: (usize, usize)) {}
 }
 
 /// Identifies asynchronous work issued on a lane.

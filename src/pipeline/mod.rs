@@ -150,12 +150,12 @@ pub(crate) struct Engines {
 
 impl Engines {
     /// The lanes of `backend` for `layout` in precision `p`, and the pools `layout` asks for,
-    /// for plan step `step` (an index; 0 for a lone product).
+    /// for the plan step at `step` (`Step::order`; `(0, 0)` for a lone product).
     pub(crate) fn make(
         backend: &dyn Backend,
         layout: &Layout,
         p: crate::plan::Precision,
-        step: usize,
+        step: (usize, usize),
     ) -> Result<Engines> {
         let t = Instant::now();
         let n = backend.caps().lanes.max(1);

@@ -239,6 +239,12 @@ impl Step {
         2.0 * self.m as f64 * self.n as f64 * self.k as f64
     }
 
+    /// Where this step runs among the plan's: its index, then its part of a chain (0 for a step
+    /// that is not one: a chain's parts share their step's index).
+    pub(crate) fn order(&self) -> (usize, usize) {
+        (self.index, self.chain.as_ref().map_or(0, |c| c.part))
+    }
+
     /// Whether this step writes a chain intermediate that an unsplit run holds in host memory
     /// instead of a file (a split run writes every intermediate to its file).
     pub(crate) fn output_in_memory(&self) -> bool {

@@ -150,7 +150,7 @@ impl Held {
                 done_before: (total as usize - todo.len()) as u64,
                 todo: Some(todo),
             };
-            let engines = Engines::make(backend.as_ref(), layout, e.precision, step.index)?;
+            let engines = Engines::make(backend.as_ref(), layout, e.precision, step.order())?;
             let cfg = RunConfig {
                 cancel: opts.cancel,
                 ..RunConfig::from_engine(e)

@@ -470,7 +470,7 @@ fn run_step_with(
         let tl = Instant::now();
         crate::trace::span("start-up", &format!("step {n}: resume"), tr, tl);
         let resume_s = (tl - tr).as_secs_f64();
-        let engines = Engines::make(backend.as_ref(), layout, e.precision, step.index)?;
+        let engines = Engines::make(backend.as_ref(), layout, e.precision, step.order())?;
         let engine_times = engines.times;
         let journal_sink = JournalSink(&journal);
         #[cfg(feature = "fault-injection")]
