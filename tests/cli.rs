@@ -342,6 +342,7 @@ fn plan_then_run_then_export() {
         "as plan said:\n{r}"
     );
     assert!(plan(dir).contains("status: complete"));
+    let complete = std::fs::read(&j).unwrap();
     // Another plan for the same output: run refuses the journal, and plan says why first.
     let other = PLAN.replace("tile = 32", "tile = 16");
     std::fs::write(dir.join("other.toml"), other).unwrap();
@@ -376,6 +377,23 @@ fn plan_then_run_then_export() {
     std::fs::create_dir(dir.join("C.mgt.shards")).unwrap();
     std::fs::write(dir.join("C.mgt.shards/manifest.json"), "{}").unwrap();
     assert!(plan(dir).contains("a split run is writing ./C.mgt"));
+    // Once finalized, the step's own journal is there and speaks for it.
+    std::fs::write(&j, &complete).unwrap();
+    assert!(plan(dir).contains("status: complete"));
+    // A partial journal with a truncated output: run refuses it, and plan says so first.
+    std::fs::write(&j, &complete[..complete.len() - 32]).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("C.mgt"))
+        .unwrap();
+    f.set_len(100).unwrap();
+    drop(f);
+    let s = plan(dir);
+    assert!(
+        s.contains("shorter than the") && s.contains("`run` refuses it"),
+        "{s}"
+    );
+    fails(&mg(dir, &["run", "plan.toml"]), &["truncated"]);
 }
 
 #[test]

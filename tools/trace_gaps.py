@@ -101,6 +101,8 @@ def main():
               f"{what} {busy:.1f} ms ({len(g)}); idle between them {between:.1f} ms; "
               f"after the last {s1 - g[-1][1]:.1f} ms")
         big = sorted((x for x in gaps if x[0] >= a.min_ms), reverse=True)[: a.top]
+        if a.top > 0 and not big:
+            print(f"  no gap of {a.min_ms:g} ms or more (--min-ms)")
         for d, ga, gb in sorted(big, key=lambda x: x[1]):
             print(f"  gap {d:7.1f} ms at +{ga - s0:8.1f} ms:")
             for other, sp in spans.items():

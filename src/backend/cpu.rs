@@ -70,7 +70,10 @@ impl HostAlloc for CpuBackend {
 
 impl Backend for CpuBackend {
     fn name(&self) -> String {
-        format!("cpu ({} threads)", self.threads)
+        format!(
+            "cpu ({})",
+            crate::progress::count(self.threads as u64, "thread", "threads")
+        )
     }
     fn caps(&self) -> &Caps {
         &self.caps

@@ -322,6 +322,7 @@ fn warm_up_early(
     crate::trace::span(&track, "early: handle", t, std::time::Instant::now());
     let (in_size, out_size) = gemm_sizes(w.precision);
     let run = || -> std::result::Result<(), String> {
+        let t = std::time::Instant::now();
         // SAFETY: scratch memory, read (a) and written (c) only by the GEMM below, which fits
         // in it: A is m·k and B k·n elements, both within `a`; C m·n within `c`.
         let a = unsafe { stream.alloc::<u8>((w.m * w.k).max(w.k * w.n) * in_size) }

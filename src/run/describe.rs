@@ -22,11 +22,17 @@ pub fn describe(plan: &Plan) -> Result<String> {
     if let Some(n) = sel.note() {
         s += &format!("note: {n}\n");
     }
+    let name = sel.name();
     s += &format!(
-        "engine: backend {} | precision {} | threads {} | host_memory {}{}\n",
-        sel.name(),
+        "engine: backend {} | precision {}{} | host_memory {}{}\n",
+        name,
         describe_precision(e.precision),
-        sel.threads(),
+        // The CPU backend's name already says how many threads it computes with.
+        if name.contains("thread") {
+            String::new()
+        } else {
+            format!(" | threads {}", sel.threads())
+        },
         fmt_bytes(e.host_memory),
         if device {
             format!(
@@ -160,7 +166,7 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
         s += &describe_write(step, &l, e);
     }
     s += &describe_bounds(step, &l, &t, sel, e);
-    s += &describe_status(step, &l, caps.kind, e.precision)?;
+    s += &describe_status(plan, step, &l, caps.kind, e.precision)?;
     Ok(s)
 }
 
@@ -170,6 +176,7 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
 /// without locking or changing anything; empty when nothing is there yet, or when the inputs
 /// are not there to compare with (they are to be generated).
 fn describe_status(
+    plan: &Plan,
     step: &crate::plan::Step,
     l: &Layout,
     kind: &str,
@@ -182,14 +189,17 @@ fn describe_status(
     let out = step.output.display();
     let line = |s: String| Ok(format!("  status: {s}\n"));
     let shards = crate::cluster::state_dir(&step.output);
-    if shards.join("manifest.json").exists() {
-        return line(format!(
-            "a split run is writing {out} ({} holds its state): `mgmm-stream status` shows its progress, `finalize` completes it",
-            shards.display()
-        ));
-    }
+    let plan_path = plan.path.display();
     let j = match journal::peek(&step.output) {
         Ok(Some(j)) => j,
+        // A split run writes the output before any journal of the step exists (finalize
+        // merges the shards' into it).
+        Ok(None) if shards.join("manifest.json").exists() => {
+            return line(format!(
+                "a split run is writing {out} ({} holds its state): `mgmm-stream status {plan_path}` shows its progress, `run {plan_path} --shard I/N` goes on with it, `finalize {plan_path}` completes it; a plain `run` refuses the output",
+                shards.display()
+            ));
+        }
         Ok(None) if step.output.exists() => {
             return line(format!("{out} exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it"));
         }
@@ -208,16 +218,23 @@ fn describe_status(
     }
     let (gm, gn, _) = l.grid(step);
     let total = gm * gn;
+    let want =
+        crate::store::output_file_len(&step.output, &crate::pipeline::output_header(step, l));
+    let have = std::fs::metadata(&step.output).map_or(0, |m| m.len());
     let done: std::collections::BTreeSet<u32> = (j.done.iter())
         .map(|&(seq, _)| seq)
         .filter(|&seq| u64::from(seq) < total)
         .collect();
     line(if !step.output.exists() {
         format!("the journal is there but {out} is not: `run` starts the step afresh")
+    } else if j.complete && have < want {
+        format!("complete by its journal, but {out} is {have} bytes, shorter than the {want} its header needs (truncated?): `run` skips it; `verify` checks it, `run --restart` computes it again")
     } else if j.complete {
         "complete: `run` skips this step (`run --restart` computes it again)".into()
     } else if done.is_empty() {
         "started, no output tile recorded yet: `run` starts the step afresh".into()
+    } else if have < want {
+        format!("{out} is {have} bytes, shorter than the {want} its header needs (truncated?): `run` refuses it; `run --restart` starts the step over")
     } else {
         format!(
             "{} of {total} output tiles done: `run` resumes (each done tile's checksum is checked first)",

@@ -604,7 +604,12 @@ fn note_work(
 ) {
     let n = step.index + 1;
     let redone = if bad > 0 {
-        format!(" ({bad} recorded tiles did not match their checksum and are redone)")
+        format!(
+            " ({} did not match {} checksum and {} redone)",
+            crate::progress::count(bad, "recorded tile", "recorded tiles"),
+            if bad == 1 { "its" } else { "their" },
+            if bad == 1 { "is" } else { "are" }
+        )
     } else {
         String::new()
     };
