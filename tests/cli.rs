@@ -396,6 +396,29 @@ fn plan_then_run_then_export() {
     fails(&mg(dir, &["run", "plan.toml"]), &["truncated"]);
 }
 
+/// A journal from another plan is refused before anything is computed: a chain's first part
+/// (held in memory) used to run in full before its second part's journal was refused.
+#[test]
+fn a_foreign_journal_is_refused_before_any_part_runs() {
+    let d = tmp();
+    let dir = d.path();
+    let plan = "[matrices.X]\npath = \"X.mgt\"\ngenerate = { rows = 90, cols = 90, seed = 3 }\n\
+                [[step]]\noutput = \"D.mgt\"\nexpr = \"X @ X @ X\"\n\
+                [engine]\nbackend = \"cpu\"\ntile = 32\n";
+    std::fs::write(dir.join("c.toml"), plan).unwrap();
+    ok(&mg(dir, &["run", "c.toml"]));
+    std::fs::write(dir.join("c.toml"), plan.replace("tile = 32", "tile = 64")).unwrap();
+    let err = fails(
+        &mg(dir, &["run", "c.toml"]),
+        &["different plan", "compute tile"],
+    );
+    assert!(
+        !err.contains("part 1/2"),
+        "no part ran before the refusal:\n{err}"
+    );
+    ok(&mg(dir, &["run", "c.toml", "--restart", "--quiet"]));
+}
+
 #[test]
 fn bad_plans_and_files() {
     let d = tmp();

@@ -150,6 +150,35 @@ fn chain_done(
     step_complete(plan, layouts, i + c.parts - c.part, kind, opts)
 }
 
+/// Refuse, before anything is computed, a step whose journal is from another plan, other
+/// inputs or another backend: the step itself refuses it when its turn comes
+/// (`Journal::open`), but only after the steps before it have run — a chain's whole first part,
+/// say. A step whose inputs are not there yet (an earlier step makes them) is left to that
+/// check.
+fn refuse_foreign_journals(plan: &Plan, layouts: &[Layout], kind: &str) -> Result<()> {
+    use crate::pipeline::journal;
+    for (step, layout) in plan.steps.iter().zip(layouts) {
+        if step.output_in_memory() {
+            continue;
+        }
+        let Some(j) = journal::peek(&step.output)? else {
+            continue;
+        };
+        let Ok(ids) = input_ids(step) else {
+            continue;
+        };
+        let fp = fingerprint_with(step, layout, kind, plan.engine.precision, &ids);
+        if j.fingerprint != fp {
+            return Err(Error::Usage(format!(
+                "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
+                journal::journal_path(&step.output).display(),
+                journal::fingerprint_changes(&j.fingerprint, &fp)
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Whether step `j`'s journal says it is complete for the same plan and inputs (never with
 /// `--restart`).
 fn step_complete(
@@ -343,6 +372,9 @@ fn run_plan_timed(
         ("prepare".to_string(), prepare_s),
         ("generate".to_string(), tg.elapsed().as_secs_f64()),
     ];
+    if opts.shard.is_none() && !opts.restart {
+        refuse_foreign_journals(plan, &layouts, backend.caps().kind)?;
+    }
     let mut steps = Vec::new();
     // The chain intermediates held in memory; dropped as soon as the step reading each is done.
     let mut held = intermediates::Held::default();
