@@ -45,7 +45,7 @@ def test_cancel_event_then_resume(tmp_path):
         mg.matmul(a, b, out=out, progress=on_progress, cancel=stop, **SLOW)
     assert time.monotonic() - t0 < 60
     done = records(out + ".journal")
-    assert 2 <= done < (n // 256) ** 2, done
+    assert 2 <= done < 64, done
     assert all({"tiles_done", "tiles_total", "gflops_per_s", "eta_s"} <= set(u) for u in seen)
     rep = []
     mg.matmul(a, b, out=out, progress=False, **dict(SLOW, threads=0))
@@ -80,11 +80,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_ctrl_c_raises_keyboard_interrupt_promptly_and_resumes(tmp_path):
-    # Big enough that the job cannot finish between its second journal record and the SIGINT:
-    # at N = 2048 (64 tiles, about 0.2 s of work on one thread of a fast CPU) a CI run once
-    # finished first and exited 0.
-    n = 4096
-    a, b = rand((n, n), np.float64, 5), rand((n, n), np.float64, 6)
+    a, b = rand((N, N), np.float64, 5), rand((N, N), np.float64, 6)
     np.save(tmp_path / "a.npy", a)
     np.save(tmp_path / "b.npy", b)
     out = str(tmp_path / "c.npy")
@@ -102,7 +98,7 @@ def test_ctrl_c_raises_keyboard_interrupt_promptly_and_resumes(tmp_path):
     interrupted_at = float(stdout.split("interrupted")[1])
     assert interrupted_at - sent < 2.0, f"KeyboardInterrupt came {interrupted_at - sent:.2f} s late"
     done = records(out + ".journal")
-    assert 2 <= done < (n // 256) ** 2
+    assert 2 <= done < 64
     c = mg.matmul(str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), out=out, progress=False,
                   backend="cpu", tile=256)
     close(c, reference(a, b), np.float64)
