@@ -321,9 +321,7 @@ fn plan_then_run_then_export() {
     assert!(plan(dir).contains("status: complete: `run` skips this step"));
     let j = dir.join("C.mgt.journal");
     let len = std::fs::metadata(&j).unwrap().len();
-    let f = std::fs::OpenOptions::new().write(true).open(&j).unwrap();
-    f.set_len(len - 32).unwrap(); // the completion mark and the last tile's record
-    drop(f);
+    set_len(&j, len - 32); // the completion mark and the last tile's record
     let s = plan(dir);
     assert!(
         s.contains("status: 5 of 6 output tiles done: `run` resumes"),
@@ -382,12 +380,7 @@ fn plan_then_run_then_export() {
     assert!(plan(dir).contains("status: complete"));
     // A partial journal with a truncated output: run refuses it, and plan says so first.
     std::fs::write(&j, &complete[..complete.len() - 32]).unwrap();
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(dir.join("C.mgt"))
-        .unwrap();
-    f.set_len(100).unwrap();
-    drop(f);
+    set_len(&dir.join("C.mgt"), 100);
     let s = plan(dir);
     assert!(
         s.contains("shorter than the") && s.contains("`run` refuses it"),

@@ -300,12 +300,7 @@ fn kill_during_output_creation_restarts_the_step() {
     let o = run_with(dir, ("MGMM_FAULT_WRITE_AFTER", "0"));
     assert!(!o.status.success());
     // Simulate the kill landing inside output creation: only the header page survived.
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(dir.join("C.mgt"))
-        .unwrap();
-    f.set_len(4096).unwrap();
-    drop(f);
+    set_len(&dir.join("C.mgt"), 4096);
     let o = run(dir, &["run", "plan.toml"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(

@@ -204,11 +204,7 @@ fn read_state(
     }
     let (_, peek) = parse(path, bytes)?;
     if &peek.fingerprint != fp {
-        return Err(Error::Usage(format!(
-            "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
-            path.display(),
-            fingerprint_changes(&peek.fingerprint, fp)
-        )));
+        return Err(foreign(path, &peek.fingerprint, fp));
     }
     Ok(if !output_exists {
         State::Fresh
@@ -217,6 +213,16 @@ fn read_state(
     } else {
         State::Partial(peek.done)
     })
+}
+
+/// The error for the journal at `path`, written under fingerprint `old`, met by a run whose
+/// fingerprint is `new`: what differs, and what to do.
+pub(crate) fn foreign(path: &Path, old: &Fingerprint, new: &Fingerprint) -> Error {
+    Error::Usage(format!(
+        "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
+        path.display(),
+        fingerprint_changes(old, new)
+    ))
 }
 
 /// What differs between two fingerprints: `key: was X, now Y` for each key, joined by `; `.

@@ -169,11 +169,8 @@ fn refuse_foreign_journals(plan: &Plan, layouts: &[Layout], kind: &str) -> Resul
         };
         let fp = fingerprint_with(step, layout, kind, plan.engine.precision, &ids);
         if j.fingerprint != fp {
-            return Err(Error::Usage(format!(
-                "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
-                journal::journal_path(&step.output).display(),
-                journal::fingerprint_changes(&j.fingerprint, &fp)
-            )));
+            let path = journal::journal_path(&step.output);
+            return Err(journal::foreign(&path, &j.fingerprint, &fp));
         }
     }
     Ok(())

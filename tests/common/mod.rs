@@ -160,3 +160,10 @@ macro_rules! per_backend {
         }
     };
 }
+
+/// Cut or extend the file at `p` to `len` bytes (a kill or a full disk, simulated).
+#[allow(dead_code)]
+pub fn set_len(p: &Path, len: u64) {
+    let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+    f.set_len(len).unwrap();
+}
