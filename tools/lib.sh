@@ -31,14 +31,14 @@ log() { echo "### $*" | tee -a "$LOG"; }
 # logged CMD...: run CMD, its stdout and stderr shown and appended to the log; returns CMD's status.
 logged() { "$@" 2>&1 | tee -a "$LOG"; return "${PIPESTATUS[0]}"; }
 
-# gen_matrix FILE ROWS COLS SEED [DIST]: generate an f32 input (DIST default normal, as `gen`),
+# gen_matrix FILE ROWS COLS SEED [DIST]: generate an input (f32, or GEN_DTYPE; DIST default normal, as `gen`),
 # unless FILE already holds exactly this one (a FILE.gen stamp records the arguments), so a rerun
 # in the same work folder skips it.
 gen_matrix() {
-  local f=$1 spec="$2 $3 $4 ${5:-normal}"
+  local f=$1 spec="$2 $3 $4 ${5:-normal}${GEN_DTYPE:+ $GEN_DTYPE}"
   if [ -f "$f" ] && [ "$(cat "$f.gen" 2>/dev/null)" = "$spec" ]; then return 0; fi
   rm -f "$f" "$f.gen"
-  "$MGMM" gen "$f" --rows "$2" --cols "$3" --seed "$4" --dist "${5:-normal}" 2>&1 | tail -1 | tee -a "$LOG"
+  "$MGMM" gen "$f" --rows "$2" --cols "$3" --seed "$4" --dist "${5:-normal}" ${GEN_DTYPE:+--dtype "$GEN_DTYPE"} 2>&1 | tail -1 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] && echo "$spec" > "$f.gen"
 }
 

@@ -4,6 +4,9 @@
 # GPU machine, repository root, binaries carried (docs/GPU.md).
 #   A=.dev/bin/mgmm-stream-old B=.dev/bin/mgmm-stream [RUNS=5 N=32768 PRECISION=fp32] \
 #     bash tools/gpu/ab_interleaved.sh
+# One build, two settings: A=B=.dev/bin/mgmm-stream A_ARGS="--set engine.staging=copy" (extra
+# arguments of `run` for A's runs; B_ARGS likewise). GEN_DTYPE=f64: inputs stored as f64 (e.g. for
+# PRECISION=fp64 without a conversion on the host).
 # Log: $OUT/ab.log (one line per run: step wall, TFLOP/s, process wall measured around the
 # process, process − step); reports in $OUT/ab_{A,B}_i.json; a MGMM_TRACE timeline of B's last
 # run in $OUT/trace_B.json with tools/trace_gaps.py's summary in $OUT/gaps.log.
@@ -12,6 +15,7 @@ set -uo pipefail
 log_to ab.log
 A=$(realpath "${A:?set A to the first binary}"); B=$(realpath "${B:?set B to the second binary}")
 RUNS=${RUNS:-5}; N=${N:-32768}; PRECISION=${PRECISION:-fp32}
+read -r -a A_ARGS <<< "${A_ARGS:-}"; read -r -a B_ARGS <<< "${B_ARGS:-}"
 W=${W:-/tmp/ab}; mkdir -p "$W"; cd "$W"
 gen_matrix A.mgt "$N" "$N" 1; gen_matrix B.mgt "$N" "$N" 2; cat A.mgt B.mgt > /dev/null
 printf '[matrices.A]\npath = "A.mgt"\n[matrices.B]\npath = "B.mgt"\n[[step]]\noutput = "C.mgt"\nexpr = "A @ B"\n[engine]\nbackend = "cuda"\nprecision = "%s"\ndevices = [0]\ndurable = false\nhost_memory = "16GiB"\n' "$PRECISION" > p.toml
@@ -32,11 +36,11 @@ PY
 peer
 for i in $(seq 1 "$RUNS"); do
   for which in A B; do
-    bin=$A; [ $which = B ] && bin=$B
+    bin=$A; args=("${A_ARGS[@]}"); [ $which = B ] && { bin=$B; args=("${B_ARGS[@]}"); }
     rm -f C.mgt C.mgt.journal C.mgt.crc32c
     tr=(); [ $which = B ] && [ "$i" = "$RUNS" ] && tr=(env "MGMM_TRACE=$OUT/trace_B.json")
     t0=$(date +%s.%N)
-    if ! "${tr[@]}" "$bin" run p.toml -q --report "$OUT/ab_${which}_$i.json" > "$OUT/ab_${which}_$i.err" 2>&1; then
+    if ! "${tr[@]}" "$bin" run p.toml "${args[@]}" -q --report "$OUT/ab_${which}_$i.json" > "$OUT/ab_${which}_$i.err" 2>&1; then
       log "$which run $i failed:"; tail -5 "$OUT/ab_${which}_$i.err" | tee -a "$LOG"; continue
     fi
     t1=$(date +%s.%N)
