@@ -284,6 +284,7 @@ fn stage_label(k: StageKind) -> &'static str {
         StageKind::Planner => "plan",
         StageKind::Prefetch => "prefetch",
         StageKind::Staging => "read",
+        StageKind::Check => "check",
         StageKind::Lane => "device",
         StageKind::OutPrep => "page-in",
         StageKind::Writeback => "write",

@@ -64,6 +64,22 @@ pub struct StepReport {
     pub shared_read_bytes: u64,
     /// Bytes every input must at least be read (each input once).
     pub min_read_bytes: u64,
+    /// Of `read_bytes`, those the lanes copied straight from the files' pages instead of from
+    /// staging buffers (`engine.staging`, docs/GPU.md).
+    pub direct_bytes: u64,
+    /// Bytes of the input files page-locked for those copies (a storage tile released to stay
+    /// under the budget and needed again counts again).
+    pub direct_registered_bytes: u64,
+    /// Seconds page-locking took, all staging threads together (0 on the CPU: nothing to lock).
+    pub direct_register_s: f64,
+    /// Page-locked bytes released before the step's end to stay under the budget (half the
+    /// memory the host can spare).
+    pub direct_released_bytes: u64,
+    /// Input blocks staged by copy under `staging = "auto"` because their pages were not all
+    /// in memory.
+    pub direct_cold_blocks: u64,
+    /// Why uploads from the files' pages stopped part-way through the step, if they did.
+    pub direct_failed: Option<String>,
     /// Bytes written to the output.
     pub write_bytes: u64,
     /// Seconds from the step's start to its first GEMM.
@@ -284,6 +300,12 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         shared_read_bytes: st.shared_read_bytes,
         memory_read_bytes: st.memory_read_bytes,
         min_read_bytes: predicted.min_read_bytes,
+        direct_bytes: st.direct.as_ref().map_or(0, |d| d.bytes),
+        direct_registered_bytes: st.direct.as_ref().map_or(0, |d| d.registered_bytes),
+        direct_register_s: st.direct.as_ref().map_or(0.0, |d| d.register_s),
+        direct_released_bytes: st.direct.as_ref().map_or(0, |d| d.released_bytes),
+        direct_cold_blocks: st.direct.as_ref().map_or(0, |d| d.cold_blocks),
+        direct_failed: st.direct.as_ref().and_then(|d| d.failed.clone()),
         first_gemm_s: st.first_gemm_s,
         peak_rss_bytes: peak_rss_bytes(),
         write_bytes: sum_bytes(&st.stages, StageKind::Writeback),
@@ -309,6 +331,47 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
             .map(|d| (d.background + d.limit) / 2),
         setup_s: Vec::new(),
     }
+}
+
+/// How much of the input the lanes copied straight from the files' pages (empty when none
+/// was and nothing needs saying).
+fn direct_line(r: &StepReport) -> String {
+    let mut parts = Vec::new();
+    if r.direct_bytes > 0 {
+        let mut p = format!(
+            "{} of it copied by the devices straight from the files' pages",
+            fmt_bytes(r.direct_bytes)
+        );
+        if r.direct_register_s >= 0.001 {
+            p += &format!(
+                " (page-locked {} in {:.2} s{})",
+                fmt_bytes(r.direct_registered_bytes),
+                r.direct_register_s,
+                if r.direct_released_bytes > 0 {
+                    format!(
+                        ", {} released early to stay under the budget",
+                        fmt_bytes(r.direct_released_bytes)
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
+        parts.push(p);
+    }
+    if r.direct_cold_blocks > 0 {
+        parts.push(format!(
+            "{} not in memory staged by copy",
+            crate::progress::count(r.direct_cold_blocks, "block", "blocks")
+        ));
+    }
+    if let Some(why) = &r.direct_failed {
+        parts.push(why.clone());
+    }
+    if parts.is_empty() {
+        return String::new();
+    }
+    format!("  staging: {}\n", parts.join("; "))
 }
 
 fn device_lines(r: &StepReport) -> String {
@@ -397,6 +460,7 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
             .map(|t| format!("{t:.2} s"))
             .unwrap_or_else(|| "-".into())
     );
+    s += &direct_line(r);
     s += &format!(
         "  host memory: peak {} of {} budget; process peak RSS {}\n",
         fmt_bytes(r.host_peak_bytes),

@@ -79,8 +79,11 @@ fn check(backend: &str, c: &Case, seed: u64) {
     if let Some((beta, _)) = c.c0 {
         text += &format!("accumulate = \"C0\"\nbeta = {beta:?}\n");
     }
+    // Every way input blocks reach the lanes, by turns: from the files' pages where in memory
+    // (the default), always copied, always from the pages (docs/PLAN.md, staging).
+    let staging = ["auto", "copy", "direct"][(seed % 3) as usize];
     text += &format!(
-        "[engine]\nbackend = \"{backend}\"\nprecision = \"{}\"\nhost_memory = \"64MiB\"\ntile = [{}, {}, {}]\n",
+        "[engine]\nbackend = \"{backend}\"\nprecision = \"{}\"\nhost_memory = \"64MiB\"\ntile = [{}, {}, {}]\nstaging = \"{staging}\"\n",
         c.precision.name(),
         c.tile[0],
         c.tile[1],

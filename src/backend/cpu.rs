@@ -66,6 +66,11 @@ impl HostAlloc for CpuBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         Ok(HostBuf::heap(bytes))
     }
+    /// The lanes copy input blocks from the files' maps into their slots themselves, which
+    /// saves the staging copy ([`crate::pipeline::direct`]); nothing needs registering.
+    fn input_pinner(&self) -> Option<std::sync::Arc<dyn super::InputPinner>> {
+        Some(std::sync::Arc::new(crate::pipeline::direct::HostMemory))
+    }
 }
 
 impl Backend for CpuBackend {
@@ -188,6 +193,39 @@ impl Lane for CpuLane {
         d.copy_from_slice(&src.bytes()[..n]);
         if let (Some(p), Dst::Slot(_)) = (self.round, dst) {
             // Emulate the reduced-precision GEMM input; accumulators (C0) keep full precision.
+            if let Ok(xs) = <[f32]>::mut_from_bytes(d) {
+                super::round_inputs(p, xs);
+            }
+        }
+        self.stats.h2d_s += t0.elapsed().as_secs_f64();
+        self.stats.h2d_bytes += n as u64;
+        Ok(Ticket(0))
+    }
+
+    fn uploads_runs(&self) -> bool {
+        true
+    }
+
+    fn upload_runs(
+        &mut self,
+        runs: &[super::HostRun],
+        elems: usize,
+        slot: usize,
+    ) -> Result<Ticket> {
+        let t0 = Instant::now();
+        let n = elems * self.dt.size();
+        let d = &mut self.slots[slot].bytes_mut()[..n];
+        for r in runs {
+            for i in 0..r.rows {
+                let at = r.dst_off + i * r.dst_pitch;
+                // SAFETY: the rectangle lies inside a file map that the upload holding `runs`
+                // keeps alive for this call (pipeline::direct::DirectUpload).
+                let row =
+                    unsafe { std::slice::from_raw_parts(r.host.add(i * r.host_pitch), r.row_len) };
+                d[at..at + r.row_len].copy_from_slice(row);
+            }
+        }
+        if let Some(p) = self.round {
             if let Ok(xs) = <[f32]>::mut_from_bytes(d) {
                 super::round_inputs(p, xs);
             }

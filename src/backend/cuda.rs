@@ -32,7 +32,8 @@ use cudarc::driver::{
 };
 
 use super::{
-    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Ticket,
+    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, HostRun, Lane, MemorySpace,
+    Ticket,
 };
 use crate::dtype::DType;
 use crate::error::{DeviceError, Error, Result};
@@ -1107,6 +1108,49 @@ impl HostAlloc for CudaBackend {
     fn pools_made(&self, step: (usize, usize)) {
         self.alloc.pools_made(step)
     }
+    /// Registration of read-only file maps, where every GPU of the backend supports it
+    /// (`CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED`; the H200s here do).
+    fn input_pinner(&self) -> Option<Arc<dyn super::InputPinner>> {
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED as RO;
+        let all = self
+            .devices
+            .iter()
+            .all(|d| d.ctx.attribute(RO).is_ok_and(|v| v != 0));
+        all.then(|| {
+            Arc::new(FilePinner {
+                ctx: self.alloc.ctx.clone(),
+            }) as Arc<dyn super::InputPinner>
+        })
+    }
+}
+
+/// Page-locks parts of read-only file maps for every context of the process
+/// (`cuMemHostRegister` with `PORTABLE | READ_ONLY`), for [`crate::pipeline::direct`].
+struct FilePinner {
+    ctx: Arc<CudaContext>,
+}
+
+impl super::InputPinner for FilePinner {
+    fn register(&self, ptr: *const u8, len: usize) -> std::result::Result<(), String> {
+        use cudarc::driver::sys::{CU_MEMHOSTREGISTER_PORTABLE, CU_MEMHOSTREGISTER_READ_ONLY};
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: the caller passes a page-aligned range inside a live read-only map, which it
+        // unregisters (below) before the map can be unmapped; devices only read from it.
+        unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(
+                ptr as *mut c_void,
+                len,
+                CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY,
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuMemHostRegister: {e}"))
+    }
+    fn unregister(&self, ptr: *const u8) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: registered by `register`; the caller guarantees no copy uses it any more.
+        let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(ptr as *mut c_void) };
+    }
 }
 
 impl Backend for CudaBackend {
@@ -1684,39 +1728,72 @@ impl Lane for CudaLane {
                         .memcpy_htod(host, &mut view)
                         .map_err(|e| self.err("H2D copy", e))?;
                 }
-                let f = self
-                    .convert
-                    .as_ref()
-                    .expect("conversion kernel is loaded for bf16/fp16");
-                let n = elems as u64;
-                let src_view = self.landing[li].slice(..hbytes);
-                let mut dst_view = self.slots[s].slice_mut(..elems * self.dev_dt.size());
-                let blocks = (elems.div_ceil(256)).min(65535 * 4) as u32;
-                let mut b = self.h2d.launch_builder(f);
-                b.arg(&src_view).arg(&mut dst_view).arg(&n);
-                // SAFETY: the kernel reads `n` f32 from the landing view and writes `n` u16 into
-                // the slot view; both views are at least that long (sized from the layout).
-                unsafe {
-                    b.launch(LaunchConfig {
-                        grid_dim: (blocks.max(1), 1, 1),
-                        block_dim: (256, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-                }
-                .map_err(|e| self.err("conversion kernel launch", e))?;
+                self.convert_landing(li, s, elems)?;
             }
         }
-        let end = self
+        self.uploaded(start, hbytes)
+    }
+
+    fn uploads_runs(&self) -> bool {
+        true
+    }
+
+    fn upload_runs(&mut self, runs: &[HostRun], elems: usize, slot: usize) -> Result<Ticket> {
+        use cudarc::driver::sys::{cuMemcpy2DAsync_v2, CUmemorytype, CUDA_MEMCPY2D};
+        let hbytes = elems * self.host_dt.size();
+        let start = self
             .h2d
             .record_event(timing())
             .map_err(|e| self.err("event", e))?;
-        // GEMMs issued from now on wait for this upload. cudarc's per-buffer tracking would
-        // insert the same wait inside the GEMM's timed region; doing it here keeps the GEMM
-        // timing events measuring the GEMM alone.
-        self.comp
-            .wait(&end)
-            .map_err(|e| self.err("stream wait", e))?;
-        Ok(self.ticket(start, end, Kind::H2d, hbytes as u64))
+        // Into the slot, or (bf16/fp16) into a landing buffer and converted from there.
+        let landing = (self.dev_dt != self.host_dt).then(|| {
+            let li = self.next_landing;
+            self.next_landing = (li + 1) % self.landing.len();
+            li
+        });
+        let stream = self.h2d.cu_stream();
+        let buf = match landing {
+            Some(li) => &mut self.landing[li],
+            None => &mut self.slots[slot],
+        };
+        let mut view = buf.slice_mut(..hbytes);
+        let (dptr, guard) = view.device_ptr_mut(&self.h2d);
+        let mut r = Ok(());
+        for run in runs {
+            debug_assert!(run.dst_off + (run.rows - 1) * run.dst_pitch + run.row_len <= hbytes);
+            let copy = CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: CUmemorytype::CU_MEMORYTYPE_HOST,
+                srcHost: run.host as *const c_void,
+                srcDevice: 0,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: run.host_pitch,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: dptr + run.dst_off as u64,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: run.dst_pitch,
+                WidthInBytes: run.row_len,
+                Height: run.rows,
+            };
+            // SAFETY: the source rectangle lies in a page-locked file map that the upload
+            // holding `runs` keeps registered until this copy is known to be done (the
+            // pipeline waits for the ticket); the destination rectangle lies inside the view
+            // (the runs tile the dense block of `elems` elements).
+            r = unsafe { cuMemcpy2DAsync_v2(&copy, stream) }.result();
+            if r.is_err() {
+                break;
+            }
+        }
+        drop(guard);
+        r.map_err(|e| self.err("H2D copy from a file map", e))?;
+        if let Some(li) = landing {
+            self.convert_landing(li, slot, elems)?;
+        }
+        self.uploaded(start, hbytes)
     }
 
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {
@@ -1857,6 +1934,51 @@ impl Lane for CudaLane {
             t,
             std::time::Instant::now(),
         );
+    }
+}
+
+impl CudaLane {
+    /// Round the `elems` fp32 values of landing buffer `li` to the device input type into
+    /// slot `s`, on the copy stream.
+    fn convert_landing(&mut self, li: usize, s: usize, elems: usize) -> Result<()> {
+        let hbytes = elems * self.host_dt.size();
+        let f = self
+            .convert
+            .as_ref()
+            .expect("conversion kernel is loaded for bf16/fp16");
+        let n = elems as u64;
+        let src_view = self.landing[li].slice(..hbytes);
+        let mut dst_view = self.slots[s].slice_mut(..elems * self.dev_dt.size());
+        let blocks = (elems.div_ceil(256)).min(65535 * 4) as u32;
+        let mut b = self.h2d.launch_builder(f);
+        b.arg(&src_view).arg(&mut dst_view).arg(&n);
+        // SAFETY: the kernel reads `n` f32 from the landing view and writes `n` u16 into
+        // the slot view; both views are at least that long (sized from the layout).
+        unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (blocks.max(1), 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(|e| self.err("conversion kernel launch", e))?;
+        Ok(())
+    }
+
+    /// Close an upload that began with event `start`: its end event, which later GEMMs wait
+    /// for, and its ticket.
+    fn uploaded(&mut self, start: CudaEvent, hbytes: usize) -> Result<Ticket> {
+        let end = self
+            .h2d
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        // GEMMs issued from now on wait for this upload. cudarc's per-buffer tracking would
+        // insert the same wait inside the GEMM's timed region; doing it here keeps the GEMM
+        // timing events measuring the GEMM alone.
+        self.comp
+            .wait(&end)
+            .map_err(|e| self.err("stream wait", e))?;
+        Ok(self.ticket(start, end, Kind::H2d, hbytes as u64))
     }
 }
 

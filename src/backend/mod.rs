@@ -106,7 +106,40 @@ pub trait HostAlloc: Send + Sync {
     ///
     /// [`Step::order`]: crate::plan::Step::order
     fn pools_made(&self, _step: (usize, usize)) {}
+    /// What page-locks parts of the input files' maps so that the devices copy from them
+    /// directly (`engine.staging`, [`crate::pipeline::direct`]); `None` where the backend's
+    /// devices cannot (the CPU, a GPU without read-only registration).
+    fn input_pinner(&self) -> Option<std::sync::Arc<dyn InputPinner>> {
+        None
+    }
 }
+
+/// Page-locks (and releases) ranges of read-only file maps for the devices' copy engines.
+pub trait InputPinner: Send + Sync {
+    /// Page-lock `len` bytes at `ptr` (page-aligned, inside a live read-only map) for every
+    /// device of the backend. Faults in pages not in memory.
+    fn register(&self, ptr: *const u8, len: usize) -> std::result::Result<(), String>;
+    /// Release a range [`Self::register`] locked; no copy may use it afterwards.
+    fn unregister(&self, ptr: *const u8);
+}
+
+/// One rectangle of an upload straight from a page-locked file map
+/// ([`Lane::upload_runs`]): `rows` rows of `row_len` bytes, `host_pitch` bytes apart at `host`,
+/// land `dst_pitch` bytes apart from byte `dst_off` of the destination.
+#[derive(Clone, Copy, Debug)]
+pub struct HostRun {
+    pub(crate) host: *const u8,
+    pub(crate) host_pitch: usize,
+    pub(crate) dst_off: usize,
+    pub(crate) dst_pitch: usize,
+    pub(crate) row_len: usize,
+    pub(crate) rows: usize,
+}
+
+// SAFETY: a HostRun only points into a map that the upload holding it keeps alive and
+// page-locked (`pipeline::direct::DirectUpload`); it is read by the device, never through Rust.
+unsafe impl Send for HostRun {}
+unsafe impl Sync for HostRun {}
 
 /// Identifies asynchronous work issued on a lane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,6 +197,18 @@ pub trait Lane: Send {
     }
     /// Copy the first `elems` host-compute-type elements of `src` into `dst`.
     fn upload(&mut self, src: &HostBuf, elems: usize, dst: Dst) -> Result<Ticket>;
+    /// Whether [`Lane::upload_runs`] works on this lane (its device copies from page-locked
+    /// file maps that [`HostAlloc::input_pinner`] registered).
+    fn uploads_runs(&self) -> bool {
+        false
+    }
+    /// Copy a block of `elems` host-compute-type elements, given as rectangles of page-locked
+    /// host memory, into input slot `slot` (densely, as [`Lane::upload`] would).
+    fn upload_runs(&mut self, _runs: &[HostRun], _elems: usize, _slot: usize) -> Result<Ticket> {
+        Err(crate::error::Error::Usage(
+            "this lane cannot upload from file maps (a bug: staging asked it to)".into(),
+        ))
+    }
     /// Accumulate `op(A slot) · op(B slot)` into accumulator `acc` as `g` describes.
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()>;
     /// Copy the first `elems` elements of accumulator `acc` into `dst`.

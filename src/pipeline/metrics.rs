@@ -14,6 +14,8 @@ pub(crate) enum StageKind {
     Planner,
     Prefetch,
     Staging,
+    /// Checks blocks the lanes copy straight from the files' pages (`engine.staging`).
+    Check,
     Lane,
     OutPrep,
     Writeback,
@@ -27,6 +29,7 @@ impl StageKind {
             StageKind::Planner => "planner",
             StageKind::Prefetch => "prefetch",
             StageKind::Staging => "staging",
+            StageKind::Check => "check",
             StageKind::Lane => "lane",
             StageKind::OutPrep => "outprep",
             StageKind::Writeback => "writeback",

@@ -10,6 +10,7 @@
 
 pub(crate) mod checkpoint;
 pub(crate) mod control;
+pub(crate) mod direct;
 pub mod journal;
 pub(crate) mod metrics;
 pub(crate) mod pool;
@@ -72,6 +73,8 @@ pub struct StepSources {
 pub(crate) struct RunConfig {
     pub(crate) verify_inputs: bool,
     pub(crate) durable: bool,
+    /// How input blocks reach the lanes (`engine.staging`).
+    pub(crate) staging: crate::plan::StagingMode,
     /// Worker threads of the run (`engine.threads` resolved: 0 means every core).
     pub(crate) threads: usize,
     /// A flag set from outside (Ctrl-C) that cancels the run; `None`: only errors cancel.
@@ -83,6 +86,7 @@ impl RunConfig {
         RunConfig {
             verify_inputs: e.verify_inputs,
             durable: e.durable,
+            staging: e.staging,
             threads: crate::backend::resolve_threads(e.threads),
             cancel: None,
         }
@@ -124,6 +128,8 @@ pub(crate) struct RunStats {
     pub(crate) dirty_paced: bool,
     /// How the output was written ([`MatrixSink::write_mode`]).
     pub(crate) write_mode: &'static str,
+    /// What uploads straight from the files' pages did (`None`: not used in this run).
+    pub(crate) direct: Option<direct::DirectStats>,
 }
 
 /// What a pipeline runs on: the backend's lanes (on a GPU: context, streams, device buffers,
@@ -233,6 +239,9 @@ pub(crate) struct Pipeline<'a> {
     staging_pools: Vec<Pool>,
     out_pool: Pool,
     lanes: Vec<Box<dyn Lane>>,
+    /// Page-locked input tiles the lanes copy from directly; declared after `lanes`, so
+    /// dropped (released) after them.
+    direct: Option<direct::DirectReads>,
     show_devices: bool,
     cfg: RunConfig,
     sink: &'a dyn TileSink,
@@ -287,6 +296,17 @@ impl<'a> Pipeline<'a> {
         } = engines;
         let nlanes = lanes.len();
         let queue = TileQueue::new(&sched, order, nlanes);
+        let direct = match backend.input_pinner() {
+            Some(pinner) if lanes.iter().any(|l| l.uploads_runs()) => {
+                let srcs = [Some(&inputs.a), Some(&inputs.b), inputs.c0.as_ref()];
+                direct::DirectReads::new(
+                    cfg.staging,
+                    pinner,
+                    srcs.into_iter().flatten().cloned().collect(),
+                )
+            }
+            _ => None,
+        };
         let dirty = (work.writer.counts_dirty_pages())
             .then(crate::store::fsutil::dirty_limits)
             .flatten();
@@ -301,6 +321,7 @@ impl<'a> Pipeline<'a> {
             staging_pools,
             out_pool,
             lanes,
+            direct,
             show_devices: backend.caps().memory == MemorySpace::Device,
             cfg,
             sink,
@@ -420,6 +441,7 @@ impl<'a> Pipeline<'a> {
                 && !self.cfg.durable
                 && write_mode == crate::store::WriteMode::Mmap.name(),
             write_mode,
+            direct: self.direct.as_ref().map(|d| d.stats()),
         })
     }
 
@@ -520,6 +542,7 @@ impl<'a> Pipeline<'a> {
             staging_pools,
             out_pool,
             lanes,
+            direct,
             cfg,
             sink,
             ckpt,
@@ -563,10 +586,29 @@ impl<'a> Pipeline<'a> {
                 out: pre_tx,
                 m: m(StageKind::Prefetch),
             }));
+            // Uploads straight from the files' pages, where the lane takes them, and the stage
+            // that checks what they upload.
+            let direct = match direct.as_ref().filter(|_| lane.uploads_runs()) {
+                Some(d) => {
+                    let (check_tx, check_rx) = crossbeam_channel::bounded(64);
+                    let progress = Arc::new(direct::CheckProgress::default());
+                    stages.push(Box::new(stages::Checker {
+                        inputs,
+                        host_dt: l.host_dt,
+                        rx: check_rx,
+                        progress: progress.clone(),
+                        m: m(StageKind::Check),
+                    }));
+                    Some((d, check_tx, progress))
+                }
+                None => None,
+            };
             stages.push(Box::new(Staging {
                 lane: i,
                 inputs,
                 shared,
+                direct,
+                checks_issued: std::cell::Cell::new(0),
                 pool: staging_pools[i].clone(),
                 host_dt: l.host_dt,
                 rx: pre_rx,
@@ -585,6 +627,7 @@ impl<'a> Pipeline<'a> {
                 first_gemm: (t0, &c.first_gemm_ns),
                 live: &c.lane_live[i],
                 ckpt,
+                checks: None,
             }));
         }
         drop((done_tx, outprep_tx));
@@ -619,7 +662,7 @@ macro_rules! stage_run {
         })*
     };
 }
-stage_run!(Planner, Prefetch, Staging, DeviceLane, OutPrep, Writeback, Durable);
+stage_run!(Planner, Prefetch, Staging, Checker, DeviceLane, OutPrep, Writeback, Durable);
 
 /// What the output side of the pipeline (prefault, writeback, durability) is connected to.
 struct OutputWiring<'p> {

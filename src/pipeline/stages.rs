@@ -5,7 +5,10 @@
 //!        │ (each lane's planner pulls the next output tile)
 //!   Planner ──PlanOp──▶ Prefetch ──PlanOp──▶ Staging ──LaneOp──▶ DeviceLane ──Done──▶ Writeback
 //!   (cache model,        (madvise            (lease buffer,       (upload, GEMM,       (write tile
-//!    slot choice)         WILLNEED)           pread, CRC, NaNs)    download)            into output)
+//!    slot choice)         WILLNEED)           pread, CRC, NaNs;    download)            into output
+//!                                             or page-lock the                          once its
+//!                                             file's pages)──CheckJob──▶ Checker ───────▶ checks pass)
+//!                                                                (CRC, NaNs)
 //! ```
 //! A stage loops over its receiver, stops when upstream disconnects, leaves when downstream
 //! does, and reports its first error through [`Control`], which cancels the others.
@@ -18,6 +21,7 @@ use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
 use super::checkpoint::Checkpoints;
 use super::control::Control;
+use super::direct::{CheckProgress, DirectReads, DirectUpload};
 use super::metrics::StageMetrics;
 use super::pool::{Lease, Pool};
 use super::shared::{Got, SharedReads};
@@ -56,11 +60,18 @@ pub(crate) enum PlanOp {
     },
 }
 
+/// An input block ready for its lane: in a filled host buffer, or as rectangles of a file's
+/// page-locked map ([`super::direct`]). Held until the lane's copy of it is done.
+pub(crate) enum Staged {
+    Buf(Arc<Lease>),
+    Direct(Arc<DirectUpload>),
+}
+
 /// Staging → device lane: loads now carry filled host buffers.
 pub(crate) enum LaneOp {
     Upload {
         slot: usize,
-        buf: Arc<Lease>,
+        buf: Staged,
         elems: usize,
     },
     Begin {
@@ -88,6 +99,49 @@ pub(crate) struct Done {
     pub(crate) tile: OutTile,
     pub(crate) buf: Lease,
     pub(crate) partial: Option<u32>,
+    /// The checks of directly uploaded inputs that must pass before it is written: those of
+    /// every block the lane uploaded so far.
+    pub(crate) checks: Option<(Arc<CheckProgress>, u64)>,
+}
+
+/// Staging → check: a block uploaded straight from its file's pages, to check (CRC, NaN/Inf)
+/// as copying it would have; `seq` is its place in the lane's order of checks.
+pub(crate) struct CheckJob {
+    pub(crate) seq: u64,
+    pub(crate) src: Src,
+    pub(crate) block: Block,
+}
+
+/// Checks the blocks a lane uploads straight from the files' pages ([`super::direct`]): the
+/// checksums of storage tiles not verified yet and the NaN/Inf count, reading the pages while
+/// the device copies them, in the order staging issued them; each one passed is published in
+/// `progress`, which writeback waits on. A corrupt tile fails the run here.
+pub(crate) struct Checker<'a> {
+    pub(crate) inputs: &'a Inputs,
+    pub(crate) host_dt: DType,
+    pub(crate) rx: Receiver<CheckJob>,
+    pub(crate) progress: Arc<CheckProgress>,
+    pub(crate) m: Arc<StageMetrics>,
+}
+
+impl Checker<'_> {
+    pub(crate) fn run(self, ctl: &Control) -> Result<()> {
+        while let Some(job) = ctl.recv_timed(&self.rx, &self.m) {
+            let t = Instant::now();
+            let f = self.inputs.file(job.src);
+            let nonfinite = f.scan_mapped(&job.block, self.host_dt, self.inputs.verify)?;
+            if nonfinite > 0 {
+                self.inputs
+                    .nonfinite
+                    .fetch_add(nonfinite, Ordering::Relaxed);
+            }
+            self.progress.set(job.seq + 1);
+            self.m.add_busy(t.elapsed());
+            self.m
+                .add_item((job.block.elems() * f.dtype().size()) as u64);
+        }
+        Ok(())
+    }
 }
 
 /// Output tiles still to compute, dealt so that lanes run *in phase*.
@@ -404,6 +458,11 @@ pub(crate) struct Staging<'a> {
     pub(crate) lane: usize,
     pub(crate) inputs: &'a Inputs,
     pub(crate) shared: &'a SharedReads,
+    /// Uploads straight from the files' pages, when this lane's device can do them, and where
+    /// their checks go ([`Checker`]).
+    pub(crate) direct: Option<(&'a DirectReads, Sender<CheckJob>, Arc<CheckProgress>)>,
+    /// Checks issued so far.
+    pub(crate) checks_issued: std::cell::Cell<u64>,
     pub(crate) pool: Pool,
     pub(crate) host_dt: DType,
     pub(crate) rx: Receiver<PlanOp>,
@@ -490,11 +549,45 @@ impl Staging<'_> {
         Ok(Arc::new(lease))
     }
 
+    /// `block` of `src` as rectangles of its file's page-locked map, when direct uploads apply
+    /// to it ([`DirectReads::prepare`]), its checks handed to the [`Checker`]; `None`: copy it.
+    fn fill_direct(&self, ctl: &Control, src: Src, block: &Block) -> Result<Option<Staged>> {
+        let Some((d, checks, progress)) = &self.direct else {
+            return Ok(None);
+        };
+        let f = self.inputs.file(src);
+        // A buffer as a token: as many blocks in flight as with copies.
+        let token = self.lease(ctl)?;
+        let t = Instant::now();
+        let Some(mut up) = d.prepare(f, block, self.host_dt, token) else {
+            self.m.add_busy(t.elapsed());
+            return Ok(None);
+        };
+        let seq = self.checks_issued.get();
+        self.checks_issued.set(seq + 1);
+        up.check = Some((progress.clone(), seq));
+        self.m.add_busy(t.elapsed());
+        self.m.add_item((block.elems() * f.dtype().size()) as u64);
+        let job = CheckJob {
+            seq,
+            src,
+            block: *block,
+        };
+        ctl.send_timed(checks, job, &self.m)?;
+        Ok(Some(Staged::Direct(Arc::new(up))))
+    }
+
     pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         while let Some(op) = ctl.recv_timed(&self.rx, &self.m) {
             let out = match op {
                 PlanOp::Load { slot, src, block } => {
-                    let (buf, elems) = self.fill(ctl, src, &block)?;
+                    let (buf, elems) = match self.fill_direct(ctl, src, &block)? {
+                        Some(up) => (up, block.elems()),
+                        None => {
+                            let (buf, elems) = self.fill(ctl, src, &block)?;
+                            (Staged::Buf(buf), elems)
+                        }
+                    };
                     LaneOp::Upload { slot, buf, elems }
                 }
                 PlanOp::Begin { acc, c0, resume } => {
@@ -543,6 +636,8 @@ pub(crate) struct DeviceLane<'a> {
     pub(crate) live: &'a std::sync::Mutex<crate::backend::DeviceStats>,
     /// Where partial accumulators are saved and resumed from (`None`: never).
     pub(crate) ckpt: Option<&'a Checkpoints>,
+    /// The checks of every directly uploaded block so far, which results wait for.
+    pub(crate) checks: Option<(Arc<CheckProgress>, u64)>,
 }
 
 /// GEMMs a lane may have queued on its device ([`DeviceLane::hold_back`]).
@@ -552,7 +647,7 @@ const MAX_AHEAD: usize = 8;
 const LANE_POLL: std::time::Duration = std::time::Duration::from_micros(500);
 
 struct Pending {
-    ups: Vec<(Ticket, Arc<Lease>)>,
+    ups: Vec<(Ticket, Staged)>,
     downs: Vec<(Ticket, Done)>,
 }
 
@@ -580,7 +675,7 @@ impl DeviceLane<'_> {
         let tk = self
             .lane
             .upload(buf.buf(), tile.block.elems(), Dst::Acc(acc))?;
-        p.ups.push((tk, Arc::new(buf)));
+        p.ups.push((tk, Staged::Buf(Arc::new(buf))));
         Ok(())
     }
 
@@ -603,6 +698,7 @@ impl DeviceLane<'_> {
             tile: *tile,
             buf,
             partial: Some(k_done),
+            checks: self.checks.clone(),
         };
         ctl.send_timed(&self.out, done, &self.m)
     }
@@ -696,6 +792,19 @@ impl DeviceLane<'_> {
             ups: Vec::new(),
             downs: Vec::new(),
         };
+        let r = self.work(ctl, &mut p);
+        // A lane that stops early (an error, a cancel) may leave copies in flight; those
+        // reading the files' page-locked pages must end before the pages are released when
+        // the stages are over (best effort: a failed device answers at once).
+        for (tk, buf) in p.ups.drain(..) {
+            if matches!(buf, Staged::Direct(_)) {
+                let _ = self.lane.wait(tk);
+            }
+        }
+        r
+    }
+
+    fn work(&mut self, ctl: &Control, p: &mut Pending) -> Result<()> {
         let mut ops = 0u64;
         // When each accumulator's tile started, or was last saved (for checkpoints): per
         // accumulator, because a start group interleaves several tiles' k-chunks.
@@ -705,7 +814,7 @@ impl DeviceLane<'_> {
                 Ok(op) => op,
                 Err(TryRecvError::Disconnected) => break,
                 Err(TryRecvError::Empty) => {
-                    let Some(op) = self.next_op(&mut p, ctl)? else {
+                    let Some(op) = self.next_op(p, ctl)? else {
                         break;
                     };
                     op
@@ -714,7 +823,15 @@ impl DeviceLane<'_> {
             let (t, waited) = (Instant::now(), self.m.waited_out());
             match op {
                 LaneOp::Upload { slot, buf, elems } => {
-                    let tk = self.lane.upload(buf.buf(), elems, Dst::Slot(slot))?;
+                    let tk = match &buf {
+                        Staged::Buf(b) => self.lane.upload(b.buf(), elems, Dst::Slot(slot))?,
+                        Staged::Direct(d) => {
+                            if let Some((p, seq)) = &d.check {
+                                self.checks = Some((p.clone(), seq + 1));
+                            }
+                            self.lane.upload_runs(&d.runs, elems, slot)?
+                        }
+                    };
                     p.ups.push((tk, buf));
                 }
                 LaneOp::Begin { acc, c0, resume } => {
@@ -724,10 +841,10 @@ impl DeviceLane<'_> {
                     marks[acc] = Instant::now();
                     if let Some((buf, elems)) = c0 {
                         let tk = self.lane.upload(buf.buf(), elems, Dst::Acc(acc))?;
-                        p.ups.push((tk, buf));
+                        p.ups.push((tk, Staged::Buf(buf)));
                     }
                     if let Some(tile) = resume {
-                        self.resume(&tile, acc, &mut p, ctl)?;
+                        self.resume(&tile, acc, p, ctl)?;
                     }
                 }
                 LaneOp::Gemm {
@@ -738,7 +855,7 @@ impl DeviceLane<'_> {
                     tile,
                     kk,
                 } => {
-                    self.hold_back(&mut p, ctl)?;
+                    self.hold_back(p, ctl)?;
                     self.lane.gemm(&desc, a_slot, b_slot, acc)?;
                     if ops == 0 || self.first_gemm.1.load(Ordering::Relaxed) == u64::MAX {
                         let ns = self.first_gemm.0.elapsed().as_nanos() as u64;
@@ -749,7 +866,7 @@ impl DeviceLane<'_> {
                     if let Some(c) = self.ckpt {
                         let mark = marks.get(acc).copied().unwrap_or_else(Instant::now);
                         if kk + 1 < c.k_chunks() && c.due(mark) {
-                            self.checkpoint(&tile, acc, kk as u32 + 1, &mut p, ctl)?;
+                            self.checkpoint(&tile, acc, kk as u32 + 1, p, ctl)?;
                             if let Some(m) = marks.get_mut(acc) {
                                 *m = Instant::now();
                             }
@@ -768,23 +885,31 @@ impl DeviceLane<'_> {
                         let (_, d) = p.downs.remove(0);
                         ctl.send_timed(&self.out, d, &self.m)?;
                     }
-                    let mut buf = self.lease_out(&mut p, ctl)?;
+                    let mut buf = self.lease_out(p, ctl)?;
                     let elems = tile.block.elems();
                     let tk = self.lane.download(acc, elems, buf.buf_mut())?;
-                    let partial = None;
-                    p.downs.push((tk, Done { tile, buf, partial }));
+                    let (partial, checks) = (None, self.checks.clone());
+                    p.downs.push((
+                        tk,
+                        Done {
+                            tile,
+                            buf,
+                            partial,
+                            checks,
+                        },
+                    ));
                     self.m.add_item((elems * self.host_dt.size()) as u64);
                 }
             }
             self.m.add_busy_since(t, waited);
-            self.settle(&mut p, ctl, false)?;
+            self.settle(p, ctl, false)?;
             ops += 1;
             if ops.is_multiple_of(16) {
                 *self.live.lock().unwrap() = self.lane.live_stats();
             }
         }
         if !ctl.is_cancelled() {
-            self.settle(&mut p, ctl, true)?;
+            self.settle(p, ctl, true)?;
             *self.live.lock().unwrap() = self.lane.live_stats();
             self.lane.release();
         }
@@ -832,6 +957,12 @@ pub(crate) struct Writeback<'a> {
 impl Writeback<'_> {
     pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         while let Some(d) = ctl.recv_timed(&self.rx, &self.m) {
+            if let Some((progress, n)) = &d.checks {
+                // Nothing computed from an input block is written before its checks passed.
+                let t = Instant::now();
+                progress.wait_for(*n, ctl)?;
+                self.m.add_wait_in(t.elapsed());
+            }
             let t = Instant::now();
             let b = d.tile.block;
             let bytes = b.elems() * self.host_dt.size();

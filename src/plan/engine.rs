@@ -190,6 +190,23 @@ pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engin
         verify_inputs: e.verify_inputs.as_ref().is_none_or(|v| *v.get_ref()),
         write: resolve_write(e, from)?,
         checkpoint_every: resolve_checkpoint_every(e, from)?,
+        staging: resolve_staging(e, from)?,
+    })
+}
+
+fn resolve_staging(e: &RawEngine, from: &EngineSource) -> Result<super::StagingMode> {
+    let Some(v) = &e.staging else {
+        return Ok(super::StagingMode::default());
+    };
+    super::StagingMode::parse(v.get_ref()).ok_or_else(|| {
+        from.err(
+            "staging",
+            format!(
+                "{}: \"{}\" is unknown; use \"auto\" (the default), \"copy\" or \"direct\" (docs/PLAN.md, staging)",
+                from.at("staging", v),
+                v.get_ref()
+            ),
+        )
     })
 }
 
@@ -443,5 +460,17 @@ mod tests {
             m.contains("engine.write (line 1)") && m.contains("\"auto\" (the default)"),
             "{m}"
         );
+        let m = engine("staging = \"dma\"\n", &[]).unwrap_err().to_string();
+        assert!(
+            m.contains("engine.staging (line 1)") && m.contains("\"copy\" or \"direct\""),
+            "{m}"
+        );
+        for (text, want) in [
+            ("", super::super::StagingMode::Auto),
+            ("staging = \"copy\"\n", super::super::StagingMode::Copy),
+            ("staging = \"direct\"\n", super::super::StagingMode::Direct),
+        ] {
+            assert_eq!(engine(text, &[]).unwrap().staging, want, "{text:?}");
+        }
     }
 }

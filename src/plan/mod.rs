@@ -156,6 +156,40 @@ pub struct Engine {
     /// How often an output tile still being computed saves its partial accumulator
     /// (`engine.checkpoint_every`); `None` = never.
     pub checkpoint_every: Option<std::time::Duration>,
+    /// How input tiles reach a GPU (`engine.staging`).
+    pub staging: StagingMode,
+}
+
+/// How input tiles reach a GPU (`engine.staging`, docs/PLAN.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StagingMode {
+    /// Straight from the file's pages where they are in the page cache, else copied.
+    #[default]
+    Auto,
+    /// Always copied into pinned buffers first.
+    Copy,
+    /// Straight from the file's pages wherever the format allows, reading them in if needed.
+    Direct,
+}
+
+impl StagingMode {
+    /// The mode a plan writes as `text`.
+    pub fn parse(text: &str) -> Option<StagingMode> {
+        match text.trim() {
+            "auto" => Some(StagingMode::Auto),
+            "copy" => Some(StagingMode::Copy),
+            "direct" => Some(StagingMode::Direct),
+            _ => None,
+        }
+    }
+    /// The plan's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            StagingMode::Auto => "auto",
+            StagingMode::Copy => "copy",
+            StagingMode::Direct => "direct",
+        }
+    }
 }
 
 /// One operand of a step as it is stored on disk.

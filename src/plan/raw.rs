@@ -94,6 +94,8 @@ pub(crate) struct RawEngine {
     pub(crate) write: Option<Spanned<String>>,
     /// How often a long output tile saves its partial accumulator: "5min" (default) | "off".
     pub(crate) checkpoint_every: Option<Spanned<String>>,
+    /// How input tiles reach a GPU: "auto" (default) | "copy" | "direct".
+    pub(crate) staging: Option<Spanned<String>>,
 }
 
 impl RawEngine {
@@ -111,6 +113,7 @@ impl RawEngine {
             verify_inputs,
             write,
             checkpoint_every,
+            staging,
         } = over;
         self.backend = backend.or(self.backend.take());
         self.precision = precision.or(self.precision.take());
@@ -123,6 +126,7 @@ impl RawEngine {
         self.verify_inputs = verify_inputs.or(self.verify_inputs.take());
         self.write = write.or(self.write.take());
         self.checkpoint_every = checkpoint_every.or(self.checkpoint_every.take());
+        self.staging = staging.or(self.staging.take());
     }
 }
 

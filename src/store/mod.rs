@@ -25,6 +25,6 @@ pub(crate) mod tiled;
 
 pub use header::Header;
 pub(crate) use source::{create_output, output_file_len, reopen_output, OutputFormat};
-pub use source::{open_source, Block, MatrixSink, MatrixSource, WriteMode};
+pub use source::{open_source, Block, MappedBlock, MatrixSink, MatrixSource, WriteMode};
 pub(crate) use tiled::TiledWriter;
 pub use tiled::{par_crc32c, TiledFile};

@@ -140,25 +140,7 @@ impl RowMajorFile {
 
     /// Whether the pages of file bytes `span` are (nearly all) in the page cache.
     fn resident(&self, span: std::ops::Range<u64>) -> bool {
-        let page = 4096usize;
-        let start = (span.start as usize / page) * page;
-        let end = (span.end as usize).min(self.map.len());
-        if end <= start {
-            return true;
-        }
-        let pages = (end - start).div_ceil(page);
-        let mut vec = vec![0u8; pages];
-        // SAFETY: `start..end` lies inside the live read-only map (clamped above), `start` is
-        // page-aligned relative to the page-aligned map base, and `vec` has one byte per page
-        // of the range, as mincore(2) requires.
-        let rc = unsafe {
-            libc::mincore(
-                self.map.as_ptr().add(start) as *mut libc::c_void,
-                end - start,
-                vec.as_mut_ptr(),
-            )
-        };
-        rc == 0 && vec.iter().filter(|&&v| v & 1 == 1).count() * 10 >= pages * 9
+        crate::store::fsutil::resident(&self.map, span, 0.9)
     }
 
     /// A strided run whose whole file span is cheaper to read than its segments.

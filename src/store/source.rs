@@ -91,6 +91,22 @@ pub trait MatrixSource: Send + Sync {
     fn in_memory(&self) -> bool {
         false
     }
+    /// Block `b` as rectangles of the file's read-only map, for a device to copy straight from
+    /// the page cache (`engine.staging`, [`crate::pipeline::direct`]); `None` where the format
+    /// cannot give them (another dtype than `host`, a source without a map of its own).
+    fn mapped_block(&self, _b: &Block, _host: DType) -> Option<MappedBlock<'_>> {
+        None
+    }
+    /// For a block a device copies from the map ([`Self::mapped_block`]): what
+    /// [`Self::read_staged`] checks without its copy — the checksums when `verify`, and the
+    /// count of NaN and Inf elements (returned). Formats without a map never get here; the
+    /// default checks and counts nothing more than [`Self::verify_block`].
+    fn scan_mapped(&self, b: &Block, _host: DType, verify: bool) -> Result<u64> {
+        if verify {
+            self.verify_block(b)?;
+        }
+        Ok(0)
+    }
     /// True when the file stores the transpose of the matrix it holds (a Fortran-order `.npy`,
     /// a raw file with `order = "F"`): [`shape`](Self::shape) and blocks are those of the stored
     /// row-major transpose, and the plan reads the operand with `.T` flipped (no copy is made).
@@ -110,6 +126,22 @@ pub trait MatrixSource: Send + Sync {
             self.dtype()
         )
     }
+}
+
+/// A block of a source as rectangles of its read-only file map ([`MatrixSource::mapped_block`]).
+pub struct MappedBlock<'a> {
+    /// The block's runs, whole (not split by I/O size), in file offsets.
+    pub(crate) runs: Vec<super::runs::Run>,
+    /// The file ranges that hold the runs, one per storage tile: page-aligned, disjoint, and
+    /// the same for every block that touches the tile.
+    pub(crate) spans: Vec<std::ops::Range<u64>>,
+    /// The file's tile data (`data_offset` to the end of the last tile) and the bytes from one
+    /// storage tile to the next: spans are `stride` apart from `data.start`, so ranges of whole
+    /// consecutive tiles can be page-locked together.
+    pub(crate) data: std::ops::Range<u64>,
+    pub(crate) stride: u64,
+    /// The whole file's map (page-aligned; index = file offset).
+    pub(crate) map: &'a [u8],
 }
 
 /// [`MatrixSource::read_staged`] as three passes: checksums, the read (converting), the

@@ -567,6 +567,18 @@ impl TiledFile {
             },
         )
         .map_err(|e| Error::io(&self.path, "cannot read tile data", e))?;
+        self.settle_checks(b, marks, per_run)
+    }
+
+    /// The end of a pass that computed, per run, its NaN/Inf count and (for runs inside a
+    /// storage tile not yet verified) its CRC piece: verify those tiles, completing each from
+    /// the file where the pieces leave gaps, mark them verified, and return the count.
+    fn settle_checks(
+        &self,
+        b: &Block,
+        marks: Option<&[AtomicBool]>,
+        per_run: Vec<(u64, Option<Piece>)>,
+    ) -> Result<u64> {
         let nonfinite = per_run.iter().map(|r| r.0).sum();
         if let Some(marks) = marks {
             let mut pieces: Vec<Piece> = per_run.into_iter().filter_map(|r| r.1).collect();
@@ -592,6 +604,45 @@ impl TiledFile {
             })?;
         }
         Ok(nonfinite)
+    }
+
+    /// What [`Self::read_staged`] checks, without the copy: the NaN/Inf count of block `b` and,
+    /// with `verify`, the checksums of the storage tiles it touches not yet verified, in one
+    /// parallel pass over the file's map (the pages a device copies straight from,
+    /// `engine.staging`). `host` must be the file's dtype.
+    pub(crate) fn scan_mapped(&self, b: &Block, host: DType, verify: bool) -> Result<u64> {
+        let h = &self.hdr;
+        assert_eq!(h.dtype, host, "scan_mapped: the map holds the file's dtype");
+        b.check_inside(&self.path, (h.rows, h.cols))?;
+        let marks = (verify && h.has_checksums()).then(|| self.marks());
+        let geo = self.geo;
+        let map: &[u8] = &self.map;
+        let rs: Vec<Run> = runs(&geo, b, IO_SPAN).collect();
+        let per_run: Vec<(u64, Option<Piece>)> = rs
+            .par_iter()
+            .map(|g| {
+                let tile = ((g.file_off - geo.data_offset) / geo.tile_stride) as usize;
+                let want_crc =
+                    g.file_contiguous() && marks.is_some_and(|m| !m[tile].load(Ordering::Relaxed));
+                let mut piece = want_crc.then_some(Piece {
+                    tile,
+                    start: g.file_off,
+                    len: g.bytes() as u64,
+                    crc: 0,
+                });
+                let mut nonfinite = 0;
+                for r in 0..g.rows {
+                    let at = g.row(r).0 as usize;
+                    let bytes = &map[at..at + g.row_len];
+                    if let Some(p) = &mut piece {
+                        p.crc = crc32c::crc32c_append(p.crc, bytes);
+                    }
+                    nonfinite += dtype::count_nonfinite(host, bytes);
+                }
+                (nonfinite, piece)
+            })
+            .collect();
+        self.settle_checks(b, marks, per_run)
     }
 
     /// The journal's identity of this file: canonical path, length, header CRC and
@@ -635,6 +686,31 @@ impl MatrixSource for TiledFile {
     }
     fn read_staged(&self, b: &Block, host: DType, dst: &mut [u8], verify: bool) -> Result<u64> {
         TiledFile::read_staged(self, b, host, dst, verify)
+    }
+    fn scan_mapped(&self, b: &Block, host: DType, verify: bool) -> Result<u64> {
+        TiledFile::scan_mapped(self, b, host, verify)
+    }
+    fn mapped_block(&self, b: &Block, host: DType) -> Option<super::source::MappedBlock<'_>> {
+        if self.hdr.dtype != host
+            || b.check_inside(&self.path, (self.hdr.rows, self.hdr.cols))
+                .is_err()
+        {
+            return None;
+        }
+        let geo = self.geo;
+        Some(super::source::MappedBlock {
+            runs: runs(&geo, b, u64::MAX).collect(),
+            spans: geo
+                .tiles_iter(b)
+                .map(|(ti, tj)| {
+                    let at = geo.tile_offset(ti, tj);
+                    at..at + geo.tile_stride
+                })
+                .collect(),
+            data: geo.data_offset..self.hdr.data_end(),
+            stride: geo.tile_stride,
+            map: &self.map,
+        })
     }
     fn identity(&self) -> String {
         TiledFile::identity(self)

@@ -1,0 +1,687 @@
+//! Direct uploads: the devices copy input blocks straight out of the files' pages.
+//!
+//! Staging used to copy every input block from the file's map into a pinned buffer, and only
+//! then could the GPU copy it. With tensor-core precisions that copy was the bottleneck: on the
+//! H200 host one thread copies from the page cache into pinned memory at 5.8 GB/s, sixteen at
+//! 38–45 GB/s, and 32768² tf32 spent 0.55 s of its 0.7 s step staging while the GEMMs took
+//! 0.17 s. The driver can instead page-lock the file's own pages (`cuMemHostRegister` with
+//! `READ_ONLY` on the read-only map): one thread registers page-cache pages at 40–50 GB/s,
+//! releases them at ~130 GB/s, and the GPU then copies from them at the pinned rate, 54.5 GB/s
+//! (`tools/gpu/direct_probe.py`, docs/measurements/2026-12-02b-h200-1-probes.log).
+//!
+//! So for a block whose format has it ([`MatrixSource::mapped_block`]: a `.mgt` file of the
+//! compute dtype), staging hands the lane the block's rectangles in the map and the page-locked
+//! storage tiles behind them ([`DirectUpload`]); the lane copies each rectangle into the slot.
+//! A storage tile is registered the first time a block needs it and stays registered for later
+//! blocks until the registered total would pass the budget (half the memory the host can spare,
+//! measured when the step starts), when idle tiles are released oldest first; everything is
+//! released when the step ends. Storage tiles are page-aligned and `tile_stride` apart
+//! (docs/FORMAT.md), so their ranges never overlap and each is registered once.
+//!
+//! Checks stay, off the devices' path: a storage tile's CRC is verified and NaN/Inf are counted
+//! for every block uploaded, as the copy did, by a `check` stage that reads the pages while the
+//! device copies them ([`CheckProgress`]). In the copy path these checks ride along with the
+//! copy; here they would cost as much as it did (they, not the copy, were most of the staging
+//! work: a first version that ran them before each upload was no faster than copying), so the
+//! upload does not wait for them; instead no output tile is written until every check issued
+//! before its last upload has passed, so a corrupt input still stops the run before any tile
+//! computed from it is written or recorded.
+//!
+//! When it is not used (`engine.staging`): `"copy"` never; `"auto"` (the default) for blocks
+//! whose pages are all in the page cache — a block still on disk is read the usual way, whose
+//! parallel reads run at the disk's speed, where registering would fault its pages in one by
+//! one; `"direct"` for every block it can. A registration that fails (a kernel or driver that
+//! refuses, memory locked elsewhere) turns direct uploads off for the rest of the step, and the
+//! report says why. On the CPU the "registration" is nothing and the lane copies the
+//! rectangles into its slot, which saves the staging copy there too.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use super::pool::Lease;
+use crate::backend::{HostRun, InputPinner};
+use crate::dtype::DType;
+use crate::plan::StagingMode;
+use crate::store::{Block, MappedBlock, MatrixSource};
+
+/// The registry of page-locked storage tiles of one step's inputs, shared by its lanes.
+pub(crate) struct DirectReads {
+    pinner: Arc<dyn InputPinner>,
+    mode: StagingMode,
+    /// Registered bytes allowed at once (idle ranges are released above it).
+    budget: u64,
+    /// Bytes registered at once: whole consecutive storage tiles, about [`CHUNK`] bytes.
+    chunk: u64,
+    /// Registered ranges by their first byte's address.
+    entries: Mutex<HashMap<usize, Arc<Entry>>>,
+    registered: AtomicU64,
+    tick: AtomicU64,
+    /// Why direct uploads stopped, if a registration failed.
+    failed: OnceLock<String>,
+    stats: Counts,
+    /// The sources whose maps the entries point into: dropped only after every range is
+    /// released ([`Drop`]).
+    _sources: Vec<Arc<dyn MatrixSource>>,
+}
+
+#[derive(Default)]
+struct Counts {
+    bytes: AtomicU64,
+    cold_blocks: AtomicU64,
+    register_ns: AtomicU64,
+    registered_bytes: AtomicU64,
+    released_bytes: AtomicU64,
+}
+
+/// What direct uploads did in a step, for the report.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct DirectStats {
+    /// Input bytes uploaded straight from the files' pages.
+    pub(crate) bytes: u64,
+    /// Blocks copied instead because their pages were not all in memory (`auto`).
+    pub(crate) cold_blocks: u64,
+    /// Bytes registered, and the seconds that took (all threads together).
+    pub(crate) registered_bytes: u64,
+    pub(crate) register_s: f64,
+    /// Bytes released early to stay under the budget.
+    pub(crate) released_bytes: u64,
+    /// Why direct uploads stopped part-way, if they did.
+    pub(crate) failed: Option<String>,
+}
+
+/// One registered range: a storage tile of an input file.
+struct Entry {
+    ptr: usize,
+    len: usize,
+    st: Mutex<EntryState>,
+}
+
+#[derive(Default)]
+struct EntryState {
+    /// Uploads in flight that use the range.
+    users: usize,
+    registered: bool,
+    /// When it was last pinned (the registry's tick), for releasing the oldest first.
+    last: u64,
+}
+
+/// A range kept registered while an upload uses it.
+pub(crate) struct Pin(Arc<Entry>);
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        let mut st = self.0.st.lock().unwrap_or_else(|e| e.into_inner());
+        st.users -= 1;
+    }
+}
+
+/// A block ready to be copied by a lane straight from the page-locked map: its rectangles, the
+/// pins that keep them registered, and a staging buffer leased as a token, so that no more
+/// blocks are in flight than with copies (the pool's backpressure), until the copy is done.
+pub(crate) struct DirectUpload {
+    pub(crate) runs: Vec<HostRun>,
+    /// The checks of this block: done once `progress` reaches the number.
+    pub(crate) check: Option<(Arc<CheckProgress>, u64)>,
+    _pins: Vec<Pin>,
+    _token: Lease,
+}
+
+/// How many of a lane's checks (CRC, NaN/Inf count) of directly uploaded blocks have passed, in
+/// the order they were issued; writeback waits on it before writing a tile.
+#[derive(Default)]
+pub(crate) struct CheckProgress {
+    done: Mutex<u64>,
+    cv: std::sync::Condvar,
+}
+
+impl CheckProgress {
+    /// Checks `0..n` have passed.
+    pub(crate) fn set(&self, n: u64) {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = n;
+        self.cv.notify_all();
+    }
+    /// Wait until checks `0..n` have passed; `Err(Cancelled)` once the run is cancelled (a
+    /// failed check cancels it).
+    pub(crate) fn wait_for(
+        &self,
+        n: u64,
+        ctl: &super::control::Control,
+    ) -> crate::error::Result<()> {
+        let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        while *done < n {
+            if ctl.is_cancelled() {
+                return Err(crate::error::Error::Cancelled);
+            }
+            done = (self.cv)
+                .wait_timeout(done, std::time::Duration::from_millis(10))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+}
+
+/// The registered bytes allowed when nothing says otherwise (no `/proc/meminfo`).
+const DEFAULT_BUDGET: u64 = 8 << 30;
+
+/// How much is registered at once. A registration costs about 0.25 ms beside its 40–50 GB/s,
+/// so registering each 4 MiB storage tile of a 32768² file (2048 calls) took 0.70 s for its
+/// 8 GiB and releasing them 0.20 s (docs/measurements/2026-12-02b-h200-3-*.log); 64 chunks of
+/// 128 MiB took 0.24 s and 0.08 s. But a block registers the whole chunks its tiles lie in,
+/// and with 128 MiB (a whole band of 32 tiles) the first blocks registered 4× their size
+/// before the first GEMM could start (0.07–0.08 s after the step's start against 0.04 s
+/// with copies, call 5). Consecutive storage tiles are contiguous in the file, so a chunk is a
+/// run of them, the next blocks of the same band use its other tiles, and 32 MiB — the eight
+/// 4 MiB tiles of an 8192-wide block's row, aligned — keeps both costs small.
+const CHUNK: u64 = 32 << 20;
+
+impl DirectReads {
+    /// A registry for `sources` (A, B, C0), registering through `pinner`; `None` for `copy`.
+    pub(crate) fn new(
+        mode: StagingMode,
+        pinner: Arc<dyn InputPinner>,
+        sources: Vec<Arc<dyn MatrixSource>>,
+    ) -> Option<DirectReads> {
+        if mode == StagingMode::Copy {
+            return None;
+        }
+        let budget = crate::store::fsutil::memory_headroom()
+            .map(|h| h / 2)
+            .unwrap_or(DEFAULT_BUDGET);
+        Some(Self::with_budget(mode, pinner, sources, budget, CHUNK))
+    }
+
+    fn with_budget(
+        mode: StagingMode,
+        pinner: Arc<dyn InputPinner>,
+        sources: Vec<Arc<dyn MatrixSource>>,
+        budget: u64,
+        chunk: u64,
+    ) -> DirectReads {
+        DirectReads {
+            pinner,
+            mode,
+            budget,
+            chunk,
+            entries: Mutex::new(HashMap::new()),
+            registered: AtomicU64::new(0),
+            tick: AtomicU64::new(0),
+            failed: OnceLock::new(),
+            stats: Counts::default(),
+            _sources: sources,
+        }
+    }
+
+    /// `block` of `f` as rectangles of its page-locked map; `None` when it is to be copied
+    /// instead (the format has no map of the compute dtype, its pages are not in memory under
+    /// `auto`, or registering failed). `token` is kept until the upload is done. Its checks
+    /// are the caller's ([`MatrixSource::scan_mapped`], on the `check` stage).
+    pub(crate) fn prepare(
+        &self,
+        f: &dyn MatrixSource,
+        block: &Block,
+        host: DType,
+        token: Lease,
+    ) -> Option<DirectUpload> {
+        if self.failed.get().is_some() {
+            return None;
+        }
+        let mb = f.mapped_block(block, host)?;
+        let ranges = self.ranges(&mb);
+        if self.mode == StagingMode::Auto
+            && !ranges
+                .iter()
+                .all(|r| crate::store::fsutil::resident(mb.map, r.clone(), 1.0))
+        {
+            self.stats.cold_blocks.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        let pins = self.pin_all(f, &mb, &ranges)?;
+        let runs: Vec<HostRun> = mb
+            .runs
+            .iter()
+            .map(|r| HostRun {
+                // SAFETY: runs lie inside the file (checked by `mapped_block`), so inside the map.
+                host: unsafe { mb.map.as_ptr().add(r.file_off as usize) },
+                host_pitch: r.file_pitch as usize,
+                dst_off: r.buf_off,
+                dst_pitch: r.buf_pitch,
+                row_len: r.row_len,
+                rows: r.rows,
+            })
+            .collect();
+        let bytes = (block.elems() * host.size()) as u64;
+        self.stats.bytes.fetch_add(bytes, Ordering::Relaxed);
+        Some(DirectUpload {
+            runs,
+            check: None,
+            _pins: pins,
+            _token: token,
+        })
+    }
+
+    /// The file ranges registered for `mb`: the chunks of whole consecutive storage tiles
+    /// ([`CHUNK`]) that hold its tiles, each the same for every block that touches it, so
+    /// registered once and never overlapping another.
+    fn ranges(&self, mb: &MappedBlock<'_>) -> Vec<std::ops::Range<u64>> {
+        let per = (self.chunk / mb.stride).max(1) * mb.stride;
+        let mut idx: Vec<u64> = (mb.spans.iter())
+            .map(|s| (s.start - mb.data.start) / per)
+            .collect();
+        idx.sort_unstable();
+        idx.dedup();
+        idx.into_iter()
+            .map(|c| {
+                let start = mb.data.start + c * per;
+                start..(start + per).min(mb.data.end)
+            })
+            .collect()
+    }
+
+    /// Pins on `ranges` of `mb`'s map; `None` (and direct uploads off for the rest of the step,
+    /// saying why) when a registration fails.
+    fn pin_all(
+        &self,
+        f: &dyn MatrixSource,
+        mb: &MappedBlock<'_>,
+        ranges: &[std::ops::Range<u64>],
+    ) -> Option<Vec<Pin>> {
+        let mut pins = Vec::with_capacity(ranges.len());
+        for s in ranges {
+            let end = (s.end as usize).min(mb.map.len());
+            let start = s.start as usize;
+            // SAFETY: `start < end <= map.len()`: inside the map.
+            let ptr = unsafe { mb.map.as_ptr().add(start) } as usize;
+            match self.pin(ptr, end - start) {
+                Ok(p) => pins.push(p),
+                Err(why) => {
+                    let _ = self.failed.set(format!(
+                        "registering {} of {} failed ({why}); the rest of the step copied its inputs",
+                        crate::plan::size::fmt_bytes(end as u64 - start as u64),
+                        f.path().display()
+                    ));
+                    return None;
+                }
+            }
+        }
+        Some(pins)
+    }
+
+    /// Keep `len` bytes at `ptr` registered while the returned pin lives.
+    fn pin(&self, ptr: usize, len: usize) -> Result<Pin, String> {
+        let e = {
+            let mut m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            m.entry(ptr)
+                .or_insert_with(|| {
+                    Arc::new(Entry {
+                        ptr,
+                        len,
+                        st: Mutex::new(EntryState::default()),
+                    })
+                })
+                .clone()
+        };
+        let mut st = e.st.lock().unwrap_or_else(|e| e.into_inner());
+        st.last = self.tick.fetch_add(1, Ordering::Relaxed);
+        if !st.registered {
+            self.make_room(len as u64, ptr);
+            let t = Instant::now();
+            self.pinner.register(ptr as *const u8, len)?;
+            let ns = t.elapsed().as_nanos() as u64;
+            crate::trace::span("direct", "register", t, Instant::now());
+            st.registered = true;
+            self.registered.fetch_add(len as u64, Ordering::Relaxed);
+            self.stats.register_ns.fetch_add(ns, Ordering::Relaxed);
+            self.stats
+                .registered_bytes
+                .fetch_add(len as u64, Ordering::Relaxed);
+        }
+        st.users += 1;
+        drop(st);
+        Ok(Pin(e))
+    }
+
+    /// Release idle ranges, oldest first, until `len` more bytes fit in the budget (or
+    /// nothing idle is left: ranges in use are never released). `except`: the range being
+    /// registered (its lock is held by the caller).
+    fn make_room(&self, len: u64, except: usize) {
+        if self.registered.load(Ordering::Relaxed) + len <= self.budget {
+            return;
+        }
+        let mut idle: Vec<(u64, Arc<Entry>)> = {
+            let m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            m.values()
+                .filter(|e| e.ptr != except)
+                .filter_map(|e| {
+                    let st = e.st.try_lock().ok()?;
+                    (st.registered && st.users == 0).then(|| (st.last, e.clone()))
+                })
+                .collect()
+        };
+        idle.sort_unstable_by_key(|(last, _)| *last);
+        for (_, e) in idle {
+            if self.registered.load(Ordering::Relaxed) + len <= self.budget {
+                break;
+            }
+            // Skip a range someone holds the lock of (it is being pinned again).
+            let Ok(mut st) = e.st.try_lock() else {
+                continue;
+            };
+            if st.registered && st.users == 0 {
+                self.pinner.unregister(e.ptr as *const u8);
+                st.registered = false;
+                self.registered.fetch_sub(e.len as u64, Ordering::Relaxed);
+                self.stats
+                    .released_bytes
+                    .fetch_add(e.len as u64, Ordering::Relaxed);
+            }
+        }
+    }
+
+    pub(crate) fn stats(&self) -> DirectStats {
+        let c = &self.stats;
+        DirectStats {
+            bytes: c.bytes.load(Ordering::Relaxed),
+            cold_blocks: c.cold_blocks.load(Ordering::Relaxed),
+            registered_bytes: c.registered_bytes.load(Ordering::Relaxed),
+            register_s: c.register_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            released_bytes: c.released_bytes.load(Ordering::Relaxed),
+            failed: self.failed.get().cloned(),
+        }
+    }
+}
+
+impl Drop for DirectReads {
+    /// Release every range still registered, before the maps can go (the sources are dropped
+    /// after this). Every upload is over by now: each holds the registry by reference.
+    fn drop(&mut self) {
+        let t = Instant::now();
+        let m = self.entries.get_mut().unwrap_or_else(|e| e.into_inner());
+        for e in m.values() {
+            let st = e.st.lock().unwrap_or_else(|e| e.into_inner());
+            if st.registered {
+                self.pinner.unregister(e.ptr as *const u8);
+            }
+        }
+        crate::trace::span("direct", "release", t, Instant::now());
+    }
+}
+
+/// The CPU's "registration": nothing, its lanes read host memory anyway.
+pub(crate) struct HostMemory;
+
+impl InputPinner for HostMemory {
+    fn register(&self, _ptr: *const u8, _len: usize) -> Result<(), String> {
+        Ok(())
+    }
+    fn unregister(&self, _ptr: *const u8) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{HostAlloc, HostBuf};
+    use crate::pipeline::pool::Pool;
+    use crate::store::gen::{generate, Dist, GenSpec};
+
+    /// Records what is registered; refuses registrations once `fail` is set.
+    #[derive(Default)]
+    struct Recorder {
+        held: Mutex<Vec<(usize, usize)>>,
+        registrations: AtomicU64,
+        fail: std::sync::atomic::AtomicBool,
+    }
+
+    impl InputPinner for Recorder {
+        fn register(&self, ptr: *const u8, len: usize) -> Result<(), String> {
+            if self.fail.load(Ordering::Relaxed) {
+                return Err("refused by the test".into());
+            }
+            let mut h = self.held.lock().unwrap();
+            assert!(
+                h.iter()
+                    .all(|&(p, l)| ptr as usize >= p + l || p >= ptr as usize + len),
+                "a range overlapping one still registered"
+            );
+            assert_eq!(ptr as usize % 4096, 0, "registered ranges start on a page");
+            h.push((ptr as usize, len));
+            self.registrations.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        fn unregister(&self, ptr: *const u8) {
+            let mut h = self.held.lock().unwrap();
+            let i = h.iter().position(|&(p, _)| p == ptr as usize);
+            h.swap_remove(i.expect("unregistering a range that is registered"));
+        }
+    }
+
+    struct Heap;
+    impl HostAlloc for Heap {
+        fn alloc_host(&self, bytes: usize) -> crate::error::Result<HostBuf> {
+            Ok(HostBuf::heap(bytes))
+        }
+    }
+
+    /// A 64×64 f32 file in 16×16 storage tiles (1 KiB each, a 4 KiB stride).
+    fn file(dir: &std::path::Path) -> Arc<dyn MatrixSource> {
+        let p = dir.join("A.mgt");
+        let spec = GenSpec {
+            rows: 64,
+            cols: 64,
+            dtype: DType::F32,
+            tile: (16, 16),
+            dist: Dist::Arange,
+            seed: 1,
+        };
+        generate(&p, &spec).unwrap();
+        crate::store::open_source(&p).unwrap()
+    }
+
+    fn block(r0: u64, c0: u64, rows: u64, cols: u64) -> Block {
+        Block { r0, c0, rows, cols }
+    }
+
+    #[test]
+    fn tiles_are_registered_once_released_over_budget_and_at_the_end() {
+        let d = tempfile::tempdir().unwrap();
+        let f = file(d.path());
+        let rec = Arc::new(Recorder::default());
+        // Room for four storage tiles (4 KiB strides), registered one by one.
+        let reg = DirectReads::with_budget(
+            StagingMode::Direct,
+            rec.clone(),
+            vec![f.clone()],
+            4 * 4096,
+            4096,
+        );
+        let pool = Pool::new("staging", &Heap, 4, 64).unwrap();
+        // A block straddling 2×2 storage tiles: four ranges, rectangles covering it exactly.
+        let b = block(8, 8, 16, 16);
+        let up = reg
+            .prepare(&*f, &b, DType::F32, pool.try_lease().unwrap())
+            .unwrap();
+        assert_eq!(rec.registrations.load(Ordering::Relaxed), 4);
+        let covered: usize = up.runs.iter().map(|r| r.rows * r.row_len).sum();
+        assert_eq!(covered, 16 * 16 * 4);
+        // Element (8 + i, 8 + j) of the arange matrix is (8 + i)·64 + 8 + j.
+        let mut dense = vec![0f32; 256];
+        for r in &up.runs {
+            for i in 0..r.rows {
+                for j in 0..r.row_len / 4 {
+                    // SAFETY: inside the file's map, kept alive by `f`.
+                    let x = unsafe {
+                        (r.host.add(i * r.host_pitch + 4 * j) as *const f32).read_unaligned()
+                    };
+                    dense[(r.dst_off + i * r.dst_pitch) / 4 + j] = x;
+                }
+            }
+        }
+        for (e, &x) in dense.iter().enumerate() {
+            assert_eq!(x, ((8 + e / 16) * 64 + 8 + e % 16) as f32, "element {e}");
+        }
+        // The same tiles again: nothing new to register.
+        let up2 = reg
+            .prepare(&*f, &b, DType::F32, pool.try_lease().unwrap())
+            .unwrap();
+        assert_eq!(rec.registrations.load(Ordering::Relaxed), 4);
+        drop((up, up2));
+        // Two new tiles: the budget holds four, so the two oldest idle ones go first.
+        let up3 = reg
+            .prepare(
+                &*f,
+                &block(0, 32, 16, 32),
+                DType::F32,
+                pool.try_lease().unwrap(),
+            )
+            .unwrap();
+        assert_eq!(rec.registrations.load(Ordering::Relaxed), 6);
+        assert_eq!(rec.held.lock().unwrap().len(), 4);
+        assert_eq!(reg.stats().released_bytes, 2 * 4096);
+        // Tiles in use are never released, even over the budget.
+        let up4 = reg
+            .prepare(
+                &*f,
+                &block(48, 0, 16, 64),
+                DType::F32,
+                pool.try_lease().unwrap(),
+            )
+            .unwrap();
+        assert_eq!(
+            rec.held.lock().unwrap().len(),
+            6,
+            "2 in use by up3, 4 by up4"
+        );
+        drop((up3, up4));
+        let st = reg.stats();
+        assert_eq!(st.bytes, (256 + 256 + 512 + 1024) * 4);
+        assert!(st.failed.is_none());
+        drop(reg);
+        assert!(
+            rec.held.lock().unwrap().is_empty(),
+            "all released at the end"
+        );
+    }
+
+    #[test]
+    fn results_wait_for_the_checks_before_them_and_stop_on_a_cancel() {
+        let p = Arc::new(CheckProgress::default());
+        let ctl = crate::pipeline::control::Control::new();
+        p.wait_for(0, &ctl).unwrap();
+        let q = p.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            q.set(2);
+        });
+        let t0 = Instant::now();
+        p.wait_for(2, &ctl).unwrap();
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(25));
+        t.join().unwrap();
+        ctl.cancel();
+        assert!(matches!(
+            p.wait_for(3, &ctl),
+            Err(crate::error::Error::Cancelled)
+        ));
+    }
+
+    #[test]
+    fn consecutive_tiles_are_registered_together() {
+        let d = tempfile::tempdir().unwrap();
+        let f = file(d.path());
+        let rec = Arc::new(Recorder::default());
+        // Chunks of three tiles (12 KiB): the grid's 16 tiles, in file order, in six chunks.
+        let reg = DirectReads::with_budget(
+            StagingMode::Direct,
+            rec.clone(),
+            vec![f.clone()],
+            1 << 30,
+            3 * 4096,
+        );
+        let pool = Pool::new("staging", &Heap, 4, 64).unwrap();
+        // Tiles (0, 1), (0, 2), (1, 1), (1, 2) = file tiles 1, 2, 5, 6: chunks 0 and 1 (tiles 0–5)
+        // and 2 (6–8).
+        let up = reg
+            .prepare(
+                &*f,
+                &block(8, 24, 24, 16),
+                DType::F32,
+                pool.try_lease().unwrap(),
+            )
+            .unwrap();
+        let held = rec.held.lock().unwrap().clone();
+        assert_eq!(held.len(), 3);
+        assert!(held.iter().all(|&(_, len)| len == 3 * 4096));
+        drop(up);
+        // The whole matrix: the last chunk holds tile 15 alone (it ends with the tile data).
+        let _up = reg
+            .prepare(
+                &*f,
+                &block(0, 0, 64, 64),
+                DType::F32,
+                pool.try_lease().unwrap(),
+            )
+            .unwrap();
+        let held = rec.held.lock().unwrap().clone();
+        assert_eq!(held.len(), 6);
+        assert_eq!(held.iter().map(|h| h.1).sum::<usize>(), 16 * 4096);
+    }
+
+    #[test]
+    fn a_failed_registration_turns_to_copies_and_says_why() {
+        let d = tempfile::tempdir().unwrap();
+        let f = file(d.path());
+        let rec = Arc::new(Recorder::default());
+        rec.fail.store(true, Ordering::Relaxed);
+        let reg = DirectReads::with_budget(
+            StagingMode::Auto,
+            rec.clone(),
+            vec![f.clone()],
+            1 << 30,
+            4096,
+        );
+        let pool = Pool::new("staging", &Heap, 2, 64).unwrap();
+        assert!(reg
+            .prepare(
+                &*f,
+                &block(0, 0, 16, 16),
+                DType::F32,
+                pool.try_lease().unwrap()
+            )
+            .is_none());
+        rec.fail.store(false, Ordering::Relaxed);
+        // Off for the rest of the step, even once registering would work.
+        assert!(reg
+            .prepare(
+                &*f,
+                &block(0, 0, 16, 16),
+                DType::F32,
+                pool.try_lease().unwrap()
+            )
+            .is_none());
+        let why = reg.stats().failed.unwrap();
+        assert!(
+            why.contains("A.mgt") && why.contains("refused by the test"),
+            "{why}"
+        );
+        // Another dtype than the file's has no rectangles: copied, without a failure.
+        let reg = DirectReads::with_budget(
+            StagingMode::Direct,
+            rec.clone(),
+            vec![f.clone()],
+            1 << 30,
+            4096,
+        );
+        assert!(reg
+            .prepare(
+                &*f,
+                &block(0, 0, 16, 16),
+                DType::F64,
+                pool.try_lease().unwrap()
+            )
+            .is_none());
+        assert!(reg.stats().failed.is_none());
+        // The leases went back to the pool each time.
+        assert!(pool.try_lease().is_some());
+    }
+}
