@@ -284,10 +284,20 @@ fn plan_then_run_then_export() {
         "lower bound",
         "traffic",
         "output written with mmap (write = auto: a ",
+        "straight from the files' pages where",
+        "(staging = auto)",
     ] {
         assert!(s.contains(want), "plan output lacks {want:?}:\n{s}");
     }
     assert!(!s.contains("status:"), "nothing on disk yet:\n{s}");
+    let c = ok(&mg(
+        dir,
+        &["plan", "plan.toml", "--set", "engine.staging=copy"],
+    ));
+    assert!(
+        c.contains("inputs copied into the staging buffers (staging = copy)"),
+        "{c}"
+    );
     assert!(
         !dir.join("A.mgt").exists(),
         "plan must not generate anything"

@@ -165,6 +165,7 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
     if !step.output_in_memory() {
         s += &describe_write(step, &l, e);
     }
+    s += &describe_staging(step, &l, e, caps.memory == MemorySpace::Device);
     s += &describe_bounds(step, &l, &t, sel, e);
     s += &describe_status(plan, step, &l, caps.kind, e.precision)?;
     Ok(s)
@@ -241,6 +242,66 @@ fn describe_status(
             done.len()
         )
     })
+}
+
+/// How the step's inputs reach the lanes (docs/PLAN.md, `staging`): which operands can be copied
+/// straight from their files' pages, and why the others cannot.
+fn describe_staging(
+    step: &crate::plan::Step,
+    l: &Layout,
+    e: &crate::plan::Engine,
+    device: bool,
+) -> String {
+    use crate::plan::StagingMode;
+    if e.staging == StagingMode::Copy {
+        return "  inputs copied into the staging buffers (staging = copy)\n".into();
+    }
+    let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+    let (mut direct, mut copied) = (Vec::new(), Vec::new());
+    for op in ops.into_iter().flatten() {
+        let npy = op.path.extension().is_some_and(|x| x == "npy");
+        // A chain's intermediate held in memory: no file to map.
+        let in_memory = (step.chain.as_ref()).is_some_and(|c| c.memory.contains(&op.path));
+        let why = if in_memory {
+            Some("held in memory".to_string())
+        } else if op.raw.is_some() {
+            Some("a raw file".to_string())
+        } else if npy {
+            Some(".npy".to_string())
+        } else if op.dtype != l.host_dt {
+            Some(format!("{} stored, {} computed", op.dtype, l.host_dt))
+        } else {
+            None
+        };
+        match why {
+            None => direct.push(op.name.clone()),
+            Some(w) => copied.push(format!("{} ({w})", op.name)),
+        }
+    }
+    let mut parts = Vec::new();
+    if !direct.is_empty() {
+        let who = if device {
+            "the devices copy"
+        } else {
+            "the lanes copy"
+        };
+        let when = match e.staging {
+            StagingMode::Auto => " where their pages are in the page cache, else staged by copy",
+            _ => "",
+        };
+        parts.push(format!(
+            "{who} {} straight from the files' pages{when}",
+            direct.join(", ")
+        ));
+    }
+    if !copied.is_empty() {
+        parts.push(format!("{} staged by copy", copied.join(", ")));
+    }
+    format!(
+        "  inputs: {} (staging = {})\n",
+        parts.join("; "),
+        e.staging.name()
+    )
 }
 
 /// How the output file will be written (docs/PLAN.md, `write`), and why when `auto` chose.
