@@ -121,10 +121,9 @@ impl Journal {
                 .map_err(|e| Error::io(&path, "cannot write journal", e))?;
             file.sync_all()
                 .map_err(|e| Error::io(&path, "cannot sync journal", e))?;
-        } else if let State::Partial(d) = &state {
+        } else if let State::Partial(_) = &state {
             // Drop any torn tail so new records follow the last good one.
-            let nl = bytes.iter().position(|&b| b == b'\n').unwrap_or(0) + 1;
-            let keep = (nl + 16 * d.len()) as u64;
+            let keep = parse(&path, &bytes)?.1.good_end as u64;
             file.set_len(keep)
                 .map_err(|e| Error::io(&path, "cannot trim journal", e))?;
         }
@@ -279,8 +278,8 @@ impl Journal {
                     path.display()
                 )));
             }
-            let keep = head + 16 * (peek.done.len() + usize::from(peek.complete));
-            file.set_len(keep as u64)
+            let _ = head;
+            file.set_len(peek.good_end as u64)
                 .map_err(|e| Error::io(path, "cannot trim shard journal", e))?;
             peek.done
         };
@@ -337,6 +336,13 @@ pub struct Peek {
     pub done: Vec<(u32, u32)>,
     /// Whether the step was recorded complete.
     pub complete: bool,
+    /// Records that fail their check (magic, CRC) but have good records after them: damaged
+    /// in place, not torn by a crash at the end. They are skipped, so their tiles are computed
+    /// again; the records after them still count.
+    pub damaged: usize,
+    /// Where the last good record ends (the header's end when there is none): new records
+    /// follow it, and a torn tail after it is cut off.
+    pub(crate) good_end: usize,
 }
 
 fn parse(path: &Path, bytes: &[u8]) -> Result<(usize, Peek)> {
@@ -354,16 +360,26 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<(usize, Peek)> {
                 path.display()
             ))
         })?;
+    let start = (nl + 1).min(bytes.len());
     let mut peek = Peek {
         fingerprint,
         done: Vec::new(),
         complete: false,
+        damaged: 0,
+        good_end: start,
     };
-    for rec in bytes[(nl + 1).min(bytes.len())..].chunks_exact(16) {
+    // Records are appended whole, so a crash leaves at most a torn tail; a bad record with good
+    // ones after it was damaged in place, and only it is lost.
+    let mut bad = 0;
+    for (i, rec) in bytes[start..].chunks_exact(16).enumerate() {
         let w = |i: usize| u32::from_le_bytes(rec[4 * i..4 * i + 4].try_into().unwrap());
         if w(0) != REC || crc32c::crc32c(&rec[..12]) != w(3) {
-            break;
+            bad += 1;
+            continue;
         }
+        peek.damaged += bad;
+        bad = 0;
+        peek.good_end = start + 16 * (i + 1);
         if w(1) == COMPLETE {
             peek.complete = true;
         } else {
@@ -410,4 +426,39 @@ pub fn forget(output: &Path, seqs: &std::collections::BTreeSet<u32>) -> Result<u
         .and_then(|_| file.sync_all())
         .map_err(|e| Error::io(&path, "cannot rewrite journal", e))?;
     Ok(dropped)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_damaged_record_loses_its_tile_only_and_a_torn_tail_is_cut() {
+        let p = Path::new("C.mgt.journal");
+        let header = format!("{MAGIC} {{}}\n");
+        let head = header.len();
+        let mut bad = encode(2, 22);
+        bad[9] ^= 1;
+        let torn = [7u8; 5];
+        let b = [
+            header.as_bytes(),
+            &encode(1, 11),
+            &bad,
+            &encode(3, 33),
+            &torn,
+        ]
+        .concat();
+        let (h, peek) = parse(p, &b).unwrap();
+        assert_eq!(h, head);
+        assert_eq!(peek.done, vec![(1, 11), (3, 33)]);
+        assert_eq!(peek.damaged, 1);
+        assert_eq!(peek.good_end, head + 48, "the torn 5 bytes are not kept");
+        // Bad records at the end are a torn tail, not damage.
+        let b = [header.as_bytes(), &encode(1, 11), &[0u8; 32]].concat();
+        let (_, peek) = parse(p, &b).unwrap();
+        assert_eq!(
+            (peek.done.len(), peek.damaged, peek.good_end),
+            (1, 0, head + 16)
+        );
+    }
 }

@@ -238,8 +238,16 @@ fn describe_status(
         format!("{out} is {have} bytes, shorter than the {want} its header needs (truncated?): `run` refuses it; `run --restart` starts the step over")
     } else {
         format!(
-            "{} of {total} output tiles done: `run` resumes (each done tile's checksum is checked first)",
-            done.len()
+            "{} of {total} output tiles done: `run` resumes (each done tile's checksum is checked first){}",
+            done.len(),
+            match j.damaged {
+                0 => String::new(),
+                n => format!(
+                    "; {} in the journal damaged and skipped: {} computed again",
+                    count(n as u64, "record", "records"),
+                    if n == 1 { "its tile is" } else { "their tiles are" }
+                ),
+            }
         )
     })
 }
