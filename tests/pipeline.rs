@@ -269,7 +269,8 @@ fn small_memory_forces_many_tiles(backend: &str) {
 /// and `auto` with the pages in memory, as after `gen`) or from staging buffers (`copy`), on
 /// blocks that straddle storage tiles unevenly; the products are identical bit for bit, the
 /// report says which bytes went which way (the simulated lanes cannot take pages: all copied),
-/// and a corrupted storage tile is caught before its first upload either way.
+/// and a corrupted storage tile fails the run in every mode (copied, it is caught before its
+/// upload; direct, beside it, before any tile computed from it is written).
 fn staging_modes(backend: &str) {
     let d = tmp();
     let dir = d.path();
@@ -331,7 +332,7 @@ fn staging_modes(backend: &str) {
             r[i]
         );
     }
-    // Flip one byte of A's storage tile (2, 1): every mode refuses it before computing with it.
+    // Flip one byte of A's storage tile (2, 1): every mode fails the run, naming the tile.
     let f = TiledFile::open(&dir.join("A.mgt")).unwrap();
     let at = f.hdr.tile_offset(2, 1) as usize + 100;
     drop(f);

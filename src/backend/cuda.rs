@@ -1789,11 +1789,20 @@ impl Lane for CudaLane {
             }
         }
         drop(guard);
-        r.map_err(|e| self.err("H2D copy from a file map", e))?;
-        if let Some(li) = landing {
-            self.convert_landing(li, slot, elems)?;
+        let r = r
+            .map_err(|e| self.err("H2D copy from a file map", e))
+            .and_then(|()| match landing {
+                Some(li) => self.convert_landing(li, slot, elems),
+                None => Ok(()),
+            })
+            .and_then(|()| self.uploaded(start, hbytes));
+        if r.is_err() {
+            // Copies already queued read pages that the caller releases once this returns
+            // without a ticket: let them end first (best effort; a failed device answers at
+            // once).
+            let _ = self.h2d.synchronize();
         }
-        self.uploaded(start, hbytes)
+        r
     }
 
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {

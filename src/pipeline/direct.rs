@@ -107,8 +107,15 @@ struct EntryState {
     last: u64,
 }
 
-/// A range kept registered while an upload uses it.
+/// A range kept registered while an upload (or its check) uses it.
 pub(crate) struct Pin(Arc<Entry>);
+
+impl Clone for Pin {
+    fn clone(&self) -> Pin {
+        self.0.st.lock().unwrap_or_else(|e| e.into_inner()).users += 1;
+        Pin(self.0.clone())
+    }
+}
 
 impl Drop for Pin {
     fn drop(&mut self) {
@@ -124,22 +131,44 @@ pub(crate) struct DirectUpload {
     pub(crate) runs: Vec<HostRun>,
     /// The checks of this block: done once `progress` reaches the number.
     pub(crate) check: Option<(Arc<CheckProgress>, u64)>,
-    _pins: Vec<Pin>,
+    pins: Vec<Pin>,
     _token: Lease,
+}
+
+impl DirectUpload {
+    /// The block's ranges kept registered for as long as the returned pins live (its check
+    /// holds them, so that the pages it reads cannot be released and evicted meanwhile).
+    pub(crate) fn pins(&self) -> Vec<Pin> {
+        self.pins.clone()
+    }
+}
+
+/// A block that can go direct, decided before anything is leased or registered
+/// ([`DirectReads::eligible`]).
+pub(crate) struct Eligible<'f> {
+    mb: MappedBlock<'f>,
+    ranges: Vec<std::ops::Range<u64>>,
 }
 
 /// How many of a lane's checks (CRC, NaN/Inf count) of directly uploaded blocks have passed, in
 /// the order they were issued; writeback waits on it before writing a tile.
 #[derive(Default)]
 pub(crate) struct CheckProgress {
-    done: Mutex<u64>,
+    /// Checks passed, and whether the check stage has stopped.
+    done: Mutex<(u64, bool)>,
     cv: std::sync::Condvar,
 }
 
 impl CheckProgress {
     /// Checks `0..n` have passed.
     pub(crate) fn set(&self, n: u64) {
-        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = n;
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).0 = n;
+        self.cv.notify_all();
+    }
+    /// The check stage has stopped (its end, an error or a panic): checks not passed by now
+    /// never will be, and whoever waits for them is told so instead of waiting forever.
+    pub(crate) fn close(&self) {
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
         self.cv.notify_all();
     }
     /// Wait until checks `0..n` have passed; `Err(Cancelled)` once the run is cancelled (a
@@ -150,9 +179,14 @@ impl CheckProgress {
         ctl: &super::control::Control,
     ) -> crate::error::Result<()> {
         let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
-        while *done < n {
+        while done.0 < n {
             if ctl.is_cancelled() {
                 return Err(crate::error::Error::Cancelled);
+            }
+            if done.1 {
+                return Err(crate::error::Error::Usage(
+                    "the check stage stopped before checking every input block uploaded (this is a bug; please report it)".into(),
+                ));
             }
             done = (self.cv)
                 .wait_timeout(done, std::time::Duration::from_millis(10))
@@ -214,17 +248,16 @@ impl DirectReads {
         }
     }
 
-    /// `block` of `f` as rectangles of its page-locked map; `None` when it is to be copied
-    /// instead (the format has no map of the compute dtype, its pages are not in memory under
-    /// `auto`, or registering failed). `token` is kept until the upload is done. Its checks
-    /// are the caller's ([`MatrixSource::scan_mapped`], on the `check` stage).
-    pub(crate) fn prepare(
+    /// Whether `block` of `f` can go direct: not when direct uploads failed earlier in the
+    /// step, when the format has no map of the compute dtype, or under `auto` when the ranges
+    /// it would register are not all in the page cache. Nothing is leased or registered yet, so
+    /// a block that is copied instead loses nothing (the shared reader's buffers stay).
+    pub(crate) fn eligible<'f>(
         &self,
-        f: &dyn MatrixSource,
+        f: &'f dyn MatrixSource,
         block: &Block,
         host: DType,
-        token: Lease,
-    ) -> Option<DirectUpload> {
+    ) -> Option<Eligible<'f>> {
         if self.failed.get().is_some() {
             return None;
         }
@@ -238,6 +271,20 @@ impl DirectReads {
             self.stats.cold_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
+        Some(Eligible { mb, ranges })
+    }
+
+    /// An eligible block of `f` as rectangles of its page-locked map; `None` when registering
+    /// failed (direct uploads are then off for the rest of the step). `token` is kept until
+    /// the upload is done. Its checks are the caller's ([`MatrixSource::scan_mapped`], on the
+    /// `check` stage).
+    pub(crate) fn take(
+        &self,
+        f: &dyn MatrixSource,
+        e: Eligible<'_>,
+        token: Lease,
+    ) -> Option<DirectUpload> {
+        let Eligible { mb, ranges } = e;
         let pins = self.pin_all(f, &mb, &ranges)?;
         let runs: Vec<HostRun> = mb
             .runs
@@ -252,14 +299,27 @@ impl DirectReads {
                 rows: r.rows,
             })
             .collect();
-        let bytes = (block.elems() * host.size()) as u64;
-        self.stats.bytes.fetch_add(bytes, Ordering::Relaxed);
+        let bytes: usize = mb.runs.iter().map(|r| r.bytes()).sum();
+        self.stats.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
         Some(DirectUpload {
             runs,
             check: None,
-            _pins: pins,
+            pins,
             _token: token,
         })
+    }
+
+    /// [`Self::eligible`] then [`Self::take`].
+    #[cfg(test)]
+    fn prepare(
+        &self,
+        f: &dyn MatrixSource,
+        block: &Block,
+        host: DType,
+        token: Lease,
+    ) -> Option<DirectUpload> {
+        let e = self.eligible(f, block, host)?;
+        self.take(f, e, token)
     }
 
     /// The file ranges registered for `mb`: the chunks of whole consecutive storage tiles
@@ -297,6 +357,10 @@ impl DirectReads {
             match self.pin(ptr, end - start) {
                 Ok(p) => pins.push(p),
                 Err(why) => {
+                    // Off for the rest of the step: let go of what is idle now (the failure
+                    // may be memory running short), not at the step's end.
+                    drop(pins);
+                    self.release_idle(u64::MAX);
                     let _ = self.failed.set(format!(
                         "registering {} of {} failed ({why}); the rest of the step copied its inputs",
                         crate::plan::size::fmt_bytes(end as u64 - start as u64),
@@ -350,6 +414,15 @@ impl DirectReads {
         if self.registered.load(Ordering::Relaxed) + len <= self.budget {
             return;
         }
+        self.release_idle_except(len, except);
+    }
+
+    /// Release every idle range when `len` is `u64::MAX`, else as [`Self::make_room`] does.
+    fn release_idle(&self, len: u64) {
+        self.release_idle_except(len, 0);
+    }
+
+    fn release_idle_except(&self, len: u64, except: usize) {
         let mut idle: Vec<(u64, Arc<Entry>)> = {
             let m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
             m.values()
@@ -362,7 +435,7 @@ impl DirectReads {
         };
         idle.sort_unstable_by_key(|(last, _)| *last);
         for (_, e) in idle {
-            if self.registered.load(Ordering::Relaxed) + len <= self.budget {
+            if len != u64::MAX && self.registered.load(Ordering::Relaxed) + len <= self.budget {
                 break;
             }
             // Skip a range someone holds the lock of (it is being pinned again).
@@ -395,7 +468,8 @@ impl DirectReads {
 
 impl Drop for DirectReads {
     /// Release every range still registered, before the maps can go (the sources are dropped
-    /// after this). Every upload is over by now: each holds the registry by reference.
+    /// after this). Every upload and check is over by now: they live on the stage threads,
+    /// which have all ended, and the lanes, dropped before this, waited for their copies.
     fn drop(&mut self) {
         let t = Instant::now();
         let m = self.entries.get_mut().unwrap_or_else(|e| e.into_inner());

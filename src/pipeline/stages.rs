@@ -110,6 +110,9 @@ pub(crate) struct CheckJob {
     pub(crate) seq: u64,
     pub(crate) src: Src,
     pub(crate) block: Block,
+    /// The block's registered ranges, held until it is checked: released and evicted
+    /// meanwhile, its pages would be read back from disk.
+    pub(crate) _pins: Vec<super::direct::Pin>,
 }
 
 /// Checks the blocks a lane uploads straight from the files' pages ([`super::direct`]): the
@@ -126,6 +129,24 @@ pub(crate) struct Checker<'a> {
 
 impl Checker<'_> {
     pub(crate) fn run(self, ctl: &Control) -> Result<()> {
+        // However the stage ends (done, an error, a panic), writeback must not wait forever
+        // for checks that will never pass.
+        struct Close<'p>(&'p CheckProgress);
+        impl Drop for Close<'_> {
+            fn drop(&mut self) {
+                self.0.close();
+            }
+        }
+        let _close = Close(&self.progress);
+        // An error is reported before the progress closes, so that writeback, woken by the
+        // close, finds the run cancelled with this error rather than a stopped stage.
+        if let Err(e) = self.check_all(ctl) {
+            ctl.fail(e);
+        }
+        Ok(())
+    }
+
+    fn check_all(&self, ctl: &Control) -> Result<()> {
         while let Some(job) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             let f = self.inputs.file(job.src);
@@ -556,10 +577,15 @@ impl Staging<'_> {
             return Ok(None);
         };
         let f = self.inputs.file(src);
+        let t = Instant::now();
+        let Some(e) = d.eligible(f, block, self.host_dt) else {
+            self.m.add_busy(t.elapsed());
+            return Ok(None);
+        };
         // A buffer as a token: as many blocks in flight as with copies.
         let token = self.lease(ctl)?;
         let t = Instant::now();
-        let Some(mut up) = d.prepare(f, block, self.host_dt, token) else {
+        let Some(mut up) = d.take(f, e, token) else {
             self.m.add_busy(t.elapsed());
             return Ok(None);
         };
@@ -572,6 +598,7 @@ impl Staging<'_> {
             seq,
             src,
             block: *block,
+            _pins: up.pins(),
         };
         ctl.send_timed(checks, job, &self.m)?;
         Ok(Some(Staged::Direct(Arc::new(up))))

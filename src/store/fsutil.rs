@@ -176,13 +176,15 @@ pub(crate) fn counts_dirty_pages(file: &File) -> bool {
     }
 }
 
-/// The kernel's estimate of memory available without swapping (`MemAvailable` in
-/// /proc/meminfo), in bytes; `None` where it cannot be read.
 /// Whether at least `fraction` of the pages of bytes `span` of `map` (a live map of a file,
 /// page-aligned at its start) are in the page cache, by `mincore(2)`. Where `mincore` fails,
 /// false: callers then take the path that works without the pages.
 pub(crate) fn resident(map: &[u8], span: std::ops::Range<u64>, fraction: f64) -> bool {
-    let page = 4096usize;
+    // SAFETY: sysconf has no preconditions.
+    let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        p if p > 0 => p as usize,
+        _ => 4096,
+    };
     let start = (span.start as usize / page) * page;
     let end = (span.end as usize).min(map.len());
     if end <= start {
@@ -203,6 +205,8 @@ pub(crate) fn resident(map: &[u8], span: std::ops::Range<u64>, fraction: f64) ->
     rc == 0 && vec.iter().filter(|&&v| v & 1 == 1).count() as f64 >= pages as f64 * fraction
 }
 
+/// The kernel's estimate of memory available without swapping (`MemAvailable` in
+/// /proc/meminfo), in bytes; `None` where it cannot be read.
 pub(crate) fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
