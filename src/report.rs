@@ -434,8 +434,17 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
             fmt_rate(r.read_bytes as f64 / r.wall_s)
         ));
     }
+    // `plan`'s figures are for the whole step; a resumed run computes only part of it.
+    let whole = if r.tiles_computed < r.tiles_total {
+        format!(
+            " for the whole step, of which this run computed {} of {} tiles",
+            r.tiles_computed, r.tiles_total
+        )
+    } else {
+        String::new()
+    };
     about.push(format!(
-        "predicted {}, minimum {}",
+        "predicted {}, minimum {}{whole}",
         fmt_bytes(r.predicted_read_bytes),
         fmt_bytes(r.min_read_bytes)
     ));
