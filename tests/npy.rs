@@ -138,14 +138,24 @@ fn every_npy_kind_in_place_matches_the_reference() {
             write_npy(&d.path().join("B.npy"), &b, dt, fb, 1 + (case + 1) % 3);
             let prec = if dt == DType::F64 { "fp64" } else { "fp32" };
             let out = if case % 2 == 0 { "C.npy" } else { "C.mgt" };
-            run_text(
+            // Every way inputs reach the lanes, by turns (docs/PLAN.md, staging): arrays of the
+            // compute dtype go straight from the files' pages unless copying is asked for.
+            let staging = ["auto", "copy", "direct"][(case % 3) as usize];
+            let rep = run_text(
                 d.path(),
                 &format!(
                     "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
-                     [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n{ENGINE}precision = \"{prec}\"\n"
+                     [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n{ENGINE}precision = \"{prec}\"\n\
+                     staging = \"{staging}\"\n"
                 ),
             )
             .unwrap_or_else(|e| panic!("{dt} F-order {fa}/{fb}: {e}"));
+            let direct = rep.steps[0].direct_bytes;
+            if staging == "copy" || dt == DType::F16 {
+                assert_eq!(direct, 0, "{dt} {staging}");
+            } else {
+                assert_eq!(direct, rep.steps[0].read_bytes, "{dt} {staging}");
+            }
             let c = read_all(&d.path().join(out));
             assert_eq!((c.rows, c.cols), (m, n));
             assert_eq!(c.v, product(&a, &b, 1.0), "{dt} fortran {fa}/{fb} → {out}");

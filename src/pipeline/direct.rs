@@ -211,6 +211,10 @@ const DEFAULT_BUDGET: u64 = 8 << 30;
 /// 4 MiB tiles of an 8192-wide block's row, aligned — keeps both costs small.
 const CHUNK: u64 = 32 << 20;
 
+/// The page size registrations are aligned to (4 KiB on the machines here; a larger page
+/// size is a multiple of it, and the driver rounds to its own pages).
+const PAGE: u64 = 4096;
+
 impl DirectReads {
     /// A registry for `sources` (A, B, C0), registering through `pinner`; `None` for `copy`.
     pub(crate) fn new(
@@ -263,6 +267,11 @@ impl DirectReads {
         }
         let mb = f.mapped_block(block, host)?;
         let ranges = self.ranges(&mb);
+        // A range that alone would pass the budget (a row-major file is one range) is copied:
+        // locking it could take the memory the host needs.
+        if ranges.iter().any(|r| r.end - r.start > self.budget) {
+            return None;
+        }
         if self.mode == StagingMode::Auto
             && !ranges
                 .iter()
@@ -332,10 +341,13 @@ impl DirectReads {
             .collect();
         idx.sort_unstable();
         idx.dedup();
+        // Registration takes whole pages: a `.mgt`'s tiles start on one, a row-major file's data
+        // (one range) may not.
+        let page = PAGE - 1;
         idx.into_iter()
             .map(|c| {
                 let start = mb.data.start + c * per;
-                start..(start + per).min(mb.data.end)
+                start & !page..(start + per).min(mb.data.end)
             })
             .collect()
     }

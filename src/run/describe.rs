@@ -253,7 +253,8 @@ fn describe_status(
 }
 
 /// How the step's inputs reach the lanes (docs/PLAN.md, `staging`): which operands can be copied
-/// straight from their files' pages, and why the others cannot.
+/// straight from their files' pages (`.mgt`, `.npy` and raw files stored in the dtype the lanes
+/// take), and why the others cannot.
 fn describe_staging(
     step: &crate::plan::Step,
     l: &Layout,
@@ -267,15 +268,10 @@ fn describe_staging(
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     let (mut direct, mut copied) = (Vec::new(), Vec::new());
     for op in ops.into_iter().flatten() {
-        let npy = op.path.extension().is_some_and(|x| x == "npy");
         // A chain's intermediate held in memory: no file to map.
         let in_memory = (step.chain.as_ref()).is_some_and(|c| c.memory.contains(&op.path));
         let why = if in_memory {
             Some("held in memory".to_string())
-        } else if op.raw.is_some() {
-            Some("a raw file".to_string())
-        } else if npy {
-            Some(".npy".to_string())
         } else if op.dtype != l.host_dt {
             Some(format!("{} stored, {} computed", op.dtype, l.host_dt))
         } else {

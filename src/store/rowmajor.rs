@@ -363,6 +363,39 @@ impl MatrixSource for RowMajorFile {
         self.read_into(&rs, dst, Some(host))
             .map_err(|e| Error::io(&self.path, "cannot read matrix data", e))
     }
+    fn mapped_block(&self, b: &Block, host: DType) -> Option<super::source::MappedBlock<'_>> {
+        if self.spec.dtype != host || b.check_inside(&self.path, self.shape()).is_err() {
+            return None;
+        }
+        // One storage tile, the whole matrix: registered as one range (its start rounded down
+        // to a page: a numpy header need not end on one), shared by every block.
+        let data = self.geo.data_offset..self.geo.data_offset + self.geo.tile_stride;
+        Some(super::source::MappedBlock {
+            runs: runs(&self.geo, b, u64::MAX).collect(),
+            spans: vec![data.clone()],
+            data,
+            stride: self.geo.tile_stride,
+            map: &self.map,
+        })
+    }
+    fn scan_mapped(&self, b: &Block, host: DType, verify: bool) -> Result<u64> {
+        if verify {
+            self.verify_tiles(b)?;
+        }
+        let map: &[u8] = &self.map;
+        let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
+        Ok(rs
+            .par_iter()
+            .map(|g| {
+                (0..g.rows)
+                    .map(|r| {
+                        let at = g.row(r).0 as usize;
+                        crate::dtype::count_nonfinite(host, &map[at..at + g.row_len])
+                    })
+                    .sum::<u64>()
+            })
+            .sum())
+    }
     fn identity(&self) -> String {
         RowMajorFile::identity(self)
     }
