@@ -260,9 +260,9 @@ fn resume_work(
 ) -> Result<Option<Work>> {
     let done = match state {
         State::Complete => return Ok(None),
-        State::Partial(done) if !done.is_empty() => done,
+        State::Partial(done, _) if !done.is_empty() => done,
         // No finished tile: the output may be half created; start afresh.
-        State::Fresh | State::Partial(_) => {
+        State::Fresh | State::Partial(..) => {
             return Ok(Some(Work {
                 writer: f.create(header, write)?,
                 todo: None,

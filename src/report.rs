@@ -338,8 +338,14 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
 fn direct_line(r: &StepReport) -> String {
     let mut parts = Vec::new();
     if r.direct_bytes > 0 {
+        // Nothing is page-locked for the CPU's lanes, which copy from the maps themselves.
+        let who = if r.direct_registered_bytes > 0 {
+            "the devices"
+        } else {
+            "the lanes"
+        };
         let mut p = format!(
-            "{} of it copied by the devices straight from the files' pages",
+            "{} of it copied by {who} straight from the files' pages",
             fmt_bytes(r.direct_bytes)
         );
         if r.direct_register_s >= 0.001 {
@@ -357,11 +363,17 @@ fn direct_line(r: &StepReport) -> String {
                 }
             );
         }
+        if r.read_bytes > r.direct_bytes {
+            p += &format!(
+                ", the other {} staged by copy",
+                fmt_bytes(r.read_bytes - r.direct_bytes)
+            );
+        }
         parts.push(p);
     }
     if r.direct_cold_blocks > 0 {
         parts.push(format!(
-            "{} not in memory staged by copy",
+            "{} not wholly in the page cache staged by copy",
             crate::progress::count(r.direct_cold_blocks, "block", "blocks")
         ));
     }

@@ -356,10 +356,17 @@ fn plan_then_run_then_export() {
             ),
         "{s}"
     );
-    let r = ok(&mg(dir, &["run", "plan.toml"]));
+    let o = mg(dir, &["run", "plan.toml"]);
+    let r = ok(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
     assert!(
-        r.contains("4 of 6 output tiles already done"),
-        "as plan said:\n{r}"
+        r.contains("4 of 6 output tiles already done")
+            || err.contains("4 of 6 output tiles already done"),
+        "as plan said:\n{r}{err}"
+    );
+    assert!(
+        err.contains("1 record in the journal damaged and skipped"),
+        "run says so too:\n{err}"
     );
     assert!(plan(dir).contains("status: complete"));
     let complete = std::fs::read(&j).unwrap();

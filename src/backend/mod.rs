@@ -121,6 +121,11 @@ pub trait InputPinner: Send + Sync {
     fn register(&self, ptr: *const u8, len: usize) -> std::result::Result<(), String>;
     /// Release a range [`Self::register`] locked; no copy may use it afterwards.
     fn unregister(&self, ptr: *const u8);
+    /// Whether registering locks memory (false for the CPU's lanes, which read the map as it
+    /// is): then nothing is counted against the budget or reported as page-locked.
+    fn locks(&self) -> bool {
+        true
+    }
 }
 
 /// One rectangle of an upload straight from a page-locked file map

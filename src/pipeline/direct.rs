@@ -401,6 +401,9 @@ impl DirectReads {
         };
         let mut st = e.st.lock().unwrap_or_else(|e| e.into_inner());
         st.last = self.tick.fetch_add(1, Ordering::Relaxed);
+        if !st.registered && !self.pinner.locks() {
+            st.registered = true;
+        }
         if !st.registered {
             self.make_room(len as u64, ptr);
             let t = Instant::now();
@@ -503,6 +506,9 @@ impl InputPinner for HostMemory {
         Ok(())
     }
     fn unregister(&self, _ptr: *const u8) {}
+    fn locks(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]

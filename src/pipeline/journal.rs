@@ -37,8 +37,8 @@ pub(crate) type Fingerprint = BTreeMap<String, String>;
 pub(crate) enum State {
     /// Nothing usable: compute every tile.
     Fresh,
-    /// These tiles (seq, data CRC) are finished.
-    Partial(Vec<(u32, u32)>),
+    /// These tiles (seq, data CRC) are finished; so many records were damaged and skipped.
+    Partial(Vec<(u32, u32)>, usize),
     /// The step finished earlier.
     Complete,
 }
@@ -121,7 +121,7 @@ impl Journal {
                 .map_err(|e| Error::io(&path, "cannot write journal", e))?;
             file.sync_all()
                 .map_err(|e| Error::io(&path, "cannot sync journal", e))?;
-        } else if let State::Partial(_) = &state {
+        } else if let State::Partial(..) = &state {
             // Drop any torn tail so new records follow the last good one.
             let keep = parse(&path, &bytes)?.1.good_end as u64;
             file.set_len(keep)
@@ -210,7 +210,7 @@ fn read_state(
     } else if peek.complete {
         State::Complete
     } else {
-        State::Partial(peek.done)
+        State::Partial(peek.done, peek.damaged)
     })
 }
 

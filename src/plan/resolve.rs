@@ -561,16 +561,25 @@ fn addend(
 fn check_precision(cx: &Ctx, s: &Step, p: Precision, p_at: Option<&str>) -> Result<()> {
     let at = format!("step {} (line {})", s.index + 1, s.line);
     let key = p_at.map_or("engine.precision".to_string(), str::to_string);
+    // `--set engine.precision=fp64` already says its value.
+    let said = |v: &str| {
+        if key.starts_with("--set") {
+            key.clone()
+        } else {
+            format!("{key} = \"{v}\"")
+        }
+    };
     match (p, s.a.dtype) {
         (Precision::Fp64, DType::F64) => Ok(()),
         (Precision::Fp64, dt) => Err(cx.err(format!(
-            "{at}: {key} = \"fp64\" needs f64 inputs, but `{}` is {dt}",
+            "{at}: {} needs f64 inputs, but `{}` is {dt}",
+            said("fp64"),
             s.a.name
         ))),
         (p, DType::F64) => Err(cx.err(format!(
-            "{at}: `{}` is f64 but {key} = \"{}\"; set precision = \"fp64\"",
+            "{at}: `{}` is f64 but {}; set precision = \"fp64\"",
             s.a.name,
-            p.name()
+            said(p.name())
         ))),
         _ => Ok(()),
     }
@@ -748,7 +757,7 @@ mod tests {
         let e = Plan::resolve(path, &text.replace("lots", "1GiB"), &sets, &headers).unwrap_err();
         assert!(
             e.to_string()
-                .contains("--set engine.precision=fp64 = \"fp64\" needs f64"),
+                .contains("--set engine.precision=fp64 needs f64"),
             "{e}"
         );
     }

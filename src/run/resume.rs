@@ -102,8 +102,8 @@ impl ResumeState {
             // A journal with no finished tile says nothing about the output (a kill may have
             // landed while the output was being created): start the step afresh.
             State::Fresh => Self::fresh(step, header, total, write)?,
-            State::Partial(done) if done.is_empty() => Self::fresh(step, header, total, write)?,
-            State::Partial(done) => {
+            State::Partial(done, _) if done.is_empty() => Self::fresh(step, header, total, write)?,
+            State::Partial(done, damaged) => {
                 let writer = reopen_output(&step.output, header, write)?;
                 let (finished, bad) = check_recorded(step, &sched, &done)?;
                 writer.forget_checksums();
@@ -119,19 +119,36 @@ impl ResumeState {
                     },
                     total,
                     bad,
-                    notes: Vec::new(),
+                    notes: (damaged > 0)
+                        .then(|| {
+                            format!(
+                                "{} in the journal damaged and skipped: {} computed again",
+                                crate::progress::count(damaged as u64, "record", "records"),
+                                if damaged == 1 {
+                                    "its tile is"
+                                } else {
+                                    "their tiles are"
+                                }
+                            )
+                        })
+                        .into_iter()
+                        .collect(),
                 }
             }
         };
         let st = match st {
             ResumeState::Work {
-                work, total, bad, ..
+                work,
+                total,
+                bad,
+                notes: mut first,
             } => {
                 let todo: BTreeSet<u32> = match &work.todo {
                     Some(t) => t.iter().copied().collect(),
                     None => (0..total as u32).collect(),
                 };
-                let notes = ckpt.scan(&sched, &todo, 0..total as u32)?;
+                first.extend(ckpt.scan(&sched, &todo, 0..total as u32)?);
+                let notes = first;
                 ResumeState::Work {
                     work,
                     total,
