@@ -78,6 +78,12 @@ pub struct StepReport {
     /// Input blocks staged by copy under `staging = "auto"` because their pages were not all
     /// in memory.
     pub direct_cold_blocks: u64,
+    /// Input blocks staged by copy because the file range they lie in is larger than the
+    /// page-locking budget (half the memory the host can spare: `direct_budget_bytes`); a
+    /// `.npy` or raw file is one range.
+    pub direct_oversize_blocks: u64,
+    /// That budget, in bytes (0 when direct uploads were not set up).
+    pub direct_budget_bytes: u64,
     /// Why uploads from the files' pages stopped part-way through the step, if they did.
     pub direct_failed: Option<String>,
     /// Bytes written to the output.
@@ -305,6 +311,8 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         direct_register_s: st.direct.as_ref().map_or(0.0, |d| d.register_s),
         direct_released_bytes: st.direct.as_ref().map_or(0, |d| d.released_bytes),
         direct_cold_blocks: st.direct.as_ref().map_or(0, |d| d.cold_blocks),
+        direct_oversize_blocks: st.direct.as_ref().map_or(0, |d| d.oversize_blocks),
+        direct_budget_bytes: st.direct.as_ref().map_or(0, |d| d.budget),
         direct_failed: st.direct.as_ref().and_then(|d| d.failed.clone()),
         first_gemm_s: st.first_gemm_s,
         peak_rss_bytes: peak_rss_bytes(),
@@ -375,6 +383,13 @@ fn direct_line(r: &StepReport) -> String {
         parts.push(format!(
             "{} not wholly in the page cache staged by copy",
             crate::progress::count(r.direct_cold_blocks, "block", "blocks")
+        ));
+    }
+    if r.direct_oversize_blocks > 0 {
+        parts.push(format!(
+            "{} in a file range larger than the {} that may be page-locked staged by copy",
+            crate::progress::count(r.direct_oversize_blocks, "block", "blocks"),
+            fmt_bytes(r.direct_budget_bytes)
         ));
     }
     if let Some(why) = &r.direct_failed {

@@ -308,6 +308,12 @@ fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
     let plan = d.path().join("plan.toml");
     let (ok, out, err) = cli(&["verify", plan.to_str().unwrap()]);
     assert!(ok && out.contains("PASS"), "{out}{err}");
+    // plan's status compares the .npy's own length (not its sidecar's too) with its header.
+    let (ok, out, err) = cli(&["plan", plan.to_str().unwrap()]);
+    assert!(
+        ok && out.contains("status: complete") && !out.contains("truncated"),
+        "{out}{err}"
+    );
     // Forget some tiles in the journal: the next run resumes into the .npy, same bytes.
     let forgotten: std::collections::BTreeSet<u32> = [0, 3, 5].into();
     mgmm_stream::journal::forget(&c, &forgotten).unwrap();

@@ -70,6 +70,7 @@ pub(crate) struct DirectReads {
 struct Counts {
     bytes: AtomicU64,
     cold_blocks: AtomicU64,
+    oversize_blocks: AtomicU64,
     register_ns: AtomicU64,
     registered_bytes: AtomicU64,
     released_bytes: AtomicU64,
@@ -82,6 +83,10 @@ pub(crate) struct DirectStats {
     pub(crate) bytes: u64,
     /// Blocks copied instead because their pages were not all in memory (`auto`).
     pub(crate) cold_blocks: u64,
+    /// Blocks copied instead because one range they lie in is larger than the budget (a large
+    /// `.npy` or raw file is one range), and that budget.
+    pub(crate) oversize_blocks: u64,
+    pub(crate) budget: u64,
     /// Bytes registered, and the seconds that took (all threads together).
     pub(crate) registered_bytes: u64,
     pub(crate) register_s: f64,
@@ -270,6 +275,7 @@ impl DirectReads {
         // A range that alone would pass the budget (a row-major file is one range) is copied:
         // locking it could take the memory the host needs.
         if ranges.iter().any(|r| r.end - r.start > self.budget) {
+            self.stats.oversize_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         if self.mode == StagingMode::Auto
@@ -473,6 +479,8 @@ impl DirectReads {
         DirectStats {
             bytes: c.bytes.load(Ordering::Relaxed),
             cold_blocks: c.cold_blocks.load(Ordering::Relaxed),
+            oversize_blocks: c.oversize_blocks.load(Ordering::Relaxed),
+            budget: self.budget,
             registered_bytes: c.registered_bytes.load(Ordering::Relaxed),
             register_s: c.register_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             released_bytes: c.released_bytes.load(Ordering::Relaxed),
@@ -575,25 +583,44 @@ mod tests {
         Block { r0, c0, rows, cols }
     }
 
+    /// A file, a recording pinner and a pool of tokens.
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        f: Arc<dyn MatrixSource>,
+        rec: Arc<Recorder>,
+        pool: Pool,
+    }
+
+    fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let f = file(dir.path());
+        let pool = Pool::new("staging", &Heap, 4, 64).unwrap();
+        Fixture {
+            _dir: dir,
+            f,
+            rec: Arc::new(Recorder::default()),
+            pool,
+        }
+    }
+
+    impl Fixture {
+        fn reg(&self, mode: StagingMode, budget: u64, chunk: u64) -> DirectReads {
+            DirectReads::with_budget(mode, self.rec.clone(), vec![self.f.clone()], budget, chunk)
+        }
+        fn up(&self, reg: &DirectReads, b: Block, dt: DType) -> Option<DirectUpload> {
+            reg.prepare(&*self.f, &b, dt, self.pool.try_lease().unwrap())
+        }
+    }
+
     #[test]
     fn tiles_are_registered_once_released_over_budget_and_at_the_end() {
-        let d = tempfile::tempdir().unwrap();
-        let f = file(d.path());
-        let rec = Arc::new(Recorder::default());
+        let fx = fixture();
+        let rec = &fx.rec;
         // Room for four storage tiles (4 KiB strides), registered one by one.
-        let reg = DirectReads::with_budget(
-            StagingMode::Direct,
-            rec.clone(),
-            vec![f.clone()],
-            4 * 4096,
-            4096,
-        );
-        let pool = Pool::new("staging", &Heap, 4, 64).unwrap();
+        let reg = fx.reg(StagingMode::Direct, 4 * 4096, 4096);
         // A block straddling 2×2 storage tiles: four ranges, rectangles covering it exactly.
         let b = block(8, 8, 16, 16);
-        let up = reg
-            .prepare(&*f, &b, DType::F32, pool.try_lease().unwrap())
-            .unwrap();
+        let up = fx.up(&reg, b, DType::F32).unwrap();
         assert_eq!(rec.registrations.load(Ordering::Relaxed), 4);
         let covered: usize = up.runs.iter().map(|r| r.rows * r.row_len).sum();
         assert_eq!(covered, 16 * 16 * 4);
@@ -614,32 +641,16 @@ mod tests {
             assert_eq!(x, ((8 + e / 16) * 64 + 8 + e % 16) as f32, "element {e}");
         }
         // The same tiles again: nothing new to register.
-        let up2 = reg
-            .prepare(&*f, &b, DType::F32, pool.try_lease().unwrap())
-            .unwrap();
+        let up2 = fx.up(&reg, b, DType::F32).unwrap();
         assert_eq!(rec.registrations.load(Ordering::Relaxed), 4);
         drop((up, up2));
         // Two new tiles: the budget holds four, so the two oldest idle ones go first.
-        let up3 = reg
-            .prepare(
-                &*f,
-                &block(0, 32, 16, 32),
-                DType::F32,
-                pool.try_lease().unwrap(),
-            )
-            .unwrap();
+        let up3 = fx.up(&reg, block(0, 32, 16, 32), DType::F32).unwrap();
         assert_eq!(rec.registrations.load(Ordering::Relaxed), 6);
         assert_eq!(rec.held.lock().unwrap().len(), 4);
         assert_eq!(reg.stats().released_bytes, 2 * 4096);
         // Tiles in use are never released, even over the budget.
-        let up4 = reg
-            .prepare(
-                &*f,
-                &block(48, 0, 16, 64),
-                DType::F32,
-                pool.try_lease().unwrap(),
-            )
-            .unwrap();
+        let up4 = fx.up(&reg, block(48, 0, 16, 64), DType::F32).unwrap();
         assert_eq!(
             rec.held.lock().unwrap().len(),
             6,
@@ -679,101 +690,55 @@ mod tests {
 
     #[test]
     fn consecutive_tiles_are_registered_together() {
-        let d = tempfile::tempdir().unwrap();
-        let f = file(d.path());
-        let rec = Arc::new(Recorder::default());
+        let fx = fixture();
+        let rec = &fx.rec;
         // Chunks of three tiles (12 KiB): the grid's 16 tiles, in file order, in six chunks.
-        let reg = DirectReads::with_budget(
-            StagingMode::Direct,
-            rec.clone(),
-            vec![f.clone()],
-            1 << 30,
-            3 * 4096,
-        );
-        let pool = Pool::new("staging", &Heap, 4, 64).unwrap();
+        let reg = fx.reg(StagingMode::Direct, 1 << 30, 3 * 4096);
         // Tiles (0, 1), (0, 2), (1, 1), (1, 2) = file tiles 1, 2, 5, 6: chunks 0 and 1 (tiles 0–5)
         // and 2 (6–8).
-        let up = reg
-            .prepare(
-                &*f,
-                &block(8, 24, 24, 16),
-                DType::F32,
-                pool.try_lease().unwrap(),
-            )
-            .unwrap();
+        let up = fx.up(&reg, block(8, 24, 24, 16), DType::F32).unwrap();
         let held = rec.held.lock().unwrap().clone();
         assert_eq!(held.len(), 3);
         assert!(held.iter().all(|&(_, len)| len == 3 * 4096));
         drop(up);
         // The whole matrix: the last chunk holds tile 15 alone (it ends with the tile data).
-        let _up = reg
-            .prepare(
-                &*f,
-                &block(0, 0, 64, 64),
-                DType::F32,
-                pool.try_lease().unwrap(),
-            )
-            .unwrap();
+        let _up = fx.up(&reg, block(0, 0, 64, 64), DType::F32).unwrap();
         let held = rec.held.lock().unwrap().clone();
         assert_eq!(held.len(), 6);
         assert_eq!(held.iter().map(|h| h.1).sum::<usize>(), 16 * 4096);
     }
 
     #[test]
+    fn a_range_larger_than_the_budget_is_copied_and_counted() {
+        let fx = fixture();
+        // Chunks of two tiles (8 KiB) under a budget of one tile.
+        let reg = fx.reg(StagingMode::Direct, 4096, 2 * 4096);
+        assert!(fx.up(&reg, block(0, 0, 16, 16), DType::F32).is_none());
+        let st = reg.stats();
+        assert_eq!((st.oversize_blocks, st.budget, st.bytes), (1, 4096, 0));
+        assert_eq!(fx.rec.registrations.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
     fn a_failed_registration_turns_to_copies_and_says_why() {
-        let d = tempfile::tempdir().unwrap();
-        let f = file(d.path());
-        let rec = Arc::new(Recorder::default());
+        let fx = fixture();
+        let rec = &fx.rec;
         rec.fail.store(true, Ordering::Relaxed);
-        let reg = DirectReads::with_budget(
-            StagingMode::Auto,
-            rec.clone(),
-            vec![f.clone()],
-            1 << 30,
-            4096,
-        );
-        let pool = Pool::new("staging", &Heap, 2, 64).unwrap();
-        assert!(reg
-            .prepare(
-                &*f,
-                &block(0, 0, 16, 16),
-                DType::F32,
-                pool.try_lease().unwrap()
-            )
-            .is_none());
+        let reg = fx.reg(StagingMode::Auto, 1 << 30, 4096);
+        assert!(fx.up(&reg, block(0, 0, 16, 16), DType::F32).is_none());
         rec.fail.store(false, Ordering::Relaxed);
         // Off for the rest of the step, even once registering would work.
-        assert!(reg
-            .prepare(
-                &*f,
-                &block(0, 0, 16, 16),
-                DType::F32,
-                pool.try_lease().unwrap()
-            )
-            .is_none());
+        assert!(fx.up(&reg, block(0, 0, 16, 16), DType::F32).is_none());
         let why = reg.stats().failed.unwrap();
         assert!(
             why.contains("A.mgt") && why.contains("refused by the test"),
             "{why}"
         );
         // Another dtype than the file's has no rectangles: copied, without a failure.
-        let reg = DirectReads::with_budget(
-            StagingMode::Direct,
-            rec.clone(),
-            vec![f.clone()],
-            1 << 30,
-            4096,
-        );
-        assert!(reg
-            .prepare(
-                &*f,
-                &block(0, 0, 16, 16),
-                DType::F64,
-                pool.try_lease().unwrap()
-            )
-            .is_none());
+        let reg = fx.reg(StagingMode::Direct, 1 << 30, 4096);
+        assert!(fx.up(&reg, block(0, 0, 16, 16), DType::F64).is_none());
         assert!(reg.stats().failed.is_none());
         // The leases went back to the pool each time.
-        assert!(pool.try_lease().is_some());
+        assert!(fx.pool.try_lease().is_some());
     }
 }

@@ -220,7 +220,7 @@ fn describe_status(
     let (gm, gn, _) = l.grid(step);
     let total = gm * gn;
     let want =
-        crate::store::output_file_len(&step.output, &crate::pipeline::output_header(step, l));
+        crate::store::output_main_len(&step.output, &crate::pipeline::output_header(step, l));
     let have = std::fs::metadata(&step.output).map_or(0, |m| m.len());
     let done: std::collections::BTreeSet<u32> = (j.done.iter())
         .map(|&(seq, _)| seq)

@@ -24,7 +24,9 @@ pub(crate) mod source;
 pub(crate) mod tiled;
 
 pub use header::Header;
-pub(crate) use source::{create_output, output_file_len, reopen_output, OutputFormat};
+pub(crate) use source::{
+    create_output, output_file_len, output_main_len, reopen_output, OutputFormat,
+};
 pub use source::{open_source, Block, MappedBlock, MatrixSink, MatrixSource, WriteMode};
 pub(crate) use tiled::TiledWriter;
 pub use tiled::{par_crc32c, TiledFile};

@@ -59,7 +59,12 @@ pub(crate) fn header(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
 /// File length of the `.npy` output for `hdr` (sidecar included).
 pub(crate) fn file_len(hdr: &Header) -> u64 {
     let tiles = hdr.rows.div_ceil(hdr.tile_rows) * hdr.cols.div_ceil(hdr.tile_cols);
-    DATA_OFFSET + hdr.rows * hdr.cols * hdr.dtype.size() as u64 + 60 + 4 * tiles
+    npy_len(hdr) + 60 + 4 * tiles
+}
+
+/// The length of the `.npy` file alone, without its checksum sidecar.
+pub(crate) fn npy_len(hdr: &Header) -> u64 {
+    DATA_OFFSET + hdr.rows * hdr.cols * hdr.dtype.size() as u64
 }
 
 /// A `.npy` output being written.

@@ -322,6 +322,15 @@ pub(crate) fn output_file_len(path: &Path, hdr: &super::Header) -> u64 {
     }
 }
 
+/// The length the output file `path` itself has once complete: [`output_file_len`] less a
+/// `.npy`'s checksum sidecar, which is another file.
+pub(crate) fn output_main_len(path: &Path, hdr: &super::Header) -> u64 {
+    match OutputFormat::of(path) {
+        OutputFormat::Mgt => hdr.file_len(),
+        OutputFormat::Npy => super::npy_sink::npy_len(hdr),
+    }
+}
+
 /// Create the output `path` for the matrix `hdr` describes (its shape, dtype and storage tile;
 /// a `.npy` output keeps the tile for its checksum sidecar).
 pub(crate) fn create_output(
