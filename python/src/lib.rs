@@ -66,43 +66,76 @@ fn raw_matrix(d: &Bound<'_, PyDict>) -> PyResult<RawMatrix> {
 }
 
 /// Open an operand descriptor: `path` (.mgt, .npy, or whatever the engine opens), `raw` (a file
-/// region: an np.memmap), or `buffer` (an array in memory).
-fn open_operand(d: &Bound<'_, PyDict>, label: &str) -> PyResult<Arc<dyn MatrixSource>> {
+/// region: an np.memmap), or `buffer` (an array in memory). Also whether the operand's
+/// transpose flag must flip: a path to a Fortran-order `.npy` holds its matrix's transpose
+/// (the Python layer already flipped the flag of Fortran-order arrays and memmaps).
+fn open_operand(d: &Bound<'_, PyDict>, label: &str) -> PyResult<(Arc<dyn MatrixSource>, bool)> {
     let py = d.py();
     let kind: String = get(d, "kind")?;
     match kind.as_str() {
         "path" => {
             let p = PathBuf::from(get::<String>(d, "path")?);
-            open_path(&p).map_err(|e| to_py(py, e))
+            let s = open_path(&p).map_err(|e| to_py(py, e))?;
+            let flip = s.transposed();
+            Ok((s, flip))
         }
         "raw" => {
             let p = PathBuf::from(get::<String>(d, "path")?);
             let shape = (get(d, "rows")?, get(d, "cols")?, get(d, "ld")?);
             let dt = parse_dtype(py, &get::<String>(d, "dtype")?)?;
-            let src = RawFileSource::open(&p, get(d, "offset")?, shape, dt);
-            Ok(Arc::new(src.map_err(|e| to_py(py, e))?))
+            let s = open_region(&p, get(d, "offset")?, shape, dt).map_err(|e| to_py(py, e))?;
+            Ok((s, false))
         }
-        "buffer" => Ok(Arc::new(BufferSource {
-            label: PathBuf::from(label),
-            m: raw_matrix(d)?,
-        })),
+        "buffer" => Ok((
+            Arc::new(BufferSource {
+                label: PathBuf::from(label),
+                m: raw_matrix(d)?,
+            }),
+            false,
+        )),
         k => Err(bad_input(py, format!("unknown operand kind {k}"))),
     }
 }
 
-/// A matrix file by its format: `.npy` read in place, anything else through the engine.
-fn open_path(p: &Path) -> mgmm_stream::Result<Arc<dyn MatrixSource>> {
-    if p.extension().is_some_and(|e| e == "npy") {
-        let mut f =
-            std::fs::File::open(p).map_err(|e| mgmm_stream::Error::io(p, "cannot open", e))?;
-        let h = store::npy::read_header(p, &mut f)?;
+/// A memmap's region of `p`: the whole data of a `.npy` file is opened as that file (so the
+/// resume journal knows it whether it came as a path or as `np.load(mmap_mode="r")`, and its
+/// CRC sidecar is checked); another dense region through the engine's row-major reader; both
+/// take the engine's fast paths (band reads from disk, uploads straight from the page cache).
+/// A row-strided region is read with `pread`s.
+fn open_region(
+    p: &Path,
+    offset: u64,
+    (rows, cols, ld): (u64, u64, u64),
+    dt: DType,
+) -> mgmm_stream::Result<Arc<dyn MatrixSource>> {
+    if ld != cols {
         return Ok(Arc::new(RawFileSource::open(
             p,
-            h.data_offset,
-            (h.rows, h.cols, h.cols),
-            h.dtype,
+            offset,
+            (rows, cols, ld),
+            dt,
         )?));
     }
+    let whole_npy = std::fs::File::open(p)
+        .ok()
+        .and_then(|mut f| store::npy::read_header(p, &mut f).ok())
+        .is_some_and(|h| {
+            let stored = if h.fortran {
+                (h.cols, h.rows)
+            } else {
+                (h.rows, h.cols)
+            };
+            h.data_offset == offset && stored == (rows, cols) && h.dtype == dt
+        });
+    if whole_npy {
+        return store::open_source(p);
+    }
+    store::open_region(p, (rows, cols), dt, offset)
+}
+
+/// A matrix file by its format, opened by the engine: `.npy` (C or Fortran order — a Fortran
+/// one reports [`MatrixSource::transposed`] —, its CRC sidecar checked when present), `.mgt`.
+fn open_path(p: &Path) -> mgmm_stream::Result<Arc<dyn MatrixSource>> {
     store::open_source(p)
 }
 
@@ -116,6 +149,7 @@ struct Job {
     b: Arc<dyn MatrixSource>,
 }
 
+/// The operand `name` reading `s` (its stored row-major shape), transposed when `trans`.
 fn operand(name: &str, s: &Arc<dyn MatrixSource>, trans: bool) -> Operand {
     let (rows, cols) = s.shape();
     Operand {
@@ -330,9 +364,10 @@ fn prepare(
     precision: Option<String>,
     settings: Vec<(String, String)>,
 ) -> PyResult<Job> {
-    let sa = open_operand(a, "a (array)")?;
-    let sb = open_operand(b, "b (array)")?;
-    let (oa, ob) = (operand("a", &sa, trans_a), operand("b", &sb, trans_b));
+    let (sa, flip_a) = open_operand(a, "a (array)")?;
+    let (sb, flip_b) = open_operand(b, "b (array)")?;
+    let oa = operand("a", &sa, trans_a ^ flip_a);
+    let ob = operand("b", &sb, trans_b ^ flip_b);
     check_shapes(py, &oa, &ob)?;
     let p = choose_precision(py, precision.as_deref(), oa.dtype)?;
     let mut kv: Vec<(&str, &str)> = settings

@@ -27,6 +27,8 @@ pub use header::Header;
 pub(crate) use source::{
     create_output, output_file_len, output_main_len, reopen_output, OutputFormat,
 };
-pub use source::{open_source, Block, MappedBlock, MatrixSink, MatrixSource, WriteMode};
+pub use source::{
+    open_region, open_source, Block, MappedBlock, MatrixSink, MatrixSource, WriteMode,
+};
 pub(crate) use tiled::TiledWriter;
 pub use tiled::{par_crc32c, TiledFile};

@@ -226,6 +226,35 @@ pub fn open_source(path: &Path) -> Result<Arc<dyn MatrixSource>> {
     ))
 }
 
+/// A dense C-order `rows × cols` matrix of `dtype` stored at byte `offset` of `path`, the rest
+/// of the file being anything (an `np.memmap`'s region, handed in by the Python package): read
+/// in place as a row-major source, so its blocks take the same paths as a `.npy` file's (band
+/// reads from disk, uploads straight from the page cache).
+pub fn open_region(
+    path: &Path,
+    (rows, cols): (u64, u64),
+    dtype: crate::dtype::DType,
+    offset: u64,
+) -> Result<Arc<dyn MatrixSource>> {
+    if rows == 0 || cols == 0 {
+        return Err(Error::format(
+            path,
+            format!("the matrix at offset {offset} is empty ({rows}×{cols})"),
+        ));
+    }
+    let spec = super::rowmajor::RowMajorSpec {
+        rows,
+        cols,
+        dtype,
+        data_offset: offset,
+        transposed: false,
+        kind: format!("file region at offset {offset}"),
+    };
+    Ok(Arc::new(super::rowmajor::RowMajorFile::open(
+        path, spec, None,
+    )?))
+}
+
 /// `info` for anything that is not a `.mgt` file (`None` for a `.mgt`, which the caller prints
 /// from its header): a `.npy` array or a `raw:…` descriptor, described, and with `check` every
 /// sidecar tile's CRC verified.
@@ -446,5 +475,49 @@ mod tests {
         assert_eq!(Auto.resolve(20 * gib, 16 * gib, None), Pwrite);
         assert_eq!(Mmap.resolve(20 * gib, 16 * gib, Some(gib)), Mmap);
         assert_eq!(WriteMode::Pwrite.resolve(1, 16 * gib, None), Pwrite);
+    }
+
+    /// A matrix in the middle of a file (an `np.memmap`'s region) reads in place, block by
+    /// block, and has a map a device can copy from; a region past the file's end is refused
+    /// with the file named, as is an empty one.
+    #[test]
+    fn a_file_region_reads_in_place() {
+        use crate::dtype::DType;
+        use crate::store::{open_region, Block};
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("region.bin");
+        let (rows, cols, off) = (7u64, 5u64, 24u64);
+        let vals: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut bytes = vec![0xabu8; off as usize];
+        bytes.extend(vals.iter().flat_map(|v| v.to_le_bytes()));
+        bytes.extend([0xcd; 9]);
+        std::fs::write(&p, &bytes).unwrap();
+        let s = open_region(&p, (rows, cols), DType::F32, off).unwrap();
+        assert_eq!(
+            (s.shape(), s.dtype(), s.transposed()),
+            ((rows, cols), DType::F32, false)
+        );
+        let b = Block {
+            r0: 2,
+            c0: 1,
+            rows: 4,
+            cols: 3,
+        };
+        let mut dst = vec![0u8; 4 * 3 * 4];
+        s.read_block(&b, DType::F32, &mut dst).unwrap();
+        let got: Vec<f32> = dst
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let want: Vec<f32> = (2..6)
+            .flat_map(|r| (1..4).map(move |c| (r * cols + c) as f32 * 0.5 - 3.0))
+            .collect();
+        assert_eq!(got, want);
+        assert!(s.mapped_block(&b, DType::F32).is_some());
+        let too_long = open_region(&p, (rows + 1, cols), DType::F32, off)
+            .err()
+            .unwrap();
+        assert!(too_long.to_string().contains("region.bin"), "{too_long}");
+        assert!(open_region(&p, (0, cols), DType::F32, off).is_err());
     }
 }
