@@ -110,8 +110,15 @@ impl Watch<'_> {
                     }
                 }
                 if let Some(ev) = &self.cancel_event {
-                    if ev.call_method0("is_set")?.is_truthy()? {
-                        flag.store(true, Ordering::SeqCst);
+                    // An `is_set` that raises stops the job like a raising progress callback
+                    // (returning at once would leave the engine running to the end).
+                    match ev.call_method0("is_set").and_then(|v| v.is_truthy()) {
+                        Ok(true) => flag.store(true, Ordering::SeqCst),
+                        Ok(false) => {}
+                        Err(e) => {
+                            interrupt.get_or_insert(e);
+                            flag.store(true, Ordering::SeqCst);
+                        }
                     }
                 }
             }

@@ -78,3 +78,66 @@ def test_bad_plan_message_is_the_clis(tmp_path):
         mg.run(plan, progress=False)
     with pytest.raises(mg.BadInputError, match="path to a .toml file or a dict"):
         mg.run(42)
+
+
+def test_out_overlapping_an_input_is_refused(tmp_path):
+    """The engine writes tiles while it still reads the inputs (out of core it reads them
+    again), so an `out` that is an input, a view of one, or a memmap of an input's file bytes
+    would compute the result from parts of itself: refused, and the input is left as it was."""
+    a, b = rand((67, 67)), rand((67, 67))
+    keep = b.copy()
+    with pytest.raises(mg.BadInputError, match="shares memory with input b"):
+        mg.matmul(a, b, out=b, **CPU)
+    big = rand((134, 67))
+    with pytest.raises(mg.BadInputError, match="shares memory with input a"):
+        mg.matmul(big[:67], b, out=big[33:100], **CPU)
+    assert np.array_equal(b, keep)
+    # Rows of the same array that the input does not use are not the input: allowed.
+    c = mg.matmul(big[:67], b, out=big[67:], **CPU)
+    assert np.allclose(c, big[:67].astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+    np.save(tmp_path / "b.npy", b)
+    for src in (str(tmp_path / "b.npy"), np.load(tmp_path / "b.npy", mmap_mode="r")):
+        with pytest.raises(mg.BadInputError, match="whose bytes input b reads"):
+            mg.matmul(rand((67, 67)), src, out=np.load(tmp_path / "b.npy", mmap_mode="r+"), **CPU)
+    assert np.array_equal(np.load(tmp_path / "b.npy"), keep)
+    # Another region of the same file is not the input: allowed.
+    m = np.memmap(tmp_path / "two.bin", np.float32, "w+", shape=(2 * 67, 67))
+    m[:67] = b
+    m.flush()
+    c = mg.matmul(a, m[:67], out=m[67:], **CPU)
+    assert np.allclose(c, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+
+
+def test_other_bad_calls():
+    a, b = rand((10, 5)), rand((5, 4))
+    with pytest.raises(mg.BadInputError, match="negative stride"):
+        mg.matmul(a[::-1], b, **CPU)
+    with pytest.raises(mg.BadInputError, match=r"= 160 B, more than the 100 B"):
+        mg.matmul(a, b, result_memory=100, **CPU)
+    with pytest.raises(mg.BadInputError, match="directory .*nodir does not exist"):
+        mg.matmul(a, b, out="nodir/C.npy", **CPU)
+    with pytest.raises(mg.BadInputError, match="disagree"):
+        mg.matmul(a, b, precision="fp32", engine={"precision": "bf16"}, **CPU)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'trans_B'"):
+        mg.plan(a, b, trans_B=True, backend="cpu")
+    with pytest.raises(mg.BadInputError, match="threading.Event"):
+        mg.matmul(a, b, cancel=object(), **CPU)
+    import threading
+    ev = threading.Event()
+    ev.set()
+    with pytest.raises(mg.CancelledError, match="already set"):
+        mg.matmul(a, b, cancel=ev, **CPU)
+
+
+def test_engine_precision_is_honoured():
+    a, b = rand((64, 300), seed=3), rand((300, 64), seed=4)
+    exact = a.astype(np.float64) @ b
+    c = mg.matmul(a, b, engine={"precision": "bf16"}, **CPU)
+    assert np.abs(c - exact).max() > 1e-3, "bf16 rounds its inputs: not an fp32 result"
+    assert mg.plan(a, b, engine={"precision": "bf16"}, backend="cpu")["precision"] == "bf16"
+
+
+def test_devices_as_an_int():
+    a, b = rand((10, 5)), rand((5, 4))
+    c = mg.matmul(a, b, devices=0, backend="cpu", progress=False)
+    assert np.allclose(c, a.astype(np.float64) @ b, rtol=1e-5)

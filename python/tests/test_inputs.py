@@ -111,3 +111,18 @@ def test_file_inputs_skip_the_staging_copy(kind, tmp_path):
         # Every element of both inputs goes through at least once.
         assert (rep["direct_bytes"] >= (M * K + K * N) * 4) == direct, (staging, rep["direct_bytes"])
         assert direct or rep["direct_bytes"] == 0
+
+
+def test_memmap_of_a_replaced_or_removed_file_reads_what_it_maps(tmp_path):
+    """A memmap keeps the data it mapped when its file is replaced (a re-save, os.replace) or
+    removed; the engine must not reopen the path and read the new file instead."""
+    import os
+    a, b = rand((M, K), np.float32, 7), rand((K, N), np.float32, 8)
+    p = tmp_path / "r.npy"
+    np.save(p, a)
+    mm = np.load(p, mmap_mode="r")
+    np.save(tmp_path / "new.npy", np.ones_like(a))
+    os.replace(tmp_path / "new.npy", p)
+    close(mg.matmul(mm, b, **CPU), reference(a, b), np.float32)
+    os.remove(p)
+    close(mg.matmul(mm, b, **CPU), reference(a, b), np.float32)

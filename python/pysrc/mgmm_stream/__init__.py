@@ -19,6 +19,7 @@ dict; ``mg.plan(...)`` says what a run would do; ``mg.verify(...)`` checks finis
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import mmap
@@ -121,6 +122,12 @@ def _layout(x: np.ndarray, name: str) -> Tuple[np.ndarray, bool]:
         return x, False
     if row_major(s1, s0, cols, rows):
         return x.T, True
+    if (rows > 1 and s0 < 0) or (cols > 1 and s1 < 0):
+        raise BadInputError(
+            f"{name} has a negative stride (a reversed view such as x[::-1]; shape {x.shape}, "
+            f"strides {x.strides}), which cannot be read in place; pass "
+            f"np.ascontiguousarray({name}) (a copy) or reverse the result instead"
+        )
     raise BadInputError(
         f"{name} is a strided view (shape {x.shape}, strides {x.strides}) whose rows and "
         f"columns are both non-contiguous, so it cannot be read in place; pass "
@@ -142,8 +149,33 @@ def _mmap_region(x: np.ndarray) -> Optional[Tuple[str, int]]:
     if mm is None or fname is None or getattr(x, "mode", "r") == "c":
         return None  # an array computed from a memmap, or copy-on-write: read memory
     base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    if not _maps_file(base, os.fspath(fname)):
+        return None  # the file was replaced or removed since it was mapped: read the map
     start = x.offset - x.offset % mmap.ALLOCATIONGRANULARITY
     return os.fspath(fname), start + (x.ctypes.data - base)
+
+
+def _maps_file(addr: int, fname: str) -> bool:
+    """Whether the mapping at ``addr`` is of the file now at ``fname`` (same device and inode,
+    from /proc/self/maps). A file replaced after it was mapped (``os.replace``, a re-save) or
+    removed is not: its data is then read from the map, which still holds the old contents.
+    True where /proc is not there to tell."""
+    try:
+        st = os.stat(fname)
+    except OSError:
+        return False
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                if lo <= addr < hi:
+                    major, minor = (int(v, 16) for v in parts[3].split(":"))
+                    return (int(parts[4]) == st.st_ino
+                            and (major, minor) == (os.major(st.st_dev), os.minor(st.st_dev)))
+    except (OSError, ValueError, IndexError):
+        return True
+    return True
 
 
 def _operand(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:
@@ -219,6 +251,17 @@ class _Display:
             self.bar = None
 
 
+def _check_cancel(cancel: Any) -> None:
+    """A cancel event must have ``is_set()``; one already set stops the call before it starts."""
+    if cancel is None:
+        return
+    if not callable(getattr(cancel, "is_set", None)):
+        raise BadInputError(f"cancel must be a threading.Event (or have is_set()); "
+                            f"got {type(cancel).__name__}")
+    if cancel.is_set():
+        raise CancelledError("the cancel event was already set; nothing was computed")
+
+
 def _run_with(display: _Display, fn: Callable[..., Any], *args: Any) -> Any:
     # Always listen: with progress=False the notes (resuming, summary) still reach `logging`.
     every = display.every if (display.enabled or display.callback) else 1.0
@@ -254,6 +297,8 @@ def _settings(backend: str, devices: Union[str, Sequence[int]], host_memory: Any
     s: List[Tuple[str, str]] = [("backend", backend), ("threads", str(int(threads)))]
     if isinstance(devices, str):
         s.append(("devices", devices))
+    elif isinstance(devices, (int, np.integer)):
+        s.append(("devices", json.dumps([int(devices)])))
     else:
         s.append(("devices", json.dumps([int(d) for d in devices])))
     if host_memory is not None:
@@ -267,13 +312,69 @@ def _settings(backend: str, devices: Union[str, Sequence[int]], host_memory: Any
     return s
 
 
+def _precision(precision: Optional[str], engine: Optional[Dict[str, Any]]
+               ) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+    """``precision=`` and ``engine={"precision": ...}`` as one setting (they must agree)."""
+    if not engine or "precision" not in engine:
+        return precision, engine
+    rest = {k: v for k, v in engine.items() if k != "precision"}
+    p = str(engine["precision"])
+    if precision is not None and precision != p:
+        raise BadInputError(f"precision={precision!r} and engine={{'precision': {p!r}}} "
+                            f"disagree; give one of them")
+    return p, rest
+
+
 def _prepare(a: Any, b: Any, alpha: float, trans_a: bool, trans_b: bool,
              precision: Optional[str], settings: List[Tuple[str, str]]) -> Tuple[Any, list]:
+    """(job, [(name, descriptor, array kept alive) per operand])."""
     da, fa, ka = _operand(a, "a")
     db, fb, kb = _operand(b, "b")
     job = _native.prepare(da, db, float(alpha), bool(trans_a) != fa, bool(trans_b) != fb,
                           precision, settings)
-    return job, [ka, kb]
+    return job, [("a", da, ka), ("b", db, kb)]
+
+
+def _file_extent(desc: Dict[str, Any], itemsize: int) -> Optional[Tuple[str, int, int]]:
+    """(file, first byte, end) an operand descriptor reads from a file (a path: all of it)."""
+    if desc["kind"] == "path":
+        return desc["path"], 0, 1 << 62
+    if desc["kind"] == "raw":
+        end = desc["offset"] + ((desc["rows"] - 1) * desc["ld"] + desc["cols"]) * itemsize
+        return desc["path"], desc["offset"], end
+    return None
+
+
+def _check_no_overlap(out: Any, inputs: list) -> None:
+    """Refuse an ``out`` array that shares memory or file bytes with an input: the engine
+    writes finished tiles while it still reads the inputs (out of core it reads them again), so
+    the result would be computed from parts of itself."""
+    arr = _as_array(out, "out")
+    region = _mmap_region(arr)
+    for name, desc, kept in inputs:
+        if kept is not None and np.may_share_memory(arr, kept):
+            raise BadInputError(f"out shares memory with input {name}; the engine reads the "
+                                f"inputs while it writes the result: pass a new array (or none)")
+        ext = _file_extent(desc, arr.itemsize)
+        if region is None or ext is None:
+            continue
+        try:
+            same = os.path.samefile(region[0], ext[0])
+        except OSError:
+            continue
+        lo, hi = region[1], region[1] + arr.size * arr.itemsize
+        if same and lo < ext[2] and ext[1] < hi:
+            raise BadInputError(f"out is a memmap of {region[0]}, whose bytes input {name} "
+                                f"reads; the engine reads the inputs while it writes the "
+                                f"result: write it to another file")
+
+
+def _human(n: int) -> str:
+    """Bytes as the engine prints sizes (B, KiB, MiB, GiB, TiB)."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
 
 
 def _output(job: Any, out: Any, result_memory: Optional[int]) -> Tuple[Dict[str, Any], Any]:
@@ -285,8 +386,8 @@ def _output(job: Any, out: Any, result_memory: Optional[int]) -> Tuple[Dict[str,
         limit = result_memory_limit() if result_memory is None else int(result_memory)
         if need > limit:
             raise BadInputError(
-                f"the result is {m}×{n} {dt.name} = {need / 2**30:.2f} GiB, more than the "
-                f"{limit / 2**30:.2f} GiB allowed for returning an array "
+                f"the result is {m}×{n} {dt.name} = {_human(need)}, more than the "
+                f"{_human(limit)} allowed for returning an array "
                 f"({'result_memory' if result_memory is not None else 'half the memory available now'}); "
                 f"pass out='C.npy' (then np.load('C.npy', mmap_mode='r') reads it lazily) or "
                 f"out='C.mgt', or raise result_memory="
@@ -294,6 +395,9 @@ def _output(job: Any, out: Any, result_memory: Optional[int]) -> Tuple[Dict[str,
         out = np.empty((m, n), dtype=dt)
     if isinstance(out, (str, os.PathLike)):
         p = os.fspath(out)
+        d = os.path.dirname(os.path.abspath(p))
+        if not os.path.isdir(d):
+            raise BadInputError(f"out={p}: its directory {d} does not exist; create it first")
         return {"kind": "path", "path": p}, p
     arr = _as_array(out, "out")
     if arr.ndim != 2 or arr.shape != (m, n) or arr.dtype != dt:
@@ -343,9 +447,13 @@ def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool
     array([[ 5., 14.],
            [14., 50.]])
     """
+    _check_cancel(cancel)
+    precision, engine = _precision(precision, engine)
     settings = _settings(backend, devices, host_memory, device_memory, threads, tile, engine)
     job, keep = _prepare(a, b, alpha, trans_a, trans_b, precision, settings)
     desc, result = _output(job, out, result_memory)
+    if desc["kind"] == "buffer" and out is not None:
+        _check_no_overlap(out, keep)
     display = _Display(progress)
     _run_with(display, lambda ev, every: job.run(desc, bool(restart), ev, cancel, every))
     del keep
@@ -384,6 +492,7 @@ def run(plan_path_or_dict: Union[PathLike, Dict[str, Any]], *, restart: bool = F
     >>> rep["steps"][0]["tiles_computed"]  # doctest: +SKIP
     1
     """
+    _check_cancel(cancel)
     path, text = _plan_source(plan_path_or_dict)
     display = _Display(progress)
     return _run_with(display, lambda ev, every: _native.run_plan(
@@ -406,11 +515,18 @@ def plan(plan_or_a: Any, b: Any = None, *, set: Optional[Dict[str, Any]] = None,
         path, text = _plan_source(plan_or_a)
         return _native.describe_plan(path, text, _sets(set))
     kw = dict(matmul_kwargs)
+    # (`set` is a parameter here, not the builtin.)
+    known = [k for k in inspect.signature(matmul).parameters if k not in ("a", "b")]
+    unknown = sorted(k for k in kw if k not in known)
+    if unknown:
+        raise TypeError(f"plan() got an unexpected keyword argument {unknown[0]!r} "
+                        f"(it takes matmul's keywords)")
+    precision, engine = _precision(kw.pop("precision", None), kw.pop("engine", None))
     settings = _settings(kw.pop("backend", "auto"), kw.pop("devices", "all"),
                          kw.pop("host_memory", None), kw.pop("device_memory", None),
-                         kw.pop("threads", 0), kw.pop("tile", None), kw.pop("engine", None))
+                         kw.pop("threads", 0), kw.pop("tile", None), engine)
     job, _keep = _prepare(plan_or_a, b, kw.pop("alpha", 1.0), kw.pop("trans_a", False),
-                          kw.pop("trans_b", False), kw.pop("precision", None), settings)
+                          kw.pop("trans_b", False), precision, settings)
     return job.describe()
 
 
