@@ -70,10 +70,8 @@ pub struct StepReport {
     /// Bytes of the input files page-locked for those copies (a storage tile released to stay
     /// under the budget and needed again counts again).
     pub direct_registered_bytes: u64,
-    /// Seconds page-locking took, all threads together (0 on the CPU: nothing to lock).
+    /// Seconds page-locking took, all staging threads together (0 on the CPU: nothing to lock).
     pub direct_register_s: f64,
-    /// Of `direct_registered_bytes`, those the prefetch stage page-locked ahead of staging.
-    pub direct_registered_ahead_bytes: u64,
     /// Page-locked bytes released before the step's end to stay under the budget (half the
     /// memory the host can spare).
     pub direct_released_bytes: u64,
@@ -311,7 +309,6 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         direct_bytes: st.direct.as_ref().map_or(0, |d| d.bytes),
         direct_registered_bytes: st.direct.as_ref().map_or(0, |d| d.registered_bytes),
         direct_register_s: st.direct.as_ref().map_or(0.0, |d| d.register_s),
-        direct_registered_ahead_bytes: st.direct.as_ref().map_or(0, |d| d.registered_ahead_bytes),
         direct_released_bytes: st.direct.as_ref().map_or(0, |d| d.released_bytes),
         direct_cold_blocks: st.direct.as_ref().map_or(0, |d| d.cold_blocks),
         direct_oversize_blocks: st.direct.as_ref().map_or(0, |d| d.oversize_blocks),

@@ -73,7 +73,6 @@ struct Counts {
     oversize_blocks: AtomicU64,
     register_ns: AtomicU64,
     registered_bytes: AtomicU64,
-    ahead_bytes: AtomicU64,
     released_bytes: AtomicU64,
 }
 
@@ -91,8 +90,6 @@ pub(crate) struct DirectStats {
     /// Bytes registered, and the seconds that took (all threads together).
     pub(crate) registered_bytes: u64,
     pub(crate) register_s: f64,
-    /// Of `registered_bytes`, what the prefetch stage registered ahead of staging.
-    pub(crate) registered_ahead_bytes: u64,
     /// Bytes released early to stay under the budget.
     pub(crate) released_bytes: u64,
     /// Why direct uploads stopped part-way, if they did.
@@ -270,17 +267,6 @@ impl DirectReads {
         block: &Block,
         host: DType,
     ) -> Option<Eligible<'f>> {
-        self.eligibility(f, block, host, true)
-    }
-
-    /// [`Self::eligible`], counting the blocks refused (for the report) when `count`.
-    fn eligibility<'f>(
-        &self,
-        f: &'f dyn MatrixSource,
-        block: &Block,
-        host: DType,
-        count: bool,
-    ) -> Option<Eligible<'f>> {
         if self.failed.get().is_some() {
             return None;
         }
@@ -289,9 +275,7 @@ impl DirectReads {
         // A range that alone would pass the budget (a row-major file is one range) is copied:
         // locking it could take the memory the host needs.
         if ranges.iter().any(|r| r.end - r.start > self.budget) {
-            if count {
-                self.stats.oversize_blocks.fetch_add(1, Ordering::Relaxed);
-            }
+            self.stats.oversize_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         if self.mode == StagingMode::Auto
@@ -299,35 +283,10 @@ impl DirectReads {
                 .iter()
                 .all(|r| crate::store::fsutil::resident(mb.map, r.clone(), 1.0))
         {
-            if count {
-                self.stats.cold_blocks.fetch_add(1, Ordering::Relaxed);
-            }
+            self.stats.cold_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         Some(Eligible { mb, ranges })
-    }
-
-    /// Register the ranges of `block` of `f` before staging asks for them, so that staging
-    /// finds them registered. Called by the prefetch stage, which runs ahead of staging by its
-    /// channels' depth: staging registers only as fast as the lane frees its tokens, while
-    /// registering (one thread's work in the driver, 30–50 GB/s) is most of its time. Only a
-    /// block that can go direct now, and only while its ranges fit the budget without
-    /// releasing anything (what is registered ahead must not push out what is in use or about
-    /// to be); nothing is counted or kept pinned. Returns the bytes registered by this call.
-    pub(crate) fn register_ahead(&self, f: &dyn MatrixSource, block: &Block, host: DType) -> u64 {
-        if !self.pinner.locks() {
-            return 0; // the CPU's lanes: nothing to lock
-        }
-        let Some(e) = self.eligibility(f, block, host, false) else {
-            return 0;
-        };
-        let want: u64 = e.ranges.iter().map(|r| r.end - r.start).sum();
-        if self.registered.load(Ordering::Relaxed) + want > self.budget {
-            return 0;
-        }
-        let got = (self.pin_all(f, &e.mb, &e.ranges)).map_or(0, |(_pins, new)| new);
-        self.stats.ahead_bytes.fetch_add(got, Ordering::Relaxed);
-        got
     }
 
     /// An eligible block of `f` as rectangles of its page-locked map; `None` when registering
@@ -341,7 +300,7 @@ impl DirectReads {
         token: Lease,
     ) -> Option<DirectUpload> {
         let Eligible { mb, ranges } = e;
-        let (pins, _) = self.pin_all(f, &mb, &ranges)?;
+        let pins = self.pin_all(f, &mb, &ranges)?;
         let runs: Vec<HostRun> = mb
             .runs
             .iter()
@@ -406,19 +365,15 @@ impl DirectReads {
         f: &dyn MatrixSource,
         mb: &MappedBlock<'_>,
         ranges: &[std::ops::Range<u64>],
-    ) -> Option<(Vec<Pin>, u64)> {
+    ) -> Option<Vec<Pin>> {
         let mut pins = Vec::with_capacity(ranges.len());
-        let mut new = 0;
         for s in ranges {
             let end = (s.end as usize).min(mb.map.len());
             let start = s.start as usize;
             // SAFETY: `start < end <= map.len()`: inside the map.
             let ptr = unsafe { mb.map.as_ptr().add(start) } as usize;
             match self.pin(ptr, end - start) {
-                Ok((p, n)) => {
-                    pins.push(p);
-                    new += n;
-                }
+                Ok(p) => pins.push(p),
                 Err(why) => {
                     // Off for the rest of the step: let go of what is idle now (the failure
                     // may be memory running short), not at the step's end.
@@ -433,12 +388,11 @@ impl DirectReads {
                 }
             }
         }
-        Some((pins, new))
+        Some(pins)
     }
 
-    /// Keep `len` bytes at `ptr` registered while the returned pin lives; also the bytes this
-    /// call registered (0 when the range already was).
-    fn pin(&self, ptr: usize, len: usize) -> Result<(Pin, u64), String> {
+    /// Keep `len` bytes at `ptr` registered while the returned pin lives.
+    fn pin(&self, ptr: usize, len: usize) -> Result<Pin, String> {
         let e = {
             let mut m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
             m.entry(ptr)
@@ -456,9 +410,7 @@ impl DirectReads {
         if !st.registered && !self.pinner.locks() {
             st.registered = true;
         }
-        let mut new = 0;
         if !st.registered {
-            new = len as u64;
             self.make_room(len as u64, ptr);
             let t = Instant::now();
             self.pinner.register(ptr as *const u8, len)?;
@@ -473,7 +425,7 @@ impl DirectReads {
         }
         st.users += 1;
         drop(st);
-        Ok((Pin(e), new))
+        Ok(Pin(e))
     }
 
     /// Release idle ranges, oldest first, until `len` more bytes fit in the budget (or
@@ -531,7 +483,6 @@ impl DirectReads {
             budget: self.budget,
             registered_bytes: c.registered_bytes.load(Ordering::Relaxed),
             register_s: c.register_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-            registered_ahead_bytes: c.ahead_bytes.load(Ordering::Relaxed),
             released_bytes: c.released_bytes.load(Ordering::Relaxed),
             failed: self.failed.get().cloned(),
         }
@@ -714,44 +665,6 @@ mod tests {
             rec.held.lock().unwrap().is_empty(),
             "all released at the end"
         );
-    }
-
-    #[test]
-    fn ranges_registered_ahead_are_found_by_staging_and_never_push_others_out() {
-        let fx = fixture();
-        let rec = &fx.rec;
-        let reg = fx.reg(StagingMode::Direct, 4 * 4096, 4096);
-        let b = block(8, 8, 16, 16);
-        assert_eq!(reg.register_ahead(&*fx.f, &b, DType::F32), 4 * 4096);
-        assert_eq!(rec.registrations.load(Ordering::Relaxed), 4);
-        assert_eq!(
-            rec.held.lock().unwrap().len(),
-            4,
-            "kept registered, unpinned"
-        );
-        // Staging's turn: nothing left to register.
-        let up = fx.up(&reg, b, DType::F32).unwrap();
-        assert_eq!(rec.registrations.load(Ordering::Relaxed), 4);
-        // Budget full: registering ahead gives up rather than release anything (staging,
-        // which must have the block, still makes room).
-        assert_eq!(
-            reg.register_ahead(&*fx.f, &block(0, 32, 16, 32), DType::F32),
-            0
-        );
-        assert_eq!(rec.registrations.load(Ordering::Relaxed), 4);
-        // A block of another dtype cannot go direct: nothing is registered, nothing counted.
-        assert_eq!(reg.register_ahead(&*fx.f, &b, DType::F64), 0);
-        drop(up);
-        let st = reg.stats();
-        assert_eq!(
-            (
-                st.registered_ahead_bytes,
-                st.registered_bytes,
-                st.released_bytes
-            ),
-            (4 * 4096, 4 * 4096, 0)
-        );
-        assert_eq!((st.cold_blocks, st.oversize_blocks), (0, 0));
     }
 
     #[test]

@@ -580,19 +580,15 @@ impl<'a> Pipeline<'a> {
                 out: plan_tx,
                 m: m(StageKind::Planner),
             }));
-            let lane_direct = direct.as_ref().filter(|_| lane.uploads_runs());
             stages.push(Box::new(Prefetch {
                 inputs,
-                ahead: lane_direct
-                    .filter(|_| std::env::var_os("MGMM_NO_PIN_AHEAD").is_none())
-                    .map(|d| (d, l.host_dt)),
                 rx: plan_rx,
                 out: pre_tx,
                 m: m(StageKind::Prefetch),
             }));
             // Uploads straight from the files' pages, where the lane takes them, and the stage
             // that checks what they upload.
-            let direct = match lane_direct {
+            let direct = match direct.as_ref().filter(|_| lane.uploads_runs()) {
                 Some(d) => {
                     let (check_tx, check_rx) = crossbeam_channel::bounded(64);
                     let progress = Arc::new(direct::CheckProgress::default());

@@ -445,9 +445,6 @@ impl Planner<'_> {
 
 pub(crate) struct Prefetch<'a> {
     pub(crate) inputs: &'a Inputs,
-    /// Where input ranges are page-locked ahead of staging, when this lane uploads straight
-    /// from the files' pages ([`DirectReads::register_ahead`]).
-    pub(crate) ahead: Option<(&'a DirectReads, DType)>,
     pub(crate) rx: Receiver<PlanOp>,
     pub(crate) out: Sender<PlanOp>,
     pub(crate) m: Arc<StageMetrics>,
@@ -459,12 +456,8 @@ impl Prefetch<'_> {
             let t = Instant::now();
             match &op {
                 PlanOp::Load { src, block, .. } => {
-                    let f = self.inputs.file(*src);
-                    let n = f.will_need(block);
+                    let n = self.inputs.file(*src).will_need(block);
                     self.m.add_item(n);
-                    if let Some((d, host)) = self.ahead {
-                        d.register_ahead(f, block, host);
-                    }
                 }
                 PlanOp::Begin {
                     c0: Some(block), ..
