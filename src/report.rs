@@ -250,6 +250,8 @@ fn merged_pools(pools: &[PoolReport]) -> Vec<PoolReport> {
             Some(q) => {
                 q.buffers += p.buffers;
                 q.high_water += p.high_water;
+                q.allocated += p.allocated;
+                q.lazy |= p.lazy;
             }
             None => out.push(p.clone()),
         }
@@ -279,7 +281,8 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
     let pool_peak: u64 = st
         .pools
         .iter()
-        .map(|p| p.high_water as u64 * p.buffer_bytes)
+        // A lazy pool's leases out at once need not all have had memory.
+        .map(|p| p.high_water.min(p.allocated) as u64 * p.buffer_bytes)
         .sum();
     // On a host-memory backend the lane's slots and accumulators are host memory too.
     let lane_host = match cx.caps.memory {
@@ -506,14 +509,23 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
     let pools: Vec<String> = r
         .pools
         .iter()
-        .map(|p| {
-            format!(
+        .map(|p| match p.lazy {
+            // Leases without memory: the blocks went straight from the files' pages.
+            true => format!(
+                "{} {}×{} as needed ({} allocated, peak {} leased)",
+                p.name,
+                p.buffers,
+                fmt_bytes(p.buffer_bytes),
+                p.allocated,
+                p.high_water
+            ),
+            false => format!(
                 "{} {}×{} (peak {})",
                 p.name,
                 p.buffers,
                 fmt_bytes(p.buffer_bytes),
                 p.high_water
-            )
+            ),
         })
         .collect();
     s += &format!("  host pools: {}\n", pools.join(", "));

@@ -317,7 +317,58 @@ fn staging_modes(backend: &str) {
         assert_eq!(s.direct_bytes, want, "{mode}: direct bytes");
         assert_eq!(s.direct_cold_blocks, 0, "{mode}");
         assert!(s.direct_failed.is_none(), "{mode}: {:?}", s.direct_failed);
+        // Blocks all going direct, the staging pool's leases got no memory.
+        let st = s.pools.iter().find(|p| p.name == "staging").unwrap();
+        match want {
+            0 => assert!(!st.lazy && st.allocated == st.buffers, "{mode}: {st:?}"),
+            _ => assert!(st.lazy && st.allocated == 0, "{mode}: {st:?}"),
+        }
         outs.push(load(&dir.join(format!("C_{mode}.mgt"))));
+    }
+    // An added matrix is always copied: its blocks get buffers from the lazy pool as needed.
+    gen(
+        &dir.join("C0.mgt"),
+        97,
+        61,
+        DType::F32,
+        (16, 16),
+        Dist::Normal,
+        13,
+    );
+    let with_c0 = |mode: &str| {
+        plan(mode, "E")
+            .replace("[[step]]", "[matrices.C0]\npath = \"C0.mgt\"\n[[step]]")
+            .replace("A @ B", "A @ B + 0.5 * C0")
+    };
+    let mut c0_outs = Vec::new();
+    for mode in ["copy", "auto"] {
+        let rep = run_text(dir, &with_c0(mode)).unwrap_or_else(|e| panic!("{mode}: {e}"));
+        let st = rep.steps[0]
+            .pools
+            .iter()
+            .find(|p| p.name == "staging")
+            .unwrap();
+        if mode == "auto" && backend != "sim" {
+            assert!(
+                st.lazy && st.allocated >= 1 && st.allocated <= st.buffers,
+                "{st:?}"
+            );
+        }
+        c0_outs.push(load(&dir.join(format!("E_{mode}.mgt"))));
+    }
+    assert!(
+        c0_outs[0] == c0_outs[1],
+        "with C0: the modes' outputs differ"
+    );
+    let c0 = Mat::load(&dir.join("C0.mgt"));
+    let (a, b) = (Mat::load(&dir.join("A.mgt")), Mat::load(&dir.join("B.mgt")));
+    let (r, mag) = reference(&a, false, &b, false, Some(&c0), 1.0, 0.5, 97, 61, 131);
+    for (i, &x) in c0_outs[1].2.iter().enumerate() {
+        assert!(
+            (x - r[i]).abs() <= 1e-5 * mag[i] + 1e-30,
+            "C0 element {i}: {x} vs {}",
+            r[i]
+        );
     }
     assert!(
         outs.windows(2).all(|w| w[0] == w[1]),

@@ -66,6 +66,9 @@ impl HostAlloc for CpuBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         Ok(HostBuf::heap(bytes))
     }
+    fn shared(&self) -> Option<std::sync::Arc<dyn HostAlloc>> {
+        Some(std::sync::Arc::new(super::HeapAlloc))
+    }
     /// The lanes copy input blocks from the files' maps into their slots themselves, which
     /// saves the staging copy ([`crate::pipeline::direct`]); nothing needs registering.
     fn input_pinner(&self) -> Option<std::sync::Arc<dyn super::InputPinner>> {

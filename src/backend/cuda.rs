@@ -623,8 +623,13 @@ pub(crate) struct WarmSpec {
 pub(crate) fn early_start(plan: &crate::plan::Plan, threads: usize) -> Option<EarlyStart> {
     let lanes = guess_gpu_count(&plan.engine);
     let (step, l) = guess_layout(plan, lanes)?;
+    let mut lens = pool_lens(&l, lanes);
+    if staging_lazy(plan, step, &l) {
+        // The staging pools will be leases without memory (`Pool::lazy`): only the output's.
+        lens.drain(..l.staging_bufs * lanes);
+    }
     Some(EarlyStart {
-        prefill: Prefill::new(pool_lens(&l, lanes), threads, step),
+        prefill: Prefill::new(lens, threads, step),
         warm: Some(WarmSpec {
             m: l.tm as usize,
             n: l.tn as usize,
@@ -819,6 +824,26 @@ fn guess_layout(plan: &crate::plan::Plan, lanes: usize) -> Option<((usize, usize
         .max_by_key(|(_, l)| pool_lens(l, lanes).iter().sum::<usize>())
 }
 
+/// Whether the staging pools of plan step `order` (laid out as `l`) will be lazy, as
+/// [`crate::pipeline::Engines::make`] will decide once the step's inputs are open: they are
+/// opened here for it (a header read and a residency check), assuming the GPUs can register
+/// read-only maps (if not, the pools are allocated up front without the prefill's help).
+fn staging_lazy(plan: &crate::plan::Plan, order: (usize, usize), l: &Layout) -> bool {
+    let t = std::time::Instant::now();
+    let Some(step) = plan.steps.iter().find(|s| s.order() == order) else {
+        return false;
+    };
+    let open = |op: &crate::plan::Operand| (!op.temp).then(|| op.open().ok()).flatten();
+    let lazy = match (open(&step.a), open(&step.b)) {
+        (Some(a), Some(b)) => {
+            crate::pipeline::direct::expected(plan.engine.staging, true, &[&*a, &*b], l.host_dt)
+        }
+        _ => false,
+    };
+    crate::trace::span("start-up", "inputs direct?", t, std::time::Instant::now());
+    lazy
+}
+
 /// The byte lengths of the pinned buffers of `l`'s pools on `lanes` GPUs, as [`CudaAlloc`]
 /// rounds them.
 fn pool_lens(l: &Layout, lanes: usize) -> Vec<usize> {
@@ -872,6 +897,15 @@ impl HostAlloc for CudaAlloc {
         // (dropping the owner returns it to the cache, where nobody uses it until it is handed
         // out again); it is `len >= bytes` long.
         Ok(unsafe { HostBuf::from_raw(ptr, bytes, Box::new(owner)) })
+    }
+    /// The same context and cache of released buffers, without the prefill (whose buffers
+    /// the pools made up front take).
+    fn shared(&self) -> Option<Arc<dyn HostAlloc>> {
+        Some(Arc::new(CudaAlloc {
+            ctx: self.ctx.clone(),
+            cache: self.cache.clone(),
+            prefill: std::sync::Mutex::new(None),
+        }))
     }
     fn pools_made(&self, step: (usize, usize)) {
         let mut p = lock(&self.prefill);
@@ -1107,6 +1141,9 @@ impl HostAlloc for CudaBackend {
     }
     fn pools_made(&self, step: (usize, usize)) {
         self.alloc.pools_made(step)
+    }
+    fn shared(&self) -> Option<Arc<dyn HostAlloc>> {
+        self.alloc.shared()
     }
     /// Registration of read-only file maps, where every GPU of the backend supports it
     /// (`CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED`; the H200s here do).
@@ -2019,6 +2056,47 @@ mod tests {
     /// The prefill's guess is the pools' own sizes: for 32768² fp32 on one GPU, six staging
     /// buffers and three output buffers of one 8192² f32 tile each, twice as many on two; the
     /// largest step of a chain, not its tiny first part; nothing without a GPU.
+    /// The prefill leaves out the staging buffers when the step's inputs will go straight from
+    /// their pages (the pools then lease tokens); not with `staging = "copy"`, nor for inputs
+    /// that cannot be opened yet.
+    #[test]
+    fn prefill_leaves_out_staging_buffers_when_the_inputs_go_direct() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, seed) in [("A.mgt", 1), ("B.mgt", 2)] {
+            let spec = crate::store::gen::GenSpec {
+                rows: 96,
+                cols: 96,
+                dtype: crate::dtype::DType::F32,
+                tile: (32, 32),
+                dist: crate::store::gen::Dist::Normal,
+                seed,
+            };
+            crate::store::gen::generate(&dir.path().join(name), &spec).unwrap();
+        }
+        let plan_with = |staging: &str, b: &str| {
+            let text = format!(
+                "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"{b}\"\n\
+                 [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+                 [engine]\nbackend = \"cuda\"\nstaging = \"{staging}\"\n"
+            );
+            let path = dir.path().join("p.toml");
+            std::fs::write(&path, text).unwrap();
+            crate::plan::Plan::load(&path).unwrap()
+        };
+        let caps = cuda_caps(1, 64 << 30);
+        for (staging, want) in [("auto", true), ("direct", true), ("copy", false)] {
+            let plan = plan_with(staging, "B.mgt");
+            let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
+            assert_eq!(staging_lazy(&plan, (0, 0), &l), want, "{staging}");
+        }
+        // An input not there yet (to be generated, say): the pools are made up front.
+        let mut plan = plan_with("auto", "B.mgt");
+        std::fs::remove_file(dir.path().join("B.mgt")).unwrap();
+        plan.steps[0].b.path = dir.path().join("B.mgt");
+        let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
+        assert!(!staging_lazy(&plan, (0, 0), &l));
+    }
+
     #[test]
     fn prefill_guesses_the_pools_of_the_largest_step() {
         let dir = tempfile::tempdir().unwrap();

@@ -58,6 +58,9 @@ impl HostAlloc for FaultyBackend {
     fn pools_made(&self, step: (usize, usize)) {
         self.inner.pools_made(step)
     }
+    fn shared(&self) -> Option<std::sync::Arc<dyn HostAlloc>> {
+        self.inner.shared()
+    }
 }
 
 impl Backend for FaultyBackend {

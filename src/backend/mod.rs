@@ -106,11 +106,26 @@ pub trait HostAlloc: Send + Sync {
     ///
     /// [`Step::order`]: crate::plan::Step::order
     fn pools_made(&self, _step: (usize, usize)) {}
+    /// An allocator of the same buffers that the pipeline can keep (a lazy pool's, which
+    /// allocates while the stages run: [`crate::pipeline::pool::Pool::lazy`]); `None` where
+    /// there is none, and pools are then allocated up front.
+    fn shared(&self) -> Option<std::sync::Arc<dyn HostAlloc>> {
+        None
+    }
     /// What page-locks parts of the input files' maps so that the devices copy from them
     /// directly (`engine.staging`, [`crate::pipeline::direct`]); `None` where the backend's
     /// devices cannot (the CPU, a GPU without read-only registration).
     fn input_pinner(&self) -> Option<std::sync::Arc<dyn InputPinner>> {
         None
+    }
+}
+
+/// Ordinary heap memory for the pools of backends that need nothing else (the CPU's).
+pub(crate) struct HeapAlloc;
+
+impl HostAlloc for HeapAlloc {
+    fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
+        Ok(HostBuf::heap(bytes))
     }
 }
 

@@ -83,6 +83,9 @@ impl HostAlloc for SimBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
         Ok(HostBuf::heap(bytes))
     }
+    fn shared(&self) -> Option<std::sync::Arc<dyn HostAlloc>> {
+        Some(std::sync::Arc::new(super::HeapAlloc))
+    }
 }
 
 impl Backend for SimBackend {

@@ -220,6 +220,44 @@ const CHUNK: u64 = 32 << 20;
 /// size is a multiple of it, and the driver rounds to its own pages).
 const PAGE: u64 = 4096;
 
+/// Bytes that may be page-locked at once: half the memory the host can spare now.
+fn budget() -> u64 {
+    crate::store::fsutil::memory_headroom()
+        .map(|h| h / 2)
+        .unwrap_or(DEFAULT_BUDGET)
+}
+
+/// Whether every block of `sources` (a step's A and B) is expected to go straight from the
+/// files' pages, so that the staging pool's leases need no memory unless a block is copied
+/// after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`, the backend uploads from
+/// maps (`pinner`), each source maps its blocks at `host` in ranges the budget can hold, and
+/// under `auto` its data is in the page cache now (as a block's is when it is staged).
+pub(crate) fn expected(
+    mode: StagingMode,
+    pinner: bool,
+    sources: &[&dyn MatrixSource],
+    host: DType,
+) -> bool {
+    if mode == StagingMode::Copy || !pinner {
+        return false;
+    }
+    let budget = budget();
+    let corner = Block {
+        r0: 0,
+        c0: 0,
+        rows: 1,
+        cols: 1,
+    };
+    sources.iter().all(|f| {
+        f.mapped_block(&corner, host).is_some_and(|mb| {
+            // The range a block registers (`ranges`): whole tiles, about CHUNK bytes.
+            (CHUNK / mb.stride).max(1) * mb.stride <= budget
+                && (mode == StagingMode::Direct
+                    || crate::store::fsutil::resident(mb.map, mb.data.clone(), 1.0))
+        })
+    })
+}
+
 impl DirectReads {
     /// A registry for `sources` (A, B, C0), registering through `pinner`; `None` for `copy`.
     pub(crate) fn new(
@@ -230,10 +268,7 @@ impl DirectReads {
         if mode == StagingMode::Copy {
             return None;
         }
-        let budget = crate::store::fsutil::memory_headroom()
-            .map(|h| h / 2)
-            .unwrap_or(DEFAULT_BUDGET);
-        Some(Self::with_budget(mode, pinner, sources, budget, CHUNK))
+        Some(Self::with_budget(mode, pinner, sources, budget(), CHUNK))
     }
 
     fn with_budget(

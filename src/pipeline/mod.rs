@@ -100,6 +100,9 @@ pub struct PoolReport {
     pub buffers: usize,
     pub buffer_bytes: u64,
     pub high_water: usize,
+    /// Buffers given memory: all of them, unless `lazy` (made only for blocks copied).
+    pub allocated: usize,
+    pub lazy: bool,
 }
 
 /// What one run of a pipeline measured; no interpretation (see [`crate::report`]).
@@ -156,19 +159,32 @@ pub(crate) struct Engines {
 
 impl Engines {
     /// The lanes of `backend` for `layout` in precision `p`, and the pools `layout` asks for,
-    /// for the plan step at `step` (`Step::order`; `(0, 0)` for a lone product).
+    /// for the plan step at `step` (`Step::order`; `(0, 0)` for a lone product) reading
+    /// `sources` with `staging`: when their blocks are all expected to go straight from the
+    /// files' pages ([`direct::expected`]), the staging pools' buffers are made only if a block
+    /// is copied after all ([`Pool::lazy`]).
     pub(crate) fn make(
         backend: &dyn Backend,
         layout: &Layout,
         p: crate::plan::Precision,
         step: (usize, usize),
+        (sources, staging): (&StepSources, crate::plan::StagingMode),
     ) -> Result<Engines> {
         let t = Instant::now();
         let n = backend.caps().lanes.max(1);
+        let lazy = direct::expected(
+            staging,
+            backend.input_pinner().is_some(),
+            &[&*sources.a, &*sources.b],
+            layout.host_dt,
+        )
+        .then(|| backend.shared())
+        .flatten();
         let (lanes, pools) = std::thread::scope(|s| {
+            let lazy = lazy.clone();
             let pools = s.spawn(move || {
                 let t = Instant::now();
-                let r = Self::pools(backend, layout, n);
+                let r = Self::pools(backend, layout, n, lazy);
                 crate::trace::span("start-up", "pools", t, Instant::now());
                 r.map(|p| (p, t.elapsed().as_secs_f64()))
             });
@@ -188,7 +204,7 @@ impl Engines {
         if lanes.len() != n {
             // A backend whose lane count differs from what its caps said: size the pools again.
             let t = Instant::now();
-            (staging_pools, out_pool) = Self::pools(backend, layout, lanes.len())?;
+            (staging_pools, out_pool) = Self::pools(backend, layout, lanes.len(), lazy)?;
             pools_s += t.elapsed().as_secs_f64();
         }
         backend.pools_made(step);
@@ -204,16 +220,19 @@ impl Engines {
         })
     }
 
-    /// One staging pool per lane and the output pool they share.
-    fn pools(alloc: &dyn Backend, l: &Layout, nlanes: usize) -> Result<(Vec<Pool>, Pool)> {
+    /// One staging pool per lane (lazy when `lazy` gives the allocator) and the output pool
+    /// they share.
+    fn pools(
+        alloc: &dyn Backend,
+        l: &Layout,
+        nlanes: usize,
+        lazy: Option<Arc<dyn crate::backend::HostAlloc>>,
+    ) -> Result<(Vec<Pool>, Pool)> {
+        let (count, bytes) = (l.staging_bufs, l.staging_buf_bytes as usize);
         let staging = (0..nlanes)
-            .map(|_| {
-                Pool::new(
-                    "staging",
-                    alloc,
-                    l.staging_bufs,
-                    l.staging_buf_bytes as usize,
-                )
+            .map(|_| match &lazy {
+                Some(a) => Ok(Pool::lazy("staging", a.clone(), count, bytes)),
+                None => Pool::new("staging", alloc, count, bytes),
             })
             .collect::<Result<Vec<_>>>()?;
         let out = Pool::new(
@@ -418,6 +437,8 @@ impl<'a> Pipeline<'a> {
                 buffers: p.count(),
                 buffer_bytes: p.buf_bytes() as u64,
                 high_water: p.high_water(),
+                allocated: p.allocated(),
+                lazy: p.is_lazy(),
             })
             .collect();
         Ok(RunStats {

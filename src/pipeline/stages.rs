@@ -552,7 +552,7 @@ impl Staging<'_> {
         let elems = block.elems();
         let bytes = elems * self.host_dt.size();
         let f = self.inputs.file(src);
-        let dst = &mut lease.buf_mut().bytes_mut()[..bytes];
+        let dst = &mut lease.materialize()?.bytes_mut()[..bytes];
         // Checksums, the copy and the NaN/Inf count in one pass where the format can.
         // NaN and Inf are computed as IEEE arithmetic says; they are counted for the summary.
         let nonfinite = f.read_staged(block, self.host_dt, dst, self.inputs.verify)?;

@@ -150,12 +150,18 @@ impl Held {
                 done_before: (total as usize - todo.len()) as u64,
                 todo: Some(todo),
             };
-            let engines = Engines::make(backend.as_ref(), layout, e.precision, step.order())?;
+            let sources = self.sources(step)?;
+            let engines = Engines::make(
+                backend.as_ref(),
+                layout,
+                e.precision,
+                step.order(),
+                (&sources, e.staging),
+            )?;
             let cfg = RunConfig {
                 cancel: opts.cancel,
                 ..RunConfig::from_engine(e)
             };
-            let sources = self.sources(step)?;
             let pipe = Pipeline::build_with(
                 step,
                 layout,

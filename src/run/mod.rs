@@ -499,7 +499,14 @@ fn run_step_with(
         let tl = Instant::now();
         crate::trace::span("start-up", &format!("step {n}: resume"), tr, tl);
         let resume_s = (tl - tr).as_secs_f64();
-        let engines = Engines::make(backend.as_ref(), layout, e.precision, step.order())?;
+        let sources = held.sources(step)?;
+        let engines = Engines::make(
+            backend.as_ref(),
+            layout,
+            e.precision,
+            step.order(),
+            (&sources, e.staging),
+        )?;
         let engine_times = engines.times;
         let journal_sink = JournalSink(&journal);
         #[cfg(feature = "fault-injection")]
@@ -525,7 +532,7 @@ fn run_step_with(
             cfg,
             sink,
             progress,
-            held.sources(step)?,
+            sources,
         )?
         .with_checkpoints(&ckpt);
         let pipe = match shard {
