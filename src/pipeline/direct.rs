@@ -231,7 +231,8 @@ fn budget() -> u64 {
 /// files' pages, so that the staging pool's leases need no memory unless a block is copied
 /// after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`, the backend uploads from
 /// maps (`pinner`), each source maps its blocks at `host` in ranges the budget can hold, and
-/// under `auto` its data is in the page cache now (as a block's is when it is staged).
+/// under `auto` its data looks in the page cache now (1024 pages sampled: a guess, and a wrong
+/// one only costs buffers made while the step runs).
 pub(crate) fn expected(
     mode: StagingMode,
     pinner: bool,
@@ -253,7 +254,7 @@ pub(crate) fn expected(
             // The range a block registers (`ranges`): whole tiles, about CHUNK bytes.
             (CHUNK / mb.stride).max(1) * mb.stride <= budget
                 && (mode == StagingMode::Direct
-                    || crate::store::fsutil::resident(mb.map, mb.data.clone(), 1.0))
+                    || crate::store::fsutil::resident_sampled(mb.map, mb.data.clone(), 1024))
         })
     })
 }

@@ -205,6 +205,21 @@ pub(crate) fn resident(map: &[u8], span: std::ops::Range<u64>, fraction: f64) ->
     rc == 0 && vec.iter().filter(|&&v| v & 1 == 1).count() as f64 >= pages as f64 * fraction
 }
 
+/// Whether the pages of `span` of `map` look all in the page cache, judged from `samples` pages
+/// spread evenly over it (one `mincore` each): a guess for whole files, where [`resident`]
+/// over every page took 85–90 ms for 8 GiB on the H200 host.
+pub(crate) fn resident_sampled(map: &[u8], span: std::ops::Range<u64>, samples: u64) -> bool {
+    let end = span.end.min(map.len() as u64);
+    if end <= span.start {
+        return true;
+    }
+    let step = ((end - span.start) / samples.max(1)).max(1);
+    (0..samples.max(1))
+        .map(|i| span.start + i * step)
+        .take_while(|&at| at < end)
+        .all(|at| resident(map, at..(at + 1).min(end), 1.0))
+}
+
 /// The kernel's estimate of memory available without swapping (`MemAvailable` in
 /// /proc/meminfo), in bytes; `None` where it cannot be read.
 pub(crate) fn mem_available() -> Option<u64> {
