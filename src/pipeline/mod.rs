@@ -148,7 +148,10 @@ pub(crate) struct RunStats {
 /// returning (§16).
 /// Every buffer is allocated before the stages start: growing the pinned pools while the
 /// stages ran was tried, and `cuMemHostAlloc` then stalled both GPUs' GEMMs (32768² fp32 on 2
-/// GPUs went from 1.2 to 2.5 s, docs/measurements/2026-11-30-keepup-*.log).
+/// GPUs went from 1.2 to 2.5 s, docs/measurements/2026-11-30-keepup-*.log). The exception is a
+/// lazy staging pool ([`Pool::lazy`]), made when every input block is expected to go straight
+/// from the files' pages: its buffers are made only for blocks copied after all (few, if the
+/// expectation holds; an evicted input, an added matrix `C0`).
 pub(crate) struct Engines {
     lanes: Vec<Box<dyn Lane>>,
     staging_pools: Vec<Pool>,
