@@ -70,7 +70,7 @@ pub enum Error {
     },
 
     /// A stored checksum does not match the data.
-    #[error("{path}: checksum mismatch in tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}; the file is corrupt — regenerate or re-import it")]
+    #[error("{path}: checksum mismatch in tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}; {}", checksum_advice(.sidecar.as_deref()))]
     Checksum {
         /// The file.
         path: PathBuf,
@@ -82,11 +82,25 @@ pub enum Error {
         stored: u32,
         /// CRC-32C of the tile's bytes now.
         computed: u32,
+        /// Where the stored checksums are kept when not in the file itself (a `.npy`'s sidecar).
+        sidecar: Option<PathBuf>,
     },
 
     /// The run was cancelled because another stage failed (never the reported error).
     #[error("cancelled")]
     Cancelled,
+}
+
+/// What to do about a checksum mismatch: a `.mgt` file is corrupt; a `.npy` file may also
+/// have been changed on purpose after its sidecar was written.
+fn checksum_advice(sidecar: Option<&std::path::Path>) -> String {
+    match sidecar {
+        None => "the file is corrupt — regenerate or re-import it".into(),
+        Some(s) => format!(
+            "the array is corrupt, or was changed after its checksum sidecar {} was written — if it was changed on purpose, delete the sidecar",
+            s.display()
+        ),
+    }
 }
 
 /// What went wrong on a device, typed where the driver library gives a type.

@@ -330,6 +330,11 @@ fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
         !ok && err.contains("C.npy") && err.contains("tile (1, 1)"),
         "{err}"
     );
+    // The message says what to do if the array was changed on purpose.
+    assert!(
+        err.contains("C.npy.crc32c") && err.contains("delete the sidecar"),
+        "{err}"
+    );
 }
 
 #[test]

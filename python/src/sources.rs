@@ -395,6 +395,11 @@ impl NpyOutput {
             .open(p)
             .map_err(|e| Error::io(p, "cannot open output", e))?;
         if create {
+            // A checksum sidecar left by the CLI's writer would describe the old contents:
+            // readers of the new array would report every tile as corrupt.
+            let mut side = p.as_os_str().to_owned();
+            side.push(".crc32c");
+            let _ = std::fs::remove_file(side);
             file.write_all_at(&head, 0)
                 .map_err(|e| Error::io(p, "cannot write .npy header", e))?;
             file.set_len(len)

@@ -106,6 +106,26 @@ def test_out_overlapping_an_input_is_refused(tmp_path):
     m.flush()
     c = mg.matmul(a, m[:67], out=m[67:], **CPU)
     assert np.allclose(c, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-3)
+    # A copy-on-write memmap input (read from memory) over the bytes an `out` memmap writes,
+    # and an `out` that is a plain view of a memmap: the file behind each is found all the same.
+    cow = np.memmap(tmp_path / "two.bin", np.float32, "c", shape=(2 * 67, 67))
+    with pytest.raises(mg.BadInputError, match="whose bytes input b reads"):
+        mg.matmul(a, cow[67:], out=m[67:], **CPU)
+    view = np.asarray(np.memmap(tmp_path / "two.bin", np.float32, "r+", shape=(2 * 67, 67)))
+    with pytest.raises(mg.BadInputError, match="whose bytes input b reads"):
+        mg.matmul(a, np.load(tmp_path / "b.npy", mmap_mode="r"),
+                  out=np.asarray(np.load(tmp_path / "b.npy", mmap_mode="r+")), **CPU)
+    # float16 inputs give a float32 result: an f16 input just before `out` does not overlap it.
+    n16 = 67 * 67
+    h = np.memmap(tmp_path / "mixed.bin", np.uint8, "w+", shape=(n16 * 2 + n16 * 4,))
+    a16 = np.ndarray((67, 67), np.float16, buffer=h, offset=0)
+    a16[:] = a.astype(np.float16)
+    out32 = np.ndarray((67, 67), np.float32, buffer=h, offset=n16 * 2)
+    h.flush()
+    a16m = np.memmap(tmp_path / "mixed.bin", np.float16, "r", shape=(67, 67))
+    c = mg.matmul(a16m, a16m, out=out32, **CPU)
+    assert c is out32
+    del view
 
 
 def test_other_bad_calls():

@@ -833,6 +833,9 @@ fn staging_lazy(plan: &crate::plan::Plan, order: (usize, usize), l: &Layout) -> 
     let Some(step) = plan.steps.iter().find(|s| s.order() == order) else {
         return false;
     };
+    if step.c0.is_some() {
+        return false; // an added matrix is always copied
+    }
     let open = |op: &crate::plan::Operand| (!op.temp).then(|| op.open().ok()).flatten();
     let lazy = match (open(&step.a), open(&step.b)) {
         (Some(a), Some(b)) => {
@@ -2053,9 +2056,6 @@ impl Drop for CudaLane {
 mod tests {
     use super::*;
 
-    /// The prefill's guess is the pools' own sizes: for 32768² fp32 on one GPU, six staging
-    /// buffers and three output buffers of one 8192² f32 tile each, twice as many on two; the
-    /// largest step of a chain, not its tiny first part; nothing without a GPU.
     /// The prefill leaves out the staging buffers when the step's inputs will go straight from
     /// their pages (the pools then lease tokens); not with `staging = "copy"`, nor for inputs
     /// that cannot be opened yet.
@@ -2097,6 +2097,9 @@ mod tests {
         assert!(!staging_lazy(&plan, (0, 0), &l));
     }
 
+    /// The prefill's guess is the pools' own sizes: for 32768² fp32 on one GPU, six staging
+    /// buffers and three output buffers of one 8192² f32 tile each, twice as many on two; the
+    /// largest step of a chain, not its tiny first part; nothing without a GPU.
     #[test]
     fn prefill_guesses_the_pools_of_the_largest_step() {
         let dir = tempfile::tempdir().unwrap();

@@ -703,6 +703,56 @@ mod tests {
         );
     }
 
+    /// Whether a step's blocks are expected to go direct (the staging pool then lazy): not
+    /// with `copy`, nor without a pinner, nor for another dtype than the lanes take; under
+    /// `auto` not when part of the file was evicted from the page cache.
+    #[test]
+    fn blocks_are_expected_direct_only_when_they_can_go() {
+        let fx = fixture();
+        let f: &dyn MatrixSource = &*fx.f;
+        assert!(expected(StagingMode::Auto, true, &[f, f], DType::F32));
+        assert!(expected(StagingMode::Direct, true, &[f], DType::F32));
+        assert!(!expected(StagingMode::Copy, true, &[f], DType::F32));
+        assert!(!expected(StagingMode::Auto, false, &[f], DType::F32));
+        assert!(!expected(StagingMode::Auto, true, &[f], DType::F64));
+        // Evict the file's pages (written and synced by `generate`): `auto` no longer expects
+        // its blocks to go direct; `direct` still does.
+        let path = f.path().to_path_buf();
+        let file = std::fs::File::open(&path).unwrap();
+        file.sync_all().unwrap();
+        use std::os::unix::io::AsRawFd;
+        // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
+        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        let reopened = crate::store::open_source(&path).unwrap();
+        if rc == 0 && !page_cached(&path) {
+            assert!(!expected(
+                StagingMode::Auto,
+                true,
+                &[&*reopened],
+                DType::F32
+            ));
+        } else {
+            eprintln!("the page cache kept the file (tmpfs?): the eviction case was not tested");
+        }
+        assert!(expected(
+            StagingMode::Direct,
+            true,
+            &[&*reopened],
+            DType::F32
+        ));
+    }
+
+    /// Whether the last page of `path` (tile data, not the header that opening reads) is in
+    /// the page cache (a file system that keeps every page, tmpfs, cannot evict: the eviction
+    /// case is then skipped).
+    fn page_cached(path: &std::path::Path) -> bool {
+        let f = std::fs::File::open(path).unwrap();
+        // SAFETY: a read-only shared map of a file opened here, dropped at the end.
+        let m = unsafe { memmap2::Mmap::map(&f) }.unwrap();
+        let end = m.len() as u64;
+        crate::store::fsutil::resident(&m, end - 4096..end, 1.0)
+    }
+
     #[test]
     fn results_wait_for_the_checks_before_them_and_stop_on_a_cancel() {
         let p = Arc::new(CheckProgress::default());

@@ -151,7 +151,8 @@ pub(crate) struct RunStats {
 /// GPUs went from 1.2 to 2.5 s, docs/measurements/2026-11-30-keepup-*.log). The exception is a
 /// lazy staging pool ([`Pool::lazy`]), made when every input block is expected to go straight
 /// from the files' pages: its buffers are made only for blocks copied after all (few, if the
-/// expectation holds; an evicted input, an added matrix `C0`).
+/// expectation holds: an input evicted meanwhile; a step with an added matrix `C0`, always
+/// copied, is never lazy).
 pub(crate) struct Engines {
     lanes: Vec<Box<dyn Lane>>,
     staging_pools: Vec<Pool>,
@@ -175,12 +176,14 @@ impl Engines {
     ) -> Result<Engines> {
         let t = Instant::now();
         let n = backend.caps().lanes.max(1);
-        let lazy = direct::expected(
-            staging,
-            backend.input_pinner().is_some(),
-            &[&*sources.a, &*sources.b],
-            layout.host_dt,
-        )
+        // An added matrix (C0) is always copied: its buffers are made up front.
+        let lazy = (sources.c0.is_none()
+            && direct::expected(
+                staging,
+                backend.input_pinner().is_some(),
+                &[&*sources.a, &*sources.b],
+                layout.host_dt,
+            ))
         .then(|| backend.shared())
         .flatten();
         let (lanes, pools) = std::thread::scope(|s| {

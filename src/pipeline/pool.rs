@@ -24,9 +24,14 @@ use crate::error::{Error, Result};
 
 struct Inner {
     name: &'static str,
-    /// Free leases: with a buffer, or (a lazy pool's) without one yet.
-    free_tx: Sender<Option<HostBuf>>,
-    free_rx: Receiver<Option<HostBuf>>,
+    /// Free leases with a buffer.
+    free_tx: Sender<HostBuf>,
+    free_rx: Receiver<HostBuf>,
+    /// Free leases of a lazy pool without one yet: kept apart, so that a copy takes a lease
+    /// with memory first and a token one without (else tokens would cycle the buffers made and
+    /// every copy would make another).
+    empty_tx: Sender<()>,
+    empty_rx: Receiver<()>,
     buf_bytes: usize,
     count: usize,
     out: AtomicUsize,
@@ -66,7 +71,7 @@ impl Pool {
         for b in bufs {
             pool.0
                 .free_tx
-                .send(Some(b))
+                .send(b)
                 .expect("pool channel has room for every buffer");
         }
         Ok(pool)
@@ -83,8 +88,8 @@ impl Pool {
         let pool = Self::empty(name, count, buf_bytes, Some(alloc));
         for _ in 0..count {
             pool.0
-                .free_tx
-                .send(None)
+                .empty_tx
+                .send(())
                 .expect("pool channel has room for every lease");
         }
         pool
@@ -97,10 +102,13 @@ impl Pool {
         lazy: Option<Arc<dyn HostAlloc>>,
     ) -> Pool {
         let (free_tx, free_rx) = crossbeam_channel::bounded(count);
+        let (empty_tx, empty_rx) = crossbeam_channel::bounded(count);
         Pool(Arc::new(Inner {
             name,
             free_tx,
             free_rx,
+            empty_tx,
+            empty_rx,
             buf_bytes,
             count,
             out: AtomicUsize::new(0),
@@ -120,17 +128,40 @@ impl Pool {
         }
     }
 
-    /// Take a free buffer, waiting for one; `Err(Cancelled)` if the run is cancelled.
-    pub(crate) fn lease(&self, ctl: &Control) -> Result<Lease> {
+    /// Take a free lease, waiting for one; `Err(Cancelled)` if the run is cancelled. A lease
+    /// with a buffer comes first, unless `token` (the holder needs no memory).
+    pub(crate) fn lease_as(&self, ctl: &Control, token: bool) -> Result<Lease> {
+        if let Some(l) = self.try_lease_as(token) {
+            return Ok(l);
+        }
         select! {
-            recv(self.0.free_rx) -> b => Ok(self.wrap(b.expect("pool keeps a sender"))),
+            recv(self.0.free_rx) -> b => Ok(self.wrap(Some(b.expect("pool keeps a sender")))),
+            recv(self.0.empty_rx) -> e => {
+                e.expect("pool keeps a sender");
+                Ok(self.wrap(None))
+            }
             recv(ctl.signal()) -> _ => Err(Error::Cancelled),
         }
     }
 
-    /// Take a free buffer if one is available now.
+    /// [`Self::lease_as`] for a holder that needs the memory.
+    pub(crate) fn lease(&self, ctl: &Control) -> Result<Lease> {
+        self.lease_as(ctl, false)
+    }
+
+    /// Take a free lease if one is available now (with a buffer first, unless `token`).
+    pub(crate) fn try_lease_as(&self, token: bool) -> Option<Lease> {
+        let full = || self.0.free_rx.try_recv().ok().map(|b| self.wrap(Some(b)));
+        let empty = || self.0.empty_rx.try_recv().ok().map(|()| self.wrap(None));
+        match token {
+            false => full().or_else(empty),
+            true => empty().or_else(full),
+        }
+    }
+
+    /// [`Self::try_lease_as`] for a holder that needs the memory.
     pub(crate) fn try_lease(&self) -> Option<Lease> {
-        self.0.free_rx.try_recv().ok().map(|b| self.wrap(b))
+        self.try_lease_as(false)
     }
 
     pub(crate) fn name(&self) -> &'static str {
@@ -185,9 +216,12 @@ impl Drop for Lease {
     fn drop(&mut self) {
         if std::mem::take(&mut self.held) {
             self.pool.out.fetch_sub(1, Ordering::SeqCst);
-            // The pool's channel holds exactly `count` leases, so this never blocks; if the
+            // The pool's channels hold exactly `count` leases, so this never blocks; if the
             // pool itself is gone the buffer is simply freed.
-            let _ = self.pool.free_tx.try_send(self.buf.take());
+            let _ = match self.buf.take() {
+                Some(b) => self.pool.free_tx.try_send(b).map_err(|_| ()),
+                None => self.pool.empty_tx.try_send(()).map_err(|_| ()),
+            };
         }
     }
 }
@@ -220,8 +254,15 @@ mod tests {
         );
         assert_eq!(p.allocated(), 1);
         drop((a, b, c));
-        // The slot that got memory comes back with it (which lease gets it is the channel's
-        // order): leasing all three again allocates nothing new until asked.
+        // The slot that got memory comes back with it: a token takes a lease without memory,
+        // a holder that needs memory the one with it, so copies reuse buffers already made.
+        let t = p.try_lease_as(true).unwrap();
+        assert!(t.buf.is_none());
+        let mut m = p.try_lease().unwrap();
+        assert!(m.buf.is_some());
+        m.materialize().unwrap();
+        assert_eq!(p.allocated(), 1, "reused, not made again");
+        drop((t, m));
         let mut again: Vec<Lease> = (0..3).map(|_| p.try_lease().unwrap()).collect();
         assert_eq!(again.iter().filter(|l| l.buf.is_some()).count(), 1);
         for l in &mut again {

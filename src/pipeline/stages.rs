@@ -498,7 +498,7 @@ impl Staging<'_> {
     fn fill(&self, ctl: &Control, src: Src, block: &Block) -> Result<(Arc<Lease>, usize)> {
         let elems = block.elems();
         if !self.shared.enabled() || src == Src::C0 {
-            let lease = self.lease(ctl)?;
+            let lease = self.lease(ctl, false)?;
             return Ok((self.read_into(lease, src, block)?, elems));
         }
         // Take it if another lane read it (waiting while one reads it); else lease a buffer and
@@ -516,7 +516,7 @@ impl Staging<'_> {
                     return Ok((buf, elems)); // a buffer leased meanwhile goes back to the pool
                 }
                 Got::Read => break,
-                Got::Absent => lease = Some(self.lease(ctl)?),
+                Got::Absent => lease = Some(self.lease(ctl, false)?),
             }
         }
         let lease = lease.expect("a read is claimed only with a buffer in hand");
@@ -528,18 +528,18 @@ impl Staging<'_> {
         Ok((r?, elems))
     }
 
-    /// Lease a buffer from this lane's pool, first handing back what the shared reader holds of
-    /// it if the pool is empty.
-    fn lease(&self, ctl: &Control) -> Result<Lease> {
+    /// Lease a buffer from this lane's pool (as a `token`: one whose memory is not needed),
+    /// first handing back what the shared reader holds of it if the pool is empty.
+    fn lease(&self, ctl: &Control, token: bool) -> Result<Lease> {
         let t = Instant::now();
         let lease = loop {
-            if let Some(l) = self.pool.try_lease() {
+            if let Some(l) = self.pool.try_lease_as(token) {
                 break l;
             }
             // Hand back what the shared reader keeps of our pool, oldest first, until a buffer
             // is free; with nothing left to hand back, wait for the lanes' uploads.
             if !self.shared.evict_one(self.lane) {
-                break self.pool.lease(ctl)?;
+                break self.pool.lease_as(ctl, token)?;
             }
         };
         self.m.add_wait_out(t.elapsed());
@@ -583,7 +583,7 @@ impl Staging<'_> {
             return Ok(None);
         };
         // A buffer as a token: as many blocks in flight as with copies.
-        let token = self.lease(ctl)?;
+        let token = self.lease(ctl, true)?;
         let t = Instant::now();
         let Some(mut up) = d.take(f, e, token) else {
             self.m.add_busy(t.elapsed());

@@ -109,6 +109,8 @@ fn load_sidecar(path: &Path, spec: &RowMajorSpec, len: u64) -> (Option<TileCrcs>
         Ok(b) => b,
         Err(_) => return (None, None),
     };
+    // Not judged by modification times: a damaged copy or a crashed writer changes those too,
+    // and a mismatch then says to delete the sidecar if the array was changed on purpose.
     let why = match Sidecar::decode(&bytes) {
         Err(m) => m,
         Ok(s) if spec.transposed => {
@@ -153,6 +155,7 @@ pub(crate) fn open(path: &Path) -> Result<RowMajorFile> {
         data_offset: h.data_offset,
         transposed: h.fortran,
         kind: format!(".npy v{version}.0"),
+        region: false,
     };
     let (crcs, note) = load_sidecar(path, &spec, len);
     if let Some(n) = note {

@@ -101,6 +101,7 @@ impl RawSpec {
             data_offset: self.offset,
             transposed: t,
             kind: format!("raw {}", if t { "column-major" } else { "row-major" }),
+            region: false,
         }
     }
 

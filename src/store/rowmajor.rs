@@ -70,6 +70,9 @@ pub(crate) struct RowMajorSpec {
     pub(crate) transposed: bool,
     /// How the format is described in `info` and in the journal identity (".npy v1.0", "raw").
     pub(crate) kind: String,
+    /// The matrix is a region of a larger file (an `np.memmap`'s): the bytes before and after
+    /// it are not its header, so the identity neither reads them nor samples them.
+    pub(crate) region: bool,
 }
 
 /// A row-major matrix file opened for reading.
@@ -232,6 +235,7 @@ impl RowMajorFile {
                     tj,
                     stored: t.crcs[i],
                     computed,
+                    sidecar: Some(super::npy_source::sidecar_path(&self.path)),
                 });
             }
             marks[i].store(true, Ordering::Relaxed);
@@ -244,8 +248,13 @@ impl RowMajorFile {
     /// changes when the file is rewritten or resized; an in-place edit between samples that
     /// keeps the modification time is not seen (documented in docs/FORMAT.md).
     pub(crate) fn identity(&self) -> String {
-        let mut crc = crc32c::crc32c(&self.map[..self.spec.data_offset as usize]);
-        let (start, end) = (self.spec.data_offset, self.len);
+        let (head, end) = match self.spec.region {
+            // A region deep in a file: reading all before it took seconds per GiB.
+            true => (0, data_end(&self.spec).unwrap_or(self.len).min(self.len)),
+            false => (self.spec.data_offset as usize, self.len),
+        };
+        let mut crc = crc32c::crc32c(&self.map[..head]);
+        let start = self.spec.data_offset;
         let span = end - start;
         for i in 0..SAMPLES {
             let at = start + (span.saturating_sub(SAMPLE)) * i / (SAMPLES - 1);

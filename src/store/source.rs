@@ -248,7 +248,8 @@ pub fn open_region(
         dtype,
         data_offset: offset,
         transposed: false,
-        kind: format!("file region at offset {offset}"),
+        kind: "file region".into(),
+        region: true,
     };
     Ok(Arc::new(super::rowmajor::RowMajorFile::open(
         path, spec, None,
@@ -514,6 +515,35 @@ mod tests {
             .collect();
         assert_eq!(got, want);
         assert!(s.mapped_block(&b, DType::F32).is_some());
+        // The journal identity reads the region, not the bytes before it (a region deep in a
+        // large file would read them all): a changed prefix byte, same length and modification
+        // time, leaves it; a changed byte of the region does not.
+        let id = s.identity();
+        let t = std::fs::metadata(&p).unwrap().modified().unwrap();
+        let rewrite = |at: usize, v: u8| {
+            let mut b = std::fs::read(&p).unwrap();
+            b[at] = v;
+            std::fs::write(&p, &b).unwrap();
+            std::fs::File::options()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_modified(t)
+                .unwrap();
+            open_region(&p, (rows, cols), DType::F32, off)
+                .unwrap()
+                .identity()
+        };
+        assert_eq!(
+            rewrite(3, 0x11),
+            id,
+            "the prefix is not part of the identity"
+        );
+        assert_ne!(
+            rewrite(off as usize, 0x11),
+            id,
+            "the region's first bytes are"
+        );
         let too_long = open_region(&p, (rows + 1, cols), DType::F32, off)
             .err()
             .unwrap();

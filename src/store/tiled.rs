@@ -443,6 +443,7 @@ impl TiledFile {
                 tj,
                 stored,
                 computed,
+                sidecar: None,
             });
         }
         Ok(())

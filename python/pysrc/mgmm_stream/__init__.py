@@ -155,27 +155,46 @@ def _mmap_region(x: np.ndarray) -> Optional[Tuple[str, int]]:
     return os.fspath(fname), start + (x.ctypes.data - base)
 
 
+def _mapping_at(addr: int) -> Optional[Tuple[int, int, int, int, str]]:
+    """The /proc/self/maps line of the mapping holding ``addr``: (start, end, file offset,
+    inode, path); None where there is none or /proc cannot tell."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.rstrip("\n").split(maxsplit=5)
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                if lo <= addr < hi:
+                    path = parts[5] if len(parts) > 5 else ""
+                    return lo, hi, int(parts[2], 16), int(parts[4]), path
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _maps_file(addr: int, fname: str) -> bool:
-    """Whether the mapping at ``addr`` is of the file now at ``fname`` (same device and inode,
-    from /proc/self/maps). A file replaced after it was mapped (``os.replace``, a re-save) or
-    removed is not: its data is then read from the map, which still holds the old contents.
-    True where /proc is not there to tell."""
+    """Whether the mapping at ``addr`` is of the file now at ``fname`` (the same inode; the
+    device is not compared, since overlay file systems report another one in /proc than in
+    ``stat``). A file replaced after it was mapped (``os.replace``, a new file under the old
+    name) or removed is not: its data is then read from the map, which still holds what was
+    mapped. True where /proc cannot tell."""
     try:
         st = os.stat(fname)
     except OSError:
         return False
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                lo, hi = (int(v, 16) for v in parts[0].split("-"))
-                if lo <= addr < hi:
-                    major, minor = (int(v, 16) for v in parts[3].split(":"))
-                    return (int(parts[4]) == st.st_ino
-                            and (major, minor) == (os.major(st.st_dev), os.minor(st.st_dev)))
-    except (OSError, ValueError, IndexError):
+    m = _mapping_at(addr)
+    if m is None:
         return True
-    return True
+    return not m[4].endswith(" (deleted)") and m[3] == st.st_ino
+
+
+def _backing_file(x: np.ndarray) -> Optional[Tuple[str, int]]:
+    """(file, byte offset of x's first element) when x's memory is a map of a file, whatever
+    the array's class or mode (a memmap, a view of one, a copy-on-write map)."""
+    addr = x.__array_interface__["data"][0]
+    m = _mapping_at(addr)
+    if m is None or m[3] == 0 or not m[4].startswith("/") or m[4].endswith(" (deleted)"):
+        return None
+    return m[4], m[2] + (addr - m[0])
 
 
 def _operand(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:
@@ -335,14 +354,26 @@ def _prepare(a: Any, b: Any, alpha: float, trans_a: bool, trans_b: bool,
     return job, [("a", da, ka), ("b", db, kb)]
 
 
-def _file_extent(desc: Dict[str, Any], itemsize: int) -> Optional[Tuple[str, int, int]]:
-    """(file, first byte, end) an operand descriptor reads from a file (a path: all of it)."""
+_ITEMSIZE = {"f16": 2, "f32": 4, "f64": 8}
+
+
+def _extent(rows: int, cols: int, ld: int, itemsize: int, offset: int) -> Tuple[int, int]:
+    return offset, offset + ((rows - 1) * ld + cols) * itemsize
+
+
+def _file_extent(desc: Dict[str, Any], kept: Any) -> Optional[Tuple[str, int, int]]:
+    """(file, first byte, end) an operand reads from a file: a path all of it, a memmap region
+    its bytes, an array in memory that maps a file (a copy-on-write memmap, a view) those."""
     if desc["kind"] == "path":
         return desc["path"], 0, 1 << 62
+    size = _ITEMSIZE[desc["dtype"]]
     if desc["kind"] == "raw":
-        end = desc["offset"] + ((desc["rows"] - 1) * desc["ld"] + desc["cols"]) * itemsize
-        return desc["path"], desc["offset"], end
-    return None
+        return (desc["path"],) + _extent(desc["rows"], desc["cols"], desc["ld"], size,
+                                         desc["offset"])
+    back = _backing_file(kept) if kept is not None else None
+    if back is None:
+        return None
+    return (back[0],) + _extent(desc["rows"], desc["cols"], desc["ld"], size, back[1])
 
 
 def _check_no_overlap(out: Any, inputs: list) -> None:
@@ -350,12 +381,12 @@ def _check_no_overlap(out: Any, inputs: list) -> None:
     writes finished tiles while it still reads the inputs (out of core it reads them again), so
     the result would be computed from parts of itself."""
     arr = _as_array(out, "out")
-    region = _mmap_region(arr)
+    region = _backing_file(arr)
     for name, desc, kept in inputs:
         if kept is not None and np.may_share_memory(arr, kept):
             raise BadInputError(f"out shares memory with input {name}; the engine reads the "
                                 f"inputs while it writes the result: pass a new array (or none)")
-        ext = _file_extent(desc, arr.itemsize)
+        ext = _file_extent(desc, kept)
         if region is None or ext is None:
             continue
         try:
