@@ -113,3 +113,29 @@ def test_plan_of_a_matmul():
 
 def test_version():
     assert isinstance(mg.__version__, str) and mg.__version__.count(".") == 2
+
+
+def test_npy_sidecar_is_checked_and_a_rewrite_by_the_package_removes_it(tmp_path, monkeypatch):
+    """A `.npy` written by a plan carries a checksum sidecar, which the package checks when it
+    reads the array; a `matmul` that rewrites that array removes it (it would describe the old
+    contents), and an array changed by hand is reported with what to do."""
+    monkeypatch.chdir(tmp_path)
+    a, b = rand((M, K), np.float32, 11), rand((K, N), np.float32, 12)
+    np.save("a.npy", a)
+    np.save("b.npy", b)
+    mg.run({"matrices": {"A": {"path": "a.npy"}, "B": {"path": "b.npy"}},
+            "step": [{"output": "C.npy", "expr": "A @ B"}],
+            "engine": {"backend": "cpu", "tile": 64}}, progress=False)
+    assert (tmp_path / "C.npy.crc32c").exists()
+    eye = np.eye(N, dtype=np.float32)
+    close(mg.matmul("C.npy", eye, **CPU), reference(a, b), np.float32)
+    c = np.load("C.npy", mmap_mode="r+")
+    c[0, 0] += 1.0
+    c.flush()
+    del c
+    with pytest.raises(mg.StorageError, match="delete the sidecar"):
+        mg.matmul("C.npy", eye, **CPU)
+    mg.matmul(b.T.copy(), a.T.copy(), out="C.npy", restart=True, **CPU)
+    assert not (tmp_path / "C.npy.crc32c").exists()
+    close(mg.matmul("C.npy", np.eye(M, dtype=np.float32), **CPU), reference(b.T, a.T),
+          np.float32)
