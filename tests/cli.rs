@@ -285,6 +285,7 @@ fn plan_then_run_then_export() {
         "traffic",
         "output written with mmap (write = auto: a ",
         "straight from the files' pages where",
+        "the staging buffers are made only for blocks staged by copy",
         "(staging = auto)",
     ] {
         assert!(s.contains(want), "plan output lacks {want:?}:\n{s}");

@@ -300,6 +300,15 @@ fn describe_staging(
     }
     if !copied.is_empty() {
         parts.push(format!("{} staged by copy", copied.join(", ")));
+    } else {
+        // What `Engines::make` decides with the files open (`pipeline::direct::expected`).
+        let when = match e.staging {
+            StagingMode::Auto => " (when the files are in the page cache as the step starts)",
+            _ => "",
+        };
+        parts.push(format!(
+            "the staging buffers are made only for blocks staged by copy{when}"
+        ));
     }
     format!(
         "  inputs: {} (staging = {})\n",
