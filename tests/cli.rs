@@ -299,6 +299,20 @@ fn plan_then_run_then_export() {
         c.contains("inputs copied into the staging buffers (staging = copy)"),
         "{c}"
     );
+    // An added matrix is always staged by copy, and then so are the staging buffers made.
+    let with_c0 = PLAN
+        .replace(
+            "[[step]]",
+            "[matrices.C0]\npath = \"C0.mgt\"\ngenerate = { rows = 70, cols = 33 }\n[[step]]",
+        )
+        .replace("A @ B", "A @ B + C0");
+    std::fs::write(dir.join("plan_c0.toml"), with_c0).unwrap();
+    let c = ok(&mg(dir, &["plan", "plan_c0.toml"])).replace("\n      ", " ");
+    assert!(
+        c.contains("C0 (the added matrix, always) staged by copy")
+            && !c.contains("made only for blocks"),
+        "{c}"
+    );
     assert!(
         !dir.join("A.mgt").exists(),
         "plan must not generate anything"

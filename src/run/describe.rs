@@ -270,7 +270,11 @@ fn describe_staging(
     for op in ops.into_iter().flatten() {
         // A chain's intermediate held in memory: no file to map.
         let in_memory = (step.chain.as_ref()).is_some_and(|c| c.memory.contains(&op.path));
-        let why = if in_memory {
+        let added = step.c0.as_ref().is_some_and(|c0| std::ptr::eq(c0, op));
+        let why = if added {
+            // Staging reads it with `fill`, once per output tile: never from the map.
+            Some("the added matrix, always".to_string())
+        } else if in_memory {
             Some("held in memory".to_string())
         } else if op.dtype != l.host_dt {
             Some(format!("{} stored, {} computed", op.dtype, l.host_dt))
