@@ -136,13 +136,7 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
             b: job.sources.b.clone(),
             c0: job.sources.c0.clone(),
         };
-        let engines = Engines::make(
-            backend.as_ref(),
-            &layout,
-            e.precision,
-            (0, 0),
-            (&sources, e.staging),
-        )?;
+        let engines = Engines::make(backend.as_ref(), &layout, e, (0, 0), &sources)?;
         let cfg = RunConfig::from_engine(e);
         let pipe = Pipeline::build_with(
             job.step,

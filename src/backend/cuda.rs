@@ -833,14 +833,15 @@ fn staging_lazy(plan: &crate::plan::Plan, order: (usize, usize), l: &Layout) -> 
     let Some(step) = plan.steps.iter().find(|s| s.order() == order) else {
         return false;
     };
-    if step.c0.is_some() {
-        return false; // an added matrix is always copied
-    }
     let open = |op: &crate::plan::Operand| (!op.temp).then(|| op.open().ok()).flatten();
     let lazy = match (open(&step.a), open(&step.b)) {
-        (Some(a), Some(b)) => {
-            crate::pipeline::direct::expected(plan.engine.staging, true, &[&*a, &*b], l.host_dt)
-        }
+        (Some(a), Some(b)) => crate::pipeline::direct::expected(
+            plan.engine.staging,
+            true,
+            &[&*a, &*b],
+            step.c0.is_some(),
+            l.host_dt,
+        ),
         _ => false,
     };
     crate::trace::span("start-up", "inputs direct?", t, std::time::Instant::now());

@@ -230,16 +230,18 @@ fn budget() -> u64 {
 /// Whether every block of `sources` (a step's A and B) is expected to go straight from the
 /// files' pages, so that the staging pool's leases need no memory unless a block is copied
 /// after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`, the backend uploads from
-/// maps (`pinner`), each source maps its blocks at `host` in ranges the budget can hold, and
+/// maps (`pinner`), the step has no added matrix (`added`: staging always copies C0, once per
+/// output tile), each source maps its blocks at `host` in ranges the budget can hold, and
 /// under `auto` its data looks in the page cache now (1024 pages sampled: a guess, and a wrong
 /// one only costs buffers made while the step runs).
 pub(crate) fn expected(
     mode: StagingMode,
     pinner: bool,
     sources: &[&dyn MatrixSource],
+    added: bool,
     host: DType,
 ) -> bool {
-    if mode == StagingMode::Copy || !pinner {
+    if mode == StagingMode::Copy || !pinner || added {
         return false;
     }
     let budget = budget();
@@ -710,11 +712,21 @@ mod tests {
     fn blocks_are_expected_direct_only_when_they_can_go() {
         let fx = fixture();
         let f: &dyn MatrixSource = &*fx.f;
-        assert!(expected(StagingMode::Auto, true, &[f, f], DType::F32));
-        assert!(expected(StagingMode::Direct, true, &[f], DType::F32));
-        assert!(!expected(StagingMode::Copy, true, &[f], DType::F32));
-        assert!(!expected(StagingMode::Auto, false, &[f], DType::F32));
-        assert!(!expected(StagingMode::Auto, true, &[f], DType::F64));
+        assert!(expected(
+            StagingMode::Auto,
+            true,
+            &[f, f],
+            false,
+            DType::F32
+        ));
+        assert!(expected(StagingMode::Direct, true, &[f], false, DType::F32));
+        assert!(!expected(StagingMode::Copy, true, &[f], false, DType::F32));
+        assert!(!expected(StagingMode::Auto, false, &[f], false, DType::F32));
+        assert!(!expected(StagingMode::Auto, true, &[f], false, DType::F64));
+        assert!(
+            !expected(StagingMode::Direct, true, &[f], true, DType::F32),
+            "with C0"
+        );
         // Evict the file's pages (written and synced by `generate`): `auto` no longer expects
         // its blocks to go direct; `direct` still does.
         let path = f.path().to_path_buf();
@@ -729,6 +741,7 @@ mod tests {
                 StagingMode::Auto,
                 true,
                 &[&*reopened],
+                false,
                 DType::F32
             ));
         } else {
@@ -738,6 +751,7 @@ mod tests {
             StagingMode::Direct,
             true,
             &[&*reopened],
+            false,
             DType::F32
         ));
     }

@@ -162,28 +162,28 @@ pub(crate) struct Engines {
 }
 
 impl Engines {
-    /// The lanes of `backend` for `layout` in precision `p`, and the pools `layout` asks for,
+    /// The lanes of `backend` for `layout` in `e`'s precision, and the pools `layout` asks for,
     /// for the plan step at `step` (`Step::order`; `(0, 0)` for a lone product) reading
-    /// `sources` with `staging`: when their blocks are all expected to go straight from the
-    /// files' pages ([`direct::expected`]), the staging pools' buffers are made only if a block
-    /// is copied after all ([`Pool::lazy`]).
+    /// `sources`: when their blocks are all expected to go straight from the files' pages
+    /// ([`direct::expected`], by `e.staging`), the staging pools' buffers are made only if a
+    /// block is copied after all ([`Pool::lazy`]).
     pub(crate) fn make(
         backend: &dyn Backend,
         layout: &Layout,
-        p: crate::plan::Precision,
+        e: &crate::plan::Engine,
         step: (usize, usize),
-        (sources, staging): (&StepSources, crate::plan::StagingMode),
+        sources: &StepSources,
     ) -> Result<Engines> {
         let t = Instant::now();
         let n = backend.caps().lanes.max(1);
-        // An added matrix (C0) is always copied: its buffers are made up front.
-        let lazy = (sources.c0.is_none()
-            && direct::expected(
-                staging,
-                backend.input_pinner().is_some(),
-                &[&*sources.a, &*sources.b],
-                layout.host_dt,
-            ))
+        let p = e.precision;
+        let lazy = direct::expected(
+            e.staging,
+            backend.input_pinner().is_some(),
+            &[&*sources.a, &*sources.b],
+            sources.c0.is_some(),
+            layout.host_dt,
+        )
         .then(|| backend.shared())
         .flatten();
         let (lanes, pools) = std::thread::scope(|s| {

@@ -151,13 +151,7 @@ impl Held {
                 todo: Some(todo),
             };
             let sources = self.sources(step)?;
-            let engines = Engines::make(
-                backend.as_ref(),
-                layout,
-                e.precision,
-                step.order(),
-                (&sources, e.staging),
-            )?;
+            let engines = Engines::make(backend.as_ref(), layout, e, step.order(), &sources)?;
             let cfg = RunConfig {
                 cancel: opts.cancel,
                 ..RunConfig::from_engine(e)

@@ -500,13 +500,7 @@ fn run_step_with(
         crate::trace::span("start-up", &format!("step {n}: resume"), tr, tl);
         let resume_s = (tl - tr).as_secs_f64();
         let sources = held.sources(step)?;
-        let engines = Engines::make(
-            backend.as_ref(),
-            layout,
-            e.precision,
-            step.order(),
-            (&sources, e.staging),
-        )?;
+        let engines = Engines::make(backend.as_ref(), layout, e, step.order(), &sources)?;
         let engine_times = engines.times;
         let journal_sink = JournalSink(&journal);
         #[cfg(feature = "fault-injection")]
