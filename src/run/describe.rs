@@ -307,7 +307,7 @@ fn describe_staging(
     } else {
         // What `Engines::make` decides with the files open (`pipeline::direct::expected`).
         let when = match e.staging {
-            StagingMode::Auto => " (when the files are in the page cache as the step starts)",
+            StagingMode::Auto => ", if the files are in the page cache as the step starts",
             _ => "",
         };
         parts.push(format!(
