@@ -116,7 +116,9 @@ fn four_lanes_read_each_input_block_once_between_them() {
         1024,
         768,
         640,
-        "backend = \"sim\"\ntile = 128\nhost_memory = \"16MiB\"\nthreads = 1",
+        // `copy`: the shared reader serves staging's copies (the simulated devices would
+        // otherwise copy each block straight from the file's pages, lane by lane).
+        "backend = \"sim\"\ntile = 128\nhost_memory = \"16MiB\"\nthreads = 1\nstaging = \"copy\"",
     );
     // Simulated lanes drift apart at random on a loaded 2-core machine (a lane far ahead has
     // its published blocks evicted before the last lane takes them): the first good run of up

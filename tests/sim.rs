@@ -295,3 +295,35 @@ fn the_start_group_keeps_the_bytes_and_the_predicted_reads() {
     run_on(d.path(), small).unwrap();
     assert!(same_output(d.path()));
 }
+
+/// The simulated devices copy input blocks straight from the files' pages, as the GPUs do, from
+/// ranges page-locked until each copy is done; they copy late, on their own thread as DMA does,
+/// and a copy that finds its range no longer registered fails its lane. The bytes are the
+/// CPU's, with two lanes in phase and with a slow lane whose tiles are stolen, and no lane
+/// failed over.
+#[test]
+fn direct_uploads_keep_their_ranges_registered_until_copied() {
+    let d = tmp();
+    setup(d.path(), 700, 650, 300, 64, "64MiB");
+    let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
+    for delays in [vec![300, 300], vec![3000, 100, 100, 100]] {
+        let opts = RunOptions {
+            restart: true,
+            ..Default::default()
+        };
+        let r = run_plan_on(&plan, sim(delays.clone()), &opts, &Progress::quiet()).unwrap();
+        assert!(same_output(d.path()), "{delays:?}");
+        let s = &r.steps[0];
+        // A (700×300) and B (300×650) f32, all in the page cache after `gen`.
+        let inputs = (700 * 300 + 300 * 650) * 4;
+        assert!(
+            s.direct_bytes >= inputs,
+            "every block went direct: {} of {inputs}",
+            s.direct_bytes
+        );
+        assert!(s.direct_failed.is_none(), "{:?}", s.direct_failed);
+        // No lane failed over (a copy from a released range fails its lane).
+        assert_eq!(s.lanes.len(), delays.len(), "{delays:?}: a lane failed");
+        assert!(s.direct_registered_bytes > 0);
+    }
+}

@@ -10,6 +10,11 @@
 //! lane's (faer, one thread per lane, so every lane computes a tile the same way and any split of
 //! tiles between lanes gives identical bytes). Its slots and accumulators stand for device
 //! memory: the layout counts them against the per-device budget, not `host_memory`.
+//!
+//! Its devices also copy input blocks straight from the files' maps, as the GPUs do
+//! ([`crate::pipeline::direct`]), from ranges "page-locked" with a [`SimPinner`]: each such copy
+//! checks, when the device gets to it, that every byte it reads is still registered — so a
+//! range released while a copy from it was queued (too early) fails the run here.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -17,7 +22,8 @@ use std::time::Duration;
 
 use super::cpu::CpuLane;
 use super::{
-    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Ticket,
+    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, HostRun, InputPinner, Lane,
+    MemorySpace, Ticket,
 };
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
@@ -35,6 +41,42 @@ pub struct SimBackend {
     /// Largest random delay before each operation, per device id (a slow device has a larger one).
     max_delay_us: Vec<u64>,
     caps: Caps,
+    pinner: Arc<SimPinner>,
+}
+
+/// The simulated devices' page-locking: the ranges registered now, which every copy straight
+/// from a file map must lie in when the device executes it.
+#[derive(Default)]
+pub(crate) struct SimPinner {
+    held: Mutex<Vec<(usize, usize)>>,
+}
+
+impl SimPinner {
+    /// Whether `len` bytes at `ptr` lie inside one registered range.
+    fn covers(&self, ptr: usize, len: usize) -> bool {
+        let h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        h.iter().any(|&(p, l)| ptr >= p && ptr + len <= p + l)
+    }
+}
+
+impl InputPinner for SimPinner {
+    fn register(&self, ptr: *const u8, len: usize) -> std::result::Result<(), String> {
+        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let p = ptr as usize;
+        if h.iter().any(|&(q, l)| p < q + l && q < p + len) {
+            return Err(format!(
+                "{len} bytes at {p:#x} overlap a range registered already (simulated device)"
+            ));
+        }
+        h.push((p, len));
+        Ok(())
+    }
+    fn unregister(&self, ptr: *const u8) {
+        let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = h.iter().position(|&(p, _)| p == ptr as usize) {
+            h.swap_remove(i);
+        }
+    }
 }
 
 fn sim_peak(_p: Precision, lanes: usize) -> f64 {
@@ -75,6 +117,7 @@ impl SimBackend {
             },
             ids,
             max_delay_us,
+            pinner: Arc::default(),
         }
     }
 }
@@ -85,6 +128,9 @@ impl HostAlloc for SimBackend {
     }
     fn shared(&self) -> Option<std::sync::Arc<dyn HostAlloc>> {
         Some(std::sync::Arc::new(super::HeapAlloc))
+    }
+    fn input_pinner(&self) -> Option<Arc<dyn InputPinner>> {
+        Some(self.pinner.clone())
     }
 }
 
@@ -107,7 +153,8 @@ impl Backend for SimBackend {
             .map(|(index, &id)| {
                 let seed = id as u64 + 1;
                 let delay = self.max_delay_us[id];
-                Box::new(SimLane::new(index, id, layout, p, delay, seed)) as Box<dyn Lane>
+                let pinner = self.pinner.clone();
+                Box::new(SimLane::new(index, id, layout, p, delay, seed, pinner)) as Box<dyn Lane>
             })
             .collect())
     }
@@ -146,6 +193,8 @@ impl RawBuf {
 
 enum Op {
     Upload(RawBuf, usize, Dst),
+    /// A copy straight from page-locked file maps into an input slot.
+    UploadRuns(Vec<HostRun>, usize, usize),
     Gemm(GemmDesc, usize, usize, usize),
     Download(usize, usize, RawBuf),
 }
@@ -176,6 +225,7 @@ impl SimLane {
         p: Precision,
         max_delay_us: u64,
         seed: u64,
+        pinner: Arc<SimPinner>,
     ) -> SimLane {
         let shared = Arc::new((
             Mutex::new(Shared {
@@ -191,7 +241,7 @@ impl SimLane {
         let sh = shared.clone();
         let worker = std::thread::Builder::new()
             .name(format!("sim:{id}"))
-            .spawn(move || worker(cpu, sh, max_delay_us, seed))
+            .spawn(move || worker(cpu, sh, max_delay_us, seed, pinner))
             .expect("spawn simulated device thread");
         SimLane {
             index,
@@ -233,7 +283,13 @@ fn next_rand(x: &mut u64) -> u64 {
     x.wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
-fn worker(mut cpu: CpuLane, sh: Arc<(Mutex<Shared>, Condvar)>, max_delay_us: u64, seed: u64) {
+fn worker(
+    mut cpu: CpuLane,
+    sh: Arc<(Mutex<Shared>, Condvar)>,
+    max_delay_us: u64,
+    seed: u64,
+    pinner: Arc<SimPinner>,
+) {
     let (m, cv) = &*sh;
     let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     loop {
@@ -254,6 +310,20 @@ fn worker(mut cpu: CpuLane, sh: Arc<(Mutex<Shared>, Condvar)>, max_delay_us: u64
         // ticket is done, which happens only after `done_below` passes it below.
         let r = match op {
             Op::Upload(b, elems, dst) => cpu.upload(&unsafe { b.host_buf() }, elems, dst).map(drop),
+            Op::UploadRuns(runs, elems, slot) => {
+                // What a GPU's copy engine needs: every byte still page-locked when it copies.
+                let unlocked = runs.iter().find(|r| {
+                    (0..r.rows)
+                        .any(|i| !pinner.covers(r.host as usize + i * r.host_pitch, r.row_len))
+                });
+                match unlocked {
+                    Some(r) => Err(Error::Usage(format!(
+                        "a copy from a file map at {:#x} found it no longer page-locked (released before the copy was done)",
+                        r.host as usize
+                    ))),
+                    None => cpu.upload_runs(&runs, elems, slot).map(drop),
+                }
+            }
             Op::Gemm(g, a, b, acc) => cpu.gemm(&g, a, b, acc),
             Op::Download(acc, elems, b) => cpu
                 .download(acc, elems, &mut unsafe { b.host_buf() })
@@ -279,6 +349,12 @@ impl Lane for SimLane {
             elems,
             dst,
         ))
+    }
+    fn uploads_runs(&self) -> bool {
+        true
+    }
+    fn upload_runs(&mut self, runs: &[HostRun], elems: usize, slot: usize) -> Result<Ticket> {
+        self.push(Op::UploadRuns(runs.to_vec(), elems, slot))
     }
     fn gemm(&mut self, g: &GemmDesc, a: usize, b: usize, acc: usize) -> Result<()> {
         self.push(Op::Gemm(*g, a, b, acc)).map(drop)
