@@ -1113,19 +1113,30 @@ impl CudaBackend {
                 d.held = HeldPool::shared(&d.ctx);
             }
         }
+        // A GPU listed twice runs two lanes, each with `device_memory` of its own: the free
+        // memory is shared between them.
+        let share = (chosen.iter())
+            .map(|d| chosen.iter().filter(|e| e.ordinal == d.ordinal).count() as u64)
+            .max()
+            .unwrap_or(1);
         let min_free = chosen.iter().map(|d| d.free).min().unwrap_or(0);
         let device_memory = match (device_memory, engine.device_memory) {
             (Some(fixed), _) => fixed,
             (None, Some(b)) => {
-                if b > min_free {
+                if b.saturating_mul(share) > min_free {
+                    let per = if share > 1 {
+                        format!(" for each of the {share} lanes of a GPU listed {share} times")
+                    } else {
+                        String::new()
+                    };
                     return Err(Error::backend(
                         "cuda",
-                        format!("engine.device_memory = {} but GPU(s) have only {} free; lower it or use \"auto\"", fmt_bytes(b), fmt_bytes(min_free)),
+                        format!("engine.device_memory = {}{per} but GPU(s) have only {} free; lower it or use \"auto\"", fmt_bytes(b), fmt_bytes(min_free)),
                     ));
                 }
                 b
             }
-            (None, None) => min_free.saturating_sub(auto_margin(min_free)),
+            (None, None) => min_free.saturating_sub(auto_margin(min_free)) / share,
         };
         let ctx0 = chosen[0].ctx.clone();
         let alloc = CudaAlloc::new(ctx0, prefill);

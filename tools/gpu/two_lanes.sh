@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The multi-GPU code paths on one GPU: two lanes on the same device (`devices = [0, 0]`, each
-# lane with `device_memory`, default 60GiB, of its own), each on its own thread with its own
-# streams and cuBLAS handle, as two GPUs would be. For each precision (PRECISIONS, default
+# The multi-GPU code paths on one GPU: two lanes on the same device (`devices = [0, 0]`; they
+# share its memory, or take DEVMEM each when set, e.g. DEVMEM=60GiB), each on its own thread with
+# its own streams and cuBLAS handle, as two GPUs would be. For each precision (PRECISIONS, default
 # "fp32 tf32") and `staging` auto and copy: one lane and two lanes, outputs compared with cmp
 # (each tile is computed the same way on any lane, so they must be identical). Then, with the
 # fault-injection build (.dev/bin/mgmm-stream-faults, as tools/gpu/fault_resume.sh): lane 1
@@ -11,14 +11,14 @@
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to two_lanes.log
-N=${N:-16384}; DEVMEM=${DEVMEM:-60GiB}; PRECISIONS=${PRECISIONS:-fp32 tf32}
+N=${N:-16384}; DEVMEM=${DEVMEM:-}; PRECISIONS=${PRECISIONS:-fp32 tf32}
 FAULTS=${FAULTS:-$DEV/mgmm-stream-faults}
 W=${W:-/tmp/two}; mkdir -p "$W"; cd "$W"
 gen_matrix A.mgt "$N" "$N" 1; gen_matrix B.mgt "$N" "$N" 2
 # plan NAME PRECISION DEVICES STAGING
 plan() {
   write_plan "$1.toml" A.mgt B.mgt "C_$1.mgt" 'backend = "cuda"' "precision = \"$2\"" \
-    "devices = $3" "device_memory = \"$DEVMEM\"" 'durable = false' 'host_memory = "8GiB"' \
+    "devices = $3" "${DEVMEM:+device_memory = \"$DEVMEM\"}" 'durable = false' 'host_memory = "8GiB"' \
     "staging = \"$4\"" 'tile = 4096'
 }
 fails=0
@@ -26,6 +26,7 @@ for p in $PRECISIONS; do for st in auto copy; do
   for n in one two; do
     d='[0]'; [ $n = two ] && d='[0, 0]'
     plan "${n}_${p}_$st" "$p" "$d" "$st"; rm -f "C_${n}_${p}_$st.mgt"*
+    "$MGMM" plan "${n}_${p}_$st.toml" 2>&1 | grep -oE "device budget [^|]*" | head -1 | sed "s/^/$n lane(s): /" | tee -a "$LOG"
     "$MGMM" run "${n}_${p}_$st.toml" -q --report "$OUT/two_${n}_${p}_$st.json" >> "$LOG" 2>&1 \
       || { log "$n lane(s), $p, $st: FAILED"; fails=$((fails + 1)); continue; }
     python3 - "$OUT/two_${n}_${p}_$st.json" "$n lane(s), $p, staging $st" <<'PY' | tee -a "$LOG"
