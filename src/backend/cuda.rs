@@ -1243,7 +1243,8 @@ impl Backend for CudaBackend {
         }
         // The GPUs left, with their open contexts and held pools; the failed one is not
         // touched again (after some errors its context is unusable, and a fresh probe of
-        // every GPU would fail on it). Their free memory is measured again, with what the
+        // every GPU would fail on it; a GPU listed twice keeps its other lane, whose context
+        // is the same one, so that lane goes on only after a failure that spared it). Their free memory is measured again, with what the
         // pools kept given back first; the device budget stays the one the steps' layouts
         // were sized from (the contexts' loaded libraries now take some of the free memory).
         let rest: Vec<DeviceInfo> = (self.devices.iter().enumerate())

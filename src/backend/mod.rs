@@ -141,6 +141,12 @@ pub trait InputPinner: Send + Sync {
     fn locks(&self) -> bool {
         true
     }
+    /// The most that may be registered at once and the size of one registration, where the
+    /// backend fixes them (the simulated devices' tests: small); `None`: half the memory the
+    /// host can spare, and 32 MiB ([`crate::pipeline::direct`]).
+    fn limits(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// One rectangle of an upload straight from a page-locked file map
@@ -157,7 +163,8 @@ pub struct HostRun {
 }
 
 // SAFETY: a HostRun only points into a map that the upload holding it keeps alive and
-// page-locked (`pipeline::direct::DirectUpload`); it is read by the device, never through Rust.
+// page-locked (`pipeline::direct::DirectUpload`); it is read by the device (or, on the CPU and
+// the simulated devices, copied by the lane while the upload holding it is alive).
 unsafe impl Send for HostRun {}
 unsafe impl Sync for HostRun {}
 

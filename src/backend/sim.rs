@@ -45,17 +45,40 @@ pub struct SimBackend {
 }
 
 /// The simulated devices' page-locking: the ranges registered now, which every copy straight
-/// from a file map must lie in when the device executes it.
+/// from a file map must lie in when the device executes it. A copy that finds a byte of its
+/// rectangles unregistered is counted ([`SimPinner::violations`]: a pipeline bug, released
+/// too early) and fails its lane.
 #[derive(Default)]
-pub(crate) struct SimPinner {
+pub struct SimPinner {
     held: Mutex<Vec<(usize, usize)>>,
+    limits: Option<(u64, u64)>,
+    violations: std::sync::atomic::AtomicU64,
 }
 
 impl SimPinner {
-    /// Whether `len` bytes at `ptr` lie inside one registered range.
-    fn covers(&self, ptr: usize, len: usize) -> bool {
+    /// Copies that found part of what they read no longer registered.
+    pub fn violations(&self) -> u64 {
+        self.violations.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Run `copy` if every row of `runs` lies inside one registered range, holding the ranges
+    /// meanwhile (none can be released during the copy); else count a violation.
+    fn copy_registered(&self, runs: &[HostRun], copy: impl FnOnce() -> Result<()>) -> Result<()> {
         let h = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        h.iter().any(|&(p, l)| ptr >= p && ptr + len <= p + l)
+        let covers =
+            |ptr: usize, len: usize| h.iter().any(|&(p, l)| ptr >= p && ptr + len <= p + l);
+        let unlocked = runs
+            .iter()
+            .find(|r| (0..r.rows).any(|i| !covers(r.host as usize + i * r.host_pitch, r.row_len)));
+        if let Some(r) = unlocked {
+            self.violations
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(Error::Usage(format!(
+                "a copy from a file map at {:#x} found it no longer page-locked (released before the copy was done: a bug)",
+                r.host as usize
+            )));
+        }
+        copy()
     }
 }
 
@@ -76,6 +99,9 @@ impl InputPinner for SimPinner {
         if let Some(i) = h.iter().position(|&(p, _)| p == ptr as usize) {
             h.swap_remove(i);
         }
+    }
+    fn limits(&self) -> Option<(u64, u64)> {
+        self.limits
     }
 }
 
@@ -119,6 +145,22 @@ impl SimBackend {
             max_delay_us,
             pinner: Arc::default(),
         }
+    }
+
+    /// The same devices, registering at most `budget` bytes of the input files at once, in
+    /// ranges of about `chunk` bytes (the GPUs: half the memory the host can spare, 32 MiB), so
+    /// that a test's small inputs are released and registered again within a step.
+    pub fn with_pin_limits(mut self, budget: u64, chunk: u64) -> SimBackend {
+        self.pinner = Arc::new(SimPinner {
+            limits: Some((budget, chunk)),
+            ..SimPinner::default()
+        });
+        self
+    }
+
+    /// What the devices' copies found of the registrations ([`SimPinner::violations`]).
+    pub fn pinner(&self) -> Arc<SimPinner> {
+        self.pinner.clone()
     }
 }
 
@@ -293,36 +335,36 @@ fn worker(
     let (m, cv) = &*sh;
     let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     loop {
-        let (t, op) = {
+        let (t, op, failed) = {
             let mut s = m.lock().unwrap();
             while s.queue.is_empty() && !s.stop {
                 s = cv.wait(s).unwrap();
             }
             match s.queue.pop_front() {
-                Some(x) => x,
+                Some((t, op)) => (t, op, s.error.is_some()),
                 None => return,
             }
         };
+        // After a failure nothing queued runs (as on a GPU whose context died): the host
+        // buffers of those ops may already be back in their pools.
+        if failed {
+            let mut s = m.lock().unwrap();
+            s.done_below = t + 1;
+            cv.notify_all();
+            continue;
+        }
         if max_delay_us > 0 {
             std::thread::sleep(Duration::from_micros(next_rand(&mut rng) % max_delay_us));
         }
-        // SAFETY (both arms): the op's host buffer stays alive and untouched until this op's
-        // ticket is done, which happens only after `done_below` passes it below.
+        // SAFETY (`Upload`, `Download`): the op's host buffer stays alive and untouched until
+        // this op's ticket is done, which happens only after `done_below` passes it below.
+        // (`UploadRuns` reads file maps that the step's registry of direct uploads keeps
+        // mapped until the lanes, and with them this thread, have ended.)
         let r = match op {
             Op::Upload(b, elems, dst) => cpu.upload(&unsafe { b.host_buf() }, elems, dst).map(drop),
+            // What a GPU's copy engine needs: every byte still page-locked when it copies.
             Op::UploadRuns(runs, elems, slot) => {
-                // What a GPU's copy engine needs: every byte still page-locked when it copies.
-                let unlocked = runs.iter().find(|r| {
-                    (0..r.rows)
-                        .any(|i| !pinner.covers(r.host as usize + i * r.host_pitch, r.row_len))
-                });
-                match unlocked {
-                    Some(r) => Err(Error::Usage(format!(
-                        "a copy from a file map at {:#x} found it no longer page-locked (released before the copy was done)",
-                        r.host as usize
-                    ))),
-                    None => cpu.upload_runs(&runs, elems, slot).map(drop),
-                }
+                pinner.copy_registered(&runs, || cpu.upload_runs(&runs, elems, slot).map(drop))
             }
             Op::Gemm(g, a, b, acc) => cpu.gemm(&g, a, b, acc),
             Op::Download(acc, elems, b) => cpu

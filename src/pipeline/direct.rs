@@ -271,7 +271,8 @@ impl DirectReads {
         if mode == StagingMode::Copy {
             return None;
         }
-        Some(Self::with_budget(mode, pinner, sources, budget(), CHUNK))
+        let (budget, chunk) = pinner.limits().unwrap_or_else(|| (budget(), CHUNK));
+        Some(Self::with_budget(mode, pinner, sources, budget, chunk))
     }
 
     fn with_budget(
