@@ -58,7 +58,7 @@ if [ -x "$FAULTS" ]; then
   }
   log "lane 1 fails after 20 GEMMs: its tiles are redone on lane 0 in the same run"
   MGMM_FAULT_LANE=1 MGMM_FAULT_GEMM_AFTER=20 "$FAULTS" run res.toml > "$OUT/two_failover.txt" 2>&1
-  expect $? 0 "failed .*redoing its unfinished tiles" "$OUT/two_failover.txt"
+  expect $? 0 "redoing its unfinished tiles" "$OUT/two_failover.txt"
   grep -iE "failed|wall" "$OUT/two_failover.txt" | tee -a "$LOG"
   cmp "$ref" C_res.mgt && log "failover: identical to one lane" || { log "failover: DIFFERS"; fails=$((fails + 1)); }
   rm -f C_res.mgt*
