@@ -837,7 +837,7 @@ fn staging_lazy(plan: &crate::plan::Plan, order: (usize, usize), l: &Layout) -> 
     let lazy = match (open(&step.a), open(&step.b)) {
         (Some(a), Some(b)) => crate::pipeline::direct::expected(
             plan.engine.staging,
-            true,
+            Some(crate::pipeline::direct::default_limits()),
             &[&*a, &*b],
             step.c0.is_some(),
             l.host_dt,
@@ -1244,9 +1244,10 @@ impl Backend for CudaBackend {
         // The GPUs left, with their open contexts and held pools; the failed one is not
         // touched again (after some errors its context is unusable, and a fresh probe of
         // every GPU would fail on it; a GPU listed twice keeps its other lane, whose context
-        // is the same one, so that lane goes on only after a failure that spared it). Their free memory is measured again, with what the
-        // pools kept given back first; the device budget stays the one the steps' layouts
-        // were sized from (the contexts' loaded libraries now take some of the free memory).
+        // is the same one, so that lane goes on only after a failure that spared it). Their
+        // free memory is measured again, with what the pools kept given back first; the
+        // device budget stays the one the steps' layouts were sized from (the contexts'
+        // loaded libraries now take some of the free memory).
         let rest: Vec<DeviceInfo> = (self.devices.iter().enumerate())
             .filter(|&(i, _)| i != lane)
             .map(|(_, d)| {

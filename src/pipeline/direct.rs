@@ -227,24 +227,34 @@ fn budget() -> u64 {
         .unwrap_or(DEFAULT_BUDGET)
 }
 
+/// The registration budget and range size for `pinner`: its own where it fixes them (the
+/// simulated devices' tests), else half the memory the host can spare and [`CHUNK`].
+pub(crate) fn limits(pinner: &dyn InputPinner) -> (u64, u64) {
+    pinner.limits().unwrap_or_else(default_limits)
+}
+
+/// Half the memory the host can spare, and [`CHUNK`]: the limits of the GPUs' registrations.
+pub(crate) fn default_limits() -> (u64, u64) {
+    (budget(), CHUNK)
+}
+
 /// Whether every block of `sources` (a step's A and B) is expected to go straight from the
 /// files' pages, so that the staging pool's leases need no memory unless a block is copied
 /// after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`, the backend uploads from
-/// maps (`pinner`), the step has no added matrix (`added`: staging always copies C0, once per
+/// maps (`pinner`: its [`limits`]), the step has no added matrix (`added`: staging always copies C0, once per
 /// output tile), each source maps its blocks at `host` in ranges the budget can hold, and
 /// under `auto` its data looks in the page cache now (1024 pages sampled: a guess, and a wrong
 /// one only costs buffers made while the step runs).
 pub(crate) fn expected(
     mode: StagingMode,
-    pinner: bool,
+    pinner: Option<(u64, u64)>,
     sources: &[&dyn MatrixSource],
     added: bool,
     host: DType,
 ) -> bool {
-    if mode == StagingMode::Copy || !pinner || added {
+    let Some((budget, chunk)) = pinner.filter(|_| mode != StagingMode::Copy && !added) else {
         return false;
-    }
-    let budget = budget();
+    };
     let corner = Block {
         r0: 0,
         c0: 0,
@@ -253,8 +263,8 @@ pub(crate) fn expected(
     };
     sources.iter().all(|f| {
         f.mapped_block(&corner, host).is_some_and(|mb| {
-            // The range a block registers (`ranges`): whole tiles, about CHUNK bytes.
-            (CHUNK / mb.stride).max(1) * mb.stride <= budget
+            // The range a block registers (`ranges`): whole tiles, about `chunk` bytes.
+            (chunk / mb.stride).max(1) * mb.stride <= budget
                 && (mode == StagingMode::Direct
                     || crate::store::fsutil::resident_sampled(mb.map, mb.data.clone(), 1024))
         })
@@ -271,7 +281,7 @@ impl DirectReads {
         if mode == StagingMode::Copy {
             return None;
         }
-        let (budget, chunk) = pinner.limits().unwrap_or_else(|| (budget(), CHUNK));
+        let (budget, chunk) = limits(&*pinner);
         Some(Self::with_budget(mode, pinner, sources, budget, chunk))
     }
 
@@ -711,21 +721,16 @@ mod tests {
     /// `auto` not when part of the file was evicted from the page cache.
     #[test]
     fn blocks_are_expected_direct_only_when_they_can_go() {
+        const ON: Option<(u64, u64)> = Some((8 << 30, CHUNK));
         let fx = fixture();
         let f: &dyn MatrixSource = &*fx.f;
-        assert!(expected(
-            StagingMode::Auto,
-            true,
-            &[f, f],
-            false,
-            DType::F32
-        ));
-        assert!(expected(StagingMode::Direct, true, &[f], false, DType::F32));
-        assert!(!expected(StagingMode::Copy, true, &[f], false, DType::F32));
-        assert!(!expected(StagingMode::Auto, false, &[f], false, DType::F32));
-        assert!(!expected(StagingMode::Auto, true, &[f], false, DType::F64));
+        assert!(expected(StagingMode::Auto, ON, &[f, f], false, DType::F32));
+        assert!(expected(StagingMode::Direct, ON, &[f], false, DType::F32));
+        assert!(!expected(StagingMode::Copy, ON, &[f], false, DType::F32));
+        assert!(!expected(StagingMode::Auto, None, &[f], false, DType::F32));
+        assert!(!expected(StagingMode::Auto, ON, &[f], false, DType::F64));
         assert!(
-            !expected(StagingMode::Direct, true, &[f], true, DType::F32),
+            !expected(StagingMode::Direct, ON, &[f], true, DType::F32),
             "with C0"
         );
         // Evict the file's pages (written and synced by `generate`): `auto` no longer expects
@@ -740,7 +745,7 @@ mod tests {
         if rc == 0 && !page_cached(&path) {
             assert!(!expected(
                 StagingMode::Auto,
-                true,
+                ON,
                 &[&*reopened],
                 false,
                 DType::F32
@@ -750,7 +755,7 @@ mod tests {
         }
         assert!(expected(
             StagingMode::Direct,
-            true,
+            ON,
             &[&*reopened],
             false,
             DType::F32

@@ -179,7 +179,7 @@ impl Engines {
         let p = e.precision;
         let lazy = direct::expected(
             e.staging,
-            backend.input_pinner().is_some(),
+            backend.input_pinner().map(|p| direct::limits(&*p)),
             &[&*sources.a, &*sources.b],
             sources.c0.is_some(),
             layout.host_dt,
