@@ -175,14 +175,25 @@ impl Checker<'_> {
 /// the serpentine turn reuses the B tiles used last. With one lane this is the schedule's own
 /// serpentine order. A lane whose run is empty steals from the back of the longest other run, so
 /// a slower or busier device simply ends up with fewer tiles.
+///
+/// When the lane's device tile cache holds every input tile the lane needs
+/// ([`crate::plan::layout::Layout::grows`]), the lane walks its (band, column) grid in growing
+/// squares instead: (0,0); (0,1), (1,0), (1,1); (0,2), (1,2), (2,0), (2,1), (2,2); … — a new B
+/// column or A row every few tiles rather than a new B column for every tile of the first row.
+/// Each input tile is still loaded once, but the loads spread over the step instead of crowding
+/// its first row, where they outran the page-locking of the inputs (45000² fp64 on one H200:
+/// the GPU idle 0.5 s in the step's first 1.2 s, BENCHMARKS.md §20). Lanes stay in phase: every
+/// lane walks the same (band, column) sequence.
 pub(crate) struct TileQueue {
     order: Vec<u32>,
+    grow: bool,
     runs: std::sync::Mutex<Vec<std::collections::VecDeque<u32>>>,
 }
 
 impl TileQueue {
-    /// `todo`: schedule sequence numbers still to compute.
-    pub(crate) fn new(sched: &Schedule, todo: Vec<u32>, lanes: usize) -> TileQueue {
+    /// `todo`: schedule sequence numbers still to compute; `grow`: walk each lane's tiles in
+    /// growing squares (see above) instead of serpentine row bands.
+    pub(crate) fn new(sched: &Schedule, todo: Vec<u32>, lanes: usize, grow: bool) -> TileQueue {
         let lanes = lanes.max(1);
         let mut keyed: Vec<(usize, u64, u64, u32)> = todo
             .iter()
@@ -190,6 +201,17 @@ impl TileQueue {
                 let t = &sched.tiles[seq as usize];
                 let lane = (t.ti % lanes as u64) as usize;
                 let band = t.ti / lanes as u64;
+                if grow {
+                    // Square `s` = max(band, column): its column part top-down, then its row
+                    // part left to right.
+                    let s = band.max(t.tj);
+                    let pos = if t.tj == s && band < s {
+                        band
+                    } else {
+                        s + t.tj
+                    };
+                    return (lane, s, pos, seq);
+                }
                 let col = if band.is_multiple_of(2) {
                     t.tj
                 } else {
@@ -205,6 +227,7 @@ impl TileQueue {
         }
         TileQueue {
             order: todo,
+            grow,
             runs: std::sync::Mutex::new(runs),
         }
     }
@@ -226,6 +249,10 @@ impl TileQueue {
     #[cfg(test)]
     pub(crate) fn run(&self, lane: usize) -> Vec<u32> {
         self.runs.lock().unwrap()[lane].iter().copied().collect()
+    }
+    /// Whether lanes walk their tiles in growing squares.
+    pub(crate) fn grows(&self) -> bool {
+        self.grow
     }
     /// The tiles to compute, in schedule order.
     pub(crate) fn order(&self) -> &[u32] {
@@ -356,8 +383,11 @@ impl Planner<'_> {
         });
     }
 
-    /// The first output tiles of the lane's row, up to [`Layout::start_group`] of them, that
-    /// start from k-chunk 0: computed k-chunk by k-chunk across the group (see there).
+    /// The lane's first output tiles, up to [`Layout::start_group`] of them, that start from
+    /// k-chunk 0: computed k-chunk by k-chunk across the group (see there). In serpentine order
+    /// they are tiles of the lane's first row; in growing squares ([`TileQueue`]) its first
+    /// square, (0,0), (0,1), (1,0), (1,1), whose k-chunk `kk` needs two A and two B tiles for
+    /// four GEMMs.
     ///
     /// [`Layout::start_group`]: crate::plan::layout::Layout::start_group
     fn first_group(&self, seq: u32) -> Vec<u32> {
@@ -366,9 +396,10 @@ impl Planner<'_> {
             return group;
         }
         let ti = self.sched.tiles[seq as usize].ti;
+        let grows = self.queue.grows();
         while group.len() < self.start_group {
             let next = self.queue.pop_if(self.lane, |q| {
-                self.sched.tiles[q as usize].ti == ti && self.k0(q) == 0
+                (grows || self.sched.tiles[q as usize].ti == ti) && self.k0(q) == 0
             });
             match next {
                 Some(q) => group.push(q),
@@ -1066,8 +1097,9 @@ mod tests {
     use crate::plan::layout::Layout;
 
     /// A 300×190 · 190×520 step in 64² tiles (5 × 9 output tiles, 3 k-chunks) on a device
-    /// with 1 GiB, and the planner's ops for it with the layout's start group or `group`.
-    fn planner_ops(group: Option<usize>) -> (Schedule, Layout, Vec<PlanOp>) {
+    /// with 1 GiB, and the planner's ops for it with the layout's start group or `group`, in
+    /// serpentine order or (`grow`) growing squares.
+    fn planner_ops(group: Option<usize>, grow: bool) -> (Schedule, Layout, Vec<PlanOp>) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.toml");
         std::fs::write(
@@ -1095,7 +1127,8 @@ mod tests {
         let step = &plan.steps[0];
         let l = Layout::new(&plan.path, step, &plan.engine, &caps).unwrap();
         let sched = Schedule::new(step, &l);
-        let queue = TileQueue::new(&sched, (0..sched.tiles.len() as u32).collect(), 1);
+        assert!(l.grows(step, 1), "the fixture fits the device");
+        let queue = TileQueue::new(&sched, (0..sched.tiles.len() as u32).collect(), 1, grow);
         let (tx, rx) = crossbeam_channel::unbounded();
         let (prep_tx, _prep_rx) = crossbeam_channel::unbounded();
         Planner {
@@ -1140,7 +1173,7 @@ mod tests {
     /// tile runs its k-chunks in order on its own. Each tile's k-chunks are in order either way.
     #[test]
     fn a_start_group_runs_k_chunk_by_k_chunk() {
-        let (sched, l, ops) = planner_ops(None);
+        let (sched, l, ops) = planner_ops(None, false);
         assert_eq!((l.start_group, l.accs), (4, 5), "{l:?}");
         let gk = sched.gk;
         assert_eq!(gk, 3);
@@ -1181,7 +1214,7 @@ mod tests {
             assert_eq!(w.iter().map(|x| x.1).collect::<Vec<_>>(), vec![0, 1, 2]);
         }
         // With the group off, the same tiles in the same order, each on its own.
-        let (_, _, plain) = planner_ops(Some(1));
+        let (_, _, plain) = planner_ops(Some(1), false);
         let (pg, _) = gemms_and_ends(&plain);
         for w in pg.chunks(gk as usize) {
             assert!(w.iter().all(|x| x.0 == w[0].0), "{w:?}");
@@ -1199,5 +1232,122 @@ mod tests {
                 .chain(order(&g[12..]))
                 .collect::<Vec<_>>()
         );
+    }
+
+    /// (band, column) of a lane's run.
+    fn cells(sched: &Schedule, run: &[u32], lanes: u64) -> Vec<(u64, u64)> {
+        run.iter()
+            .map(|&q| {
+                let t = &sched.tiles[q as usize];
+                (t.ti / lanes, t.tj)
+            })
+            .collect()
+    }
+
+    /// In growing squares every tile comes once, the lanes walk the same (band, column)
+    /// sequence, and the loads are spread: with a cache that holds everything both orders load
+    /// each input tile once, but the squares need fewer of them over the first row's worth of
+    /// tiles.
+    #[test]
+    fn growing_squares_cover_every_tile_once_in_phase_and_spread_the_loads() {
+        let (sched, l, _) = planner_ops(None, false);
+        let (gm, gn, gk) = (5u64, sched.gn, sched.gk);
+        assert_eq!((gn, gk), (9, 3));
+        let all: Vec<u32> = (0..sched.tiles.len() as u32).collect();
+        let sq = TileQueue::new(&sched, all.clone(), 1, true).run(0);
+        let mut sorted = sq.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, all);
+        assert_eq!(
+            cells(&sched, &sq, 1)[..9],
+            [
+                (0, 0),
+                (0, 1),
+                (1, 0),
+                (1, 1),
+                (0, 2),
+                (1, 2),
+                (2, 0),
+                (2, 1),
+                (2, 2)
+            ]
+        );
+        // Past the last band the squares' column parts continue column by column.
+        assert_eq!(
+            cells(&sched, &sq, 1)[25..30],
+            [(0, 5), (1, 5), (2, 5), (3, 5), (4, 5)]
+        );
+        let loads = |run: &[u32], upto: usize| {
+            let mut cache = TileCache::new(l.slots);
+            let mut n = 0;
+            for &q in &run[..upto] {
+                let t = &sched.tiles[q as usize];
+                for kk in 0..gk {
+                    n += cache.get((Src::A, t.ti, kk)).1 as u64;
+                    n += cache.get((Src::B, kk, t.tj)).1 as u64;
+                }
+            }
+            n
+        };
+        let serp = TileQueue::new(&sched, all.clone(), 1, false).run(0);
+        let n = all.len();
+        assert_eq!(loads(&sq, n), gk * (gm + gn));
+        assert_eq!(loads(&serp, n), gk * (gm + gn));
+        // The first row's worth of tiles: the serpentine loads A's row and all of B, the
+        // squares A's first three rows and B's first three columns.
+        assert_eq!(loads(&serp, gn as usize), gk * (1 + gn));
+        assert_eq!(loads(&sq, gn as usize), gk * (3 + 3));
+        // Two lanes on a grid of 6 × 9 tiles: the same (band, column) walk on both.
+        let mut s2 = sched.clone();
+        s2.tiles = (0..6u64)
+            .flat_map(|ti| (0..gn).map(move |tj| (ti, tj)))
+            .enumerate()
+            .map(|(i, (ti, tj))| OutTile {
+                seq: i as u32,
+                ti,
+                tj,
+                block: crate::store::Block {
+                    r0: ti * 64,
+                    c0: tj * 64,
+                    rows: 64,
+                    cols: 64,
+                },
+            })
+            .collect();
+        let q2 = TileQueue::new(&s2, (0..s2.tiles.len() as u32).collect(), 2, true);
+        let (r0, r1) = (q2.run(0), q2.run(1));
+        assert_eq!(r0.len() + r1.len(), s2.tiles.len());
+        assert_eq!(cells(&s2, &r0, 2), cells(&s2, &r1, 2));
+        assert!(r0.iter().all(|&q| s2.tiles[q as usize].ti % 2 == 0));
+    }
+
+    /// In growing squares the start group is the first square: k-chunk 0 of (0,0), (0,1),
+    /// (1,0), (1,1), then k-chunk 1 of them, …; every tile's k-chunks in order, every tile once.
+    #[test]
+    fn the_start_group_of_growing_squares_is_the_first_square() {
+        let (sched, l, ops) = planner_ops(None, true);
+        assert_eq!(l.start_group, 4);
+        let (g, _) = gemms_and_ends(&ops);
+        assert_eq!(g.len(), sched.tiles.len() * sched.gk as usize);
+        let cell = |q: u32| (sched.tiles[q as usize].ti, sched.tiles[q as usize].tj);
+        for kk in 0..sched.gk as usize {
+            let chunk: Vec<((u64, u64), u64)> = g[4 * kk..4 * kk + 4]
+                .iter()
+                .map(|x| (cell(x.0), x.1))
+                .collect();
+            assert_eq!(
+                chunk,
+                [(0, 0), (0, 1), (1, 0), (1, 1)].map(|c| (c, kk as u64)),
+            );
+        }
+        for w in g[12..].chunks(sched.gk as usize) {
+            assert!(w.iter().all(|x| x.0 == w[0].0), "{w:?}");
+            assert_eq!(w.iter().map(|x| x.1).collect::<Vec<_>>(), vec![0, 1, 2]);
+        }
+        let loads = ops
+            .iter()
+            .filter(|op| matches!(op, PlanOp::Load { .. }))
+            .count() as u64;
+        assert_eq!(loads, sched.gk * (5 + sched.gn));
     }
 }

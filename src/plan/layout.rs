@@ -290,6 +290,24 @@ impl Layout {
             .max(1)
     }
 
+    /// Whether each of `lanes` lanes walks its output tiles in growing squares
+    /// ([`crate::pipeline::stages::TileQueue`]) rather than serpentine row bands: on a device,
+    /// when its tile cache holds every input tile the lane needs (its rows of A and all of B),
+    /// so that no tile is loaded twice in either order and the square only spreads the loads
+    /// over the step; when every lane has as many rows (so that the lanes' squares stay in
+    /// phase to the end, as the shared reader expects); and when both orders differ (more than
+    /// one band and one column).
+    pub(crate) fn grows(&self, step: &Step, lanes: usize) -> bool {
+        let (gm, gn, gk) = self.grid(step);
+        let lanes = lanes.max(1) as u64;
+        let rows = gm / lanes;
+        self.device_bytes > 0
+            && gm.is_multiple_of(lanes)
+            && rows > 1
+            && gn > 1
+            && self.slots as u64 >= gk * (rows + gn)
+    }
+
     /// Compute tiles of `step` along m, n and k.
     pub fn grid(&self, step: &Step) -> (u64, u64, u64) {
         (

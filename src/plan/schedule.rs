@@ -485,7 +485,7 @@ mod tests {
                     l.slots = slots;
                     let sched = Schedule::new(step, &l);
                     let all: Vec<u32> = (0..sched.tiles.len() as u32).collect();
-                    let queue = crate::pipeline::stages::TileQueue::new(&sched, all, lanes);
+                    let queue = crate::pipeline::stages::TileQueue::new(&sched, all, lanes, false);
                     let (mut loads, mut h2d, mut read) = (0, 0, 0);
                     let mut shared = std::collections::HashSet::new();
                     for lane in 0..lanes {

@@ -150,6 +150,11 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
             },
             fmt_bytes(l.device_bytes)
         );
+        s += if l.grows(step, l.lanes) {
+            "  order: each lane in growing squares (its inputs fit its tile cache)\n"
+        } else {
+            "  order: each lane in serpentine row bands\n"
+        };
     }
     s += &format!(
         "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
