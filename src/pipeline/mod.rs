@@ -320,7 +320,7 @@ impl<'a> Pipeline<'a> {
             ..
         } = engines;
         let nlanes = lanes.len();
-        let queue = TileQueue::new(&sched, order, nlanes, l.grows(step, nlanes));
+        let queue = TileQueue::new(&sched, order, nlanes, l.squares_fit(step, nlanes));
         let direct = match backend.input_pinner() {
             Some(pinner) if lanes.iter().any(|l| l.uploads_runs()) => {
                 let srcs = [Some(&inputs.a), Some(&inputs.b), inputs.c0.as_ref()];

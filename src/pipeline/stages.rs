@@ -176,14 +176,18 @@ impl Checker<'_> {
 /// serpentine order. A lane whose run is empty steals from the back of the longest other run, so
 /// a slower or busier device simply ends up with fewer tiles.
 ///
-/// When the lane's device tile cache holds every input tile the lane needs
-/// ([`crate::plan::layout::Layout::grows`]), the lane walks its (band, column) grid in growing
-/// squares instead: (0,0); (0,1), (1,0), (1,1); (0,2), (1,2), (2,0), (2,1), (2,2); … — a new B
-/// column or A row every few tiles rather than a new B column for every tile of the first row.
-/// Each input tile is still loaded once, but the loads spread over the step instead of crowding
-/// its first row, where they outran the page-locking of the inputs (45000² fp64 on one H200:
-/// the GPU idle 0.5 s in the step's first 1.2 s, BENCHMARKS.md §20). Lanes stay in phase: every
-/// lane walks the same (band, column) sequence.
+/// When a lane's device tile cache holds every input tile the lane needs
+/// ([`crate::plan::layout::Layout::squares_fit`]) and every lane has as many bands to do (more
+/// than one), each lane walks its bands (ranked from 0 among those it has to do) and columns in
+/// growing squares instead: (0,0); (0,1), (1,0), (1,1); (0,2), (1,2), (2,0), (2,1), (2,2); … —
+/// a new B column or A row every few tiles rather than a new B column for every tile of the
+/// first row. Each input tile is still loaded once, but the loads spread over the step instead
+/// of crowding its first row, where they outran the page-locking of the inputs (45000² fp64 on
+/// one H200: the GPU idle 0.5 s in the step's first 1.2 s; 0.27 s and the step 2–4 % shorter in
+/// squares, BENCHMARKS.md §20). With as many bands each, the lanes walk the same sequence of
+/// ranked (band, column) cells and stay in phase. Stealing takes the back of a run, which in
+/// squares is a column of tiles in different A rows (each costing the thief `gk` A loads; in
+/// serpentine order they share one); neither order's stealing is in the traffic model.
 pub(crate) struct TileQueue {
     order: Vec<u32>,
     grow: bool,
@@ -191,10 +195,26 @@ pub(crate) struct TileQueue {
 }
 
 impl TileQueue {
-    /// `todo`: schedule sequence numbers still to compute; `grow`: walk each lane's tiles in
-    /// growing squares (see above) instead of serpentine row bands.
-    pub(crate) fn new(sched: &Schedule, todo: Vec<u32>, lanes: usize, grow: bool) -> TileQueue {
+    /// `todo`: schedule sequence numbers still to compute; `may_grow`: the lanes' tile caches
+    /// hold all they need ([`crate::plan::layout::Layout::squares_fit`]), so growing squares
+    /// (see above) are used when the lanes also have as many bands to do, more than one.
+    pub(crate) fn new(sched: &Schedule, todo: Vec<u32>, lanes: usize, may_grow: bool) -> TileQueue {
         let lanes = lanes.max(1);
+        // Each lane's bands among the tiles to do, ranked from 0.
+        let mut bands = vec![std::collections::BTreeMap::<u64, u64>::new(); lanes];
+        for &seq in &todo {
+            let t = &sched.tiles[seq as usize];
+            bands[(t.ti % lanes as u64) as usize].insert(t.ti / lanes as u64, 0);
+        }
+        for b in &mut bands {
+            for (rank, v) in b.values_mut().enumerate() {
+                *v = rank as u64;
+            }
+        }
+        let grow = may_grow
+            && sched.gn > 1
+            && bands[0].len() > 1
+            && bands.iter().all(|b| b.len() == bands[0].len());
         let mut keyed: Vec<(usize, u64, u64, u32)> = todo
             .iter()
             .map(|&seq| {
@@ -202,14 +222,11 @@ impl TileQueue {
                 let lane = (t.ti % lanes as u64) as usize;
                 let band = t.ti / lanes as u64;
                 if grow {
-                    // Square `s` = max(band, column): its column part top-down, then its row
+                    // Square `s` = max(rank, column): its column part top-down, then its row
                     // part left to right.
-                    let s = band.max(t.tj);
-                    let pos = if t.tj == s && band < s {
-                        band
-                    } else {
-                        s + t.tj
-                    };
+                    let r = bands[lane][&band];
+                    let s = r.max(t.tj);
+                    let pos = if t.tj == s && r < s { r } else { s + t.tj };
                     return (lane, s, pos, seq);
                 }
                 let col = if band.is_multiple_of(2) {
@@ -385,9 +402,10 @@ impl Planner<'_> {
 
     /// The lane's first output tiles, up to [`Layout::start_group`] of them, that start from
     /// k-chunk 0: computed k-chunk by k-chunk across the group (see there). In serpentine order
-    /// they are tiles of the lane's first row; in growing squares ([`TileQueue`]) its first
-    /// square, (0,0), (0,1), (1,0), (1,1), whose k-chunk `kk` needs two A and two B tiles for
-    /// four GEMMs.
+    /// they are tiles of the lane's first row; in growing squares ([`TileQueue`]) the next
+    /// tiles of its run, which on a fresh step with a group of four are its first square,
+    /// (0,0), (0,1), (1,0), (1,1), whose k-chunk `kk` needs two A and two B tiles for four
+    /// GEMMs.
     ///
     /// [`Layout::start_group`]: crate::plan::layout::Layout::start_group
     fn first_group(&self, seq: u32) -> Vec<u32> {
@@ -1127,7 +1145,7 @@ mod tests {
         let step = &plan.steps[0];
         let l = Layout::new(&plan.path, step, &plan.engine, &caps).unwrap();
         let sched = Schedule::new(step, &l);
-        assert!(l.grows(step, 1), "the fixture fits the device");
+        assert!(l.squares_fit(step, 1), "the fixture fits the device");
         let queue = TileQueue::new(&sched, (0..sched.tiles.len() as u32).collect(), 1, grow);
         let (tx, rx) = crossbeam_channel::unbounded();
         let (prep_tx, _prep_rx) = crossbeam_channel::unbounded();
@@ -1244,62 +1262,23 @@ mod tests {
             .collect()
     }
 
-    /// In growing squares every tile comes once, the lanes walk the same (band, column)
-    /// sequence, and the loads are spread: with a cache that holds everything both orders load
-    /// each input tile once, but the squares need fewer of them over the first row's worth of
-    /// tiles.
-    #[test]
-    fn growing_squares_cover_every_tile_once_in_phase_and_spread_the_loads() {
-        let (sched, l, _) = planner_ops(None, false);
-        let (gm, gn, gk) = (5u64, sched.gn, sched.gk);
-        assert_eq!((gn, gk), (9, 3));
-        let all: Vec<u32> = (0..sched.tiles.len() as u32).collect();
-        let sq = TileQueue::new(&sched, all.clone(), 1, true).run(0);
-        let mut sorted = sq.clone();
-        sorted.sort_unstable();
-        assert_eq!(sorted, all);
-        assert_eq!(
-            cells(&sched, &sq, 1)[..9],
-            [
-                (0, 0),
-                (0, 1),
-                (1, 0),
-                (1, 1),
-                (0, 2),
-                (1, 2),
-                (2, 0),
-                (2, 1),
-                (2, 2)
-            ]
-        );
-        // Past the last band the squares' column parts continue column by column.
-        assert_eq!(
-            cells(&sched, &sq, 1)[25..30],
-            [(0, 5), (1, 5), (2, 5), (3, 5), (4, 5)]
-        );
-        let loads = |run: &[u32], upto: usize| {
-            let mut cache = TileCache::new(l.slots);
-            let mut n = 0;
-            for &q in &run[..upto] {
-                let t = &sched.tiles[q as usize];
-                for kk in 0..gk {
-                    n += cache.get((Src::A, t.ti, kk)).1 as u64;
-                    n += cache.get((Src::B, kk, t.tj)).1 as u64;
-                }
-            }
-            n
-        };
-        let serp = TileQueue::new(&sched, all.clone(), 1, false).run(0);
-        let n = all.len();
-        assert_eq!(loads(&sq, n), gk * (gm + gn));
-        assert_eq!(loads(&serp, n), gk * (gm + gn));
-        // The first row's worth of tiles: the serpentine loads A's row and all of B, the
-        // squares A's first three rows and B's first three columns.
-        assert_eq!(loads(&serp, gn as usize), gk * (1 + gn));
-        assert_eq!(loads(&sq, gn as usize), gk * (3 + 3));
-        // Two lanes on a grid of 6 × 9 tiles: the same (band, column) walk on both.
-        let mut s2 = sched.clone();
-        s2.tiles = (0..6u64)
+    /// Growing squares over a grid of `rows` × `cols` cells, written out square by square: the
+    /// column part top-down, then the row part left to right.
+    fn squares(rows: u64, cols: u64) -> Vec<(u64, u64)> {
+        let mut v = Vec::new();
+        for s in 0..rows.max(cols) {
+            v.extend((0..s).map(|b| (b, s)));
+            v.extend((0..=s).map(|j| (s, j)));
+        }
+        v.retain(|&(b, j)| b < rows && j < cols);
+        v
+    }
+
+    /// A schedule of `gm` × `gn` output tiles of 64² (the fixture's, with its tiles replaced).
+    fn grid(sched: &Schedule, gm: u64, gn: u64) -> Schedule {
+        let mut s = sched.clone();
+        s.gn = gn;
+        s.tiles = (0..gm)
             .flat_map(|ti| (0..gn).map(move |tj| (ti, tj)))
             .enumerate()
             .map(|(i, (ti, tj))| OutTile {
@@ -1314,11 +1293,93 @@ mod tests {
                 },
             })
             .collect();
-        let q2 = TileQueue::new(&s2, (0..s2.tiles.len() as u32).collect(), 2, true);
-        let (r0, r1) = (q2.run(0), q2.run(1));
-        assert_eq!(r0.len() + r1.len(), s2.tiles.len());
-        assert_eq!(cells(&s2, &r0, 2), cells(&s2, &r1, 2));
-        assert!(r0.iter().all(|&q| s2.tiles[q as usize].ti % 2 == 0));
+        s
+    }
+
+    /// In growing squares every tile comes once, in the order written out by [`squares`], and
+    /// the loads are spread: with a cache that holds everything both orders load each input
+    /// tile once, but the squares need fewer of them over the first row's worth of tiles.
+    #[test]
+    fn growing_squares_cover_every_tile_once_and_spread_the_loads() {
+        let (sched, l, _) = planner_ops(None, false);
+        let (gm, gn, gk) = (5u64, sched.gn, sched.gk);
+        assert_eq!((gn, gk), (9, 3));
+        let all: Vec<u32> = (0..sched.tiles.len() as u32).collect();
+        let q = TileQueue::new(&sched, all.clone(), 1, true);
+        assert!(q.grows());
+        let sq = q.run(0);
+        assert_eq!(cells(&sched, &sq, 1), squares(gm, gn));
+        let loads = |run: &[u32], upto: usize| {
+            let mut cache = TileCache::new(l.slots);
+            let mut n = 0;
+            for &q in &run[..upto] {
+                let t = &sched.tiles[q as usize];
+                for kk in 0..gk {
+                    n += cache.get((Src::A, t.ti, kk)).1 as u64;
+                    n += cache.get((Src::B, kk, t.tj)).1 as u64;
+                }
+            }
+            n
+        };
+        let plain = TileQueue::new(&sched, all.clone(), 1, false);
+        assert!(!plain.grows());
+        let serp = plain.run(0);
+        let n = all.len();
+        assert_eq!(loads(&sq, n), gk * (gm + gn));
+        assert_eq!(loads(&serp, n), gk * (gm + gn));
+        // The first row's worth of tiles: the serpentine loads A's row and all of B, the
+        // squares A's first three rows and B's first three columns.
+        assert_eq!(loads(&serp, gn as usize), gk * (1 + gn));
+        assert_eq!(loads(&sq, gn as usize), gk * (3 + 3));
+        // One band, or one column: nothing to grow.
+        let one_band: Vec<u32> = (0..gn as u32).collect();
+        assert!(!TileQueue::new(&sched, one_band, 1, true).grows());
+        let g1 = grid(&sched, 4, 1);
+        assert!(!TileQueue::new(&g1, (0..4).collect(), 1, true).grows());
+    }
+
+    /// Lanes walk the same sequence of ranked (band, column) cells when they have as many bands
+    /// to do — the whole grid, or a shard or resume that starts at any band — and keep the
+    /// serpentine order when they have not.
+    #[test]
+    fn growing_squares_keep_lanes_in_phase_or_are_not_used() {
+        let (sched, _, _) = planner_ops(None, false);
+        let g = grid(&sched, 10, 7);
+        let rows = |r: std::ops::Range<u64>| -> Vec<u32> {
+            (r.start * 7..r.end * 7).map(|q| q as u32).collect()
+        };
+        // (tiles to do, lanes, squares expected, bands per lane)
+        for (todo, lanes, grow, bands) in [
+            (rows(0..10), 2, true, 5),
+            (rows(2..10), 2, true, 4),
+            (rows(3..7), 2, true, 2),
+            (rows(0..5), 2, false, 0),
+            (rows(0..9), 3, true, 3),
+            (rows(1..10), 3, true, 3),
+            (rows(0..10), 3, false, 0),
+        ] {
+            let n = todo.len();
+            let q = TileQueue::new(&g, todo.clone(), lanes, true);
+            assert_eq!(q.grows(), grow, "{todo:?} on {lanes} lanes");
+            let runs: Vec<Vec<u32>> = (0..lanes).map(|l| q.run(l)).collect();
+            assert_eq!(runs.iter().map(|r| r.len()).sum::<usize>(), n);
+            let mut seen: Vec<u32> = runs.concat();
+            seen.sort_unstable();
+            assert_eq!(seen, todo);
+            if grow {
+                for (l, run) in runs.iter().enumerate() {
+                    // Ranked bands: the lane's i-th band to do is rank i.
+                    let ranked: Vec<(u64, u64)> = cells(&g, run, lanes as u64)
+                        .into_iter()
+                        .map(|(b, j)| {
+                            let first = run.iter().map(|&q| g.tiles[q as usize].ti).min().unwrap();
+                            (b - first / lanes as u64, j)
+                        })
+                        .collect();
+                    assert_eq!(ranked, squares(bands, 7), "lane {l} of {lanes}");
+                }
+            }
+        }
     }
 
     /// In growing squares the start group is the first square: k-chunk 0 of (0,0), (0,1),

@@ -40,8 +40,8 @@ pub struct Layout {
     pub slot_bytes: u64,
     /// Accumulators per lane.
     pub accs: usize,
-    /// Output tiles of the same row that each lane's first group computes k-chunk by k-chunk
-    /// (1: none). See [`Layout::start_group`].
+    /// Output tiles that each lane's first group computes k-chunk by k-chunk (1: none): of its
+    /// first row, or its first square in growing squares. See [`Layout::start_group`].
     pub start_group: usize,
     /// Bytes of one accumulator.
     pub acc_bytes: u64,
@@ -290,22 +290,15 @@ impl Layout {
             .max(1)
     }
 
-    /// Whether each of `lanes` lanes walks its output tiles in growing squares
-    /// ([`crate::pipeline::stages::TileQueue`]) rather than serpentine row bands: on a device,
-    /// when its tile cache holds every input tile the lane needs (its rows of A and all of B),
-    /// so that no tile is loaded twice in either order and the square only spreads the loads
-    /// over the step; when every lane has as many rows (so that the lanes' squares stay in
-    /// phase to the end, as the shared reader expects); and when both orders differ (more than
-    /// one band and one column).
-    pub(crate) fn grows(&self, step: &Step, lanes: usize) -> bool {
+    /// Whether `lanes` lanes may walk their output tiles in growing squares
+    /// ([`crate::pipeline::stages::TileQueue`], which decides from the tiles left to do): on a
+    /// device, when its tile cache holds every input tile a lane needs (the A rows of a lane with
+    /// the most rows and all of B), so that no tile is loaded twice in either order and the
+    /// squares only spread the loads over the step.
+    pub(crate) fn squares_fit(&self, step: &Step, lanes: usize) -> bool {
         let (gm, gn, gk) = self.grid(step);
-        let lanes = lanes.max(1) as u64;
-        let rows = gm / lanes;
-        self.device_bytes > 0
-            && gm.is_multiple_of(lanes)
-            && rows > 1
-            && gn > 1
-            && self.slots as u64 >= gk * (rows + gn)
+        let rows = gm.div_ceil(lanes.max(1) as u64);
+        self.device_bytes > 0 && self.slots as u64 >= gk * (rows + gn)
     }
 
     /// Compute tiles of `step` along m, n and k.

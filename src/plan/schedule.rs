@@ -245,6 +245,10 @@ pub(crate) struct InputLoads {
 ///   `(q + 3)·gk − 1` beyond. So the first `min(H, gn)` positions of every row but the first
 ///   hit, with `H = 0` if `slots < 2·gk`, else `max(1, slots/gk − 2)`.
 ///
+/// Where the lanes walk growing squares instead (`Layout::squares_fit`), the cache holds every
+/// tile a lane needs, so nothing is evicted and the loads are these same counts (each tile once,
+/// `h ≥ gn`); only their timing differs.
+///
 /// Lanes in phase need the same B blocks at the same step, so the file reads of B are those of
 /// the lane with the most rows (lane 0); the A rows are disjoint between lanes.
 pub(crate) fn input_loads(g: &Grid) -> InputLoads {
@@ -470,6 +474,7 @@ mod tests {
                 transposed: false,
             }))
         };
+        let mut grew = 0;
         for tile in ["8", "[16, 8, 4]", "[32, 32, 8]"] {
             let text = format!(
                 "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\n\
@@ -481,11 +486,24 @@ mod tests {
                 let mut caps = CpuBackend::new(1, None).caps().clone();
                 caps.lanes = lanes;
                 let mut l = Layout::new(&plan.path, step, &plan.engine, &caps).unwrap();
-                for slots in [2, 6, 13, l.slots] {
+                for (slots, may_grow) in [2, 6, 13, l.slots]
+                    .into_iter()
+                    .flat_map(|s| [(s, false), (s, true)])
+                {
                     l.slots = slots;
                     let sched = Schedule::new(step, &l);
                     let all: Vec<u32> = (0..sched.tiles.len() as u32).collect();
-                    let queue = crate::pipeline::stages::TileQueue::new(&sched, all, lanes, false);
+                    // Growing squares only where the cache holds a lane's every tile, as
+                    // `Layout::squares_fit` asks (the CPU's layout is not a device's).
+                    let rows = (sched.tiles.iter().map(|t| t.ti).max().unwrap() + 1)
+                        .div_ceil(lanes as u64);
+                    let fits = slots as u64 >= sched.gk * (rows + sched.gn);
+                    let queue = crate::pipeline::stages::TileQueue::new(
+                        &sched,
+                        all,
+                        lanes,
+                        may_grow && fits,
+                    );
                     let (mut loads, mut h2d, mut read) = (0, 0, 0);
                     let mut shared = std::collections::HashSet::new();
                     for lane in 0..lanes {
@@ -508,15 +526,18 @@ mod tests {
                             }
                         }
                     }
+                    grew += queue.grows() as usize;
                     let t = traffic(step, &l);
                     assert_eq!(
                         (t.tile_loads, t.h2d_bytes, t.read_bytes),
                         (loads, h2d, read),
-                        "{tile} {lanes} {slots}"
+                        "{tile} {lanes} {slots} {}",
+                        queue.grows()
                     );
                     assert_eq!(t.min_read_bytes, (70 * 45 + 45 * 33) * 4);
                 }
             }
         }
+        assert!(grew > 0, "some cases walk growing squares");
     }
 }

@@ -150,7 +150,10 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
             },
             fmt_bytes(l.device_bytes)
         );
-        s += if l.grows(step, l.lanes) {
+        let sched = crate::plan::schedule::Schedule::new(step, &l);
+        let all = (0..sched.tiles.len() as u32).collect();
+        let fit = l.squares_fit(step, l.lanes);
+        s += if crate::pipeline::stages::TileQueue::new(&sched, all, l.lanes, fit).grows() {
             "  order: each lane in growing squares (its inputs fit its tile cache)\n"
         } else {
             "  order: each lane in serpentine row bands\n"
