@@ -6,7 +6,8 @@
 #     bash tools/gpu/ab_interleaved.sh
 # One build, two settings: A=B=.dev/bin/mgmm-stream A_ARGS="--set engine.staging=copy" (extra
 # arguments of `run` for A's runs; B_ARGS likewise). GEN_DTYPE=f64: inputs stored as f64 (e.g. for
-# PRECISION=fp64 without a conversion on the host).
+# PRECISION=fp64 without a conversion on the host). CMP=1: keep each A run's output and compare
+# the B run after it with it byte for byte (`cmp`; one more output's worth of disk).
 # Log: $OUT/ab.log (one line per run: step wall, TFLOP/s, process wall measured around the
 # process, process − step); reports in $OUT/ab_{A,B}_i.json; a MGMM_TRACE timeline of B's last
 # run in $OUT/trace_B.json with tools/trace_gaps.py's summary in $OUT/gaps.log.
@@ -48,10 +49,18 @@ for i in $(seq 1 "$RUNS"); do
 import json, sys
 r = json.load(open(sys.argv[1])); s = r["steps"][0]; proc = float(sys.argv[3]) - float(sys.argv[2])
 print(f"{sys.argv[4]} run {sys.argv[5]}: step {s['wall_s']:.3f} s, {s['gflops_per_s']/1e3:.1f} TFLOP/s, "
-      f"process {proc:.2f} s, process-step {proc - s['wall_s']:.2f} s")
+      f"process {proc:.2f} s, process-step {proc - s['wall_s']:.2f} s, bottleneck {s.get('bottleneck', '?')}")
 PY
+    if [ "${CMP:-0}" = 1 ]; then
+      if [ $which = A ]; then mv C.mgt C_A.mgt
+      elif [ -f C_A.mgt ]; then
+        if cmp -s C_A.mgt C.mgt; then log "run $i: A and B outputs identical"
+        else log "run $i: A and B outputs DIFFER"; fi
+        rm -f C_A.mgt
+      fi
+    fi
   done
 done
 peer
-rm -f C.mgt C.mgt.journal C.mgt.crc32c
+rm -f C.mgt C_A.mgt C.mgt.journal C.mgt.crc32c
 [ -f "$OUT/trace_B.json" ] && python3 "$TOOLS/trace_gaps.py" "$OUT/trace_B.json" --top 6 > "$OUT/gaps.log" 2>&1
