@@ -66,8 +66,11 @@ def test_exception_in_progress_callback_propagates():
     assert time.monotonic() - t0 < 30
 
 
+# The child restores Python's own SIGINT handler: a test run started in the background of a
+# non-interactive shell inherits SIGINT ignored (SIG_IGN), and Ctrl-C never reaches Python there.
 CHILD = textwrap.dedent("""
-    import sys, time, numpy as np, mgmm_stream as mg
+    import signal, sys, time, numpy as np, mgmm_stream as mg
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     a = np.load(sys.argv[1], mmap_mode="r"); b = np.load(sys.argv[2], mmap_mode="r")
     print("started", flush=True)
     try:
