@@ -287,6 +287,8 @@ fn plan_then_run_then_export() {
         "straight from the files' pages where",
         "the staging buffers are made only for blocks staged by copy",
         "(staging = auto)",
+        // No device tile cache on the CPU: its lanes walk row bands.
+        "order: each lane in serpentine row bands",
     ] {
         assert!(s.contains(want), "plan output lacks {want:?}:\n{s}");
     }

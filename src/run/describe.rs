@@ -150,15 +150,16 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
             },
             fmt_bytes(l.device_bytes)
         );
-        let sched = crate::plan::schedule::Schedule::new(step, &l);
-        let all = (0..sched.tiles.len() as u32).collect();
-        let fit = l.squares_fit(step, l.lanes);
-        s += if crate::pipeline::stages::TileQueue::new(&sched, all, l.lanes, fit).grows() {
-            "  order: each lane in growing squares (its inputs fit its tile cache)\n"
-        } else {
-            "  order: each lane in serpentine row bands\n"
-        };
     }
+    // Every backend: the CPU's lanes have no device tile cache, so they walk row bands.
+    let sched = crate::plan::schedule::Schedule::new(step, &l);
+    let all = (0..sched.tiles.len() as u32).collect();
+    let fit = l.squares_fit(step, l.lanes);
+    s += if crate::pipeline::stages::TileQueue::new(&sched, all, l.lanes, fit).grows() {
+        "  order: each lane in growing squares (its inputs fit its tile cache)\n"
+    } else {
+        "  order: each lane in serpentine row bands\n"
+    };
     s += &format!(
         "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
         fmt_bytes(t.read_bytes),

@@ -57,6 +57,7 @@ PY
         if cmp -s C_A.mgt C.mgt; then log "run $i: A and B outputs identical"
         else log "run $i: A and B outputs DIFFER"; fi
         rm -f C_A.mgt
+      else log "run $i: not compared (A's run $i left no output)"
       fi
     fi
   done
