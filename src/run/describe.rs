@@ -151,11 +151,16 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
             fmt_bytes(l.device_bytes)
         );
     }
-    // Every backend: the CPU's lanes have no device tile cache, so they walk row bands.
-    let sched = crate::plan::schedule::Schedule::new(step, &l);
-    let all = (0..sched.tiles.len() as u32).collect();
+    // Every backend: the CPU's lanes have no device tile cache, so they walk row bands. The
+    // schedule is built only when the tile cache holds the inputs, which bounds its tile count
+    // (a million² plan on the CPU has 2.4·10⁸ tiles: building them took `plan` 110 s).
     let fit = l.squares_fit(step, l.lanes);
-    s += if crate::pipeline::stages::TileQueue::new(&sched, all, l.lanes, fit).grows() {
+    let grows = fit && {
+        let sched = crate::plan::schedule::Schedule::new(step, &l);
+        let all = (0..sched.tiles.len() as u32).collect();
+        crate::pipeline::stages::TileQueue::new(&sched, all, l.lanes, fit).grows()
+    };
+    s += if grows {
         "  order: each lane in growing squares (its inputs fit its tile cache)\n"
     } else {
         "  order: each lane in serpentine row bands\n"
