@@ -199,6 +199,16 @@ pub(crate) enum Command {
 }
 
 fn refuse_existing(p: &Path, force: bool) -> Result<()> {
+    // A device node, FIFO or directory is never replaced by a file, --force or not
+    // (`export … /dev/null --force` would otherwise swap the device node for a regular file).
+    if let Ok(m) = std::fs::metadata(p) {
+        if !m.is_file() {
+            return Err(Error::Usage(format!(
+                "{} exists and is not a regular file (a directory, device or FIFO); write to a file path",
+                p.display()
+            )));
+        }
+    }
     if p.exists() && !force {
         return Err(Error::Usage(format!(
             "{} already exists; choose another path or pass --force to replace it",
@@ -211,7 +221,9 @@ fn refuse_existing(p: &Path, force: bool) -> Result<()> {
 /// Refuse when `output` is `input` under another name: a hard link (same device and inode),
 /// a symlink, or a path through `..`. Checked before anything is opened for writing.
 fn refuse_same(input: &Path, output: &Path) -> Result<()> {
-    if crate::plan::same_file(input, output) {
+    // A `raw:…:PATH` descriptor names its file last.
+    let spec = crate::store::source::SourceSpec::parse_arg(&input.to_string_lossy())?;
+    if crate::plan::same_file(spec.path(), output) {
         return Err(Error::Usage(format!(
             "{} is the same file as the input {} (a link or another path to it); write to a new file",
             output.display(),
@@ -367,6 +379,11 @@ pub fn execute(cli: Cli) -> Result<()> {
             seed,
             repair,
         } => {
+            if rounds == 0 {
+                return Err(Error::Usage(
+                    "--rounds 0: give at least 1 (each round is one random vector)".into(),
+                ));
+            }
             let p = Plan::load_with(&plan, &set)?;
             run::init_threads(p.engine.threads);
             verify_plan(&p, rounds, seed, false, repair)
@@ -393,6 +410,13 @@ fn gen_cmd(out: &Path, a: GenArgs) -> Result<()> {
     let dist = Dist::parse(&a.dist)
         .ok_or_else(|| Error::Usage(format!("--dist {}: use one of {}", a.dist, Dist::NAMES)))?;
     check_tile(a.tile)?;
+    if a.threads > crate::backend::MAX_THREADS {
+        return Err(Error::Usage(format!(
+            "--threads {}: at most {}; leave it out (or 0) to use every core",
+            a.threads,
+            crate::backend::MAX_THREADS
+        )));
+    }
     let (rows, cols) = (a.rows, a.cols);
     if rows == 0 || cols == 0 {
         return Err(Error::Usage(format!(
@@ -432,9 +456,15 @@ fn gen_cmd(out: &Path, a: GenArgs) -> Result<()> {
 }
 
 fn info_cmd(file: &Path, check: bool) -> Result<()> {
+    // An output `run` has not finished is told apart from a corrupt one, in every format.
+    let open = if check { unfinished(file)? } else { None };
     // .npy and raw inputs describe themselves.
-    if let Some(text) = crate::store::source::inspect(file, check)? {
+    if let Some(text) = crate::store::source::inspect(file, check && open.is_none())? {
         out!("{text}");
+        if let Some(progress) = open {
+            outln!("check:       unfinished, resumable ({progress})");
+            return Err(unfinished_error(file, &progress));
+        }
         return Ok(());
     }
     let f = TiledFile::open(file)?;
@@ -472,12 +502,9 @@ fn info_cmd(file: &Path, check: bool) -> Result<()> {
     if !check {
         return Ok(());
     }
-    if let Some(progress) = unfinished(file, &h)? {
+    if let Some(progress) = open {
         outln!("check:       unfinished, resumable ({progress})");
-        return Err(Error::Usage(format!(
-            "{}: unfinished, resumable ({progress}), not corrupt: resume with `mgmm-stream run PLAN` (the plan that writes it)",
-            file.display()
-        )));
+        return Err(unfinished_error(file, &progress));
     }
     if !h.has_checksums() {
         return Err(Error::format(
@@ -504,21 +531,33 @@ fn info_cmd(file: &Path, check: bool) -> Result<()> {
     Ok(())
 }
 
+fn unfinished_error(file: &Path, progress: &str) -> Error {
+    Error::Usage(format!(
+        "{}: unfinished, resumable ({progress}), not corrupt: resume with `mgmm-stream run PLAN` (the plan that writes it)",
+        file.display()
+    ))
+}
+
 /// "N of M output tiles done" when `file` is an output whose journal says `run` has not
 /// finished it; `None` for a finished output or a file without a journal.
-fn unfinished(file: &Path, h: &Header) -> Result<Option<String>> {
+fn unfinished(file: &Path) -> Result<Option<String>> {
+    // A `raw:…` descriptor is never an output of `run`.
+    if file.to_string_lossy().starts_with("raw:") {
+        return Ok(None);
+    }
     let Some(j) = journal::peek(file)? else {
         return Ok(None);
     };
     if j.complete {
         return Ok(None);
     }
+    // Any output format (.mgt, .npy): the shape is all that is needed.
+    let (rows, cols) = crate::store::source::open_source(file)?.shape();
     let done: std::collections::BTreeSet<u32> = j.done.iter().map(|&(s, _)| s).collect();
     // The journal's fingerprint names the compute tile "tm×tn×tk": output tiles are tm × tn.
     let total = j.fingerprint.get("compute tile").and_then(|t| {
         let v: Vec<u64> = t.split('×').filter_map(|x| x.trim().parse().ok()).collect();
-        (v.len() == 3 && v[0] > 0 && v[1] > 0)
-            .then(|| h.rows.div_ceil(v[0]) * h.cols.div_ceil(v[1]))
+        (v.len() == 3 && v[0] > 0 && v[1] > 0).then(|| rows.div_ceil(v[0]) * cols.div_ceil(v[1]))
     });
     Ok(Some(match total {
         Some(m) => format!("{} of {m} tiles done", done.len()),
@@ -549,11 +588,8 @@ fn export_cmd(input: &Path, output: &Path, force: bool, allow_partial: bool) -> 
     refuse_existing(output, force)?;
     // An output `run` is still writing has a journal next to it; only tiled (.mgt) outputs
     // are checked here (a raw descriptor or .npy input is read as it is).
-    let tiled = (!allow_partial && input.is_file())
-        .then(|| TiledFile::open(input).ok())
-        .flatten();
-    if let Some(f) = tiled {
-        if let Some(progress) = unfinished(input, &f.hdr)? {
+    if !allow_partial {
+        if let Some(progress) = unfinished(input)? {
             return Err(Error::Usage(format!(
                 "{} is unfinished ({progress}): resume with `mgmm-stream run PLAN` (the plan that writes it), or pass --allow-partial to export it as it is",
                 input.display()
@@ -563,7 +599,7 @@ fn export_cmd(input: &Path, output: &Path, force: bool, allow_partial: bool) -> 
     run::ignore_sigxfsz();
     interrupt::install();
     let t = Instant::now();
-    npy::export(input, output)
+    npy::export(input, output, !allow_partial)
         .map_err(|e| interrupted(e, &format!("{} was not written", output.display())))?;
     outln!(
         "exported {} → {} in {:.2} s",

@@ -156,6 +156,21 @@ fn catalogue_of_bad_input() {
         case("import of a file that is no matrix", |d| std::fs::write(d.join("junk.bin"), b"hello world").unwrap(), &["import", "junk.bin", "Z.mgt"], &["junk.bin", "wrong magic", "format = \"raw\""]),
         case("info of a missing file", |_| {}, &["info", "missing.mgt"], &["missing.mgt", "cannot open"]),
         case("verify before run", |d| plan_with(d, &step("A @ B")), &["verify", "p.toml"], &["C.mgt", "cannot open"]),
+        plan_case("alpha not finite", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = nan\n"), &["p.toml", "step 1", "alpha = NaN", "finite"]),
+        plan_case("coefficient overflows", step("1e300 * A @ B * 1e300"), &["p.toml", "step 1", "alpha = inf", "finite"]),
+        plan_case("runaway expression", step(&format!("{}A @ B{}", "(".repeat(5000), ")".repeat(5000))), &["p.toml", "step 1", "longer than 400 symbols"]),
+        plan_case("negative tile", format!("{}[engine]\ntile = -4\n", step("A @ B")), &["p.toml", "`tile = -4`", "tile takes \"auto\""]),
+        plan_case("two-edge tile", format!("{}[engine]\ntile = [1, 2]\n", step("A @ B")), &["p.toml", "tile takes \"auto\""]),
+        plan_case("negative device", format!("{}[engine]\ndevices = [-1]\n", step("A @ B")), &["p.toml", "devices takes \"all\""]),
+        plan_case("size as a number", format!("{}[engine]\nhost_memory = 67108864\n", step("A @ B")), &["p.toml", "host_memory", "\"64GiB\""]),
+        plan_case("absurd thread count", format!("{}[engine]\nthreads = 100000\n", step("A @ B")), &["p.toml", "engine.threads", "1024"]),
+        case("gen: absurd thread count", |_| {}, &["gen", "Z.mgt", "--rows", "4", "--cols", "4", "--threads", "100000"], &["--threads 100000", "1024"]),
+        case("gen into a missing folder", |_| {}, &["gen", "nodir/Z.mgt", "--rows", "4", "--cols", "4"], &["nodir/Z.mgt", "its directory nodir does not exist"]),
+        case("export into a missing folder", |_| {}, &["export", "A.mgt", "nodir/Z.npy"], &["nodir/Z.npy", "its directory nodir does not exist"]),
+        case("verify with no rounds", |d| plan_with(d, &step("A @ B")), &["verify", "p.toml", "--rounds", "0"], &["--rounds 0", "at least 1"]),
+        case("time model with no GPU speed", |d| plan_with(d, &step("A @ B")), &["plan", "p.toml", "--nodes", "2", "--gpu-tflops", "0"], &["--gpu-tflops 0", "positive"]),
+        case("export onto a device node", |_| {}, &["export", "A.mgt", "/dev/null", "--force"], &["/dev/null", "not a regular file"]),
+        case("info of a FIFO", |d| assert!(Command::new("mkfifo").arg(d.join("fifo.npy")).status().unwrap().success()), &["info", "fifo.npy", "--check"], &["fifo.npy", "not a regular file"]),
     ];
     assert!(cases.len() >= 25);
     for c in cases {
@@ -359,6 +374,12 @@ fn outputs_that_are_inputs_under_another_name_are_refused() {
         let o = mg(dir, &["import", out, "B.mgt", "--force"]);
         failed_with(&o, &["same file"]);
     }
+    // A raw descriptor names its file last; that file is the one compared.
+    let raw = "raw:rows=1,cols=8,dtype=f32:B.mgt";
+    let o = mg(dir, &["import", raw, "B.mgt", "--force"]);
+    failed_with(&o, &["same file"]);
+    let o = mg(dir, &["export", raw, "soft.mgt", "--force"]);
+    failed_with(&o, &["same file"]);
     assert!(
         !dir.join("new").exists(),
         "nothing created for a refused path"
@@ -421,4 +442,118 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
     let o = mg(dir, &["info", "C.mgt", "--check"]);
     failed_with(&o, &["checksum mismatch", "corrupt"]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("check:       corrupt"));
+    // `export` checks the tiles it copies; `verify` checks the stored checksums before its
+    // residual test (a one-bit flip may hide in the rounding it allows) and names the tile;
+    // `verify --repair` recomputes it.
+    let o = mg(dir, &["export", "C.mgt", "C2.npy"]);
+    failed_with(&o, &["C.mgt", "checksum mismatch", "tile (0, 0)"]);
+    assert!(!dir.join("C2.npy").exists() && partials(dir).is_empty());
+    let o = mg(dir, &["verify", "p.toml"]);
+    failed_with(&o, &["verification failed", "--repair"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("FAIL — 1 tile(s) no longer match the checksums") && out.contains("(0, 0)"),
+        "{out}"
+    );
+    let o = mg(dir, &["verify", "p.toml", "--repair"]);
+    assert!(o.status.success(), "{o:?}");
+    let o = mg(dir, &["info", "C.mgt", "--check"]);
+    assert!(o.status.success(), "{o:?}");
+}
+
+#[test]
+fn an_unfinished_npy_output_is_not_exported_or_called_corrupt() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    plan_with(
+        dir,
+        &format!("{GOOD}[[step]]\noutput = \"C.npy\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\ntile = 8\n"),
+    );
+    let o = Command::new(bin())
+        .args(["run", "p.toml"])
+        .env("MGMM_FAULT_WRITE_AFTER", "2")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let o = mg(dir, &["export", "C.npy", "X.npy"]);
+    failed_with(&o, &["C.npy", "unfinished", "--allow-partial"]);
+    assert!(!dir.join("X.npy").exists());
+    let o = mg(dir, &["info", "C.npy", "--check"]);
+    failed_with(
+        &o,
+        &["unfinished, resumable", "of 6 tiles done", "not corrupt"],
+    );
+    let o = mg(dir, &["run", "p.toml"]);
+    assert!(o.status.success(), "{o:?}");
+    let o = mg(dir, &["info", "C.npy", "--check"]);
+    assert!(o.status.success(), "{o:?}");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(out.matches("file:").count(), 1, "{out}");
+    assert!(out.contains("check:       all tiles OK"), "{out}");
+    // A damaged sidecar: `info --check` says it was ignored and why, not "no checksums".
+    let side = dir.join("C.npy.crc32c");
+    let mut b = std::fs::read(&side).unwrap();
+    let n = b.len();
+    b[n - 3] ^= 1;
+    std::fs::write(&side, b).unwrap();
+    let o = mg(dir, &["info", "C.npy", "--check"]);
+    failed_with(
+        &o,
+        &[
+            "C.npy.crc32c ignored",
+            "does not match",
+            "delete the sidecar",
+        ],
+    );
+}
+
+#[test]
+fn a_journal_that_is_a_link_is_never_written_through() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    plan_with(
+        dir,
+        &format!("{}[engine]\nbackend = \"cpu\"\n", step("A @ B")),
+    );
+    let a = std::fs::read(dir.join("A.mgt")).unwrap();
+    let j = dir.join("C.mgt.journal");
+    std::os::unix::fs::symlink(dir.join("A.mgt"), &j).unwrap();
+    for args in [&["run", "p.toml"][..], &["run", "p.toml", "--restart"]] {
+        let o = mg(dir, args);
+        failed_with(&o, &["C.mgt.journal", "symbolic link", "remove it"]);
+    }
+    std::fs::remove_file(&j).unwrap();
+    std::fs::hard_link(dir.join("A.mgt"), &j).unwrap();
+    let o = mg(dir, &["run", "p.toml", "--restart"]);
+    failed_with(&o, &["C.mgt.journal", "hard links"]);
+    assert!(
+        std::fs::read(dir.join("A.mgt")).unwrap() == a,
+        "A.mgt changed"
+    );
+    std::fs::remove_file(&j).unwrap();
+    assert!(mg(dir, &["run", "p.toml"]).status.success());
+}
+
+#[test]
+fn a_journal_header_torn_before_its_newline_is_written_again() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    plan_with(
+        dir,
+        &format!("{}[engine]\nbackend = \"cpu\"\n", step("A @ B")),
+    );
+    assert!(mg(dir, &["run", "p.toml"]).status.success());
+    let j = dir.join("C.mgt.journal");
+    let bytes = std::fs::read(&j).unwrap();
+    let nl = bytes.iter().position(|&b| b == b'\n').unwrap();
+    std::fs::write(&j, &bytes[..nl]).unwrap();
+    let o = mg(dir, &["run", "p.toml"]);
+    assert!(o.status.success(), "{o:?}");
+    let o = mg(dir, &["verify", "p.toml"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(mg(dir, &["info", "C.mgt", "--check"]).status.success());
 }

@@ -712,6 +712,7 @@ fn end_of_command_text_fits_80_columns() {
         certainly_wrong: true,
         failing_cells: 40,
         failing_tiles: (0..40).map(|i| (1000 + i, 2000 + 3 * i)).collect(),
+        corrupt_tiles: 0,
         tile_shape: (4096, 4096),
         unexpected_nonfinite: 7,
         skipped_cells: 3,
@@ -725,6 +726,19 @@ fn end_of_command_text_fits_80_columns() {
     lines.extend(
         text.lines()
             .map(|l| ("verify FAIL".to_string(), l.to_string())),
+    );
+    let corrupt = mgmm_stream::verify::VerifyReport {
+        corrupt_tiles: 40,
+        ..fail.clone()
+    };
+    let text = mgmm_stream::verify::format(&corrupt);
+    assert!(
+        text.contains("40 tile(s) no longer match") && text.contains("(1000, 2000)"),
+        "{text}"
+    );
+    lines.extend(
+        text.lines()
+            .map(|l| ("verify corrupt".to_string(), l.to_string())),
     );
     let all: String = lines.iter().map(|(_, l)| format!("{l}\n")).collect();
     for want in [

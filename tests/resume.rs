@@ -157,6 +157,71 @@ fn write_failure_stops_cleanly_and_resume_completes() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("already complete"));
 }
 
+/// Copy every file of `from` into `to` (a job folder moved or copied whole, as `cp -r` does:
+/// new inodes, new modification times).
+fn copy_folder(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_job_folder_copied_elsewhere_resumes_and_verifies_there() {
+    let d = tmp();
+    let dir = d.path().join("job");
+    std::fs::create_dir(&dir).unwrap();
+    setup(&dir, false);
+    assert!(run(&dir, &["run", "ref.toml", "--quiet"]).status.success());
+    let o = run_with(&dir, ("MGMM_FAULT_WRITE_AFTER", "20"));
+    assert!(!o.status.success());
+    // Half done, moved: the journal names the old paths, the inputs are the same content.
+    let moved = d.path().join("moved");
+    copy_folder(&dir, &moved);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let o = run(&moved, &["run", "plan.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("20 of 132 output tiles already done"), "{err}");
+    assert!(
+        std::fs::read(moved.join("C.mgt")).unwrap()
+            == std::fs::read(moved.join("C_ref.mgt")).unwrap()
+    );
+    // Finished, copied again: complete there, and `verify` passes on the journal's inputs.
+    let again = d.path().join("again");
+    copy_folder(&moved, &again);
+    let o = run(&again, &["run", "plan.toml"]);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("already complete"),
+        "{o:?}"
+    );
+    let o = run(&again, &["verify", "plan.toml"]);
+    assert!(o.status.success(), "{o:?}");
+    // Other content under the old name is still refused.
+    std::fs::remove_file(again.join("B.mgt")).unwrap();
+    gen(
+        &again.join("B.mgt"),
+        1300,
+        1200,
+        DType::F32,
+        (100, 100),
+        Dist::Normal,
+        3,
+    );
+    let o = run(&again, &["verify", "plan.toml"]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("input B: was"),
+        "{o:?}"
+    );
+}
+
 #[test]
 fn journal_from_different_inputs_is_refused_until_restart() {
     let d = tmp();

@@ -361,6 +361,11 @@ pub trait Backend: HostAlloc {
 }
 
 /// Number of worker threads `threads = 0` means.
+/// The most worker threads a plan or command may ask for: far above any machine's cores, low
+/// enough that a typo (`threads = 100000`) is an error rather than a process spawning threads
+/// until the machine stalls.
+pub const MAX_THREADS: usize = 1024;
+
 pub(crate) fn resolve_threads(threads: usize) -> usize {
     if threads > 0 {
         threads

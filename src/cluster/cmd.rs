@@ -98,6 +98,22 @@ pub(crate) fn plan_cmd(plan: &Path, set: &[String], m: &ModelArgs) -> Result<()>
         print!("{}", run::describe(&p)?);
         return Ok(());
     };
+    for (flag, v) in [
+        ("--fs-bandwidth", m.fs_bandwidth),
+        ("--node-bandwidth", m.node_bandwidth),
+        ("--gpu-tflops", m.gpu_tflops),
+        ("--pcie", m.pcie),
+        ("--gpu-memory", m.gpu_memory),
+        ("--nodes", nodes as f64),
+        ("--gpus-per-node", m.gpus_per_node as f64),
+        ("--tile", m.tile as f64),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(Error::Usage(format!(
+                "{flag} {v}: the time model needs a positive number"
+            )));
+        }
+    }
     let mc = model::Machine {
         nodes,
         gpus_per_node: m.gpus_per_node,

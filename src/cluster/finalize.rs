@@ -24,10 +24,9 @@ use crate::store::{TiledFile, TiledWriter, WriteMode};
 
 /// Whether `output`'s journal marks the step complete (for fingerprint `fp`, when given).
 pub(crate) fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
-    Ok(
-        journal::peek(output)?
-            .is_some_and(|p| p.complete && fp.is_none_or(|f| &p.fingerprint == f)),
-    )
+    Ok(journal::peek(output)?.is_some_and(|p| {
+        p.complete && fp.is_none_or(|f| journal::same_fingerprint(&p.fingerprint, f))
+    }))
 }
 
 /// What finalize found and did.

@@ -177,7 +177,7 @@ pub fn recorded(dir: &Path, fp: &journal::Fingerprint) -> Result<BTreeMap<u32, V
         let Some(peek) = journal::peek_file(&path)? else {
             continue;
         };
-        if &peek.fingerprint != fp {
+        if !journal::same_fingerprint(&peek.fingerprint, fp) {
             continue;
         }
         for (seq, crc) in peek.done {

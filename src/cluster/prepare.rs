@@ -120,7 +120,7 @@ pub(crate) fn wait_for(
 }
 
 fn check(m: &Manifest, fp: &Fingerprint, output: &Path) -> Result<()> {
-    if &m.fingerprint == fp {
+    if crate::pipeline::journal::same_fingerprint(&m.fingerprint, fp) {
         return Ok(());
     }
     let changed: Vec<String> = m

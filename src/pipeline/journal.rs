@@ -80,6 +80,29 @@ fn lock(file: &File, path: &Path) -> Result<()> {
     }
 }
 
+/// Refuse a journal path that is not a plain file of its own: a symlink, another kind of file,
+/// or a file with other hard links. The journal is truncated on `--restart` and appended to on
+/// every run, so through a link it would overwrite whatever file it points at (an input).
+fn refuse_foreign_file(path: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(m) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    let what = if m.file_type().is_symlink() {
+        "is a symbolic link"
+    } else if !m.is_file() {
+        "is not a regular file"
+    } else if m.nlink() > 1 {
+        "has other hard links"
+    } else {
+        return Ok(());
+    };
+    Err(Error::Usage(format!(
+        "{}: {what}; a journal is written in place, so mgmm-stream will not use it — remove it (the linked file is left alone) and rerun",
+        path.display()
+    )))
+}
+
 impl Journal {
     /// Open (creating if needed) and lock the journal of `output`, and read its state against
     /// `fp`. `restart` discards whatever it held. A journal without its output file is
@@ -92,11 +115,14 @@ impl Journal {
     ) -> Result<(Journal, State)> {
         let path = journal_path(output);
         let existed = path.exists();
+        refuse_foreign_file(&path)?;
+        use std::os::unix::fs::OpenOptionsExt;
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(|e| Error::io(&path, "cannot open journal", e))?;
         lock(&file, &path)?;
@@ -122,10 +148,19 @@ impl Journal {
             file.sync_all()
                 .map_err(|e| Error::io(&path, "cannot sync journal", e))?;
         } else if let State::Partial(..) = &state {
-            // Drop any torn tail so new records follow the last good one.
-            let keep = parse(&path, &bytes)?.1.good_end as u64;
-            file.set_len(keep)
-                .map_err(|e| Error::io(&path, "cannot trim journal", e))?;
+            // Drop any torn tail so new records follow the last good one; a header line torn
+            // before its newline (no record can follow it) is written again whole.
+            let (header_end, peek) = parse(&path, &bytes)?;
+            if header_end > bytes.len() {
+                file.set_len(0)
+                    .map_err(|e| Error::io(&path, "cannot reset journal", e))?;
+                use std::os::unix::fs::FileExt;
+                file.write_all_at(header_line(fp).as_bytes(), 0)
+                    .map_err(|e| Error::io(&path, "cannot write journal", e))?;
+            } else {
+                file.set_len(peek.good_end as u64)
+                    .map_err(|e| Error::io(&path, "cannot trim journal", e))?;
+            }
         }
         use std::io::Seek;
         file.seek(std::io::SeekFrom::End(0))
@@ -202,7 +237,7 @@ fn read_state(
         return Ok(State::Fresh);
     }
     let (_, peek) = parse(path, bytes)?;
-    if &peek.fingerprint != fp {
+    if !same_fingerprint(&peek.fingerprint, fp) {
         return Err(foreign(path, &peek.fingerprint, fp));
     }
     Ok(if !output_exists {
@@ -225,6 +260,43 @@ pub(crate) fn foreign(path: &Path, old: &Fingerprint, new: &Fingerprint) -> Erro
 }
 
 /// What differs between two fingerprints: `key: was X, now Y` for each key, joined by `; `.
+/// Whether the fingerprints `a` and `b` describe the same output bytes. Inputs identified by
+/// their content ("PATH (N bytes, …)": size, header and tile checksums for `.mgt`; size, mtime
+/// and sampled CRCs for `.npy` and raw) match whatever their path, and a chain's intermediates
+/// by file name: a job folder that was moved or copied whole resumes and verifies where it lies
+/// now.
+pub(crate) fn same_fingerprint(a: &Fingerprint, b: &Fingerprint) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .all(|(k, v)| b.get(k).is_some_and(|w| same_value(v, w)))
+}
+
+/// One fingerprint entry against another, by [`same_fingerprint`]'s rule.
+pub(crate) fn same_value(a: &str, b: &str) -> bool {
+    if a == b {
+        return true;
+    }
+    if let (Some(x), Some(y)) = (content_part(a), content_part(b)) {
+        return x == y;
+    }
+    match (
+        a.strip_prefix("intermediate "),
+        b.strip_prefix("intermediate "),
+    ) {
+        (Some(x), Some(y)) => Path::new(x).file_name() == Path::new(y).file_name(),
+        _ => false,
+    }
+}
+
+/// The part of an input identity after its path: from the first " (" that is followed by
+/// "N bytes, ".
+fn content_part(v: &str) -> Option<&str> {
+    v.match_indices(" (").map(|(i, _)| &v[i..]).find(|rest| {
+        let digits = rest[2..].bytes().take_while(u8::is_ascii_digit).count();
+        digits > 0 && rest[2 + digits..].starts_with(" bytes, ")
+    })
+}
+
 pub(crate) fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> String {
     let mut changes = Vec::new();
     for k in old
@@ -233,7 +305,7 @@ pub(crate) fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> Strin
         .collect::<std::collections::BTreeSet<_>>()
     {
         let (a, b) = (old.get(k), new.get(k));
-        if a != b {
+        if !matches!((a, b), (Some(x), Some(y)) if same_value(x, y)) {
             changes.push(format!(
                 "{k}: was {}, now {}",
                 a.map(String::as_str).unwrap_or("(none)"),
@@ -254,12 +326,14 @@ impl Journal {
         fp: &Fingerprint,
         durable: bool,
     ) -> Result<(Journal, Vec<(u32, u32)>)> {
-        use std::os::unix::fs::FileExt;
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        refuse_foreign_file(path)?;
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
             .map_err(|e| Error::io(path, "cannot open shard journal", e))?;
         let mut bytes = Vec::new();
@@ -272,15 +346,21 @@ impl Journal {
             Vec::new()
         } else {
             let (head, peek) = parse(path, &bytes)?;
-            if &peek.fingerprint != fp {
+            if !same_fingerprint(&peek.fingerprint, fp) {
                 return Err(Error::Usage(format!(
                     "{}: this shard journal is from a different plan, inputs or backend; run `mgmm-stream prepare PLAN --restart` to start the step over",
                     path.display()
                 )));
             }
-            let _ = head;
-            file.set_len(peek.good_end as u64)
-                .map_err(|e| Error::io(path, "cannot trim shard journal", e))?;
+            if head > bytes.len() {
+                // A header torn before its newline: no record follows it; write it whole.
+                file.set_len(0)
+                    .and_then(|_| file.write_all_at(header_line(fp).as_bytes(), 0))
+                    .map_err(|e| Error::io(path, "cannot write shard journal", e))?;
+            } else {
+                file.set_len(peek.good_end as u64)
+                    .map_err(|e| Error::io(path, "cannot trim shard journal", e))?;
+            }
             peek.done
         };
         use std::io::Seek;
@@ -320,6 +400,7 @@ pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)
 /// Read the journal at `path` (any journal file, e.g. a shard's) without locking it; `None`
 /// when there is none or it is empty.
 pub fn peek_file(path: &Path) -> Result<Option<Peek>> {
+    refuse_foreign_file(path)?;
     match std::fs::read(path) {
         Ok(b) if b.is_empty() => Ok(None),
         Ok(b) => Ok(Some(parse(path, &b)?.1)),
@@ -431,6 +512,26 @@ pub fn forget(output: &Path, seqs: &std::collections::BTreeSet<u32>) -> Result<u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn inputs_match_by_content_wherever_they_lie() {
+        let a = "/old/x (1) (4096 bytes, header 1a2b3c4d, tile checksums 0a0b0c0d)";
+        let moved = "/new/y (4096 bytes, header 1a2b3c4d, tile checksums 0a0b0c0d)";
+        let other = "/old/x (1) (4096 bytes, header 1a2b3c4d, tile checksums ffffffff)";
+        assert!(same_value(a, moved));
+        assert!(!same_value(a, other));
+        assert!(same_value(
+            "intermediate /a/C.mgt.part1",
+            "intermediate /b/C.mgt.part1"
+        ));
+        assert!(!same_value(
+            "intermediate /a/C.mgt.part1",
+            "intermediate /a/D.mgt.part1"
+        ));
+        // Entries that are not identities compare as they are.
+        assert!(!same_value("A @ B", "A @ B.T"));
+        assert!(!same_value("/x (12 bytes, y)", "/z (13 bytes, y)"));
+    }
 
     #[test]
     fn a_damaged_record_loses_its_tile_only_and_a_torn_tail_is_cut() {

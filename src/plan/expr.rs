@@ -178,6 +178,9 @@ fn lex(src: &str) -> Result<Vec<(Tok, usize)>, ExprError> {
     Ok(out)
 }
 
+/// The most tokens an expression may have (its tree is at most this deep).
+const MAX_TOKENS: usize = 400;
+
 struct Parser {
     toks: Vec<(Tok, usize)>,
     pos: usize,
@@ -310,10 +313,19 @@ impl Parser {
 impl Expr {
     /// Parse an expression such as `0.5 * A.T @ B + C0`.
     pub(crate) fn parse(src: &str) -> Result<Expr, ExprError> {
-        let mut p = Parser {
-            toks: lex(src)?,
-            pos: 0,
-        };
+        let toks = lex(src)?;
+        // Every later pass walks the tree recursively, and its depth can reach its token count
+        // (`((((A))))`, `A.T.T.T…`, `A @ B @ C …`): bounded here, so that a runaway expression is
+        // an error rather than a stack overflow.
+        if toks.len() > MAX_TOKENS {
+            return err(
+                toks[MAX_TOKENS].1,
+                format!(
+                    "the expression is longer than {MAX_TOKENS} symbols; a step multiplies a few matrices (split a longer chain into steps)"
+                ),
+            );
+        }
+        let mut p = Parser { toks, pos: 0 };
         if p.peek().0 == Tok::End {
             return err(1, "the expression is empty; write e.g. \"A @ B\"");
         }
@@ -507,6 +519,27 @@ pub(crate) fn product_form(src: &str) -> Result<ProductForm, ExprError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runaway_expression_is_an_error_not_a_stack_overflow() {
+        for src in [
+            format!("{}A @ B{}", "(".repeat(10_000), ")".repeat(10_000)),
+            format!("{}A @ B", "-".repeat(50_000)),
+            format!("A{} @ B", ".T".repeat(50_000)),
+        ] {
+            let e = product_form(&src).unwrap_err();
+            assert!(e.msg.contains("longer than 400 symbols"), "{}", e.msg);
+        }
+        // The longest allowed one is parsed and reduced on a small thread stack.
+        let deep = format!("{}A @ B{}", "(".repeat(198), ")".repeat(198));
+        let form = std::thread::Builder::new()
+            .stack_size(512 << 10)
+            .spawn(move || product_form(&deep).map(|p| p.factors.len()))
+            .unwrap()
+            .join()
+            .unwrap();
+        assert_eq!(form.unwrap(), 2);
+    }
 
     fn f(name: &str, trans: bool) -> (String, bool) {
         (name.to_string(), trans)

@@ -149,6 +149,21 @@ pub(crate) fn parse(src: &str) -> Result<RawPlan, String> {
                 format!(" at line {line}, column {col} (`{text}`)")
             })
             .unwrap_or_default();
-        format!("invalid plan{at}: {}", e.message().trim())
+        format!("invalid plan{at}: {}", plain(e.message().trim()))
     })
+}
+
+/// serde's message for a value of none of an untagged enum's shapes names the Rust type; say
+/// instead what the key accepts. Integers where a size string belongs get the string form.
+fn plain(msg: &str) -> String {
+    if msg.contains("untagged enum RawTile") {
+        return "tile takes \"auto\", one edge (tile = 4096) or three (tile = [4096, 4096, 2048]), positive integers".into();
+    }
+    if msg.contains("untagged enum RawDevices") {
+        return "devices takes \"all\" or a list of GPU numbers (devices = [0, 1])".into();
+    }
+    if msg.starts_with("invalid type: integer") && msg.ends_with("expected a string") {
+        return format!("{msg}; sizes are strings with a unit (\"64GiB\", \"512MiB\")");
+    }
+    msg.to_string()
 }

@@ -293,9 +293,15 @@ pub(crate) fn steps(
         .values()
         .map(|d| (d.name.clone(), decl_operand(d)))
         .collect();
+    // Which step names which output: a use before the step that makes it is then explained.
+    let named: BTreeMap<String, usize> = raw
+        .iter()
+        .enumerate()
+        .filter_map(|(j, s)| Some((s.name.as_ref()?.get_ref().clone(), j)))
+        .collect();
     let mut steps: Vec<Step> = Vec::new();
     for (i, s) in raw.iter().enumerate() {
-        let parts = step(cx, i, s, &avail, engine.host_memory)?;
+        let parts = step(cx, i, s, &avail, &named, engine.host_memory)?;
         if i == 0 && precision_at.is_none() && parts[0].a.dtype == DType::F64 {
             // f64 inputs and no precision given: compute in f64.
             engine.precision = Precision::Fp64;
@@ -338,7 +344,14 @@ fn show(o: &Operand) -> String {
 
 /// One `[[step]]`: its expression reduced to `alpha·op(F₁)·…·op(Fₙ) + beta·c0`, operands looked
 /// up, shapes and dtypes checked; a chain (n > 2) ordered and cut into sub-product steps.
-fn step(cx: &Ctx, i: usize, s: &RawStep, avail: &Avail, mem: u64) -> Result<Vec<Step>> {
+fn step(
+    cx: &Ctx,
+    i: usize,
+    s: &RawStep,
+    avail: &Avail,
+    named: &BTreeMap<String, usize>,
+    mem: u64,
+) -> Result<Vec<Step>> {
     let line = cx.line(&s.expr);
     let at = format!("step {} (line {line})", i + 1);
     let text = s.expr.get_ref();
@@ -351,6 +364,19 @@ fn step(cx: &Ctx, i: usize, s: &RawStep, avail: &Avail, mem: u64) -> Result<Vec<
             } else {
                 format!("(column {}) in expr \"{text}\"", f.col)
             };
+            if let Some(&j) = named.get(&f.name).filter(|&&j| j >= i) {
+                let fix = if j == i {
+                    "a step cannot use its own output".to_string()
+                } else {
+                    format!("steps run in plan order: move step {} before this one", j + 1)
+                };
+                return cx.err(format!(
+                    "{at}: `{}` {place} is the output of step {} (name = \"{}\"), which has not run yet; {fix}",
+                    f.name,
+                    j + 1,
+                    f.name
+                ));
+            }
             cx.err(format!(
                 "{at}: unknown matrix `{}` {place}; known: {}",
                 f.name,
@@ -397,6 +423,15 @@ fn step(cx: &Ctx, i: usize, s: &RawStep, avail: &Avail, mem: u64) -> Result<Vec<
     }
     let output = cx.base.join(s.output.get_ref());
     let alpha = form.alpha * s.alpha.as_ref().map_or(1.0, |v| *v.get_ref());
+    for (what, v) in [("alpha", alpha), ("beta", beta)] {
+        // inf or NaN would make every output element non-finite (and an overflowing product
+        // of finite factors, too): refused here rather than found by `verify` afterwards.
+        if !v.is_finite() {
+            return Err(cx.err(format!(
+                "{at}: {what} = {v} (expr's coefficient times the `{what}` key); use a finite number"
+            )));
+        }
+    }
     let one = |a: Operand, b: Operand, output: PathBuf, last: bool| Step {
         index: i,
         line,
@@ -732,6 +767,8 @@ mod tests {
             (step("[engine]\nprecision = \"fp64\"\n"), "engine.precision (line 13) = \"fp64\""),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ @ B\"\n"), "step 1 (line 11): expr = \"A @ @ B\": column 5"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ Z\"\n"), "unknown matrix `Z` (column 5)"),
+            (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ Y\"\n[[step]]\noutput = \"Y.mgt\"\nexpr = \"A @ B\"\nname = \"Y\"\n"), "is the output of step 2 (name = \"Y\"), which has not run yet; steps run in plan order: move step 2 before this one"),
+            (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ X\"\nname = \"X\"\n"), "a step cannot use its own output"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\n[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B\"\n"), "matrices.G (line 10)"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\ngenerate = {{ rows = 2, cols = 2, dist = \"odd\" }}\n"), "matrices.G.generate (line 11): dist"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\n\ngenerate = {{ rows = 0, cols = 2 }}\n"), "matrices.G.generate (line 12)"),

@@ -225,7 +225,7 @@ fn describe_status(
         return Ok(String::new());
     };
     let fp = crate::run::fingerprint_with(step, l, kind, p, &ids);
-    if j.fingerprint != fp {
+    if !journal::same_fingerprint(&j.fingerprint, &fp) {
         return line(format!(
             "the journal of {out} is from a different plan, other inputs or another backend ({}): `run` here refuses it; `run --restart` starts the step over",
             journal::fingerprint_changes(&j.fingerprint, &fp)

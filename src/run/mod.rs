@@ -168,7 +168,7 @@ fn refuse_foreign_journals(plan: &Plan, layouts: &[Layout], kind: &str) -> Resul
             continue;
         };
         let fp = fingerprint_with(step, layout, kind, plan.engine.precision, &ids);
-        if j.fingerprint != fp {
+        if !journal::same_fingerprint(&j.fingerprint, &fp) {
             let path = journal::journal_path(&step.output);
             return Err(journal::foreign(&path, &j.fingerprint, &fp));
         }
@@ -192,7 +192,7 @@ fn step_complete(
         return Ok(false);
     };
     let fp = fingerprint(&plan.steps[j], &layouts[j], kind, plan.engine.precision)?;
-    Ok(peek.complete && peek.fingerprint == fp)
+    Ok(peek.complete && crate::pipeline::journal::same_fingerprint(&peek.fingerprint, &fp))
 }
 
 /// After the last product of a chain: remove its intermediates and their journals.

@@ -56,6 +56,13 @@ impl TempOutput {
         let name = dst.file_name().ok_or_else(|| {
             Error::Usage(format!("{}: not a file name to write to", dst.display()))
         })?;
+        if !dir.is_dir() {
+            return Err(Error::Usage(format!(
+                "{}: its directory {} does not exist; create it first",
+                dst.display(),
+                dir.display()
+            )));
+        }
         ensure_space(dst, &dir, need)?;
         let mut tmp_name = name.to_os_string();
         tmp_name.push(format!(".{}.partial", std::process::id()));

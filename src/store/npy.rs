@@ -488,8 +488,9 @@ pub(crate) fn header_bytes_order(
 }
 
 /// Export tiled file `src` to `dst` (.npy). 16-bit files are widened to f32. `dst` appears only
-/// when complete.
-pub(crate) fn export(src: &Path, dst: &Path) -> Result<()> {
+/// when complete. With `verify`, a tile whose checksum does not match stops it with an error
+/// naming the tile (without: an unfinished output, whose missing tiles have no checksum yet).
+pub(crate) fn export(src: &Path, dst: &Path, verify: bool) -> Result<()> {
     // Any source (.mgt, .npy, raw:…); a transposed (column-major) one is written as a
     // Fortran-order array, byte for byte its stored row-major transpose.
     let t = SourceSpec::parse_arg(&src.to_string_lossy())?.open()?;
@@ -521,7 +522,9 @@ pub(crate) fn export(src: &Path, dst: &Path) -> Result<()> {
         }
         let n = chunk_rows.min(rows - r0);
         buf.resize(n as usize * row_bytes, 0);
-        t.read_block(
+        // Checked against the source's tile CRCs on the way (each tile once): a `.npy` has
+        // none, so corruption exported here would travel on unnoticed.
+        t.read_staged(
             &Block {
                 r0,
                 c0: 0,
@@ -530,6 +533,7 @@ pub(crate) fn export(src: &Path, dst: &Path) -> Result<()> {
             },
             out_dt,
             &mut buf,
+            verify,
         )?;
         w.write_all(&buf)
             .map_err(|e| Error::io(dst, "cannot write", e))?;

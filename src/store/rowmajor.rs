@@ -418,7 +418,7 @@ impl MatrixSource for RowMajorFile {
         let s = &self.spec;
         let order = if s.transposed {
             format!(
-                "column-major (Fortran order): read as the transpose of the stored row-major {}×{}",
+                "column-major (Fortran): the transpose of a row-major {}×{}",
                 s.rows, s.cols
             )
         } else {

@@ -262,6 +262,10 @@ pub fn open_region(
 pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<String>> {
     let spec = SourceSpec::parse_arg(&arg.to_string_lossy())?;
     if let SourceSpec::File(p) = &spec {
+        // Opening a FIFO for reading would wait for a writer forever.
+        if std::fs::metadata(p).is_ok_and(|m| !m.is_file()) {
+            return Err(Error::format(p, "is not a regular file"));
+        }
         let mut magic = [0u8; 8];
         let is_mgt = std::fs::File::open(p)
             .and_then(|f| {
@@ -277,9 +281,19 @@ pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<String>> {
     let mut out = s.describe();
     if check {
         if s.checksum_tile().is_none() {
+            // A sidecar that is there but does not fit says why it was ignored (`describe`).
+            let why = out
+                .split_once("(sidecar ")
+                .and_then(|(_, r)| r.split_once("), dtype"))
+                .map(|(note, _)| note.to_string());
             return Err(Error::format(
                 spec.path(),
-                "has no checksums (only .npy files written by `run` have a sidecar of tile CRCs); nothing to check",
+                match why {
+                    Some(note) => format!(
+                        "its sidecar {note}; nothing to check (delete the sidecar if the array was changed on purpose)"
+                    ),
+                    None => "has no checksums (only .npy files written by `run` have a sidecar of tile CRCs); nothing to check".into(),
+                },
             ));
         }
         let t = std::time::Instant::now();

@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::pipeline::journal;
 use crate::plan::{Operand, Plan, Precision, Step};
 use crate::store::gen::Rng;
-use crate::store::{open_source, MatrixSource};
+use crate::store::{open_source, Block, MatrixSource};
 use model::{Cell, Model};
 use pass::{Dd, Groups, Op, Sums};
 
@@ -66,6 +66,9 @@ pub struct VerifyReport {
     pub failing_cells: usize,
     /// Output storage tiles (tile row, tile column) that fail.
     pub failing_tiles: Vec<(u64, u64)>,
+    /// Output storage tiles whose data no longer matches the checksums `run` stored (they are
+    /// the failing tiles then; the residual test is not run).
+    pub corrupt_tiles: usize,
     /// Storage tile shape used to name failing tiles.
     pub tile_shape: (u64, u64),
     /// NaN/Inf in the output where the inputs give no IEEE reason for one.
@@ -273,7 +276,11 @@ fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
     now.extend(crate::run::input_ids(step)?);
     let changes: Vec<String> = now
         .iter()
-        .filter(|(k, v)| j.fingerprint.get(k) != Some(v))
+        .filter(|(k, v)| {
+            !j.fingerprint
+                .get(k)
+                .is_some_and(|w| journal::same_value(w, v))
+        })
         .map(|(k, v)| {
             let was = j.fingerprint.get(k).map(String::as_str).unwrap_or("(none)");
             format!("{k}: was {was}, now {v}")
@@ -330,14 +337,56 @@ pub fn verify_step(
     let tile = out.checksum_tile().unwrap_or((step.m, step.n));
     let mut rep = blank_report(step, r, tile);
     match no_residuals(step, precision)? {
-        Some((pass, why)) => {
-            rep.pass = pass;
+        Some((false, why)) => {
+            rep.pass = false;
             rep.reason = Some(why);
         }
-        None => residuals(step, precision, out.as_ref(), seed, &mut rep)?,
+        other => {
+            // The checksums `run` stored first (cheap, exact): a flipped low bit can hide in
+            // the rounding the residual test must allow, never in a CRC.
+            let bad = corrupt_tiles(out.as_ref())?;
+            if !bad.is_empty() {
+                rep.pass = false;
+                rep.corrupt_tiles = bad.len();
+                rep.failing_tiles = bad;
+            } else if let Some((pass, why)) = other {
+                rep.pass = pass;
+                rep.reason = Some(why);
+            } else {
+                residuals(step, precision, out.as_ref(), seed, &mut rep)?;
+            }
+        }
     }
     rep.seconds = t0.elapsed().as_secs_f64();
     Ok(rep)
+}
+
+/// The storage tiles of `out` whose data no longer matches the checksum stored with it (none
+/// for a file without checksums), in (tile row, tile column) order.
+fn corrupt_tiles(out: &dyn MatrixSource) -> Result<Vec<(u64, u64)>> {
+    let Some((tr, tc)) = out.checksum_tile() else {
+        return Ok(Vec::new());
+    };
+    let (rows, cols) = out.shape();
+    let gc = cols.div_ceil(tc);
+    let found: Vec<Option<(u64, u64)>> = (0..rows.div_ceil(tr) * gc)
+        .into_par_iter()
+        .map(|i| {
+            let (ti, tj) = (i / gc, i % gc);
+            let b = Block {
+                r0: ti * tr,
+                c0: tj * tc,
+                rows: tr.min(rows - ti * tr),
+                cols: tc.min(cols - tj * tc),
+            };
+            match out.verify_block(&b) {
+                Ok(()) => Ok(None),
+                Err(Error::Checksum { .. }) => Ok(Some((ti, tj))),
+                Err(e) => Err(e),
+            }
+        })
+        .collect::<Result<_>>()?;
+    Ok(found.into_iter().flatten().collect())
 }
 
 /// A passing report of `step` with nothing measured yet.
@@ -356,6 +405,7 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         certainly_wrong: false,
         failing_cells: 0,
         failing_tiles: Vec::new(),
+        corrupt_tiles: 0,
         tile_shape: tile,
         unexpected_nonfinite: 0,
         skipped_cells: 0,
@@ -518,6 +568,16 @@ pub fn format(rep: &VerifyReport) -> String {
             rep.step, rep.output
         ));
     }
+    if rep.corrupt_tiles > 0 {
+        let s = format!(
+            "verify step {} ({}): {verdict} — {} tile(s) no longer match the checksums `run` stored with them: the file changed after it was written\n{}",
+            rep.step,
+            rep.output,
+            rep.corrupt_tiles,
+            failing_tiles_lines(rep)
+        );
+        return crate::progress::wrap(&s);
+    }
     let mut s = format!(
         "verify step {} ({}): {verdict} — {} round(s) in {:.2} s\n",
         rep.step, rep.output, rep.rounds, rep.seconds
@@ -542,30 +602,36 @@ pub fn format(rep: &VerifyReport) -> String {
         if rep.certainly_wrong {
             s += "\n  above the rigorous rounding bound: certainly wrong";
         }
-        let mut shown: Vec<String> = rep
-            .failing_tiles
-            .iter()
-            .take(NAMED)
-            .map(|(a, b)| format!("({a}, {b})"))
-            .collect();
-        if rep.failing_tiles.len() > NAMED {
-            shown.push(format!("… ({} in all)", rep.failing_tiles.len()));
-        }
-        // Packed by hand so that no (row, col) pair is split across lines.
-        let mut line = format!(
-            "  failing tiles of {}×{} (tile row, tile col):",
-            rep.tile_shape.0, rep.tile_shape.1
-        );
-        for t in shown {
-            if line.chars().count() + 1 + t.chars().count() > crate::progress::WIDTH {
-                s += &format!("\n{line}");
-                line = "     ".into();
-            }
-            line += &format!(" {t}");
-        }
-        s += &format!("\n{line}");
+        s += &format!("\n{}", failing_tiles_lines(rep));
     }
     crate::progress::wrap(&s)
+}
+
+/// "  failing tiles of R×C (tile row, tile col): (a, b) …", packed by hand so that no
+/// (row, col) pair is split across lines.
+fn failing_tiles_lines(rep: &VerifyReport) -> String {
+    let mut shown: Vec<String> = rep
+        .failing_tiles
+        .iter()
+        .take(NAMED)
+        .map(|(a, b)| format!("({a}, {b})"))
+        .collect();
+    if rep.failing_tiles.len() > NAMED {
+        shown.push(format!("… ({} in all)", rep.failing_tiles.len()));
+    }
+    let mut s = String::new();
+    let mut line = format!(
+        "  failing tiles of {}×{} (tile row, tile col):",
+        rep.tile_shape.0, rep.tile_shape.1
+    );
+    for t in shown {
+        if line.chars().count() + 1 + t.chars().count() > crate::progress::WIDTH {
+            s += &format!("{line}\n");
+            line = "     ".into();
+        }
+        line += &format!(" {t}");
+    }
+    s + &line
 }
 
 /// `verify --repair`: make the next `run` recompute the failing storage tiles of `rep` (the
