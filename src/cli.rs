@@ -644,6 +644,29 @@ struct RunFlags {
     verify: bool,
 }
 
+/// Whether `--report PATH` can be written: an existing regular file opened for writing (left
+/// as it is), or a new one created (`Ok(true)`: the caller removes it if the run fails).
+fn report_writable(path: &Path) -> Result<bool> {
+    let err = |e| Error::io(path, "cannot write the report (--report)", e);
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => Err(Error::Usage(format!(
+            "--report {}: not a regular file; give a file path",
+            path.display()
+        ))),
+        Ok(_) => std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map(|_| false)
+            .map_err(err),
+        Err(_) => std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map(|_| true)
+            .map_err(err),
+    }
+}
+
 fn run_cmd(
     plan: &Path,
     set: &[String],
@@ -659,10 +682,15 @@ fn run_cmd(
     } = flags;
     let p = Plan::load_with(plan, &split.with_local_gpu(set.to_vec()))?;
     crate::trace::check_path()?;
+    // A report path that cannot be written fails now, not after hours of work.
+    let made_report = match &report {
+        Some(r) => report_writable(r)?,
+        None => false,
+    };
     interrupt::install();
     let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
     let opts = RunOptions {
-        report,
+        report: report.clone(),
         restart,
         shard: split.options()?,
         cancel: Some(interrupt::flag()),
@@ -677,6 +705,11 @@ fn run_cmd(
             "note: the timeline (MGMM_TRACE) kept its first {} events; {n} later ones were dropped",
             crate::trace::MAX_EVENTS
         ),
+    }
+    if rep.is_err() && made_report {
+        if let Some(r) = &report {
+            let _ = std::fs::remove_file(r);
+        }
     }
     let rep = rep.map_err(|e| {
         interrupted(

@@ -32,10 +32,35 @@ const CPU_TILES: &[u64] = &[
 ];
 
 /// faer measured 235-243 GFLOP/s per core (f32) on the development machine (Zen 5, AVX-512),
-/// BENCHMARKS.md; f64 is half.
+/// BENCHMARKS.md; f64 is half. A core without AVX-512 has half the vector width (AVX2 and
+/// FMA: half the rate), one without those a quarter of that: the lower bound `plan` prints must
+/// not assume a machine faster than this one.
 fn cpu_peak(p: Precision, threads: usize) -> f64 {
-    let per_core = if p == Precision::Fp64 { 120e9 } else { 240e9 };
+    let f32_per_core = simd_f32_per_core();
+    let per_core = if p == Precision::Fp64 {
+        f32_per_core / 2.0
+    } else {
+        f32_per_core
+    };
     per_core * threads as f64
+}
+
+fn simd_f32_per_core() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return 240e9;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return 120e9;
+        }
+        30e9
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        120e9
+    }
 }
 
 impl CpuBackend {
@@ -56,7 +81,7 @@ impl CpuBackend {
                 link_names: ("staged", "collected"),
                 link_rate: None,
                 peak_flops: cpu_peak,
-                peak_source: "faer f32 rate measured per core, BENCHMARKS.md",
+                peak_source: "faer's f32 rate per core with AVX-512, half without, BENCHMARKS.md",
             },
         }
     }

@@ -137,6 +137,12 @@ pub(crate) fn matrices(
     let mut mats = BTreeMap::new();
     for (name, m) in raw {
         let key = format!("matrices.{name} (line {})", cx.line(&m.path));
+        if !is_identifier(name) {
+            return Err(cx.err(format!(
+                "[matrices.{name:?}] (line {}): a matrix name is what `expr` refers to; use letters, digits and _, not starting with a digit",
+                cx.line(&m.path)
+            )));
+        }
         let path = cx.base.join(m.path.get_ref());
         if m.format.is_some() {
             mats.insert(name.clone(), raw_decl(cx, name, &key, m, &path)?);
@@ -200,9 +206,29 @@ pub(crate) fn matrices(
                 )))
             }
         };
+        // Two names for one file must agree on what it holds (a `generate` of another shape
+        // would otherwise be found only when `run` reads past the matrix).
+        if let Some(o) = mats.values().find(|o: &&MatrixDecl| {
+            crate::plan::same_file(&o.path, &decl.path)
+                && (o.rows, o.cols, o.dtype, o.transposed)
+                    != (decl.rows, decl.cols, decl.dtype, decl.transposed)
+        }) {
+            return Err(cx.err(format!(
+                "{key}: {} is also matrices.{}, declared {}×{} {} there but {}×{} {} here; one file holds one matrix: give one of them another path",
+                decl.path.display(), o.name, o.rows, o.cols, o.dtype, decl.rows, decl.cols, decl.dtype
+            )));
+        }
         mats.insert(name.clone(), decl);
     }
     Ok(mats)
+}
+
+/// A name `expr` can refer to: letters, digits and `_`, not starting with a digit.
+fn is_identifier(name: &str) -> bool {
+    let mut c = name.chars();
+    c.next()
+        .is_some_and(|f| f.is_ascii_alphabetic() || f == '_')
+        && c.all(|x| x.is_ascii_alphanumeric() || x == '_')
 }
 
 fn gen_spec(cx: &Ctx, name: &str, g: &Spanned<RawGenerate>) -> Result<GenSpec> {
@@ -315,6 +341,13 @@ pub(crate) fn steps(
         let last = steps.last().expect("a step has at least one part");
         if let Some(name) = &s.name {
             let n = name.get_ref();
+            if !is_identifier(n) {
+                return Err(cx.err(format!(
+                    "step {} (line {}): name = {n:?}: a name is what `expr` refers to; use letters, digits and _, not starting with a digit",
+                    i + 1,
+                    cx.line(name)
+                )));
+            }
             if avail.contains_key(n) {
                 return Err(cx.err(format!(
                     "step {} (line {}): name = \"{n}\" is already used by another matrix",

@@ -42,6 +42,8 @@ pub(crate) struct RawHeader {
     pub(crate) checksum_table_offset: U64,
 }
 const _: () = assert!(std::mem::size_of::<RawHeader>() == 72);
+/// Bytes of the header's fields; its CRC-32C follows them (bytes 72–75).
+const RAW_LEN: usize = 72;
 
 /// A validated header in native types.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -166,6 +168,16 @@ impl Header {
 
     /// The full 4096-byte header block (fields, then zeros up to data_offset's first page).
     pub(crate) fn to_block(self) -> Vec<u8> {
+        let mut b = self.fields_block();
+        let crc = crc32c::crc32c(&b[..RAW_LEN]);
+        b[RAW_LEN..RAW_LEN + 4].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// [`Self::to_block`] without the header's own checksum (bytes 72–75 zero): what files
+    /// written before that checksum hold, and what input identities are computed from, so
+    /// that journals from either kind of file keep matching.
+    pub(crate) fn fields_block(self) -> Vec<u8> {
         let mut b = vec![0u8; ALIGN as usize];
         self.to_raw()
             .write_to_prefix(&mut b)
@@ -216,6 +228,18 @@ impl Header {
             let (rows, cols, tile_rows, tile_cols) = (h.rows, h.cols, h.tile_rows, h.tile_cols);
             return Err(bad(format!(
                 "file is {file_len} bytes but its header ({rows}×{cols} {dtype}, {tile_rows}×{tile_cols} tiles) needs {needed}: the file is truncated"
+            )));
+        }
+        // Fields that are each plausible but not the ones written (a tile edge or a dtype
+        // changed) would read every tile wrongly: the header's own CRC-32C catches them. Zero
+        // means a file written before it existed.
+        let stored = bytes
+            .get(RAW_LEN..RAW_LEN + 4)
+            .map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()));
+        let computed = crc32c::crc32c(&bytes[..RAW_LEN]);
+        if stored != 0 && stored != computed {
+            return Err(bad(format!(
+                "header checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): its fields changed after the file was written; the file is corrupt — regenerate or re-import it"
             )));
         }
         Ok(h)

@@ -343,7 +343,7 @@ impl TiledFile {
             return Err(Error::format(path, "is not a regular file"));
         }
         let len = meta.len();
-        let mut head = [0u8; 72];
+        let mut head = [0u8; 76];
         let n =
             read_prefix(&file, &mut head).map_err(|e| Error::io(path, "cannot read header", e))?;
         let hdr = Header::parse(path, &head[..n], len)?;
@@ -651,7 +651,7 @@ impl TiledFile {
     /// change between versions.
     pub(crate) fn identity(&self) -> String {
         let len = self.hdr.file_len();
-        let head = crc32c::crc32c(&self.hdr.to_block());
+        let head = crc32c::crc32c(&self.hdr.fields_block());
         let table = self
             .checksum_table()
             .map(|t| {
@@ -766,7 +766,7 @@ impl TiledWriter {
             .metadata()
             .map_err(|e| Error::io(path, "cannot stat output file", e))?
             .len();
-        let mut head = vec![0u8; 72];
+        let mut head = vec![0u8; 76];
         let n =
             read_prefix(&file, &mut head).map_err(|e| Error::io(path, "cannot read header", e))?;
         let found = Header::parse(path, &head[..n], len)?;
