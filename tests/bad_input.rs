@@ -564,3 +564,32 @@ fn a_journal_header_torn_before_its_newline_is_written_again() {
     assert!(o.status.success(), "{o:?}");
     assert!(mg(dir, &["info", "C.mgt", "--check"]).status.success());
 }
+
+#[test]
+fn an_output_beyond_resuming_says_to_restart() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    plan_with(
+        dir,
+        &format!("{}[engine]\nbackend = \"cpu\"\ntile = 8\n", step("A @ B")),
+    );
+    let o = Command::new(bin())
+        .args(["run", "p.toml"])
+        .env("MGMM_FAULT_WRITE_AFTER", "2")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let len = std::fs::metadata(dir.join("C.mgt")).unwrap().len();
+    set_len(&dir.join("C.mgt"), len / 2);
+    let o = mg(dir, &["run", "p.toml"]);
+    failed_with(&o, &["C.mgt", "truncated", "rerun with --restart"]);
+    // Something else where the checkpoints go: named, with what to do.
+    std::fs::write(dir.join("C.mgt.partial"), b"x").unwrap();
+    let o = mg(dir, &["run", "p.toml", "--restart"]);
+    failed_with(&o, &["C.mgt.partial", "not a folder", "move or delete it"]);
+    std::fs::remove_file(dir.join("C.mgt.partial")).unwrap();
+    let o = mg(dir, &["run", "p.toml", "--restart"]);
+    assert!(o.status.success(), "{o:?}");
+}

@@ -154,7 +154,7 @@ impl Checkpoints {
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(Error::io(&self.dir, "cannot list checkpoints", e)),
+            Err(e) => return Err(list_error(&self.dir, e)),
         };
         for ent in entries.flatten() {
             if parse_name(&ent.file_name().to_string_lossy()).is_some() {
@@ -186,7 +186,7 @@ impl Checkpoints {
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(notes),
-            Err(e) => return Err(Error::io(&self.dir, "cannot list checkpoints", e)),
+            Err(e) => return Err(list_error(&self.dir, e)),
         };
         let mut files: Vec<(u32, PathBuf)> = Vec::new();
         for ent in entries.flatten() {
@@ -419,4 +419,16 @@ fn crc_of(r: &mut impl Read, len: u64) -> std::result::Result<u32, String> {
         return Err("it is longer than its header says".into());
     }
     Ok(crc)
+}
+
+/// The error for a checkpoint folder that cannot be listed, with what to do when something
+/// else has its name.
+fn list_error(dir: &Path, e: std::io::Error) -> Error {
+    if dir.exists() && !dir.is_dir() {
+        return Error::Usage(format!(
+            "{}: is not a folder, but run keeps the step's checkpoints there; move or delete it and rerun",
+            dir.display()
+        ));
+    }
+    Error::io(dir, "cannot list checkpoints", e)
 }

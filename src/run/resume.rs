@@ -11,7 +11,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::pipeline::checkpoint::Checkpoints;
 use crate::pipeline::journal::{Fingerprint, Journal, State};
 use crate::pipeline::{output_header, Work};
@@ -104,7 +104,17 @@ impl ResumeState {
             State::Fresh => Self::fresh(step, header, total, write)?,
             State::Partial(done, _) if done.is_empty() => Self::fresh(step, header, total, write)?,
             State::Partial(done, damaged) => {
-                let writer = reopen_output(&step.output, header, write)?;
+                // An output that no longer fits its journal (truncated, its header changed) is
+                // beyond resuming: say how to start over.
+                let writer = reopen_output(&step.output, header, write).map_err(|e| match e {
+                    Error::Format { path, msg } => Error::Format {
+                        path,
+                        msg: format!(
+                            "{msg}; it cannot be resumed — rerun with --restart to compute the step again"
+                        ),
+                    },
+                    e => e,
+                })?;
                 let (finished, bad) = check_recorded(step, &sched, &done)?;
                 writer.forget_checksums();
                 let todo: Vec<u32> = (0..total as u32)
