@@ -546,7 +546,14 @@ fn unfinished(file: &Path) -> Result<Option<String>> {
         return Ok(None);
     }
     let Some(j) = journal::peek(file)? else {
-        return Ok(None);
+        // A split run has no journal of the step until `finalize` merges its shards'.
+        let state = crate::cluster::state_dir(file);
+        return Ok(state.join("manifest.json").exists().then(|| {
+            format!(
+                "a split run's shards are writing it, state in {}; `mgmm-stream status PLAN` shows them, `finalize PLAN` completes it",
+                state.display()
+            )
+        }));
     };
     if j.complete {
         return Ok(None);
@@ -658,12 +665,18 @@ fn report_writable(path: &Path) -> Result<bool> {
             .open(path)
             .map(|_| false)
             .map_err(err),
-        Err(_) => std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .map(|_| true)
-            .map_err(err),
+        Err(_) => {
+            // Its folder is made as an output's is (`run` creates those too).
+            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent).map_err(err)?;
+            }
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)
+                .map(|_| true)
+                .map_err(err)
+        }
     }
 }
 

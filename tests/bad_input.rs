@@ -528,20 +528,44 @@ fn a_journal_that_is_a_link_is_never_written_through() {
     let a = std::fs::read(dir.join("A.mgt")).unwrap();
     let j = dir.join("C.mgt.journal");
     std::os::unix::fs::symlink(dir.join("A.mgt"), &j).unwrap();
-    for args in [&["run", "p.toml"][..], &["run", "p.toml", "--restart"]] {
-        let o = mg(dir, args);
-        failed_with(&o, &["C.mgt.journal", "symbolic link", "remove it"]);
-    }
-    std::fs::remove_file(&j).unwrap();
-    std::fs::hard_link(dir.join("A.mgt"), &j).unwrap();
+    let o = mg(dir, &["run", "p.toml"]);
+    failed_with(&o, &["C.mgt.journal"]);
     let o = mg(dir, &["run", "p.toml", "--restart"]);
-    failed_with(&o, &["C.mgt.journal", "hard links"]);
+    failed_with(
+        &o,
+        &[
+            "C.mgt.journal",
+            "symbolic link",
+            "copy of what it points at",
+        ],
+    );
     assert!(
         std::fs::read(dir.join("A.mgt")).unwrap() == a,
         "A.mgt changed"
     );
+    // A hard link (here to an input; in life a `cp -al` backup) is broken, not written through.
     std::fs::remove_file(&j).unwrap();
-    assert!(mg(dir, &["run", "p.toml"]).status.success());
+    std::fs::hard_link(dir.join("A.mgt"), &j).unwrap();
+    let o = mg(dir, &["run", "p.toml", "--restart"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(
+        std::fs::read(dir.join("A.mgt")).unwrap() == a,
+        "A.mgt changed"
+    );
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::metadata(dir.join("A.mgt")).unwrap().nlink(), 1);
+    // A finished step's journal hard-linked into a backup: the step stays complete, the backup
+    // keeps its bytes.
+    let backup = dir.join("backup.journal");
+    std::fs::hard_link(&j, &backup).unwrap();
+    let kept = std::fs::read(&backup).unwrap();
+    let o = mg(dir, &["run", "p.toml"]);
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("already complete"),
+        "{o:?}"
+    );
+    assert!(mg(dir, &["verify", "p.toml"]).status.success());
+    assert!(std::fs::read(&backup).unwrap() == kept);
 }
 
 #[test]
@@ -592,4 +616,29 @@ fn an_output_beyond_resuming_says_to_restart() {
     std::fs::remove_file(dir.join("C.mgt.partial")).unwrap();
     let o = mg(dir, &["run", "p.toml", "--restart"]);
     assert!(o.status.success(), "{o:?}");
+}
+
+#[test]
+fn a_report_into_a_new_folder_is_written_and_a_failed_run_leaves_none() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    plan_with(
+        dir,
+        &format!("{GOOD}[[step]]\noutput = \"res/C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\n"),
+    );
+    let o = mg(dir, &["run", "p.toml", "--report", "res/report.json"]);
+    assert!(o.status.success(), "{o:?}");
+    assert!(std::fs::read_to_string(dir.join("res/report.json"))
+        .unwrap()
+        .contains("\"steps\""));
+    // A run that fails part-way leaves no empty report behind.
+    let o = Command::new(bin())
+        .args(["run", "p.toml", "--restart", "--report", "r2.json"])
+        .env("MGMM_FAULT_WRITE_AFTER", "0")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "{o:?}");
+    assert!(!dir.join("r2.json").exists());
 }

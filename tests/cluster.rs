@@ -204,6 +204,19 @@ fn finalize_refuses_and_names_missing_shards_then_status_and_rerun_complete() {
     let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
     assert!(st.contains("shard   1/3") && st.contains("waiting"), "{st}");
     assert!(st.contains("shard   0/3") && st.contains("done"), "{st}");
+    // Meanwhile the output is unfinished, not corrupt, to `verify`, `export` and `info --check`.
+    let o = cmd(dir, &["verify", "plan.toml"], &[]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(!o.status.success() && out.contains("split run"), "{out}");
+    for args in [
+        &["export", "C.mgt", "C.npy"][..],
+        &["info", "C.mgt", "--check"],
+    ] {
+        let o = cmd(dir, args, &[]).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains("split run"), "{err}");
+        assert!(!err.contains("checksum mismatch"), "{err}");
+    }
     let last = ok(cmd(dir, &["run", "plan.toml", "--shard", "1/3"], &[])
         .output()
         .unwrap());

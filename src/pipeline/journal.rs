@@ -80,27 +80,44 @@ fn lock(file: &File, path: &Path) -> Result<()> {
     }
 }
 
-/// Refuse a journal path that is not a plain file of its own: a symlink, another kind of file,
-/// or a file with other hard links. The journal is truncated on `--restart` and appended to on
-/// every run, so through a link it would overwrite whatever file it points at (an input).
-fn refuse_foreign_file(path: &Path) -> Result<()> {
+/// Make the journal at `path` safe to write in place. A symlink or another kind of file is
+/// refused: the journal is truncated on `--restart` and appended to on every run, so through a
+/// link it would overwrite whatever it points at (an input, say). A regular file with other hard
+/// links (a `cp -al` or rsnapshot backup) gets a copy of its own, renamed over it, so the other
+/// names keep their bytes and the progress it records is kept.
+fn own_journal_file(path: &Path) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
     let Ok(m) = std::fs::symlink_metadata(path) else {
         return Ok(());
     };
-    let what = if m.file_type().is_symlink() {
-        "is a symbolic link"
-    } else if !m.is_file() {
-        "is not a regular file"
-    } else if m.nlink() > 1 {
-        "has other hard links"
-    } else {
-        return Ok(());
-    };
-    Err(Error::Usage(format!(
-        "{}: {what}; a journal is written in place, so mgmm-stream will not use it — remove it (the linked file is left alone) and rerun",
-        path.display()
-    )))
+    if m.file_type().is_symlink() || !m.is_file() {
+        let what = if m.file_type().is_symlink() {
+            "a symbolic link"
+        } else {
+            "not a regular file"
+        };
+        return Err(Error::Usage(format!(
+            "{}: is {what}; a journal is written in place, so mgmm-stream will not write through it — replace it with a copy of what it points at (`cp --remove-destination \"$(readlink -f J)\" J`) to keep its progress, or remove it",
+            path.display()
+        )));
+    }
+    if m.nlink() > 1 {
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(format!(".{}.unlink", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        let copy = std::fs::copy(path, &tmp)
+            .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+            .and_then(|_| std::fs::rename(&tmp, path));
+        if let Err(e) = copy {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(Error::io(
+                path,
+                "has other hard links and a copy of its own could not be made",
+                e,
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Journal {
@@ -115,7 +132,7 @@ impl Journal {
     ) -> Result<(Journal, State)> {
         let path = journal_path(output);
         let existed = path.exists();
-        refuse_foreign_file(&path)?;
+        own_journal_file(&path)?;
         use std::os::unix::fs::OpenOptionsExt;
         let mut file = OpenOptions::new()
             .read(true)
@@ -327,7 +344,7 @@ impl Journal {
         durable: bool,
     ) -> Result<(Journal, Vec<(u32, u32)>)> {
         use std::os::unix::fs::{FileExt, OpenOptionsExt};
-        refuse_foreign_file(path)?;
+        own_journal_file(path)?;
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -400,7 +417,6 @@ pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)
 /// Read the journal at `path` (any journal file, e.g. a shard's) without locking it; `None`
 /// when there is none or it is empty.
 pub fn peek_file(path: &Path) -> Result<Option<Peek>> {
-    refuse_foreign_file(path)?;
     match std::fs::read(path) {
         Ok(b) if b.is_empty() => Ok(None),
         Ok(b) => Ok(Some(parse(path, &b)?.1)),

@@ -265,7 +265,14 @@ fn round_of(p: Precision) -> Option<Precision> {
 /// or an unfinished step.
 fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
     let Some(j) = journal::peek(&step.output)? else {
-        return Ok(None);
+        // A split run writes the output before any journal of the step exists.
+        let state = crate::cluster::state_dir(&step.output);
+        return Ok(state.join("manifest.json").exists().then(|| {
+            format!(
+                "the step is unfinished: a split run's shards are writing it (state in {}); `finalize` completes it",
+                state.display()
+            )
+        }));
     };
     let mut now = vec![
         ("expr".to_string(), step.expr.clone()),
