@@ -539,16 +539,15 @@ fn unfinished_error(file: &Path, progress: &str) -> Error {
 }
 
 /// "N of M output tiles done" when `file` is an output whose journal says `run` has not
-/// finished it; `None` for a finished output or a file without a journal.
+/// finished it (or what a split run that is writing it has left to do); `None` for a
+/// finished output or a file no run is writing.
 fn unfinished(file: &Path) -> Result<Option<String>> {
     // A `raw:…` descriptor is never an output of `run`.
     if file.to_string_lossy().starts_with("raw:") {
         return Ok(None);
     }
     let Some(j) = journal::peek(file)? else {
-        // A split run has no journal of the step until `finalize` merges its shards'.
-        let state = crate::cluster::state_dir(file);
-        return Ok(state.join("manifest.json").exists().then(|| {
+        return Ok(crate::cluster::split_state(file).map(|state| {
             format!(
                 "a split run's shards are writing it, state in {}; `mgmm-stream status PLAN` shows them, `finalize PLAN` completes it",
                 state.display()
@@ -593,8 +592,8 @@ fn import_cmd(input: &Path, output: &Path, tile: u64, force: bool) -> Result<()>
 fn export_cmd(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Result<()> {
     refuse_same(input, output)?;
     refuse_existing(output, force)?;
-    // An output `run` is still writing has a journal next to it; only tiled (.mgt) outputs
-    // are checked here (a raw descriptor or .npy input is read as it is).
+    // An output `run` is still writing (.mgt or .npy) has a journal, or a split run's state,
+    // beside it; a raw descriptor is read as it is.
     if !allow_partial {
         if let Some(progress) = unfinished(input)? {
             return Err(Error::Usage(format!(

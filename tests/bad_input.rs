@@ -309,6 +309,25 @@ fn partials(dir: &Path) -> Vec<String> {
         .collect()
 }
 
+/// `mgmm-stream ARGS` in `dir` whose output writes fail after `tiles` tiles (the test-only
+/// fault hook): a run stopped part-way with an unfinished output.
+fn run_failing_after(dir: &Path, tiles: u32, args: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .args(args)
+        .env("MGMM_FAULT_WRITE_AFTER", tiles.to_string())
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+/// The plan of `step("A @ B")` on the CPU with 8×8 compute tiles (6 output tiles).
+fn small_cpu_plan(dir: &Path) {
+    plan_with(
+        dir,
+        &format!("{}[engine]\nbackend = \"cpu\"\ntile = 8\n", step("A @ B")),
+    );
+}
+
 fn failed_with(o: &std::process::Output, needles: &[&str]) -> String {
     let err = String::from_utf8_lossy(&o.stderr).to_string();
     assert!(!o.status.success(), "expected failure:\n{err}");
@@ -409,17 +428,9 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
     let d = tmp();
     let dir = d.path();
     setup(dir);
-    plan_with(
-        dir,
-        &format!("{}[engine]\nbackend = \"cpu\"\ntile = 8\n", step("A @ B")),
-    );
+    small_cpu_plan(dir);
     // The output's writes fail after 2 tiles: the run stops with an unfinished output.
-    let o = Command::new(bin())
-        .args(["run", "p.toml"])
-        .env("MGMM_FAULT_WRITE_AFTER", "2")
-        .current_dir(dir)
-        .output()
-        .unwrap();
+    let o = run_failing_after(dir, 2, &["run", "p.toml"]);
     assert!(!o.status.success());
     let o = mg(dir, &["export", "C.mgt", "C.npy"]);
     failed_with(
@@ -477,12 +488,7 @@ fn an_unfinished_npy_output_is_not_exported_or_called_corrupt() {
         dir,
         &format!("{GOOD}[[step]]\noutput = \"C.npy\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\ntile = 8\n"),
     );
-    let o = Command::new(bin())
-        .args(["run", "p.toml"])
-        .env("MGMM_FAULT_WRITE_AFTER", "2")
-        .current_dir(dir)
-        .output()
-        .unwrap();
+    let o = run_failing_after(dir, 2, &["run", "p.toml"]);
     assert!(!o.status.success());
     let o = mg(dir, &["export", "C.npy", "X.npy"]);
     failed_with(&o, &["C.npy", "unfinished", "--allow-partial"]);
@@ -594,16 +600,8 @@ fn an_output_beyond_resuming_says_to_restart() {
     let d = tmp();
     let dir = d.path();
     setup(dir);
-    plan_with(
-        dir,
-        &format!("{}[engine]\nbackend = \"cpu\"\ntile = 8\n", step("A @ B")),
-    );
-    let o = Command::new(bin())
-        .args(["run", "p.toml"])
-        .env("MGMM_FAULT_WRITE_AFTER", "2")
-        .current_dir(dir)
-        .output()
-        .unwrap();
+    small_cpu_plan(dir);
+    let o = run_failing_after(dir, 2, &["run", "p.toml"]);
     assert!(!o.status.success());
     let len = std::fs::metadata(dir.join("C.mgt")).unwrap().len();
     set_len(&dir.join("C.mgt"), len / 2);
@@ -633,12 +631,11 @@ fn a_report_into_a_new_folder_is_written_and_a_failed_run_leaves_none() {
         .unwrap()
         .contains("\"steps\""));
     // A run that fails part-way leaves no empty report behind.
-    let o = Command::new(bin())
-        .args(["run", "p.toml", "--restart", "--report", "r2.json"])
-        .env("MGMM_FAULT_WRITE_AFTER", "0")
-        .current_dir(dir)
-        .output()
-        .unwrap();
+    let o = run_failing_after(
+        dir,
+        0,
+        &["run", "p.toml", "--restart", "--report", "r2.json"],
+    );
     assert!(!o.status.success(), "{o:?}");
     assert!(!dir.join("r2.json").exists());
 }

@@ -141,6 +141,14 @@ pub(crate) fn shard_range(total: u32, gn: u32, s: u32, k: u32) -> Range<u32> {
     r.start as u32..r.end as u32
 }
 
+/// The state folder of a split run writing `output`, while its manifest is there: such a run
+/// has no journal of the step until `finalize` merges the shards' into one.
+pub(crate) fn split_state(output: &Path) -> Option<PathBuf> {
+    prepare::manifest_path(output)
+        .exists()
+        .then(|| state_dir(output))
+}
+
 /// Where a step's shard files live: `C.mgt.shards/`.
 pub fn state_dir(output: &Path) -> PathBuf {
     let mut s = output.as_os_str().to_owned();

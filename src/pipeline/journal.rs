@@ -97,8 +97,8 @@ fn own_journal_file(path: &Path) -> Result<()> {
             "not a regular file"
         };
         return Err(Error::Usage(format!(
-            "{}: is {what}; a journal is written in place, so mgmm-stream will not write through it — replace it with a copy of what it points at (`cp --remove-destination \"$(readlink -f J)\" J`) to keep its progress, or remove it",
-            path.display()
+            "{p}: is {what}; a journal is written in place, so mgmm-stream will not write through it — replace it with a copy of what it points at (`cp --remove-destination \"$(readlink -f {p})\" {p}`) to keep its progress, or remove it",
+            p = path.display()
         )));
     }
     if m.nlink() > 1 {
@@ -118,6 +118,26 @@ fn own_journal_file(path: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Make a journal being resumed end at its last good record, so new records follow it: a torn
+/// tail is cut off, and a header line torn before its newline (`torn_header`: no record can
+/// follow it) is written again whole.
+fn settle(
+    file: &File,
+    path: &Path,
+    fp: &Fingerprint,
+    torn_header: bool,
+    good_end: usize,
+) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let done = if torn_header {
+        file.set_len(0)
+            .and_then(|_| file.write_all_at(header_line(fp).as_bytes(), 0))
+    } else {
+        file.set_len(good_end as u64)
+    };
+    done.map_err(|e| Error::io(path, "cannot trim journal", e))
 }
 
 impl Journal {
@@ -165,19 +185,8 @@ impl Journal {
             file.sync_all()
                 .map_err(|e| Error::io(&path, "cannot sync journal", e))?;
         } else if let State::Partial(..) = &state {
-            // Drop any torn tail so new records follow the last good one; a header line torn
-            // before its newline (no record can follow it) is written again whole.
             let (header_end, peek) = parse(&path, &bytes)?;
-            if header_end > bytes.len() {
-                file.set_len(0)
-                    .map_err(|e| Error::io(&path, "cannot reset journal", e))?;
-                use std::os::unix::fs::FileExt;
-                file.write_all_at(header_line(fp).as_bytes(), 0)
-                    .map_err(|e| Error::io(&path, "cannot write journal", e))?;
-            } else {
-                file.set_len(peek.good_end as u64)
-                    .map_err(|e| Error::io(&path, "cannot trim journal", e))?;
-            }
+            settle(&file, &path, fp, header_end > bytes.len(), peek.good_end)?;
         }
         use std::io::Seek;
         file.seek(std::io::SeekFrom::End(0))
@@ -369,15 +378,7 @@ impl Journal {
                     path.display()
                 )));
             }
-            if head > bytes.len() {
-                // A header torn before its newline: no record follows it; write it whole.
-                file.set_len(0)
-                    .and_then(|_| file.write_all_at(header_line(fp).as_bytes(), 0))
-                    .map_err(|e| Error::io(path, "cannot write shard journal", e))?;
-            } else {
-                file.set_len(peek.good_end as u64)
-                    .map_err(|e| Error::io(path, "cannot trim shard journal", e))?;
-            }
+            settle(&file, path, fp, head > bytes.len(), peek.good_end)?;
             peek.done
         };
         use std::io::Seek;

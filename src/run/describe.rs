@@ -209,7 +209,7 @@ fn describe_status(
         Ok(Some(j)) => j,
         // A split run writes the output before any journal of the step exists (finalize
         // merges the shards' into it).
-        Ok(None) if shards.join("manifest.json").exists() => {
+        Ok(None) if crate::cluster::split_state(&step.output).is_some() => {
             return line(format!(
                 "a split run is writing {out} ({} holds its state): `mgmm-stream status {plan_path}` shows its progress, `run {plan_path} --shard I/N` goes on with it, `finalize {plan_path}` completes it; a plain `run` refuses the output",
                 shards.display()

@@ -158,8 +158,8 @@ pub(crate) fn open(path: &Path) -> Result<RowMajorFile> {
         region: false,
     };
     let (crcs, note) = load_sidecar(path, &spec, len);
-    if let Some(n) = note {
+    if let Some(n) = &note {
         spec.kind = format!("{} ({n})", spec.kind);
     }
-    RowMajorFile::open(path, spec, crcs)
+    Ok(RowMajorFile::open(path, spec, crcs)?.with_checksum_note(note))
 }

@@ -85,6 +85,8 @@ pub(crate) struct RowMajorFile {
     len: u64,
     mtime_ns: i128,
     crcs: Option<TileCrcs>,
+    /// Why a sidecar beside the file was not used (`info --check` says so).
+    checksum_note: Option<String>,
     verified: OnceLock<Vec<AtomicBool>>,
     /// The page cache can likely hold the whole file (module doc): band reads are rarely wasted.
     cache_holds_file: bool,
@@ -136,9 +138,16 @@ impl RowMajorFile {
             mtime_ns: meta.mtime() as i128 * 1_000_000_000 + meta.mtime_nsec() as i128,
             spec,
             crcs,
+            checksum_note: None,
             verified: OnceLock::new(),
             cache_holds_file: crate::store::fsutil::mem_available().is_some_and(|m| len <= m / 2),
         })
+    }
+
+    /// The file with `note` saying why its sidecar of checksums was ignored.
+    pub(crate) fn with_checksum_note(mut self, note: Option<String>) -> RowMajorFile {
+        self.checksum_note = note;
+        self
     }
 
     /// Whether the pages of file bytes `span` are (nearly all) in the page cache.
@@ -410,6 +419,9 @@ impl MatrixSource for RowMajorFile {
     }
     fn transposed(&self) -> bool {
         self.spec.transposed
+    }
+    fn checksum_note(&self) -> Option<&str> {
+        self.checksum_note.as_deref()
     }
     fn checksum_tile(&self) -> Option<(u64, u64)> {
         self.crcs.as_ref().map(|c| c.tile)

@@ -117,6 +117,10 @@ pub trait MatrixSource: Send + Sync {
     fn checksum_tile(&self) -> Option<(u64, u64)> {
         None
     }
+    /// Why checksums beside the file were not used (a `.npy` sidecar that does not fit it).
+    fn checksum_note(&self) -> Option<&str> {
+        None
+    }
     /// What `info` prints about the file (several `key: value` lines).
     fn describe(&self) -> String {
         let (r, c) = self.shape();
@@ -281,16 +285,12 @@ pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<String>> {
     let mut out = s.describe();
     if check {
         if s.checksum_tile().is_none() {
-            // A sidecar that is there but does not fit says why it was ignored (`describe`).
-            let why = out
-                .split_once("(sidecar ")
-                .and_then(|(_, r)| r.split_once("), dtype"))
-                .map(|(note, _)| note.to_string());
+            // A sidecar that is there but does not fit says why it was ignored.
             return Err(Error::format(
                 spec.path(),
-                match why {
+                match s.checksum_note() {
                     Some(note) => format!(
-                        "its sidecar {note}; nothing to check (delete the sidecar if the array was changed on purpose)"
+                        "its {note}; nothing to check (delete the sidecar if the array was changed on purpose)"
                     ),
                     None => "has no checksums (only .npy files written by `run` have a sidecar of tile CRCs); nothing to check".into(),
                 },

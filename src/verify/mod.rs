@@ -265,9 +265,7 @@ fn round_of(p: Precision) -> Option<Precision> {
 /// or an unfinished step.
 fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
     let Some(j) = journal::peek(&step.output)? else {
-        // A split run writes the output before any journal of the step exists.
-        let state = crate::cluster::state_dir(&step.output);
-        return Ok(state.join("manifest.json").exists().then(|| {
+        return Ok(crate::cluster::split_state(&step.output).map(|state| {
             format!(
                 "the step is unfinished: a split run's shards are writing it (state in {}); `finalize` completes it",
                 state.display()
