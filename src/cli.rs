@@ -288,7 +288,7 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
     let advice = if failed.iter().all(|(_, journal)| *journal) {
         "see the reason above: rerun with `run` (or `run --restart`)"
     } else {
-        "the output does not match the inputs; `verify --repair` recomputes the failing tiles, `run --restart` the whole step"
+        "the output does not match the inputs or its stored checksums; `verify --repair` recomputes the failing tiles, `run --restart` the whole step"
     };
     Err(Error::Usage(format!(
         "verification failed for {}: {advice}",
@@ -605,8 +605,16 @@ fn export_cmd(input: &Path, output: &Path, force: bool, allow_partial: bool) -> 
     run::ignore_sigxfsz();
     interrupt::install();
     let t = Instant::now();
-    npy::export(input, output, !allow_partial)
-        .map_err(|e| interrupted(e, &format!("{} was not written", output.display())))?;
+    npy::export(input, output, !allow_partial).map_err(|e| match e {
+        // A corrupt tile of an output `run` wrote can be recomputed rather than regenerated.
+        Error::Checksum { .. } if journal::peek(input).is_ok_and(|j| j.is_some()) => {
+            Error::Usage(format!(
+                "{e}; {} is an output of `run`: `mgmm-stream verify PLAN --repair` recomputes that tile",
+                input.display()
+            ))
+        }
+        e => interrupted(e, &format!("{} was not written", output.display())),
+    })?;
     outln!(
         "exported {} → {} in {:.2} s",
         input.display(),

@@ -464,7 +464,15 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
     // residual test (a one-bit flip may hide in the rounding it allows) and names the tile;
     // `verify --repair` recomputes it.
     let o = mg(dir, &["export", "C.mgt", "C2.npy"]);
-    failed_with(&o, &["C.mgt", "checksum mismatch", "tile (0, 0)"]);
+    failed_with(
+        &o,
+        &[
+            "C.mgt",
+            "checksum mismatch",
+            "tile (0, 0)",
+            "verify PLAN --repair",
+        ],
+    );
     assert!(!dir.join("C2.npy").exists() && partials(dir).is_empty());
     let o = mg(dir, &["verify", "p.toml"]);
     failed_with(&o, &["verification failed", "--repair"]);
