@@ -235,6 +235,29 @@ fn finalize_refuses_and_names_missing_shards_then_status_and_rerun_complete() {
     assert!(f.contains("already finalized") && f.contains("PASS"), "{f}");
 }
 
+#[test]
+fn a_refused_prepare_leaves_no_claim_behind() {
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SMALL, 64);
+    // An output that a split run did not prepare: refused, and it stays as it was.
+    std::fs::write(dir.join("C.mgt"), b"someone else's file").unwrap();
+    let o = cmd(dir, &["run", "plan.toml", "--shard", "0/2"], &[])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "must refuse: {err}");
+    assert!(err.contains("not prepared for a split run"), "{err}");
+    assert_eq!(
+        std::fs::read(dir.join("C.mgt")).unwrap(),
+        b"someone else's file"
+    );
+    assert!(
+        !dir.join("C.mgt.shards/prepare.claim").exists(),
+        "the refusal left its claim: the other processes would wait for it to go stale"
+    );
+}
+
 /// Bigger, slower (one thread, small tiles): long enough to kill mid-run.
 const SLOW: (u64, u64, u64) = (512, 1536, 512);
 

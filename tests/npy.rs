@@ -217,6 +217,33 @@ fn raw_files_row_and_column_major_with_an_offset() {
 }
 
 #[test]
+fn one_raw_file_as_a_matrix_and_its_transpose_but_not_as_another_shape() {
+    let d = tmp();
+    let a = mat(7, 23, 19);
+    std::fs::write(d.path().join("a.bin"), data(&a, DType::F32, false)).unwrap();
+    // X is A (row-major), Y the same bytes read column-major: Aᵀ. X @ Y = A·Aᵀ.
+    let text = format!(
+        "[matrices.X]\npath = \"a.bin\"\nformat = \"raw\"\nrows = 23\ncols = 19\ndtype = \"f32\"\n\
+         [matrices.Y]\npath = \"a.bin\"\nformat = \"raw\"\nrows = 19\ncols = 23\ndtype = \"f32\"\norder = \"F\"\n\
+         [[step]]\noutput = \"C.npy\"\nexpr = \"X @ Y\"\n{ENGINE}"
+    );
+    run_text(d.path(), &text).unwrap();
+    let want = reference(&a, false, &a, true, None, 1.0, 0.0, 23, 23, 19).0;
+    assert_eq!(read_all(&d.path().join("C.npy")).v, want);
+    // Read row-major as 19×23 it would be a reshape of A: refused, naming both declarations.
+    std::fs::remove_file(d.path().join("C.npy")).unwrap();
+    let e = run_text(d.path(), &text.replace("order = \"F\"\n", ""))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("matrices.Y")
+            && e.contains("also matrices.X")
+            && e.contains("one file holds one matrix"),
+        "{e}"
+    );
+}
+
+#[test]
 fn bad_npy_kinds_get_clear_errors_naming_the_file() {
     let d = tmp();
     let m = mat(1, 4, 4);

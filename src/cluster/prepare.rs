@@ -161,11 +161,15 @@ pub(crate) fn ensure(
     loop {
         match claim::try_claim(&dir.join("prepare.claim"), sh.claim_timeout)? {
             claim::Try::Got(c) => {
-                let m = match read_manifest(out)? {
-                    Some(m) => m,
-                    None => create(step, layout, fp, progress)?,
-                };
+                let made = read_manifest(out).and_then(|m| match m {
+                    Some(m) => Ok(m),
+                    None => create(step, layout, fp, progress),
+                });
+                // Released either way: a refusal (the output exists, no space) is not a crash,
+                // and the processes waiting for this claim then try at once and are told the
+                // same, instead of waiting for it to go stale.
                 c.release();
+                let m = made?;
                 check(&m, fp, out)?;
                 return Ok(m);
             }

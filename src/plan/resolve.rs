@@ -144,74 +144,25 @@ pub(crate) fn matrices(
             )));
         }
         let path = cx.base.join(m.path.get_ref());
-        if m.format.is_some() {
-            mats.insert(name.clone(), raw_decl(cx, name, &key, m, &path)?);
-            continue;
-        }
-        if m.rows.is_some()
-            || m.cols.is_some()
-            || m.dtype.is_some()
-            || m.order.is_some()
-            || m.offset.is_some()
-        {
-            return Err(cx.err(format!(
-                "{key}: rows, cols, dtype, order and offset describe a raw binary file; add format = \"raw\", or drop them (.mgt and .npy files carry their shape)"
-            )));
-        }
-        if m.generate.is_some() && OutputFormat::of(&path) == OutputFormat::Npy {
-            return Err(cx.err(format!(
-                "{key}: `generate` writes .mgt files; give the path a .mgt name, or create the .npy yourself"
-            )));
-        }
-        let spec = match &m.generate {
-            Some(g) => Some(gen_spec(cx, name, g)?),
-            None => None,
-        };
-        let info = header_of(&path).map_err(|e| cx.err(format!("{key}: {e}")))?;
-        let decl = match (info, spec) {
-            (Some(f), spec) => {
-                if let Some(s) = spec {
-                    if (s.rows, s.cols, s.dtype) != (f.rows, f.cols, f.dtype) {
-                        return Err(cx.err(format!(
-                            "{key}: {} exists and is {}×{} {}, but `generate` asks for {}×{} {}; delete the file to regenerate it, or fix the plan",
-                            path.display(), f.rows, f.cols, f.dtype, s.rows, s.cols, s.dtype
-                        )));
-                    }
-                }
-                MatrixDecl {
-                    name: name.clone(),
-                    path,
-                    rows: f.rows,
-                    cols: f.cols,
-                    dtype: f.dtype,
-                    generate: None,
-                    transposed: f.transposed,
-                    raw: None,
-                }
-            }
-            (None, Some(s)) => MatrixDecl {
-                name: name.clone(),
-                path,
-                rows: s.rows,
-                cols: s.cols,
-                dtype: s.dtype,
-                generate: Some(s),
-                transposed: false,
-                raw: None,
-            },
-            (None, None) => {
-                return Err(cx.err(format!(
-                    "{key}: file {} does not exist; create it with `mgmm-stream gen` or `import`, or add `generate = {{ rows = …, cols = … }}`",
-                    path.display()
-                )))
-            }
+        let decl = if m.format.is_some() {
+            raw_decl(cx, name, &key, m, &path)?
+        } else {
+            file_decl(cx, name, &key, m, path, header_of)?
         };
         // Two names for one file must agree on what it holds (a `generate` of another shape
-        // would otherwise be found only when `run` reads past the matrix).
+        // would otherwise be found only when `run` reads past the matrix; a raw file read as
+        // another shape is a reshape, not a view). A raw file declared once in each order is
+        // one matrix and its transpose: the same bytes, so that is allowed.
+        let stored = |d: &MatrixDecl| {
+            let (r, c) = if d.transposed {
+                (d.cols, d.rows)
+            } else {
+                (d.rows, d.cols)
+            };
+            (r, c, d.dtype, d.raw.as_ref().map(|x| x.offset))
+        };
         if let Some(o) = mats.values().find(|o: &&MatrixDecl| {
-            crate::plan::same_file(&o.path, &decl.path)
-                && (o.rows, o.cols, o.dtype, o.transposed)
-                    != (decl.rows, decl.cols, decl.dtype, decl.transposed)
+            crate::plan::same_file(&o.path, &decl.path) && stored(o) != stored(&decl)
         }) {
             return Err(cx.err(format!(
                 "{key}: {} is also matrices.{}, declared {}×{} {} there but {}×{} {} here; one file holds one matrix: give one of them another path",
@@ -221,6 +172,76 @@ pub(crate) fn matrices(
         mats.insert(name.clone(), decl);
     }
     Ok(mats)
+}
+
+/// The declaration of a `.mgt` or `.npy` matrix: the file's header when it exists, else its
+/// `generate`.
+fn file_decl(
+    cx: &Ctx,
+    name: &str,
+    key: &str,
+    m: &RawMatrix,
+    path: PathBuf,
+    header_of: HeaderOf,
+) -> Result<MatrixDecl> {
+    if m.rows.is_some()
+        || m.cols.is_some()
+        || m.dtype.is_some()
+        || m.order.is_some()
+        || m.offset.is_some()
+    {
+        return Err(cx.err(format!(
+            "{key}: rows, cols, dtype, order and offset describe a raw binary file; add format = \"raw\", or drop them (.mgt and .npy files carry their shape)"
+        )));
+    }
+    if m.generate.is_some() && OutputFormat::of(&path) == OutputFormat::Npy {
+        return Err(cx.err(format!(
+            "{key}: `generate` writes .mgt files; give the path a .mgt name, or create the .npy yourself"
+        )));
+    }
+    let spec = match &m.generate {
+        Some(g) => Some(gen_spec(cx, name, g)?),
+        None => None,
+    };
+    let info = header_of(&path).map_err(|e| cx.err(format!("{key}: {e}")))?;
+    Ok(match (info, spec) {
+        (Some(f), spec) => {
+            if let Some(s) = spec {
+                if (s.rows, s.cols, s.dtype) != (f.rows, f.cols, f.dtype) {
+                    return Err(cx.err(format!(
+                        "{key}: {} exists and is {}×{} {}, but `generate` asks for {}×{} {}; delete the file to regenerate it, or fix the plan",
+                        path.display(), f.rows, f.cols, f.dtype, s.rows, s.cols, s.dtype
+                    )));
+                }
+            }
+            MatrixDecl {
+                name: name.to_string(),
+                path,
+                rows: f.rows,
+                cols: f.cols,
+                dtype: f.dtype,
+                generate: None,
+                transposed: f.transposed,
+                raw: None,
+            }
+        }
+        (None, Some(s)) => MatrixDecl {
+            name: name.to_string(),
+            path,
+            rows: s.rows,
+            cols: s.cols,
+            dtype: s.dtype,
+            generate: Some(s),
+            transposed: false,
+            raw: None,
+        },
+        (None, None) => {
+            return Err(cx.err(format!(
+                "{key}: file {} does not exist; create it with `mgmm-stream gen` or `import`, or add `generate = {{ rows = …, cols = … }}`",
+                path.display()
+            )))
+        }
+    })
 }
 
 /// A name `expr` can refer to: letters, digits and `_`, not starting with a digit.
