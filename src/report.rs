@@ -67,6 +67,10 @@ pub struct StepReport {
     /// Of `read_bytes`, those the lanes copied straight from the files' pages instead of from
     /// staging buffers (`engine.staging`, docs/GPU.md).
     pub direct_bytes: u64,
+    /// Of `direct_bytes`, those whose checks (CRC, NaN/Inf count) the devices that copied them
+    /// did (kernels/check.cu); the host read the rest again to check it.
+    #[serde(default)]
+    pub direct_device_checked_bytes: u64,
     /// Bytes of the input files page-locked for those copies (a storage tile released to stay
     /// under the budget and needed again counts again).
     pub direct_registered_bytes: u64,
@@ -310,6 +314,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         memory_read_bytes: st.memory_read_bytes,
         min_read_bytes: predicted.min_read_bytes,
         direct_bytes: st.direct.as_ref().map_or(0, |d| d.bytes),
+        direct_device_checked_bytes: st.device_checked_bytes,
         direct_registered_bytes: st.direct.as_ref().map_or(0, |d| d.registered_bytes),
         direct_register_s: st.direct.as_ref().map_or(0.0, |d| d.register_s),
         direct_released_bytes: st.direct.as_ref().map_or(0, |d| d.released_bytes),
@@ -372,6 +377,12 @@ fn direct_line(r: &StepReport) -> String {
                 } else {
                     String::new()
                 }
+            );
+        }
+        if r.direct_device_checked_bytes > 0 {
+            p += &format!(
+                "; the devices checked {} of it themselves",
+                fmt_bytes(r.direct_device_checked_bytes)
             );
         }
         if r.read_bytes > r.direct_bytes {

@@ -335,3 +335,50 @@ fn direct_uploads_keep_their_ranges_registered_until_copied() {
         );
     }
 }
+
+/// Blocks copied straight from the files' pages are checked on the (simulated) device that
+/// copied them — kernels/check.cu's arithmetic on the bytes it received — where the lane can:
+/// even-numbered simulated devices do, odd ones leave it to the host. With both kinds in one
+/// run the bytes are the CPU's and the report says how much the devices checked; a flipped
+/// byte in an input tile, checked only on the device, stops the run naming the tile.
+#[test]
+fn direct_uploads_are_checked_on_the_device_and_a_corrupt_tile_is_caught_there() {
+    let d = tmp();
+    setup(d.path(), 700, 650, 300, 64, "64MiB");
+    let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
+    let opts = RunOptions {
+        restart: true,
+        ..Default::default()
+    };
+    let r = run_plan_on(&plan, sim(vec![300, 300]), &opts, &Progress::quiet()).unwrap();
+    assert!(same_output(d.path()));
+    let s = &r.steps[0];
+    assert_eq!(s.direct_bytes, s.read_bytes);
+    assert!(
+        s.direct_device_checked_bytes > 0 && s.direct_device_checked_bytes < s.direct_bytes,
+        "device-checked {} of {} direct bytes: lane 0 checks on its device, lane 1 on the host",
+        s.direct_device_checked_bytes,
+        s.direct_bytes
+    );
+    // One lane, which checks on its device: every block, and the host reads none again.
+    let r = run_plan_on(&plan, sim(vec![200]), &opts, &Progress::quiet()).unwrap();
+    assert!(same_output(d.path()));
+    assert_eq!(
+        r.steps[0].direct_device_checked_bytes,
+        r.steps[0].direct_bytes
+    );
+    // A byte of A's storage tile (3, 2) flipped: the device's CRC of it does not match.
+    let f = mgmm_stream::store::TiledFile::open(&d.path().join("A.mgt")).unwrap();
+    let off = f.hdr.tile_offset(3, 2) + 200;
+    drop(f);
+    let mut bytes = std::fs::read(d.path().join("A.mgt")).unwrap();
+    bytes[off as usize] ^= 0x08;
+    std::fs::write(d.path().join("A.mgt"), &bytes).unwrap();
+    let e = run_plan_on(&plan, sim(vec![200]), &opts, &Progress::quiet())
+        .expect_err("a corrupt input tile must stop the run")
+        .to_string();
+    assert!(
+        e.contains("A.mgt") && e.contains("tile (3, 2)") && e.contains("checksum"),
+        "{e}"
+    );
+}

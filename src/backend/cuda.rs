@@ -42,6 +42,18 @@ use crate::plan::size::fmt_bytes;
 use crate::plan::{Devices, Engine, Precision};
 
 const CONVERT_SRC: &str = include_str!("../../kernels/convert.cu");
+const CHECK_SRC: &str = include_str!("../../kernels/check.cu");
+
+/// kernels/check.cu compiled once per process (see [`convert_ptx`]).
+fn check_ptx() -> std::result::Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
+    static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(src) = PTX.get() {
+        return Ok(cudarc::nvrtc::Ptx::from_src(src.clone()));
+    }
+    let ptx = cudarc::nvrtc::compile_ptx(CHECK_SRC)?;
+    let _ = PTX.set(ptx.to_src());
+    Ok(ptx)
+}
 
 /// kernels/convert.cu compiled once per process (NVRTC takes tens of milliseconds; every lane of
 /// every bf16/fp16 step loads the same PTX).
@@ -190,6 +202,16 @@ fn probe_with(early: Option<&EarlyStart>) -> Result<Vec<DeviceInfo>> {
             // there, when the lane compiles it again.
             if rtc && matches!(precision, Some(Precision::Bf16 | Precision::Fp16)) {
                 let _ = std::panic::catch_unwind(convert_ptx);
+            }
+            // A tf32/bf16/fp16 lane checks the blocks it copies straight from the files'
+            // pages with kernels/check.cu (crate::backend::check).
+            if rtc
+                && matches!(
+                    precision,
+                    Some(Precision::Tf32 | Precision::Bf16 | Precision::Fp16)
+                )
+            {
+                let _ = std::panic::catch_unwind(check_ptx);
             }
         }
     };
@@ -1403,6 +1425,14 @@ pub(crate) struct CudaLane {
     landing: Vec<CudaSlice<u8>>,
     next_landing: usize,
     convert: Option<CudaFunction>,
+    /// kernels/check.cu's `check_tiles`, when it compiled and loaded; without it the host
+    /// checks directly uploaded blocks ([`super::check`]).
+    check: Option<CudaFunction>,
+    /// What the last `upload_runs` wrote, for its check: the landing buffer it went through
+    /// (bf16/fp16) or else the slot, and its bytes.
+    last_upload: Option<(Option<usize>, usize, usize)>,
+    /// Where checks put their results, made at the first check.
+    check_bufs: Option<CheckBufs>,
     precision: Precision,
     host_dt: DType,
     dev_dt: DType,
@@ -1420,6 +1450,62 @@ pub(crate) struct CudaLane {
 // SAFETY: the lane is moved to its own thread once and used only there; cudarc's handles are
 // Send, and CudaBlas is Send + Sync.
 unsafe impl Send for CudaLane {}
+
+/// Checks a lane may have in flight at once; one more is left to the host.
+const CHECK_RING: usize = 64;
+/// The most storage tiles one check covers (a block in smaller tiles is checked by the host).
+const CHECK_MAX_TILES: usize = 4096;
+
+/// Where a lane's checks ([`super::check`]) put their results: `[crc, count]` per storage
+/// tile, written by the kernel into `dev`, copied into the page-locked `ring._host`, one region
+/// of `CHECK_MAX_TILES` pairs per check in flight.
+struct CheckBufs {
+    dev: CudaSlice<u32>,
+    ring: Arc<CheckRing>,
+}
+
+/// The page-locked half of [`CheckBufs`] and which of its regions are free; shared with the
+/// checks in flight, which give their region back when dropped.
+struct CheckRing {
+    _host: cudarc::driver::PinnedHostSlice<u32>,
+    /// `host`'s address, taken once when nothing was using it.
+    ptr: usize,
+    free: std::sync::Mutex<Vec<usize>>,
+}
+
+// SAFETY: `ptr` is only an address; reads through it are in `CudaCheck::wait`, after the copy
+// into that region has completed (its event), and a region is written by one check at a time.
+unsafe impl Send for CheckRing {}
+unsafe impl Sync for CheckRing {}
+
+/// A check queued on a lane's H2D stream: its region of the ring and the event after the copy
+/// of its results into it.
+struct CudaCheck {
+    ring: Arc<CheckRing>,
+    region: usize,
+    tiles: usize,
+    done: CudaEvent,
+}
+
+impl super::check::DeviceCheck for CudaCheck {
+    fn wait(self: Box<Self>) -> std::result::Result<Vec<[u32; 2]>, String> {
+        self.done.synchronize().map_err(|e| e.to_string())?;
+        let at = self.ring.ptr as *const u32;
+        // SAFETY: the region lies inside `ring.host` (alive: `self.ring`), its results were
+        // copied there before `done` (synchronized above), and no other check writes it
+        // until this one gives it back (Drop).
+        let r = unsafe {
+            std::slice::from_raw_parts(at.add(self.region * CHECK_MAX_TILES * 2), self.tiles * 2)
+        };
+        Ok(r.chunks_exact(2).map(|p| [p[0], p[1]]).collect())
+    }
+}
+
+impl Drop for CudaCheck {
+    fn drop(&mut self) {
+        (self.ring.free.lock().unwrap_or_else(|e| e.into_inner())).push(self.region);
+    }
+}
 
 fn timing() -> Option<CUevent_flags> {
     Some(CUevent_flags::CU_EVENT_DEFAULT)
@@ -1470,7 +1556,9 @@ impl CudaLane {
         crate::trace::span(&track, "streams", t, std::time::Instant::now());
         // The device buffers, and on a thread of its own the cuBLAS handle and the conversion
         // kernel (library loads, 90–100 ms on an H200), which do not need the buffers.
-        let libs = || -> Result<(CudaBlas, Option<CudaFunction>)> {
+        // The cuBLAS handle and the conversion and check kernels.
+        type Libs = (CudaBlas, (Option<CudaFunction>, Option<CudaFunction>));
+        let libs = || -> Result<Libs> {
             let t = std::time::Instant::now();
             ctx.bind_to_thread().map_err(e("cannot use context"))?;
             let blas = CudaBlas::new(comp.clone())
@@ -1506,9 +1594,25 @@ impl CudaLane {
                 })
             };
             let convert = convert();
+            // The checks' kernel, for the tensor-core precisions only: there the GEMMs leave
+            // the GPU idle most of a step while the host is the limit; with fp32/fp64 the
+            // GEMMs are the limit, and checks queued between the copies delayed them (32768²
+            // fp32: 1.492 s against 1.427 s), while the host has time to spare (§23). A lane
+            // without it lets the host check (no error).
+            let tensor = matches!(
+                precision,
+                Precision::Tf32 | Precision::Bf16 | Precision::Fp16
+            );
+            let check = match (&convert, l.host_dt) {
+                (Ok(_), DType::F32) if tensor => check_ptx()
+                    .ok()
+                    .and_then(|ptx| ctx.load_module(ptx).ok())
+                    .and_then(|m| m.load_function("check_tiles").ok()),
+                _ => None,
+            };
             crate::trace::span(&track, "kernels", t, std::time::Instant::now());
             match convert {
-                Ok(c) => Ok((blas, c)),
+                Ok(c) => Ok((blas, (c, check))),
                 Err(err) => {
                     let_go_of_blas(&ctx, blas);
                     Err(err)
@@ -1536,7 +1640,7 @@ impl CudaLane {
             });
             (bufs, libs)
         });
-        let ((slots, accs, landing), (blas, convert)) = match (bufs, libs) {
+        let ((slots, accs, landing), (blas, (convert, check))) = match (bufs, libs) {
             (Ok(b), Ok(l)) => (b, l),
             (Err(e), Ok((blas, _))) => {
                 let_go_of_blas(&ctx, blas);
@@ -1558,6 +1662,9 @@ impl CudaLane {
             landing,
             next_landing: 0,
             convert,
+            check,
+            last_upload: None,
+            check_bufs: None,
             precision,
             host_dt: l.host_dt,
             dev_dt: l.dev_dt,
@@ -1792,6 +1899,98 @@ impl Lane for CudaLane {
         true
     }
 
+    fn checks_uploads(&self) -> bool {
+        self.check.is_some()
+    }
+
+    /// kernels/check.cu over the block the last `upload_runs` wrote, queued on the H2D stream
+    /// after it (a later copy into the same buffer queues behind the check), its results
+    /// copied into a page-locked region and an event recorded after them.
+    fn check_upload(
+        &mut self,
+        spec: &super::check::DeviceCheckSpec,
+    ) -> Option<Box<dyn super::check::DeviceCheck>> {
+        let f = self.check.clone()?;
+        let (landing, slot, bytes) = self.last_upload.take()?;
+        let tiles = spec.tiles();
+        let want = spec.brows * spec.bcols * spec.elem as u64;
+        if tiles == 0 || tiles > CHECK_MAX_TILES || want != bytes as u64 {
+            return None;
+        }
+        if self.check_bufs.is_none() {
+            let n = CHECK_RING * CHECK_MAX_TILES * 2;
+            // SAFETY: written by the kernel before any copy out of it reads a region.
+            let dev = unsafe { self.h2d.alloc::<u32>(n) }.ok()?;
+            // SAFETY: page-locked, cached (flags 0: read by the host); written only by copies.
+            let mut host = unsafe { self.ctx.alloc_pinned_with_flags::<u32>(n, 0) }.ok()?;
+            let ptr = host.as_mut_ptr().ok()? as usize;
+            let ring = Arc::new(CheckRing {
+                _host: host,
+                ptr,
+                free: std::sync::Mutex::new((0..CHECK_RING).rev().collect()),
+            });
+            self.check_bufs = Some(CheckBufs { dev, ring });
+        }
+        let bufs = self.check_bufs.as_mut()?;
+        let region = (bufs.ring.free.lock().unwrap_or_else(|e| e.into_inner())).pop()?;
+        // Given back if anything below fails (the host then checks the block).
+        let mut check = CudaCheck {
+            ring: bufs.ring.clone(),
+            region,
+            tiles,
+            // Replaced below; a recorded event stands in until then.
+            done: self.h2d.record_event(None).ok()?,
+        };
+        let src = match landing {
+            Some(li) => &self.landing[li],
+            None => &self.slots[slot],
+        };
+        let data = src.slice(..bytes);
+        let off = region * CHECK_MAX_TILES * 2;
+        let mut out = bufs.dev.slice_mut(off..off + tiles * 2);
+        let (dptr, g_in) = data.device_ptr(&self.h2d);
+        let (optr, g_out) = out.device_ptr_mut(&self.h2d);
+        let mut b = self.h2d.launch_builder(&f);
+        b.arg(&dptr)
+            .arg(&spec.brows)
+            .arg(&spec.bcols)
+            .arg(&spec.br0)
+            .arg(&spec.bc0)
+            .arg(&spec.tile_rows)
+            .arg(&spec.tile_cols)
+            .arg(&spec.ti0)
+            .arg(&spec.tj0)
+            .arg(&spec.ntj)
+            .arg(&spec.elem)
+            .arg(&optr);
+        // SAFETY: the kernel reads `brows·bcols` elements of `elem` bytes from `data` (exactly
+        // its length, checked above) and writes `2·tiles` u32 into `out`; both outlive the
+        // launch in stream order (device buffers of this lane, freed after its streams).
+        let launched = unsafe {
+            b.launch(LaunchConfig {
+                grid_dim: (tiles as u32, 1, 1),
+                block_dim: (super::check::THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        };
+        drop((g_in, g_out));
+        launched.ok()?;
+        // SAFETY: the region lies inside the ring's page-locked allocation (2·tiles ≤
+        // 2·CHECK_MAX_TILES u32 from its start), which lives while `check` holds the ring.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoHAsync_v2(
+                (check.ring.ptr as *mut u32).add(off) as *mut c_void,
+                optr,
+                tiles * 2 * 4,
+                self.h2d.cu_stream(),
+            )
+        }
+        .result()
+        .ok()?;
+        check.done = self.h2d.record_event(None).ok()?;
+        Some(Box::new(check))
+    }
+
     fn upload_runs(&mut self, runs: &[HostRun], elems: usize, slot: usize) -> Result<Ticket> {
         use cudarc::driver::sys::{cuMemcpy2DAsync_v2, CUmemorytype, CUDA_MEMCPY2D};
         let hbytes = elems * self.host_dt.size();
@@ -1850,6 +2049,7 @@ impl Lane for CudaLane {
                 None => Ok(()),
             })
             .and_then(|()| self.uploaded(start, hbytes));
+        self.last_upload = r.is_ok().then_some((landing, slot, hbytes));
         if r.is_err() {
             // Copies already queued read pages that the caller releases once this returns
             // without a ticket: let them end first (best effort; a failed device answers at

@@ -15,6 +15,7 @@
 //!   GEMM sees every upload issued before it, a download sees every GEMM before it, an upload
 //!   into a slot waits for GEMMs issued earlier that read the slot.
 
+pub(crate) mod check;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 #[cfg(feature = "fault-injection")]
@@ -235,6 +236,18 @@ pub trait Lane: Send {
         Err(crate::error::Error::Usage(
             "this lane cannot upload from file maps (a bug: staging asked it to)".into(),
         ))
+    }
+    /// Whether [`Self::check_upload`] can check blocks on the device ([`check`]).
+    fn checks_uploads(&self) -> bool {
+        false
+    }
+    /// Check the block the last [`Self::upload_runs`] copied, on the device, as `spec` says:
+    /// queued after that copy; `None` when this lane cannot (the host then checks the block).
+    fn check_upload(
+        &mut self,
+        _spec: &check::DeviceCheckSpec,
+    ) -> Option<Box<dyn check::DeviceCheck>> {
+        None
     }
     /// Accumulate `op(A slot) · op(B slot)` into accumulator `acc` as `g` describes.
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()>;

@@ -239,6 +239,26 @@ enum Op {
     UploadRuns(Vec<HostRun>, usize, usize),
     Gemm(GemmDesc, usize, usize, usize),
     Download(usize, usize, RawBuf),
+    /// The check of the block an `UploadRuns` copied ([`super::check`]): the kernel's
+    /// arithmetic ([`super::check::mirror`]) on the bytes that copy wrote, before any
+    /// rounding, sent to the check stage.
+    Check(
+        Vec<HostRun>,
+        usize,
+        super::check::DeviceCheckSpec,
+        crossbeam_channel::Sender<Vec<[u32; 2]>>,
+    ),
+}
+
+/// A simulated device's check of a block, computed on its thread.
+struct SimCheck(crossbeam_channel::Receiver<Vec<[u32; 2]>>);
+
+impl super::check::DeviceCheck for SimCheck {
+    fn wait(self: Box<Self>) -> std::result::Result<Vec<[u32; 2]>, String> {
+        self.0
+            .recv()
+            .map_err(|_| "the simulated device stopped before checking the block".into())
+    }
 }
 
 struct Shared {
@@ -257,6 +277,8 @@ pub(crate) struct SimLane {
     shared: Arc<(Mutex<Shared>, Condvar)>,
     next: u64,
     worker: Option<std::thread::JoinHandle<()>>,
+    /// The last `upload_runs`, for its check ([`Lane::check_upload`]).
+    last_runs: Option<(Vec<HostRun>, usize)>,
 }
 
 impl SimLane {
@@ -291,6 +313,7 @@ impl SimLane {
             shared,
             next: 0,
             worker: Some(worker),
+            last_runs: None,
         }
     }
 
@@ -366,6 +389,21 @@ fn worker(
             Op::UploadRuns(runs, elems, slot) => {
                 pinner.copy_registered(&runs, || cpu.upload_runs(&runs, elems, slot).map(drop))
             }
+            Op::Check(runs, elems, spec, tx) => {
+                let mut dense = vec![0u8; elems * spec.elem as usize];
+                for r in &runs {
+                    for i in 0..r.rows {
+                        let at = r.dst_off + i * r.dst_pitch;
+                        // SAFETY: as for `UploadRuns` (above): the maps stay mapped.
+                        let row = unsafe {
+                            std::slice::from_raw_parts(r.host.add(i * r.host_pitch), r.row_len)
+                        };
+                        dense[at..at + r.row_len].copy_from_slice(row);
+                    }
+                }
+                let _ = tx.send(super::check::mirror(&dense, &spec));
+                Ok(())
+            }
             Op::Gemm(g, a, b, acc) => cpu.gemm(&g, a, b, acc),
             Op::Download(acc, elems, b) => cpu
                 .download(acc, elems, &mut unsafe { b.host_buf() })
@@ -396,7 +434,25 @@ impl Lane for SimLane {
         true
     }
     fn upload_runs(&mut self, runs: &[HostRun], elems: usize, slot: usize) -> Result<Ticket> {
+        self.last_runs = Some((runs.to_vec(), elems));
         self.push(Op::UploadRuns(runs.to_vec(), elems, slot))
+    }
+    /// Even-numbered simulated devices check on the device, odd ones leave it to the host, so
+    /// that a run with two of them has both kinds of check.
+    fn checks_uploads(&self) -> bool {
+        self.id.is_multiple_of(2)
+    }
+    fn check_upload(
+        &mut self,
+        spec: &super::check::DeviceCheckSpec,
+    ) -> Option<Box<dyn super::check::DeviceCheck>> {
+        if !self.checks_uploads() {
+            return None;
+        }
+        let (runs, elems) = self.last_runs.take()?;
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.push(Op::Check(runs, elems, *spec, tx)).ok()?;
+        Some(Box::new(SimCheck(rx)))
     }
     fn gemm(&mut self, g: &GemmDesc, a: usize, b: usize, acc: usize) -> Result<()> {
         self.push(Op::Gemm(*g, a, b, acc)).map(drop)

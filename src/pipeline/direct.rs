@@ -25,7 +25,10 @@
 //! work: a first version that ran them before each upload was no faster than copying), so the
 //! upload does not wait for them; instead no output tile is written until every check issued
 //! before its last upload has passed, so a corrupt input still stops the run before any tile
-//! computed from it is written or recorded.
+//! computed from it is written or recorded. A lane that can check on its device
+//! ([`crate::backend::check`]: a GPU's tf32/bf16/fp16 lanes) does so right after the copy, and
+//! the `check` stage only compares what the device found with the checksum table, instead of
+//! reading the pages again.
 //!
 //! When it is not used (`engine.staging`): `"copy"` never; `"auto"` (the default) for blocks
 //! whose pages are all in the page cache — a block still on disk is read the usual way, whose
@@ -41,6 +44,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use super::pool::Lease;
+use crate::backend::check::{DeviceCheck, DeviceCheckSpec};
 use crate::backend::{HostRun, InputPinner};
 use crate::dtype::DType;
 use crate::plan::StagingMode;
@@ -136,9 +140,16 @@ pub(crate) struct DirectUpload {
     pub(crate) runs: Vec<HostRun>,
     /// The checks of this block: done once `progress` reaches the number.
     pub(crate) check: Option<(Arc<CheckProgress>, u64)>,
+    /// Where the lane that copies the block sends its check on the device, and what to check
+    /// ([`crate::backend::check`]); the check stage waits for it (or, the sender dropped,
+    /// checks the block itself).
+    pub(crate) device_check: Mutex<Option<(DeviceCheckTx, DeviceCheckSpec)>>,
     pins: Vec<Pin>,
     _token: Lease,
 }
+
+/// Lane → check stage: a block's check on the device, on its way.
+pub(crate) type DeviceCheckTx = crossbeam_channel::Sender<Box<dyn DeviceCheck>>;
 
 impl DirectUpload {
     /// The block's ranges kept registered for as long as the returned pins live (its check
@@ -368,6 +379,7 @@ impl DirectReads {
         Some(DirectUpload {
             runs,
             check: None,
+            device_check: Mutex::new(None),
             pins,
             _token: token,
         })

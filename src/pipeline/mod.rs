@@ -122,6 +122,8 @@ pub(crate) struct RunStats {
     pub(crate) shared_read_bytes: u64,
     /// Of the bytes staged, those from sources held in memory.
     pub(crate) memory_read_bytes: u64,
+    /// Of the directly uploaded bytes, those checked on the devices ([`crate::backend::check`]).
+    pub(crate) device_checked_bytes: u64,
     /// Seconds from the start of the stages to the first GEMM issued on any lane.
     pub(crate) first_gemm_s: Option<f64>,
     /// The kernel's dirty-page limits when the output is a disk-backed file (for the report).
@@ -473,6 +475,7 @@ impl<'a> Pipeline<'a> {
             nonfinite_inputs: self.inputs.nonfinite.load(Ordering::Relaxed),
             shared_read_bytes: self.shared.shared_bytes.load(Ordering::Relaxed),
             memory_read_bytes: self.inputs.memory_bytes.load(Ordering::Relaxed),
+            device_checked_bytes: self.inputs.device_checked.load(Ordering::Relaxed),
             first_gemm_s: match c.first_gemm_ns.load(Ordering::Relaxed) {
                 u64::MAX => None,
                 ns => Some(ns as f64 * 1e-9),
@@ -650,6 +653,7 @@ impl<'a> Pipeline<'a> {
                 shared,
                 direct,
                 checks_issued: std::cell::Cell::new(0),
+                device_checks: lane.checks_uploads(),
                 pool: staging_pools[i].clone(),
                 host_dt: l.host_dt,
                 rx: pre_rx,

@@ -110,6 +110,10 @@ pub(crate) struct CheckJob {
     pub(crate) seq: u64,
     pub(crate) src: Src,
     pub(crate) block: Block,
+    /// The block's check on the device that copied it, when that lane can check
+    /// ([`crate::backend::check`]).
+    pub(crate) device:
+        Option<crossbeam_channel::Receiver<Box<dyn crate::backend::check::DeviceCheck>>>,
     /// The block's registered ranges, held until it is checked: released and evicted
     /// meanwhile, its pages would be read back from disk.
     pub(crate) _pins: Vec<super::direct::Pin>,
@@ -148,9 +152,24 @@ impl Checker<'_> {
 
     fn check_all(&self, ctl: &Control) -> Result<()> {
         while let Some(job) = ctl.recv_timed(&self.rx, &self.m) {
-            let t = Instant::now();
             let f = self.inputs.file(job.src);
-            let nonfinite = f.scan_mapped(&job.block, self.host_dt, self.inputs.verify)?;
+            let device = match &job.device {
+                Some(rx) => self.device_results(ctl, rx)?,
+                None => None,
+            };
+            let t = Instant::now();
+            let nonfinite = match device {
+                Some(r) => {
+                    let n =
+                        f.settle_device_check(&job.block, self.host_dt, self.inputs.verify, &r)?;
+                    let bytes = (job.block.elems() * f.dtype().size()) as u64;
+                    self.inputs
+                        .device_checked
+                        .fetch_add(bytes, Ordering::Relaxed);
+                    n
+                }
+                None => f.scan_mapped(&job.block, self.host_dt, self.inputs.verify)?,
+            };
             if nonfinite > 0 {
                 self.inputs
                     .nonfinite
@@ -162,6 +181,32 @@ impl Checker<'_> {
                 .add_item((job.block.elems() * f.dtype().size()) as u64);
         }
         Ok(())
+    }
+}
+
+impl Checker<'_> {
+    /// The device's results for a block, waited for (as time waiting for input); `None`
+    /// when the device could not check it (the lane dropped the sender: no kernel, a failed
+    /// launch, the lane gone), so that the host checks it.
+    fn device_results(
+        &self,
+        ctl: &Control,
+        rx: &crossbeam_channel::Receiver<Box<dyn crate::backend::check::DeviceCheck>>,
+    ) -> Result<Option<Vec<[u32; 2]>>> {
+        let t = Instant::now();
+        let got = loop {
+            match rx.recv_timeout(std::time::Duration::from_millis(20)) {
+                Ok(c) => break Some(c),
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break None,
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) if ctl.is_cancelled() => {
+                    return Err(crate::error::Error::Cancelled)
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            }
+        };
+        let r = got.and_then(|c| c.wait().ok());
+        self.m.add_wait_in(t.elapsed());
+        Ok(r)
     }
 }
 
@@ -289,6 +334,8 @@ pub(crate) struct Inputs {
     pub(crate) nonfinite: AtomicU64,
     /// Bytes staged from sources held in memory (a chain's intermediate), not from files.
     pub(crate) memory_bytes: AtomicU64,
+    /// Bytes of directly uploaded blocks checked on the device that copied them.
+    pub(crate) device_checked: AtomicU64,
 }
 
 impl Inputs {
@@ -305,6 +352,7 @@ impl Inputs {
             verify,
             nonfinite: AtomicU64::new(0),
             memory_bytes: AtomicU64::new(0),
+            device_checked: AtomicU64::new(0),
         }
     }
     pub(crate) fn file(&self, s: Src) -> &dyn MatrixSource {
@@ -533,6 +581,8 @@ pub(crate) struct Staging<'a> {
     pub(crate) direct: Option<(&'a DirectReads, Sender<CheckJob>, Arc<CheckProgress>)>,
     /// Checks issued so far.
     pub(crate) checks_issued: std::cell::Cell<u64>,
+    /// The lane checks directly uploaded blocks on its device ([`crate::backend::check`]).
+    pub(crate) device_checks: bool,
     pub(crate) pool: Pool,
     pub(crate) host_dt: DType,
     pub(crate) rx: Receiver<PlanOp>,
@@ -641,12 +691,23 @@ impl Staging<'_> {
         let seq = self.checks_issued.get();
         self.checks_issued.set(seq + 1);
         up.check = Some((progress.clone(), seq));
+        // Checked on the device that copies it, where the lane can and the format says where
+        // the block's storage tiles lie.
+        let device = match f.device_check_spec(block, self.host_dt) {
+            Some(spec) if self.device_checks => {
+                let (tx, rx) = crossbeam_channel::bounded(1);
+                *up.device_check.get_mut().unwrap_or_else(|e| e.into_inner()) = Some((tx, spec));
+                Some(rx)
+            }
+            _ => None,
+        };
         self.m.add_busy(t.elapsed());
         self.m.add_item((block.elems() * f.dtype().size()) as u64);
         let job = CheckJob {
             seq,
             src,
             block: *block,
+            device,
             _pins: up.pins(),
         };
         ctl.send_timed(checks, job, &self.m)?;
@@ -905,7 +966,20 @@ impl DeviceLane<'_> {
                             if let Some((p, seq)) = &d.check {
                                 self.checks = Some((p.clone(), seq + 1));
                             }
-                            self.lane.upload_runs(&d.runs, elems, slot)?
+                            let tk = self.lane.upload_runs(&d.runs, elems, slot)?;
+                            // Its check on the device, queued after the copy; without one (the
+                            // sender dropped here) the check stage checks it on the host.
+                            let dc = d
+                                .device_check
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .take();
+                            if let Some((tx, spec)) = dc {
+                                if let Some(c) = self.lane.check_upload(&spec) {
+                                    let _ = tx.send(c);
+                                }
+                            }
+                            tk
                         }
                     };
                     p.ups.push((tk, buf));

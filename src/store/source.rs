@@ -107,6 +107,27 @@ pub trait MatrixSource: Send + Sync {
         }
         Ok(0)
     }
+    /// Where block `b`'s storage tiles lie, for a device to check the block it copied from the
+    /// map ([`crate::backend::check`]); `None`: the host checks it ([`Self::scan_mapped`]).
+    fn device_check_spec(
+        &self,
+        _b: &Block,
+        _host: DType,
+    ) -> Option<crate::backend::check::DeviceCheckSpec> {
+        None
+    }
+    /// [`Self::scan_mapped`]'s verdict from a device's results for
+    /// [`Self::device_check_spec`]: `[crc, nonfinite]` per storage tile. Returns the NaN/Inf
+    /// count, or the error a checksum mismatch gives.
+    fn settle_device_check(
+        &self,
+        b: &Block,
+        host: DType,
+        verify: bool,
+        _results: &[[u32; 2]],
+    ) -> Result<u64> {
+        self.scan_mapped(b, host, verify)
+    }
     /// True when the file stores the transpose of the matrix it holds (a Fortran-order `.npy`,
     /// a raw file with `order = "F"`): [`shape`](Self::shape) and blocks are those of the stored
     /// row-major transpose, and the plan reads the operand with `.T` flipped (no copy is made).

@@ -646,6 +646,82 @@ impl TiledFile {
         self.settle_checks(b, marks, per_run)
     }
 
+    /// Where block `b`'s storage tiles lie in the dense block a device holds (the map holds
+    /// the file's dtype, f32 or f64, as `host`).
+    pub(crate) fn device_check_spec(
+        &self,
+        b: &Block,
+        host: DType,
+    ) -> Option<crate::backend::check::DeviceCheckSpec> {
+        let h = &self.hdr;
+        if h.dtype != host || !matches!(host, DType::F32 | DType::F64) {
+            return None;
+        }
+        b.check_inside(&self.path, (h.rows, h.cols)).ok()?;
+        let (tis, tjs) = self.geo.tiles_of(b);
+        Some(crate::backend::check::DeviceCheckSpec {
+            brows: b.rows,
+            bcols: b.cols,
+            br0: b.r0,
+            bc0: b.c0,
+            tile_rows: self.geo.tile_rows,
+            tile_cols: self.geo.tile_cols,
+            ti0: tis.start,
+            tj0: tjs.start,
+            nti: tis.end - tis.start,
+            ntj: tjs.end - tjs.start,
+            elem: host.size() as u32,
+        })
+    }
+
+    /// [`Self::scan_mapped`]'s verdict from a device's `[crc, nonfinite]` per storage tile
+    /// the block touches (in [`Self::device_check_spec`]'s order, which is
+    /// [`Geometry::tiles_iter`]'s): the same pieces, one per tile, settled the same way.
+    pub(crate) fn settle_device_check(
+        &self,
+        b: &Block,
+        host: DType,
+        verify: bool,
+        results: &[[u32; 2]],
+    ) -> Result<u64> {
+        let h = &self.hdr;
+        assert_eq!(
+            h.dtype, host,
+            "settle_device_check: the map holds the file's dtype"
+        );
+        let marks = (verify && h.has_checksums()).then(|| self.marks());
+        let geo = self.geo;
+        // One run per storage tile (no span limit), in tiles_iter order: the device's order.
+        let rs: Vec<Run> = runs(&geo, b, u64::MAX).collect();
+        if rs.len() != results.len() {
+            return Err(Error::format(
+                &self.path,
+                format!(
+                    "a device checked {} storage tiles of block {b:?}, which touches {} (a bug; please report it)",
+                    results.len(),
+                    rs.len()
+                ),
+            ));
+        }
+        let per_run: Vec<(u64, Option<Piece>)> = rs
+            .iter()
+            .zip(results)
+            .map(|(g, &[crc, nonfinite])| {
+                let tile = ((g.file_off - geo.data_offset) / geo.tile_stride) as usize;
+                let want_crc =
+                    g.file_contiguous() && marks.is_some_and(|m| !m[tile].load(Ordering::Relaxed));
+                let piece = want_crc.then_some(Piece {
+                    tile,
+                    start: g.file_off,
+                    len: g.bytes() as u64,
+                    crc,
+                });
+                (nonfinite as u64, piece)
+            })
+            .collect();
+        self.settle_checks(b, marks, per_run)
+    }
+
     /// The journal's identity of this file: canonical path, length, header CRC and
     /// checksum-table CRC. The text is part of every journal's fingerprint, so it must not
     /// change between versions.
@@ -690,6 +766,22 @@ impl MatrixSource for TiledFile {
     }
     fn scan_mapped(&self, b: &Block, host: DType, verify: bool) -> Result<u64> {
         TiledFile::scan_mapped(self, b, host, verify)
+    }
+    fn device_check_spec(
+        &self,
+        b: &Block,
+        host: DType,
+    ) -> Option<crate::backend::check::DeviceCheckSpec> {
+        TiledFile::device_check_spec(self, b, host)
+    }
+    fn settle_device_check(
+        &self,
+        b: &Block,
+        host: DType,
+        verify: bool,
+        results: &[[u32; 2]],
+    ) -> Result<u64> {
+        TiledFile::settle_device_check(self, b, host, verify, results)
     }
     fn mapped_block(&self, b: &Block, host: DType) -> Option<super::source::MappedBlock<'_>> {
         if self.hdr.dtype != host
