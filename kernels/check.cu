@@ -33,11 +33,13 @@ __device__ unsigned int multmodp(unsigned int a, unsigned int b) {
     return p;
 }
 
-// x^(n * 2^k) modulo P: zlib's x2nmodp, x2n[j] = x^(2^j).
+// x^(n * 2^k) modulo P, x2n[j] = x^(2^j): zlib's x2nmodp, but with a table of 64 powers where
+// zlib has 32 and wraps (x^(2^32) = x holds for zlib's CRC-32 polynomial, not for CRC-32C's,
+// where it is x^2): n is a byte count below 2^61 and k = 3, so k + bits(n) stays below 64.
 __device__ unsigned int x2nmodp(unsigned long long n, unsigned int k, const unsigned int* x2n) {
     unsigned int p = 1u << 31;
     while (n) {
-        if (n & 1) p = multmodp(x2n[k & 31], p);
+        if (n & 1) p = multmodp(x2n[k], p);
         n >>= 1;
         k++;
     }
@@ -52,7 +54,7 @@ extern "C" __global__ void check_tiles(const unsigned char* __restrict__ data,
                                        unsigned long long ntj, unsigned int elem,
                                        unsigned int* __restrict__ out) {
     __shared__ unsigned int tab[4][256];
-    __shared__ unsigned int x2n[32];
+    __shared__ unsigned int x2n[64];
     __shared__ unsigned int crcs[THREADS];
     __shared__ unsigned long long lens[THREADS];
     __shared__ unsigned int counts[THREADS];
@@ -70,7 +72,7 @@ extern "C" __global__ void check_tiles(const unsigned char* __restrict__ data,
     if (t == 0) {
         unsigned int p = 1u << 30;  // x^1
         x2n[0] = p;
-        for (int n = 1; n < 32; n++) x2n[n] = p = multmodp(p, p);
+        for (int n = 1; n < 64; n++) x2n[n] = p = multmodp(p, p);
     }
 
     // This thread block's storage tile and its part of the block.

@@ -5,8 +5,8 @@
 //! against the file's checksum table, the NaN/Inf count). For tf32/bf16 that read was the
 //! busiest host stage: skipping it shortened a 32768² step on one H200 from 0.53–0.57 s to
 //! 0.46–0.48 s (BENCHMARKS.md §23). So a lane that can ([`super::Lane::check_upload`]) runs
-//! kernels/check.cu over the block it just received — the bytes the GEMMs will read, which is a
-//! stronger check than the host's — and hands back, per storage tile, the CRC and the count;
+//! kernels/check.cu over the block it just received — the bytes the GPU got (for bf16/fp16 the
+//! f32 block before its conversion), which is a stronger check than the host's — and hands back, per storage tile, the CRC and the count;
 //! the host compares them with the table ([`crate::store::MatrixSource::settle_device_check`]).
 //! A GPU's lanes do for tf32/bf16/fp16, where the GEMMs leave the GPU idle most of a step; with
 //! fp32/fp64 they are GEMM-bound, the checks queued between copies cost 4.6 %, and the host has
@@ -50,6 +50,9 @@ pub trait DeviceCheck: Send {
     fn wait(self: Box<Self>) -> std::result::Result<Vec<[u32; 2]>, String>;
 }
 
+/// The most storage tiles one device check covers; staging leaves a block in more to the host.
+pub(crate) const MAX_TILES: usize = 4096;
+
 /// Threads per thread block in kernels/check.cu (`THREADS`).
 pub(crate) const THREADS: u64 = 256;
 
@@ -78,8 +81,8 @@ fn multmodp(a: u32, mut b: u32) -> u32 {
 }
 
 #[cfg(any(test, feature = "fault-injection"))]
-fn x2n_table() -> [u32; 32] {
-    let mut t = [0u32; 32];
+fn x2n_table() -> [u32; 64] {
+    let mut t = [0u32; 64];
     let mut p = 1u32 << 30;
     t[0] = p;
     for e in t.iter_mut().skip(1) {
@@ -90,11 +93,11 @@ fn x2n_table() -> [u32; 32] {
 }
 
 #[cfg(any(test, feature = "fault-injection"))]
-fn x2nmodp(mut n: u64, mut k: u32, x2n: &[u32; 32]) -> u32 {
+fn x2nmodp(mut n: u64, mut k: u32, x2n: &[u32; 64]) -> u32 {
     let mut p = 1u32 << 31;
     while n != 0 {
         if n & 1 != 0 {
-            p = multmodp(x2n[(k & 31) as usize], p);
+            p = multmodp(x2n[k as usize], p);
         }
         n >>= 1;
         k += 1;
@@ -276,6 +279,22 @@ mod tests {
                 }
             }
             assert_eq!(mirror(&data, &s), expected(&data, &s), "{s:?}");
+        }
+    }
+
+    /// Lengths past 2^29 bytes reach x^(2^32) and beyond, where zlib's 32-entry table wraps
+    /// (right for its polynomial, wrong for CRC-32C's): a 1 GiB tile part once came out wrong.
+    #[test]
+    fn combining_long_parts_matches_crc32c_combine() {
+        let x2n = x2n_table();
+        for len in [1u64 << 29, (1 << 30) + 12_345, 3 << 31, (1 << 40) + 7] {
+            for (a, b) in [(0x1234_5678u32, 0x9abc_def0u32), (0xffff_ffff, 1)] {
+                assert_eq!(
+                    multmodp(x2nmodp(len, 3, &x2n), a) ^ b,
+                    crc32c::crc32c_combine(a, b, len as usize),
+                    "len {len}"
+                );
+            }
         }
     }
 

@@ -1451,10 +1451,11 @@ pub(crate) struct CudaLane {
 // Send, and CudaBlas is Send + Sync.
 unsafe impl Send for CudaLane {}
 
-/// Checks a lane may have in flight at once; one more is left to the host.
-const CHECK_RING: usize = 64;
-/// The most storage tiles one check covers (a block in smaller tiles is checked by the host).
-const CHECK_MAX_TILES: usize = 4096;
+/// Checks a lane may have in flight at once (staging's check queue holds 64, plus the blocks
+/// being copied); a check beyond them is left to the host.
+const CHECK_RING: usize = 128;
+/// The most storage tiles one check covers (a block in more is checked by the host).
+const CHECK_MAX_TILES: usize = super::check::MAX_TILES;
 
 /// Where a lane's checks ([`super::check`]) put their results: `[crc, count]` per storage
 /// tile, written by the kernel into `dev`, copied into the page-locked `ring._host`, one region
@@ -1472,11 +1473,6 @@ struct CheckRing {
     ptr: usize,
     free: std::sync::Mutex<Vec<usize>>,
 }
-
-// SAFETY: `ptr` is only an address; reads through it are in `CudaCheck::wait`, after the copy
-// into that region has completed (its event), and a region is written by one check at a time.
-unsafe impl Send for CheckRing {}
-unsafe impl Sync for CheckRing {}
 
 /// A check queued on a lane's H2D stream: its region of the ring and the event after the copy
 /// of its results into it.
@@ -1931,15 +1927,16 @@ impl Lane for CudaLane {
             });
             self.check_bufs = Some(CheckBufs { dev, ring });
         }
+        // Stands in for the event after the results' copy (below) until then.
+        let placeholder = self.h2d.record_event(None).ok()?;
         let bufs = self.check_bufs.as_mut()?;
         let region = (bufs.ring.free.lock().unwrap_or_else(|e| e.into_inner())).pop()?;
-        // Given back if anything below fails (the host then checks the block).
+        // Gives the region back if anything below fails (the host then checks the block).
         let mut check = CudaCheck {
             ring: bufs.ring.clone(),
             region,
             tiles,
-            // Replaced below; a recorded event stands in until then.
-            done: self.h2d.record_event(None).ok()?,
+            done: placeholder,
         };
         let src = match landing {
             Some(li) => &self.landing[li],
@@ -1987,7 +1984,12 @@ impl Lane for CudaLane {
         }
         .result()
         .ok()?;
-        check.done = self.h2d.record_event(None).ok()?;
+        // Blocking sync: the check stage's thread sleeps while it waits instead of spinning a
+        // core of a host that is the limit with these precisions.
+        check.done = self
+            .h2d
+            .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .ok()?;
         Some(Box::new(check))
     }
 
@@ -2251,6 +2253,9 @@ impl Drop for CudaLane {
         // `let_go_of_blas`).
         let t = std::time::Instant::now();
         let _ = self.ctx.bind_to_thread();
+        // A check kernel may still read a slot or landing buffer on the H2D stream, which the
+        // buffers' stream-ordered frees below (on other streams) do not wait for.
+        let _ = self.h2d.synchronize();
         if let Some(b) = self.blas.take() {
             let_go_of_blas(&self.ctx, b);
         }

@@ -694,7 +694,9 @@ impl Staging<'_> {
         // Checked on the device that copies it, where the lane can and the format says where
         // the block's storage tiles lie.
         let device = match f.device_check_spec(block, self.host_dt) {
-            Some(spec) if self.device_checks => {
+            Some(spec)
+                if self.device_checks && spec.tiles() <= crate::backend::check::MAX_TILES =>
+            {
                 let (tx, rx) = crossbeam_channel::bounded(1);
                 *up.device_check.get_mut().unwrap_or_else(|e| e.into_inner()) = Some((tx, spec));
                 Some(rx)
