@@ -1,10 +1,13 @@
 """Bad inputs raise clear errors of the right class; nothing is computed."""
 
+import os
+import warnings
+
 import numpy as np
 import pytest
 
 import mgmm_stream as mg
-from conftest import CPU, rand
+from conftest import CPU, close, rand, reference
 
 
 def test_hierarchy():
@@ -161,3 +164,18 @@ def test_devices_as_an_int():
     a, b = rand((10, 5)), rand((5, 4))
     c = mg.matmul(a, b, devices=0, backend="cpu", progress=False)
     assert np.allclose(c, a.astype(np.float64) @ b, rtol=1e-5)
+
+
+def test_gpus_asked_for_without_a_usable_gpu_warn():
+    """devices=[0, 1] under backend="auto" on a machine without a GPU: computed on the CPU,
+    with a RuntimeWarning saying so (with progress=False a note alone would only reach logging)."""
+    if os.path.exists("/dev/nvidia0"):
+        pytest.skip("a GPU is present: nothing falls back")
+    a, b = rand((20, 30)), rand((30, 10), seed=1)
+    with pytest.warns(RuntimeWarning, match=r"using the CPU.*devices=\[0, 1\] asked for GPUs"):
+        c = mg.matmul(a, b, devices=[0, 1], tile=64, progress=False)
+    close(c, reference(a, b), np.float32)
+    # Not with "all" (the default): auto means "a GPU if there is one".
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mg.matmul(a, b, tile=64, progress=False)
