@@ -322,9 +322,14 @@ fn run_failing_after(dir: &Path, tiles: u32, args: &[&str]) -> std::process::Out
 
 /// The plan of `step("A @ B")` on the CPU with 8×8 compute tiles (6 output tiles).
 fn small_cpu_plan(dir: &Path) {
+    cpu_plan(dir, "C.mgt", "tile = 8\n");
+}
+
+/// p.toml computing `output` = A·B on the CPU, with `engine` lines added under [engine].
+fn cpu_plan(dir: &Path, output: &str, engine: &str) {
     plan_with(
         dir,
-        &format!("{}[engine]\nbackend = \"cpu\"\ntile = 8\n", step("A @ B")),
+        &format!("{GOOD}[[step]]\noutput = \"{output}\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\n{engine}"),
     );
 }
 
@@ -492,10 +497,7 @@ fn an_unfinished_npy_output_is_not_exported_or_called_corrupt() {
     let d = tmp();
     let dir = d.path();
     setup(dir);
-    plan_with(
-        dir,
-        &format!("{GOOD}[[step]]\noutput = \"C.npy\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\ntile = 8\n"),
-    );
+    cpu_plan(dir, "C.npy", "tile = 8\n");
     let o = run_failing_after(dir, 2, &["run", "p.toml"]);
     assert!(!o.status.success());
     let o = mg(dir, &["export", "C.npy", "X.npy"]);
@@ -629,10 +631,7 @@ fn a_report_into_a_new_folder_is_written_and_a_failed_run_leaves_none() {
     let d = tmp();
     let dir = d.path();
     setup(dir);
-    plan_with(
-        dir,
-        &format!("{GOOD}[[step]]\noutput = \"res/C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\n"),
-    );
+    cpu_plan(dir, "res/C.mgt", "");
     let o = mg(dir, &["run", "p.toml", "--report", "res/report.json"]);
     assert!(o.status.success(), "{o:?}");
     assert!(std::fs::read_to_string(dir.join("res/report.json"))

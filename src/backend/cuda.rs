@@ -47,23 +47,26 @@ const CHECK_SRC: &str = include_str!("../../kernels/check.cu");
 /// kernels/check.cu compiled once per process (see [`convert_ptx`]).
 fn check_ptx() -> std::result::Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
     static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    if let Some(src) = PTX.get() {
-        return Ok(cudarc::nvrtc::Ptx::from_src(src.clone()));
-    }
-    let ptx = cudarc::nvrtc::compile_ptx(CHECK_SRC)?;
-    let _ = PTX.set(ptx.to_src());
-    Ok(ptx)
+    compiled_once(&PTX, CHECK_SRC)
 }
 
 /// kernels/convert.cu compiled once per process (NVRTC takes tens of milliseconds; every lane of
 /// every bf16/fp16 step loads the same PTX).
 fn convert_ptx() -> std::result::Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
     static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    if let Some(src) = PTX.get() {
-        return Ok(cudarc::nvrtc::Ptx::from_src(src.clone()));
+    compiled_once(&PTX, CONVERT_SRC)
+}
+
+/// `src` compiled by NVRTC the first time, its PTX kept in `cell` for every later call.
+fn compiled_once(
+    cell: &std::sync::OnceLock<String>,
+    src: &str,
+) -> std::result::Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
+    if let Some(ptx) = cell.get() {
+        return Ok(cudarc::nvrtc::Ptx::from_src(ptx.clone()));
     }
-    let ptx = cudarc::nvrtc::compile_ptx(CONVERT_SRC)?;
-    let _ = PTX.set(ptx.to_src());
+    let ptx = cudarc::nvrtc::compile_ptx(src)?;
+    let _ = cell.set(ptx.to_src());
     Ok(ptx)
 }
 
@@ -1454,8 +1457,7 @@ unsafe impl Send for CudaLane {}
 /// Checks a lane may have in flight at once (staging's check queue holds 64, plus the blocks
 /// being copied); a check beyond them is left to the host.
 const CHECK_RING: usize = 128;
-/// The most storage tiles one check covers (a block in more is checked by the host).
-const CHECK_MAX_TILES: usize = super::check::MAX_TILES;
+use super::check::MAX_TILES as CHECK_MAX_TILES;
 
 /// Where a lane's checks ([`super::check`]) put their results: `[crc, count]` per storage
 /// tile, written by the kernel into `dev`, copied into the page-locked `ring._host`, one region
@@ -1480,12 +1482,14 @@ struct CudaCheck {
     ring: Arc<CheckRing>,
     region: usize,
     tiles: usize,
-    done: CudaEvent,
+    /// Recorded once the check and its copy are queued (`None` until then).
+    done: Option<CudaEvent>,
 }
 
 impl super::check::DeviceCheck for CudaCheck {
     fn wait(self: Box<Self>) -> std::result::Result<Vec<[u32; 2]>, String> {
-        self.done.synchronize().map_err(|e| e.to_string())?;
+        let done = (self.done.as_ref()).ok_or("the check was never queued")?;
+        done.synchronize().map_err(|e| e.to_string())?;
         let at = self.ring.ptr as *const u32;
         // SAFETY: the region lies inside `ring.host` (alive: `self.ring`), its results were
         // copied there before `done` (synchronized above), and no other check writes it
@@ -1927,8 +1931,6 @@ impl Lane for CudaLane {
             });
             self.check_bufs = Some(CheckBufs { dev, ring });
         }
-        // Stands in for the event after the results' copy (below) until then.
-        let placeholder = self.h2d.record_event(None).ok()?;
         let bufs = self.check_bufs.as_mut()?;
         let region = (bufs.ring.free.lock().unwrap_or_else(|e| e.into_inner())).pop()?;
         // Gives the region back if anything below fails (the host then checks the block).
@@ -1936,7 +1938,7 @@ impl Lane for CudaLane {
             ring: bufs.ring.clone(),
             region,
             tiles,
-            done: placeholder,
+            done: None,
         };
         let src = match landing {
             Some(li) => &self.landing[li],
@@ -1986,10 +1988,11 @@ impl Lane for CudaLane {
         .ok()?;
         // Blocking sync: the check stage's thread sleeps while it waits instead of spinning a
         // core of a host that is the limit with these precisions.
-        check.done = self
-            .h2d
-            .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
-            .ok()?;
+        check.done = Some(
+            (self.h2d)
+                .record_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+                .ok()?,
+        );
         Some(Box::new(check))
     }
 

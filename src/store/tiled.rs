@@ -118,6 +118,22 @@ struct Piece {
     crc: u32,
 }
 
+impl Piece {
+    /// The piece run `g` makes with CRC `crc` (0 when it is computed later), when it is wanted:
+    /// checksums are checked (`marks`), its tile is not yet verified, and its bytes are back to
+    /// back in the file (a run across part of a tile's width makes none).
+    fn wanted(geo: &Geometry, g: &Run, marks: Option<&[AtomicBool]>, crc: u32) -> Option<Piece> {
+        let tile = ((g.file_off - geo.data_offset) / geo.tile_stride) as usize;
+        let want = g.file_contiguous() && marks.is_some_and(|m| !m[tile].load(Ordering::Relaxed));
+        want.then_some(Piece {
+            tile,
+            start: g.file_off,
+            len: g.bytes() as u64,
+            crc,
+        })
+    }
+}
+
 /// Read run `g` into `span` (its bytes of the dense block buffer, file dtype) with `pread`s of
 /// at most [`VISIT_PIECE`] bytes, handing each piece to `visit` in file order right after it is
 /// read. Rows that are not back to back in the file are read, and visited, one by one.
@@ -548,18 +564,7 @@ impl TiledFile {
             &self.file,
             &rs,
             dst,
-            |g| {
-                let tile = ((g.file_off - geo.data_offset) / geo.tile_stride) as usize;
-                let want_crc =
-                    g.file_contiguous() && marks.is_some_and(|m| !m[tile].load(Ordering::Relaxed));
-                let piece = want_crc.then_some(Piece {
-                    tile,
-                    start: g.file_off,
-                    len: g.bytes() as u64,
-                    crc: 0,
-                });
-                (0, piece)
-            },
+            |g| (0, Piece::wanted(&geo, g, marks, 0)),
             |(nonfinite, piece), bytes| {
                 if let Some(p) = piece {
                     p.crc = crc32c::crc32c_append(p.crc, bytes);
@@ -622,15 +627,7 @@ impl TiledFile {
         let per_run: Vec<(u64, Option<Piece>)> = rs
             .par_iter()
             .map(|g| {
-                let tile = ((g.file_off - geo.data_offset) / geo.tile_stride) as usize;
-                let want_crc =
-                    g.file_contiguous() && marks.is_some_and(|m| !m[tile].load(Ordering::Relaxed));
-                let mut piece = want_crc.then_some(Piece {
-                    tile,
-                    start: g.file_off,
-                    len: g.bytes() as u64,
-                    crc: 0,
-                });
+                let mut piece = Piece::wanted(&geo, g, marks, 0);
                 let mut nonfinite = 0;
                 for r in 0..g.rows {
                     let at = g.row(r).0 as usize;
@@ -706,18 +703,7 @@ impl TiledFile {
         let per_run: Vec<(u64, Option<Piece>)> = rs
             .iter()
             .zip(results)
-            .map(|(g, &[crc, nonfinite])| {
-                let tile = ((g.file_off - geo.data_offset) / geo.tile_stride) as usize;
-                let want_crc =
-                    g.file_contiguous() && marks.is_some_and(|m| !m[tile].load(Ordering::Relaxed));
-                let piece = want_crc.then_some(Piece {
-                    tile,
-                    start: g.file_off,
-                    len: g.bytes() as u64,
-                    crc,
-                });
-                (nonfinite as u64, piece)
-            })
+            .map(|(g, &[crc, nonfinite])| (nonfinite as u64, Piece::wanted(&geo, g, marks, crc)))
             .collect();
         self.settle_checks(b, marks, per_run)
     }

@@ -15,26 +15,25 @@ import numpy as np
 from multiprocessing import Barrier, Process, Queue
 
 
+def touch(kind, a, b):
+    if kind == "copy":
+        np.copyto(b, a)
+    elif kind == "write":
+        a.fill(1)
+    else:
+        a.max()
+
+
 def worker(kind, size, reps, bar, q):
     a = np.ones(size // 4, dtype=np.float32)
     b = np.zeros_like(a) if kind == "copy" else None
     for _ in range(2):  # first touch and a warm round, not timed
-        if kind == "copy":
-            np.copyto(b, a)
-        elif kind == "write":
-            a.fill(1)
-        else:
-            a.max()
+        touch(kind, a, b)
     times = []
     for _ in range(reps):
         bar.wait()
         t = time.perf_counter()
-        if kind == "copy":
-            np.copyto(b, a)
-        elif kind == "write":
-            a.fill(1)
-        else:
-            a.max()
+        touch(kind, a, b)
         times.append((t, time.perf_counter()))
     q.put(times)
 
