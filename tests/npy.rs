@@ -238,7 +238,8 @@ fn one_raw_file_as_a_matrix_and_its_transpose_but_not_as_another_shape() {
     assert!(
         e.contains("matrices.Y")
             && e.contains("also matrices.X")
-            && e.contains("one file holds one matrix"),
+            && e.contains("one file holds one matrix")
+            && e.contains("X.T in expr, or declare it with order = \"F\""),
         "{e}"
     );
 }
