@@ -166,9 +166,15 @@ pub(crate) fn matrices(
         }) {
             // A raw file read again with rows and cols swapped is most likely meant as the
             // transpose: say how to declare that.
-            let transpose = (decl.raw.is_some() && o.raw.is_some() && (decl.rows, decl.cols) == (o.cols, o.rows))
-                .then(|| format!(" (for its transpose write {}.T in expr, or declare it with order = \"{}\")", o.name, if o.transposed { "C" } else { "F" }))
-                .unwrap_or_default();
+            let transpose = if decl.raw.is_some()
+                && o.raw.is_some()
+                && (decl.rows, decl.cols) == (o.cols, o.rows)
+            {
+                let order = if o.transposed { "C" } else { "F" };
+                format!(" (for its transpose write {}.T in expr, or declare it with order = \"{order}\")", o.name)
+            } else {
+                String::new()
+            };
             return Err(cx.err(format!(
                 "{key}: {} is also matrices.{}, declared {}×{} {} there but {}×{} {} here; one file holds one matrix: give one of them another path{transpose}",
                 decl.path.display(), o.name, o.rows, o.cols, o.dtype, decl.rows, decl.cols, decl.dtype
