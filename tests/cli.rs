@@ -713,6 +713,7 @@ fn end_of_command_text_fits_80_columns() {
         failing_cells: 40,
         failing_tiles: (0..40).map(|i| (1000 + i, 2000 + 3 * i)).collect(),
         corrupt_tiles: 0,
+        corrupt_input: None,
         tile_shape: (4096, 4096),
         unexpected_nonfinite: 7,
         skipped_cells: 3,

@@ -470,6 +470,77 @@ fn a_changed_input_is_named_from_the_journal() {
     );
 }
 
+/// An input whose data changes in place after the run (a low bit flipped, its checksum table
+/// untouched: the journal's identity of it is unchanged, and the residuals would pass) is named
+/// by `verify` from its stored checksums — the file and the tile — and not blamed on the
+/// output; `--repair` recomputes nothing and the input is left as it is; put back, it passes.
+#[test]
+fn an_input_changed_in_place_after_the_run_is_named_by_its_checksums() {
+    let d = tmp();
+    let dir = d.path();
+    let rep = run_then(dir, "", "", "fp32", DType::F32);
+    assert!(rep.pass, "{}", format(&rep));
+    let b = dir.join("B.mgt");
+    let f = TiledFile::open(&b).unwrap();
+    // Element (130, 70) lies in storage tile (2, 1) of 64×64; its lowest mantissa bit.
+    let off = f.hdr.tile_offset(2, 1) + (2 * 64 + 6) * 4;
+    drop(f);
+    let flip = |path: &Path| {
+        let w = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        let mut x = [0u8; 1];
+        w.read_exact_at(&mut x, off).unwrap();
+        w.write_all_at(&[x[0] ^ 1], off).unwrap();
+    };
+    flip(&b);
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
+    let why = rep.reason.clone().unwrap_or_default();
+    assert!(
+        !rep.pass
+            && rep.corrupt_input.as_deref() == Some(b.display().to_string().as_str())
+            && why.contains("B.mgt no longer matches")
+            && why.contains("tile (2, 1)")
+            && why.contains("restore the input")
+            && rep.failing_tiles.is_empty(),
+        "{}",
+        format(&rep)
+    );
+    let changed = std::fs::read(&b).unwrap();
+    let c = std::fs::read(dir.join("C.mgt")).unwrap();
+    let o = Command::new(bin())
+        .args(["verify", "plan.toml", "--repair"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(
+        !o.status.success()
+            && out.contains("FAIL")
+            && out.contains("tile (2, 1)")
+            && !err.contains("recomputing")
+            && err.contains("verification failed for step 1"),
+        "{out}\n{err}"
+    );
+    assert!(
+        std::fs::read(&b).unwrap() == changed,
+        "verify modified its input"
+    );
+    assert!(
+        std::fs::read(dir.join("C.mgt")).unwrap() == c,
+        "verify --repair changed the output"
+    );
+    flip(&b);
+    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
+    assert!(rep.pass && rep.corrupt_input.is_none(), "{}", format(&rep));
+}
+
 /// Results on stdout, the failure on stderr; `--repair` recomputes the tile and leaves the
 /// bytes of a clean run.
 #[test]

@@ -69,6 +69,10 @@ pub struct VerifyReport {
     /// Output storage tiles whose data no longer matches the checksums `run` stored (they are
     /// the failing tiles then; the residual test is not run).
     pub corrupt_tiles: usize,
+    /// An input (or added matrix `C0`) whose data no longer matches its stored checksums: it
+    /// changed after `run` read it, so the output is not checked against it (`reason` says
+    /// which tile).
+    pub corrupt_input: Option<String>,
     /// Storage tile shape used to name failing tiles.
     pub tile_shape: (u64, u64),
     /// NaN/Inf in the output where the inputs give no IEEE reason for one.
@@ -411,6 +415,7 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         failing_cells: 0,
         failing_tiles: Vec::new(),
         corrupt_tiles: 0,
+        corrupt_input: None,
         tile_shape: tile,
         unexpected_nonfinite: 0,
         skipped_cells: 0,
@@ -478,7 +483,37 @@ fn residuals(
         exact,
     };
     let cg = Groups::new(n, tile.1 as usize, groups_for(m.max(n), r));
-    let o = rows.run(&cg, r, seed, 0x5EED)?;
+    let o = match rows.run(&cg, r, seed, 0x5EED) {
+        Err(Error::Checksum {
+            path,
+            ti,
+            tj,
+            stored,
+            computed,
+            sidecar,
+        }) => {
+            // The passes check every file's stored checksums as they read it (pass::read_band);
+            // the output's were checked before, so this is an operand changed in place.
+            rep.pass = false;
+            rep.corrupt_input = Some(path.display().to_string());
+            let (table, meant) = match sidecar {
+                Some(s) => (
+                    format!("the checksums in {}", s.display()),
+                    format!("delete {} and `run --restart`", s.display()),
+                ),
+                None => (
+                    "the checksums stored in it".into(),
+                    "`run --restart`".into(),
+                ),
+            };
+            rep.reason = Some(format!(
+                "the input {} no longer matches {table} (tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}): it changed after it was written, so the output cannot be checked against it — restore the input (the output, computed from it before, may well be right) and verify again; if the input is meant to have changed, {meant} to recompute the step from it",
+                path.display()
+            ));
+            return Ok(());
+        }
+        o => o?,
+    };
     rep.max_ratio = o.max_ratio;
     rep.max_sigmas = o.max_sigmas;
     (rep.worst_row, rep.residual, rep.allowed) = (o.worst.0 as u64, o.worst.1, o.worst.2);
