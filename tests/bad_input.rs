@@ -646,3 +646,65 @@ fn a_report_into_a_new_folder_is_written_and_a_failed_run_leaves_none() {
     assert!(!o.status.success(), "{o:?}");
     assert!(!dir.join("r2.json").exists());
 }
+
+/// `run --restart` over a finished step whose input was corrupted in place since (a byte of its
+/// data flipped; the journal's identity of it unchanged) stops before the output is touched,
+/// naming the input and its tile; once the input is put back, `run` has nothing to compute and
+/// the output is the one computed before. A step that is not complete is restarted as before
+/// (the run's own reads find the corruption then, with nothing finished to lose).
+#[test]
+fn restart_keeps_a_finished_output_when_an_input_is_now_corrupt() {
+    use std::os::unix::fs::FileExt;
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    cpu_plan(dir, "C.mgt", "");
+    assert!(mg(dir, &["run", "p.toml", "-q"]).status.success());
+    let c = std::fs::read(dir.join("C.mgt")).unwrap();
+    let j = std::fs::read(dir.join("C.mgt.journal")).unwrap();
+    let f = mgmm_stream::store::TiledFile::open(&dir.join("B.mgt")).unwrap();
+    let off = f.hdr.tile_offset(1, 0) + 4 * 9;
+    drop(f);
+    let flip = || {
+        let w = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join("B.mgt"))
+            .unwrap();
+        let mut x = [0u8; 1];
+        w.read_exact_at(&mut x, off).unwrap();
+        w.write_all_at(&[x[0] ^ 1], off).unwrap();
+    };
+    flip();
+    let o = mg(dir, &["run", "p.toml", "--restart"]);
+    failed_with(
+        &o,
+        &[
+            "B.mgt",
+            "checksum mismatch in tile (1, 0)",
+            "stopped before touching",
+            "C.mgt",
+        ],
+    );
+    assert!(
+        std::fs::read(dir.join("C.mgt")).unwrap() == c,
+        "C.mgt changed"
+    );
+    assert!(
+        std::fs::read(dir.join("C.mgt.journal")).unwrap() == j,
+        "the journal changed"
+    );
+    flip();
+    let o = mg(dir, &["run", "p.toml"]);
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stderr).contains("already complete"),
+        "{o:?}"
+    );
+    assert!(std::fs::read(dir.join("C.mgt")).unwrap() == c);
+    // Unfinished (no journal): restarted, and the run's own check names the tile.
+    flip();
+    std::fs::remove_file(dir.join("C.mgt.journal")).unwrap();
+    let o = mg(dir, &["run", "p.toml", "--restart"]);
+    let err = failed_with(&o, &["B.mgt", "checksum mismatch in tile (1, 0)"]);
+    assert!(!err.contains("stopped before touching"), "{err}");
+}

@@ -195,6 +195,56 @@ fn step_complete(
     Ok(peek.complete && crate::pipeline::journal::same_fingerprint(&peek.fingerprint, &fp))
 }
 
+/// `run --restart` over a step its journal calls complete for these very inputs would throw a
+/// good output away first and only then, reading the inputs, find one of them corrupt (its data
+/// changed in place: the journal's identity of an input does not read the data). So, for such
+/// steps, every input tile's stored checksum is checked before anything is overwritten — one
+/// read of those inputs, which the step's own reads then find in the page cache when they fit,
+/// and only when a finished output is at stake. Inputs that a step of this plan writes are
+/// recomputed anyway and are not checked.
+fn check_before_restart(plan: &Plan, layouts: &[Layout], kind: &str) -> Result<()> {
+    let outputs: std::collections::HashSet<&std::path::Path> =
+        plan.steps.iter().map(|s| s.output.as_path()).collect();
+    let mut checked = std::collections::HashSet::new();
+    for (step, layout) in plan.steps.iter().zip(layouts) {
+        // A journal that cannot be read (or inputs that cannot be identified) promises no
+        // finished output; `--restart` handles it as before.
+        let Ok(Some(peek)) = crate::pipeline::journal::peek(&step.output) else {
+            continue;
+        };
+        let Ok(fp) = fingerprint(step, layout, kind, plan.engine.precision) else {
+            continue;
+        };
+        if !(peek.complete && crate::pipeline::journal::same_fingerprint(&peek.fingerprint, &fp)) {
+            continue;
+        }
+        let operands = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+        for op in operands.into_iter().flatten() {
+            if op.temp || outputs.contains(op.path.as_path()) || !checked.insert(&op.path) {
+                continue;
+            }
+            let src = op.open()?;
+            let (rows, cols) = src.shape();
+            let all = crate::store::Block {
+                r0: 0,
+                c0: 0,
+                rows,
+                cols,
+            };
+            match src.verify_block(&all) {
+                Err(e @ Error::Checksum { .. }) => {
+                    return Err(Error::Usage(format!(
+                        "{e}\n`run --restart` stopped before touching {}, which its journal says is complete for these inputs: once the input is restored, `run` without --restart has nothing to compute (`info --check` lists every bad tile)",
+                        step.output.display()
+                    )))
+                }
+                r => r?,
+            }
+        }
+    }
+    Ok(())
+}
+
 /// After the last product of a chain: remove its intermediates and their journals.
 fn remove_chain_temps(step: &Step) -> Result<()> {
     let Some(c) = step.chain.as_ref().filter(|c| c.part == c.parts) else {
@@ -371,6 +421,9 @@ fn run_plan_timed(
     ];
     if opts.shard.is_none() && !opts.restart {
         refuse_foreign_journals(plan, &layouts, backend.caps().kind)?;
+    }
+    if opts.shard.is_none() && opts.restart && plan.engine.verify_inputs {
+        check_before_restart(plan, &layouts, backend.caps().kind)?;
     }
     let mut steps = Vec::new();
     // The chain intermediates held in memory; dropped as soon as the step reading each is done.
