@@ -1,6 +1,7 @@
 """Bad inputs raise clear errors of the right class; nothing is computed."""
 
 import os
+import tempfile
 import warnings
 
 import numpy as np
@@ -172,9 +173,20 @@ def test_gpus_asked_for_without_a_usable_gpu_warn():
     if os.path.exists("/dev/nvidia0"):
         pytest.skip("a GPU is present: nothing falls back")
     a, b = rand((20, 30)), rand((30, 10), seed=1)
-    with pytest.warns(RuntimeWarning, match=r"using the CPU.*devices=\[0, 1\] asked for GPUs"):
+    with pytest.warns(RuntimeWarning, match=r"using the CPU.*devices = \[0, 1\] asked for GPUs"):
         c = mg.matmul(a, b, devices=[0, 1], tile=64, progress=False)
     close(c, reference(a, b), np.float32)
+    # A plan's engine.devices through run(): the same warning (it only reached logging before).
+    with tempfile.TemporaryDirectory() as d:
+        plan = {"matrices": {"A": {"path": os.path.join(d, "A.mgt"),
+                                   "generate": {"rows": 20, "cols": 30}},
+                             "B": {"path": os.path.join(d, "B.mgt"),
+                                   "generate": {"rows": 30, "cols": 10}}},
+                "step": [{"output": os.path.join(d, "C.mgt"), "expr": "A @ B"}],
+                "engine": {"devices": [1], "tile": 64}}
+        with pytest.warns(RuntimeWarning, match=r"using the CPU.*devices = \[1\] asked for GPUs"):
+            rep = mg.run(plan, progress=False)
+        assert rep["steps"][0]["tiles_computed"] == 1
     # Not with "all" (the default): auto means "a GPU if there is one".
     with warnings.catch_warnings():
         warnings.simplefilter("error")

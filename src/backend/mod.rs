@@ -413,10 +413,20 @@ pub(crate) fn select_with(
         )),
         BackendKind::Auto => match cuda::CudaBackend::select(engine, early) {
             Ok(s) => Ok(Box::new(s)),
-            Err(e) => Ok(Box::new(cpu::CpuBackend::new(
-                engine.threads,
-                Some(format!("backend auto: using the CPU ({e})")),
-            ))),
+            Err(e) => {
+                // GPUs named in the plan make the fallback worth more than a note: the Python
+                // package raises a RuntimeWarning on this wording ("devices = [").
+                let asked = match &engine.devices {
+                    crate::plan::Devices::List(l) => format!(
+                        "; engine.devices = {l:?} asked for GPUs: set backend = \"cuda\" to make this an error, or backend = \"cpu\""
+                    ),
+                    crate::plan::Devices::All => String::new(),
+                };
+                Ok(Box::new(cpu::CpuBackend::new(
+                    engine.threads,
+                    Some(format!("backend auto: using the CPU ({e}){asked}")),
+                )))
+            }
         },
     }
 }

@@ -219,11 +219,8 @@ def _operand(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:
 class _Display:
     """Turns engine events into a tqdm bar, plain lines, a callback, or nothing."""
 
-    def __init__(self, progress: Progress, gpus_asked: Optional[str] = None):
+    def __init__(self, progress: Progress):
         self.callback = progress if callable(progress) else None
-        # Set when the caller named GPUs (devices=[...]) under backend="auto": falling back to
-        # the CPU is then a warning, not only a note that progress=False sends to `logging`.
-        self.gpus_asked = gpus_asked
         self.bar = None
         self.tqdm = None
         self.every = 0.2
@@ -239,10 +236,10 @@ class _Display:
 
     def __call__(self, kind: str, data: Any) -> None:
         if kind == "note":
-            if self.gpus_asked and str(data).startswith("backend auto: using the CPU"):
-                warnings.warn(f"{data}; devices={self.gpus_asked} asked for GPUs: pass "
-                              "backend=\"cuda\" to make this an error, or backend=\"cpu\"",
-                              RuntimeWarning, stacklevel=2)
+            # GPUs named (matmul's devices=[...], a plan's engine.devices) under backend "auto"
+            # and none usable: the engine's note says so and how to make it an error.
+            if str(data).startswith("backend auto: using the CPU") and "devices = [" in str(data):
+                warnings.warn(str(data), RuntimeWarning, stacklevel=2)
             if self.callback is not None or not self.enabled:
                 log.info("%s", data)
             elif self.tqdm is not None:
@@ -493,9 +490,7 @@ def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool
     desc, result = _output(job, out, result_memory)
     if desc["kind"] == "buffer" and out is not None:
         _check_no_overlap(out, keep)
-    asked = None if backend != "auto" or isinstance(devices, str) else str(
-        [int(devices)] if isinstance(devices, (int, np.integer)) else [int(d) for d in devices])
-    display = _Display(progress, asked)
+    display = _Display(progress)
     _run_with(display, lambda ev, every: job.run(desc, bool(restart), ev, cancel, every))
     del keep
     if isinstance(result, str) and result.endswith(".npy"):
