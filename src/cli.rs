@@ -459,13 +459,29 @@ fn info_cmd(file: &Path, check: bool) -> Result<()> {
     // An output `run` has not finished is told apart from a corrupt one, in every format.
     let open = if check { unfinished(file)? } else { None };
     // .npy and raw inputs describe themselves.
-    if let Some(text) = crate::store::source::inspect(file, check && open.is_none())? {
+    if let Some((text, checked)) = crate::store::source::inspect(file, check && open.is_none())? {
         out!("{text}");
         if let Some(progress) = open {
             outln!("check:       unfinished, resumable ({progress})");
             return Err(unfinished_error(file, &progress));
         }
-        return Ok(());
+        return match checked {
+            None => Ok(()),
+            Some(Ok(line)) => {
+                out!("{line}");
+                Ok(())
+            }
+            Some(Err(e)) => {
+                outln!(
+                    "check:       {}",
+                    match e {
+                        Error::Checksum { .. } => "corrupt",
+                        _ => "not possible",
+                    }
+                );
+                Err(e)
+            }
+        };
     }
     let f = TiledFile::open(file)?;
     let h = f.hdr;
@@ -507,6 +523,7 @@ fn info_cmd(file: &Path, check: bool) -> Result<()> {
         return Err(unfinished_error(file, &progress));
     }
     if !h.has_checksums() {
+        outln!("check:       not possible");
         return Err(Error::format(
             file,
             "has no checksum table; nothing to check (re-import or regenerate it to add one)",

@@ -530,6 +530,24 @@ fn an_unfinished_npy_output_is_not_exported_or_called_corrupt() {
             "delete the sidecar",
         ],
     );
+    // The description comes first, as for a `.mgt`: what the file is, then why no check.
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("shape:") && out.contains("check:       not possible"),
+        "{out}"
+    );
+    // A raw file (no checksums at all) likewise.
+    std::fs::write(dir.join("x.bin"), [0u8; 24]).unwrap();
+    let o = mg(
+        dir,
+        &["info", "raw:rows=2,cols=3,dtype=f32:x.bin", "--check"],
+    );
+    failed_with(&o, &["has no checksums", "nothing to check"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("format:      raw") && out.contains("check:       not possible"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -283,8 +283,10 @@ pub fn open_region(
 
 /// `info` for anything that is not a `.mgt` file (`None` for a `.mgt`, which the caller prints
 /// from its header): a `.npy` array or a `raw:…` descriptor, described, and with `check` every
-/// sidecar tile's CRC verified.
-pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<String>> {
+/// sidecar tile's CRC verified. The description comes back whatever the check finds, so that it
+/// is printed before the check's line or error: (text, `None` without `check`, else the check's
+/// `check:` line or its error).
+pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<(String, Option<Result<String>>)>> {
     let spec = SourceSpec::parse_arg(&arg.to_string_lossy())?;
     if let SourceSpec::File(p) = &spec {
         // Opening a FIFO for reading would wait for a writer forever.
@@ -303,34 +305,36 @@ pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<String>> {
         }
     }
     let s = spec.open()?;
-    let mut out = s.describe();
-    if check {
-        if s.checksum_tile().is_none() {
-            // A sidecar that is there but does not fit says why it was ignored.
-            return Err(Error::format(
-                spec.path(),
-                match s.checksum_note() {
-                    Some(note) => format!(
-                        "its {note}; nothing to check (delete the sidecar if the array was changed on purpose)"
-                    ),
-                    None => "has no checksums (only .npy files written by `run` have a sidecar of tile CRCs); nothing to check".into(),
-                },
-            ));
-        }
-        let t = std::time::Instant::now();
-        let (rows, cols) = s.shape();
-        s.verify_block(&Block {
+    let out = s.describe();
+    if !check {
+        return Ok(Some((out, None)));
+    }
+    if s.checksum_tile().is_none() {
+        // A sidecar that is there but does not fit says why it was ignored.
+        let why = match s.checksum_note() {
+            Some(note) => format!(
+                "its {note}; nothing to check (delete the sidecar if the array was changed on purpose)"
+            ),
+            None => "has no checksums (only .npy files written by `run` have a sidecar of tile CRCs); nothing to check".into(),
+        };
+        return Ok(Some((out, Some(Err(Error::format(spec.path(), why))))));
+    }
+    let t = std::time::Instant::now();
+    let (rows, cols) = s.shape();
+    let checked = s
+        .verify_block(&Block {
             r0: 0,
             c0: 0,
             rows,
             cols,
-        })?;
-        out += &format!(
-            "check:       all tiles OK ({:.2} s)\n",
-            t.elapsed().as_secs_f64()
-        );
-    }
-    Ok(Some(out))
+        })
+        .map(|()| {
+            format!(
+                "check:       all tiles OK ({:.2} s)\n",
+                t.elapsed().as_secs_f64()
+            )
+        });
+    Ok(Some((out, Some(checked))))
 }
 
 /// Where a matrix comes from: a self-describing file (`.mgt`, `.npy`), or a raw binary file
