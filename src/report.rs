@@ -522,8 +522,15 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         .iter()
         .map(|p| match p.lazy {
             // Leases without memory: the blocks went straight from the files' pages.
+            true if p.allocated == 0 => format!(
+                "{} none of {}×{} allocated (the blocks went straight from the files' pages; peak {} in flight)",
+                p.name,
+                p.buffers,
+                fmt_bytes(p.buffer_bytes),
+                p.high_water
+            ),
             true => format!(
-                "{} {}×{} as needed ({} allocated, peak {} leased)",
+                "{} {}×{} as needed ({} allocated for copied blocks, peak {} in flight)",
                 p.name,
                 p.buffers,
                 fmt_bytes(p.buffer_bytes),
