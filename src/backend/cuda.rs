@@ -89,8 +89,84 @@ pub(crate) struct DeviceInfo {
     pub(crate) ctx: Arc<CudaContext>,
     /// The GPU's memory pool, held while a backend uses the GPU (`None` in a probe).
     pub(crate) held: Option<Arc<HeldPool>>,
-    /// The GEMM whose kernel the probe loaded on this GPU ([`EarlyStart`]).
-    warmed: Option<WarmSpec>,
+    /// The GEMM whose kernel the probe is loading on this GPU ([`EarlyStart`]), on a thread of
+    /// its own.
+    warming: Option<Arc<Warming>>,
+}
+
+/// One GPU's early warm-up GEMM ([`warm_up_early`]), which loads cuBLAS's kernel (0.15–0.2 s on
+/// an H200). With tf32/bf16/fp16 it runs beside the start of the run: the backend is ready once
+/// its contexts are, a lane waits for it only before its first GEMM, and the step's staging —
+/// the limit at those precisions — page-locks and uploads the first blocks meanwhile (32768² on
+/// one H200, five runs each interleaved: process wall 1.22–1.33 s against 1.34–1.40 with tf32,
+/// 1.11–1.20 against 1.16–1.32 with bf16; BENCHMARKS §24). With fp32/fp64 the GEMMs are the
+/// limit from the first one on, so a wait inside the step lands on the critical path (step
+/// 1.62 s against 1.43, the process no shorter): there the warm-up finishes before the backend
+/// is handed over, as before.
+pub(crate) struct Warming {
+    spec: WarmSpec,
+    thread: std::sync::Mutex<Option<std::thread::JoinHandle<bool>>>,
+    ok: std::sync::OnceLock<bool>,
+}
+
+impl std::fmt::Debug for Warming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Warming({:?}, done: {:?})", self.spec, self.ok.get())
+    }
+}
+
+impl Drop for Warming {
+    /// A backend let go of before any GEMM (every step already complete, an error) still waits
+    /// for its warm-up: the process must not tear the driver down under a thread inside cuBLAS.
+    fn drop(&mut self) {
+        let h = self
+            .thread
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(h) = h {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Warming {
+    /// Start `w`'s warm-up GEMM on GPU `ordinal`: on a thread of its own for the tensor-core
+    /// precisions, inline for fp32/fp64 (or when no thread can be had).
+    fn start(ctx: &Arc<CudaContext>, ordinal: usize, w: WarmSpec) -> Arc<Warming> {
+        let me = Arc::new(Warming {
+            spec: w,
+            thread: std::sync::Mutex::new(None),
+            ok: std::sync::OnceLock::new(),
+        });
+        let run = {
+            let ctx = ctx.clone();
+            move || ctx.bind_to_thread().is_ok() && warm_up_early(&ctx, ordinal, &w).is_ok()
+        };
+        if matches!(w.precision, Precision::Fp32 | Precision::Fp64) {
+            let _ = me.ok.set(run());
+            return me;
+        }
+        let spawned = std::thread::Builder::new()
+            .name(format!("mgmm-cuda{ordinal}-warm"))
+            .spawn(run.clone());
+        match spawned {
+            Ok(h) => *me.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(h),
+            Err(_) => {
+                let _ = me.ok.set(run());
+            }
+        }
+        me
+    }
+
+    /// Wait for the warm-up; whether it loaded the kernel.
+    fn wait(&self) -> bool {
+        let mut g = self.thread.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(h) = g.take() {
+            let _ = self.ok.set(h.join().unwrap_or(false));
+        }
+        self.ok.get().copied().unwrap_or(false)
+    }
 }
 
 fn derr(what: &str, e: impl std::fmt::Display) -> Error {
@@ -316,9 +392,9 @@ fn device_info(i: usize, early: Option<&EarlyStart>, loaded: &LibsLoaded) -> Res
         p.register_with(&ctx);
     }
     let (free, total) = ctx.mem_get_info().map_err(|e| derr("cuMemGetInfo", e))?;
-    let warmed = (early.and_then(|e| e.warm))
+    let warming = (early.and_then(|e| e.warm))
         .filter(|_| loaded.wait().is_ok_and(|(blas, _)| blas))
-        .filter(|w| warm_up_early(&ctx, i, w).is_ok());
+        .map(|w| Warming::start(&ctx, i, w));
     Ok(DeviceInfo {
         ordinal: i,
         name: ctx.name().unwrap_or_else(|_| "?".into()),
@@ -327,7 +403,7 @@ fn device_info(i: usize, early: Option<&EarlyStart>, loaded: &LibsLoaded) -> Res
         cc: ctx.compute_capability().unwrap_or((0, 0)),
         ctx,
         held: None,
-        warmed,
+        warming,
     })
 }
 
@@ -1423,6 +1499,8 @@ pub(crate) struct CudaLane {
     comp: Arc<CudaStream>,
     d2h: Arc<CudaStream>,
     blas: Option<CudaBlas>,
+    /// The probe's warm-up GEMM of this lane's tile shape, waited for before the first GEMM.
+    warming: Option<Arc<Warming>>,
     slots: Vec<CudaSlice<u8>>,
     accs: Vec<CudaSlice<u8>>,
     landing: Vec<CudaSlice<u8>>,
@@ -1657,6 +1735,7 @@ impl CudaLane {
             comp,
             d2h,
             blas: Some(blas),
+            warming: None,
             slots,
             accs,
             landing,
@@ -1681,10 +1760,14 @@ impl CudaLane {
             k: l.tk as usize,
             precision,
         };
-        if d.warmed != Some(shape) {
-            let t = std::time::Instant::now();
-            lane.warm_up(l)?;
-            crate::trace::span(&track, "warm-up GEMM", t, std::time::Instant::now());
+        match &d.warming {
+            // The probe is loading this shape's kernel: the first GEMM waits for it.
+            Some(w) if w.spec == shape => lane.warming = Some(w.clone()),
+            _ => {
+                let t = std::time::Instant::now();
+                lane.warm_up(l)?;
+                crate::trace::span(&track, "warm-up GEMM", t, std::time::Instant::now());
+            }
         }
         if crate::trace::enabled() {
             let ev = lane
@@ -2065,6 +2148,14 @@ impl Lane for CudaLane {
     }
 
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {
+        if let Some(w) = self.warming.take() {
+            // Whether it loaded the kernel or failed, this GEMM may go now (after a failure it
+            // loads the kernel itself, as any first call does).
+            let t = std::time::Instant::now();
+            w.wait();
+            let track = format!("cuda:{} lane", self.ordinal);
+            crate::trace::span(&track, "wait for the warm-up", t, std::time::Instant::now());
+        }
         if g.alpha == 0.0 {
             // Reference xGEMM: with alpha = 0, A and B are not read (NaN/Inf there, or values
             // that overflow fp16, never reach C) and C = beta·C exactly.
