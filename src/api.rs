@@ -212,6 +212,13 @@ fn step_work(
                 &ids,
             );
             let out = &job.step.output;
+            if job.restart && e.verify_inputs && crate::run::finished_for(job.step, &fp) {
+                // As `run --restart`: a finished output is not thrown away for inputs found
+                // corrupt only afterwards (crate::run::check_before_restart).
+                let s = &job.sources;
+                let srcs = [Some(&s.a), Some(&s.b), s.c0.as_ref()];
+                crate::run::inputs_intact(srcs.into_iter().flatten().map(|a| a.as_ref()), out)?;
+            }
             let (j, state) = Journal::open(out, &fp, job.restart, e.durable)?;
             journal = Some(j);
             match resume_work(f.as_ref(), job.step, layout, header, e.write, state)? {

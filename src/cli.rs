@@ -273,10 +273,13 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
             outln!("after repair:\n{}", crate::verify::format(&rep));
         }
         if !rep.pass {
-            failed.push((
-                format!("step {} ({})", rep.step, rep.output),
-                rep.reason.is_some(),
-            ));
+            // 0: an input does not match its checksums; 1: the journal (no tiles); 2: tiles.
+            let kind = match (&rep.corrupt_input, &rep.reason) {
+                (Some(_), _) => 0,
+                (None, Some(_)) => 1,
+                (None, None) => 2,
+            };
+            failed.push((format!("step {} ({})", rep.step, rep.output), kind));
         }
     }
     if failed.is_empty() {
@@ -284,8 +287,11 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
     }
     let names: Vec<&str> = failed.iter().map(|(n, _)| n.as_str()).collect();
     // A failure found in the journal (other inputs or plan, unfinished) names no tiles: only
-    // rerunning the step (or resuming it) helps; residuals that fail name tiles to repair.
-    let advice = if failed.iter().all(|(_, journal)| *journal) {
+    // rerunning the step (or resuming it) helps; residuals that fail name tiles to repair; an
+    // input that no longer matches its checksums must be restored first.
+    let advice = if failed.iter().any(|(_, kind)| *kind == 0) {
+        "an input does not match its stored checksums (see above): restore it, then verify again"
+    } else if failed.iter().all(|(_, kind)| *kind == 1) {
         "see the reason above: rerun with `run` (or `run --restart`)"
     } else {
         "the output does not match the inputs or its stored checksums; `verify --repair` recomputes the failing tiles, `run --restart` the whole step"

@@ -86,6 +86,16 @@ pub enum Error {
         sidecar: Option<PathBuf>,
     },
 
+    /// An input found corrupt before a finished output was overwritten (`run --restart`, a
+    /// restarted file output of the Python API, `prepare --restart`): the output was kept.
+    #[error("{source}; the restart stopped before touching {}, which its journal says is complete for these inputs, and left it as it was", kept.display())]
+    KeptOutput {
+        /// The checksum mismatch found.
+        source: Box<Error>,
+        /// The finished output left untouched.
+        kept: PathBuf,
+    },
+
     /// The run was cancelled because another stage failed (never the reported error).
     #[error("cancelled")]
     Cancelled,

@@ -694,24 +694,30 @@ fn restart_keeps_a_finished_output_when_an_input_is_now_corrupt() {
         w.write_all_at(&[x[0] ^ 1], off).unwrap();
     };
     flip();
-    let o = mg(dir, &["run", "p.toml", "--restart"]);
-    failed_with(
-        &o,
-        &[
-            "B.mgt",
-            "checksum mismatch in tile (1, 0)",
-            "stopped before touching",
-            "C.mgt",
-        ],
-    );
-    assert!(
-        std::fs::read(dir.join("C.mgt")).unwrap() == c,
-        "C.mgt changed"
-    );
-    assert!(
-        std::fs::read(dir.join("C.mgt.journal")).unwrap() == j,
-        "the journal changed"
-    );
+    // `run --restart`, and `prepare --restart` (a split run's set-up), alike.
+    for args in [
+        &["run", "p.toml", "--restart"][..],
+        &["prepare", "p.toml", "--restart"],
+    ] {
+        let o = mg(dir, args);
+        let err = failed_with(
+            &o,
+            &[
+                "B.mgt",
+                "checksum mismatch in tile (1, 0)",
+                "the restart stopped before touching ./C.mgt",
+            ],
+        );
+        assert_eq!(err.trim_end().lines().count(), 1, "one line:\n{err}");
+        assert!(
+            std::fs::read(dir.join("C.mgt")).unwrap() == c,
+            "C.mgt changed"
+        );
+        assert!(
+            std::fs::read(dir.join("C.mgt.journal")).unwrap() == j,
+            "the journal changed"
+        );
+    }
     flip();
     let o = mg(dir, &["run", "p.toml"]);
     assert!(

@@ -714,6 +714,7 @@ fn end_of_command_text_fits_80_columns() {
         failing_tiles: (0..40).map(|i| (1000 + i, 2000 + 3 * i)).collect(),
         corrupt_tiles: 0,
         corrupt_input: None,
+        inputs_unchecked: vec!["in/A.mgt".into()],
         tile_shape: (4096, 4096),
         unexpected_nonfinite: 7,
         skipped_cells: 3,

@@ -502,9 +502,10 @@ fn an_input_changed_in_place_after_the_run_is_named_by_its_checksums() {
     assert!(
         !rep.pass
             && rep.corrupt_input.as_deref() == Some(b.display().to_string().as_str())
-            && why.contains("B.mgt no longer matches")
+            && why.contains("B.mgt does not match the checksums stored in it")
             && why.contains("tile (2, 1)")
             && why.contains("restore the input")
+            && !why.contains("--restart")
             && rep.failing_tiles.is_empty(),
         "{}",
         format(&rep)
@@ -525,7 +526,9 @@ fn an_input_changed_in_place_after_the_run_is_named_by_its_checksums() {
             && out.contains("FAIL")
             && out.contains("tile (2, 1)")
             && !err.contains("recomputing")
-            && err.contains("verification failed for step 1"),
+            && err.contains("verification failed for step 1")
+            && err.contains("restore it, then verify again")
+            && !err.contains("rerun"),
         "{out}\n{err}"
     );
     assert!(

@@ -139,3 +139,31 @@ def test_npy_sidecar_is_checked_and_a_rewrite_by_the_package_removes_it(tmp_path
     assert not (tmp_path / "C.npy.crc32c").exists()
     close(mg.matmul("C.npy", np.eye(M, dtype=np.float32), **CPU), reference(b.T, a.T),
           np.float32)
+
+
+def test_restart_keeps_a_finished_output_when_an_input_is_now_corrupt(tmp_path):
+    """matmul(out=..., restart=True) over a finished output whose .mgt input was corrupted in
+    place since (its identity unchanged) raises StorageError naming the tile and leaves the
+    output as it was, as `run --restart` does; once the input is put back, nothing is computed."""
+    mg.run({"matrices": {"A": {"path": str(tmp_path / "A.mgt"), "generate": {"rows": 130, "cols": 70}},
+                         "B": {"path": str(tmp_path / "B.mgt"), "generate": {"rows": 70, "cols": 90}}},
+            "step": [{"output": str(tmp_path / "X.mgt"), "expr": "A @ B"}],
+            "engine": {"backend": "cpu", "tile": 64}}, progress=False)
+    a, b, d = str(tmp_path / "A.mgt"), str(tmp_path / "B.mgt"), str(tmp_path / "D.mgt")
+    mg.matmul(a, b, out=d, **CPU)
+    kept = open(d, "rb").read()
+    info = mg.info(b)
+    off = info["data_offset"] + 8
+    with open(b, "r+b") as f:
+        f.seek(off)
+        x = f.read(1)
+        f.seek(off)
+        f.write(bytes([x[0] ^ 1]))
+    with pytest.raises(mg.StorageError, match=r"checksum mismatch in tile \(0, 0\).*the restart stopped before touching"):
+        mg.matmul(a, b, out=d, restart=True, **CPU)
+    assert open(d, "rb").read() == kept
+    with open(b, "r+b") as f:
+        f.seek(off)
+        f.write(x)
+    mg.matmul(a, b, out=d, restart=True, **CPU)
+    assert open(d, "rb").read() == kept

@@ -136,13 +136,18 @@ pub(crate) fn prepare_cmd(plan: &Path, set: &[String], restart: bool) -> Result<
     run::init_threads(p.engine.threads);
     let progress = Progress::new(false, run::default_log_every());
     let sh = ShardOptions::new(super::ShardSpec::One { k: 0, s: 1 });
+    let backend = crate::backend::select(&p.engine)?;
     if restart {
+        // Finished outputs are kept when an input is found corrupt (as `run --restart`).
+        let layouts: Vec<_> = (p.steps.iter())
+            .map(|s| crate::plan::layout::Layout::new(&p.path, s, &p.engine, backend.caps()))
+            .collect::<Result<_>>()?;
+        run::check_before_restart(&p, &layouts, backend.caps().kind)?;
         for step in &p.steps {
             prepare::reset(&step.output)?;
         }
     }
     super::generate_shared(&p, &sh, &progress)?;
-    let backend = crate::backend::select(&p.engine)?;
     for step in &p.steps {
         let n = step.index + 1;
         let ins = [Some(&step.a), Some(&step.b), step.c0.as_ref()];

@@ -201,21 +201,20 @@ fn step_complete(
 /// steps, every input tile's stored checksum is checked before anything is overwritten — one
 /// read of those inputs, which the step's own reads then find in the page cache when they fit,
 /// and only when a finished output is at stake. Inputs that a step of this plan writes are
-/// recomputed anyway and are not checked.
-fn check_before_restart(plan: &Plan, layouts: &[Layout], kind: &str) -> Result<()> {
+/// recomputed anyway and are not checked. Also used by `prepare --restart`.
+pub(crate) fn check_before_restart(plan: &Plan, layouts: &[Layout], kind: &str) -> Result<()> {
+    if !plan.engine.verify_inputs {
+        return Ok(());
+    }
     let outputs: std::collections::HashSet<&std::path::Path> =
         plan.steps.iter().map(|s| s.output.as_path()).collect();
     let mut checked = std::collections::HashSet::new();
     for (step, layout) in plan.steps.iter().zip(layouts) {
-        // A journal that cannot be read (or inputs that cannot be identified) promises no
-        // finished output; `--restart` handles it as before.
-        let Ok(Some(peek)) = crate::pipeline::journal::peek(&step.output) else {
-            continue;
-        };
+        // Inputs that cannot be identified promise no finished output.
         let Ok(fp) = fingerprint(step, layout, kind, plan.engine.precision) else {
             continue;
         };
-        if !(peek.complete && crate::pipeline::journal::same_fingerprint(&peek.fingerprint, &fp)) {
+        if !finished_for(step, &fp) {
             continue;
         }
         let operands = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
@@ -223,23 +222,43 @@ fn check_before_restart(plan: &Plan, layouts: &[Layout], kind: &str) -> Result<(
             if op.temp || outputs.contains(op.path.as_path()) || !checked.insert(&op.path) {
                 continue;
             }
-            let src = op.open()?;
-            let (rows, cols) = src.shape();
-            let all = crate::store::Block {
-                r0: 0,
-                c0: 0,
-                rows,
-                cols,
-            };
-            match src.verify_block(&all) {
-                Err(e @ Error::Checksum { .. }) => {
-                    return Err(Error::Usage(format!(
-                        "{e}\n`run --restart` stopped before touching {}, which its journal says is complete for these inputs: once the input is restored, `run` without --restart has nothing to compute (`info --check` lists every bad tile)",
-                        step.output.display()
-                    )))
-                }
-                r => r?,
+            inputs_intact([op.open()?.as_ref()], &step.output)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `step`'s journal says its output is complete for the fingerprint `fp` (the plan and
+/// the inputs as they are now). A journal that cannot be read promises no finished output.
+pub(crate) fn finished_for(step: &Step, fp: &Fingerprint) -> bool {
+    let Ok(Some(peek)) = crate::pipeline::journal::peek(&step.output) else {
+        return false;
+    };
+    peek.complete && crate::pipeline::journal::same_fingerprint(&peek.fingerprint, fp)
+}
+
+/// Check every stored checksum of `sources` before the finished output `kept` is overwritten;
+/// a mismatch is [`Error::KeptOutput`].
+pub(crate) fn inputs_intact<'a>(
+    sources: impl IntoIterator<Item = &'a dyn crate::store::MatrixSource>,
+    kept: &std::path::Path,
+) -> Result<()> {
+    for src in sources {
+        let (rows, cols) = src.shape();
+        let all = crate::store::Block {
+            r0: 0,
+            c0: 0,
+            rows,
+            cols,
+        };
+        match src.verify_block(&all) {
+            Err(e @ Error::Checksum { .. }) => {
+                return Err(Error::KeptOutput {
+                    source: Box::new(e),
+                    kept: kept.to_path_buf(),
+                })
             }
+            r => r?,
         }
     }
     Ok(())
@@ -422,7 +441,7 @@ fn run_plan_timed(
     if opts.shard.is_none() && !opts.restart {
         refuse_foreign_journals(plan, &layouts, backend.caps().kind)?;
     }
-    if opts.shard.is_none() && opts.restart && plan.engine.verify_inputs {
+    if opts.shard.is_none() && opts.restart {
         check_before_restart(plan, &layouts, backend.caps().kind)?;
     }
     let mut steps = Vec::new();

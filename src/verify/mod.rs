@@ -73,6 +73,10 @@ pub struct VerifyReport {
     /// changed after `run` read it, so the output is not checked against it (`reason` says
     /// which tile).
     pub corrupt_input: Option<String>,
+    /// Inputs with stored checksums that were not checked: a storage tile row of theirs is
+    /// larger than a quarter of the memory available, so checking it ahead of the band reads
+    /// would read it from disk twice.
+    pub inputs_unchecked: Vec<String>,
     /// Storage tile shape used to name failing tiles.
     pub tile_shape: (u64, u64),
     /// NaN/Inf in the output where the inputs give no IEEE reason for one.
@@ -398,6 +402,20 @@ fn corrupt_tiles(out: &dyn MatrixSource) -> Result<Vec<(u64, u64)>> {
     Ok(found.into_iter().flatten().collect())
 }
 
+/// Whether `f`'s stored checksums are checked as the passes read it: a storage tile row is
+/// checked whole ahead of the first band that touches it, so it must stay in the page cache
+/// until the bands have read it — at most a quarter of the memory available (4 GiB when that
+/// is unknown). Files without checksums have nothing to check.
+fn checkable(f: &dyn MatrixSource) -> bool {
+    let Some((tr, _)) = f.checksum_tile() else {
+        return false;
+    };
+    let row = tr
+        .saturating_mul(f.shape().1)
+        .saturating_mul(f.dtype().size() as u64);
+    row <= crate::store::fsutil::mem_available().unwrap_or(16 << 30) / 4
+}
+
 /// A passing report of `step` with nothing measured yet.
 fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
     VerifyReport {
@@ -416,6 +434,7 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         failing_tiles: Vec::new(),
         corrupt_tiles: 0,
         corrupt_input: None,
+        inputs_unchecked: Vec::new(),
         tile_shape: tile,
         unexpected_nonfinite: 0,
         skipped_cells: 0,
@@ -459,24 +478,43 @@ fn residuals(
 ) -> Result<()> {
     let (m, n, k) = (step.m as usize, step.n as usize, step.k);
     let (r, tile) = (rep.rounds, rep.tile_shape);
-    let (fa, fb) = (step.a.open()?, step.b.open()?);
+    let fa = step.a.open()?;
+    // One handle for a file that is both operands (X.T @ X): its tiles are checked once.
+    let fb = match step.b.path == step.a.path && step.b.raw == step.a.raw {
+        true => None,
+        false => Some(step.b.open()?),
+    };
+    let fb: &dyn MatrixSource = fb.as_deref().unwrap_or(fa.as_ref());
     let fc0 = match &step.c0 {
         Some(c) if step.beta != 0.0 => Some(c.open()?),
         _ => None,
     };
+    let mut check = |f: &dyn MatrixSource| {
+        let ok = checkable(f);
+        if !ok && f.checksum_tile().is_some() {
+            let p = f.path().display().to_string();
+            if !rep.inputs_unchecked.contains(&p) {
+                rep.inputs_unchecked.push(p);
+            }
+        }
+        ok
+    };
+    let (ca, cb) = (check(fa.as_ref()), check(fb));
+    let cc0 = fc0.as_deref().is_some_and(&mut check);
     let exact = step.a.dtype == DType::F64;
     let model = Model::new(precision, step.a.dtype, out.dtype(), k, exact);
     let rd = round_of(precision);
-    let op = |f, trans, round| Op {
+    let op = |f, trans, round, check| Op {
         file: f,
         trans,
         round,
+        check,
     };
     let rows = Side {
-        a: op(fa.as_ref(), step.a.trans, rd),
-        b: op(fb.as_ref(), step.b.trans, rd),
-        c: op(out, false, None),
-        c0: fc0.as_ref().map(|f| op(f.as_ref(), false, None)),
+        a: op(fa.as_ref(), step.a.trans, rd, ca),
+        b: op(fb, step.b.trans, rd, cb),
+        c: op(out, false, None, false),
+        c0: fc0.as_ref().map(|f| op(f.as_ref(), false, None, cc0)),
         alpha: step.alpha,
         beta: step.beta,
         model,
@@ -491,24 +529,26 @@ fn residuals(
             stored,
             computed,
             sidecar,
-        }) => {
-            // The passes check every file's stored checksums as they read it (pass::read_band);
-            // the output's were checked before, so this is an operand changed in place.
+        }) if path != step.output => {
+            // The passes check the operands' stored checksums as they read them
+            // (pass::read_band); the output's were checked before.
             rep.pass = false;
             rep.corrupt_input = Some(path.display().to_string());
-            let (table, meant) = match sidecar {
+            let p = path.display();
+            let (table, meant) = match &sidecar {
                 Some(s) => (
                     format!("the checksums in {}", s.display()),
-                    format!("delete {} and `run --restart`", s.display()),
+                    format!(
+                        "; if it was changed on purpose, delete {} and `run --restart` to recompute the step from it",
+                        s.display()
+                    ),
                 ),
-                None => (
-                    "the checksums stored in it".into(),
-                    "`run --restart`".into(),
-                ),
+                None => ("the checksums stored in it".into(), String::new()),
             };
+            // Neutral about when it changed: with `verify_inputs = false` the run itself may
+            // have read it so.
             rep.reason = Some(format!(
-                "the input {} no longer matches {table} (tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}): it changed after it was written, so the output cannot be checked against it — restore the input (the output, computed from it before, may well be right) and verify again; if the input is meant to have changed, {meant} to recompute the step from it",
-                path.display()
+                "the input {p} does not match {table} (tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}): its data changed after they were written, so the output cannot be checked against it — restore the input (regenerate or re-import it; an output of an earlier step is checked at that step, where `verify --repair` recomputes its bad tiles) and verify again; `info {p} --check` lists every bad tile{meant}"
             ));
             return Ok(());
         }
@@ -525,10 +565,10 @@ fn residuals(
         rep.pass = false;
         // The same test on Cᵀ = α·op(B)ᵀ·op(A)ᵀ + β·C0ᵀ names the failing columns.
         let cols = Side {
-            a: op(fb.as_ref(), !step.b.trans, rd),
-            b: op(fa.as_ref(), !step.a.trans, rd),
-            c: op(out, true, None),
-            c0: fc0.as_ref().map(|f| op(f.as_ref(), true, None)),
+            a: op(fb, !step.b.trans, rd, cb),
+            b: op(fa.as_ref(), !step.a.trans, rd, ca),
+            c: op(out, true, None, false),
+            c0: fc0.as_ref().map(|f| op(f.as_ref(), true, None, cc0)),
             ..rows
         };
         let rgp = Groups::new(m, tile.0 as usize, groups_for(m.max(n), r));
@@ -630,6 +670,12 @@ pub fn format(rep: &VerifyReport) -> String {
         s += &format!(
             "\n  {} row groups not checked (NaN/Inf or overflow there follow IEEE rules)",
             rep.skipped_cells
+        );
+    }
+    if !rep.inputs_unchecked.is_empty() {
+        s += &format!(
+            "\n  stored checksums not checked: {} (a storage tile row larger than a quarter of the memory available would be read twice; `info --check` checks them)",
+            rep.inputs_unchecked.join(", ")
         );
     }
     if !rep.pass {

@@ -78,6 +78,8 @@ pub(crate) struct Op<'a> {
     pub(crate) file: &'a dyn MatrixSource,
     pub(crate) trans: bool,
     pub(crate) round: Option<Precision>,
+    /// Check the file's stored checksums as it is read ([`read_band`]).
+    pub(crate) check: bool,
 }
 
 impl Op<'_> {
@@ -198,12 +200,14 @@ impl Elem for f64 {
 /// the output's tiles by the residuals (or passing them, for a flip in a low bit).
 fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut Vec<T>) -> Result<()> {
     let cols = op.file.shape().1 as usize;
-    op.file.verify_block(&Block {
-        r0: r0 as u64,
-        c0: 0,
-        rows: h as u64,
-        cols: cols as u64,
-    })?;
+    if op.check {
+        op.file.verify_block(&Block {
+            r0: r0 as u64,
+            c0: 0,
+            rows: h as u64,
+            cols: cols as u64,
+        })?;
+    }
     buf.resize(h * cols, T::default());
     let sub = h.div_ceil(rayon::current_num_threads().max(1) * 2).max(1);
     buf.par_chunks_mut(sub * cols)
