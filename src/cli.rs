@@ -251,6 +251,33 @@ fn interrupted(e: Error, what: &str) -> Error {
     }
 }
 
+/// The steps after `step` that read its output and whose journals no longer match it (a repair
+/// rewrote tiles they were computed from): they must be computed again. A step whose journal
+/// still matches (the repaired tiles came out as they were when it ran) is left alone.
+fn stale_after_repair<'p>(
+    p: &'p Plan,
+    step: &crate::plan::Step,
+) -> Result<Vec<&'p crate::plan::Step>> {
+    let backend = crate::backend::select(&p.engine)?;
+    let kind = backend.caps().kind;
+    let mut stale = Vec::new();
+    for later in p.steps.iter().skip(step.index + 1) {
+        let ops = [Some(&later.a), Some(&later.b), later.c0.as_ref()];
+        if !ops.into_iter().flatten().any(|o| o.path == step.output) {
+            continue;
+        }
+        let Some(peek) = crate::pipeline::journal::peek(&later.output)? else {
+            continue;
+        };
+        let layout = crate::plan::layout::Layout::new(&p.path, later, &p.engine, backend.caps())?;
+        let fp = run::fingerprint(later, &layout, kind, p.engine.precision)?;
+        if !crate::pipeline::journal::same_fingerprint(&peek.fingerprint, &fp) {
+            stale.push(later);
+        }
+    }
+    Ok(stale)
+}
+
 /// Verify every step; results go to stdout (one PASS/FAIL line per step), the error that
 /// makes the exit status non-zero to stderr. With `repair`, failing tiles are recomputed
 /// through the journal and the step is verified again.
@@ -268,6 +295,21 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
                 step.output.display()
             );
             let progress = Progress::new(true, run::default_log_every());
+            // This step and those before it first: a later step that reads this output was
+            // computed from the tiles now redone, and is computed again below if their bytes
+            // changed what its journal recorded of them.
+            let mut upto = p.clone();
+            upto.steps.truncate(step.index + 1);
+            run::run_plan(&upto, &RunOptions::default(), &progress)?;
+            for later in stale_after_repair(p, step)? {
+                diagln!(
+                    "repair: step {} ({}) reads {}, whose repaired tiles differ from what it was computed from: computing it again",
+                    later.index + 1,
+                    later.output.display(),
+                    step.output.display()
+                );
+                crate::cluster::prepare::reset(&later.output)?;
+            }
             run::run_plan(p, &RunOptions::default(), &progress)?;
             rep = crate::verify::verify_step(step, p.engine.precision, rounds, seed)?;
             outln!("after repair:\n{}", crate::verify::format(&rep));

@@ -625,3 +625,85 @@ fn cli_reports_on_stdout_and_repair_restores_clean_bytes() {
         "repaired bytes differ from a clean run"
     );
 }
+
+/// `verify --repair` of a step whose `.npy` output a later step reads: the repair rewrites the
+/// array (its identity, size and modification time, changes with it), so the later step, whose
+/// journal no longer matches, is computed again instead of stopping the repair run with "its
+/// journal is from other inputs"; afterwards every step passes.
+#[test]
+fn repair_of_an_output_a_later_step_reads_computes_that_step_again() {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        150,
+        80,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        80,
+        130,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    gen(
+        &dir.join("D.mgt"),
+        130,
+        70,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        3,
+    );
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[matrices.D]\npath = \"D.mgt\"\n\
+         [[step]]\nname = \"X\"\noutput = \"X.npy\"\nexpr = \"A @ B\"\n\
+         [[step]]\noutput = \"Y.mgt\"\nexpr = \"X @ D\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 64\ndurable = false\n",
+    )
+    .unwrap();
+    let cli = |args: &[&str]| {
+        let o = Command::new(bin())
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        (o.status.success(), text)
+    };
+    assert!(cli(&["run", "plan.toml", "-q"]).0);
+    let y = std::fs::read(dir.join("Y.mgt")).unwrap();
+    // A byte of X.npy's data flipped in place (its sidecar untouched).
+    let x = dir.join("X.npy");
+    let mut bytes = std::fs::read(&x).unwrap();
+    let n = bytes.len();
+    bytes[n - 7] ^= 0x10;
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(&x, bytes).unwrap();
+    let (ok, text) = cli(&["verify", "plan.toml"]);
+    assert!(!ok && text.contains("FAIL"), "{text}");
+    let (ok, text) = cli(&["verify", "plan.toml", "--repair"]);
+    assert!(
+        ok && text.contains("recomputing 1 tile(s) of ./X.npy")
+            && text.contains("step 2 (./Y.mgt) reads ./X.npy")
+            && text.contains("computing it again"),
+        "{text}"
+    );
+    let (ok, text) = cli(&["verify", "plan.toml"]);
+    assert!(ok && text.matches("PASS").count() == 2, "{text}");
+    assert!(
+        std::fs::read(dir.join("Y.mgt")).unwrap() == y,
+        "Y computed again differs from the first run's"
+    );
+}
