@@ -217,7 +217,8 @@ fn step_work(
                 // corrupt only afterwards (crate::run::check_before_restart).
                 let s = &job.sources;
                 let srcs = [Some(&s.a), Some(&s.b), s.c0.as_ref()];
-                crate::run::inputs_intact(srcs.into_iter().flatten().map(|a| a.as_ref()), out)?;
+                let srcs = srcs.into_iter().flatten().map(|a| a.as_ref());
+                crate::run::inputs_intact(srcs, out, job.progress)?;
             }
             let (j, state) = Journal::open(out, &fp, job.restart, e.durable)?;
             journal = Some(j);

@@ -142,7 +142,7 @@ pub(crate) fn prepare_cmd(plan: &Path, set: &[String], restart: bool) -> Result<
         let layouts: Vec<_> = (p.steps.iter())
             .map(|s| crate::plan::layout::Layout::new(&p.path, s, &p.engine, backend.caps()))
             .collect::<Result<_>>()?;
-        run::check_before_restart(&p, &layouts, backend.caps().kind)?;
+        run::check_before_restart(&p, &layouts, backend.caps().kind, &progress)?;
         for step in &p.steps {
             prepare::reset(&step.output)?;
         }

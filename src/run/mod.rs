@@ -188,11 +188,19 @@ fn step_complete(
     if opts.restart {
         return Ok(false);
     }
-    let Some(peek) = crate::pipeline::journal::peek(&plan.steps[j].output)? else {
-        return Ok(false);
-    };
     let fp = fingerprint(&plan.steps[j], &layouts[j], kind, plan.engine.precision)?;
-    Ok(peek.complete && crate::pipeline::journal::same_fingerprint(&peek.fingerprint, &fp))
+    Ok(journal_state(&plan.steps[j], &fp)? == Some((true, true)))
+}
+
+/// What `step`'s journal says against the fingerprint `fp` of the plan and inputs now:
+/// `None` without a journal, else (complete, same fingerprint).
+pub(crate) fn journal_state(step: &Step, fp: &Fingerprint) -> Result<Option<(bool, bool)>> {
+    Ok(crate::pipeline::journal::peek(&step.output)?.map(|p| {
+        (
+            p.complete,
+            crate::pipeline::journal::same_fingerprint(&p.fingerprint, fp),
+        )
+    }))
 }
 
 /// `run --restart` over a step its journal calls complete for these very inputs would throw a
@@ -202,7 +210,12 @@ fn step_complete(
 /// read of those inputs, which the step's own reads then find in the page cache when they fit,
 /// and only when a finished output is at stake. Inputs that a step of this plan writes are
 /// recomputed anyway and are not checked. Also used by `prepare --restart`.
-pub(crate) fn check_before_restart(plan: &Plan, layouts: &[Layout], kind: &str) -> Result<()> {
+pub(crate) fn check_before_restart(
+    plan: &Plan,
+    layouts: &[Layout],
+    kind: &str,
+    progress: &Progress,
+) -> Result<()> {
     if !plan.engine.verify_inputs {
         return Ok(());
     }
@@ -222,7 +235,7 @@ pub(crate) fn check_before_restart(plan: &Plan, layouts: &[Layout], kind: &str) 
             if op.temp || outputs.contains(op.path.as_path()) || !checked.insert(&op.path) {
                 continue;
             }
-            inputs_intact([op.open()?.as_ref()], &step.output)?;
+            inputs_intact([op.open()?.as_ref()], &step.output, progress)?;
         }
     }
     Ok(())
@@ -231,10 +244,7 @@ pub(crate) fn check_before_restart(plan: &Plan, layouts: &[Layout], kind: &str) 
 /// Whether `step`'s journal says its output is complete for the fingerprint `fp` (the plan and
 /// the inputs as they are now). A journal that cannot be read promises no finished output.
 pub(crate) fn finished_for(step: &Step, fp: &Fingerprint) -> bool {
-    let Ok(Some(peek)) = crate::pipeline::journal::peek(&step.output) else {
-        return false;
-    };
-    peek.complete && crate::pipeline::journal::same_fingerprint(&peek.fingerprint, fp)
+    matches!(journal_state(step, fp), Ok(Some((true, true))))
 }
 
 /// Check every stored checksum of `sources` before the finished output `kept` is overwritten;
@@ -242,8 +252,16 @@ pub(crate) fn finished_for(step: &Step, fp: &Fingerprint) -> bool {
 pub(crate) fn inputs_intact<'a>(
     sources: impl IntoIterator<Item = &'a dyn crate::store::MatrixSource>,
     kept: &std::path::Path,
+    progress: &Progress,
 ) -> Result<()> {
-    for src in sources {
+    for src in sources.into_iter().filter(|s| s.checksum_tile().is_some()) {
+        // A read of the whole input (from disk when it is not cached): say why it happens.
+        progress.note(&format!(
+            "restart: checking {} ({}) against its stored checksums before {}, which is complete, is overwritten",
+            src.path().display(),
+            fmt_bytes(src.shape().0 * src.shape().1 * src.dtype().size() as u64),
+            kept.display()
+        ));
         let (rows, cols) = src.shape();
         let all = crate::store::Block {
             r0: 0,
@@ -442,7 +460,7 @@ fn run_plan_timed(
         refuse_foreign_journals(plan, &layouts, backend.caps().kind)?;
     }
     if opts.shard.is_none() && opts.restart {
-        check_before_restart(plan, &layouts, backend.caps().kind)?;
+        check_before_restart(plan, &layouts, backend.caps().kind, progress)?;
     }
     let mut steps = Vec::new();
     // The chain intermediates held in memory; dropped as soon as the step reading each is done.

@@ -69,8 +69,8 @@ pub struct VerifyReport {
     /// Output storage tiles whose data no longer matches the checksums `run` stored (they are
     /// the failing tiles then; the residual test is not run).
     pub corrupt_tiles: usize,
-    /// An input (or added matrix `C0`) whose data no longer matches its stored checksums: it
-    /// changed after `run` read it, so the output is not checked against it (`reason` says
+    /// An input (or added matrix `C0`) whose data does not match its stored checksums: it
+    /// changed after they were written, so the output is not checked against it (`reason` says
     /// which tile).
     pub corrupt_input: Option<String>,
     /// Inputs with stored checksums that were not checked: a storage tile row of theirs is

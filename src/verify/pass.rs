@@ -193,11 +193,12 @@ impl Elem for f64 {
 /// Read stored rows `r0..r0 + h` (all columns) into `buf`, in parallel pieces, once the stored
 /// checksums of the storage tiles they touch have been checked.
 ///
-/// The checks come first and cost no second read from disk: a handle checks each of its tiles
-/// once (the first band of a tile row checks the whole row, in parallel, with `pread`), and the
-/// band's own reads then find those pages in the page cache. So an input changed in place after
-/// `run` computed the output is named as such — its file and tile — instead of being blamed on
-/// the output's tiles by the residuals (or passing them, for a flip in a low bit).
+/// The checks come first and cost no second read from disk while a storage tile row stays in
+/// the page cache (the caller leaves `check` off for a file whose tile row might not): a handle
+/// checks each of its tiles once, the first band of a tile row the whole row, and the band's
+/// own reads then find those pages cached. So an input changed in place after `run` computed
+/// the output is named as such — its file and tile — instead of being blamed on the output's
+/// tiles by the residuals (or passing them, for a flip in a low bit).
 fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut Vec<T>) -> Result<()> {
     let cols = op.file.shape().1 as usize;
     if op.check {
