@@ -306,7 +306,7 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
             run::run_plan(&upto, &RunOptions::default(), &progress)?;
             for later in stale_after_repair(p, step)? {
                 diagln!(
-                    "repair: step {} ({}) reads {}, whose repaired tiles differ from what it was computed from: computing it again",
+                    "repair: step {} ({}) reads {}, which the repair rewrote, and its journal no longer matches it (a .npy's modification time, or a changed tile's checksum): computing it again",
                     later.index + 1,
                     later.output.display(),
                     step.output.display()
@@ -320,8 +320,11 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
             outln!("after repair:\n{}", crate::verify::format(&rep));
         }
         if !rep.pass {
-            // 0: an input does not match its checksums; 1: the journal (no tiles); 2: tiles.
+            // 0: an input does not match its checksums; 1: the journal (no tiles); 2: tiles
+            // (an earlier step's output that does not match its checksums is repaired there).
+            let of_plan = |i: &String| p.steps.iter().any(|s| s.output.display().to_string() == *i);
             let kind = match (&rep.corrupt_input, &rep.reason) {
+                (Some(i), _) if of_plan(i) => 2,
                 (Some(_), _) => 0,
                 (None, Some(_)) => 1,
                 (None, None) => 2,
@@ -339,7 +342,7 @@ fn verify_plan(p: &Plan, rounds: usize, seed: u64, quiet: bool, repair: bool) ->
     let advice = if failed.iter().any(|(_, kind)| *kind == 0) {
         "an input does not match its stored checksums (see above): restore it, then verify again"
     } else if failed.iter().all(|(_, kind)| *kind == 1) {
-        "see the reason above: rerun with `run` (or `run --restart`)"
+        "see the reason above: `run` resumes an unfinished step; `run --restart` recomputes one whose plan or inputs changed"
     } else {
         "the output does not match the inputs or its stored checksums; `verify --repair` recomputes the failing tiles, `run --restart` the whole step"
     };
@@ -509,6 +512,7 @@ fn gen_cmd(out: &Path, a: GenArgs) -> Result<()> {
 }
 
 fn info_cmd(file: &Path, check: bool) -> Result<()> {
+    use crate::store::source::Checked;
     // An output `run` has not finished is told apart from a corrupt one, in every format.
     let open = if check { unfinished(file)? } else { None };
     // .npy and raw inputs describe themselves.
@@ -520,20 +524,15 @@ fn info_cmd(file: &Path, check: bool) -> Result<()> {
         }
         return match checked {
             None => Ok(()),
-            Some(Ok(line)) => {
+            Some(Checked::Ok(line)) => {
                 out!("{line}");
                 Ok(())
             }
-            Some(Err(e)) => {
-                outln!(
-                    "check:       {}",
-                    match e {
-                        Error::Checksum { .. } => "corrupt",
-                        _ => "not possible",
-                    }
-                );
+            Some(Checked::NotPossible(e)) => {
+                outln!("check:       not possible");
                 Err(e)
             }
+            Some(Checked::Corrupt(bad)) => Err(corrupt(file, bad)),
         };
     }
     let f = TiledFile::open(file)?;
@@ -589,9 +588,8 @@ fn info_cmd(file: &Path, check: bool) -> Result<()> {
         .into_par_iter()
         .filter_map(|i| f.verify_tile(i / gc, i % gc).err())
         .collect();
-    if let Some(e) = bad.into_iter().next() {
-        outln!("check:       corrupt");
-        return Err(e);
+    if !bad.is_empty() {
+        return Err(corrupt(file, bad));
     }
     outln!(
         "check:       all {} tiles OK ({:.2} s)",
@@ -599,6 +597,42 @@ fn info_cmd(file: &Path, check: bool) -> Result<()> {
         t.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// `info --check`'s verdict on a file with tiles that do not match their checksums: every such
+/// tile on the `check:` line, and the first one's error — for a finished output of `run` (its
+/// journal beside it) with the advice that fits one: `verify --repair`, not regenerating it.
+fn corrupt(file: &Path, bad: Vec<Error>) -> Error {
+    let tiles: Vec<String> = bad
+        .iter()
+        .filter_map(|e| match e {
+            Error::Checksum { ti, tj, .. } => Some(format!("({ti}, {tj})")),
+            _ => None,
+        })
+        .collect();
+    outln!(
+        "check:       corrupt: {} tile(s) do not match their checksums: {}",
+        tiles.len(),
+        tiles.join(" ")
+    );
+    let first = bad.into_iter().next().expect("at least one bad tile");
+    let output = !file.to_string_lossy().starts_with("raw:")
+        && journal::peek(file).is_ok_and(|j| j.is_some());
+    match first {
+        Error::Checksum {
+            path,
+            ti,
+            tj,
+            stored,
+            computed,
+            ..
+        } if output => Error::Usage(format!(
+            "{}: checksum mismatch in tile ({ti}, {tj}) (of {} bad): stored {stored:#010x}, computed {computed:#010x}; it is an output of `run` (its journal is beside it): `mgmm-stream verify --repair PLAN` (the plan that writes it) recomputes the bad tiles — keep its checksums",
+            path.display(),
+            tiles.len()
+        )),
+        e => e,
+    }
 }
 
 fn unfinished_error(file: &Path, progress: &str) -> Error {

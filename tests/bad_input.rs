@@ -457,14 +457,32 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
     let o = mg(dir, &["run", "p.toml"]);
     assert!(o.status.success(), "{o:?}");
     let f = mgmm_stream::store::TiledFile::open(&dir.join("C.mgt")).unwrap();
-    let off = f.hdr.tile_offset(0, 0) as usize;
+    let (off, off2) = (
+        f.hdr.tile_offset(0, 0) as usize,
+        f.hdr.tile_offset(f.hdr.grid_rows() - 1, 0) as usize,
+    );
+    let last = f.hdr.grid_rows() - 1;
     drop(f);
     let mut bytes = std::fs::read(dir.join("C.mgt")).unwrap();
     bytes[off] ^= 1;
+    bytes[off2] ^= 1;
     std::fs::write(dir.join("C.mgt"), bytes).unwrap();
+    // Every bad tile listed; a finished output's advice is `verify --repair`, not regenerating.
     let o = mg(dir, &["info", "C.mgt", "--check"]);
-    failed_with(&o, &["checksum mismatch", "corrupt"]);
-    assert!(String::from_utf8_lossy(&o.stdout).contains("check:       corrupt"));
+    failed_with(
+        &o,
+        &[
+            "C.mgt: checksum mismatch in tile (0, 0) (of 2 bad)",
+            "verify --repair",
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains(&format!(
+            "check:       corrupt: 2 tile(s) do not match their checksums: (0, 0) ({last}, 0)"
+        )),
+        "{out}"
+    );
     // `export` checks the tiles it copies; `verify` checks the stored checksums before its
     // residual test (a one-bit flip may hide in the rounding it allows) and names the tile;
     // `verify --repair` recomputes it.
@@ -483,7 +501,7 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
     failed_with(&o, &["verification failed", "--repair"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
-        out.contains("FAIL — 1 tile(s) no longer match the checksums") && out.contains("(0, 0)"),
+        out.contains("FAIL — 2 tile(s) no longer match the checksums") && out.contains("(0, 0)"),
         "{out}"
     );
     let o = mg(dir, &["verify", "p.toml", "--repair"]);

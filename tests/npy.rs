@@ -358,9 +358,18 @@ fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
         !ok && err.contains("C.npy") && err.contains("tile (1, 1)"),
         "{err}"
     );
-    // The message says what to do if the array was changed on purpose.
+    // A finished output of `run`: the fix is `verify --repair`, not deleting its checksums
+    // (which would make the damage invisible).
     assert!(
-        err.contains("C.npy.crc32c") && err.contains("delete the sidecar"),
+        err.contains("verify --repair") && !err.contains("delete the sidecar"),
+        "{err}"
+    );
+    // Without a journal beside it, an array with a sidecar: what to do if it was changed on
+    // purpose.
+    std::fs::remove_file(mgmm_stream::journal::journal_path(&c)).unwrap();
+    let (ok, _, err) = cli(&["info", cs, "--check"]);
+    assert!(
+        !ok && err.contains("C.npy.crc32c") && err.contains("delete the sidecar"),
         "{err}"
     );
 }

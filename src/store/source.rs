@@ -281,12 +281,50 @@ pub fn open_region(
     )?))
 }
 
+/// What `info --check` found in a `.npy` or raw file ([`inspect`]).
+pub(crate) enum Checked {
+    /// Every tile matches: the `check:` line.
+    Ok(String),
+    /// Nothing to check against (no checksums, or a sidecar that does not fit): why.
+    NotPossible(Error),
+    /// The storage tiles that do not match their checksums, in tile order.
+    Corrupt(Vec<Error>),
+}
+
+/// Every storage tile of `s` checked against its stored checksum, in parallel: the mismatches,
+/// in tile order (other errors, such as a failed read, are returned as such).
+pub(crate) fn bad_tiles(s: &dyn MatrixSource) -> Result<Vec<Error>> {
+    use rayon::prelude::*;
+    let Some((tr, tc)) = s.checksum_tile() else {
+        return Ok(Vec::new());
+    };
+    let (rows, cols) = s.shape();
+    let gc = cols.div_ceil(tc);
+    let found: Vec<Option<Error>> = (0..rows.div_ceil(tr) * gc)
+        .into_par_iter()
+        .map(|i| {
+            let (ti, tj) = (i / gc, i % gc);
+            let b = Block {
+                r0: ti * tr,
+                c0: tj * tc,
+                rows: tr.min(rows - ti * tr),
+                cols: tc.min(cols - tj * tc),
+            };
+            match s.verify_block(&b) {
+                Ok(()) => Ok(None),
+                Err(e @ Error::Checksum { .. }) => Ok(Some(e)),
+                Err(e) => Err(e),
+            }
+        })
+        .collect::<Result<_>>()?;
+    Ok(found.into_iter().flatten().collect())
+}
+
 /// `info` for anything that is not a `.mgt` file (`None` for a `.mgt`, which the caller prints
 /// from its header): a `.npy` array or a `raw:…` descriptor, described, and with `check` every
 /// sidecar tile's CRC verified. The description comes back whatever the check finds, so that it
-/// is printed before the check's line or error: (text, `None` without `check`, else the check's
-/// `check:` line or its error).
-pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<(String, Option<Result<String>>)>> {
+/// is printed before the check's verdict (`None` without `check`).
+pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<(String, Option<Checked>)>> {
     let spec = SourceSpec::parse_arg(&arg.to_string_lossy())?;
     if let SourceSpec::File(p) = &spec {
         // Opening a FIFO for reading would wait for a writer forever.
@@ -311,29 +349,25 @@ pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<(String, Option<
     }
     if s.checksum_tile().is_none() {
         // A sidecar that is there but does not fit says why it was ignored.
-        let why = match s.checksum_note() {
-            Some(note) => format!(
+        let why = match (s.checksum_note(), &spec) {
+            (Some(note), _) => format!(
                 "its {note}; nothing to check (delete the sidecar if the array was changed on purpose)"
             ),
-            None => "has no checksums (only .npy files written by `run` have a sidecar of tile CRCs); nothing to check".into(),
+            (None, SourceSpec::Raw(_)) => "a raw file has no checksums; nothing to check".into(),
+            (None, _) => "has no checksums (only .npy files written by `run` have a sidecar of tile CRCs); nothing to check".into(),
         };
-        return Ok(Some((out, Some(Err(Error::format(spec.path(), why))))));
+        let e = Error::format(spec.path(), why);
+        return Ok(Some((out, Some(Checked::NotPossible(e)))));
     }
     let t = std::time::Instant::now();
-    let (rows, cols) = s.shape();
-    let checked = s
-        .verify_block(&Block {
-            r0: 0,
-            c0: 0,
-            rows,
-            cols,
-        })
-        .map(|()| {
-            format!(
-                "check:       all tiles OK ({:.2} s)\n",
-                t.elapsed().as_secs_f64()
-            )
-        });
+    let bad = bad_tiles(s.as_ref())?;
+    let checked = match bad.is_empty() {
+        true => Checked::Ok(format!(
+            "check:       all tiles OK ({:.2} s)\n",
+            t.elapsed().as_secs_f64()
+        )),
+        false => Checked::Corrupt(bad),
+    };
     Ok(Some((out, Some(checked))))
 }
 

@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::pipeline::journal;
 use crate::plan::{Operand, Plan, Precision, Step};
 use crate::store::gen::Rng;
-use crate::store::{open_source, Block, MatrixSource};
+use crate::store::{open_source, MatrixSource};
 use model::{Cell, Model};
 use pass::{Dd, Groups, Op, Sums};
 
@@ -377,29 +377,13 @@ pub fn verify_step(
 /// The storage tiles of `out` whose data no longer matches the checksum stored with it (none
 /// for a file without checksums), in (tile row, tile column) order.
 fn corrupt_tiles(out: &dyn MatrixSource) -> Result<Vec<(u64, u64)>> {
-    let Some((tr, tc)) = out.checksum_tile() else {
-        return Ok(Vec::new());
-    };
-    let (rows, cols) = out.shape();
-    let gc = cols.div_ceil(tc);
-    let found: Vec<Option<(u64, u64)>> = (0..rows.div_ceil(tr) * gc)
-        .into_par_iter()
-        .map(|i| {
-            let (ti, tj) = (i / gc, i % gc);
-            let b = Block {
-                r0: ti * tr,
-                c0: tj * tc,
-                rows: tr.min(rows - ti * tr),
-                cols: tc.min(cols - tj * tc),
-            };
-            match out.verify_block(&b) {
-                Ok(()) => Ok(None),
-                Err(Error::Checksum { .. }) => Ok(Some((ti, tj))),
-                Err(e) => Err(e),
-            }
+    Ok(crate::store::source::bad_tiles(out)?
+        .into_iter()
+        .filter_map(|e| match e {
+            Error::Checksum { ti, tj, .. } => Some((ti, tj)),
+            _ => None,
         })
-        .collect::<Result<_>>()?;
-    Ok(found.into_iter().flatten().collect())
+        .collect())
 }
 
 /// Whether `f`'s stored checksums are checked as the passes read it: a storage tile row is
