@@ -223,7 +223,12 @@ fn step_work(
             let (j, state) = Journal::open(out, &fp, job.restart, e.durable)?;
             journal = Some(j);
             match resume_work(f.as_ref(), job.step, layout, header, e.write, state)? {
-                Some(w) => w,
+                Some(w) => {
+                    // As a plan's run: a mapped output larger than the budget lets go of each
+                    // tile once written (crate::store::MatrixSink::release_written).
+                    w.writer.release_written(header.file_len() > e.host_memory);
+                    w
+                }
                 None => {
                     job.progress.note(&format!(
                         "{} is already complete (its journal says so); nothing to do. Pass restart to recompute it.",

@@ -367,3 +367,32 @@ fn failover_resumes_the_failed_lanes_tile() {
     assert!(same_output(dir));
     assert!(!partial_dir(dir).exists());
 }
+
+/// With 32 worker threads the output has four writeback threads: a tile's checkpoints and its
+/// final block still go through one of them in order, so a run killed mid-tile resumes from its
+/// checkpoints to the bytes of an uninterrupted single-threaded run, and none is left behind.
+#[test]
+fn four_writeback_threads_keep_each_tiles_checkpoints_in_order() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir, "cpu", 150, 130, true);
+    let p = dir.join("plan.toml");
+    let text = std::fs::read_to_string(&p).unwrap();
+    std::fs::write(&p, text.replace("threads = 1", "threads = 32")).unwrap();
+    let saved = kill_after(dir, 2 * GK + 10);
+    let k_saved: u64 = saved.iter().map(|c| c.1).sum();
+    assert!(k_saved >= 1, "{saved:?}");
+    let (r, _) = resume(dir);
+    assert_eq!(
+        gemms(&r),
+        r.steps[0].tiles_computed * GK - k_saved,
+        "{saved:?}"
+    );
+    let names: Vec<&str> = (r.steps[0].busy_shares.iter())
+        .map(|s| s.0.as_str())
+        .filter(|n| n.starts_with("writeback"))
+        .collect();
+    assert_eq!(names.len(), 4, "{names:?}");
+    assert!(same_output(dir), "output differs from an uninterrupted run");
+    assert!(checkpoints(dir).is_empty(), "{:?}", checkpoints(dir));
+}

@@ -596,7 +596,11 @@ impl<'a> Pipeline<'a> {
         let writer: &dyn MatrixSink = writer.as_deref().expect("writer is open until run ends");
         let nlanes = lanes.len();
         let depth = l.staging_bufs.max(2);
-        let (done_tx, done_rx) = crossbeam_channel::bounded::<Done>(l.out_bufs * nlanes);
+        let wb_threads = writeback_threads(cfg.threads);
+        let (done_tx, done_rx): (Vec<_>, Vec<_>) = (0..wb_threads)
+            .map(|_| crossbeam_channel::bounded::<Done>(l.out_bufs * nlanes))
+            .unzip();
+        let done_tx = stages::ToWriteback(done_tx);
         let (outprep_tx, outprep_rx) =
             crossbeam_channel::bounded::<crate::store::Block>(4 * nlanes);
         let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
@@ -693,6 +697,15 @@ impl<'a> Pipeline<'a> {
     }
 }
 
+/// Writeback threads for `threads` worker threads (`engine.threads`): one per eight, 1 to 4.
+/// One thread copied finished tiles into the output and checksummed them at 3.5–3.9 GB/s on
+/// the two-H200 host, the bottleneck of every large output there (60000² fp64, 100 000² tf32,
+/// the 43 GB chain: writeback 87–100 % busy, BENCHMARKS.md §25). Blocks are disjoint, so their
+/// writes need no order; a tile's own messages stay on one thread ([`stages::ToWriteback`]).
+fn writeback_threads(threads: usize) -> usize {
+    (threads / 8).clamp(1, 4)
+}
+
 /// A stage ready to run on a thread of its own: every stage struct of [`stages`] is one.
 trait StageRun: Send {
     fn run_boxed(self: Box<Self>, ctl: &Control) -> Result<()>;
@@ -714,7 +727,8 @@ struct OutputWiring<'p> {
     writer: &'p dyn MatrixSink,
     layout: &'p Layout,
     lanes: usize,
-    done_rx: crossbeam_channel::Receiver<Done>,
+    /// One channel per writeback thread ([`stages::ToWriteback`]).
+    done_rx: Vec<crossbeam_channel::Receiver<Done>>,
     outprep_rx: crossbeam_channel::Receiver<crate::store::Block>,
     sink: &'p dyn TileSink,
     ckpt: Option<&'p checkpoint::Checkpoints>,
@@ -755,19 +769,22 @@ impl<'p> OutputWiring<'p> {
             stages.push(Box::new(OutPrep { writer, rx, m }));
         }
         let (sync_tx, sync_rx) = crossbeam_channel::bounded(l.out_bufs * nlanes + 4);
-        let (wb_m, sync_m) = (
-            StageMetrics::new(StageKind::Writeback, 0, 1),
-            StageMetrics::new(StageKind::Sync, 0, 1),
-        );
-        metrics.extend([wb_m.clone(), sync_m.clone()]);
-        stages.push(Box::new(Writeback {
-            writer,
-            ckpt,
-            host_dt: l.host_dt,
-            rx: done_rx,
-            out: sync_tx,
-            m: wb_m,
-        }));
+        let n = done_rx.len();
+        for (i, rx) in done_rx.into_iter().enumerate() {
+            let m = StageMetrics::new(StageKind::Writeback, i, n);
+            metrics.push(m.clone());
+            stages.push(Box::new(Writeback {
+                writer,
+                ckpt,
+                host_dt: l.host_dt,
+                rx,
+                out: sync_tx.clone(),
+                m,
+            }));
+        }
+        drop(sync_tx);
+        let sync_m = StageMetrics::new(StageKind::Sync, 0, 1);
+        metrics.push(sync_m.clone());
         stages.push(Box::new(Durable {
             writer,
             rx: sync_rx,

@@ -104,6 +104,20 @@ pub(crate) struct Done {
     pub(crate) checks: Option<(Arc<CheckProgress>, u64)>,
 }
 
+/// Device lanes → the writeback threads, one channel each. A tile's results always go to the
+/// same thread (chosen by its sequence number), so its checkpoints and its final block are
+/// written in the order the lane sent them: a late checkpoint can never land after the tile
+/// was recorded and its checkpoints deleted.
+#[derive(Clone)]
+pub(crate) struct ToWriteback(pub(crate) Vec<Sender<Done>>);
+
+impl ToWriteback {
+    /// The channel of the thread that writes tile `seq`.
+    pub(crate) fn to(&self, seq: u32) -> &Sender<Done> {
+        &self.0[seq as usize % self.0.len()]
+    }
+}
+
 /// Staging → check: a block uploaded straight from its file's pages, to check (CRC, NaN/Inf)
 /// as copying it would have; `seq` is its place in the lane's order of checks.
 pub(crate) struct CheckJob {
@@ -766,7 +780,7 @@ pub(crate) struct DeviceLane<'a> {
     pub(crate) max_downs: usize,
     pub(crate) host_dt: DType,
     pub(crate) rx: Receiver<LaneOp>,
-    pub(crate) out: Sender<Done>,
+    pub(crate) out: ToWriteback,
     pub(crate) m: Arc<StageMetrics>,
     pub(crate) flops_issued: &'a AtomicU64,
     /// The stages' start and the time of the first GEMM after it (ns), shared by all lanes.
@@ -839,7 +853,7 @@ impl DeviceLane<'_> {
             partial: Some(k_done),
             checks: self.checks.clone(),
         };
-        ctl.send_timed(&self.out, done, &self.m)
+        ctl.send_timed(self.out.to(done.tile.seq), done, &self.m)
     }
 
     /// Release finished uploads and forward finished downloads; with `all`, wait for everything.
@@ -865,7 +879,7 @@ impl DeviceLane<'_> {
             };
             if ready {
                 let (_, d) = p.downs.remove(i);
-                ctl.send_timed(&self.out, d, &self.m)?;
+                ctl.send_timed(self.out.to(d.tile.seq), d, &self.m)?;
             } else {
                 i += 1;
             }
@@ -1035,7 +1049,7 @@ impl DeviceLane<'_> {
                         self.lane.wait(p.downs[0].0)?;
                         self.m.add_wait_out(t.elapsed());
                         let (_, d) = p.downs.remove(0);
-                        ctl.send_timed(&self.out, d, &self.m)?;
+                        ctl.send_timed(self.out.to(d.tile.seq), d, &self.m)?;
                     }
                     let mut buf = self.lease_out(p, ctl)?;
                     let elems = tile.block.elems();
@@ -1130,8 +1144,17 @@ impl Writeback<'_> {
                 self.m.add_busy(t.elapsed());
                 continue;
             }
+            // Populate the block's pages here too: when output is all the work (the 43 GB
+            // chain) writeback overtakes outprep, and copying into unpopulated pages takes a
+            // fault per 4 KiB while outprep populates the same tiles beside it. On two H200s
+            // the chain took 3.55–3.69 s so against 6.87–7.24 s (BENCHMARKS.md §25); pages
+            // outprep already made cost a walk of their page table.
+            self.writer.prefault(&b);
             let crc = self.writer.write_block(&b, self.host_dt, data)?;
             drop(d.buf);
+            // Out of this process's map now that it is written (still in the page cache):
+            // resident memory holds the tiles in flight, not the output.
+            self.writer.release(&b);
             self.m.add_busy(t.elapsed());
             self.m
                 .add_item(b.elems() as u64 * self.writer.dtype().size() as u64);

@@ -355,7 +355,16 @@ fn describe_write(step: &crate::plan::Step, l: &Layout, e: &crate::plan::Engine)
         ),
         _ => String::new(),
     };
-    format!("  output written with {name}{why}\n")
+    // What TiledWriter::release does for a mapped .mgt output larger than the budget.
+    let released = if mode == crate::store::WriteMode::Mmap
+        && len > e.host_memory
+        && crate::store::OutputFormat::of(&step.output) == crate::store::OutputFormat::Mgt
+    {
+        ", each tile dropped from the map once written"
+    } else {
+        ""
+    };
+    format!("  output written with {name}{why}{released}\n")
 }
 
 /// The communication lower bound and the time lower bound of one step.

@@ -36,7 +36,9 @@ pub(crate) fn resolve_write(
         .then(fsutil::dirty_limits)
         .flatten()
         .map(|d| d.limit);
-    let mode = write.resolve(file_len, host_memory, dirty_limit);
+    // A `.mgt` writer drops each written tile from its map (`TiledWriter::release`).
+    let releases = crate::store::OutputFormat::of(output) == crate::store::OutputFormat::Mgt;
+    let mode = write.resolve(file_len, host_memory, dirty_limit, releases);
     (mode, file_len, dirty_limit)
 }
 
@@ -89,7 +91,8 @@ impl ResumeState {
         let (journal, state) = Journal::open(&step.output, fp, restart, durable)?;
         let sched = Schedule::new(step, layout);
         let header = output_header(step, layout);
-        let write = resolve_write(&step.output, &header, durable, write, host_memory).0;
+        let (write, file_len, _) =
+            resolve_write(&step.output, &header, durable, write, host_memory);
         let total = sched.tiles.len() as u64;
         if restart {
             ckpt.discard_all()?;
@@ -159,6 +162,10 @@ impl ResumeState {
                 };
                 first.extend(ckpt.scan(&sched, &todo, 0..total as u32)?);
                 let notes = first;
+                // Resident memory bounded by the tiles in flight, not the output, when the output
+                // would not fit the budget (releasing costs time: TLB shootdowns on every core
+                // running the process's threads, BENCHMARKS.md §25).
+                work.writer.release_written(file_len > host_memory);
                 ResumeState::Work {
                     work,
                     total,

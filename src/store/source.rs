@@ -203,6 +203,16 @@ pub trait MatrixSink: Send + Sync {
     /// Prepare the storage `b` will be written to (populate pages) so the later write runs at
     /// memory speed. A hint: returns bytes prepared, 0 where it does not apply.
     fn prefault(&self, b: &Block) -> u64;
+    /// Let go of block `b`'s storage once it is written (drop its pages from the process's
+    /// map) if [`Self::release_written`] asked for it, so resident memory does not grow with
+    /// the output. A hint: returns bytes released, 0 where it does not apply.
+    fn release(&self, _b: &Block) -> u64 {
+        0
+    }
+    /// Whether [`Self::release`] lets go of written blocks (off by default). Sinks that cannot
+    /// ignore it; `write = "auto"` maps an output larger than `host_memory` only for a sink
+    /// that can (a `.mgt` output, [`WriteMode::resolve`]).
+    fn release_written(&self, _on: bool) {}
     /// Make the bytes of block `b` durable (before the journal records it).
     fn flush_block(&self, b: &Block) -> Result<()>;
     /// Whether written bytes become dirty pages of a disk-backed file, which the kernel lets
@@ -469,10 +479,15 @@ pub(crate) fn reopen_output(
 /// filesystems); the writer also falls back to it where `fallocate` is unsupported.
 ///
 /// `Auto` (the default) picks per output: `Mmap` when the output fits in `host_memory` (its
-/// mapped pages then stay within the memory the plan grants), else `Pwrite`, so an output larger
-/// than the budget never makes the process's resident memory grow with it. And `Pwrite` for an
-/// output on disk, not flushed tile by tile (`durable = false`), larger than the kernel's
-/// limit for dirty pages, where writers through the map are made to wait for the disk.
+/// mapped pages then stay within the memory the plan grants) or when the sink drops each
+/// written tile from its map ([`MatrixSink::release_written`]: a `.mgt` output, whose map then
+/// holds only the tiles in flight), else `Pwrite`, so an output larger than the budget never
+/// makes the process's resident memory grow with it. And `Pwrite` for an output on disk, not
+/// flushed tile by tile (`durable = false`), larger than the kernel's limit for dirty pages,
+/// where writers through the map are made to wait for the disk. One thread's `pwrite`s create
+/// page-cache pages at 3–4 GB/s and `pwrite`s to one file serialise on its inode lock, while
+/// the map's pages are created by the outprep threads in parallel: on two H200s 60000² fp64
+/// (a 34 GB file, `host_memory = "32GiB"`) was bound by the one `pwrite` writer at 2.9 GB/s.
 /// Measured (BENCHMARKS.md §12, §15): over the limit the map lost — the 43 GB chain on one
 /// H200's machine (limit about 25 GiB) 16.6–20.0 s against 13.6–16.2 s with `pwrite` (bar two
 /// slow first runs), a 5 GiB output on the 2-core development VM (limit about 4.8 GB)
@@ -493,16 +508,20 @@ pub enum WriteMode {
 impl WriteMode {
     /// The concrete mode for an output of `output_bytes` under a host budget of `host_memory`.
     /// `dirty_limit`: the kernel's limit for dirty pages, for an output on disk written with
-    /// `durable = false` (else `None`).
+    /// `durable = false` (else `None`). `releases`: the sink drops written tiles from its map
+    /// ([`MatrixSink::release_written`]), so the map's resident memory does not grow with the
+    /// output.
     pub(crate) fn resolve(
         self,
         output_bytes: u64,
         host_memory: u64,
         dirty_limit: Option<u64>,
+        releases: bool,
     ) -> WriteMode {
         let under_limit = dirty_limit.is_none_or(|l| output_bytes <= l);
+        let fits = output_bytes <= host_memory || releases;
         match self {
-            WriteMode::Auto if output_bytes <= host_memory && under_limit => WriteMode::Mmap,
+            WriteMode::Auto if fits && under_limit => WriteMode::Mmap,
             WriteMode::Auto => WriteMode::Pwrite,
             m => m,
         }
@@ -537,18 +556,29 @@ impl WriteMode {
 mod tests {
     use super::WriteMode::{self, *};
 
-    /// `auto` maps an output that fits the host budget and, on disk without `durable`, the
-    /// kernel's limit for dirty pages; anything else is written with `pwrite`.
-    /// An explicit mode stays.
+    /// `auto` maps an output that fits the host budget (or whose sink releases written tiles)
+    /// and, on disk without `durable`, the kernel's limit for dirty pages; anything else is
+    /// written with `pwrite`. An explicit mode stays.
     #[test]
     fn auto_maps_only_outputs_under_the_budget_and_the_dirty_threshold() {
         let gib = 1u64 << 30;
-        assert_eq!(Auto.resolve(4 * gib, 16 * gib, None), Mmap);
-        assert_eq!(Auto.resolve(4 * gib, 16 * gib, Some(12 * gib)), Mmap);
-        assert_eq!(Auto.resolve(20 * gib, 32 * gib, Some(12 * gib)), Pwrite);
-        assert_eq!(Auto.resolve(20 * gib, 16 * gib, None), Pwrite);
-        assert_eq!(Mmap.resolve(20 * gib, 16 * gib, Some(gib)), Mmap);
-        assert_eq!(WriteMode::Pwrite.resolve(1, 16 * gib, None), Pwrite);
+        assert_eq!(Auto.resolve(4 * gib, 16 * gib, None, false), Mmap);
+        assert_eq!(Auto.resolve(4 * gib, 16 * gib, Some(12 * gib), false), Mmap);
+        assert_eq!(
+            Auto.resolve(20 * gib, 32 * gib, Some(12 * gib), false),
+            Pwrite
+        );
+        assert_eq!(Auto.resolve(20 * gib, 16 * gib, None, false), Pwrite);
+        assert_eq!(Mmap.resolve(20 * gib, 16 * gib, Some(gib), false), Mmap);
+        assert_eq!(WriteMode::Pwrite.resolve(1, 16 * gib, None, false), Pwrite);
+        // A sink that releases written tiles: the budget no longer decides, the dirty limit does.
+        assert_eq!(Auto.resolve(34 * gib, 32 * gib, Some(49 * gib), true), Mmap);
+        assert_eq!(Auto.resolve(20 * gib, 16 * gib, None, true), Mmap);
+        assert_eq!(
+            Auto.resolve(43 * gib, 16 * gib, Some(25 * gib), true),
+            Pwrite
+        );
+        assert_eq!(WriteMode::Pwrite.resolve(1, 16 * gib, None, true), Pwrite);
     }
 
     /// A matrix in the middle of a file (an `np.memmap`'s region) reads in place, block by

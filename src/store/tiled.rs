@@ -812,6 +812,8 @@ pub(crate) struct TiledWriter {
     /// the filesystem cannot preallocate (`fallocate`), so writes through the map could hit
     /// ENOSPC, which a map reports as SIGBUS.
     pwrite: bool,
+    /// Drop written tiles from the map ([`TiledWriter::release`]).
+    release_written: AtomicBool,
 }
 
 impl TiledWriter {
@@ -892,6 +894,7 @@ impl TiledWriter {
             hdr,
             crcs: Mutex::new(vec![None; n]),
             pwrite: mode == WriteMode::Pwrite || !prealloc,
+            release_written: AtomicBool::new(false),
         })
     }
 
@@ -956,6 +959,43 @@ impl TiledWriter {
         for span in self.geo.tile_row_spans(b) {
             let (a, len) = (span.start as usize, (span.end - span.start) as usize);
             if self.map.advise_range(Advice::PopulateWrite, a, len).is_ok() {
+                total += len as u64;
+            }
+        }
+        total
+    }
+
+    /// Drop the pages of the storage tiles block `b` covers entirely from this process's map,
+    /// once `b` is written, when [`MatrixSink::release_written`] asked for it: they stay in the page cache (dirty ones are still written back by
+    /// the kernel, and reading them through the map faults them in again), but no longer count
+    /// as the process's resident memory. Without it a mapped output's RSS grows with the output
+    /// (38–50 GB for a 40 GB one), which is why `write = "auto"` used to map only outputs that
+    /// fit `host_memory`; with it the map holds the tiles in flight. A tile `b` shares with
+    /// another block stays mapped (that block may be writing it). Advice only: a failure changes
+    /// nothing but memory. Returns bytes released; 0 when writing with `pwrite`.
+    pub(crate) fn release(&self, b: &Block) -> u64 {
+        if self.pwrite || !self.release_written.load(Ordering::Relaxed) {
+            return 0;
+        }
+        let mut total = 0;
+        for (ti, tj) in self.geo.tiles_iter(b) {
+            if !self.geo.covers_tile(b, ti, tj) {
+                continue;
+            }
+            let off = self.hdr.tile_offset(ti, tj) as usize;
+            let len = self.hdr.tile_stride as usize;
+            // SAFETY: MADV_DONTNEED on a shared file mapping only unmaps the range's pages: a
+            // later access maps the file's current contents again (what was written is in the
+            // page cache, marked dirty when its page table entry was), so no byte seen through
+            // the map changes. Nothing else touches this tile now: every block is written by
+            // one writeback call, and this one has returned. `off + len` is inside the map (a
+            // storage tile of the header the map was sized from) and page-aligned (tile_stride
+            // and data_offset are multiples of the page, docs/FORMAT.md).
+            let r = unsafe {
+                self.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, off, len)
+            };
+            if r.is_ok() {
                 total += len as u64;
             }
         }
@@ -1052,6 +1092,12 @@ impl MatrixSink for TiledWriter {
     }
     fn prefault(&self, b: &Block) -> u64 {
         TiledWriter::prefault(self, b)
+    }
+    fn release(&self, b: &Block) -> u64 {
+        TiledWriter::release(self, b)
+    }
+    fn release_written(&self, on: bool) {
+        self.release_written.store(on, Ordering::Relaxed);
     }
     fn counts_dirty_pages(&self) -> bool {
         fsutil::counts_dirty_pages(&self.file)
