@@ -578,7 +578,11 @@ fn info_cmd(file: &Path, check: bool) -> Result<()> {
         outln!("check:       not possible");
         return Err(Error::format(
             file,
-            "has no checksum table; nothing to check (re-import or regenerate it to add one)",
+            format!(
+                "has no checksum table (a file written without one); nothing to check. To add one, rewrite it: mgmm-stream export {f} tmp.npy && mgmm-stream import tmp.npy {f} --tile {t} --force",
+                f = file.display(),
+                t = h.tile_rows.max(h.tile_cols)
+            ),
         ));
     }
     let t = Instant::now();

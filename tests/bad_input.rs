@@ -756,3 +756,46 @@ fn restart_keeps_a_finished_output_when_an_input_is_now_corrupt() {
     let err = failed_with(&o, &["B.mgt", "checksum mismatch in tile (1, 0)"]);
     assert!(!err.contains("stopped before touching"), "{err}");
 }
+
+/// A `.mgt` without a checksum table (written by a tool that left it out): `info --check` says
+/// it cannot check and gives the commands that add one, and those commands work.
+#[test]
+fn info_check_without_a_checksum_table_says_how_to_add_one() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    let p = dir.join("A.mgt");
+    let mut b = std::fs::read(&p).unwrap();
+    // Flag bit 0 and the table's offset cleared, the header CRC (bytes 0–71) made valid again.
+    b[56..72].fill(0);
+    let crc = crc32c::crc32c(&b[..72]);
+    b[72..76].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&p, b).unwrap();
+    let o = mg(dir, &["info", "A.mgt", "--check"]);
+    let err = failed_with(&o, &["no checksum table", "mgmm-stream export", "import"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("check:       not possible"), "{out}");
+    // Run the advice as written, then check again.
+    let advice = err.split("rewrite it: ").nth(1).unwrap().trim();
+    let sh = Command::new("sh")
+        .args(["-c", advice])
+        .current_dir(dir)
+        .env(
+            "PATH",
+            format!(
+                "{}:{}",
+                bin().parent().unwrap().display(),
+                std::env::var("PATH").unwrap_or_default()
+            ),
+        )
+        .output()
+        .unwrap();
+    assert!(
+        sh.status.success(),
+        "{advice}: {}",
+        String::from_utf8_lossy(&sh.stderr)
+    );
+    let o = mg(dir, &["info", "A.mgt", "--check"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("tiles OK"));
+}

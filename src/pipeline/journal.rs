@@ -334,12 +334,49 @@ pub(crate) fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> Strin
         if !matches!((a, b), (Some(x), Some(y)) if same_value(x, y)) {
             changes.push(format!(
                 "{k}: was {}, now {}",
-                a.map(String::as_str).unwrap_or("(none)"),
-                b.map(String::as_str).unwrap_or("(none)")
+                a.map(|v| readable_mtime(v)).as_deref().unwrap_or("(none)"),
+                b.map(|v| readable_mtime(v)).as_deref().unwrap_or("(none)")
             ));
         }
     }
     changes.join("; ")
+}
+
+/// An identity's `mtime N ns` (how the journal stores it) as a UTC date a reader can compare:
+/// `modified 2026-12-04 11:22:33.123456789 UTC`. Only for messages; the journal keeps the
+/// nanoseconds.
+fn readable_mtime(v: &str) -> String {
+    let Some(i) = v.find("mtime ") else {
+        return v.to_string();
+    };
+    let rest = &v[i + 6..];
+    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+    let (Ok(ns), true) = (
+        rest[..digits].parse::<u64>(),
+        rest[digits..].starts_with(" ns"),
+    ) else {
+        return v.to_string();
+    };
+    let (secs, frac) = (ns / 1_000_000_000, ns % 1_000_000_000);
+    let (days, tod) = (secs / 86_400, secs % 86_400);
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{}modified {y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}.{frac:09} UTC{}",
+        &v[..i],
+        tod / 3600,
+        tod % 3600 / 60,
+        tod % 60,
+        &rest[digits + 3..]
+    )
 }
 
 impl Journal {
@@ -578,5 +615,25 @@ mod tests {
             (peek.done.len(), peek.damaged, peek.good_end),
             (1, 0, head + 16)
         );
+    }
+
+    /// A changed `.npy` input's modification time reads as a date in the message, not as
+    /// nanoseconds since 1970; the journal's text is unchanged.
+    #[test]
+    fn changed_mtimes_read_as_dates() {
+        let v = "x.npy (128 bytes, mtime 1733311353123456789 ns, npy, sample crc 0000abcd)";
+        assert_eq!(
+            readable_mtime(v),
+            "x.npy (128 bytes, modified 2024-12-04 11:22:33.123456789 UTC, npy, sample crc 0000abcd)"
+        );
+        assert_eq!(
+            readable_mtime("mtime 0 ns"),
+            "modified 1970-01-01 00:00:00.000000000 UTC"
+        );
+        assert_eq!(
+            readable_mtime("C.mgt (64 bytes, crc 1)"),
+            "C.mgt (64 bytes, crc 1)"
+        );
+        assert_eq!(readable_mtime("mtime x ns"), "mtime x ns");
     }
 }
