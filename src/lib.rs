@@ -19,7 +19,7 @@
 //! | prefetch | `PlanOp` → `PlanOp` | one per lane | `madvise(WILLNEED)` on the blocks about to be staged |
 //! | staging | `PlanOp` → `LaneOp` | one per lane (+ rayon for reads) | leases a buffer from the pool, `pread`s the block, verifies tile CRCs once |
 //! | device lane | `LaneOp` → `Done` | one per lane | upload, GEMM, download; on CUDA three streams and events |
-//! | outprep | output blocks → (pages) | a quarter of `threads`, 2 to 8 | populates the output file's pages ahead of writeback |
+//! | outprep | output blocks → (pages) | a quarter of `threads`, 2 to 8 (at least one per lane, up to 8) | populates the output file's pages ahead of writeback |
 //! | writeback | `Done` → file | `threads / 8`, 1 to 4 (a tile's messages on one) | writes the tile, returns the buffer, hands it to sync |
 //!
 //! Backpressure comes from bounded channels and fixed buffer pools sized by the plan's memory

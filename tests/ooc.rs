@@ -176,7 +176,7 @@ fn an_output_larger_than_host_memory_keeps_resident_memory_bounded() {
         8192,
         8192,
         128,
-        "backend = \"cpu\"\nhost_memory = \"32MiB\"",
+        "backend = \"cpu\"\nhost_memory = \"32MiB\"\nthreads = 16",
     );
     let plan = std::process::Command::new(bin())
         .args(["plan", "plan.toml"])

@@ -814,6 +814,10 @@ pub(crate) struct TiledWriter {
     pwrite: bool,
     /// Drop written tiles from the map ([`TiledWriter::release`]).
     release_written: AtomicBool,
+    /// Per storage tile: elements written so far (counted while releasing), and whether it was
+    /// dropped from the map.
+    filled: Vec<std::sync::atomic::AtomicU64>,
+    released: Vec<AtomicBool>,
 }
 
 impl TiledWriter {
@@ -895,6 +899,8 @@ impl TiledWriter {
             crcs: Mutex::new(vec![None; n]),
             pwrite: mode == WriteMode::Pwrite || !prealloc,
             release_written: AtomicBool::new(false),
+            filled: (0..n).map(|_| Default::default()).collect(),
+            released: (0..n).map(|_| AtomicBool::new(false)).collect(),
         })
     }
 
@@ -955,51 +961,92 @@ impl TiledWriter {
         if self.pwrite {
             return 0;
         }
+        let releasing = self.release_written.load(Ordering::Relaxed);
+        let g = &self.geo;
+        let done =
+            |ti, tj| releasing && self.released[g.tile_index(ti, tj)].load(Ordering::Acquire);
+        let (_, tjs) = g.tiles_of(b);
         let mut total = 0;
-        for span in self.geo.tile_row_spans(b) {
+        for (span, ti) in g.tile_row_spans(b).zip(g.tiles_of(b).0) {
+            // A late prefault (outprep is behind writeback) of tiles already written and
+            // dropped would map them again and dirty pages already on disk.
+            if tjs.clone().all(|tj| done(ti, tj)) {
+                continue;
+            }
             let (a, len) = (span.start as usize, (span.end - span.start) as usize);
             if self.map.advise_range(Advice::PopulateWrite, a, len).is_ok() {
                 total += len as u64;
+            }
+            // Dropped while this populated them: drop them again.
+            for tj in tjs.clone().filter(|&tj| done(ti, tj)) {
+                self.drop_tile(ti, tj);
             }
         }
         total
     }
 
-    /// Drop the pages of the storage tiles block `b` covers entirely from this process's map,
-    /// once `b` is written, when [`MatrixSink::release_written`] asked for it: they stay in the page cache (dirty ones are still written back by
-    /// the kernel, and reading them through the map faults them in again), but no longer count
-    /// as the process's resident memory. Without it a mapped output's RSS grows with the output
-    /// (38–50 GB for a 40 GB one), which is why `write = "auto"` used to map only outputs that
-    /// fit `host_memory`; with it the map holds the tiles in flight. A tile `b` shares with
-    /// another block stays mapped (that block may be writing it). Advice only: a failure changes
-    /// nothing but memory. Returns bytes released; 0 when writing with `pwrite`.
+    /// Count block `b` as written and, when [`MatrixSink::release_written`] asked for it, drop
+    /// every storage tile it completes from this process's map. The pages stay in the page
+    /// cache (dirty ones are still written back by the kernel; reading them through the map
+    /// maps them again) but no longer count as the process's resident memory. Without it a
+    /// mapped output's RSS grows with the output (38–50 GB for a 40 GB one), which is why
+    /// `write = "auto"` used to map only outputs that fit `host_memory`; with it the map holds
+    /// the tiles in flight. A storage tile is dropped once every one of its elements has been
+    /// written, by however many blocks (a compute tile need not match the storage tile). Advice
+    /// only: a failure changes nothing but memory. Returns bytes released; 0 when writing with
+    /// `pwrite`.
     pub(crate) fn release(&self, b: &Block) -> u64 {
         if self.pwrite || !self.release_written.load(Ordering::Relaxed) {
             return 0;
         }
+        let g = &self.geo;
         let mut total = 0;
-        for (ti, tj) in self.geo.tiles_iter(b) {
-            if !self.geo.covers_tile(b, ti, tj) {
-                continue;
-            }
-            let off = self.hdr.tile_offset(ti, tj) as usize;
-            let len = self.hdr.tile_stride as usize;
-            // SAFETY: MADV_DONTNEED on a shared file mapping only unmaps the range's pages: a
-            // later access maps the file's current contents again (what was written is in the
-            // page cache, marked dirty when its page table entry was), so no byte seen through
-            // the map changes. Nothing else touches this tile now: every block is written by
-            // one writeback call, and this one has returned. `off + len` is inside the map (a
-            // storage tile of the header the map was sized from) and page-aligned (tile_stride
-            // and data_offset are multiples of the page, docs/FORMAT.md).
-            let r = unsafe {
-                self.map
-                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, off, len)
-            };
-            if r.is_ok() {
-                total += len as u64;
+        for (ti, tj) in g.tiles_iter(b) {
+            let (r0, c0) = (ti * g.tile_rows, tj * g.tile_cols);
+            let (r1, c1) = (
+                (r0 + g.tile_rows).min(g.rows),
+                (c0 + g.tile_cols).min(g.cols),
+            );
+            let rows = (b.r0 + b.rows).min(r1) - b.r0.max(r0);
+            let cols = (b.c0 + b.cols).min(c1) - b.c0.max(c0);
+            let i = g.tile_index(ti, tj);
+            let before = self.filled[i].fetch_add(rows * cols, Ordering::AcqRel);
+            if before + rows * cols == (r1 - r0) * (c1 - c0) {
+                self.released[i].store(true, Ordering::Release);
+                total += self.drop_tile(ti, tj);
             }
         }
         total
+    }
+
+    /// Unmap storage tile (ti, tj)'s whole pages from this process (`MADV_DONTNEED`); bytes
+    /// dropped.
+    fn drop_tile(&self, ti: u64, tj: u64) -> u64 {
+        let off = self.hdr.tile_offset(ti, tj) as usize;
+        // Whole pages of the tile only: with pages larger than the 4 KiB that tiles are aligned
+        // to (docs/FORMAT.md), the pages at its ends may hold a neighbour's bytes.
+        // SAFETY: sysconf has no preconditions; it returns -1 only for an unknown name.
+        let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize;
+        let start = off.next_multiple_of(page);
+        let end = (off + self.hdr.tile_stride as usize) / page * page;
+        if end <= start {
+            return 0;
+        }
+        // SAFETY: MADV_DONTNEED on a shared file mapping only unmaps the range's pages: any
+        // later access, by this thread or another, maps the file's current contents again (what
+        // was written is in the page cache, marked dirty when its page table entry was
+        // cleared), so no byte seen through the map changes — the argument holds even if
+        // another thread were writing the range. The range is whole pages inside the map (a
+        // storage tile of the header the map was sized from).
+        let r = unsafe {
+            self.map
+                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+        };
+        if r.is_ok() {
+            (end - start) as u64
+        } else {
+            0
+        }
     }
 
     /// Write raw file bytes at `offset` (whole storage tiles, already laid out).
@@ -1019,10 +1066,12 @@ impl TiledWriter {
             self.map
                 .flush_range(a, len)
                 .map_err(|e| Error::io(&self.path, "cannot flush output tile to disk", e))?;
-            if self.pwrite {
+            if self.pwrite || self.release_written.load(Ordering::Relaxed) {
                 // The tile is on disk: drop its (now clean) pages from the page cache, so an
-                // output larger than RAM does not push out the inputs still to be read. Advice
-                // only: a failure changes nothing but speed.
+                // output larger than RAM does not push out the inputs still to be read (pages
+                // still mapped, with `mmap`, are kept: writeback dropped the block's finished
+                // tiles from the map before this). Advice only: a failure changes nothing but
+                // speed.
                 let _ = rustix::fs::fadvise(
                     &self.file,
                     a as u64,
@@ -1040,14 +1089,22 @@ impl TiledWriter {
         if h.has_checksums() {
             let known = std::mem::take(&mut *self.crcs.lock().unwrap());
             let gc = h.grid_cols();
-            let map = &self.map;
+            let this = &self;
+            let releasing = self.release_written.load(Ordering::Relaxed) && !self.pwrite;
             let table: Vec<u32> = known
                 .par_iter()
                 .enumerate()
                 .map(|(i, c)| {
                     c.unwrap_or_else(|| {
-                        let off = h.tile_offset(i as u64 / gc, i as u64 % gc) as usize;
-                        par_crc32c(&map[off..off + h.tile_stride as usize])
+                        let (ti, tj) = (i as u64 / gc, i as u64 % gc);
+                        let off = h.tile_offset(ti, tj) as usize;
+                        let crc = par_crc32c(&this.map[off..off + h.tile_stride as usize]);
+                        // Read through the map (a resumed run's earlier tiles): out again, so
+                        // the table does not map the whole output back in.
+                        if releasing {
+                            this.drop_tile(ti, tj);
+                        }
+                        crc
                     })
                 })
                 .collect();
@@ -1175,6 +1232,76 @@ mod tests {
             }
         }
         w.finish(false).unwrap();
+    }
+
+    /// The resident size (kB) of the mapping starting at `addr`, from /proc/self/smaps.
+    fn mapped_rss_kb(addr: usize) -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let head = format!("{addr:x}-");
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
+        assert!(lines.next().is_some(), "no mapping at {head}");
+        let rss = lines.find(|l| l.starts_with("Rss:")).unwrap();
+        rss.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    /// An output larger than its budget drops each storage tile from the map once all of it is
+    /// written, by blocks that do not line up with the storage tiles, written on several
+    /// threads: nothing stays resident, and the file is byte for byte what `pwrite` writes.
+    #[test]
+    fn released_tiles_leave_the_map_and_keep_their_bytes() {
+        let d = tempfile::tempdir().unwrap();
+        let (rows, cols) = (1000u64, 900u64);
+        let write = |path: &Path, mode: WriteMode| {
+            let hdr = Header::new(DType::F32, rows, cols, 128, 128, true);
+            let w = TiledWriter::create_with(path, hdr, mode).unwrap();
+            w.release_written(true);
+            let blocks: Vec<Block> = (0..rows)
+                .step_by(96)
+                .flat_map(|r0| {
+                    (0..cols).step_by(112).map(move |c0| Block {
+                        r0,
+                        c0,
+                        rows: 96.min(rows - r0),
+                        cols: 112.min(cols - c0),
+                    })
+                })
+                .collect();
+            blocks.par_iter().for_each(|b| {
+                let sink: &dyn MatrixSink = &w;
+                sink.prefault(b);
+                sink.write_block(b, DType::F32, &dense(b, DType::F32))
+                    .unwrap();
+                sink.release(b);
+            });
+            // A late prefault of a finished block does not map it back.
+            w.prefault(&blocks[0]);
+            let rss = if mode == WriteMode::Mmap {
+                mapped_rss_kb(w.map.as_ptr() as usize)
+            } else {
+                0
+            };
+            w.finish(false).unwrap();
+            rss
+        };
+        let (pm, pp) = (d.path().join("m.mgt"), d.path().join("p.mgt"));
+        let rss = write(&pm, WriteMode::Mmap);
+        write(&pp, WriteMode::Pwrite);
+        // The header page and the checksum table are not tiles; every tile's pages are gone.
+        assert!(
+            rss <= 8,
+            "{rss} kB of a {} kB output still mapped",
+            std::fs::metadata(&pm).unwrap().len() >> 10
+        );
+        assert_eq!(std::fs::read(&pm).unwrap(), std::fs::read(&pp).unwrap());
+        open_source(&pm)
+            .unwrap()
+            .verify_block(&Block {
+                r0: 0,
+                c0: 0,
+                rows,
+                cols,
+            })
+            .unwrap();
     }
 
     #[test]
