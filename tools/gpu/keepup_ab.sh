@@ -8,7 +8,7 @@
 # Cases (as host_keepup.sh; every plan `durable = false`, output to a file, inputs warm):
 #   sq     32768² tf32 / bf16 / fp32 on every GPU, tf32 on GPU 0 (host_memory 16 GiB)
 #   chain  the 43 GB request (A·B·C)ᵀ, one step, every GPU (host_memory 16 GiB)
-#   fp64   60000² fp64 on every GPU (45000² on one), host_memory 32 GiB; and with
+#   fp64   60000² fp64 on every GPU (45000² on one), host_memory 32 GiB (FP64_HOST=…); and with
 #          device_memory = "20GiB" (first two variants only, one run each)
 #   big    100 000² tf32 on every GPU, host_memory 32 GiB (two GPUs only)
 # Each case's inputs are generated, read once, and run once untimed (the first run after
@@ -110,8 +110,9 @@ case_fp64() {
   local n=60000; [ "$NGPU" -ge 2 ] || n=45000
   GEN_DTYPE=f64 gen_matrix A64.mgt $n $n 3; GEN_DTYPE=f64 gen_matrix B64.mgt $n $n 4
   cat A64.mgt B64.mgt > /dev/null
-  plan fp64 A64.mgt B64.mgt C64.mgt "A @ B" fp64 '"all"' 'host_memory = "32GiB"'; ab fp64 C64.mgt
-  plan fp64_20g A64.mgt B64.mgt C64.mgt "A @ B" fp64 '"all"' 'host_memory = "32GiB"' 'device_memory = "20GiB"'
+  local hm=${FP64_HOST:-32GiB}
+  plan fp64 A64.mgt B64.mgt C64.mgt "A @ B" fp64 '"all"' "host_memory = \"$hm\""; ab fp64 C64.mgt
+  plan fp64_20g A64.mgt B64.mgt C64.mgt "A @ B" fp64 '"all"' "host_memory = \"$hm\"" 'device_memory = "20GiB"'
   RUNS=1 ab fp64_20g C64.mgt 2
   rm -f A64.mgt B64.mgt A64.mgt.gen B64.mgt.gen
 }
