@@ -222,7 +222,10 @@ fn step_work(
             }
             let (j, state) = Journal::open(out, &fp, job.restart, e.durable)?;
             journal = Some(j);
-            match resume_work(f.as_ref(), job.step, layout, header, e.write, state)? {
+            // `write = "auto"` decided as for a plan's run (the budget, the dirty limit).
+            let (write, _, _) =
+                crate::run::resolve_write(out, &header, e.durable, e.write, e.host_memory);
+            match resume_work(f.as_ref(), job.step, layout, header, write, state)? {
                 Some(w) => {
                     // As a plan's run: a mapped output larger than the budget lets go of each
                     // tile once written (crate::store::MatrixSink::release_written).

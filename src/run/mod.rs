@@ -11,6 +11,7 @@
 mod describe;
 mod intermediates;
 mod resume;
+pub(crate) use resume::resolve_write;
 mod space;
 
 use std::path::PathBuf;
