@@ -223,13 +223,10 @@ fn step_work(
             let (j, state) = Journal::open(out, &fp, job.restart, e.durable)?;
             journal = Some(j);
             // `write = "auto"` decided as for a plan's run (the budget, the dirty limit).
-            let (write, _, _) =
-                crate::run::resolve_write(out, &header, e.durable, e.write, e.host_memory);
-            match resume_work(f.as_ref(), job.step, layout, header, write, state)? {
+            let plan = crate::run::resolve_write(out, &header, e.durable, e.write, e.host_memory);
+            match resume_work(f.as_ref(), job.step, layout, header, plan.mode, state)? {
                 Some(w) => {
-                    // As a plan's run: a mapped output larger than the budget lets go of each
-                    // tile once written (crate::store::MatrixSink::release_written).
-                    w.writer.release_written(header.file_len() > e.host_memory);
+                    w.writer.release_written(plan.drop_written);
                     w
                 }
                 None => {

@@ -338,9 +338,10 @@ fn describe_staging(
 /// How the output file will be written (docs/PLAN.md, `write`), and why when `auto` chose.
 fn describe_write(step: &crate::plan::Step, l: &Layout, e: &crate::plan::Engine) -> String {
     let header = crate::pipeline::output_header(step, l);
-    let (mode, len, dirty) =
+    let plan =
         super::resume::resolve_write(&step.output, &header, e.durable, e.write, e.host_memory);
-    let name = mode.name();
+    let (len, dirty) = (plan.file_len, plan.dirty_limit);
+    let name = plan.mode.name();
     let why = match (e.write, dirty) {
         (crate::store::WriteMode::Auto, Some(d)) => format!(
             " (write = auto: a {} file, host_memory {}, the kernel's dirty limit about {})",
@@ -355,11 +356,7 @@ fn describe_write(step: &crate::plan::Step, l: &Layout, e: &crate::plan::Engine)
         ),
         _ => String::new(),
     };
-    // What TiledWriter::release does for a mapped .mgt output larger than the budget.
-    let released = if mode == crate::store::WriteMode::Mmap
-        && len > e.host_memory
-        && crate::store::OutputFormat::of(&step.output) == crate::store::OutputFormat::Mgt
-    {
+    let released = if plan.drop_written {
         ", each tile dropped from the map once written"
     } else {
         ""

@@ -20,26 +20,43 @@ use crate::plan::schedule::Schedule;
 use crate::plan::Step;
 use crate::store::{create_output, fsutil, open_source, reopen_output, WriteMode};
 
+/// How an output will be written: `write = "auto"` resolved, and what decided it.
+pub(crate) struct WritePlan {
+    pub(crate) mode: WriteMode,
+    /// The output file's size on disk.
+    pub(crate) file_len: u64,
+    /// The kernel's dirty limit, where it applied (`None`: `durable`, tmpfs, no `/proc`).
+    pub(crate) dirty_limit: Option<u64>,
+    /// Each written tile leaves the map ([`crate::store::MatrixSink::release_written`]): a
+    /// mapped `.mgt` output larger than `host_memory`. Only then, since dropping mappings costs
+    /// TLB shootdowns on every core running the process's threads (BENCHMARKS.md §25).
+    pub(crate) drop_written: bool,
+}
+
 /// How the output at `output` (header `header`) will be written, `write = "auto"` resolved
-/// ([`WriteMode::resolve`]) for the file's size on disk, with that size and the kernel's dirty
-/// limit that decided it (`None` when it did not apply: `durable`, tmpfs, no `/proc`). `run`
-/// and `plan` ask the same question.
+/// ([`WriteMode::resolve`]) for the file's size on disk. `run`, `plan` and the Python package
+/// ask the same question.
 pub(crate) fn resolve_write(
     output: &std::path::Path,
     header: &crate::store::Header,
     durable: bool,
     write: WriteMode,
     host_memory: u64,
-) -> (WriteMode, u64, Option<u64>) {
+) -> WritePlan {
     let file_len = crate::store::output_file_len(output, header);
     let dirty_limit = (!durable && fsutil::dir_counts_dirty_pages(output))
         .then(fsutil::dirty_limits)
         .flatten()
         .map(|d| d.limit);
     // A `.mgt` writer drops each written tile from its map (`TiledWriter::release`).
-    let releases = crate::store::OutputFormat::of(output) == crate::store::OutputFormat::Mgt;
-    let mode = write.resolve(file_len, host_memory, dirty_limit, releases);
-    (mode, file_len, dirty_limit)
+    let mgt = crate::store::OutputFormat::of(output) == crate::store::OutputFormat::Mgt;
+    let mode = write.resolve(file_len, host_memory, dirty_limit, mgt);
+    WritePlan {
+        mode,
+        file_len,
+        dirty_limit,
+        drop_written: mgt && mode == WriteMode::Mmap && file_len > host_memory,
+    }
 }
 
 /// A step's state on disk, as the journal and the output's bytes agree on it.
@@ -91,8 +108,8 @@ impl ResumeState {
         let (journal, state) = Journal::open(&step.output, fp, restart, durable)?;
         let sched = Schedule::new(step, layout);
         let header = output_header(step, layout);
-        let (write, file_len, _) =
-            resolve_write(&step.output, &header, durable, write, host_memory);
+        let plan = resolve_write(&step.output, &header, durable, write, host_memory);
+        let write = plan.mode;
         let total = sched.tiles.len() as u64;
         if restart {
             ckpt.discard_all()?;
@@ -162,10 +179,7 @@ impl ResumeState {
                 };
                 first.extend(ckpt.scan(&sched, &todo, 0..total as u32)?);
                 let notes = first;
-                // Resident memory bounded by the tiles in flight, not the output, when the output
-                // would not fit the budget (releasing costs time: TLB shootdowns on every core
-                // running the process's threads, BENCHMARKS.md §25).
-                work.writer.release_written(file_len > host_memory);
+                work.writer.release_written(plan.drop_written);
                 ResumeState::Work {
                     work,
                     total,

@@ -814,10 +814,9 @@ pub(crate) struct TiledWriter {
     pwrite: bool,
     /// Drop written tiles from the map ([`TiledWriter::release`]).
     release_written: AtomicBool,
-    /// Per storage tile: elements written so far (counted while releasing), and whether it was
-    /// dropped from the map.
+    /// Per storage tile: elements written so far (counted while releasing); a tile whose count
+    /// is complete was dropped from the map ([`TiledWriter::tile_written`]).
     filled: Vec<std::sync::atomic::AtomicU64>,
-    released: Vec<AtomicBool>,
 }
 
 impl TiledWriter {
@@ -900,7 +899,6 @@ impl TiledWriter {
             pwrite: mode == WriteMode::Pwrite || !prealloc,
             release_written: AtomicBool::new(false),
             filled: (0..n).map(|_| Default::default()).collect(),
-            released: (0..n).map(|_| AtomicBool::new(false)).collect(),
         })
     }
 
@@ -963,8 +961,7 @@ impl TiledWriter {
         }
         let releasing = self.release_written.load(Ordering::Relaxed);
         let g = &self.geo;
-        let done =
-            |ti, tj| releasing && self.released[g.tile_index(ti, tj)].load(Ordering::Acquire);
+        let done = |ti, tj| releasing && self.tile_written(ti, tj);
         let (_, tjs) = g.tiles_of(b);
         let mut total = 0;
         for (span, ti) in g.tile_row_spans(b).zip(g.tiles_of(b).0) {
@@ -1002,21 +999,34 @@ impl TiledWriter {
         let g = &self.geo;
         let mut total = 0;
         for (ti, tj) in g.tiles_iter(b) {
-            let (r0, c0) = (ti * g.tile_rows, tj * g.tile_cols);
-            let (r1, c1) = (
-                (r0 + g.tile_rows).min(g.rows),
-                (c0 + g.tile_cols).min(g.cols),
-            );
-            let rows = (b.r0 + b.rows).min(r1) - b.r0.max(r0);
-            let cols = (b.c0 + b.cols).min(c1) - b.c0.max(c0);
+            let (r, c) = self.tile_span(ti, tj);
+            let rows = (b.r0 + b.rows).min(r.end) - b.r0.max(r.start);
+            let cols = (b.c0 + b.cols).min(c.end) - b.c0.max(c.start);
             let i = g.tile_index(ti, tj);
             let before = self.filled[i].fetch_add(rows * cols, Ordering::AcqRel);
-            if before + rows * cols == (r1 - r0) * (c1 - c0) {
-                self.released[i].store(true, Ordering::Release);
+            if before + rows * cols == (r.end - r.start) * (c.end - c.start) {
                 total += self.drop_tile(ti, tj);
             }
         }
         total
+    }
+
+    /// Storage tile (ti, tj)'s rows and columns inside the matrix.
+    fn tile_span(&self, ti: u64, tj: u64) -> (std::ops::Range<u64>, std::ops::Range<u64>) {
+        let g = &self.geo;
+        let (r0, c0) = (ti * g.tile_rows, tj * g.tile_cols);
+        (
+            r0..(r0 + g.tile_rows).min(g.rows),
+            c0..(c0 + g.tile_cols).min(g.cols),
+        )
+    }
+
+    /// Whether every element of storage tile (ti, tj) was counted by [`Self::release`] (so it
+    /// was dropped from the map).
+    fn tile_written(&self, ti: u64, tj: u64) -> bool {
+        let (r, c) = self.tile_span(ti, tj);
+        self.filled[self.geo.tile_index(ti, tj)].load(Ordering::Acquire)
+            == (r.end - r.start) * (c.end - c.start)
     }
 
     /// Unmap storage tile (ti, tj)'s whole pages from this process (`MADV_DONTNEED`); bytes
