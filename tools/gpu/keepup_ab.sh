@@ -4,7 +4,8 @@
 # jobs of tools/gpu/host_keepup.sh. GPU machine, repository root, binaries carried (docs/GPU.md).
 #   VARIANTS="A=.dev/bin/mgmm-a B=.dev/bin/mgmm-stream B1=.dev/bin/mgmm-stream:MGMM_X=1" \
 #     RUNS=2 bash tools/gpu/keepup_ab.sh [CASE...]      default: sq chain fp64 big
-# A variant is NAME=BINARY[:VAR=VALUE[,VAR=VALUE…]] (environment set for its runs only).
+# A variant is NAME=BINARY[:VAR=VALUE[,VAR=VALUE…]] (environment set for its runs only); an
+# item --set=KEY=VALUE is passed to `run` instead (C=.dev/bin/mgmm-stream:--set=engine.staging=copy).
 # Cases (as host_keepup.sh; every plan `durable = false`, output to a file, inputs warm):
 #   sq     32768² tf32 / bf16 / fp32 on every GPU, tf32 on GPU 0 (host_memory 16 GiB)
 #   chain  the 43 GB request (A·B·C)ᵀ, one step, every GPU (host_memory 16 GiB)
@@ -50,12 +51,15 @@ PY
 
 # one NAME OUT VARIANT TAG: run NAME.toml with VARIANT, report $OUT/NAME_TAG.json, one line.
 one() {
-  local n=$1 o=$2 v=$3 tag=$4 bin env=() t0 t1
+  local n=$1 o=$2 v=$3 tag=$4 bin items=() env=() args=() x t0 t1
   bin=${v#*=}; bin=${bin%%:*}
-  [[ $v == *:* ]] && IFS=, read -r -a env <<< "${v#*:}"
+  [[ $v == *:* ]] && IFS=, read -r -a items <<< "${v#*:}"
+  for x in "${items[@]}"; do
+    if [[ $x == --set=* ]]; then args+=(--set "${x#--set=}"); else env+=("$x"); fi
+  done
   rm -f "$o" "$o.journal" "$o.crc32c"
   t0=$(date +%s.%N)
-  env "${env[@]}" "$ROOT/$bin" run "$n.toml" -q --report "$OUT/${n}_$tag.json" >> "$LOG" 2>&1
+  env "${env[@]}" "$ROOT/$bin" run "$n.toml" "${args[@]}" -q --report "$OUT/${n}_$tag.json" >> "$LOG" 2>&1
   local rc=$?
   t1=$(date +%s.%N)
   local crc; crc=$(table_crc "$o" 2>/dev/null || echo "?")
