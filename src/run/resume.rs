@@ -180,6 +180,14 @@ impl ResumeState {
                 first.extend(ckpt.scan(&sched, &todo, 0..total as u32)?);
                 let notes = first;
                 work.writer.release_written(plan.drop_written);
+                if plan.drop_written {
+                    // Tiles an earlier run wrote count toward their storage tiles' completion:
+                    // a storage tile it wrote in part leaves the map once this run writes the
+                    // rest, instead of staying mapped until `finish`.
+                    for t in sched.tiles.iter().filter(|t| !todo.contains(&t.seq)) {
+                        work.writer.release(&t.block);
+                    }
+                }
                 ResumeState::Work {
                     work,
                     total,

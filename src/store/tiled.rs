@@ -1314,6 +1314,73 @@ mod tests {
             .unwrap();
     }
 
+    /// A resumed run: blocks an earlier run wrote (here: the first half, by a writer that
+    /// never finished) are counted as written when the output is reopened, as the resume does
+    /// (`run::resume`), so storage tiles that both runs wrote part of leave the map once this
+    /// run writes the rest, not only when `finish` reads them.
+    #[test]
+    fn a_reopened_output_drops_tiles_an_earlier_run_wrote_part_of() {
+        let d = tempfile::tempdir().unwrap();
+        let (rows, cols) = (1000u64, 900u64);
+        let hdr = Header::new(DType::F32, rows, cols, 128, 128, true);
+        let blocks: Vec<Block> = (0..rows)
+            .step_by(96)
+            .flat_map(|r0| {
+                (0..cols).step_by(112).map(move |c0| Block {
+                    r0,
+                    c0,
+                    rows: 96.min(rows - r0),
+                    cols: 112.min(cols - c0),
+                })
+            })
+            .collect();
+        let (before, after) = blocks.split_at(blocks.len() / 2);
+        let path = d.path().join("r.mgt");
+        {
+            let w = TiledWriter::create_with(&path, hdr, WriteMode::Pwrite).unwrap();
+            for b in before {
+                w.write_block(b, DType::F32, &dense(b, DType::F32)).unwrap();
+            }
+            // Killed here: no finish.
+        }
+        let run = |count_earlier: bool| {
+            let w = TiledWriter::reopen_with(&path, hdr, WriteMode::Mmap).unwrap();
+            let sink: &dyn MatrixSink = &w;
+            sink.forget_checksums();
+            sink.release_written(true);
+            if count_earlier {
+                before.iter().for_each(|b| {
+                    sink.release(b);
+                });
+            }
+            after.par_iter().for_each(|b| {
+                let sink: &dyn MatrixSink = &w;
+                sink.prefault(b);
+                sink.write_block(b, DType::F32, &dense(b, DType::F32))
+                    .unwrap();
+                sink.release(b);
+            });
+            let rss = mapped_rss_kb(w.map.as_ptr() as usize);
+            w.finish(false).unwrap();
+            rss
+        };
+        // Without counting the earlier blocks, the straddled storage tiles stay mapped.
+        let stuck = run(false);
+        assert!(
+            stuck > 64,
+            "only {stuck} kB mapped: the test no longer straddles tiles"
+        );
+        let rss = run(true);
+        assert!(rss <= 8, "{rss} kB still mapped after a resumed run");
+        let full = d.path().join("p.mgt");
+        let w = TiledWriter::create_with(&full, hdr, WriteMode::Pwrite).unwrap();
+        for b in &blocks {
+            w.write_block(b, DType::F32, &dense(b, DType::F32)).unwrap();
+        }
+        w.finish(false).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), std::fs::read(&full).unwrap());
+    }
+
     #[test]
     fn write_modes_give_identical_files_that_read_back() {
         let d = tempfile::tempdir().unwrap();
