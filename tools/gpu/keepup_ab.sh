@@ -15,6 +15,8 @@
 # Each case's inputs are generated, read once, and run once untimed (the first run after
 # writing pays the kernel's first pin of fresh pages, BENCHMARKS.md §20). Consecutive outputs'
 # checksum tables are compared: every variant must write the same bytes.
+# TRACE=1: round 1's runs also write their timeline (MGMM_TRACE) to $OUT/JOB_VARIANT_1.trace.json
+# (read them with tools/trace_gaps.py).
 # Log: $OUT/keepup_ab.log; reports $OUT/JOB_VARIANT_i.json; the table at the end.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
@@ -58,6 +60,7 @@ one() {
     if [[ $x == --set=* ]]; then args+=(--set "${x#--set=}"); else env+=("$x"); fi
   done
   rm -f "$o" "$o.journal" "$o.crc32c"
+  [ -n "${TRACE:-}" ] && [[ $tag == *_1 ]] && env+=("MGMM_TRACE=$OUT/${n}_$tag.trace.json")
   t0=$(date +%s.%N)
   env "${env[@]}" "$ROOT/$bin" run "$n.toml" "${args[@]}" -q --report "$OUT/${n}_$tag.json" >> "$LOG" 2>&1
   local rc=$?
