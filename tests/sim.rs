@@ -382,3 +382,57 @@ fn direct_uploads_are_checked_on_the_device_and_a_corrupt_tile_is_caught_there()
         "{e}"
     );
 }
+
+/// Lanes take tile rows in turn, so `tile = "auto"` shrinks the row tile when that deals the
+/// rows more evenly: 1300 rows on four simulated lanes with the ladder's 512-row tiles leave
+/// one lane idle and give another 276 rows; 384-row tiles give three lanes 384 and one 148.
+/// `plan` says so, and the product (another tile than the storage tiles) verifies.
+#[test]
+fn auto_tiles_deal_rows_evenly_to_lanes_and_the_product_verifies() {
+    let d = tmp();
+    gen(
+        &d.path().join("A.mgt"),
+        1300,
+        100,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &d.path().join("B.mgt"),
+        100,
+        200,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    std::fs::write(
+        d.path().join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"sim\"\ndurable = false\nthreads = 1\n",
+    )
+    .unwrap();
+    let cli = |args: &[&str]| {
+        let o = std::process::Command::new(bin())
+            .args(args)
+            .current_dir(d.path())
+            .output()
+            .unwrap();
+        let text =
+            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{args:?}: {text}");
+        text.split_whitespace().collect::<Vec<_>>().join(" ")
+    };
+    let plan = cli(&["plan", "plan.toml"]);
+    assert!(plan.contains("compute tile 384×200×100"), "{plan}");
+    assert!(
+        plan.contains("row tile 384 instead of 512: lanes take tile rows in turn, so each gets 148–384 of the 1300 rows instead of 0–512"),
+        "{plan}"
+    );
+    cli(&["run", "plan.toml"]);
+    let v = cli(&["verify", "plan.toml"]);
+    assert!(v.contains("PASS"), "{v}");
+}

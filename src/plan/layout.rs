@@ -57,10 +57,56 @@ pub struct Layout {
     pub out_tile: (u64, u64),
     /// Lanes (devices) the step runs on.
     pub lanes: usize,
+    /// The ladder's row tile when `tm` was made smaller to deal the rows evenly to the lanes
+    /// ([`balanced_rows`]).
+    pub rows_evened: Option<u64>,
 }
 
 /// The most output tiles a lane's first group computes together ([`Layout::start_group`]).
 const START_GROUP_MAX: u64 = 4;
+
+/// Row tiles chosen to deal rows evenly are a multiple of this (or all of `m`).
+const ROW_ALIGN: u64 = 128;
+
+/// The row tile, at most `tm`, that deals `m` rows most evenly to `lanes`. Lanes take tile rows
+/// in turn (`TileQueue`: lane `l` the rows `ti ≡ l mod lanes`), so when the tile rows do not
+/// divide among the lanes, or the last one is short, one lane gets up to a whole tile row more
+/// than another and the others wait at the end (stealing takes whole tiles, and only once a
+/// lane's own run is empty): 60000² on two GPUs with 8192-row tiles gave one GPU 32768 rows and
+/// the other 27232, and the second GPU's GEMMs were busy 62–64 % of the step against 71–74 %
+/// (BENCHMARKS.md §25). Shrinking the tile to `m / (bands · lanes)`, rounded up to
+/// [`ROW_ALIGN`], gives 7552-row tiles there: 30208 and 29792 rows. Kept only when it is more
+/// even; one lane, or a tile that holds all of `m`, is left as it is.
+pub(crate) fn balanced_rows(m: u64, tm: u64, lanes: u64) -> u64 {
+    if lanes <= 1 || tm >= m || tm < ROW_ALIGN {
+        return tm;
+    }
+    let bands = m.div_ceil(tm).div_ceil(lanes);
+    let t = m
+        .div_ceil(bands * lanes)
+        .next_multiple_of(ROW_ALIGN)
+        .min(tm);
+    if lane_rows_spread(m, t, lanes) < lane_rows_spread(m, tm, lanes) {
+        t
+    } else {
+        tm
+    }
+}
+
+/// Rows each lane gets when lanes take `tm`-row tile rows in turn, fewest and most.
+pub(crate) fn lane_rows(m: u64, tm: u64, lanes: u64) -> (u64, u64) {
+    let mut rows = vec![0u64; lanes.max(1) as usize];
+    for ti in 0..m.div_ceil(tm) {
+        rows[(ti % lanes.max(1)) as usize] += tm.min(m - ti * tm);
+    }
+    (*rows.iter().min().unwrap(), *rows.iter().max().unwrap())
+}
+
+/// Most minus fewest rows a lane gets ([`lane_rows`]).
+fn lane_rows_spread(m: u64, tm: u64, lanes: u64) -> u64 {
+    let (lo, hi) = lane_rows(m, tm, lanes);
+    hi - lo
+}
 
 impl Layout {
     /// The layout of `step` under `engine`'s budgets on a backend with `caps`; errors name `origin`.
@@ -76,14 +122,13 @@ impl Layout {
         };
         let mut last = None;
         for (m, n, k) in candidates {
-            let l = Self::with_tiles(
-                step,
-                engine,
-                caps,
-                m.min(step.m),
-                n.min(step.n),
-                k.min(step.k),
-            );
+            let tm = m.min(step.m);
+            let even = match engine.tile {
+                TileSpec::Auto => balanced_rows(step.m, tm, caps.lanes as u64),
+                TileSpec::Fixed { .. } => tm,
+            };
+            let mut l = Self::with_tiles(step, engine, caps, even, n.min(step.n), k.min(step.k));
+            l.rows_evened = (even != tm).then_some(tm);
             if l.fits(engine, caps) {
                 return Ok(l.grow(step, engine, caps));
             }
@@ -163,6 +208,7 @@ impl Layout {
             device_bytes: 0,
             out_tile: (0, 0),
             lanes: caps.lanes,
+            rows_evened: None,
         };
         let ot = step.out_tile.unwrap_or(0);
         l.out_tile = if ot > 0 {
@@ -308,5 +354,35 @@ impl Layout {
             step.n.div_ceil(self.tn),
             step.k.div_ceil(self.tk),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{balanced_rows, lane_rows_spread};
+
+    #[test]
+    fn row_tiles_deal_rows_evenly_to_lanes() {
+        // 60000² on two GPUs: 32768 against 27232 rows with 8192-row tiles.
+        assert_eq!(lane_rows_spread(60000, 8192, 2), 5536);
+        assert_eq!(balanced_rows(60000, 8192, 2), 7552);
+        assert_eq!(lane_rows_spread(60000, 7552, 2), 416);
+        // Already even, one lane, or one tile holding all rows: unchanged.
+        assert_eq!(balanced_rows(32768, 8192, 2), 8192);
+        assert_eq!(balanced_rows(60000, 8192, 1), 8192);
+        assert_eq!(balanced_rows(5000, 8192, 2), 8192);
+        // Fewer tile rows than lanes: every lane gets a row.
+        assert_eq!(balanced_rows(10000, 8192, 2), 5120);
+        // Never larger, always a multiple of the alignment, never less even; over many shapes.
+        for lanes in 2..=5u64 {
+            for m in (1000..200_000).step_by(997) {
+                for tm in [8192u64, 4096, 1024, 256] {
+                    let t = balanced_rows(m, tm, lanes);
+                    assert!(t <= tm, "m {m} tm {tm} lanes {lanes}: {t}");
+                    assert!(t == tm || t.is_multiple_of(128), "m {m} tm {tm}: {t}");
+                    assert!(lane_rows_spread(m, t, lanes) <= lane_rows_spread(m, tm, lanes));
+                }
+            }
+        }
     }
 }

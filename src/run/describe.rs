@@ -115,6 +115,17 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
         l.out_tile.0,
         l.out_tile.1
     );
+    if let Some(t) = l.rows_evened {
+        let lanes = l.lanes as u64;
+        let ((lo, hi), (lo0, hi0)) = (
+            crate::plan::layout::lane_rows(step.m, l.tm, lanes),
+            crate::plan::layout::lane_rows(step.m, t, lanes),
+        );
+        s += &format!(
+            "  row tile {} instead of {t}: lanes take tile rows in turn, so each gets {lo}–{hi} of the {} rows instead of {lo0}–{hi0}\n",
+            l.tm, step.m
+        );
+    }
     s += &format!(
         "  host pools: staging {}×{} per lane, output {}×{} per lane{}  => host ceiling {} of {}\n",
         l.staging_bufs,
