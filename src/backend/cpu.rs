@@ -75,6 +75,7 @@ impl CpuBackend {
                 tile_ladder: CPU_TILES,
                 staging_depth: 4,
                 extra_out_buf: false,
+                auto_copies_from: usize::MAX,
                 lanes: 1,
                 device_memory: 0,
                 narrow_slots: false,

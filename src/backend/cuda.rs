@@ -937,7 +937,7 @@ fn staging_lazy(plan: &crate::plan::Plan, order: (usize, usize), l: &Layout) -> 
     let open = |op: &crate::plan::Operand| (!op.temp).then(|| op.open().ok()).flatten();
     let lazy = match (open(&step.a), open(&step.b)) {
         (Some(a), Some(b)) => crate::pipeline::direct::expected(
-            plan.engine.staging,
+            (plan.engine.staging).on_lanes(l.lanes, AUTO_COPIES_FROM),
             Some(crate::pipeline::direct::default_limits()),
             &[&*a, &*b],
             step.c0.is_some(),
@@ -1134,6 +1134,9 @@ pub(crate) struct CudaBackend {
     caps: Caps,
 }
 
+/// `staging = "auto"` copies inputs on this many GPUs or more ([`Caps::staging`] says why).
+const AUTO_COPIES_FROM: usize = 2;
+
 const GPU_TILES: &[u64] = &[
     8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1,
 ];
@@ -1157,6 +1160,7 @@ fn cuda_caps(lanes: usize, device_memory: u64) -> Caps {
         tile_ladder: GPU_TILES,
         staging_depth: 6,
         extra_out_buf: true,
+        auto_copies_from: AUTO_COPIES_FROM,
         lanes,
         device_memory,
         narrow_slots: true,

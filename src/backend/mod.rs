@@ -337,6 +337,10 @@ pub struct Caps {
     pub(crate) staging_depth: usize,
     /// Whether an extra output buffer (download overlapping writeback) is worth budget.
     pub(crate) extra_out_buf: bool,
+    /// `staging = "auto"` copies inputs into the staging buffers, instead of uploading them
+    /// from the files' pages, when the backend drives at least this many lanes
+    /// ([`Caps::staging`]; `usize::MAX`: never).
+    pub(crate) auto_copies_from: usize,
     /// Lanes (devices) the backend drives.
     pub(crate) lanes: usize,
     /// Per-lane device memory budget (0 for [`MemorySpace::Host`]).
@@ -351,6 +355,20 @@ pub struct Caps {
     /// Peak FLOP rate per lane by precision for `plan`'s lower bound, and where it comes from.
     pub(crate) peak_flops: fn(Precision, usize) -> f64,
     pub(crate) peak_source: &'static str,
+}
+
+impl Caps {
+    /// How this backend stages inputs when the plan asks for `asked` (docs/PLAN.md `staging`):
+    /// as asked, except that `auto` copies on [`Caps::auto_copies_from`] lanes or more. On the
+    /// GPUs that is two: with a second GPU's context alive the driver page-locks the files'
+    /// pages at 21–31 GB/s instead of 40, one registration at a time whichever thread asks
+    /// (`tools/gpu/register_probe.py`), and two H200s ran every job faster copying into
+    /// pinned buffers than uploading from the files' pages — 32768² bf16 0.511 s against
+    /// 0.681, fp32 0.750 against 0.837, 60000² fp64 4.40 against 5.45 (BENCHMARKS.md §26) —
+    /// while one H200 ran level (tf32 0.565 against 0.557).
+    pub(crate) fn staging(&self, asked: crate::plan::StagingMode) -> crate::plan::StagingMode {
+        asked.on_lanes(self.lanes, self.auto_copies_from)
+    }
 }
 
 /// A compute backend: its capabilities, its host allocator, and the lanes it makes for a

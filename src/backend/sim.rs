@@ -133,6 +133,7 @@ impl SimBackend {
                 tile_ladder: SIM_TILES,
                 staging_depth: 4,
                 extra_out_buf: true,
+                auto_copies_from: usize::MAX,
                 lanes: ids.len(),
                 device_memory,
                 narrow_slots: false,

@@ -180,7 +180,7 @@ impl Engines {
         let n = backend.caps().lanes.max(1);
         let p = e.precision;
         let lazy = direct::expected(
-            e.staging,
+            backend.caps().staging(e.staging),
             backend.input_pinner().map(|p| direct::limits(&*p)),
             &[&*sources.a, &*sources.b],
             sources.c0.is_some(),
@@ -327,7 +327,7 @@ impl<'a> Pipeline<'a> {
             Some(pinner) if lanes.iter().any(|l| l.uploads_runs()) => {
                 let srcs = [Some(&inputs.a), Some(&inputs.b), inputs.c0.as_ref()];
                 direct::DirectReads::new(
-                    cfg.staging,
+                    backend.caps().staging(cfg.staging),
                     pinner,
                     srcs.into_iter().flatten().cloned().collect(),
                 )

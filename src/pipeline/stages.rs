@@ -1233,6 +1233,7 @@ mod tests {
             tile_ladder: &[64],
             staging_depth: 4,
             extra_out_buf: true,
+            auto_copies_from: usize::MAX,
             lanes: 1,
             device_memory: 1 << 30,
             narrow_slots: false,

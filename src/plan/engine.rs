@@ -485,4 +485,17 @@ mod tests {
             assert_eq!(engine(text, &[]).unwrap().staging, want, "{text:?}");
         }
     }
+
+    /// `auto` copies from the backend's threshold of lanes on (two GPUs); a mode asked for
+    /// outright is kept, and backends that never copy under `auto` (CPU, sim) keep it.
+    #[test]
+    fn auto_staging_copies_on_several_gpus_only() {
+        use super::super::StagingMode::{Auto, Copy, Direct};
+        assert_eq!(Auto.on_lanes(1, 2), Auto);
+        assert_eq!(Auto.on_lanes(2, 2), Copy);
+        assert_eq!(Auto.on_lanes(8, 2), Copy);
+        assert_eq!(Direct.on_lanes(2, 2), Direct);
+        assert_eq!(Copy.on_lanes(1, 2), Copy);
+        assert_eq!(Auto.on_lanes(4, usize::MAX), Auto);
+    }
 }

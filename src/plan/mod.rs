@@ -173,6 +173,16 @@ pub enum StagingMode {
 }
 
 impl StagingMode {
+    /// `self` on a backend with `lanes` lanes that copies under `auto` from `copies_from` lanes
+    /// on ([`crate::backend::Caps::staging`], which says why).
+    pub(crate) fn on_lanes(self, lanes: usize, copies_from: usize) -> StagingMode {
+        if self == StagingMode::Auto && lanes >= copies_from {
+            StagingMode::Copy
+        } else {
+            self
+        }
+    }
+
     /// The mode a plan writes as `text`.
     pub fn parse(text: &str) -> Option<StagingMode> {
         match text.trim() {

@@ -190,7 +190,13 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
     if !step.output_in_memory() {
         s += &describe_write(step, &l, e);
     }
-    s += &describe_staging(step, &l, e, caps.memory == MemorySpace::Device);
+    s += &describe_staging(
+        step,
+        &l,
+        e,
+        caps.staging(e.staging),
+        caps.memory == MemorySpace::Device,
+    );
     s += &describe_bounds(step, &l, &t, sel, e);
     s += &describe_status(plan, step, &l, caps.kind, e.precision)?;
     Ok(s)
@@ -284,10 +290,17 @@ fn describe_staging(
     step: &crate::plan::Step,
     l: &Layout,
     e: &crate::plan::Engine,
+    mode: crate::plan::StagingMode,
     device: bool,
 ) -> String {
     use crate::plan::StagingMode;
-    if e.staging == StagingMode::Copy {
+    if mode == StagingMode::Copy {
+        if e.staging == StagingMode::Auto {
+            return format!(
+                "  inputs copied into the staging buffers (staging = auto on {} devices: page-locking the files' pages is slower with several devices' contexts, docs/PLAN.md)\n",
+                l.lanes
+            );
+        }
         return "  inputs copied into the staging buffers (staging = copy)\n".into();
     }
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
@@ -318,7 +331,7 @@ fn describe_staging(
         } else {
             "the lanes copy"
         };
-        let when = match e.staging {
+        let when = match mode {
             StagingMode::Auto => " where their pages are in the page cache, else staged by copy",
             _ => "",
         };
@@ -331,7 +344,7 @@ fn describe_staging(
         parts.push(format!("{} staged by copy", copied.join(", ")));
     } else {
         // What `Engines::make` decides with the files open (`pipeline::direct::expected`).
-        let when = match e.staging {
+        let when = match mode {
             StagingMode::Auto => ", if the files are in the page cache as the step starts",
             _ => "",
         };
