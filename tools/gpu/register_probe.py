@@ -63,7 +63,7 @@ if mode == "half":
     fd = os.open(path, os.O_RDONLY)
     base = libc.mmap(None, size, PROT_READ, MAP_SHARED, fd, 0)
     mine = [(o, min(piece, size - o)) for o in range(0, size, piece)][idx::cnt]
-    ctx(0)
+    ok(cu.cuCtxSetCurrent(ctx(0)), "set ctx 0")
     for o, n in mine:  # warm: the first lock of fresh pages is slower
         ok(cu.cuMemHostRegister_v2(ctypes.c_void_p(base + o), ctypes.c_size_t(n), READ_ONLY | PORTABLE), "register")
     for o, n in mine:
@@ -123,7 +123,7 @@ if mode == "procs":
     os.close(fd); os.unlink(path); sys.exit()
 
 if mode == "late":
-    ctx(0)
+    ok(cu.cuCtxSetCurrent(ctx(0)), "set ctx 0")
     # warm-up lock, then keep a registration made with only GPU 0's context alive
     base = libc.mmap(None, size, PROT_READ, MAP_SHARED, fd, 0)
     for rep in ("warm-up", "kept"):
