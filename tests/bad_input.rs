@@ -161,6 +161,8 @@ fn catalogue_of_bad_input() {
         case("verify before run", |d| plan_with(d, &step("A @ B")), &["verify", "p.toml"], &["C.mgt", "cannot open"]),
         plan_case("alpha not finite", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = nan\n"), &["p.toml", "step 1", "alpha = NaN", "finite"]),
         plan_case("coefficient overflows", step("1e300 * A @ B * 1e300"), &["p.toml", "step 1", "alpha = inf", "finite"]),
+        plan_case("alpha overflows f32", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = 1e39\n"), &["p.toml", "step 1", "alpha = 1e39", "f32's normal range", "fp64"]),
+        plan_case("alpha below f32's range", step("1e-50 * A @ B"), &["p.toml", "step 1", "alpha = 1e-50", "f32's normal range"]),
         plan_case("runaway expression", step(&format!("{}A @ B{}", "(".repeat(5000), ")".repeat(5000))), &["p.toml", "step 1", "longer than 400 symbols"]),
         plan_case("negative tile", format!("{}[engine]\ntile = -4\n", step("A @ B")), &["p.toml", "`tile = -4`", "tile takes \"auto\""]),
         plan_case("two-edge tile", format!("{}[engine]\ntile = [1, 2]\n", step("A @ B")), &["p.toml", "tile takes \"auto\""]),

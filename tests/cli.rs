@@ -718,6 +718,7 @@ fn end_of_command_text_fits_80_columns() {
         tile_shape: (4096, 4096),
         unexpected_nonfinite: 7,
         skipped_cells: 3,
+        cells: 40,
         seconds: 12.5,
     };
     let text = mgmm_stream::verify::format(&fail);

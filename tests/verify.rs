@@ -707,3 +707,60 @@ fn repair_of_an_output_a_later_step_reads_computes_that_step_again() {
         "Y computed again differs from the first run's"
     );
 }
+
+/// A product that overflows f32 everywhere is IEEE's inf in every element: nothing fails, but
+/// nothing can be tested either, and the line scripts read says so instead of a bare PASS.
+#[test]
+fn an_output_that_overflows_everywhere_is_reported_as_nothing_checked() {
+    let d = tmp();
+    let dir = d.path();
+    let (m, k, n) = (5, 3, 4);
+    gen(
+        &dir.join("A.mgt"),
+        m,
+        k,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        k,
+        n,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    // A[i][0]·B[0][j] = 1e60 in every output element.
+    for i in 0..m {
+        poke(&dir.join("A.mgt"), i, 0, 1e30);
+    }
+    for j in 0..n {
+        poke(&dir.join("B.mgt"), 0, j, 1e30);
+    }
+    write_plan(dir, "A @ B", "fp32", "\"auto\"", "", false);
+    run_text(
+        dir,
+        &std::fs::read_to_string(dir.join("plan.toml")).unwrap(),
+    )
+    .unwrap();
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
+    let text = format(&rep)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        rep.pass && rep.skipped_cells == rep.cells && rep.cells > 0,
+        "{text}"
+    );
+    assert!(
+        text.starts_with("verify step 1 (") && text.contains("PASS — nothing checked"),
+        "{text}"
+    );
+    // A product with finite rows is checked as before.
+    let ok = run_then(tmp().path(), "", "", "fp32", DType::F32);
+    assert!(ok.cells > ok.skipped_cells && !format(&ok).contains("nothing checked"));
+}

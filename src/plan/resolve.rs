@@ -496,6 +496,16 @@ fn step(
                 "{at}: {what} = {v} (expr's coefficient times the `{what}` key); use a finite number"
             )));
         }
+        // Inputs other than f64 are computed with f32 scalars: a factor that overflows f32
+        // makes every output element infinite, one below its normal range loses its digits
+        // or flushes to zero — a wrong product, silently.
+        let f32_range = f32::MIN_POSITIVE as f64..=f32::MAX as f64;
+        if leaves[0].dtype != DType::F64 && v != 0.0 && !f32_range.contains(&v.abs()) {
+            return Err(cx.err(format!(
+                "{at}: {what} = {v:e} is outside f32's normal range (about 1.2e-38 to 3.4e38), and with {} inputs the product is computed with f32 factors; scale the inputs instead, or store them as f64 and set precision = \"fp64\"",
+                leaves[0].dtype
+            )));
+        }
     }
     let one = |a: Operand, b: Operand, output: PathBuf, last: bool| Step {
         index: i,

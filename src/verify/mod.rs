@@ -83,6 +83,8 @@ pub struct VerifyReport {
     pub unexpected_nonfinite: u64,
     /// Cells (row, group) not checked because NaN/Inf or overflow may legitimately be there.
     pub skipped_cells: u64,
+    /// Cells (row, group) of the row test in all.
+    pub cells: u64,
     /// Seconds the check took.
     pub seconds: f64,
 }
@@ -422,6 +424,7 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         tile_shape: tile,
         unexpected_nonfinite: 0,
         skipped_cells: 0,
+        cells: 0,
         seconds: 0.0,
     }
 }
@@ -545,6 +548,7 @@ fn residuals(
     rep.failing_cells = o.fails.len();
     rep.unexpected_nonfinite = o.nonfinite;
     rep.skipped_cells = o.skipped;
+    rep.cells = m as u64 * cg.count() as u64;
     if !o.fails.is_empty() {
         rep.pass = false;
         // The same test on Cᵀ = α·op(B)ᵀ·op(A)ᵀ + β·C0ᵀ names the failing columns.
@@ -641,6 +645,13 @@ pub fn format(rep: &VerifyReport) -> String {
             failing_tiles_lines(rep)
         );
         return crate::progress::wrap(&s);
+    }
+    if rep.pass && rep.cells > 0 && rep.skipped_cells == rep.cells {
+        // Nothing failed, but nothing was tested either: say so on the line scripts read.
+        return crate::progress::wrap(&format!(
+            "verify step {} ({}): {verdict} — nothing checked: every one of the {} row groups holds NaN/Inf, or its inputs overflow the computed precision (IEEE results the test cannot judge); look at the inputs' values and scale, or compute in fp64",
+            rep.step, rep.output, rep.cells
+        ));
     }
     let mut s = format!(
         "verify step {} ({}): {verdict} — {} round(s) in {:.2} s\n",
