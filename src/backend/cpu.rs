@@ -90,7 +90,7 @@ impl CpuBackend {
 
 impl HostAlloc for CpuBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
-        Ok(HostBuf::heap(bytes))
+        HostBuf::heap(bytes)
     }
     fn shared(&self) -> Option<std::sync::Arc<dyn HostAlloc>> {
         Some(std::sync::Arc::new(super::HeapAlloc))
@@ -119,7 +119,7 @@ impl Backend for CpuBackend {
         self.note.clone()
     }
     fn lanes(&self, layout: &Layout, p: Precision) -> Result<Vec<Box<dyn Lane>>> {
-        Ok(vec![Box::new(CpuLane::new(layout, p, self.threads))])
+        Ok(vec![Box::new(CpuLane::new(layout, p, self.threads)?)])
     }
     fn without(&self, _lane: usize) -> Option<Result<Box<dyn Backend>>> {
         None
@@ -137,13 +137,13 @@ pub(crate) struct CpuLane {
 }
 
 impl CpuLane {
-    pub(crate) fn new(layout: &Layout, precision: Precision, threads: usize) -> CpuLane {
+    pub(crate) fn new(layout: &Layout, precision: Precision, threads: usize) -> Result<CpuLane> {
         let slots = (0..layout.slots)
             .map(|_| HostBuf::heap(layout.slot_bytes as usize))
-            .collect();
+            .collect::<Result<_>>()?;
         let accs = (0..layout.accs)
             .map(|_| HostBuf::heap(layout.acc_bytes as usize))
-            .collect();
+            .collect::<Result<_>>()?;
         let par = if threads > 1 {
             Par::rayon(threads)
         } else {
@@ -154,14 +154,14 @@ impl CpuLane {
             Precision::Tf32 | Precision::Bf16 | Precision::Fp16
         )
         .then_some(precision);
-        CpuLane {
+        Ok(CpuLane {
             dt: layout.host_dt,
             slots,
             accs,
             par,
             stats: DeviceStats::default(),
             round,
-        }
+        })
     }
 }
 

@@ -59,12 +59,23 @@ impl HostBuf {
         }
     }
 
-    /// Ordinary heap memory, 4096-aligned (backed by a Vec of pages).
-    pub(crate) fn heap(len: usize) -> HostBuf {
+    /// Ordinary heap memory, 4096-aligned (backed by a Vec of pages). Refused memory (a
+    /// process limit such as `ulimit -v`, a machine short of memory) is an error saying what
+    /// to lower, not the allocator's abort.
+    pub(crate) fn heap(len: usize) -> Result<HostBuf> {
         #[repr(C, align(4096))]
         struct Page([u8; 4096]);
         let pages = len.div_ceil(4096).max(1);
-        let mut v: Vec<Page> = Vec::with_capacity(pages);
+        let mut v: Vec<Page> = Vec::new();
+        v.try_reserve_exact(pages).map_err(|_| {
+            crate::error::Error::backend(
+                "host memory",
+                format!(
+                    "cannot allocate a {} buffer for the pipeline (refused by the system: a process memory limit such as `ulimit -v`, or the machine is short of memory); lower engine.host_memory (`plan` shows what a step allocates) or raise the limit",
+                    crate::plan::size::fmt_bytes(len as u64)
+                ),
+            )
+        })?;
         // SAFETY: Page is plain bytes; zero-initialise every page before use.
         unsafe {
             std::ptr::write_bytes(v.as_mut_ptr(), 0, pages);
@@ -73,7 +84,7 @@ impl HostBuf {
         let ptr = NonNull::new(v.as_mut_ptr() as *mut u8).expect("Vec pointer is non-null");
         // SAFETY: the Vec's heap block does not move when the Vec is moved into the Box, lives as
         // long as the owner, and is `pages*4096 >= len` bytes.
-        unsafe { HostBuf::from_raw(ptr, len, Box::new(v)) }
+        Ok(unsafe { HostBuf::from_raw(ptr, len, Box::new(v)) })
     }
 
     /// Length in bytes (the simulated lane's raw copies need it).
@@ -126,7 +137,7 @@ pub(crate) struct HeapAlloc;
 
 impl HostAlloc for HeapAlloc {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
-        Ok(HostBuf::heap(bytes))
+        HostBuf::heap(bytes)
     }
 }
 
@@ -457,4 +468,26 @@ pub(crate) fn early_start_for(plan: &crate::plan::Plan) -> Option<cuda::EarlySta
         return None;
     }
     cuda::early_start(plan, resolve_threads(plan.engine.threads))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostBuf;
+
+    /// Memory the system refuses is an error naming the buffer and what to lower, not the
+    /// allocator's abort (a `ulimit -v` under a batch system; here, more than any machine has).
+    #[test]
+    fn refused_host_memory_is_an_error_saying_what_to_lower() {
+        let e = HostBuf::heap(1 << 60)
+            .err()
+            .expect("2^60 bytes cannot be allocated");
+        let m = e.to_string();
+        assert!(
+            m.contains("cannot allocate a 1048576.00 TiB buffer")
+                && m.contains("lower engine.host_memory"),
+            "{m}"
+        );
+        let b = HostBuf::heap(5000).unwrap();
+        assert!(b.bytes().len() == 5000 && b.bytes().iter().all(|&x| x == 0));
+    }
 }

@@ -167,7 +167,7 @@ impl SimBackend {
 
 impl HostAlloc for SimBackend {
     fn alloc_host(&self, bytes: usize) -> Result<HostBuf> {
-        Ok(HostBuf::heap(bytes))
+        HostBuf::heap(bytes)
     }
     fn shared(&self) -> Option<std::sync::Arc<dyn HostAlloc>> {
         Some(std::sync::Arc::new(super::HeapAlloc))
@@ -189,17 +189,19 @@ impl Backend for SimBackend {
         1
     }
     fn lanes(&self, layout: &Layout, p: Precision) -> Result<Vec<Box<dyn Lane>>> {
-        Ok(self
-            .ids
+        self.ids
             .iter()
             .enumerate()
             .map(|(index, &id)| {
                 let seed = id as u64 + 1;
                 let delay = self.max_delay_us[id];
                 let pinner = self.pinner.clone();
-                Box::new(SimLane::new(index, id, layout, p, delay, seed, pinner)) as Box<dyn Lane>
+                Ok(
+                    Box::new(SimLane::new(index, id, layout, p, delay, seed, pinner)?)
+                        as Box<dyn Lane>,
+                )
             })
-            .collect())
+            .collect()
     }
     fn without(&self, lane: usize) -> Option<Result<Box<dyn Backend>>> {
         if self.ids.len() <= 1 || lane >= self.ids.len() {
@@ -291,7 +293,7 @@ impl SimLane {
         max_delay_us: u64,
         seed: u64,
         pinner: Arc<SimPinner>,
-    ) -> SimLane {
+    ) -> Result<SimLane> {
         let shared = Arc::new((
             Mutex::new(Shared {
                 queue: VecDeque::new(),
@@ -302,20 +304,20 @@ impl SimLane {
             }),
             Condvar::new(),
         ));
-        let cpu = CpuLane::new(layout, p, 1);
+        let cpu = CpuLane::new(layout, p, 1)?;
         let sh = shared.clone();
         let worker = std::thread::Builder::new()
             .name(format!("sim:{id}"))
             .spawn(move || worker(cpu, sh, max_delay_us, seed, pinner))
             .expect("spawn simulated device thread");
-        SimLane {
+        Ok(SimLane {
             index,
             id,
             shared,
             next: 0,
             worker: Some(worker),
             last_runs: None,
-        }
+        })
     }
 
     fn push(&mut self, op: Op) -> Result<Ticket> {
