@@ -767,8 +767,10 @@ struct RunFlags {
 }
 
 /// Whether `--report PATH` can be written: an existing regular file opened for writing (left
-/// as it is), or a new one created (`Ok(true)`: the caller removes it if the run fails).
-fn report_writable(path: &Path) -> Result<bool> {
+/// as it is), or a new one that could be created in its folder (tried with a probe file removed
+/// at once, so a run killed before its end leaves no empty report behind; the report itself is
+/// written whole at the end, `run::run_plan_timed`).
+fn report_writable(path: &Path) -> Result<()> {
     let err = |e| Error::io(path, "cannot write the report (--report)", e);
     match std::fs::metadata(path) {
         Ok(m) if !m.is_file() => Err(Error::Usage(format!(
@@ -778,19 +780,21 @@ fn report_writable(path: &Path) -> Result<bool> {
         Ok(_) => std::fs::OpenOptions::new()
             .write(true)
             .open(path)
-            .map(|_| false)
+            .map(|_| ())
             .map_err(err),
         Err(_) => {
             // Its folder is made as an output's is (`run` creates those too).
             if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
                 std::fs::create_dir_all(parent).map_err(err)?;
             }
+            let probe = crate::run::report_temp(path, "probe");
             std::fs::OpenOptions::new()
                 .write(true)
                 .create_new(true)
-                .open(path)
-                .map(|_| true)
-                .map_err(err)
+                .open(&probe)
+                .map_err(err)?;
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
         }
     }
 }
@@ -811,10 +815,9 @@ fn run_cmd(
     let p = Plan::load_with(plan, &split.with_local_gpu(set.to_vec()))?;
     crate::trace::check_path()?;
     // A report path that cannot be written fails now, not after hours of work.
-    let made_report = match &report {
-        Some(r) => report_writable(r)?,
-        None => false,
-    };
+    if let Some(r) = &report {
+        report_writable(r)?;
+    }
     interrupt::install();
     let progress = Progress::new(quiet, Duration::from_secs_f64(log_every.max(0.1)));
     let opts = RunOptions {
@@ -833,11 +836,6 @@ fn run_cmd(
             "note: the timeline (MGMM_TRACE) kept its first {} events; {n} later ones were dropped",
             crate::trace::MAX_EVENTS
         ),
-    }
-    if rep.is_err() && made_report {
-        if let Some(r) = &report {
-            let _ = std::fs::remove_file(r);
-        }
     }
     let rep = rep.map_err(|e| {
         interrupted(

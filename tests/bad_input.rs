@@ -683,6 +683,44 @@ fn a_report_into_a_new_folder_is_written_and_a_failed_run_leaves_none() {
     );
     assert!(!o.status.success(), "{o:?}");
     assert!(!dir.join("r2.json").exists());
+    // Nor does a run killed outright (the report is written whole at the end), and the
+    // writability probe left nothing either.
+    gen(
+        &dir.join("G.mgt"),
+        600,
+        600,
+        DType::F32,
+        (8, 8),
+        Dist::Normal,
+        4,
+    );
+    plan_with(
+        dir,
+        "[matrices.G]\npath = \"G.mgt\"\n[[step]]\noutput = \"K.mgt\"\nexpr = \"G @ G\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 8\nthreads = 1\n",
+    );
+    let mut child = std::process::Command::new(bin())
+        .args(["run", "p.toml", "-q", "--report", "r3.json"])
+        .current_dir(dir)
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while !dir.join("K.mgt.journal").exists() && t.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    child.kill().unwrap();
+    let st = child.wait().unwrap();
+    assert!(
+        !st.success(),
+        "the run finished before the kill: make it longer"
+    );
+    let left: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("r3.json") || n.contains(".probe"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }
 
 /// `run --restart` over a finished step whose input was corrupted in place since (a byte of its

@@ -386,6 +386,13 @@ fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
     Ok(b)
 }
 
+/// A temporary file beside report `path`: `NAME.<pid>.<what>`.
+pub(crate) fn report_temp(path: &std::path::Path, what: &str) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".{}.{what}", std::process::id()));
+    path.with_file_name(name)
+}
+
 /// Run every step of `plan` on the backend the plan selects.
 pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<RunReport> {
     init_threads(plan.engine.threads);
@@ -522,8 +529,15 @@ fn run_plan_timed(
         startup_s,
     };
     if let Some(p) = &opts.report {
+        // Whole or not at all: a temporary file beside it, renamed over it.
         let s = serde_json::to_string_pretty(&report).expect("report serializes");
-        std::fs::write(p, s).map_err(|e| Error::io(p, "cannot write report", e))?;
+        let tmp = report_temp(p, "partial");
+        std::fs::write(&tmp, s)
+            .and_then(|_| std::fs::rename(&tmp, p))
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                Error::io(p, "cannot write report", e)
+            })?;
     }
     // Freeing the backend here or leaving it to the process exit measured the same
     // (32768² on one H200: process − step 1.34 s against 1.36 s, BENCHMARKS §14).
