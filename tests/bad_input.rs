@@ -158,7 +158,7 @@ fn catalogue_of_bad_input() {
         case("export over an existing file", |_| {}, &["export", "A.mgt", "B.mgt"], &["B.mgt", "already exists"]),
         case("import of a file that is no matrix", |d| std::fs::write(d.join("junk.bin"), b"hello world").unwrap(), &["import", "junk.bin", "Z.mgt"], &["junk.bin", "wrong magic", "format = \"raw\""]),
         case("info of a missing file", |_| {}, &["info", "missing.mgt"], &["missing.mgt", "cannot open"]),
-        case("verify before run", |d| plan_with(d, &step("A @ B")), &["verify", "p.toml"], &["C.mgt", "cannot open"]),
+        case("verify before run", |d| plan_with(d, &step("A @ B")), &["verify", "p.toml"], &["C.mgt", "step 1's output does not exist yet", "`run` the plan first"]),
         plan_case("alpha not finite", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = nan\n"), &["p.toml", "step 1", "alpha = NaN", "finite"]),
         plan_case("coefficient overflows", step("1e300 * A @ B * 1e300"), &["p.toml", "step 1", "alpha = inf", "finite"]),
         plan_case("alpha overflows f32", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = 1e39\n"), &["p.toml", "step 1", "alpha = 1e39", "f32's normal range", "fp64"]),

@@ -337,6 +337,15 @@ pub fn verify_step(
         return Ok(rep);
     }
     let (m, n) = (step.m as usize, step.n as usize);
+    if !step.output.exists() {
+        return Err(Error::format(
+            &step.output,
+            format!(
+                "step {}'s output does not exist yet: `run` the plan first, then verify",
+                step.index + 1
+            ),
+        ));
+    }
     let out = open_source(&step.output)?;
     if out.shape() != (step.m, step.n) || out.transposed() {
         return Err(Error::format(
