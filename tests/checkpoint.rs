@@ -213,6 +213,15 @@ fn single_long_tile_resumes(backend: &str) {
     setup(dir, backend, 60, 50, false);
     let saved = kill_after(dir, 13);
     assert_eq!(saved.len(), 1);
+    // `plan` tells what `run` will do: resume the tile from its checkpoint, not start afresh.
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let said = mgmm_stream::run::describe(&plan).unwrap();
+    let said = said.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        said.contains("no output tile finished yet; 1 partial tile checkpointed (")
+            && said.contains("`run` resumes it from its checkpoint"),
+        "{said}"
+    );
     let (r, notes) = resume(dir);
     assert_eq!(gemms(&r), GK - saved[0].1, "{saved:?}");
     assert!(gemms(&r) < GK);

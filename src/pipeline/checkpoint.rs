@@ -44,6 +44,29 @@ pub(crate) fn partial_dir(output: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// The checkpoints `run` would look at for `output`, read-only (for `plan`'s status line): for
+/// each tile not in `done` with a readable checkpoint, (seq, k-chunks done, k-chunks in all).
+/// Whether `run` then uses one is its own check ([`Checkpoints::scan`]: fingerprint, data CRC).
+pub(crate) fn peek(output: &Path, done: &BTreeSet<u32>) -> Vec<(u32, u32, u32)> {
+    let Ok(entries) = std::fs::read_dir(partial_dir(output)) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(u32, u32, u32)> = entries
+        .flatten()
+        .filter_map(|ent| {
+            let (seq, tmp) = parse_name(&ent.file_name().to_string_lossy())?;
+            if tmp || done.contains(&seq) {
+                return None;
+            }
+            let mut r = BufReader::new(File::open(ent.path()).ok()?);
+            let h = read_header(&mut r).ok()?;
+            Some((seq, h.k_done, h.k_chunks))
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
 /// The header line's JSON.
 #[derive(Serialize, Deserialize, Debug, PartialEq)]
 struct Header {

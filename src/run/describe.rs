@@ -250,6 +250,8 @@ fn describe_status(
     }
     let (gm, gn, _) = l.grid(step);
     let total = gm * gn;
+    let recorded: std::collections::BTreeSet<u32> = j.done.iter().map(|&(seq, _)| seq).collect();
+    let ckpts = crate::pipeline::checkpoint::peek(&step.output, &recorded);
     let want =
         crate::store::output_main_len(&step.output, &crate::pipeline::output_header(step, l));
     let have = std::fs::metadata(&step.output).map_or(0, |m| m.len());
@@ -263,14 +265,26 @@ fn describe_status(
         format!("complete by its journal, but {out} is {have} bytes, shorter than the {want} its header needs (truncated?): `run` skips it; `verify` checks it, `run --restart` computes it again")
     } else if j.complete {
         "complete: `run` skips this step (`run --restart` computes it again)".into()
+    } else if done.is_empty() && !ckpts.is_empty() {
+        format!(
+            "started, no output tile finished yet; {}: `run` resumes {} from {} (if they still match the step)",
+            checkpointed(&ckpts),
+            if ckpts.len() == 1 { "it" } else { "them" },
+            if ckpts.len() == 1 { "its checkpoint" } else { "their checkpoints" }
+        )
     } else if done.is_empty() {
         "started, no output tile recorded yet: `run` starts the step afresh".into()
     } else if have < want {
         format!("{out} is {have} bytes, shorter than the {want} its header needs (truncated?): `run` refuses it; `run --restart` starts the step over")
     } else {
         format!(
-            "{} of {total} output tiles done: `run` resumes (each done tile's checksum is checked first){}",
+            "{} of {total} output tiles done{}: `run` resumes (each done tile's checksum is checked first){}",
             done.len(),
+            if ckpts.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", checkpointed(&ckpts))
+            },
             match j.damaged {
                 0 => String::new(),
                 n => format!(
@@ -281,6 +295,18 @@ fn describe_status(
             }
         )
     })
+}
+
+/// "2 partial tiles checkpointed (31 % of their K done)".
+fn checkpointed(c: &[(u32, u32, u32)]) -> String {
+    let (done, all) = c.iter().fold((0u64, 0u64), |(d, a), &(_, kd, kc)| {
+        (d + kd as u64, a + kc as u64)
+    });
+    format!(
+        "{} checkpointed ({:.0} % of their K done)",
+        count(c.len() as u64, "partial tile", "partial tiles"),
+        100.0 * done as f64 / all.max(1) as f64
+    )
 }
 
 /// How the step's inputs reach the lanes (docs/PLAN.md, `staging`): which operands can be copied
