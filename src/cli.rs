@@ -272,7 +272,7 @@ fn stale_after_repair<'p>(
             backend = Some(crate::backend::select(&p.engine)?);
         }
         let b = backend.as_deref().expect("made above");
-        let layout = crate::plan::layout::Layout::new(&p.path, later, &p.engine, b.caps())?;
+        let layout = run::layout_for(&p.path, later, &p.engine, b.caps(), false)?;
         let fp = run::fingerprint(later, &layout, b.caps().kind, p.engine.precision)?;
         if run::journal_state(later, &fp)?.is_some_and(|(_, same)| !same) {
             stale.push(later);

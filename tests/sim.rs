@@ -436,3 +436,61 @@ fn auto_tiles_deal_rows_evenly_to_lanes_and_the_product_verifies() {
     let v = cli(&["verify", "plan.toml"]);
     assert!(v.contains("PASS"), "{v}");
 }
+
+/// `tile = "auto"` depends on the number of lanes (rows dealt evenly), so a job resumed on
+/// fewer lanes would get another tile and a journal that no longer matches — only `--restart`,
+/// losing the finished tiles. The resume keeps the tile the journal records instead: killed on
+/// four lanes (384-row tiles), resumed on one (which alone would take 512), it computes only
+/// the unfinished tiles and writes the bytes of an uninterrupted run.
+#[test]
+fn a_resume_on_fewer_lanes_keeps_the_journals_auto_tile() {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        1300,
+        100,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        100,
+        200,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    for (name, out) in [("plan.toml", "C.mgt"), ("ref.toml", "C_ref.mgt")] {
+        std::fs::write(
+            dir.join(name),
+            format!(
+                "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+                 [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
+                 [engine]\nbackend = \"sim\"\ndurable = false\nthreads = 1\n"
+            ),
+        )
+        .unwrap();
+    }
+    let r = run_plan_on(
+        &Plan::load(&dir.join("ref.toml")).unwrap(),
+        sim(vec![100; 4]),
+        &RunOptions::default(),
+        &Progress::quiet(),
+    )
+    .unwrap();
+    assert_eq!(r.steps[0].tiles_total, 4);
+    let cfg = FaultConfig {
+        write_after: Some(2),
+        ..Default::default()
+    };
+    let e = run_with_faults(dir, vec![100; 4], cfg).unwrap_err();
+    assert!(e.to_string().contains("injected fault"), "{e}");
+    let r = run_on(dir, sim(vec![100])).unwrap();
+    assert_eq!(r.steps[0].tiles_total, 4, "the 384-row tiles were kept");
+    assert!(r.steps[0].tiles_computed < 4);
+    assert!(same_output(dir));
+}

@@ -71,7 +71,7 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
     let device = caps.memory == MemorySpace::Device;
     let e = &plan.engine;
     let mut s = String::new();
-    let l = Layout::new(&plan.path, step, e, caps)?;
+    let l = crate::run::layout_for(&plan.path, step, e, caps, false)?;
     let t = traffic(step, &l);
     let (gm, gn, gk) = l.grid(step);
     s += &format!(

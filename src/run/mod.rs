@@ -386,6 +386,42 @@ fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
     Ok(b)
 }
 
+/// The layout of `step` for a run that may resume it: [`Layout::new`], except that with
+/// `tile = "auto"` the compute tile recorded in the output's journal is kept when it still fits.
+/// `auto` picks the tile from the budgets and the number of GPUs (the row tile is evened over
+/// the GPUs), so a job resumed on fewer GPUs or with another `host_memory` would otherwise get
+/// another tile, a journal that no longer matches, and only `--restart` — losing every finished
+/// tile. The bytes do not depend on the tile's choice beyond what the journal records, so the
+/// recorded tile is as good as a fresh choice. `fresh` (`--restart`): the budgets' own choice.
+pub(crate) fn layout_for(
+    origin: &std::path::Path,
+    step: &Step,
+    engine: &crate::plan::Engine,
+    caps: &crate::backend::Caps,
+    fresh: bool,
+) -> Result<Layout> {
+    let l = Layout::new(origin, step, engine, caps)?;
+    if fresh || !matches!(engine.tile, crate::plan::TileSpec::Auto) {
+        return Ok(l);
+    }
+    let Ok(Some(j)) = crate::pipeline::journal::peek(&step.output) else {
+        return Ok(l);
+    };
+    let recorded: Option<Vec<u64>> = (j.fingerprint.get("compute tile"))
+        .and_then(|t| t.split('×').map(|x| x.parse().ok()).collect());
+    let Some(&[m, n, k]) = recorded.as_deref() else {
+        return Ok(l);
+    };
+    if (m, n, k) == (l.tm, l.tn, l.tk) {
+        return Ok(l);
+    }
+    let kept = crate::plan::Engine {
+        tile: crate::plan::TileSpec::Fixed { m, n, k },
+        ..engine.clone()
+    };
+    Ok(Layout::new(origin, step, &kept, caps).unwrap_or(l))
+}
+
 /// A temporary file beside report `path`: `NAME.<pid>.<what>`.
 pub(crate) fn report_temp(path: &std::path::Path, what: &str) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
@@ -427,7 +463,7 @@ fn run_plan_timed(
     let layouts: Vec<Layout> = plan
         .steps
         .iter()
-        .map(|s| Layout::new(&plan.path, s, &plan.engine, backend.caps()))
+        .map(|s| layout_for(&plan.path, s, &plan.engine, backend.caps(), opts.restart))
         .collect::<Result<_>>()?;
     space::check_space(plan, &layouts, opts.shard.is_none())?;
     if let Some(n) = backend.note() {

@@ -734,7 +734,7 @@ pub(crate) fn forget_failing(plan: &Plan, step: &Step, rep: &VerifyReport) -> Re
         )));
     }
     let sel = crate::backend::select(&plan.engine)?;
-    let layout = crate::plan::layout::Layout::new(&plan.path, step, &plan.engine, sel.caps())?;
+    let layout = crate::run::layout_for(&plan.path, step, &plan.engine, sel.caps(), false)?;
     let sched = crate::plan::schedule::Schedule::new(step, &layout);
     let (tr, tc) = rep.tile_shape;
     let seqs: BTreeSet<u32> = sched
