@@ -41,6 +41,38 @@ pub(crate) fn ensure_space(dst: &Path, dir: &Path, need: u64) -> Result<()> {
     Ok(())
 }
 
+/// Remove `NAME.<pid>.partial` files in `dir` whose writer process is gone: a `gen`, `export`
+/// or `import` killed outright (SIGKILL, a crash, a node that went down) cannot remove its own,
+/// and each may be as large as the matrix. A pid still alive (another write of the same name
+/// going on now) is left alone; a pid reused since by another process leaves the file until
+/// that one ends. Says what it removed.
+fn sweep_dead_partials(dir: &Path, name: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for ent in entries.flatten() {
+        let file = ent.file_name().to_string_lossy().into_owned();
+        let Some(pid) = (file.strip_prefix(name))
+            .and_then(|r| r.strip_prefix('.'))
+            .and_then(|r| r.strip_suffix(".partial"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let len = ent.metadata().map_or(0, |m| m.len());
+        if std::fs::remove_file(ent.path()).is_ok() {
+            crate::diagln!(
+                "note: removed {} ({}), left by an earlier write of {name} that was killed",
+                ent.path().display(),
+                crate::plan::size::fmt_bytes(len)
+            );
+        }
+    }
+}
+
 /// A file being written under a temporary name next to its final one.
 pub(crate) struct TempOutput {
     tmp: PathBuf,
@@ -63,6 +95,7 @@ impl TempOutput {
                 dir.display()
             )));
         }
+        sweep_dead_partials(&dir, &name.to_string_lossy());
         ensure_space(dst, &dir, need)?;
         let mut tmp_name = name.to_os_string();
         tmp_name.push(format!(".{}.partial", std::process::id()));
@@ -102,6 +135,26 @@ impl Drop for TempOutput {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A killed writer's partial file (its pid gone) is removed by the next write of the same
+    /// name; one of a live process, or of another name, is not.
+    #[test]
+    fn partial_files_of_killed_writers_are_swept() {
+        let d = tempfile::tempdir().unwrap();
+        let dst = d.path().join("x.mgt");
+        // Past the kernel's pid_max (at most 2^22): no such process.
+        let dead = d.path().join("x.mgt.4194399.partial");
+        let live = d
+            .path()
+            .join(format!("x.mgt.{}.partial", std::process::id()));
+        let other = d.path().join("y.mgt.4194399.partial");
+        for f in [&dead, &other] {
+            std::fs::write(f, b"left").unwrap();
+        }
+        let t = TempOutput::new(&dst, 10).unwrap();
+        assert!(!dead.exists() && other.exists());
+        assert_eq!(t.path(), live);
+    }
 
     #[test]
     fn partial_files_go_and_finished_ones_appear() {
