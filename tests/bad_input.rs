@@ -161,6 +161,7 @@ fn catalogue_of_bad_input() {
         case("verify before run", |d| plan_with(d, &step("A @ B")), &["verify", "p.toml"], &["C.mgt", "step 1's output does not exist yet", "`run` the plan first"]),
         plan_case("alpha not finite", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = nan\n"), &["p.toml", "step 1", "alpha = NaN", "finite"]),
         plan_case("coefficient overflows", step("1e300 * A @ B * 1e300"), &["p.toml", "step 1", "alpha = inf", "finite"]),
+        plan_case("f32 and f64 steps in one plan", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[[step]]\noutput = \"E.mgt\"\nexpr = \"D.T @ D\"\n"), &["p.toml", "step 2", "`D` is f64", "precision is one for the whole plan", "step 1 computes from f32 inputs", "plan of their own"]),
         plan_case("alpha overflows f32", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = 1e39\n"), &["p.toml", "step 1", "alpha = 1e39", "f32's normal range", "fp64"]),
         plan_case("alpha below f32's range", step("1e-50 * A @ B"), &["p.toml", "step 1", "alpha = 1e-50", "f32's normal range"]),
         plan_case("runaway expression", step(&format!("{}A @ B{}", "(".repeat(5000), ")".repeat(5000))), &["p.toml", "step 1", "longer than 400 symbols"]),

@@ -366,7 +366,7 @@ pub(crate) fn steps(
         }
         for mut part in parts {
             part.out_dtype = engine.precision.host_dtype();
-            check_precision(cx, &part, engine.precision, precision_at.as_deref())?;
+            check_precision(cx, &part, engine.precision, precision_at.as_deref(), &steps)?;
             check_output(cx, &part, &steps, mats)?;
             steps.push(part);
         }
@@ -668,8 +668,25 @@ fn addend(
     Ok((Some(c), beta))
 }
 
-fn check_precision(cx: &Ctx, s: &Step, p: Precision, p_at: Option<&str>) -> Result<()> {
+fn check_precision(
+    cx: &Ctx,
+    s: &Step,
+    p: Precision,
+    p_at: Option<&str>,
+    earlier: &[Step],
+) -> Result<()> {
     let at = format!("step {} (line {})", s.index + 1, s.line);
+    // Changing the precision would only move the error to an earlier step of the other kind.
+    let mixed = (earlier.iter())
+        .find(|e| (e.a.dtype == DType::F64) != (s.a.dtype == DType::F64))
+        .map(|e| {
+            format!(
+                "; precision is one for the whole plan ([engine]) and step {} computes from {} inputs, so put the {} steps in a plan of their own",
+                e.index + 1,
+                e.a.dtype,
+                if s.a.dtype == DType::F64 { "f64" } else { "f32" }
+            )
+        });
     let key = p_at.map_or("engine.precision".to_string(), str::to_string);
     // `--set engine.precision=fp64` already says its value.
     let said = |v: &str| {
@@ -682,14 +699,16 @@ fn check_precision(cx: &Ctx, s: &Step, p: Precision, p_at: Option<&str>) -> Resu
     match (p, s.a.dtype) {
         (Precision::Fp64, DType::F64) => Ok(()),
         (Precision::Fp64, dt) => Err(cx.err(format!(
-            "{at}: {} needs f64 inputs, but `{}` is {dt}",
+            "{at}: {} needs f64 inputs, but `{}` is {dt}{}",
             said("fp64"),
-            s.a.name
+            s.a.name,
+            mixed.unwrap_or_default()
         ))),
         (p, DType::F64) => Err(cx.err(format!(
-            "{at}: `{}` is f64 but {}; set precision = \"fp64\"",
+            "{at}: `{}` is f64 but {}{}",
             s.a.name,
-            said(p.name())
+            said(p.name()),
+            mixed.unwrap_or_else(|| "; set precision = \"fp64\"".into())
         ))),
         _ => Ok(()),
     }
