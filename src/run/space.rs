@@ -45,7 +45,11 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
         if !s.output.exists() && !in_memory {
             let h = pipeline::output_header(s, l);
             let e = need.entry(existing_dir(&s.output)).or_default();
-            e.0 += crate::store::output_file_len(&s.output, &h);
+            // Beside the output: its journal (a record per tile) and, for a `.npy`, the
+            // checksum sidecar (4 bytes per storage tile): a generous 64 bytes per tile.
+            let (gm, gn, _) = l.grid(s);
+            let beside = 4096 + 64 * gm * gn + 64 * h.tiles();
+            e.0 += crate::store::output_file_len(&s.output, &h) + beside;
             e.1.push(s.output.display().to_string());
         }
     }
@@ -59,12 +63,15 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
         }
         if let Some(free) = fsutil::free_bytes(&dir) {
             if free < bytes {
+                // Exact bytes where rounding would show the two as equal.
+                let (b, f) = match (fmt_bytes(bytes), fmt_bytes(free)) {
+                    (b, f) if b == f => (format!("{bytes} bytes"), format!("{free} bytes")),
+                    bf => bf,
+                };
                 return Err(Error::Usage(format!(
-                    "not enough disk space in {}: this plan needs {} more ({}) but {} is free; free some space or move the outputs elsewhere",
+                    "not enough disk space in {}: this plan needs {b} more ({}, with their journals and checksums) but {f} is free; free some space or move the outputs elsewhere",
                     dir.display(),
-                    fmt_bytes(bytes),
                     files.join(", "),
-                    fmt_bytes(free)
                 )));
             }
         }
