@@ -61,6 +61,26 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
                 files.join(", ")
             )));
         }
+        // A folder the user may not write to (permissions, not a read-only mount): said once,
+        // naming the folder, instead of by the first file `run` fails to create in it.
+        let probe = dir.join(format!(".mgmm-stream-probe.{}", std::process::id()));
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&probe)
+        {
+            Ok(_) => {
+                let _ = std::fs::remove_file(&probe);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                return Err(Error::Usage(format!(
+                    "cannot create files in {} ({e}), where {} would be written; choose a folder you can write to, or change its permissions",
+                    dir.display(),
+                    files.join(", ")
+                )));
+            }
+            Err(_) => {}
+        }
         if let Some(free) = fsutil::free_bytes(&dir) {
             if free < bytes {
                 // Exact bytes where rounding would show the two as equal.
