@@ -345,9 +345,16 @@ fn describe_staging(
         } else {
             None
         };
+        // `R @ R.T` reads one matrix twice: name it once.
         match why {
-            None => direct.push(op.name.clone()),
-            Some(w) => copied.push(format!("{} ({w})", op.name)),
+            None if !direct.contains(&op.name) => direct.push(op.name.clone()),
+            None => {}
+            Some(w) => {
+                let c = format!("{} ({w})", op.name);
+                if !copied.contains(&c) {
+                    copied.push(c);
+                }
+            }
         }
     }
     let mut parts = Vec::new();
