@@ -715,12 +715,17 @@ fn export_cmd(input: &Path, output: &Path, force: bool, allow_partial: bool) -> 
     let t = Instant::now();
     npy::export(input, output, !allow_partial).map_err(|e| match e {
         // A corrupt tile of an output `run` wrote can be recomputed rather than regenerated.
-        Error::Checksum { .. } if journal::peek(input).is_ok_and(|j| j.is_some()) => {
-            Error::Usage(format!(
-                "{e}; {} is an output of `run`: `mgmm-stream verify PLAN --repair` recomputes that tile",
-                input.display()
-            ))
-        }
+        Error::Checksum {
+            path,
+            ti,
+            tj,
+            stored,
+            computed,
+            ..
+        } if journal::peek(input).is_ok_and(|j| j.is_some()) => Error::Usage(format!(
+            "{}: checksum mismatch in tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}; it is an output of `run` (its journal is beside it): `mgmm-stream verify PLAN --repair` (the plan that writes it) recomputes the bad tiles, then export again",
+            path.display()
+        )),
         e => interrupted(e, &format!("{} was not written", output.display())),
     })?;
     outln!(

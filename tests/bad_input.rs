@@ -490,7 +490,7 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
     // residual test (a one-bit flip may hide in the rounding it allows) and names the tile;
     // `verify --repair` recomputes it.
     let o = mg(dir, &["export", "C.mgt", "C2.npy"]);
-    failed_with(
+    let err = failed_with(
         &o,
         &[
             "C.mgt",
@@ -499,6 +499,8 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
             "verify PLAN --repair",
         ],
     );
+    // One remedy, the one that applies: an output is recomputed, not regenerated.
+    assert!(!err.contains("regenerate"), "{err}");
     assert!(!dir.join("C2.npy").exists() && partials(dir).is_empty());
     let o = mg(dir, &["verify", "p.toml"]);
     failed_with(&o, &["verification failed", "--repair"]);
