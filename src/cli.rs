@@ -817,7 +817,11 @@ fn run_cmd(
         restart,
         verify,
     } = flags;
-    let p = Plan::load_with(plan, &split.with_local_gpu(set.to_vec()))?;
+    let mut p = Plan::load_with(plan, &split.with_local_gpu(set.to_vec()))?;
+    if split.options()?.is_some() {
+        // As `prepare` laid the step out: a tile that does not depend on this process's GPUs.
+        p.engine.even_rows = false;
+    }
     crate::trace::check_path()?;
     // A report path that cannot be written fails now, not after hours of work.
     if let Some(r) = &report {

@@ -494,3 +494,57 @@ fn a_resume_on_fewer_lanes_keeps_the_journals_auto_tile() {
     assert!(r.steps[0].tiles_computed < 4);
     assert!(same_output(dir));
 }
+
+/// `run --restart` keeps a finished output whose input is now corrupt — also when the restart
+/// runs on fewer lanes, where `tile = "auto"` would lay the step out anew: the check compares
+/// against the tile the journal records.
+#[test]
+fn a_restart_on_fewer_lanes_still_keeps_a_finished_output_over_a_corrupt_input() {
+    use std::os::unix::fs::FileExt;
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        1300,
+        100,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        100,
+        200,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"sim\"\ndurable = false\nthreads = 1\n",
+    )
+    .unwrap();
+    run_on(dir, sim(vec![50; 4])).unwrap();
+    let before = std::fs::read(dir.join("C.mgt")).unwrap();
+    // Flip a byte of A's data (past its 4 KiB header block).
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("A.mgt"))
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, 8192).unwrap();
+    f.write_all_at(&[b[0] ^ 0x40], 8192).unwrap();
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let opts = RunOptions {
+        restart: true,
+        ..Default::default()
+    };
+    let e = run_plan_on(&plan, sim(vec![50]), &opts, &Progress::quiet()).unwrap_err();
+    assert!(e.to_string().contains("left it as it was"), "{e}");
+    assert_eq!(std::fs::read(dir.join("C.mgt")).unwrap(), before);
+}

@@ -132,7 +132,10 @@ pub(crate) fn plan_cmd(plan: &Path, set: &[String], m: &ModelArgs) -> Result<()>
 /// `prepare PLAN`: generate missing inputs and create the first step's output (and every step
 /// whose inputs already exist) for a split run, once, before the job starts.
 pub(crate) fn prepare_cmd(plan: &Path, set: &[String], restart: bool) -> Result<()> {
-    let p = Plan::load_with(plan, set)?;
+    let mut p = Plan::load_with(plan, set)?;
+    // The shard processes see other GPU counts than this one: a tile that does not depend on
+    // them (`Engine::even_rows`).
+    p.engine.even_rows = false;
     run::init_threads(p.engine.threads);
     let progress = Progress::new(false, run::default_log_every());
     let sh = ShardOptions::new(super::ShardSpec::One { k: 0, s: 1 });

@@ -197,6 +197,7 @@ pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engin
         host_memory,
         device_memory,
         tile: resolve_tile(e, from)?,
+        even_rows: true,
         devices: resolve_devices(e, from)?,
         durable: e.durable.as_ref().is_none_or(|v| *v.get_ref()),
         verify_inputs: e.verify_inputs.as_ref().is_none_or(|v| *v.get_ref()),

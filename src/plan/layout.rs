@@ -124,7 +124,8 @@ impl Layout {
         for (m, n, k) in candidates {
             let tm = m.min(step.m);
             let even = match engine.tile {
-                TileSpec::Auto => balanced_rows(step.m, tm, caps.lanes as u64),
+                TileSpec::Auto if engine.even_rows => balanced_rows(step.m, tm, caps.lanes as u64),
+                TileSpec::Auto => tm,
                 TileSpec::Fixed { .. } => tm,
             };
             let mut l = Self::with_tiles(step, engine, caps, even, n.min(step.n), k.min(step.k));

@@ -145,6 +145,10 @@ pub struct Engine {
     pub device_memory: Option<u64>,
     /// Compute tile.
     pub tile: TileSpec,
+    /// With `tile = "auto"` on several lanes, shrink the row tile to deal rows evenly
+    /// (`layout::balanced_rows`). Not a plan key: off for split runs, whose `prepare` and
+    /// shard processes see different numbers of GPUs but must agree on the tile.
+    pub even_rows: bool,
     /// GPU devices to use.
     pub devices: Devices,
     /// Flush each tile to disk before recording it in the journal.

@@ -504,7 +504,12 @@ fn run_plan_timed(
         refuse_foreign_journals(plan, &layouts, backend.caps().kind)?;
     }
     if opts.shard.is_none() && opts.restart {
-        check_before_restart(plan, &layouts, backend.caps().kind, progress)?;
+        // Against the tile the journals record (the fresh layouts may differ: `tile = "auto"`
+        // depends on the GPU count), so a finished output is still recognised as finished.
+        let recorded: Vec<Layout> = (plan.steps.iter())
+            .map(|s| layout_for(&plan.path, s, &plan.engine, backend.caps(), false))
+            .collect::<Result<_>>()?;
+        check_before_restart(plan, &recorded, backend.caps().kind, progress)?;
     }
     let mut steps = Vec::new();
     // The chain intermediates held in memory; dropped as soon as the step reading each is done.
@@ -565,15 +570,21 @@ fn run_plan_timed(
         startup_s,
     };
     if let Some(p) = &opts.report {
-        // Whole or not at all: a temporary file beside it, renamed over it.
         let s = serde_json::to_string_pretty(&report).expect("report serializes");
-        let tmp = report_temp(p, "partial");
-        std::fs::write(&tmp, s)
-            .and_then(|_| std::fs::rename(&tmp, p))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                Error::io(p, "cannot write report", e)
-            })?;
+        if p.exists() {
+            // An existing report (or a link to one) is written through, as the check before
+            // the run tried: its folder need not be writable.
+            std::fs::write(p, s).map_err(|e| Error::io(p, "cannot write report", e))?;
+        } else {
+            // A new one appears whole or not at all: a temporary file renamed onto it.
+            let tmp = report_temp(p, "partial");
+            std::fs::write(&tmp, s)
+                .and_then(|_| std::fs::rename(&tmp, p))
+                .map_err(|e| {
+                    let _ = std::fs::remove_file(&tmp);
+                    Error::io(p, "cannot write report", e)
+                })?;
+        }
     }
     // Freeing the backend here or leaving it to the process exit measured the same
     // (32768² on one H200: process − step 1.34 s against 1.36 s, BENCHMARKS §14).

@@ -41,11 +41,12 @@ pub(crate) fn ensure_space(dst: &Path, dir: &Path, need: u64) -> Result<()> {
     Ok(())
 }
 
-/// Remove `NAME.<pid>.partial` files in `dir` whose writer process is gone: a `gen`, `export`
-/// or `import` killed outright (SIGKILL, a crash, a node that went down) cannot remove its own,
-/// and each may be as large as the matrix. A pid still alive (another write of the same name
-/// going on now) is left alone; a pid reused since by another process leaves the file until
-/// that one ends. Says what it removed.
+/// Remove `NAME.<pid>.partial` files in `dir` whose writer is gone: a `gen`, `export` or
+/// `import` killed outright (SIGKILL, a crash, a node that went down) cannot remove its own, and
+/// each may be as large as the matrix. Only a file untouched for an hour whose pid is not a
+/// process here: a pid still alive (another write of the same name going on now) is left alone,
+/// and so is a recent file, which may belong to a writer this `/proc` cannot see (another
+/// container or host sharing the folder). Says what it removed.
 fn sweep_dead_partials(dir: &Path, name: &str) {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return;
@@ -59,7 +60,16 @@ fn sweep_dead_partials(dir: &Path, name: &str) {
         else {
             continue;
         };
-        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+        // Its pid gone here, and untouched for an hour: a writer in another PID namespace or
+        // on another host sharing the folder (whose pid this /proc cannot see) keeps writing
+        // it, so its time stays recent.
+        let stale = ent
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age.as_secs() >= 3600);
+        if pid == std::process::id() || !stale || Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }
         let len = ent.metadata().map_or(0, |m| m.len());
@@ -136,8 +146,8 @@ impl Drop for TempOutput {
 mod tests {
     use super::*;
 
-    /// A killed writer's partial file (its pid gone) is removed by the next write of the same
-    /// name; one of a live process, or of another name, is not.
+    /// A killed writer's partial file (its pid gone, an hour old) is removed by the next write
+    /// of the same name; a recent one, one of a live process, or of another name, is not.
     #[test]
     fn partial_files_of_killed_writers_are_swept() {
         let d = tempfile::tempdir().unwrap();
@@ -148,11 +158,22 @@ mod tests {
             .path()
             .join(format!("x.mgt.{}.partial", std::process::id()));
         let other = d.path().join("y.mgt.4194399.partial");
-        for f in [&dead, &other] {
+        let recent = d.path().join("x.mgt.4194398.partial");
+        let old = std::time::SystemTime::now() - std::time::Duration::from_secs(7200);
+        for f in [&dead, &other, &recent] {
             std::fs::write(f, b"left").unwrap();
         }
+        for f in [&dead, &other] {
+            std::fs::File::options()
+                .write(true)
+                .open(f)
+                .unwrap()
+                .set_modified(old)
+                .unwrap();
+        }
         let t = TempOutput::new(&dst, 10).unwrap();
-        assert!(!dead.exists() && other.exists());
+        // A recent one may be a writer in another PID namespace: kept.
+        assert!(!dead.exists() && other.exists() && recent.exists());
         assert_eq!(t.path(), live);
     }
 
