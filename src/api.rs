@@ -121,7 +121,7 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
     if let Some(n) = backend.note() {
         job.progress.note(&n);
     }
-    let layout = Layout::new(job.origin, job.step, e, backend.caps())?;
+    let layout = crate::run::layout_for(job.origin, job.step, e, backend.caps(), job.restart)?;
     let written = Mutex::new(Vec::new());
     loop {
         let Some((work, journal)) = step_work(&job, backend.as_ref(), &layout, &written)? else {
@@ -212,7 +212,20 @@ fn step_work(
                 &ids,
             );
             let out = &job.step.output;
-            if job.restart && e.verify_inputs && crate::run::finished_for(job.step, &fp) {
+            // A restart's fresh layout may differ from the one the journal records (`tile =
+            // "auto"` follows the GPU count): "finished" is judged against the recorded one.
+            let recorded = || -> Result<bool> {
+                let kept = crate::run::layout_for(job.origin, job.step, e, backend.caps(), false)?;
+                let fp = crate::run::fingerprint_with(
+                    job.step,
+                    &kept,
+                    backend.caps().kind,
+                    e.precision,
+                    &ids,
+                );
+                Ok(crate::run::finished_for(job.step, &fp))
+            };
+            if job.restart && e.verify_inputs && recorded()? {
                 // As `run --restart`: a finished output is not thrown away for inputs found
                 // corrupt only afterwards (crate::run::check_before_restart).
                 let s = &job.sources;

@@ -15,7 +15,6 @@ use std::sync::Arc;
 
 use mgmm_stream::api::{self, Output, StepJob, StepSources, TiledOutput};
 use mgmm_stream::dtype::DType;
-use mgmm_stream::plan::layout::Layout;
 use mgmm_stream::plan::schedule::traffic;
 use mgmm_stream::plan::{Engine, MatrixDecl, Operand, Plan, Precision, Step};
 use mgmm_stream::run::{self, RunOptions};
@@ -479,8 +478,9 @@ fn describe_data<'py>(py: Python<'py>, plan: &Plan) -> PyResult<Bound<'py, PyAny
     let backend = mgmm_stream::backend::select(&plan.engine).map_err(|e| to_py(py, e))?;
     let mut steps = Vec::new();
     for s in &plan.steps {
-        let l =
-            Layout::new(&plan.path, s, &plan.engine, backend.caps()).map_err(|e| to_py(py, e))?;
+        // As `plan` and `run` lay it out (a journal's tile kept on resume).
+        let l = run::layout_for(&plan.path, s, &plan.engine, backend.caps(), false)
+            .map_err(|e| to_py(py, e))?;
         let t = traffic(s, &l);
         let (gm, gn, gk) = l.grid(s);
         steps.push(serde_json::json!({

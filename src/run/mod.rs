@@ -393,7 +393,7 @@ fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
 /// another tile, a journal that no longer matches, and only `--restart` — losing every finished
 /// tile. The bytes do not depend on the tile's choice beyond what the journal records, so the
 /// recorded tile is as good as a fresh choice. `fresh` (`--restart`): the budgets' own choice.
-pub(crate) fn layout_for(
+pub fn layout_for(
     origin: &std::path::Path,
     step: &Step,
     engine: &crate::plan::Engine,
@@ -407,6 +407,16 @@ pub(crate) fn layout_for(
     let Ok(Some(j)) = crate::pipeline::journal::peek(&step.output) else {
         return Ok(l);
     };
+    // Only a journal of this step (the inputs are compared by the run itself): another
+    // expression, precision or backend on the same output path is refused anyway, and its tile
+    // should not show in `plan`.
+    let same = |key: &str, now: &str| j.fingerprint.get(key).is_some_and(|v| v == now);
+    if !(same("expr", &step.expr)
+        && same("precision", engine.precision.name())
+        && same("backend", caps.kind))
+    {
+        return Ok(l);
+    }
     let recorded: Option<Vec<u64>> = (j.fingerprint.get("compute tile"))
         .and_then(|t| t.split('×').map(|x| x.parse().ok()).collect());
     let Some(&[m, n, k]) = recorded.as_deref() else {

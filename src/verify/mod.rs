@@ -657,10 +657,17 @@ pub fn format(rep: &VerifyReport) -> String {
     }
     if rep.pass && rep.cells > 0 && rep.skipped_cells == rep.cells {
         // Nothing failed, but nothing was tested either: say so on the line scripts read.
-        return crate::progress::wrap(&format!(
+        let mut s = format!(
             "verify step {} ({}): {verdict} — nothing checked: every one of the {} row groups holds NaN/Inf, or its inputs overflow the computed precision (IEEE results the test cannot judge); look at the inputs' values and scale, or compute in fp64",
             rep.step, rep.output, rep.cells
-        ));
+        );
+        if !rep.inputs_unchecked.is_empty() {
+            s += &format!(
+                "\n  stored checksums not checked: {}",
+                rep.inputs_unchecked.join(", ")
+            );
+        }
+        return crate::progress::wrap(&s);
     }
     let mut s = format!(
         "verify step {} ({}): {verdict} — {} round(s) in {:.2} s\n",
