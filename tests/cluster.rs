@@ -426,3 +426,36 @@ fn plan_nodes_prints_the_cluster_time_model() {
         assert!(o.contains(want), "missing {want:?} in:\n{o}");
     }
 }
+
+/// `tile = "auto"` evens rows over a process's GPUs, but a split step's `prepare` and its shard
+/// processes see different numbers (every GPU of the node against one each): split runs lay
+/// the step out without it, so the shards agree with the manifest. Four simulated lanes at
+/// `prepare`, one per shard process (SLURM_LOCALID, as under `srun --gpus-per-task=1`).
+#[test]
+fn prepare_on_all_lanes_and_shards_on_one_each_agree_on_the_auto_tile() {
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 1300, cols = 100, dist = \"normal\", seed = 1 }\n\
+         [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 100, cols = 200, dist = \"normal\", seed = 2 }\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"sim\"\nthreads = 1\n",
+    )
+    .unwrap();
+    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    for i in 0..2 {
+        let env = [
+            ("SLURM_PROCID", i.to_string()),
+            ("SLURM_NTASKS", "2".to_string()),
+            ("SLURM_NTASKS_PER_NODE", "2".to_string()),
+            ("SLURM_LOCALID", i.to_string()),
+        ];
+        ok(cmd(dir, &["run", "plan.toml", "-q"], &env)
+            .output()
+            .unwrap());
+    }
+    ok(cmd(dir, &["finalize", "plan.toml"], &[]).output().unwrap());
+    let v = ok(cmd(dir, &["verify", "plan.toml"], &[]).output().unwrap());
+    assert!(v.contains("PASS"), "{v}");
+}
