@@ -622,7 +622,22 @@ fn corrupt(file: &Path, bad: Vec<Error>) -> Error {
     let first = bad.into_iter().next().expect("at least one bad tile");
     let output = !file.to_string_lossy().starts_with("raw:")
         && journal::peek(file).is_ok_and(|j| j.is_some());
-    match first {
+    if output {
+        run_output_checksum(
+            first,
+            &format!(" (of {} bad)", tiles.len()),
+            " — keep its checksums",
+        )
+    } else {
+        first
+    }
+}
+
+/// A checksum mismatch in an output that `run` wrote (its journal is beside it) is recomputed
+/// by `verify --repair`, not regenerated: the error says so instead of the generic advice.
+/// `of`: how many tiles are bad, if known; `then`: what to do afterwards.
+fn run_output_checksum(e: Error, of: &str, then: &str) -> Error {
+    match e {
         Error::Checksum {
             path,
             ti,
@@ -630,10 +645,9 @@ fn corrupt(file: &Path, bad: Vec<Error>) -> Error {
             stored,
             computed,
             ..
-        } if output => Error::Usage(format!(
-            "{}: checksum mismatch in tile ({ti}, {tj}) (of {} bad): stored {stored:#010x}, computed {computed:#010x}; it is an output of `run` (its journal is beside it): `mgmm-stream verify --repair PLAN` (the plan that writes it) recomputes the bad tiles — keep its checksums",
-            path.display(),
-            tiles.len()
+        } => Error::Usage(format!(
+            "{}: checksum mismatch in tile ({ti}, {tj}){of}: stored {stored:#010x}, computed {computed:#010x}; it is an output of `run` (its journal is beside it): `mgmm-stream verify PLAN --repair` (the plan that writes it) recomputes the bad tiles{then}",
+            path.display()
         )),
         e => e,
     }
@@ -714,18 +728,9 @@ fn export_cmd(input: &Path, output: &Path, force: bool, allow_partial: bool) -> 
     interrupt::install();
     let t = Instant::now();
     npy::export(input, output, !allow_partial).map_err(|e| match e {
-        // A corrupt tile of an output `run` wrote can be recomputed rather than regenerated.
-        Error::Checksum {
-            path,
-            ti,
-            tj,
-            stored,
-            computed,
-            ..
-        } if journal::peek(input).is_ok_and(|j| j.is_some()) => Error::Usage(format!(
-            "{}: checksum mismatch in tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}; it is an output of `run` (its journal is beside it): `mgmm-stream verify PLAN --repair` (the plan that writes it) recomputes the bad tiles, then export again",
-            path.display()
-        )),
+        e @ Error::Checksum { .. } if journal::peek(input).is_ok_and(|j| j.is_some()) => {
+            run_output_checksum(e, "", ", then export again")
+        }
         e => interrupted(e, &format!("{} was not written", output.display())),
     })?;
     outln!(

@@ -476,7 +476,7 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
         &o,
         &[
             "C.mgt: checksum mismatch in tile (0, 0) (of 2 bad)",
-            "verify --repair",
+            "verify PLAN --repair",
         ],
     );
     let out = String::from_utf8_lossy(&o.stdout);

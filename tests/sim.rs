@@ -383,15 +383,11 @@ fn direct_uploads_are_checked_on_the_device_and_a_corrupt_tile_is_caught_there()
     );
 }
 
-/// Lanes take tile rows in turn, so `tile = "auto"` shrinks the row tile when that deals the
-/// rows more evenly: 1300 rows on four simulated lanes with the ladder's 512-row tiles leave
-/// one lane idle and give another 276 rows; 384-row tiles give three lanes 384 and one 148.
-/// `plan` says so, and the product (another tile than the storage tiles) verifies.
-#[test]
-fn auto_tiles_deal_rows_evenly_to_lanes_and_the_product_verifies() {
-    let d = tmp();
+/// 1300×100 · 100×200 in `dir` (1300 rows: 512-row tiles deal unevenly over four lanes), with
+/// a plan per (file, output) on the simulated lanes and `tile = "auto"`.
+fn uneven_rows(dir: &Path, plans: &[(&str, &str)]) {
     gen(
-        &d.path().join("A.mgt"),
+        &dir.join("A.mgt"),
         1300,
         100,
         DType::F32,
@@ -400,7 +396,7 @@ fn auto_tiles_deal_rows_evenly_to_lanes_and_the_product_verifies() {
         1,
     );
     gen(
-        &d.path().join("B.mgt"),
+        &dir.join("B.mgt"),
         100,
         200,
         DType::F32,
@@ -408,13 +404,27 @@ fn auto_tiles_deal_rows_evenly_to_lanes_and_the_product_verifies() {
         Dist::Normal,
         2,
     );
-    std::fs::write(
-        d.path().join("plan.toml"),
-        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
-         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
-         [engine]\nbackend = \"sim\"\ndurable = false\nthreads = 1\n",
-    )
-    .unwrap();
+    for (name, out) in plans {
+        std::fs::write(
+            dir.join(name),
+            format!(
+                "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+                 [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
+                 [engine]\nbackend = \"sim\"\ndurable = false\nthreads = 1\n"
+            ),
+        )
+        .unwrap();
+    }
+}
+
+/// Lanes take tile rows in turn, so `tile = "auto"` shrinks the row tile when that deals the
+/// rows more evenly: 1300 rows on four simulated lanes with the ladder's 512-row tiles leave
+/// one lane idle and give another 276 rows; 384-row tiles give three lanes 384 and one 148.
+/// `plan` says so, and the product (another tile than the storage tiles) verifies.
+#[test]
+fn auto_tiles_deal_rows_evenly_to_lanes_and_the_product_verifies() {
+    let d = tmp();
+    uneven_rows(d.path(), &[("plan.toml", "C.mgt")]);
     let cli = |args: &[&str]| {
         let o = std::process::Command::new(bin())
             .args(args)
@@ -446,35 +456,7 @@ fn auto_tiles_deal_rows_evenly_to_lanes_and_the_product_verifies() {
 fn a_resume_on_fewer_lanes_keeps_the_journals_auto_tile() {
     let d = tmp();
     let dir = d.path();
-    gen(
-        &dir.join("A.mgt"),
-        1300,
-        100,
-        DType::F32,
-        (64, 64),
-        Dist::Normal,
-        1,
-    );
-    gen(
-        &dir.join("B.mgt"),
-        100,
-        200,
-        DType::F32,
-        (64, 64),
-        Dist::Normal,
-        2,
-    );
-    for (name, out) in [("plan.toml", "C.mgt"), ("ref.toml", "C_ref.mgt")] {
-        std::fs::write(
-            dir.join(name),
-            format!(
-                "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
-                 [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
-                 [engine]\nbackend = \"sim\"\ndurable = false\nthreads = 1\n"
-            ),
-        )
-        .unwrap();
-    }
+    uneven_rows(dir, &[("plan.toml", "C.mgt"), ("ref.toml", "C_ref.mgt")]);
     let r = run_plan_on(
         &Plan::load(&dir.join("ref.toml")).unwrap(),
         sim(vec![100; 4]),
@@ -503,31 +485,7 @@ fn a_restart_on_fewer_lanes_still_keeps_a_finished_output_over_a_corrupt_input()
     use std::os::unix::fs::FileExt;
     let d = tmp();
     let dir = d.path();
-    gen(
-        &dir.join("A.mgt"),
-        1300,
-        100,
-        DType::F32,
-        (64, 64),
-        Dist::Normal,
-        1,
-    );
-    gen(
-        &dir.join("B.mgt"),
-        100,
-        200,
-        DType::F32,
-        (64, 64),
-        Dist::Normal,
-        2,
-    );
-    std::fs::write(
-        dir.join("plan.toml"),
-        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
-         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
-         [engine]\nbackend = \"sim\"\ndurable = false\nthreads = 1\n",
-    )
-    .unwrap();
+    uneven_rows(dir, &[("plan.toml", "C.mgt")]);
     run_on(dir, sim(vec![50; 4])).unwrap();
     let before = std::fs::read(dir.join("C.mgt")).unwrap();
     // Flip a byte of A's data (past its 4 KiB header block).

@@ -1254,6 +1254,21 @@ mod tests {
         rss.split_whitespace().nth(1).unwrap().parse().unwrap()
     }
 
+    /// A `rows × cols` matrix in 96×112 blocks, which straddle 128×128 storage tiles.
+    fn blocks_96x112(rows: u64, cols: u64) -> Vec<Block> {
+        (0..rows)
+            .step_by(96)
+            .flat_map(|r0| {
+                (0..cols).step_by(112).map(move |c0| Block {
+                    r0,
+                    c0,
+                    rows: 96.min(rows - r0),
+                    cols: 112.min(cols - c0),
+                })
+            })
+            .collect()
+    }
+
     /// An output larger than its budget drops each storage tile from the map once all of it is
     /// written, by blocks that do not line up with the storage tiles, written on several
     /// threads: nothing stays resident, and the file is byte for byte what `pwrite` writes.
@@ -1265,17 +1280,7 @@ mod tests {
             let hdr = Header::new(DType::F32, rows, cols, 128, 128, true);
             let w = TiledWriter::create_with(path, hdr, mode).unwrap();
             w.release_written(true);
-            let blocks: Vec<Block> = (0..rows)
-                .step_by(96)
-                .flat_map(|r0| {
-                    (0..cols).step_by(112).map(move |c0| Block {
-                        r0,
-                        c0,
-                        rows: 96.min(rows - r0),
-                        cols: 112.min(cols - c0),
-                    })
-                })
-                .collect();
+            let blocks = blocks_96x112(rows, cols);
             blocks.par_iter().for_each(|b| {
                 let sink: &dyn MatrixSink = &w;
                 sink.prefault(b);
@@ -1323,17 +1328,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let (rows, cols) = (1000u64, 900u64);
         let hdr = Header::new(DType::F32, rows, cols, 128, 128, true);
-        let blocks: Vec<Block> = (0..rows)
-            .step_by(96)
-            .flat_map(|r0| {
-                (0..cols).step_by(112).map(move |c0| Block {
-                    r0,
-                    c0,
-                    rows: 96.min(rows - r0),
-                    cols: 112.min(cols - c0),
-                })
-            })
-            .collect();
+        let blocks = blocks_96x112(rows, cols);
         let (before, after) = blocks.split_at(blocks.len() / 2);
         let path = d.path().join("r.mgt");
         {
