@@ -278,8 +278,20 @@ fn read_state(
 /// The error for the journal at `path`, written under fingerprint `old`, met by a run whose
 /// fingerprint is `new`: what differs, and what to do.
 pub(crate) fn foreign(path: &Path, old: &Fingerprint, new: &Fingerprint) -> Error {
+    // A tile that changed alone is the budget's doing (`tile = "auto"` picks the largest that
+    // fits; a resume keeps the recorded one only while it still fits, `run::layout_for`).
+    let only_tile = old.iter().all(|(k, v)| {
+        k == "compute tile" || k == "output" || new.get(k).is_some_and(|w| same_value(v, w))
+    });
+    let hint = match old.get("compute tile") {
+        Some(t) if only_tile && new.get("compute tile") != Some(t) => format!(
+            "; only the compute tile changed, which with tile = \"auto\" follows the memory budgets: give the run the engine.host_memory (and device memory) it had, or set engine.tile = [{}] to resume",
+            t.replace('×', ", ")
+        ),
+        _ => String::new(),
+    };
     Error::Usage(format!(
-        "{}: the journal is from a different plan or different inputs ({}); rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
+        "{}: the journal is from a different plan or different inputs ({}){hint}; rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
         path.display(),
         fingerprint_changes(old, new)
     ))
@@ -565,6 +577,37 @@ pub fn forget(output: &Path, seqs: &std::collections::BTreeSet<u32>) -> Result<u
 
 #[cfg(test)]
 mod tests {
+
+    /// A journal refused only because the auto tile changed with the budget says how to
+    /// resume; one from another expression does not.
+    #[test]
+    fn a_tile_changed_by_the_budget_says_how_to_resume() {
+        let fp = |expr: &str, tile: &str| -> Fingerprint {
+            [("expr", expr), ("compute tile", tile), ("output", tile)]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let p = Path::new("C.mgt.journal");
+        let m = foreign(
+            p,
+            &fp("A @ B", "1024×1024×1024"),
+            &fp("A @ B", "512×512×512"),
+        )
+        .to_string();
+        assert!(
+            m.contains("only the compute tile changed")
+                && m.contains("set engine.tile = [1024, 1024, 1024] to resume"),
+            "{m}"
+        );
+        let m = foreign(
+            p,
+            &fp("A @ B", "1024×1024×1024"),
+            &fp("A @ B.T", "512×512×512"),
+        )
+        .to_string();
+        assert!(!m.contains("only the compute tile"), "{m}");
+    }
     use super::*;
 
     #[test]
