@@ -361,7 +361,7 @@ fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
     // A finished output of `run`: the fix is `verify --repair`, not deleting its checksums
     // (which would make the damage invisible).
     assert!(
-        err.contains("verify --repair") && !err.contains("delete the sidecar"),
+        err.contains("verify PLAN --repair") && !err.contains("delete the sidecar"),
         "{err}"
     );
     // Without a journal beside it, an array with a sidecar: what to do if it was changed on
