@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use crate::backend;
+use crate::durable::journal::{Journal, State};
 use crate::error::{Error, Result};
-use crate::pipeline::journal::{Journal, State};
 use crate::pipeline::stages::TileSink;
 pub use crate::pipeline::StepSources;
 use crate::pipeline::{output_header, Engines, Pipeline, RunConfig, Work};

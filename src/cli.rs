@@ -12,14 +12,14 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 
 use crate::dtype::DType;
+use crate::durable::journal;
 use crate::error::{Error, Result};
-use crate::pipeline::journal;
-use crate::plan::size::fmt_bytes;
 use crate::plan::Plan;
 use crate::progress::{fmt_duration, Progress};
 use crate::run::{self, RunOptions};
 use crate::store::gen::{self, Dist, GenSpec};
 use crate::store::{npy, Header, TiledFile};
+use crate::units::fmt_bytes;
 use crate::{diagln, interrupt, out, outln};
 
 /// The parsed command line of the `mgmm-stream` binary (see [`execute`]).
@@ -263,7 +263,7 @@ fn stale_after_repair<'p>(
     for later in p.steps.iter().skip(step.index + 1) {
         let ops = [Some(&later.a), Some(&later.b), later.c0.as_ref()];
         if !ops.into_iter().flatten().any(|o| o.path == step.output)
-            || crate::pipeline::journal::peek(&later.output)?.is_none()
+            || crate::durable::journal::peek(&later.output)?.is_none()
         {
             continue;
         }

@@ -41,6 +41,7 @@ pub mod cli;
 pub mod cluster;
 pub(crate) mod config;
 pub mod dtype;
+pub(crate) mod durable;
 pub mod error;
 pub mod interrupt;
 pub mod out;
@@ -51,7 +52,8 @@ pub(crate) mod report;
 pub mod run;
 pub mod store;
 pub(crate) mod trace;
+pub(crate) mod units;
 pub mod verify;
 
+pub use durable::journal;
 pub use error::{Error, Result};
-pub use pipeline::journal;

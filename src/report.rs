@@ -11,8 +11,8 @@ use crate::backend::{Caps, DeviceStats, MemorySpace};
 use crate::pipeline::metrics::{StageKind, StageSnapshot};
 use crate::pipeline::{PoolReport, RunStats};
 use crate::plan::layout::Layout;
-use crate::plan::size::fmt_bytes;
 use crate::plan::{Precision, Step};
+use crate::units::fmt_bytes;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct LaneReport {

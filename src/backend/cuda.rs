@@ -38,8 +38,8 @@ use super::{
 use crate::dtype::DType;
 use crate::error::{DeviceError, Error, Result};
 use crate::plan::layout::Layout;
-use crate::plan::size::fmt_bytes;
 use crate::plan::{Devices, Engine, Precision};
+use crate::units::fmt_bytes;
 
 const CONVERT_SRC: &str = include_str!("../../kernels/convert.cu");
 const CHECK_SRC: &str = include_str!("../../kernels/check.cu");

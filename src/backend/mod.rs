@@ -72,7 +72,7 @@ impl HostBuf {
                 "host memory",
                 format!(
                     "cannot allocate a {} buffer for the pipeline (refused by the system: a process memory limit such as `ulimit -v`, or the machine is short of memory); lower engine.host_memory (`plan` shows what a step allocates) or raise the limit",
-                    crate::plan::size::fmt_bytes(len as u64)
+                    crate::units::fmt_bytes(len as u64)
                 ),
             )
         })?;

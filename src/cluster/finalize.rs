@@ -16,8 +16,8 @@ use rayon::prelude::*;
 
 use super::prepare::{read_manifest, wait_for, Manifest};
 use super::{claim, recorded, shard_files, shard_range, state_dir, ShardOptions};
+use crate::durable::journal::{self, Fingerprint};
 use crate::error::{Error, Result};
-use crate::pipeline::journal::{self, Fingerprint};
 use crate::plan::{Plan, Precision, Step};
 use crate::progress::Progress;
 use crate::store::{TiledFile, TiledWriter, WriteMode};

@@ -37,8 +37,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::backend::Backend;
+use crate::durable::journal;
 use crate::error::{Error, Result};
-use crate::pipeline::journal;
 use crate::plan::layout::Layout;
 use crate::plan::{Plan, Step};
 use crate::progress::Progress;

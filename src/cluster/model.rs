@@ -13,8 +13,8 @@
 use super::shard_range;
 use crate::error::{Error, Result};
 use crate::plan::schedule::{input_loads, Grid};
-use crate::plan::size::fmt_bytes;
 use crate::plan::{Plan, Step};
+use crate::units::fmt_bytes;
 
 /// The machine a prediction is for; every rate is per second.
 #[derive(Clone, Debug)]

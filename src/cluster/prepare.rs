@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{claim, identity, state_dir, ShardOptions};
+use crate::durable::journal::{self, Fingerprint};
 use crate::error::{Error, Result};
-use crate::pipeline::journal::{self, Fingerprint};
 use crate::pipeline::output_header;
 use crate::plan::layout::Layout;
 use crate::plan::Step;
@@ -120,7 +120,7 @@ pub(crate) fn wait_for(
 }
 
 fn check(m: &Manifest, fp: &Fingerprint, output: &Path) -> Result<()> {
-    if crate::pipeline::journal::same_fingerprint(&m.fingerprint, fp) {
+    if crate::durable::journal::same_fingerprint(&m.fingerprint, fp) {
         return Ok(());
     }
     let changed: Vec<String> = m
@@ -240,7 +240,7 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
 /// Throw away a split step's state: output, its journal, its tiles' checkpoints and the shard
 /// directory (`prepare --restart`).
 pub(crate) fn reset(output: &Path) -> Result<()> {
-    let partial = crate::pipeline::checkpoint::partial_dir(output);
+    let partial = crate::durable::checkpoint::partial_dir(output);
     match std::fs::remove_dir_all(&partial) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use super::prepare::{read_manifest, Manifest};
 use super::{claim, finalize, recorded, shard_file, shard_files, shard_range, state_dir};
+use crate::durable::journal;
 use crate::error::Result;
-use crate::pipeline::journal;
 use crate::plan::Plan;
 
 fn unix(t: SystemTime) -> f64 {

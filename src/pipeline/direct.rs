@@ -442,7 +442,7 @@ impl DirectReads {
                     self.release_idle(u64::MAX);
                     let _ = self.failed.set(format!(
                         "registering {} of {} failed ({why}); the rest of the step copied its inputs",
-                        crate::plan::size::fmt_bytes(end as u64 - start as u64),
+                        crate::units::fmt_bytes(end as u64 - start as u64),
                         f.path().display()
                     ));
                     return None;

@@ -8,10 +8,8 @@
 //! Backpressure comes only from bounded channels and the fixed pools. The first error cancels
 //! every stage and is the one returned; a failed run never reports success.
 
-pub(crate) mod checkpoint;
 pub(crate) mod control;
 pub(crate) mod direct;
-pub mod journal;
 pub(crate) mod metrics;
 pub(crate) mod pool;
 pub(crate) mod shared;
@@ -275,7 +273,7 @@ pub(crate) struct Pipeline<'a> {
     progress: &'a Progress,
     done_before: u64,
     /// Partial accumulators: saved while tiles are computed, resumed from at the start.
-    ckpt: Option<&'a checkpoint::Checkpoints>,
+    ckpt: Option<&'a crate::durable::checkpoint::Checkpoints>,
     /// The output tiles this run answers for (a shard's), when not the whole step: progress
     /// counts within them.
     scope: Option<std::ops::Range<u32>>,
@@ -368,9 +366,12 @@ impl<'a> Pipeline<'a> {
     }
 
     /// Save partial accumulators in `ckpt` as its interval says, and start the tiles it
-    /// resumes from their checkpoints (which [`checkpoint::Checkpoints::scan`] accepted for
+    /// resumes from their checkpoints (which [`crate::durable::checkpoint::Checkpoints::scan`] accepted for
     /// exactly this step).
-    pub(crate) fn with_checkpoints(mut self, ckpt: &'a checkpoint::Checkpoints) -> Self {
+    pub(crate) fn with_checkpoints(
+        mut self,
+        ckpt: &'a crate::durable::checkpoint::Checkpoints,
+    ) -> Self {
         self.ckpt = Some(ckpt);
         self
     }
@@ -731,7 +732,7 @@ struct OutputWiring<'p> {
     done_rx: Vec<crossbeam_channel::Receiver<Done>>,
     outprep_rx: crossbeam_channel::Receiver<crate::store::Block>,
     sink: &'p dyn TileSink,
-    ckpt: Option<&'p checkpoint::Checkpoints>,
+    ckpt: Option<&'p crate::durable::checkpoint::Checkpoints>,
     durable: bool,
     threads: usize,
     k: u64,

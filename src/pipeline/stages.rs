@@ -19,7 +19,6 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
-use super::checkpoint::Checkpoints;
 use super::control::Control;
 use super::direct::{CheckProgress, DirectReads, DirectUpload};
 use super::metrics::StageMetrics;
@@ -27,6 +26,7 @@ use super::pool::{Lease, Pool};
 use super::shared::{Got, SharedReads};
 use crate::backend::{Dst, GemmDesc, Lane, Ticket};
 use crate::dtype::DType;
+use crate::durable::checkpoint::Checkpoints;
 use crate::error::{Error, Result};
 use crate::plan::schedule::{OutTile, Schedule, Src, TileCache};
 use crate::store::{Block, MatrixSink, MatrixSource};

@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 
 use super::Operand;
-use crate::plan::size::fmt_bytes;
+use crate::units::fmt_bytes;
 
 /// Bytes of host memory a chain may hold its intermediates in: half of `engine.host_memory`.
 /// The intermediates alive at the same time (the one being written and those still to be read)

@@ -12,7 +12,6 @@ use std::path::Path;
 use toml::Spanned;
 
 use super::raw::{line_of, RawDevices, RawEngine, RawTile};
-use super::size;
 use super::{BackendKind, Devices, Engine, Precision, TileSpec};
 use crate::error::{Error, Result};
 
@@ -144,7 +143,7 @@ pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engin
     let host_memory = match &e.host_memory {
         None => 2 << 30,
         Some(v) => {
-            let b = size::parse_size(v.get_ref()).ok_or_else(|| {
+            let b = crate::units::parse_size(v.get_ref()).ok_or_else(|| {
                 bad(
                     "host_memory",
                     from.at("host_memory", v),
@@ -167,7 +166,7 @@ pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engin
     let device_memory = match &e.device_memory {
         None => None,
         Some(v) if v.get_ref() == "auto" => None,
-        Some(v) => Some(size::parse_size(v.get_ref()).ok_or_else(|| {
+        Some(v) => Some(crate::units::parse_size(v.get_ref()).ok_or_else(|| {
             bad(
                 "device_memory",
                 from.at("device_memory", v),

@@ -7,11 +7,11 @@
 //! pool sizes are what the pipeline allocates — it never allocates more. A plan that cannot fit
 //! is rejected here with the numbers, before any work.
 
-use super::size::fmt_bytes;
 use super::{Engine, Precision, Step, TileSpec};
 use crate::backend::{Caps, MemorySpace};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::units::fmt_bytes;
 
 #[derive(Clone, Debug)]
 /// Tile sizes and every pool's buffer count and size for one step on one backend, fixed before anything runs.

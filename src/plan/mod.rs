@@ -15,7 +15,6 @@ pub mod layout;
 pub(crate) mod raw;
 pub(crate) mod resolve;
 pub mod schedule;
-pub(crate) mod size;
 
 use std::path::{Path, PathBuf};
 

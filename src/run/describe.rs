@@ -5,9 +5,9 @@ use crate::backend::{self, describe_precision, Backend, MemorySpace};
 use crate::error::Result;
 use crate::plan::layout::Layout;
 use crate::plan::schedule::traffic;
-use crate::plan::size::fmt_bytes;
 use crate::plan::{Plan, Precision};
 use crate::progress::count;
+use crate::units::fmt_bytes;
 
 /// Disk read rate assumed for the cold-cache bound (documented in docs/PLAN.md).
 const DISK_READ: f64 = 1.6e9;
@@ -214,7 +214,7 @@ fn describe_status(
     kind: &str,
     p: Precision,
 ) -> Result<String> {
-    use crate::pipeline::journal;
+    use crate::durable::journal;
     if step.output_in_memory() {
         return Ok(String::new());
     }
@@ -251,7 +251,7 @@ fn describe_status(
     let (gm, gn, _) = l.grid(step);
     let total = gm * gn;
     let recorded: std::collections::BTreeSet<u32> = j.done.iter().map(|&(seq, _)| seq).collect();
-    let ckpts = crate::pipeline::checkpoint::peek(&step.output, &recorded);
+    let ckpts = crate::durable::checkpoint::peek(&step.output, &recorded);
     let want =
         crate::store::output_main_len(&step.output, &crate::pipeline::output_header(step, l));
     let have = std::fs::metadata(&step.output).map_or(0, |m| m.len());

@@ -138,7 +138,7 @@ impl Held {
             "step {}: the intermediate {} ({}) stays in host memory",
             step.index + 1,
             step.chain.as_ref().map_or("", |c| c.text.as_str()),
-            crate::plan::size::fmt_bytes(out.bytes())
+            crate::units::fmt_bytes(out.bytes())
         ));
         let total = Schedule::new(step, layout).tiles.len() as u32;
         let written = Written(Mutex::new(HashSet::new()));

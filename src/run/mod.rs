@@ -18,19 +18,19 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::backend::{self, Backend};
+use crate::durable::checkpoint::Checkpoints;
+use crate::durable::journal::{Fingerprint, Journal};
 use crate::error::{Error, Result};
-use crate::pipeline::checkpoint::Checkpoints;
-use crate::pipeline::journal::{Fingerprint, Journal};
 use crate::pipeline::stages::TileSink;
 use crate::pipeline::{self, Engines, Pipeline, RunConfig};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::OutTile;
-use crate::plan::size::fmt_bytes;
 use crate::plan::{Plan, Precision, Step};
 use crate::progress::Progress;
 use crate::report::{self, StepContext};
 pub use crate::report::{RunReport, StepReport};
 use crate::store::gen;
+use crate::units::fmt_bytes;
 pub use describe::describe;
 pub use resume::ResumeState;
 
@@ -157,7 +157,7 @@ fn chain_done(
 /// say. A step whose inputs are not there yet (an earlier step makes them) is left to that
 /// check.
 fn refuse_foreign_journals(plan: &Plan, layouts: &[Layout], kind: &str) -> Result<()> {
-    use crate::pipeline::journal;
+    use crate::durable::journal;
     for (step, layout) in plan.steps.iter().zip(layouts) {
         if step.output_in_memory() {
             continue;
@@ -196,10 +196,10 @@ fn step_complete(
 /// What `step`'s journal says against the fingerprint `fp` of the plan and inputs now:
 /// `None` without a journal, else (complete, same fingerprint).
 pub(crate) fn journal_state(step: &Step, fp: &Fingerprint) -> Result<Option<(bool, bool)>> {
-    Ok(crate::pipeline::journal::peek(&step.output)?.map(|p| {
+    Ok(crate::durable::journal::peek(&step.output)?.map(|p| {
         (
             p.complete,
-            crate::pipeline::journal::same_fingerprint(&p.fingerprint, fp),
+            crate::durable::journal::same_fingerprint(&p.fingerprint, fp),
         )
     }))
 }
@@ -289,7 +289,7 @@ fn remove_chain_temps(step: &Step) -> Result<()> {
         return Ok(());
     };
     for t in &c.temps {
-        for p in [t.clone(), crate::pipeline::journal::journal_path(t)] {
+        for p in [t.clone(), crate::durable::journal::journal_path(t)] {
             match std::fs::remove_file(&p) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -404,7 +404,7 @@ pub fn layout_for(
     if fresh || !matches!(engine.tile, crate::plan::TileSpec::Auto) {
         return Ok(l);
     }
-    let Ok(Some(j)) = crate::pipeline::journal::peek(&step.output) else {
+    let Ok(Some(j)) = crate::durable::journal::peek(&step.output) else {
         return Ok(l);
     };
     // Only a journal of this step (the inputs are compared by the run itself): another

@@ -11,9 +11,9 @@
 
 use std::collections::BTreeSet;
 
+use crate::durable::checkpoint::Checkpoints;
+use crate::durable::journal::{Fingerprint, Journal, State};
 use crate::error::{Error, Result};
-use crate::pipeline::checkpoint::Checkpoints;
-use crate::pipeline::journal::{Fingerprint, Journal, State};
 use crate::pipeline::{output_header, Work};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;

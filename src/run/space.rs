@@ -7,9 +7,9 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::pipeline;
 use crate::plan::layout::Layout;
-use crate::plan::size::fmt_bytes;
 use crate::plan::Plan;
 use crate::store::fsutil;
+use crate::units::fmt_bytes;
 
 fn existing_dir(p: &Path) -> PathBuf {
     let mut d = p

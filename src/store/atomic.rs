@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use super::fsutil;
 use crate::error::{Error, Result};
-use crate::plan::size::fmt_bytes;
+use crate::units::fmt_bytes;
 
 /// The directory a new file at `path` goes into ("." for a bare name).
 pub(crate) fn parent_dir(path: &Path) -> PathBuf {
@@ -77,7 +77,7 @@ fn sweep_dead_partials(dir: &Path, name: &str) {
             crate::diagln!(
                 "note: removed {} ({}), left by an earlier write of {name} that was killed",
                 ent.path().display(),
-                crate::plan::size::fmt_bytes(len)
+                crate::units::fmt_bytes(len)
             );
         }
     }

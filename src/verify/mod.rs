@@ -24,8 +24,8 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::dtype::DType;
+use crate::durable::journal;
 use crate::error::{Error, Result};
-use crate::pipeline::journal;
 use crate::plan::{Operand, Plan, Precision, Step};
 use crate::store::gen::Rng;
 use crate::store::{open_source, MatrixSource};

@@ -1,4 +1,5 @@
-//! Human byte sizes for plan keys like `host_memory = "2GiB"`.
+//! Units at the bottom of the house: human byte sizes for plan keys like `host_memory = "2GiB"`, and
+//! the short sizes every message prints. Imports nothing of the crate, so any layer may use it.
 
 /// Parse "2GiB", "512 MiB", "1.5GB", "4096", "64k". Binary (KiB) and decimal (KB) suffixes;
 /// a bare `k`/`m`/`g`/`t` is binary.

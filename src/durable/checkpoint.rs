@@ -275,7 +275,7 @@ impl Checkpoints {
     /// Whether header `h` describes a checkpoint of `tile` in this step.
     fn matches(&self, h: &Header, tile: &OutTile) -> std::result::Result<(), String> {
         let b = &tile.block;
-        if !crate::pipeline::journal::same_fingerprint(&h.fingerprint, &self.fp) {
+        if !crate::durable::journal::same_fingerprint(&h.fingerprint, &self.fp) {
             return Err("it is from a different plan or different inputs".into());
         }
         if (h.seq, h.r0, h.c0, h.rows, h.cols) != (tile.seq, b.r0, b.c0, b.rows, b.cols) {
