@@ -837,12 +837,14 @@ fn run_cmd(
     let opts = RunOptions {
         report: report.clone(),
         restart,
-        shard: split.options()?,
         cancel: Some(interrupt::flag()),
         #[cfg(feature = "fault-injection")]
         faults: crate::backend::fault::FaultConfig::from_env(),
     };
-    let rep = run::run_plan(&p, &opts, &progress);
+    let rep = match split.options()? {
+        Some(sh) => crate::cluster::run_plan(&p, &opts, &sh, &progress),
+        None => run::run_plan(&p, &opts, &progress),
+    };
     match crate::trace::write() {
         Err(e) => crate::diagln!("warning: {e}"),
         Ok(0) => {}

@@ -29,7 +29,11 @@ pub(crate) mod identity;
 pub(crate) mod model;
 pub mod prepare;
 pub(crate) mod status;
+pub(crate) mod target;
 pub(crate) mod writer;
+
+pub(crate) use crate::durable::split::split_state;
+pub use crate::durable::split::state_dir;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -43,7 +47,8 @@ use crate::plan::layout::Layout;
 use crate::plan::{Plan, Step};
 use crate::progress::Progress;
 use crate::report::StepReport;
-use crate::run::RunOptions;
+use crate::run::{PlanStep, RunOptions, Split};
+use target::ShardTarget;
 
 /// This process's part in a split run.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -141,21 +146,6 @@ pub(crate) fn shard_range(total: u32, gn: u32, s: u32, k: u32) -> Range<u32> {
     r.start as u32..r.end as u32
 }
 
-/// The state folder of a split run writing `output`, while its manifest is there: such a run
-/// has no journal of the step until `finalize` merges the shards' into one.
-pub(crate) fn split_state(output: &Path) -> Option<PathBuf> {
-    prepare::manifest_path(output)
-        .exists()
-        .then(|| state_dir(output))
-}
-
-/// Where a step's shard files live: `C.mgt.shards/`.
-pub fn state_dir(output: &Path) -> PathBuf {
-    let mut s = output.as_os_str().to_owned();
-    s.push(".shards");
-    PathBuf::from(s)
-}
-
 /// A shard file's path: `shard-K-of-S.EXT`.
 pub(crate) fn shard_file(dir: &Path, k: u32, s: u32, ext: &str) -> PathBuf {
     dir.join(format!("shard-{k}-of-{s}.{ext}"))
@@ -167,14 +157,6 @@ pub(crate) fn parse_shard_file(name: &str) -> Option<(u32, u32, &str)> {
     let (k, rest) = rest.split_once("-of-")?;
     let (s, ext) = rest.split_once('.')?;
     Some((k.parse().ok()?, s.parse().ok()?, ext))
-}
-
-/// What one shard works on, handed to [`crate::run::ResumeState::load_shard`].
-pub(crate) struct ShardCtx {
-    pub(crate) dir: PathBuf,
-    pub(crate) journal: PathBuf,
-    pub(crate) tiles: Range<u32>,
-    pub(crate) label: String,
 }
 
 /// Every finished tile any shard journal in `dir` records under fingerprint `fp`, with every
@@ -250,18 +232,40 @@ pub(crate) fn generate_shared(
     Ok(out)
 }
 
-/// Run this process's share of `step`: wait for the steps before it to be finalized, make
-/// sure the output exists, work shards while there are unclaimed ones, and finalize the step
-/// when every tile is done. Returns one report per shard this process computed.
-pub(crate) fn run_step_shards(
+/// Run `plan` as this process's part of a split run (`run PLAN --shard`, or a launcher's
+/// rank): the plan's run, each step worked shard by shard ([`run_step_shards`]).
+pub(crate) fn run_plan(
     plan: &Plan,
-    step: &Step,
-    layout: &Layout,
-    backend: &mut Box<dyn Backend>,
     opts: &RunOptions,
     sh: &ShardOptions,
     progress: &Progress,
+) -> Result<crate::run::RunReport> {
+    crate::run::run_plan_split(plan, opts, progress, Some(sh))
+}
+
+impl Split for ShardOptions {
+    fn generate(&self, plan: &Plan, progress: &Progress) -> Result<Vec<String>> {
+        generate_shared(plan, self, progress)
+    }
+
+    fn run_step(
+        &self,
+        cx: &PlanStep<'_>,
+        backend: &mut Box<dyn Backend>,
+    ) -> Result<Vec<StepReport>> {
+        run_step_shards(cx, backend, self)
+    }
+}
+
+/// Run this process's share of a step: wait for the steps before it to be finalized, make
+/// sure the output exists, work shards while there are unclaimed ones, and finalize the step
+/// when every tile is done. Returns one report per shard this process computed.
+fn run_step_shards(
+    cx: &PlanStep<'_>,
+    backend: &mut Box<dyn Backend>,
+    sh: &ShardOptions,
 ) -> Result<Vec<StepReport>> {
+    let (plan, step, layout, progress) = (cx.plan, cx.step, cx.layout, cx.progress);
     let n = step.index + 1;
     for prev in &plan.steps[..step.index] {
         finalize::wait_finalized(plan, prev, sh, progress)?;
@@ -279,6 +283,7 @@ pub(crate) fn run_step_shards(
     let s = sh.spec.shards(manifest.per_process);
     let mut reports = Vec::new();
     let mut busy = Vec::new();
+    let sources = || crate::run::open_sources(step);
     for k in sh.spec.order(s) {
         if shard_file(&dir, k, s, "done").exists() {
             continue;
@@ -299,13 +304,18 @@ pub(crate) fn run_step_shards(
                 continue;
             }
         };
-        let ctx = ShardCtx {
-            dir: dir.clone(),
-            journal: shard_file(&dir, k, s, "journal"),
-            tiles: shard_range(manifest.tiles, manifest.gn as u32, s, k),
-            label: format!("shard {k}/{s}"),
-        };
-        let rep = crate::run::run_step(plan, step, layout, backend, opts, progress, Some(&ctx))?;
+        let target = ShardTarget::new(
+            step,
+            layout,
+            &plan.engine,
+            fp.clone(),
+            (dir.clone(), shard_file(&dir, k, s, "journal")),
+            shard_range(manifest.tiles, manifest.gn as u32, s, k),
+            format!("shard {k}/{s}"),
+        );
+        let rep = cx
+            .step_run(Box::new(target), &sources)
+            .run(backend, progress)?;
         c.finish_as(&shard_file(&dir, k, s, "done"))?;
         reports.extend(rep);
     }

@@ -66,9 +66,7 @@ impl Manifest {
     }
 }
 
-pub(crate) fn manifest_path(output: &Path) -> PathBuf {
-    state_dir(output).join("manifest.json")
-}
+pub(crate) use crate::durable::split::manifest_path;
 
 /// The manifest of `output`'s split step, if it was prepared.
 pub fn read_manifest(output: &Path) -> Result<Option<Manifest>> {

@@ -47,16 +47,17 @@ pub(crate) fn output_header(step: &Step, layout: &Layout) -> Header {
 }
 
 /// What is left to compute of a step, and where it goes.
-pub struct Work {
+pub(crate) struct Work {
     /// The output, created or reopened by the caller.
-    pub writer: Box<dyn MatrixSink>,
+    pub(crate) writer: Box<dyn MatrixSink>,
     /// Output tiles to compute (schedule sequence numbers, in schedule order); `None` = all.
-    pub todo: Option<Vec<u32>>,
+    pub(crate) todo: Option<Vec<u32>>,
     /// Output tiles already finished before this run (resume), for progress.
-    pub done_before: u64,
+    pub(crate) done_before: u64,
 }
 
 /// The operands of a step, opened: A, B and the added matrix C0 if the step has one.
+#[derive(Clone)]
 pub struct StepSources {
     /// The left operand A.
     pub a: Arc<dyn MatrixSource>,

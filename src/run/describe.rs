@@ -220,13 +220,13 @@ fn describe_status(
     }
     let out = step.output.display();
     let line = |s: String| Ok(format!("  status: {s}\n"));
-    let shards = crate::cluster::state_dir(&step.output);
+    let shards = crate::durable::split::state_dir(&step.output);
     let plan_path = plan.path.display();
     let j = match journal::peek(&step.output) {
         Ok(Some(j)) => j,
         // A split run writes the output before any journal of the step exists (finalize
         // merges the shards' into it).
-        Ok(None) if crate::cluster::split_state(&step.output).is_some() => {
+        Ok(None) if crate::durable::split::split_state(&step.output).is_some() => {
             return line(format!(
                 "a split run is writing {out} ({} holds its state): `mgmm-stream status {plan_path}` shows its progress, `run {plan_path} --shard I/N` goes on with it, `finalize {plan_path}` completes it; a plain `run` refuses the output",
                 shards.display()
@@ -395,8 +395,7 @@ fn describe_staging(
 /// How the output file will be written (docs/PLAN.md, `write`), and why when `auto` chose.
 fn describe_write(step: &crate::plan::Step, l: &Layout, e: &crate::plan::Engine) -> String {
     let header = crate::pipeline::output_header(step, l);
-    let plan =
-        super::resume::resolve_write(&step.output, &header, e.durable, e.write, e.host_memory);
+    let plan = super::resolve_write(&step.output, &header, e.durable, e.write, e.host_memory);
     let (len, dirty) = (plan.file_len, plan.dirty_limit);
     let name = plan.mode.name();
     let why = match (e.write, dirty) {

@@ -13,23 +13,20 @@
 //! chain) is already complete, it is not computed at all ([`Held::needed`]). Split runs
 //! (`--shard`) never use this: other processes read the intermediates, so they stay files.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
-use super::{fail_over, RunOptions};
+use super::target::MemoryTarget;
+use super::PlanStep;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::pipeline::stages::TileSink;
-use crate::pipeline::{Engines, Pipeline, RunConfig, StepSources, Work};
-use crate::plan::layout::Layout;
-use crate::plan::schedule::{OutTile, Schedule};
+use crate::pipeline::StepSources;
 use crate::plan::{Operand, Plan, Step};
-use crate::progress::Progress;
-use crate::report::{self, StepContext, StepReport};
+use crate::report::StepReport;
 use crate::store::memory::{MemoryMatrix, MemoryWriter};
-use crate::store::MatrixSource;
+use crate::store::{MatrixSink, MatrixSource};
 
 /// The chain intermediates in memory, by the path of the temporary file each stands for.
 #[derive(Default)]
@@ -37,26 +34,7 @@ pub(crate) struct Held {
     mats: HashMap<PathBuf, Arc<MemoryMatrix>>,
 }
 
-/// Records which tiles of an intermediate in memory are written, so that a device failover
-/// redoes only the rest (there is no journal).
-struct Written(Mutex<HashSet<u32>>);
-
-impl TileSink for Written {
-    fn tile_written(&self, tile: &OutTile, _crc: u32) -> Result<()> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(tile.seq);
-        Ok(())
-    }
-}
-
 impl Held {
-    /// Whether `step` writes an intermediate that this run holds in memory.
-    pub(crate) fn in_memory(step: &Step, opts: &RunOptions) -> bool {
-        opts.shard.is_none() && step.output_in_memory()
-    }
-
     /// The operands of `step`: an intermediate held here from memory, anything else opened
     /// from its file.
     pub(crate) fn sources(&self, step: &Step) -> Result<StepSources> {
@@ -96,7 +74,6 @@ impl Held {
     /// is complete for the same plan and inputs (`complete`).
     pub(crate) fn needed(
         plan: &Plan,
-        opts: &RunOptions,
         i: usize,
         complete: &dyn Fn(usize) -> Result<bool>,
     ) -> Result<bool> {
@@ -107,9 +84,7 @@ impl Held {
         });
         match reader {
             None => Ok(false),
-            Some(j) if Self::in_memory(&plan.steps[j], opts) => {
-                Self::needed(plan, opts, j, complete)
-            }
+            Some(j) if plan.steps[j].output_in_memory() => Self::needed(plan, j, complete),
             Some(j) => Ok(!complete(j)?),
         }
     }
@@ -118,14 +93,10 @@ impl Held {
     /// failed device's unfinished tiles are redone on the others, as for a file output.
     pub(crate) fn compute(
         &mut self,
-        plan: &Plan,
-        step: &Step,
-        layout: &Layout,
+        cx: &PlanStep<'_>,
         backend: &mut Box<dyn Backend>,
-        opts: &RunOptions,
-        progress: &Progress,
     ) -> Result<StepReport> {
-        let e = &plan.engine;
+        let (step, layout) = (cx.step, cx.layout);
         let tr = Instant::now();
         let out = Arc::new(MemoryMatrix::new(
             &step.output,
@@ -134,53 +105,22 @@ impl Held {
             layout.out_tile,
         )?);
         let alloc_s = tr.elapsed().as_secs_f64();
-        progress.note(&format!(
+        cx.progress.note(&format!(
             "step {}: the intermediate {} ({}) stays in host memory",
             step.index + 1,
             step.chain.as_ref().map_or("", |c| c.text.as_str()),
             crate::units::fmt_bytes(out.bytes())
         ));
-        let total = Schedule::new(step, layout).tiles.len() as u32;
-        let written = Written(Mutex::new(HashSet::new()));
-        loop {
-            let done = written.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            let todo: Vec<u32> = (0..total).filter(|s| !done.contains(s)).collect();
-            let work = Work {
-                writer: Box::new(MemoryWriter(out.clone())),
-                done_before: (total as usize - todo.len()) as u64,
-                todo: Some(todo),
-            };
-            let sources = self.sources(step)?;
-            let engines = Engines::make(backend.as_ref(), layout, e, step.order(), &sources)?;
-            let cfg = RunConfig {
-                cancel: opts.cancel,
-                ..RunConfig::from_engine(e)
-            };
-            let pipe = Pipeline::build_with(
-                step,
-                layout,
-                backend.as_ref(),
-                engines,
-                work,
-                cfg,
-                &written,
-                progress,
-                sources,
-            )?;
-            match pipe.run() {
-                Ok(stats) => {
-                    let cx = StepContext::of(step, layout, backend.as_ref(), e);
-                    let mut rep = report::step_report(&cx, stats);
-                    rep.output = format!("{} (held in memory)", step.output.display());
-                    rep.setup_s = vec![("alloc".into(), alloc_s)];
-                    self.mats.insert(step.output.clone(), out);
-                    return Ok(rep);
-                }
-                Err(err @ Error::Device { .. }) => {
-                    *backend = fail_over(backend.as_ref(), err, step.index + 1, progress)?;
-                }
-                Err(err) => return Err(err),
-            }
-        }
+        let make = || Ok(Box::new(MemoryWriter(out.clone())) as Box<dyn MatrixSink>);
+        let target = MemoryTarget::new(step, layout, Box::new(make));
+        let sources = || self.sources(step);
+        let rep = cx
+            .step_run(Box::new(target), &sources)
+            .run(backend, cx.progress)?;
+        let mut rep = rep.expect("an output in memory is never complete before it is computed");
+        rep.output = format!("{} (held in memory)", step.output.display());
+        rep.setup_s.insert(0, ("alloc".into(), alloc_s));
+        self.mats.insert(step.output.clone(), out);
+        Ok(rep)
     }
 }

@@ -275,7 +275,7 @@ fn round_of(p: Precision) -> Option<Precision> {
 /// or an unfinished step.
 fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
     let Some(j) = journal::peek(&step.output)? else {
-        return Ok(crate::cluster::split_state(&step.output).map(|state| {
+        return Ok(crate::durable::split::split_state(&step.output).map(|state| {
             format!(
                 "the step is unfinished: a split run's shards are writing it (state in {}); `finalize` completes it",
                 state.display()

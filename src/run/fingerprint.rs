@@ -1,0 +1,85 @@
+//! A step's fingerprint: everything that determines its output bytes, as the journal records
+//! it. One function computes it ([`fingerprint_with`]); [`fingerprint`] is the same for a plan's
+//! step whose operands are opened from their files. A journal, a shard's manifest and a
+//! checkpoint written under another fingerprint are refused, naming what changed.
+
+use crate::durable::journal::Fingerprint;
+use crate::error::Result;
+use crate::pipeline;
+use crate::plan::layout::Layout;
+use crate::plan::{Precision, Step};
+
+/// Everything that determines a step's output bytes, for the journal.
+pub(crate) fn fingerprint(
+    step: &Step,
+    layout: &Layout,
+    kind: &str,
+    p: Precision,
+) -> Result<Fingerprint> {
+    Ok(fingerprint_with(step, layout, kind, p, &input_ids(step)?))
+}
+
+/// [`fingerprint`] with the inputs' entries given as (key, identity) pairs, for callers that
+/// opened the inputs themselves ([`crate::api`]).
+pub(crate) fn fingerprint_with(
+    step: &Step,
+    layout: &Layout,
+    kind: &str,
+    p: Precision,
+    ids: &[(String, String)],
+) -> Fingerprint {
+    let mut fp = Fingerprint::new();
+    let h = pipeline::output_header(step, layout);
+    fp.insert(
+        "output".into(),
+        format!(
+            "{}×{} {} in {}×{} tiles",
+            h.rows, h.cols, h.dtype, h.tile_rows, h.tile_cols
+        ),
+    );
+    fp.insert("expr".into(), step.expr.clone());
+    fp.insert("alpha".into(), format!("{:?}", step.alpha));
+    fp.insert("beta".into(), format!("{:?}", step.beta));
+    fp.insert("precision".into(), p.name().into());
+    fp.insert("backend".into(), kind.into());
+    fp.insert(
+        "compute tile".into(),
+        format!("{}×{}×{}", layout.tm, layout.tn, layout.tk),
+    );
+    for (key, id) in ids {
+        fp.insert(key.clone(), id.clone());
+    }
+    fp
+}
+
+/// The journal fingerprint's entries for a step's inputs: each input's identity, an
+/// intermediate of a chain by its path (it is determined by the chain's inputs, listed too, and
+/// is gone once the chain completes).
+pub fn input_ids(step: &Step) -> Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+    for op in ops.into_iter().flatten() {
+        let id = if op.temp {
+            format!(
+                "intermediate {}",
+                crate::store::fsutil::identity_path(&op.path).display()
+            )
+        } else {
+            input_identity(op)?
+        };
+        out.push((format!("input {}", op.name), id));
+    }
+    if let Some(c) = &step.chain {
+        for op in &c.leaves {
+            out.push((format!("chain input {}", op.name), input_identity(op)?));
+        }
+    }
+    Ok(out)
+}
+
+/// An input's identity as the journal records it (the source's own fingerprint: for .mgt the
+/// path, size, header and checksum table); `verify` compares it to find inputs changed since
+/// the output was computed.
+pub fn input_identity(op: &crate::plan::Operand) -> Result<String> {
+    Ok(op.open()?.identity())
+}

@@ -1,0 +1,175 @@
+//! What is already done, and what must not be lost: the checks a plan's run makes across its
+//! steps before any of them runs (a foreign journal refused up front, a chain whose final
+//! product is complete skipped, a finished output's inputs checked before `--restart`
+//! overwrites it), and the removal of a chain's intermediates once the chain is complete.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use super::fingerprint::{fingerprint, fingerprint_with, input_ids};
+use super::RunOptions;
+use crate::durable::journal::{self, Fingerprint};
+use crate::error::{Error, Result};
+use crate::plan::layout::Layout;
+use crate::plan::{Plan, Step};
+use crate::progress::Progress;
+use crate::units::fmt_bytes;
+
+/// Whether step `i` is an intermediate of a chain whose final product is already complete for
+/// the same inputs (then it is not recomputed: its file was removed when the chain completed).
+pub(crate) fn chain_done(
+    plan: &Plan,
+    layouts: &[Layout],
+    i: usize,
+    kind: &str,
+    opts: &RunOptions,
+) -> Result<bool> {
+    let step = &plan.steps[i];
+    let Some(c) = step.chain.as_ref().filter(|c| c.part < c.parts) else {
+        return Ok(false);
+    };
+    step_complete(plan, layouts, i + c.parts - c.part, kind, opts)
+}
+
+/// Refuse, before anything is computed, a step whose journal is from another plan, other
+/// inputs or another backend: the step itself refuses it when its turn comes
+/// (`Journal::open`), but only after the steps before it have run — a chain's whole first part,
+/// say. A step whose inputs are not there yet (an earlier step makes them) is left to that
+/// check.
+pub(crate) fn refuse_foreign_journals(plan: &Plan, layouts: &[Layout], kind: &str) -> Result<()> {
+    for (step, layout) in plan.steps.iter().zip(layouts) {
+        if step.output_in_memory() {
+            continue;
+        }
+        let Some(j) = journal::peek(&step.output)? else {
+            continue;
+        };
+        let Ok(ids) = input_ids(step) else {
+            continue;
+        };
+        let fp = fingerprint_with(step, layout, kind, plan.engine.precision, &ids);
+        if !journal::same_fingerprint(&j.fingerprint, &fp) {
+            let path = journal::journal_path(&step.output);
+            return Err(journal::foreign(&path, &j.fingerprint, &fp));
+        }
+    }
+    Ok(())
+}
+
+/// Whether step `j`'s journal says it is complete for the same plan and inputs (never with
+/// `--restart`).
+pub(crate) fn step_complete(
+    plan: &Plan,
+    layouts: &[Layout],
+    j: usize,
+    kind: &str,
+    opts: &RunOptions,
+) -> Result<bool> {
+    if opts.restart {
+        return Ok(false);
+    }
+    let fp = fingerprint(&plan.steps[j], &layouts[j], kind, plan.engine.precision)?;
+    Ok(journal_state(&plan.steps[j], &fp)? == Some((true, true)))
+}
+
+/// What `step`'s journal says against the fingerprint `fp` of the plan and inputs now:
+/// `None` without a journal, else (complete, same fingerprint).
+pub(crate) fn journal_state(step: &Step, fp: &Fingerprint) -> Result<Option<(bool, bool)>> {
+    Ok(journal::peek(&step.output)?
+        .map(|p| (p.complete, journal::same_fingerprint(&p.fingerprint, fp))))
+}
+
+/// `run --restart` over a step its journal calls complete for these very inputs would throw a
+/// good output away first and only then, reading the inputs, find one of them corrupt (its data
+/// changed in place: the journal's identity of an input does not read the data). So, for such
+/// steps, every input tile's stored checksum is checked before anything is overwritten — one
+/// read of those inputs, which the step's own reads then find in the page cache when they fit,
+/// and only when a finished output is at stake. Inputs that a step of this plan writes are
+/// recomputed anyway and are not checked. Also used by `prepare --restart`.
+pub(crate) fn check_before_restart(
+    plan: &Plan,
+    layouts: &[Layout],
+    kind: &str,
+    progress: &Progress,
+) -> Result<()> {
+    if !plan.engine.verify_inputs {
+        return Ok(());
+    }
+    let outputs: HashSet<&Path> = plan.steps.iter().map(|s| s.output.as_path()).collect();
+    let mut checked = HashSet::new();
+    for (step, layout) in plan.steps.iter().zip(layouts) {
+        // Inputs that cannot be identified promise no finished output.
+        let Ok(fp) = fingerprint(step, layout, kind, plan.engine.precision) else {
+            continue;
+        };
+        if !finished_for(step, &fp) {
+            continue;
+        }
+        let operands = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+        for op in operands.into_iter().flatten() {
+            if op.temp || outputs.contains(op.path.as_path()) || !checked.insert(&op.path) {
+                continue;
+            }
+            inputs_intact([op.open()?.as_ref()], &step.output, progress)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `step`'s journal says its output is complete for the fingerprint `fp` (the plan and
+/// the inputs as they are now). A journal that cannot be read promises no finished output.
+pub(crate) fn finished_for(step: &Step, fp: &Fingerprint) -> bool {
+    matches!(journal_state(step, fp), Ok(Some((true, true))))
+}
+
+/// Check every stored checksum of `sources` before the finished output `kept` is overwritten;
+/// a mismatch is [`Error::KeptOutput`].
+pub(crate) fn inputs_intact<'a>(
+    sources: impl IntoIterator<Item = &'a dyn crate::store::MatrixSource>,
+    kept: &Path,
+    progress: &Progress,
+) -> Result<()> {
+    for src in sources.into_iter().filter(|s| s.checksum_tile().is_some()) {
+        // A read of the whole input (from disk when it is not cached): say why it happens.
+        progress.note(&format!(
+            "restart: checking {} ({}) against its stored checksums before {}, which is complete, is overwritten",
+            src.path().display(),
+            fmt_bytes(src.shape().0 * src.shape().1 * src.dtype().size() as u64),
+            kept.display()
+        ));
+        let (rows, cols) = src.shape();
+        let all = crate::store::Block {
+            r0: 0,
+            c0: 0,
+            rows,
+            cols,
+        };
+        match src.verify_block(&all) {
+            Err(e @ Error::Checksum { .. }) => {
+                return Err(Error::KeptOutput {
+                    source: Box::new(e),
+                    kept: kept.to_path_buf(),
+                })
+            }
+            r => r?,
+        }
+    }
+    Ok(())
+}
+
+/// After the last product of a chain: remove its intermediates and their journals.
+pub(crate) fn remove_chain_temps(step: &Step) -> Result<()> {
+    let Some(c) = step.chain.as_ref().filter(|c| c.part == c.parts) else {
+        return Ok(());
+    };
+    for t in &c.temps {
+        for p in [t.clone(), journal::journal_path(t)] {
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(Error::io(&p, "cannot remove the chain's intermediate", e)),
+            }
+        }
+    }
+    Ok(())
+}
