@@ -356,7 +356,7 @@ fn probe_devices(early: Option<&EarlyStart>, loaded: &LibsLoaded) -> Result<Vec<
         p.start();
     }
     // One thread per GPU: creating a primary context takes ~0.14 s on an H200 and they do not
-    // wait on each other (tools/gpu/startup_probe.py), so N GPUs cost one context, not N.
+    // wait on each other (tools/probes/cuda_startup_costs.py), so N GPUs cost one context, not N.
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n as usize)
             .map(|i| {
@@ -465,7 +465,7 @@ fn warm_up_early(
 /// of freed buffers.
 ///
 /// Pinning is slow on the H200 host: `cuMemHostAlloc` runs at about 2.2–2.6 GiB/s however many
-/// threads allocate, and freeing 4.5 GiB takes 0.6 s (tools/gpu/startup_probe.py). Mapping the
+/// threads allocate, and freeing 4.5 GiB takes 0.6 s (tools/probes/cuda_startup_costs.py). Mapping the
 /// memory ourselves in transparent huge pages, populating it, and then registering it with
 /// `cuMemHostRegister` runs at 4.4–5.2 GiB/s and frees in a fifth of the time (same probe,
 /// docs/measurements/2026-12-01-*.log), so that is how buffers are made ([`Registered`]);

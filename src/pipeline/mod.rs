@@ -759,7 +759,7 @@ impl<'p> OutputWiring<'p> {
         let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
         // Populating output pages is kernel work that one thread does at ~3.5 GB/s. In a
         // preallocated file (the writers fallocate) it scales with threads: 3.5, 8.7, 12.7 and
-        // 14.5 GB/s with 1, 2, 4 and 8 on the 32-core H200 host (tools/gpu/page_probe.py,
+        // 14.5 GB/s with 1, 2, 4 and 8 on the 32-core H200 host (tools/probes/page_creation_rate.py,
         // docs/measurements), while an n = 32768 output is 4.3 GB. A quarter of the worker
         // threads (engine.threads), 2 to 8.
         let outprep_threads = (threads / 4).clamp(2, 8).max(nlanes.min(8));
