@@ -4,7 +4,7 @@
 //!
 //! Prints GFLOP/s (median of 5 timed products after one warm-up) for faer (the engine's CPU
 //! backend) and matrixmultiply, and FLOP per core-cycle at the base clock /proc/cpuinfo reports
-//! (turbo makes it exceed the hardware's per-cycle peak; BENCHMARKS.md discusses the peak).
+//! (turbo makes it exceed the hardware's per-cycle peak; docs/decisions/0001-cpu-gemm-faer.md discusses the peak).
 //! With MGMM_PEAK_GFLOPS set, also the share of that peak. numpy's figure comes from
 //! tools/peers/numpy_gemm.py, run in the same session.
 

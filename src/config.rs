@@ -7,7 +7,7 @@
 //! `verify` print each pass's time and input rate on stderr (for the benchmark scripts), and
 //! `MGMM_PINNED_ALLOC`, which makes the CUDA backend pin its host buffers with
 //! `cuMemHostAlloc` instead of registering memory it mapped (to compare the two on a GPU
-//! machine, tools/gpu/host_keepup.sh); `MGMM_TRACE=PATH`, which records a timeline of the run
+//! machine, tools/bench/gpu_table.sh); `MGMM_TRACE=PATH`, which records a timeline of the run
 //! into PATH ([`crate::trace`]).
 
 #[cfg(feature = "fault-injection")]

@@ -576,7 +576,7 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
 
 /// Why a step that wrote through the output's map (`write = "mmap"`, `durable = false`) past
 /// the point where the kernel starts throttling dirty pages was bound by the disk. Measured on
-/// one H200's host (126 GiB, `vm.dirty_ratio = 20`: a limit of about 25 GiB; BENCHMARKS.md §15):
+/// one H200's host (126 GiB, `vm.dirty_ratio = 20`: a limit of about 25 GiB; docs/decisions/0003-write-auto.md):
 /// the 43 GB chain so written held `Dirty` at about 23 GB from its 7th second on and took
 /// 16.6–20.0 s, the disk's pace; into `/dev/shm` the same step took 4.0 s. The note says "can":
 /// on the 2-core development VM a 5 GiB output so written was bound by the kernel's page work

@@ -147,7 +147,7 @@ fn four_lanes_read_each_input_block_once_between_them() {
     let s = &r.steps[0];
     // Each lane's device cache holds all its inputs, so every block need leave the file once.
     // Without the shared reader the four lanes would read B four times: 2.3 × the minimum here.
-    // On two H200s the same schedule read 1.000–1.005 × the minimum (BENCHMARKS.md §9).
+    // On two H200s the same schedule read 1.000–1.005 × the minimum (docs/measurements/HISTORY.md §9).
     assert_eq!(s.predicted_read_bytes, s.min_read_bytes);
     assert!(
         s.read_bytes as f64 <= ALLOWED * s.min_read_bytes as f64,

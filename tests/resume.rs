@@ -331,7 +331,7 @@ fn file_size_limit_is_a_clear_error() {
 /// A device failing mid-run (injected through the test-only hook MGMM_FAULT_GEMM_AFTER) stops
 /// the run with a message naming the device — no hang, no wrong result — and the next run
 /// resumes to the same bytes as an uninterrupted run. The CUDA twin runs on the GPU machine
-/// (tools/gpu/fault_resume.sh).
+/// (tools/checks/fault_resume.sh).
 #[test]
 fn device_failure_stops_cleanly_then_resume_is_identical() {
     let d = tmp();

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Shared shell functions for the scripts in tools/gpu/ and tools/cpu/ (sourced, never run):
+# Shared shell functions for the scripts in tools/bench/, tools/checks/ and tools/cpu/ (sourced, never run):
 # finding the binaries, logging, writing plans, generating inputs once, dropping the page cache,
 # measuring the disk, running a plan and summarising its report. Every script used to carry its
 # own copy of these; a fix here now reaches all of them.

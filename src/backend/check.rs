@@ -4,7 +4,7 @@
 //! the host used to read those pages a second time for the checks (each storage tile's CRC-32C
 //! against the file's checksum table, the NaN/Inf count). For tf32/bf16 that read was the
 //! busiest host stage: skipping it shortened a 32768² step on one H200 from 0.53–0.57 s to
-//! 0.46–0.48 s (BENCHMARKS.md §23). So a lane that can ([`super::Lane::check_upload`]) runs
+//! 0.46–0.48 s (docs/decisions/0008-input-checks-on-the-gpu.md). So a lane that can ([`super::Lane::check_upload`]) runs
 //! kernels/check.cu over the block it just received — the bytes the GPU got (for bf16/fp16 the
 //! f32 block before its conversion), which is a stronger check than the host's — and hands back, per storage tile, the CRC and the count;
 //! the host compares them with the table ([`crate::store::MatrixSource::settle_device_check`]).

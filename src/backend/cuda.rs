@@ -99,7 +99,7 @@ pub(crate) struct DeviceInfo {
 /// its contexts are, a lane waits for it only before its first GEMM, and the step's staging —
 /// the limit at those precisions — page-locks and uploads the first blocks meanwhile (32768² on
 /// one H200, five runs each interleaved: process wall 1.22–1.33 s against 1.34–1.40 with tf32,
-/// 1.11–1.20 against 1.16–1.32 with bf16; BENCHMARKS §24). With fp32/fp64 the GEMMs are the
+/// 1.11–1.20 against 1.16–1.32 with bf16; docs/decisions/0009-early-start.md). With fp32/fp64 the GEMMs are the
 /// limit from the first one on, so a wait inside the step lands on the critical path (step
 /// 1.62 s against 1.43, the process no shorter): there the warm-up finishes before the backend
 /// is handed over, as before.
@@ -356,7 +356,7 @@ fn probe_devices(early: Option<&EarlyStart>, loaded: &LibsLoaded) -> Result<Vec<
         p.start();
     }
     // One thread per GPU: creating a primary context takes ~0.14 s on an H200 and they do not
-    // wait on each other (tools/gpu/startup_probe.py), so N GPUs cost one context, not N.
+    // wait on each other (tools/probes/cuda_startup_costs.py), so N GPUs cost one context, not N.
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..n as usize)
             .map(|i| {
@@ -465,7 +465,7 @@ fn warm_up_early(
 /// of freed buffers.
 ///
 /// Pinning is slow on the H200 host: `cuMemHostAlloc` runs at about 2.2–2.6 GiB/s however many
-/// threads allocate, and freeing 4.5 GiB takes 0.6 s (tools/gpu/startup_probe.py). Mapping the
+/// threads allocate, and freeing 4.5 GiB takes 0.6 s (tools/probes/cuda_startup_costs.py). Mapping the
 /// memory ourselves in transparent huge pages, populating it, and then registering it with
 /// `cuMemHostRegister` runs at 4.4–5.2 GiB/s and frees in a fifth of the time (same probe,
 /// docs/measurements/2026-12-01-*.log), so that is how buffers are made ([`Registered`]);
@@ -1035,7 +1035,7 @@ unsafe impl Sync for PinnedCache {}
 ///
 /// By default a pool returns freed memory to the driver at the next synchronisation, which
 /// cost 18 ms for the 9 GiB of 32768² fp32's slots at the end of every step (`MGMM_TRACE`,
-/// BENCHMARKS.md §14), on the step's critical path. Kept, a plan's later steps take their
+/// docs/decisions/0011-polling-lane-and-start-group.md), on the step's critical path. Kept, a plan's later steps take their
 /// buffers from the pool. Dropped (with the last backend holding it: a backend that replaces
 /// one after a GPU failed shares its survivors'), the pool is trimmed and its previous release
 /// threshold restored, so that a process that goes on (Python, with torch or CuPy in it) gets

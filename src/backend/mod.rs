@@ -373,9 +373,9 @@ impl Caps {
     /// as asked, except that `auto` copies on [`Caps::auto_copies_from`] lanes or more. On the
     /// GPUs that is two: with a second GPU's context alive the driver page-locks the files'
     /// pages at 21–31 GB/s instead of 40, one registration at a time whichever thread asks
-    /// (`tools/gpu/register_probe.py`), and two H200s ran every job faster copying into
+    /// (`tools/probes/page_lock_two_gpus.py`), and two H200s ran every job faster copying into
     /// pinned buffers than uploading from the files' pages — 32768² bf16 0.511 s against
-    /// 0.681, fp32 0.750 against 0.837, 60000² fp64 4.40 against 5.45 (BENCHMARKS.md §26) —
+    /// 0.681, fp32 0.750 against 0.837, 60000² fp64 4.40 against 5.45 (docs/decisions/0007-copy-staging-on-several-gpus.md) —
     /// while one H200 ran level (tf32 0.565 against 0.557).
     pub(crate) fn staging(&self, asked: crate::plan::StagingMode) -> crate::plan::StagingMode {
         asked.on_lanes(self.lanes, self.auto_copies_from)

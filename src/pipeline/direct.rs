@@ -7,7 +7,7 @@
 //! 0.17 s. The driver can instead page-lock the file's own pages (`cuMemHostRegister` with
 //! `READ_ONLY` on the read-only map): one thread registers page-cache pages at 40–50 GB/s,
 //! releases them at ~130 GB/s, and the GPU then copies from them at the pinned rate, 54.5 GB/s
-//! (`tools/gpu/direct_probe.py`, docs/measurements/2026-12-02b-h200-1-probes.log).
+//! (`tools/probes/h2d_from_page_cache.py`, docs/measurements/2026-12-02b-h200-1-probes.log).
 //!
 //! So for a block whose format has it ([`MatrixSource::mapped_block`]: a `.mgt` file of the
 //! compute dtype), staging hands the lane the block's rectangles in the map and the page-locked

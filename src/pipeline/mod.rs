@@ -142,7 +142,7 @@ pub(crate) struct RunStats {
 ///
 /// The two do not depend on each other and each takes tenths of a second on a GPU machine, so
 /// [`Engines::make`] makes them on two threads at once: for 32768² fp32 on one H200, 1.04–1.80 s
-/// one after the other became 0.55–0.77 s together (BENCHMARKS.md §14; they still contend in the
+/// one after the other became 0.55–0.77 s together (docs/decisions/0009-early-start.md; they still contend in the
 /// driver, a lane's calls waiting while pool buffers are registered), 0.16–0.21 s once the
 /// pools' memory was populated before the backend started (the CUDA backend's prefill, §15),
 /// and 0.01–0.02 s once the backend had registered it and run the lanes' warm-up GEMM before
@@ -392,7 +392,7 @@ impl<'a> Pipeline<'a> {
     /// Run every stage to the end (or the first error), then finish the output. What the step
     /// leaves behind is let go here, timed for the trace (in the report it is the step's
     /// `drop`, outside its wall time): 32768² tf32 on one H200 released its 8 GiB of
-    /// page-locked inputs in 84–104 ms and unmapped them in about 20 ms (BENCHMARKS.md §19).
+    /// page-locked inputs in 84–104 ms and unmapped them in about 20 ms (docs/decisions/0015-what-a-step-leaves-behind.md).
     pub(crate) fn run(mut self) -> Result<RunStats> {
         let r = self.run_stages_and_finish();
         let t = Instant::now();
@@ -702,7 +702,7 @@ impl<'a> Pipeline<'a> {
 /// Writeback threads for `threads` worker threads (`engine.threads`): one per eight, 1 to 4.
 /// One thread copied finished tiles into the output and checksummed them at 3.5–3.9 GB/s on
 /// the two-H200 host, the bottleneck of every large output there (60000² fp64, 100 000² tf32,
-/// the 43 GB chain: writeback 87–100 % busy, BENCHMARKS.md §25). Blocks are disjoint, so their
+/// the 43 GB chain: writeback 87–100 % busy, docs/decisions/0005-writeback-threads-populate.md). Blocks are disjoint, so their
 /// writes need no order; a tile's own messages stay on one thread ([`stages::ToWriteback`]).
 fn writeback_threads(threads: usize) -> usize {
     (threads / 8).clamp(1, 4)
@@ -760,7 +760,7 @@ impl<'p> OutputWiring<'p> {
         let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
         // Populating output pages is kernel work that one thread does at ~3.5 GB/s. In a
         // preallocated file (the writers fallocate) it scales with threads: 3.5, 8.7, 12.7 and
-        // 14.5 GB/s with 1, 2, 4 and 8 on the 32-core H200 host (tools/gpu/page_probe.py,
+        // 14.5 GB/s with 1, 2, 4 and 8 on the 32-core H200 host (tools/probes/page_creation_rate.py,
         // docs/measurements), while an n = 32768 output is 4.3 GB. A quarter of the worker
         // threads (engine.threads), 2 to 8.
         let outprep_threads = (threads / 4).clamp(2, 8).max(nlanes.min(8));

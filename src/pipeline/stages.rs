@@ -243,7 +243,7 @@ impl Checker<'_> {
 /// first row. Each input tile is still loaded once, but the loads spread over the step instead
 /// of crowding its first row, where they outran the page-locking of the inputs (45000² fp64 on
 /// one H200: the GPU idle 0.5 s in the step's first 1.2 s; 0.27 s and the step 2–4 % shorter in
-/// squares, BENCHMARKS.md §20). With as many bands each, the lanes walk the same sequence of
+/// squares, docs/decisions/0012-growing-squares.md). With as many bands each, the lanes walk the same sequence of
 /// ranked (band, column) cells and stay in phase. Stealing takes the back of a run, which in
 /// squares is a column of tiles in different A rows (each costing the thief `gk` A loads; in
 /// serpentine order they share one); neither order's stealing is in the traffic model.
@@ -1147,7 +1147,7 @@ impl Writeback<'_> {
             // Populate the block's pages here too: when output is all the work (the 43 GB
             // chain) writeback overtakes outprep, and copying into unpopulated pages takes a
             // fault per 4 KiB while outprep populates the same tiles beside it. On two H200s
-            // the chain took 3.55–3.69 s so against 6.87–7.24 s (BENCHMARKS.md §25); pages
+            // the chain took 3.55–3.69 s so against 6.87–7.24 s (docs/decisions/0005-writeback-threads-populate.md); pages
             // outprep already made cost a walk of their page table.
             self.writer.prefault(&b);
             let crc = self.writer.write_block(&b, self.host_dt, data)?;

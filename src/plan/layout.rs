@@ -74,7 +74,7 @@ const ROW_ALIGN: u64 = 128;
 /// than another and the others wait at the end (stealing takes whole tiles, and only once a
 /// lane's own run is empty): 60000² on two GPUs with 8192-row tiles gave one GPU 32768 rows and
 /// the other 27232, and the second GPU's GEMMs were busy 62–64 % of the step against 71–74 %
-/// (BENCHMARKS.md §25). Shrinking the tile to `m / (bands · lanes)`, rounded up to
+/// (docs/decisions/0013-auto-tile-rows-evened.md). Shrinking the tile to `m / (bands · lanes)`, rounded up to
 /// [`ROW_ALIGN`], gives 7552-row tiles there: 30208 and 29792 rows. Kept only when it is more
 /// even; one lane, or a tile that holds all of `m`, is left as it is.
 pub(crate) fn balanced_rows(m: u64, tm: u64, lanes: u64) -> u64 {
@@ -317,7 +317,7 @@ impl Layout {
     /// new input tiles per GEMM (its A row and its B column), while every later tile of the row
     /// needs one (the A row is cached). Where reading and uploading a tile takes about as long
     /// as one GEMM, the device waits for the first tile's inputs: 38 ms of idle GPU in the
-    /// first 0.2 s of 32768² fp32 on one H200 (`MGMM_TRACE` timeline, BENCHMARKS.md §14). Across
+    /// first 0.2 s of 32768² fp32 on one H200 (`MGMM_TRACE` timeline, docs/decisions/0011-polling-lane-and-start-group.md). Across
     /// a group of `w` tiles of one row, k-chunk `kk` needs one A tile and `w` B tiles for `w`
     /// GEMMs, so the device is fed from the first GEMM on. The tiles' sums are unchanged (each
     /// adds its k-chunks in order), so the output's bytes do not depend on it.

@@ -267,7 +267,7 @@ fn run_plan_timed(
         write_report(p, &report)?;
     }
     // Freeing the backend here or leaving it to the process exit measured the same
-    // (32768² on one H200: process − step 1.34 s against 1.36 s, docs/measurements/HISTORY.md §14).
+    // (32768² on one H200: process − step 1.34 s against 1.36 s, docs/decisions/0015-what-a-step-leaves-behind.md).
     let t = Instant::now();
     drop(backend);
     crate::trace::span("start-up", "backend teardown", t, Instant::now());

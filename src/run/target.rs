@@ -159,7 +159,7 @@ pub(crate) struct WritePlan {
     /// Each written tile leaves the map ([`crate::store::MatrixSink::release_written`]): a
     /// mapped `.mgt` output larger than `host_memory`. Only then, since dropping mappings costs
     /// TLB shootdowns on every core running the process's threads
-    /// (docs/decisions/, "drop written tiles from the map").
+    /// (docs/decisions/0004-drop-written-tiles-past-host-memory.md).
     pub(crate) drop_written: bool,
 }
 

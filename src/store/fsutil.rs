@@ -89,7 +89,7 @@ pub(crate) fn unmap_in_background(map: memmap2::MmapMut) {
 /// disk (`balance_dirty_pages`). On the one-H200 machine (126 GiB, the default
 /// `vm.dirty_ratio = 20`) this computed a limit of about 25 GiB, and a 43 GB output written
 /// through its map held `Dirty` at about 23 GB while the job wrote at the disk's pace
-/// (BENCHMARKS.md §15).
+/// (docs/decisions/0003-write-auto.md).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct DirtyLimits {
     pub(crate) background: u64,

@@ -14,7 +14,7 @@
 //! rarely wasted: later panels find it resident, unless other inputs and the output push it
 //! out first (each file is judged alone). Then every short strided run is read as its band,
 //! whatever the fraction (50000² f32 from a cold `.npy`, 32 KiB segments of 195 KiB rows, fell
-//! under the fraction and took 18.9 s against 13.5 s as bands, BENCHMARKS.md §13).
+//! under the fraction and took 18.9 s against 13.5 s as bands, docs/measurements/HISTORY.md §13).
 //!
 //! A file stored column-major (a Fortran-order `.npy`, a raw file with `order = "F"`) holds the
 //! row-major transpose of the declared matrix: the source reports that stored shape and

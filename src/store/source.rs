@@ -488,7 +488,7 @@ pub(crate) fn reopen_output(
 /// page-cache pages at 3–4 GB/s and `pwrite`s to one file serialise on its inode lock, while
 /// the map's pages are created by the outprep threads in parallel: on two H200s 60000² fp64
 /// (a 34 GB file, `host_memory = "32GiB"`) was bound by the one `pwrite` writer at 2.9 GB/s.
-/// Measured (BENCHMARKS.md §12, §15): over the limit the map lost — the 43 GB chain on one
+/// Measured (docs/decisions/0003-write-auto.md): over the limit the map lost — the 43 GB chain on one
 /// H200's machine (limit about 25 GiB) 16.6–20.0 s against 13.6–16.2 s with `pwrite` (bar two
 /// slow first runs), a 5 GiB output on the 2-core development VM (limit about 4.8 GB)
 /// 11.9–17.4 s against 5.4–13.8 s (median 10.1); under it the map won — on two H200s (limit

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Out-of-core CPU benchmark (BENCHMARKS.md section 2): C(M×N) = A(M×K) · B(K×N), f32, inputs read
+# Out-of-core CPU benchmark (BENCHMARKS.md, CPU table): C(M×N) = A(M×K) · B(K×N), f32, inputs read
 # with a cold page cache; mgmm-stream (CPU backend, host_memory = HOST) against numpy row panels
 # over np.memmap of the same data (tools/peers/numpy_memmap_panels.py), one after the other.
 #   cargo build --release && bash tools/cpu/ooc_vs_numpy.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Output-bound runs on the CPU backend (BENCHMARKS.md section 15): C = A(65536×16) · B(16×N) f32,
+# Output-bound runs on the CPU backend (docs/decisions/0003-write-auto.md): C = A(65536×16) · B(16×N) f32,
 # N = 8192 (a 2 GiB output) and 20480 (5 GiB), durable = false, written with write = "mmap",
 # "pwrite" and "auto", runs interleaved, each after `sync; sleep 2`; shows which mode `auto`
 # chose and the kernel's dirty limit the report gives (docs/PLAN.md, `write` and `durable`).

@@ -8,7 +8,7 @@ For P = 1, 2, 4, ... processes started together, each on arrays of SIZE MiB of i
   write: a.fill(1) (writes it; the pages exist already),
   copy:  np.copyto(b, a) (reads one, writes the other; counted as both).
 Prints the bytes moved per second, all processes together (median of REPS rounds).
-Usage: membw_probe.py [P,P,...] [SIZE_MIB] [REPS]
+Usage: host_memory_bandwidth.py [P,P,...] [SIZE_MIB] [REPS]
 """
 import sys, time
 import numpy as np

@@ -4,13 +4,13 @@
 # its own streams and cuBLAS handle, as two GPUs would be. For each precision (PRECISIONS, default
 # "fp32 tf32") and `staging` auto and copy: one lane and two lanes, outputs compared with cmp
 # (each tile is computed the same way on any lane, so they must be identical). Then, with the
-# fault-injection build (.dev/bin/mgmm-stream-faults, as tools/gpu/fault_resume.sh): lane 1
+# fault-injection build (.dev/bin/mgmm-stream-faults, as tools/checks/fault_resume.sh): lane 1
 # failing after 20 GEMMs, its tiles redone on lane 0 in the same run; every lane failing, then a
 # resume. Everything compared with the one-lane output. N×N inputs, N default 16384, tile 4096.
-# GPU machine, repository root, .dev/bin carried (docs/GPU.md). Log: $OUT/two_lanes.log.
+# GPU machine, repository root, .dev/bin carried (docs/GPU.md). Log: $OUT/two_lanes_one_gpu.log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
-log_to two_lanes.log
+log_to two_lanes_one_gpu.log
 N=${N:-16384}; DEVMEM=${DEVMEM:-}; PRECISIONS=${PRECISIONS:-fp32 tf32}
 FAULTS=${FAULTS:-$DEV/mgmm-stream-faults}
 W=${W:-/tmp/two}; mkdir -p "$W"; cd "$W"

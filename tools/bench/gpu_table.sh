@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 10's table: does the host keep up when the GPUs are fast? One script, REPEAT runs of each
+# BENCHMARKS.md's GPU tables (the jobs of issue 10: does the host keep up when the GPUs are fast?). REPEAT runs of each
 # job (default 3), the median and spread of step wall, TFLOP/s, the bottleneck the report names,
 # and process wall (start-up + tear-down), with in-core cuBLAS and cuBLASXt in the same run.
 # GPU machine (nvidia-h200-x2), repository root, .dev/bin carried (docs/GPU.md).
-#   bash tools/gpu/host_keepup.sh [CASE...]      default: probe sq fp64 chain big peers
+#   bash tools/bench/gpu_table.sh [CASE...]      default: probe sq fp64 chain big peers
 # Cases:
-#   probe  page-cache page creation per mode and process count (tools/gpu/page_probe.py)
+#   probe  page-cache page creation per mode and process count (tools/probes/page_creation_rate.py)
 #   sq     32768² fp32 / tf32 / bf16 on 1 GPU and on 2 GPUs (inputs warm, output to a file,
 #          durable = false)
 #   fp64   60000² fp64 on 2 GPUs, default device memory and device_memory = "20GiB"; on one GPU
@@ -18,10 +18,10 @@
 # TAG=_mmap appended to the job names so that the variant's reports stand beside the default's.
 # KEEP=1 keeps the generated fp64 and 100 000² inputs for a following variant run.
 # The first run after a case writes its inputs is reported apart, as NAME_first (see `first`).
-# Log: $OUT/host_keepup.log; every run's report in $OUT/NAME-i.json; table at the end.
+# Log: $OUT/gpu_table.log; every run's report in $OUT/NAME-i.json; table at the end.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
-log_to host_keepup.log
+log_to gpu_table.log
 N=${N:-32768}; REPEAT=${REPEAT:-3}; NGPU=$(gpu_count)
 W=${W:-/tmp/keepup}; mkdir -p "$W"; cd "$W"
 [ $# -gt 0 ] || set -- probe sq fp64 chain big peers
@@ -70,13 +70,13 @@ PY
 
 # first NAME OUT: one run of NAME.toml right after its inputs were written, reported as NAME_first
 # beside the REPEAT runs: the kernel's first long-term pin of freshly written pages is slower
-# (BENCHMARKS §20), a once-per-file cost that would otherwise land in run 1 of the first job.
+# (docs/measurements/HISTORY.md §20), a once-per-file cost that would otherwise land in run 1 of the first job.
 first() {
   cp "$1${TAG:-}.toml" "$1_first${TAG:-}.toml"
   REPEAT=1 runs "$1_first" "$2"
 }
 
-case_probe() { log "page creation (8 GiB file in $W)"; logged python3 "$TOOLS/gpu/page_probe.py" "$W" 8 1,2,4,8,16,32; }
+case_probe() { log "page creation (8 GiB file in $W)"; logged python3 "$TOOLS/probes/page_creation_rate.py" "$W" 8 1,2,4,8,16,32; }
 
 case_sq() {
   gen_matrix A.mgt "$N" "$N" 1; gen_matrix B.mgt "$N" "$N" 2

@@ -4,7 +4,7 @@ cuInit, retaining each GPU's primary context (one after the other, and one threa
 allocating / freeing COUNT pinned buffers of SIZE MiB (cuMemHostAlloc PORTABLE, as the engine
 does) from 1 thread and from several. Driver API through ctypes (ctypes releases the GIL, so
 threads run in parallel). Prints one line per measurement.
-Usage: startup_probe.py [COUNT] [SIZE_MIB]
+Usage: cuda_startup_costs.py [COUNT] [SIZE_MIB]
 """
 import ctypes, sys, time
 from concurrent.futures import ThreadPoolExecutor

@@ -10,7 +10,7 @@
 # Prints a table: wall, bound, ratio, bytes read vs predicted vs minimum, shared between GPUs,
 # first GEMM, peak RSS. GPU machine (nvidia-h200-x2: 128 GB disk holds A, B and C), repository
 # root, .dev/bin carried. Log: $OUT/ooc.log, reports $OUT/ooc_*.json.
-#   bash tools/gpu/ooc_bench.sh [CASE...]      default: ram_gt ram_lt
+#   bash tools/bench/ooc_disk_bound.sh [CASE...]      default: ram_gt ram_lt
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to ooc.log

@@ -15,7 +15,7 @@ dirty and under-writeback pages (`cachestat`, Linux ≥ 6.5) before each:
   prefaulted   after `MADV_POPULATE_READ` of the map (page tables filled), 1 and THREADS threads
   beside       while another thread populates an anonymous map (the output's prefault)
 
-Usage: lock_probe.py DIR [SIZE_MIB] [THREADS]    (GPU machine; driver API through ctypes)
+Usage: first_page_lock.py DIR [SIZE_MIB] [THREADS]    (GPU machine; driver API through ctypes)
 """
 import ctypes, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor

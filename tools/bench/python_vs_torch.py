@@ -18,7 +18,7 @@ Needs the mgmm_stream wheel (docs/PYTHON.md says how to build it on the developm
 installed in the GPU machine's Python, plus numpy and torch:
 
   python3 -m pip install --no-deps --target "$OUT/py" .whl/mgmm_stream-*.whl
-  PYTHONPATH="$OUT/py" python3 tools/gpu/python_vs_torch.py --n 30000 --devices 0,1
+  PYTHONPATH="$OUT/py" python3 tools/bench/python_vs_torch.py --n 30000 --devices 0,1
 
 Prints one JSON line per measurement and a summary table.
 """

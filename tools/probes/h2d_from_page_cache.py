@@ -13,7 +13,7 @@ copy it would replace:
   * memcpy from the map into a pinned buffer with THREADS threads (what staging does today)
 
 Driver API through ctypes (calls release the GIL, so threads run in parallel).
-Usage: direct_probe.py FILE [SIZE_MIB] [PIECE_MIB] [THREADS]
+Usage: h2d_from_page_cache.py FILE [SIZE_MIB] [PIECE_MIB] [THREADS]
 """
 import ctypes, os, sys, time
 from concurrent.futures import ThreadPoolExecutor

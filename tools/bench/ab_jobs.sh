@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
-# Issue 10's jobs with two or more builds (or settings), runs interleaved (A, B, …, A, B, …) so
+# gpu_table.sh's jobs with two or more builds (or settings), runs interleaved (A, B, …, A, B, …) so
 # that a host's drift hits every variant alike: a before/after measurement of one change on the
-# jobs of tools/gpu/host_keepup.sh. GPU machine, repository root, binaries carried (docs/GPU.md).
+# jobs of tools/bench/gpu_table.sh. GPU machine, repository root, binaries carried (docs/GPU.md).
 #   VARIANTS="A=.dev/bin/mgmm-a B=.dev/bin/mgmm-stream B1=.dev/bin/mgmm-stream:MGMM_X=1" \
-#     RUNS=2 bash tools/gpu/keepup_ab.sh [CASE...]      default: sq chain fp64 big
+#     RUNS=2 bash tools/bench/ab_jobs.sh [CASE...]      default: sq chain fp64 big
 # A variant is NAME=BINARY[:VAR=VALUE[,VAR=VALUE…]] (environment set for its runs only); an
 # item --set=KEY=VALUE is passed to `run` instead (C=.dev/bin/mgmm-stream:--set=engine.staging=copy).
-# Cases (as host_keepup.sh; every plan `durable = false`, output to a file, inputs warm):
+# Cases (as gpu_table.sh; every plan `durable = false`, output to a file, inputs warm):
 #   sq     32768² tf32 / bf16 / fp32 on every GPU, tf32 on GPU 0 (host_memory 16 GiB)
 #   chain  the 43 GB request (A·B·C)ᵀ, one step, every GPU (host_memory 16 GiB)
 #   fp64   60000² fp64 on every GPU (45000² on one), host_memory 32 GiB (FP64_HOST=…); and with
 #          device_memory = "20GiB" (first two variants only, one run each)
 #   big    100 000² tf32 on every GPU, host_memory 32 GiB (two GPUs only)
 # Each case's inputs are generated, read once, and run once untimed (the first run after
-# writing pays the kernel's first pin of fresh pages, BENCHMARKS.md §20). Consecutive outputs'
+# writing pays the kernel's first pin of fresh pages, docs/measurements/HISTORY.md §20). Consecutive outputs'
 # checksum tables are compared: every variant must write the same bytes.
 # TRACE=1: round 1's runs also write their timeline (MGMM_TRACE) to $OUT/JOB_VARIANT_1.trace.json
 # (read them with tools/trace_gaps.py).
-# Log: $OUT/keepup_ab.log; reports $OUT/JOB_VARIANT_i.json; the table at the end.
+# Log: $OUT/ab_jobs.log; reports $OUT/JOB_VARIANT_i.json; the table at the end.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
-log_to keepup_ab.log
+log_to ab_jobs.log
 RUNS=${RUNS:-2}; NGPU=$(gpu_count)
 read -r -a VARS <<< "${VARIANTS:?set VARIANTS, e.g. A=.dev/bin/mgmm-a B=.dev/bin/mgmm-stream}"
-W=${W:-/tmp/keepup_ab}; mkdir -p "$W"; cd "$W"
+W=${W:-/tmp/ab_jobs}; mkdir -p "$W"; cd "$W"
 [ $# -gt 0 ] || set -- sq chain fp64 big
 nvidia-smi --query-gpu=index,name --format=csv,noheader | tee -a "$LOG"
 

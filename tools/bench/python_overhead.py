@@ -9,7 +9,7 @@ The same product A.mgt @ B.mgt → C (N×N f32, same engine settings) three ways
   py_call  mgmm_stream.matmul(...) called in this process (what a notebook user sees)
 Each also reports the step wall from its run report, so the engine's own time is visible.
 
-  PYTHONPATH=/tmp/py python3 tools/gpu/python_overhead.py --mgmm .dev/bin/mgmm-stream --n 32768
+  PYTHONPATH=/tmp/py python3 tools/bench/python_overhead.py --mgmm .dev/bin/mgmm-stream --n 32768
 """
 import argparse, json, os, statistics, subprocess, sys, time
 

@@ -16,7 +16,7 @@ Two more, each `blas` plus one thing (what mgmm-stream holds instead of cuMemHos
   regfile  a read-only map of FILE, cuMemHostRegister'ed with READ_ONLY (staging = "direct")
 With --free, the probe releases what it registered before printing `done` (unregister, unmap)
 and prints how long that took, so release and exit can be told apart.
-Usage: exit_probe.py MODE [PINNED_GIB | FILE] [--free]
+Usage: process_exit_cost.py MODE [PINNED_GIB | FILE] [--free]
 """
 import ctypes, os, sys, time
 

@@ -6,10 +6,10 @@
 # SHARDS=S passes --shards S to both processes (default: the engine's default, 1 or 4 per
 # process, docs/CLUSTER.md);
 # with S = 2 each process reads B once, as the one-process run does per GPU.
-# GPU machine with 2 GPUs, repository root, .dev/bin carried. Log: $OUT/cluster_two_procs.log.
+# GPU machine with 2 GPUs, repository root, .dev/bin carried. Log: $OUT/two_procs_vs_one.log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
-log_to cluster_two_procs.log
+log_to two_procs_vs_one.log
 N=${N:-32768}; ROUNDS=${ROUNDS:-3}
 [ "$(gpu_count)" -ge 2 ] || { log "needs 2 GPUs, found $(gpu_count)"; exit 1; }
 W=${W:-/tmp/c2}; mkdir -p "$W"; cd "$W"

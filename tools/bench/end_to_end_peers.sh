@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# BENCHMARKS.md's GPU tables, side by side in one run: mgmm-stream, cuBLASXt and torch on the same
+# End to end from files to a file, side by side in one run: mgmm-stream, cuBLASXt and torch on the same
 # N×N f32 data (N default 32768), end to end. GPU machine (nvidia-h200-x2 for the 2-GPU cases;
 # with one GPU they are skipped), repository root, .dev/bin carried (docs/GPU.md).
-#   bash tools/gpu/sidebyside.sh [CASE...]      default: fill fp32 lowprec peers cold
+#   bash tools/bench/end_to_end_peers.sh [CASE...]      default: fill fp32 lowprec peers cold
 # Cases, run in the order given:
-#   fill      host fill strategies for H2D (tools/gpu/host_fill_probe.py), A.mgt warm
+#   fill      host fill strategies for H2D (tools/probes/h2d_fill_strategies.py), A.mgt warm
 #   fp32      mgmm-stream fp32, REPEAT runs (default 3) on GPU 0, then on all GPUs
 #   lowprec   tf32 on 1 and all GPUs, bf16 on all
 #   variants  on GPU 0: checksum verification speed, output by pwrite (MGMM_WRITE=pwrite),
@@ -12,10 +12,10 @@
 #   peers     cuBLASXt on 1 and all GPUs, torch fp32/tf32 (tools/peers/cublasxt_torch.py),
 #             cuBLASXt's result compared with mgmm-stream's
 #   cold      the disk's cold read speed (dd), then fp32 with a cold page cache on 1 and all GPUs
-# Log: $OUT/sidebyside.log; every run's report in $OUT/NAME.json.
+# Log: $OUT/end_to_end_peers.log; every run's report in $OUT/NAME.json.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
-log_to sidebyside.log
+log_to end_to_end_peers.log
 N=${N:-32768}; REPEAT=${REPEAT:-3}; NGPU=$(gpu_count)
 W=${W:-/tmp/sbs}; mkdir -p "$W"; cd "$W"
 [ $# -gt 0 ] || set -- fill fp32 lowprec peers cold
@@ -31,7 +31,7 @@ cuda_plan g1_tf32 tf32 "[0]"; cuda_plan g2_tf32 tf32 '"all"'; cuda_plan g2_bf16 
 # multi NAME...: run each NAME.toml that uses every GPU only when there are at least two.
 multi() { if [ "$NGPU" -ge 2 ]; then local n; for n in "$@"; do run_step "$n"; done; else log "one GPU: $* skipped"; fi; }
 repeat() { local i; for i in $(seq 1 "$REPEAT"); do run_step "$1"; done; }
-case_fill() { log "host fill strategies (A.mgt warm)"; logged python3 "$TOOLS/gpu/host_fill_probe.py" A.mgt 8; }
+case_fill() { log "host fill strategies (A.mgt warm)"; logged python3 "$TOOLS/probes/h2d_fill_strategies.py" A.mgt 8; }
 case_fp32() { repeat g1; if [ "$NGPU" -ge 2 ]; then repeat g2; fi; }
 case_lowprec() { run_step g1_tf32; multi g2_tf32 g2_bf16; }
 case_variants() {

@@ -2,7 +2,7 @@
 # Issue 11's goals, measured: data where users keep it (.npy in, .npy out) and whole expressions
 # in one step. GPU machine (nvidia-h200-x2 for the 2-GPU figures), repository root, .dev/bin
 # carried (docs/GPU.md).
-#   bash tools/gpu/npy_goals.sh [CASE...]      default: warm cold chain
+#   bash tools/bench/npy_and_chain.sh [CASE...]      default: warm cold chain
 # Cases:
 #   warm   N×N f32 (N default 32768) A.npy @ B.npy → C.npy against the same job on .mgt files,
 #          REPEAT runs each (default 3) with the inputs in the page cache; goal ≤ 1.10×. Beside
@@ -14,10 +14,10 @@
 #          (X = A @ B, then (X @ C).T); goal: no slower, and the data bit-identical.
 #   big    the largest n ≤ 100 000 whose inputs and output fit on the disk: two .npy inputs,
 #          cold, on every GPU, against the disk bound.
-# Log: $OUT/npy_goals.log; every run's report in $OUT/NAME.json.
+# Log: $OUT/npy_and_chain.log; every run's report in $OUT/NAME.json.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
-log_to npy_goals.log
+log_to npy_and_chain.log
 N=${N:-32768}; REPEAT=${REPEAT:-3}
 W=${W:-/tmp/npygoals}; mkdir -p "$W"; cd "$W"
 [ $# -gt 0 ] || set -- warm cold chain

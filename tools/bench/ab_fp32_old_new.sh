@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Issue 7's speed check: the same n = 32768 fp32 job (16 GiB host budget, durable = false) with
+# An older binary against the current one (first written for issue 7's refactor): the same n = 32768 fp32 job (16 GiB host budget, durable = false) with
 # the binary of an older commit ($OLD, default .dev/bin/mgmm-stream-old) and the current one,
 # alternating old/new REPEAT times (default 3) on GPU 0 and then on all GPUs, so both see the
 # same machine state. Prints each run's step wall time and the medians.
-# GPU machine, repository root, .dev/bin carried. Log: $OUT/refactor_check.log.
+# GPU machine, repository root, .dev/bin carried. Log: $OUT/ab_fp32_old_new.log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
-log_to refactor_check.log
+log_to ab_fp32_old_new.log
 OLD=${OLD:-$DEV/mgmm-stream-old}; NEW=$MGMM
 [ -x "$OLD" ] || { echo "no old binary at $OLD" >&2; exit 2; }
 N=${N:-32768}; REPEAT=${REPEAT:-3}; NGPU=$(gpu_count)

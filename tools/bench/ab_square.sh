@@ -3,7 +3,7 @@
 # neighbour hits both alike, with in-core cuBLAS measured before and after in the same call.
 # GPU machine, repository root, binaries carried (docs/GPU.md).
 #   A=.dev/bin/mgmm-stream-old B=.dev/bin/mgmm-stream [RUNS=5 N=32768 PRECISION=fp32] \
-#     bash tools/gpu/ab_interleaved.sh
+#     bash tools/bench/ab_square.sh
 # One build, two settings: A=B=.dev/bin/mgmm-stream A_ARGS="--set engine.staging=copy" (extra
 # arguments of `run` for A's runs; B_ARGS likewise). GEN_DTYPE=f64: inputs stored as f64 (e.g. for
 # PRECISION=fp64 without a conversion on the host). CMP=1: keep each A run's output and compare

@@ -2,7 +2,7 @@
 """Does page-locking inputs cost more with two GPUs, and which flags or threads avoid it?
 
 On two H200s the engine page-locked 8 GiB of a 32768² step's inputs in 0.71–0.84 s against
-0.24–0.37 s on one GPU of the same host (BENCHMARKS.md §25), and the tf32/bf16 steps became
+0.24–0.37 s on one GPU of the same host (docs/measurements/HISTORY.md §25), and the tf32/bf16 steps became
 slower on two GPUs than on one. The engine registers 32 MiB pieces of the files' read-only maps
 with `cuMemHostRegister(PORTABLE | READ_ONLY)` from each lane's staging thread. This probe
 registers an input-sized file the same way, with the contexts of one or of every GPU alive, with
@@ -16,7 +16,7 @@ Two more modes ask whether the cost can be moved or split:
   procs  one process per GPU (CUDA_VISIBLE_DEVICES), each registering its half of the file at the
          same time: does the driver serialise across processes too?
 
-Usage: register_probe.py DIR [SIZE_MIB] [flags|late|procs]   (GPU machine; driver API, ctypes)
+Usage: page_lock_two_gpus.py DIR [SIZE_MIB] [flags|late|procs]   (GPU machine; driver API, ctypes)
 """
 import ctypes, os, sys, threading, time
 
@@ -157,7 +157,7 @@ if mode == "late":
         lock(f"{ngpu} contexts alive, PORTABLE|RO, 1 thread (fresh map)", READ_ONLY | PORTABLE, 1)
     os.close(fd); os.unlink(path); sys.exit()
 
-# Warm: the first lock of freshly written pages is slower (BENCHMARKS.md §20).
+# Warm: the first lock of freshly written pages is slower (docs/measurements/HISTORY.md §20).
 ctx(0)
 lock("warm-up (1 context)", READ_ONLY | PORTABLE, 1)
 for rep in range(2):

@@ -12,7 +12,7 @@ For P = 1, 2, 4, ... processes, each takes a disjoint slice of one new SIZE-byte
   anon:     MAP_PRIVATE|MAP_ANONYMOUS memory populated (no page cache: the allocator alone).
 The file is created fresh (ftruncate, sparse) for every measurement and removed after; nothing is
 fsynced. Prints GB/s of pages created per mode and P.
-Usage: page_probe.py DIR [SIZE_GIB] [P,P,...] [MODE,MODE,...]
+Usage: page_creation_rate.py DIR [SIZE_GIB] [P,P,...] [MODE,MODE,...]
 """
 import mmap, os, sys, time
 from multiprocessing import Process

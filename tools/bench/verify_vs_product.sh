@@ -2,10 +2,10 @@
 # Issue 8's verify goal: `verify` of an N×N (default 32768) f32 product on all GPUs takes at most
 # 25 % of the product's time. Runs the product (durable = false, inputs warm), then `verify`
 # twice, and prints the ratio. GPU machine, repository root, .dev/bin carried.
-# Log: $OUT/verify_timing.log.
+# Log: $OUT/verify_vs_product.log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
-log_to verify_timing.log
+log_to verify_vs_product.log
 N=${N:-32768}
 W=${W:-/tmp/vt}; mkdir -p "$W"; cd "$W"
 gen_matrix A.mgt "$N" "$N" 21
