@@ -12,7 +12,7 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, TryRecvError};
 
 use super::messages::{Done, LaneOp, Staged, ToWriteback};
-use crate::backend::{Dst, Lane, Ticket};
+use crate::backend::{Dst, GemmDesc, Lane, Ticket};
 use crate::dtype::DType;
 use crate::durable::checkpoint::Checkpoints;
 use crate::error::Result;
@@ -225,42 +225,11 @@ impl DeviceLane<'_> {
             let (t, waited) = (Instant::now(), self.m.waited_out());
             match op {
                 LaneOp::Upload { slot, buf, elems } => {
-                    let tk = match &buf {
-                        Staged::Buf(b) => self.lane.upload(b.buf(), elems, Dst::Slot(slot))?,
-                        Staged::Direct(d) => {
-                            if let Some((p, seq)) = &d.check {
-                                self.checks = Some((p.clone(), seq + 1));
-                            }
-                            let tk = self.lane.upload_runs(&d.runs, elems, slot)?;
-                            // Its check on the device, queued after the copy; without one (the
-                            // sender dropped here) the check stage checks it on the host.
-                            let dc = d
-                                .device_check
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .take();
-                            if let Some((tx, spec)) = dc {
-                                if let Some(c) = self.lane.check_upload(&spec) {
-                                    let _ = tx.send(c);
-                                }
-                            }
-                            tk
-                        }
-                    };
+                    let tk = self.upload(slot, &buf, elems)?;
                     p.ups.push((tk, buf));
                 }
                 LaneOp::Begin { acc, c0, resume } => {
-                    if marks.len() <= acc {
-                        marks.resize(acc + 1, Instant::now());
-                    }
-                    marks[acc] = Instant::now();
-                    if let Some((buf, elems)) = c0 {
-                        let tk = self.lane.upload(buf.buf(), elems, Dst::Acc(acc))?;
-                        p.ups.push((tk, Staged::Buf(buf)));
-                    }
-                    if let Some(tile) = resume {
-                        self.resume(&tile, acc, p, ctl)?;
-                    }
+                    self.begin_tile(acc, c0, resume, &mut marks, p, ctl)?;
                 }
                 LaneOp::Gemm {
                     desc,
@@ -272,49 +241,10 @@ impl DeviceLane<'_> {
                 } => {
                     self.hold_back(p, ctl)?;
                     self.lane.gemm(&desc, a_slot, b_slot, acc)?;
-                    if ops == 0 || self.first_gemm.1.load(Ordering::Relaxed) == u64::MAX {
-                        let ns = self.first_gemm.0.elapsed().as_nanos() as u64;
-                        self.first_gemm.1.fetch_min(ns, Ordering::Relaxed);
-                    }
-                    self.flops_issued
-                        .fetch_add(2 * (desc.m * desc.n * desc.k) as u64, Ordering::Relaxed);
-                    if let Some(c) = self.ckpt {
-                        let mark = marks.get(acc).copied().unwrap_or_else(Instant::now);
-                        if kk + 1 < c.k_chunks() && c.due(mark) {
-                            self.checkpoint(&tile, acc, kk as u32 + 1, p, ctl)?;
-                            if let Some(m) = marks.get_mut(acc) {
-                                *m = Instant::now();
-                            }
-                        }
-                    }
+                    self.count_gemm(&desc, ops == 0);
+                    self.checkpoint_if_due(&tile, acc, kk, &mut marks, p, ctl)?;
                 }
-                LaneOp::End { tile, acc } => {
-                    // At most `max_downs` downloads in flight: a lane whose device is slower
-                    // than its input (every input tile cached, or a slow GPU) would otherwise
-                    // run ahead through its ops and hold every buffer of the shared output pool
-                    // while its device catches up, starving the other lanes.
-                    while p.downs.len() >= self.max_downs.max(1) {
-                        let t = Instant::now();
-                        self.lane.wait(p.downs[0].0)?;
-                        self.m.add_wait_out(t.elapsed());
-                        let (_, d) = p.downs.remove(0);
-                        ctl.send_timed(self.out.to(d.tile.seq), d, &self.m)?;
-                    }
-                    let mut buf = self.lease_out(p, ctl)?;
-                    let elems = tile.block.elems();
-                    let tk = self.lane.download(acc, elems, buf.buf_mut())?;
-                    let (partial, checks) = (None, self.checks.clone());
-                    p.downs.push((
-                        tk,
-                        Done {
-                            tile,
-                            buf,
-                            partial,
-                            checks,
-                        },
-                    ));
-                    self.m.add_item((elems * self.host_dt.size()) as u64);
-                }
+                LaneOp::End { tile, acc } => self.end_tile(tile, acc, p, ctl)?,
             }
             self.m.add_busy_since(t, waited);
             self.settle(p, ctl, false)?;
@@ -328,6 +258,131 @@ impl DeviceLane<'_> {
             *self.live.lock().unwrap() = self.lane.live_stats();
             self.lane.release();
         }
+        Ok(())
+    }
+
+    /// Issue the upload of a staged input block into `slot`: from its host buffer, or straight
+    /// from its file's pages (then the checks that results wait for grow by it, and its check
+    /// on the device is queued where the lane can).
+    fn upload(&mut self, slot: usize, buf: &Staged, elems: usize) -> Result<Ticket> {
+        let tk = match buf {
+            Staged::Buf(b) => self.lane.upload(b.buf(), elems, Dst::Slot(slot))?,
+            Staged::Direct(d) => {
+                if let Some((p, seq)) = &d.check {
+                    self.checks = Some((p.clone(), seq + 1));
+                }
+                let tk = self.lane.upload_runs(&d.runs, elems, slot)?;
+                // Its check on the device, queued after the copy; without one (the
+                // sender dropped here) the check stage checks it on the host.
+                let dc = d
+                    .device_check
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                if let Some((tx, spec)) = dc {
+                    if let Some(c) = self.lane.check_upload(&spec) {
+                        let _ = tx.send(c);
+                    }
+                }
+                tk
+            }
+        };
+        Ok(tk)
+    }
+
+    /// Start a tile on accumulator `acc` (noting when, in `marks`): upload its added matrix
+    /// `c0`, or put back its checkpoint when it `resume`s from one.
+    fn begin_tile(
+        &mut self,
+        acc: usize,
+        c0: Option<(Arc<Lease>, usize)>,
+        resume: Option<OutTile>,
+        marks: &mut Vec<Instant>,
+        p: &mut Pending,
+        ctl: &Control,
+    ) -> Result<()> {
+        if marks.len() <= acc {
+            marks.resize(acc + 1, Instant::now());
+        }
+        marks[acc] = Instant::now();
+        if let Some((buf, elems)) = c0 {
+            let tk = self.lane.upload(buf.buf(), elems, Dst::Acc(acc))?;
+            p.ups.push((tk, Staged::Buf(buf)));
+        }
+        if let Some(tile) = resume {
+            self.resume(&tile, acc, p, ctl)?;
+        }
+        Ok(())
+    }
+
+    /// Count a GEMM just issued: its FLOPs, and the time of the stages' first GEMM
+    /// (`first_op`: it is this lane's first op).
+    fn count_gemm(&self, desc: &GemmDesc, first_op: bool) {
+        if first_op || self.first_gemm.1.load(Ordering::Relaxed) == u64::MAX {
+            let ns = self.first_gemm.0.elapsed().as_nanos() as u64;
+            self.first_gemm.1.fetch_min(ns, Ordering::Relaxed);
+        }
+        self.flops_issued
+            .fetch_add(2 * (desc.m * desc.n * desc.k) as u64, Ordering::Relaxed);
+    }
+
+    /// After k-chunk `kk` of `tile` on `acc`: save the accumulator when the run takes
+    /// checkpoints, the tile has k-chunks left and its interval since `marks[acc]` is up.
+    fn checkpoint_if_due(
+        &mut self,
+        tile: &OutTile,
+        acc: usize,
+        kk: u64,
+        marks: &mut [Instant],
+        p: &mut Pending,
+        ctl: &Control,
+    ) -> Result<()> {
+        if let Some(c) = self.ckpt {
+            let mark = marks.get(acc).copied().unwrap_or_else(Instant::now);
+            if kk + 1 < c.k_chunks() && c.due(mark) {
+                self.checkpoint(tile, acc, kk as u32 + 1, p, ctl)?;
+                if let Some(m) = marks.get_mut(acc) {
+                    *m = Instant::now();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// End `tile` on `acc`: issue its download into an output buffer, to be handed to
+    /// writeback once done ([`Self::settle`]).
+    fn end_tile(
+        &mut self,
+        tile: OutTile,
+        acc: usize,
+        p: &mut Pending,
+        ctl: &Control,
+    ) -> Result<()> {
+        // At most `max_downs` downloads in flight: a lane whose device is slower
+        // than its input (every input tile cached, or a slow GPU) would otherwise
+        // run ahead through its ops and hold every buffer of the shared output pool
+        // while its device catches up, starving the other lanes.
+        while p.downs.len() >= self.max_downs.max(1) {
+            let t = Instant::now();
+            self.lane.wait(p.downs[0].0)?;
+            self.m.add_wait_out(t.elapsed());
+            let (_, d) = p.downs.remove(0);
+            ctl.send_timed(self.out.to(d.tile.seq), d, &self.m)?;
+        }
+        let mut buf = self.lease_out(p, ctl)?;
+        let elems = tile.block.elems();
+        let tk = self.lane.download(acc, elems, buf.buf_mut())?;
+        let (partial, checks) = (None, self.checks.clone());
+        p.downs.push((
+            tk,
+            Done {
+                tile,
+                buf,
+                partial,
+                checks,
+            },
+        ));
+        self.m.add_item((elems * self.host_dt.size()) as u64);
         Ok(())
     }
 }
