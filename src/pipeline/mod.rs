@@ -606,82 +606,26 @@ impl<'a> Pipeline<'a> {
         let (outprep_tx, outprep_rx) =
             crossbeam_channel::bounded::<crate::store::Block>(4 * nlanes);
         let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
+        let per_lane = LaneWiring {
+            step,
+            layout: l,
+            sched,
+            queue,
+            inputs,
+            shared,
+            direct: direct.as_ref(),
+            ckpt,
+            out_pool,
+            outprep: outprep_tx,
+            done: done_tx,
+            lanes: nlanes,
+            depth,
+        };
         for (i, lane) in lanes.iter_mut().enumerate() {
-            let (plan_tx, plan_rx) = crossbeam_channel::bounded::<PlanOp>(16);
-            let (pre_tx, pre_rx) = crossbeam_channel::bounded::<PlanOp>(4 * depth);
-            let (lane_tx, lane_rx) = crossbeam_channel::bounded::<LaneOp>(depth);
-            let mut m = |k| {
-                let m = StageMetrics::new(k, i, nlanes);
-                metrics.push(m.clone());
-                m
-            };
-            stages.push(Box::new(Planner {
-                lane: i,
-                outprep: outprep_tx.clone(),
-                sched,
-                queue,
-                slots: l.slots,
-                accs: l.accs,
-                start_group: l.start_group,
-                alpha: step.alpha,
-                beta: step.beta,
-                has_c0: step.c0.is_some(),
-                ckpt,
-                out: plan_tx,
-                m: m(StageKind::Planner),
-            }));
-            stages.push(Box::new(Prefetch {
-                inputs,
-                rx: plan_rx,
-                out: pre_tx,
-                m: m(StageKind::Prefetch),
-            }));
-            // Uploads straight from the files' pages, where the lane takes them, and the stage
-            // that checks what they upload.
-            let direct = match direct.as_ref().filter(|_| lane.uploads_runs()) {
-                Some(d) => {
-                    let (check_tx, check_rx) = crossbeam_channel::bounded(64);
-                    let progress = Arc::new(direct::CheckProgress::default());
-                    stages.push(Box::new(stages::Checker {
-                        inputs,
-                        host_dt: l.host_dt,
-                        rx: check_rx,
-                        progress: progress.clone(),
-                        m: m(StageKind::Check),
-                    }));
-                    Some((d, check_tx, progress))
-                }
-                None => None,
-            };
-            stages.push(Box::new(Staging {
-                lane: i,
-                inputs,
-                shared,
-                direct,
-                checks_issued: std::cell::Cell::new(0),
-                device_checks: lane.checks_uploads(),
-                pool: staging_pools[i].clone(),
-                host_dt: l.host_dt,
-                rx: pre_rx,
-                out: lane_tx,
-                m: m(StageKind::Staging),
-            }));
-            stages.push(Box::new(DeviceLane {
-                lane: lane.as_mut(),
-                out_pool: out_pool.clone(),
-                max_downs: l.out_bufs,
-                host_dt: l.host_dt,
-                rx: lane_rx,
-                out: done_tx.clone(),
-                m: m(StageKind::Lane),
-                flops_issued: &c.flops_issued,
-                first_gemm: (t0, &c.first_gemm_ns),
-                live: &c.lane_live[i],
-                ckpt,
-                checks: None,
-            }));
+            let pool = staging_pools[i].clone();
+            stages.extend(per_lane.stages(i, lane.as_mut(), pool, c, t0, metrics));
         }
-        drop((done_tx, outprep_tx));
+        drop(per_lane);
         let out = OutputWiring {
             writer,
             layout: l,
@@ -723,6 +667,119 @@ macro_rules! stage_run {
     };
 }
 stage_run!(Planner, Prefetch, Staging, Checker, DeviceLane, OutPrep, Writeback, Durable);
+
+/// What the stages of each lane (planner, prefetch, check, staging, device lane) are connected
+/// to; the channel ends it holds are cloned for each lane.
+struct LaneWiring<'p> {
+    step: &'p Step,
+    layout: &'p Layout,
+    sched: &'p Schedule,
+    queue: &'p TileQueue,
+    inputs: &'p Inputs,
+    shared: &'p shared::SharedReads,
+    /// Uploads straight from the files' pages, for the lanes that take them.
+    direct: Option<&'p direct::DirectReads>,
+    ckpt: Option<&'p crate::durable::checkpoint::Checkpoints>,
+    out_pool: &'p Pool,
+    /// Output blocks about to be computed, to outprep.
+    outprep: crossbeam_channel::Sender<crate::store::Block>,
+    /// Finished tiles and checkpoints, to the writeback threads.
+    done: ToWriteback,
+    lanes: usize,
+    /// Capacity of the staging → lane channel (prefetch → staging holds four times that).
+    depth: usize,
+}
+
+impl<'p> LaneWiring<'p> {
+    /// The stages of lane `i`, which runs on `lane` and stages into `pool`, in display order.
+    fn stages(
+        &self,
+        i: usize,
+        lane: &'p mut dyn Lane,
+        pool: Pool,
+        c: &'p Counters,
+        t0: Instant,
+        metrics: &mut Vec<Arc<StageMetrics>>,
+    ) -> Vec<Box<dyn StageRun + 'p>> {
+        let (step, l, inputs, ckpt, depth) =
+            (self.step, self.layout, self.inputs, self.ckpt, self.depth);
+        let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
+        let (plan_tx, plan_rx) = crossbeam_channel::bounded::<PlanOp>(16);
+        let (pre_tx, pre_rx) = crossbeam_channel::bounded::<PlanOp>(4 * depth);
+        let (lane_tx, lane_rx) = crossbeam_channel::bounded::<LaneOp>(depth);
+        let mut m = |k| {
+            let m = StageMetrics::new(k, i, self.lanes);
+            metrics.push(m.clone());
+            m
+        };
+        stages.push(Box::new(Planner {
+            lane: i,
+            outprep: self.outprep.clone(),
+            sched: self.sched,
+            queue: self.queue,
+            slots: l.slots,
+            accs: l.accs,
+            start_group: l.start_group,
+            alpha: step.alpha,
+            beta: step.beta,
+            has_c0: step.c0.is_some(),
+            ckpt,
+            out: plan_tx,
+            m: m(StageKind::Planner),
+        }));
+        stages.push(Box::new(Prefetch {
+            inputs,
+            rx: plan_rx,
+            out: pre_tx,
+            m: m(StageKind::Prefetch),
+        }));
+        // Uploads straight from the files' pages, where the lane takes them, and the stage
+        // that checks what they upload.
+        let direct = match self.direct.filter(|_| lane.uploads_runs()) {
+            Some(d) => {
+                let (check_tx, check_rx) = crossbeam_channel::bounded(64);
+                let progress = Arc::new(direct::CheckProgress::default());
+                stages.push(Box::new(stages::Checker {
+                    inputs,
+                    host_dt: l.host_dt,
+                    rx: check_rx,
+                    progress: progress.clone(),
+                    m: m(StageKind::Check),
+                }));
+                Some((d, check_tx, progress))
+            }
+            None => None,
+        };
+        stages.push(Box::new(Staging {
+            lane: i,
+            inputs,
+            shared: self.shared,
+            direct,
+            checks_issued: std::cell::Cell::new(0),
+            device_checks: lane.checks_uploads(),
+            pool,
+            host_dt: l.host_dt,
+            rx: pre_rx,
+            out: lane_tx,
+            m: m(StageKind::Staging),
+        }));
+        stages.push(Box::new(DeviceLane {
+            lane,
+            out_pool: self.out_pool.clone(),
+            max_downs: l.out_bufs,
+            host_dt: l.host_dt,
+            rx: lane_rx,
+            out: self.done.clone(),
+            m: m(StageKind::Lane),
+            flops_issued: &c.flops_issued,
+            first_gemm: (t0, &c.first_gemm_ns),
+            live: &c.lane_live[i],
+            ckpt,
+            checks: None,
+        }));
+        stages
+    }
+}
 
 /// What the output side of the pipeline (prefault, writeback, durability) is connected to.
 struct OutputWiring<'p> {

@@ -1,0 +1,388 @@
+//! The device-lane stage: [`LaneOp`] → [`Done`] (to the writeback thread of the tile, through
+//! [`ToWriteback`]): uploads, GEMMs and downloads issued on the backend's [`Lane`] (on CUDA
+//! three streams and events), checkpoints of accumulators taken and resumed. One thread per
+//! lane, bound to its device. It blocks on its input channel (polling for finished copies
+//! meanwhile), on a free output buffer, on the device when it is [`MAX_AHEAD`] GEMMs or
+//! `max_downs` downloads ahead, and on its output channels.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, TryRecvError};
+
+use super::messages::{Done, LaneOp, Staged, ToWriteback};
+use crate::backend::{Dst, GemmDesc, Lane, Ticket};
+use crate::dtype::DType;
+use crate::durable::checkpoint::Checkpoints;
+use crate::error::Result;
+use crate::pipeline::control::Control;
+use crate::pipeline::direct::CheckProgress;
+use crate::pipeline::metrics::StageMetrics;
+use crate::pipeline::pool::{Lease, Pool};
+use crate::plan::schedule::OutTile;
+
+pub(crate) struct DeviceLane<'a> {
+    pub(crate) lane: &'a mut dyn Lane,
+    pub(crate) out_pool: Pool,
+    /// Downloads this lane may have in flight (its share of the output pool).
+    pub(crate) max_downs: usize,
+    pub(crate) host_dt: DType,
+    pub(crate) rx: Receiver<LaneOp>,
+    pub(crate) out: ToWriteback,
+    pub(crate) m: Arc<StageMetrics>,
+    pub(crate) flops_issued: &'a AtomicU64,
+    /// The stages' start and the time of the first GEMM after it (ns), shared by all lanes.
+    pub(crate) first_gemm: (Instant, &'a AtomicU64),
+    /// The lane's device statistics, refreshed now and then for the progress display.
+    pub(crate) live: &'a std::sync::Mutex<crate::backend::DeviceStats>,
+    /// Where partial accumulators are saved and resumed from (`None`: never).
+    pub(crate) ckpt: Option<&'a Checkpoints>,
+    /// The checks of every directly uploaded block so far, which results wait for.
+    pub(crate) checks: Option<(Arc<CheckProgress>, u64)>,
+}
+
+/// GEMMs a lane may have queued on its device ([`DeviceLane::hold_back`]).
+const MAX_AHEAD: usize = 8;
+
+/// How often a device lane waiting for its next op checks for finished copies.
+const LANE_POLL: std::time::Duration = std::time::Duration::from_micros(500);
+
+struct Pending {
+    ups: Vec<(Ticket, Staged)>,
+    downs: Vec<(Ticket, Done)>,
+}
+
+impl DeviceLane<'_> {
+    /// An output buffer: a free one, or (after letting go of everything finished) the next one
+    /// writeback returns.
+    fn lease_out(&mut self, p: &mut Pending, ctl: &Control) -> Result<Lease> {
+        if let Some(b) = self.out_pool.try_lease() {
+            return Ok(b);
+        }
+        self.settle(p, ctl, true)?;
+        let t = Instant::now();
+        let b = self.out_pool.lease(ctl)?;
+        self.m.add_wait_out(t.elapsed());
+        Ok(b)
+    }
+
+    /// Put `tile`'s saved accumulator into `acc`, so that the tile continues where its
+    /// checkpoint left off. The file is read here, on the lane's thread, into an output buffer
+    /// (the only host buffer sized for a whole tile); it happens once per resumed tile.
+    fn resume(&mut self, tile: &OutTile, acc: usize, p: &mut Pending, ctl: &Control) -> Result<()> {
+        let ckpt = self.ckpt.expect("resumed tiles come from checkpoints");
+        let mut buf = self.lease_out(p, ctl)?;
+        ckpt.read_into(tile, buf.buf_mut().bytes_mut())?;
+        let tk = self
+            .lane
+            .upload(buf.buf(), tile.block.elems(), Dst::Acc(acc))?;
+        p.ups.push((tk, Staged::Buf(Arc::new(buf))));
+        Ok(())
+    }
+
+    /// Download `acc` (tile `tile` after `k_done` k-chunks) and send it to writeback to be
+    /// saved. The download is waited for before anything else is issued, so that the next GEMM
+    /// cannot change the accumulator under the copy on any backend; that costs one pipeline
+    /// drain per checkpoint, minutes apart.
+    fn checkpoint(
+        &mut self,
+        tile: &OutTile,
+        acc: usize,
+        k_done: u32,
+        p: &mut Pending,
+        ctl: &Control,
+    ) -> Result<()> {
+        let mut buf = self.lease_out(p, ctl)?;
+        let tk = self.lane.download(acc, tile.block.elems(), buf.buf_mut())?;
+        self.lane.wait(tk)?;
+        let done = Done {
+            tile: *tile,
+            buf,
+            partial: Some(k_done),
+            checks: self.checks.clone(),
+        };
+        ctl.send_timed(self.out.to(done.tile.seq), done, &self.m)
+    }
+
+    /// Release finished uploads and forward finished downloads; with `all`, wait for everything.
+    fn settle(&mut self, p: &mut Pending, ctl: &Control, all: bool) -> Result<()> {
+        let mut i = 0;
+        while i < p.ups.len() {
+            if all {
+                self.lane.wait(p.ups[i].0)?;
+            }
+            if all || self.lane.done(p.ups[i].0)? {
+                p.ups.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < p.downs.len() {
+            let ready = if all {
+                self.lane.wait(p.downs[i].0)?;
+                true
+            } else {
+                self.lane.done(p.downs[i].0)?
+            };
+            if ready {
+                let (_, d) = p.downs.remove(i);
+                ctl.send_timed(self.out.to(d.tile.seq), d, &self.m)?;
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait for the next op. Meanwhile let go of whatever the device has finished, so that
+    /// staging (waiting for the staging buffers our uploads hold) and writeback (for our
+    /// downloads) go on, polling every [`LANE_POLL`]; block outright only when nothing is in
+    /// flight. It never waits for the device itself: that used to be done here, and waiting
+    /// for the last download waits for every GEMM queued before it, so the GPU ran dry and sat
+    /// idle until the next upload arrived (about 10 ms at every output tile of 32768² fp32 on
+    /// one H200, 76–101 ms in all, seen in `MGMM_TRACE` timelines). `None`: upstream is
+    /// finished or the run is cancelled.
+    fn next_op(&mut self, p: &mut Pending, ctl: &Control) -> Result<Option<LaneOp>> {
+        // Only the time spent in `recv` counts as waiting for input (handing on finished
+        // downloads counts as waiting for room downstream, in `settle`).
+        let mut waited = std::time::Duration::ZERO;
+        let op = loop {
+            self.settle(p, ctl, false)?;
+            let t = Instant::now();
+            if p.ups.is_empty() && p.downs.is_empty() {
+                let op = ctl.recv(&self.rx);
+                waited += t.elapsed();
+                break op;
+            }
+            let r = ctl.recv_within(&self.rx, LANE_POLL);
+            waited += t.elapsed();
+            match r {
+                Ok(Some(op)) => break Some(op),
+                Ok(None) => continue,
+                Err(()) => break None,
+            }
+        };
+        self.m.add_wait_in(waited);
+        Ok(op)
+    }
+
+    /// Wait while the device has [`MAX_AHEAD`] GEMMs queued (until the oldest finishes).
+    /// Since the lane no longer waits for its device when it has nothing to do
+    /// ([`Self::next_op`]), a lane whose inputs are all cached could otherwise queue its whole
+    /// share of work on a slow device and hold the buffers and reads other lanes wait for:
+    /// with one simulated lane 20× slower than three others, a fast lane was left with a
+    /// sixth of its share in 3–6 of 30 runs (`tests/sim.rs`), 1 in 30 with a bound of 32,
+    /// none with 8. Eight 8192³ GEMMs are 0.17 s of fp32 and 16–22 ms of tf32 or bf16 on an
+    /// H200, well ahead of the GPU.
+    fn hold_back(&mut self, p: &mut Pending, ctl: &Control) -> Result<()> {
+        if self.lane.in_flight() < MAX_AHEAD {
+            return Ok(());
+        }
+        // Hand on what is finished first: the wait below is for the oldest GEMM only.
+        self.settle(p, ctl, false)?;
+        let t = Instant::now();
+        self.lane.wait_in_flight_below(MAX_AHEAD)?;
+        self.m.add_wait_out(t.elapsed());
+        Ok(())
+    }
+
+    pub(crate) fn run(mut self, ctl: &Control) -> Result<()> {
+        self.lane.bind_thread()?;
+        let mut p = Pending {
+            ups: Vec::new(),
+            downs: Vec::new(),
+        };
+        let r = self.work(ctl, &mut p);
+        // A lane that stops early (an error, a cancel) may leave copies in flight; those
+        // reading the files' page-locked pages must end before the pages are released when
+        // the stages are over (best effort: a failed device answers at once).
+        for (tk, buf) in p.ups.drain(..) {
+            if matches!(buf, Staged::Direct(_)) {
+                let _ = self.lane.wait(tk);
+            }
+        }
+        r
+    }
+
+    fn work(&mut self, ctl: &Control, p: &mut Pending) -> Result<()> {
+        let mut ops = 0u64;
+        // When each accumulator's tile started, or was last saved (for checkpoints): per
+        // accumulator, because a start group interleaves several tiles' k-chunks.
+        let mut marks: Vec<Instant> = Vec::new();
+        loop {
+            let op = match self.rx.try_recv() {
+                Ok(op) => op,
+                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Empty) => {
+                    let Some(op) = self.next_op(p, ctl)? else {
+                        break;
+                    };
+                    op
+                }
+            };
+            let (t, waited) = (Instant::now(), self.m.waited_out());
+            match op {
+                LaneOp::Upload { slot, buf, elems } => {
+                    let tk = self.upload(slot, &buf, elems)?;
+                    p.ups.push((tk, buf));
+                }
+                LaneOp::Begin { acc, c0, resume } => {
+                    self.begin_tile(acc, c0, resume, &mut marks, p, ctl)?;
+                }
+                LaneOp::Gemm {
+                    desc,
+                    a_slot,
+                    b_slot,
+                    acc,
+                    tile,
+                    kk,
+                } => {
+                    self.hold_back(p, ctl)?;
+                    self.lane.gemm(&desc, a_slot, b_slot, acc)?;
+                    self.count_gemm(&desc, ops == 0);
+                    self.checkpoint_if_due(&tile, acc, kk, &mut marks, p, ctl)?;
+                }
+                LaneOp::End { tile, acc } => self.end_tile(tile, acc, p, ctl)?,
+            }
+            self.m.add_busy_since(t, waited);
+            self.settle(p, ctl, false)?;
+            ops += 1;
+            if ops.is_multiple_of(16) {
+                *self.live.lock().unwrap() = self.lane.live_stats();
+            }
+        }
+        if !ctl.is_cancelled() {
+            self.settle(p, ctl, true)?;
+            *self.live.lock().unwrap() = self.lane.live_stats();
+            self.lane.release();
+        }
+        Ok(())
+    }
+
+    /// Issue the upload of a staged input block into `slot`: from its host buffer, or straight
+    /// from its file's pages (then the checks that results wait for grow by it, and its check
+    /// on the device is queued where the lane can).
+    fn upload(&mut self, slot: usize, buf: &Staged, elems: usize) -> Result<Ticket> {
+        let tk = match buf {
+            Staged::Buf(b) => self.lane.upload(b.buf(), elems, Dst::Slot(slot))?,
+            Staged::Direct(d) => {
+                if let Some((p, seq)) = &d.check {
+                    self.checks = Some((p.clone(), seq + 1));
+                }
+                let tk = self.lane.upload_runs(&d.runs, elems, slot)?;
+                // Its check on the device, queued after the copy; without one (the
+                // sender dropped here) the check stage checks it on the host.
+                let dc = d
+                    .device_check
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                if let Some((tx, spec)) = dc {
+                    if let Some(c) = self.lane.check_upload(&spec) {
+                        let _ = tx.send(c);
+                    }
+                }
+                tk
+            }
+        };
+        Ok(tk)
+    }
+
+    /// Start a tile on accumulator `acc` (noting when, in `marks`): upload its added matrix
+    /// `c0`, or put back its checkpoint when it `resume`s from one.
+    fn begin_tile(
+        &mut self,
+        acc: usize,
+        c0: Option<(Arc<Lease>, usize)>,
+        resume: Option<OutTile>,
+        marks: &mut Vec<Instant>,
+        p: &mut Pending,
+        ctl: &Control,
+    ) -> Result<()> {
+        if marks.len() <= acc {
+            marks.resize(acc + 1, Instant::now());
+        }
+        marks[acc] = Instant::now();
+        if let Some((buf, elems)) = c0 {
+            let tk = self.lane.upload(buf.buf(), elems, Dst::Acc(acc))?;
+            p.ups.push((tk, Staged::Buf(buf)));
+        }
+        if let Some(tile) = resume {
+            self.resume(&tile, acc, p, ctl)?;
+        }
+        Ok(())
+    }
+
+    /// Count a GEMM just issued: its FLOPs, and the time of the stages' first GEMM
+    /// (`first_op`: it is this lane's first op).
+    fn count_gemm(&self, desc: &GemmDesc, first_op: bool) {
+        if first_op || self.first_gemm.1.load(Ordering::Relaxed) == u64::MAX {
+            let ns = self.first_gemm.0.elapsed().as_nanos() as u64;
+            self.first_gemm.1.fetch_min(ns, Ordering::Relaxed);
+        }
+        self.flops_issued
+            .fetch_add(2 * (desc.m * desc.n * desc.k) as u64, Ordering::Relaxed);
+    }
+
+    /// After k-chunk `kk` of `tile` on `acc`: save the accumulator when the run takes
+    /// checkpoints, the tile has k-chunks left and its interval since `marks[acc]` is up.
+    fn checkpoint_if_due(
+        &mut self,
+        tile: &OutTile,
+        acc: usize,
+        kk: u64,
+        marks: &mut [Instant],
+        p: &mut Pending,
+        ctl: &Control,
+    ) -> Result<()> {
+        if let Some(c) = self.ckpt {
+            let mark = marks.get(acc).copied().unwrap_or_else(Instant::now);
+            if kk + 1 < c.k_chunks() && c.due(mark) {
+                self.checkpoint(tile, acc, kk as u32 + 1, p, ctl)?;
+                if let Some(m) = marks.get_mut(acc) {
+                    *m = Instant::now();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// End `tile` on `acc`: issue its download into an output buffer, to be handed to
+    /// writeback once done ([`Self::settle`]).
+    fn end_tile(
+        &mut self,
+        tile: OutTile,
+        acc: usize,
+        p: &mut Pending,
+        ctl: &Control,
+    ) -> Result<()> {
+        // At most `max_downs` downloads in flight: a lane whose device is slower
+        // than its input (every input tile cached, or a slow GPU) would otherwise
+        // run ahead through its ops and hold every buffer of the shared output pool
+        // while its device catches up, starving the other lanes.
+        while p.downs.len() >= self.max_downs.max(1) {
+            let t = Instant::now();
+            self.lane.wait(p.downs[0].0)?;
+            self.m.add_wait_out(t.elapsed());
+            let (_, d) = p.downs.remove(0);
+            ctl.send_timed(self.out.to(d.tile.seq), d, &self.m)?;
+        }
+        let mut buf = self.lease_out(p, ctl)?;
+        let elems = tile.block.elems();
+        let tk = self.lane.download(acc, elems, buf.buf_mut())?;
+        let (partial, checks) = (None, self.checks.clone());
+        p.downs.push((
+            tk,
+            Done {
+                tile,
+                buf,
+                partial,
+                checks,
+            },
+        ));
+        self.m.add_item((elems * self.host_dt.size()) as u64);
+        Ok(())
+    }
+}

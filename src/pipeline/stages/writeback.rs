@@ -1,0 +1,74 @@
+//! The writeback stage: [`Done`] → (tile, CRC) to the sync stage: a finished tile written into
+//! the output (or a checkpoint saved), its buffer back to the output pool. `threads / 8`, 1 to 4
+//! threads, each with its own channel; a tile's messages all go to one
+//! ([`ToWriteback`](super::messages::ToWriteback)). It blocks on the checks of directly uploaded
+//! inputs the tile depends on, on writing, and on its output channel to sync.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+
+use super::messages::Done;
+use crate::dtype::DType;
+use crate::durable::checkpoint::Checkpoints;
+use crate::error::Result;
+use crate::pipeline::control::Control;
+use crate::pipeline::metrics::StageMetrics;
+use crate::plan::schedule::OutTile;
+use crate::store::MatrixSink;
+
+pub(crate) struct Writeback<'a> {
+    pub(crate) writer: &'a dyn MatrixSink,
+    /// Where checkpoints (partial accumulators) are saved.
+    pub(crate) ckpt: Option<&'a Checkpoints>,
+    pub(crate) host_dt: DType,
+    pub(crate) rx: Receiver<Done>,
+    /// Written tiles (with their CRC) on their way to being made durable and recorded.
+    pub(crate) out: Sender<(OutTile, u32)>,
+    pub(crate) m: Arc<StageMetrics>,
+}
+
+impl Writeback<'_> {
+    pub(crate) fn run(self, ctl: &Control) -> Result<()> {
+        while let Some(d) = ctl.recv_timed(&self.rx, &self.m) {
+            if let Some((progress, n)) = &d.checks {
+                // Nothing computed from an input block is written before its checks passed.
+                let t = Instant::now();
+                progress.wait_for(*n, ctl)?;
+                self.m.add_wait_in(t.elapsed());
+            }
+            let t = Instant::now();
+            let b = d.tile.block;
+            let bytes = b.elems() * self.host_dt.size();
+            let data = &d.buf.buf().bytes()[..bytes];
+            if let Some(k_done) = d.partial {
+                let c = self.ckpt.expect("only a run with checkpoints takes them");
+                // A checkpoint that cannot be saved (disk full, read-only directory) only
+                // means a kill would lose more: the run goes on without further checkpoints.
+                if let Err(e) = c.save(&d.tile, k_done, data) {
+                    c.give_up(&e);
+                }
+                drop(d.buf);
+                self.m.add_busy(t.elapsed());
+                continue;
+            }
+            // Populate the block's pages here too: when output is all the work (the 43 GB
+            // chain) writeback overtakes outprep, and copying into unpopulated pages takes a
+            // fault per 4 KiB while outprep populates the same tiles beside it. On two H200s
+            // the chain took 3.55–3.69 s so against 6.87–7.24 s (docs/decisions/0005-writeback-threads-populate.md); pages
+            // outprep already made cost a walk of their page table.
+            self.writer.prefault(&b);
+            let crc = self.writer.write_block(&b, self.host_dt, data)?;
+            drop(d.buf);
+            // Out of this process's map now that it is written (still in the page cache):
+            // resident memory holds the tiles in flight, not the output.
+            self.writer.release(&b);
+            self.m.add_busy(t.elapsed());
+            self.m
+                .add_item(b.elems() as u64 * self.writer.dtype().size() as u64);
+            ctl.send_timed(&self.out, (d.tile, crc), &self.m)?;
+        }
+        Ok(())
+    }
+}
