@@ -7,6 +7,7 @@
 //! one tile buffer, so a single unpooled tile-sized buffer anywhere in the pipeline fails this.
 //! One test per file: the allocator counts the whole process.
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -8,8 +8,7 @@
 //! compared bit for bit. Each refused kind has its message checked. One test round-trips through
 //! numpy when it is installed and says why it skipped when not.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use std::path::Path;
 use std::process::Command;
