@@ -5,8 +5,10 @@
 //! so the peak above the baseline must stay within `host_memory` plus the simulated devices'
 //! memory (which lives on the heap here) plus a small allowance for bookkeeping — smaller than
 //! one tile buffer, so a single unpooled tile-sized buffer anywhere in the pipeline fails this.
-//! One test per file: the allocator counts the whole process.
+//! One test per file: the allocator counts the whole process, so this file is a test binary of
+//! its own, outside the one that holds the other integration tests (tests/it).
 
+#[path = "it/common/mod.rs"]
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};

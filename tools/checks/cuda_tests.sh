@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The CUDA test twins (`correctness`, `pipeline`, `checkpoint`, `chain_memory` binaries, --ignored) on one GPU
-# (CUDA_VISIBLE_DEVICES=0) and then on every GPU. GPU machine, repository root, .dev/bin carried
-# (docs/GPU.md). Log: $OUT/gpu_tests.log.
+# The CUDA test twins (the `it` test binary's `MODULE::cuda::` tests of correctness, pipeline,
+# checkpoint and chain_memory, --ignored) on one GPU (CUDA_VISIBLE_DEVICES=0) and then on every
+# GPU. GPU machine, repository root, .dev/bin carried (docs/GPU.md). Log: $OUT/gpu_tests.log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to gpu_tests.log
@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=index,name --format=csv,noheader | tee -a "$LOG"
 for vis in 0 all; do
   for t in correctness pipeline checkpoint chain_memory; do
     log "$t --ignored, GPUs: $vis"
-    if [ $vis = all ]; then "$DEV/$t" --ignored --test-threads=1
-    else CUDA_VISIBLE_DEVICES=0 "$DEV/$t" --ignored --test-threads=1; fi 2>&1 | tee -a "$LOG" | grep -E "^test |test result"
+    if [ $vis = all ]; then "$DEV/it" --ignored --test-threads=1 "$t::cuda::"
+    else CUDA_VISIBLE_DEVICES=0 "$DEV/it" --ignored --test-threads=1 "$t::cuda::"; fi 2>&1 | tee -a "$LOG" | grep -E "^test |test result"
   done
 done

@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
 "$MGMM" devices
 for t in correctness pipeline; do
   echo "== $t --ignored"
-  "$DEV/$t" --ignored --test-threads=1 2>&1 | tee "$OUT/test_$t.log" | grep -E "^test |test result|panicked|error" | head -40
+  "$DEV/it" --ignored --test-threads=1 "$t::cuda::" 2>&1 | tee "$OUT/test_$t.log" | grep -E "^test |test result|panicked|error" | head -40
 done
 W=${W:-/tmp/w}; mkdir -p "$W"; cd "$W"
 N=${N:-16384}

@@ -9,8 +9,7 @@
 //! the classical worst-case bound for a K-term dot product plus input rounding and the final
 //! scaling and rounding of the output.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use mgmm_stream::dtype::DType;
 use mgmm_stream::plan::Precision;

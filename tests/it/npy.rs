@@ -6,10 +6,10 @@
 //! offset) on shapes that straddle the compute tiles, multiplied and compared with an f64
 //! reference. Values are small integers, exact in every dtype, so the products are exact and
 //! compared bit for bit. Each refused kind has its message checked. One test round-trips through
-//! numpy when it is installed and says why it skipped when not.
+//! numpy: it is `#[ignore]`d, since a plain `cargo test` must not need Python, and .ci/run runs
+//! it with `--ignored` against the numpy of its virtual environment.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use std::path::Path;
 use std::process::Command;
@@ -487,18 +487,20 @@ fn a_chain_matches_the_reference_and_orders_by_cost() {
     assert!(ch.naive_cost <= ch.order_cost * 1.0001);
 }
 
-/// numpy reads our `.npy` output with mmap, and we read numpy's files of every kind.
+/// numpy reads our `.npy` output with mmap, and we read numpy's files of every kind. Needs a
+/// python with numpy (`MGMM_PYTHON`, default `python3`) and fails saying so without one.
 #[test]
-fn numpy_round_trip_when_numpy_is_installed() {
+#[ignore = "needs numpy (pip install numpy, or MGMM_PYTHON=a python that has it): run with --ignored; .ci/run does"]
+fn numpy_round_trip() {
     let py = std::env::var("MGMM_PYTHON").unwrap_or_else(|_| "python3".into());
     let has = Command::new(&py)
         .args(["-c", "import numpy"])
         .output()
         .is_ok_and(|o| o.status.success());
-    if !has {
-        eprintln!("SKIPPED numpy_round_trip_when_numpy_is_installed: `{py} -c 'import numpy'` failed (install numpy, or set MGMM_PYTHON to a python that has it)");
-        return;
-    }
+    assert!(
+        has,
+        "`{py} -c 'import numpy'` failed: install numpy, or set MGMM_PYTHON to a python that has it"
+    );
     let d = tmp();
     let script = r#"
 import numpy as np, sys

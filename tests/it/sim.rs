@@ -4,12 +4,10 @@
 //! Every test compares bytes with a run on the CPU backend, which computes each tile the same
 //! way; so a tile lost, duplicated, computed from a recycled buffer or written twice shows up.
 
-mod common;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use mgmm_stream::backend::fault::{FaultConfig, FaultyBackend};
 use mgmm_stream::backend::sim::SimBackend;
 use mgmm_stream::backend::Backend;

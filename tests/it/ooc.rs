@@ -2,11 +2,9 @@
 //! input block once between them, and an output larger than `host_memory` does not grow the
 //! process's resident memory (it is mapped, and each written tile leaves the map).
 
-mod common;
-
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 use mgmm_stream::backend::sim::SimBackend;
 use mgmm_stream::dtype::DType;
 use mgmm_stream::plan::Plan;

@@ -1,5 +1,6 @@
-//! Helpers shared by the integration tests: temp dirs, generated inputs, an independent f64
-//! reference product, and running a plan through the library.
+//! Helpers shared by the integration tests (the modules of tests/it, and tests/budget.rs by
+//! `#[path]`): temp dirs, generated inputs, an independent f64 reference product, and running a
+//! plan through the library.
 
 #![allow(dead_code)]
 
@@ -151,7 +152,7 @@ macro_rules! per_backend {
         mod cpu {
             $( #[test] fn $name() { $f("cpu") } )*
         }
-        /// Four simulated asynchronous lanes (tests/sim.rs): the multi-lane pipeline on CI.
+        /// Four simulated asynchronous lanes (tests/it/sim.rs): the multi-lane pipeline on CI.
         mod sim {
             $( #[test] fn $name() { $f("sim") } )*
         }

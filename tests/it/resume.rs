@@ -2,8 +2,7 @@
 //! failure mid-run stops cleanly and resumes, journals from other plans or inputs are refused,
 //! a second writer fails at once, and the file-size limit is a clear error.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use std::path::Path;
 use std::process::{Command, Stdio};

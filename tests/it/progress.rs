@@ -3,8 +3,7 @@
 //! timestamps, progress for input generation, Ctrl-C that ends with how to resume, and a
 //! closed stdout/stderr pipe that does not turn a finished run into a failure.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;

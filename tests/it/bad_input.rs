@@ -2,8 +2,7 @@
 //! the file, key, step or tile and what to do, no panic or backtrace, and every input file
 //! byte-identical afterwards.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use std::path::Path;
 use std::process::Command;

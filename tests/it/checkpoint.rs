@@ -4,13 +4,11 @@
 //! the bytes of an uninterrupted run. A corrupt checkpoint or one from other inputs is ignored
 //! with a note, `--restart` discards them, and a completed step leaves none behind.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use mgmm_stream::backend::fault::FaultConfig;
 use mgmm_stream::dtype::DType;
 use mgmm_stream::plan::Plan;

@@ -5,14 +5,12 @@
 //! runs that keep file intermediates. Values are uniform in [-1, 1) with full f32 mantissas, so
 //! any change in the order of operations would show in the bits.
 
-mod common;
-
 use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use mgmm_stream::backend::fault::FaultConfig;
 use mgmm_stream::dtype::DType;
 use mgmm_stream::plan::Plan;

@@ -3,13 +3,11 @@
 //! another process count give the same bytes; one shard is never written by two processes;
 //! finalize names what is missing.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{bin, tmp};
+use crate::common::{bin, tmp};
 
 const LAUNCHER_VARS: &[&str] = &[
     "SLURM_PROCID",

@@ -2,8 +2,7 @@
 //! case exits non-zero with one message naming the problem, never panics, and leaves its inputs
 //! byte-identical.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use std::path::Path;
 use std::process::{Command, Output};

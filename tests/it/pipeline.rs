@@ -1,8 +1,7 @@
 //! Pipeline behaviour beyond single products: out-of-core streaming within a memory budget,
 //! bitwise reproducibility, and prompt, clear failure when a stage errors.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use std::sync::mpsc;
 use std::time::Duration;

@@ -4,8 +4,7 @@
 //! off by 10⁻⁴ is caught; a changed input is named from the journal; `--repair` restores the
 //! bytes of a clean run.
 
-mod common;
-use common::*;
+use crate::common::*;
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
