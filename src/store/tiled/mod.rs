@@ -20,7 +20,7 @@
 //!
 //! The format is read by [`TiledFile`] ([`reader`]) and written by [`TiledWriter`] ([`writer`]);
 //! the run I/O both share with the other formats is in [`super::blockio`]. Their round trips
-//! are tested together ([`tests`]).
+//! are tested together (`tests.rs`).
 //!
 //! [`MatrixSource`]: super::MatrixSource
 //! [`MatrixSink`]: super::MatrixSink
