@@ -13,16 +13,11 @@
 use std::path::{Path, PathBuf};
 
 use super::fsutil;
+/// Where a new file goes (asked of [`fsutil`], below this module); also reachable here, beside
+/// the files it places.
+pub(crate) use super::fsutil::parent_dir;
 use crate::error::{Error, Result};
 use crate::units::fmt_bytes;
-
-/// The directory a new file at `path` goes into ("." for a bare name).
-pub(crate) fn parent_dir(path: &Path) -> PathBuf {
-    match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
-    }
-}
 
 /// Refuse when the filesystem holding `dir` has less than `need` bytes free for us. Filesystems
 /// that cannot be asked pass (the write itself then reports ENOSPC, and the partial file goes).

@@ -31,6 +31,14 @@ pub(crate) fn identity_path(p: &Path) -> std::path::PathBuf {
     }
 }
 
+/// The directory a new file at `path` goes into ("." for a bare name).
+pub(crate) fn parent_dir(path: &Path) -> std::path::PathBuf {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    }
+}
+
 /// Free bytes for unprivileged writers on the filesystem holding `dir`; `None` if it cannot be
 /// asked (then callers skip the check rather than refuse).
 pub(crate) fn free_bytes(dir: &Path) -> Option<u64> {
@@ -153,7 +161,7 @@ impl VmDirty {
 
 /// [`counts_dirty_pages`] for a file `path` about to be created: asked of its folder.
 pub(crate) fn dir_counts_dirty_pages(path: &Path) -> bool {
-    match std::fs::File::open(super::atomic::parent_dir(path)) {
+    match std::fs::File::open(parent_dir(path)) {
         Ok(f) => counts_dirty_pages(&f),
         Err(_) => true,
     }

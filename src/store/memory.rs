@@ -19,7 +19,9 @@ use std::sync::{Arc, RwLock};
 
 use rayon::prelude::*;
 
-use super::{Block, MatrixSink, MatrixSource};
+use super::block::Block;
+use super::blockio::par_crc32c;
+use super::seam::{MatrixSink, MatrixSource};
 use crate::dtype::{self, DType};
 use crate::error::{Error, Result};
 
@@ -204,7 +206,7 @@ impl MatrixSink for MemoryWriter {
             converted = v;
             &converted
         };
-        let crc = super::par_crc32c(stored);
+        let crc = par_crc32c(stored);
         let (t0, t1) = (b.r0 / m.tile.0, (b.r0 + b.rows).div_ceil(m.tile.0));
         let spans = m.col_spans(b.c0, b.cols);
         let pieces: Vec<(u64, (u64, u64, u64))> = (t0..t1)

@@ -6,7 +6,7 @@
 //! writable map and for `np.load(..., mmap_mode="r")`). Blocks are written like a `.mgt`
 //! output's — through a prefaulted writable map or with `pwrite` ([`WriteMode`]) — and the
 //! per-tile CRCs that `.mgt` keeps in its table go to the sidecar `C.npy.crc32c`
-//! ([`super::npy_source::Sidecar`]), written by `finish`. The sidecar's tiles are the output's
+//! ([`super::sidecar::Sidecar`]), written by `finish`. The sidecar's tiles are the output's
 //! storage tiles; `info --check`, `verify` and later steps reading the array check them.
 //!
 //! Memory-map safety: as for `.mgt` outputs ([`super::tiled`]), the output is created or
@@ -20,14 +20,14 @@ use std::sync::Mutex;
 use memmap2::{Advice, MmapMut, MmapOptions};
 use rayon::prelude::*;
 
+use super::block::Block;
+use super::blockio::{size_error, BlockOut};
 use super::fsutil;
 use super::header::Header;
-use super::npy::{read_header, NpyHeader};
-use super::npy_source::{sidecar_path, Sidecar};
-use super::rowmajor::{clip_tile, TileCrcs};
+use super::npy_header::{read_header, NpyHeader};
 use super::runs::Geometry;
-use super::source::{Block, MatrixSink, WriteMode};
-use super::tiled::{size_error, BlockOut};
+use super::seam::{MatrixSink, WriteMode};
+use super::sidecar::{clip_tile, sidecar_path, Sidecar, TileCrcs};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 

@@ -35,9 +35,11 @@ use std::sync::OnceLock;
 use memmap2::{Advice, Mmap, MmapOptions};
 use rayon::prelude::*;
 
+use super::block::Block;
+use super::blockio::{convert_par, read_runs_with, supported};
 use super::runs::{runs, Geometry, Run, IO_SPAN};
-use super::source::{Block, MatrixSource};
-use super::tiled::{convert_par, read_runs_with, supported};
+use super::seam::{read_staged_in_passes, MappedBlock, MatrixSource};
+use super::sidecar::{clip_tile, sidecar_path, TileCrcs};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -49,14 +51,6 @@ const BAND_FRACTION: f64 = 1.0 / 6.0;
 /// Size of each sample of the identity CRC, and how many samples.
 const SAMPLE: u64 = 64 << 10;
 const SAMPLES: u64 = 8;
-
-/// Per-tile CRCs kept beside the data (the `.npy` sidecar): tile shape and one CRC-32C per tile
-/// of the tile's elements taken row by row (edge tiles clipped), grid row-major.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct TileCrcs {
-    pub(crate) tile: (u64, u64),
-    pub(crate) crcs: Vec<u32>,
-}
 
 /// Where a row-major matrix lies and what it is.
 #[derive(Clone, Debug)]
@@ -244,7 +238,7 @@ impl RowMajorFile {
                     tj,
                     stored: t.crcs[i],
                     computed,
-                    sidecar: Some(super::npy_source::sidecar_path(&self.path)),
+                    sidecar: Some(sidecar_path(&self.path)),
                 });
             }
             marks[i].store(true, Ordering::Relaxed);
@@ -286,17 +280,6 @@ pub(crate) fn data_end(spec: &RowMajorSpec) -> Option<u64> {
         .checked_mul(spec.cols)
         .and_then(|n| n.checked_mul(spec.dtype.size() as u64))
         .and_then(|n| n.checked_add(spec.data_offset))
-}
-
-/// Checksum tile (ti, tj) of a `tile`-sized grid over `g`, clipped to the matrix.
-pub(crate) fn clip_tile(g: &Geometry, tile: (u64, u64), ti: u64, tj: u64) -> Block {
-    let (r0, c0) = (ti * tile.0, tj * tile.1);
-    Block {
-        r0,
-        c0,
-        rows: tile.0.min(g.rows - r0),
-        cols: tile.1.min(g.cols - c0),
-    }
 }
 
 /// A raw pointer that may cross threads; used only to write disjoint byte ranges of one buffer.
@@ -370,7 +353,7 @@ impl MatrixSource for RowMajorFile {
     }
     fn read_staged(&self, b: &Block, host: DType, dst: &mut [u8], verify: bool) -> Result<u64> {
         if self.spec.dtype != host {
-            return super::source::read_staged_in_passes(self, b, host, dst, verify);
+            return read_staged_in_passes(self, b, host, dst, verify);
         }
         if verify {
             self.verify_tiles(b)?;
@@ -381,14 +364,14 @@ impl MatrixSource for RowMajorFile {
         self.read_into(&rs, dst, Some(host))
             .map_err(|e| Error::io(&self.path, "cannot read matrix data", e))
     }
-    fn mapped_block(&self, b: &Block, host: DType) -> Option<super::source::MappedBlock<'_>> {
+    fn mapped_block(&self, b: &Block, host: DType) -> Option<MappedBlock<'_>> {
         if self.spec.dtype != host || b.check_inside(&self.path, self.shape()).is_err() {
             return None;
         }
         // One storage tile, the whole matrix: registered as one range (its start rounded down
         // to a page: a numpy header need not end on one), shared by every block.
         let data = self.geo.data_offset..self.geo.data_offset + self.geo.tile_stride;
-        Some(super::source::MappedBlock {
+        Some(MappedBlock {
             runs: runs(&self.geo, b, u64::MAX).collect(),
             spans: vec![data.clone()],
             data,

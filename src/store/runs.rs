@@ -9,7 +9,7 @@
 
 use std::ops::Range;
 
-use super::source::Block;
+use super::block::Block;
 
 /// The usual limit on a run's file span for `pread`/`pwrite`: large enough for full-speed I/O,
 /// small enough that one block's runs spread over the rayon pool.

@@ -1,14 +1,94 @@
-//! The per-element loops of the verify passes. `verify` must run at memory bandwidth, so the
-//! loops are written for the compiler to vectorise (independent lanes, no branches) and are
-//! compiled twice: for the baseline x86-64 target the crate is built for (SSE2, two f64 lanes)
-//! and, picked at run time, for AVX2 + FMA (four lanes, twice the registers). Every loop only
+//! The element types of the verify passes ([`Elem`], the double-double accumulator [`Dd`]) and
+//! their per-element loops, below the passes that use them ([`super::pass`]).
+//!
+//! The loops: `verify` must run at memory bandwidth, so the loops are written for the compiler
+//! to vectorise (independent lanes, no branches) and are compiled twice: for the baseline
+//! x86-64 target the crate is built for (SSE2, two f64 lanes) and, picked at run time, for
+//! AVX2 + FMA (four lanes, twice the registers). Every loop only
 //! adds and multiplies, so both builds give the same sums up to the order of additions, which
 //! the error model already allows for.
 //!
 //! The sign vectors x hold ±1 (or 0 for an excluded column), so `v·x` is exact and every sum
 //! of such products is an ordinary f64 sum (or a double-double one, [`Dd`], for f64 data).
 
-use super::pass::{Dd, Elem};
+use zerocopy::{FromBytes, Immutable, IntoBytes};
+
+use crate::backend::round_inputs;
+use crate::dtype::DType;
+use crate::plan::Precision;
+
+/// A double-double accumulator: `hi + lo` carries about 106 significant bits.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Dd {
+    pub(crate) hi: f64,
+    pub(crate) lo: f64,
+}
+
+impl Dd {
+    /// Add `v` exactly (Knuth's TwoSum; the rounding error goes to `lo`).
+    #[inline]
+    pub(crate) fn add(&mut self, v: f64) {
+        let s = self.hi + v;
+        let bb = s - self.hi;
+        let err = (self.hi - (s - bb)) + (v - bb);
+        self.hi = s;
+        self.lo += err;
+    }
+    /// Add the product `a·b` (TwoProd by fused multiply-add, then TwoSum).
+    #[inline]
+    pub(crate) fn add_prod(&mut self, a: f64, b: f64) {
+        let p = a * b;
+        let e = a.mul_add(b, -p);
+        self.add(p);
+        self.lo += e;
+    }
+    /// Add `s · d` for another double-double `d`.
+    #[inline]
+    pub(crate) fn add_scaled(&mut self, s: f64, d: Dd) {
+        self.add_prod(s, d.hi);
+        self.lo += s * d.lo;
+    }
+    /// Add another double-double.
+    #[inline]
+    pub(crate) fn add_dd(&mut self, d: Dd) {
+        self.add(d.hi);
+        self.lo += d.lo;
+    }
+    pub(crate) fn value(self) -> f64 {
+        self.hi + self.lo
+    }
+}
+
+/// The element type a pass reads a file as: f64 for f64 files, f32 for the others (the reader
+/// widens f16 and bf16). Bands stay in this type; values are widened to f64 in registers.
+pub(crate) trait Elem:
+    Copy + Default + Send + Sync + IntoBytes + FromBytes + Immutable + 'static
+{
+    const DTYPE: DType;
+    fn wide(self) -> f64;
+    /// Round to the GEMM's input format as the CPU backend does (f64 data is left as is).
+    fn round(p: Precision, v: &mut [Self]);
+}
+
+impl Elem for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self as f64
+    }
+    fn round(p: Precision, v: &mut [f32]) {
+        round_inputs(p, v)
+    }
+}
+
+impl Elem for f64 {
+    const DTYPE: DType = DType::F64;
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self
+    }
+    fn round(_: Precision, _: &mut [f64]) {}
+}
 
 /// Independent accumulators per sum: enough to fill two AVX2 registers.
 const LANES: usize = 8;

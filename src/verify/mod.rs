@@ -528,24 +528,7 @@ fn residuals(
         }) if path != step.output => {
             // The passes check the operands' stored checksums as they read them
             // (pass::read_band); the output's were checked before.
-            rep.pass = false;
-            rep.corrupt_input = Some(path.display().to_string());
-            let p = path.display();
-            let (table, meant) = match &sidecar {
-                Some(s) => (
-                    format!("the checksums in {}", s.display()),
-                    format!(
-                        "; if it was changed on purpose, delete {} and `run --restart` to recompute the step from it",
-                        s.display()
-                    ),
-                ),
-                None => ("the checksums stored in it".into(), String::new()),
-            };
-            // Neutral about when it changed: with `verify_inputs = false` the run itself may
-            // have read it so.
-            rep.reason = Some(format!(
-                "the input {p} does not match {table} (tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}): its data changed after they were written, so the output cannot be checked against it — restore the input (regenerate or re-import it; an output of an earlier step is checked at that step, where `verify --repair` recomputes its bad tiles) and verify again; `info {p} --check` lists every bad tile{meant}"
-            ));
+            input_changed(rep, &path, (ti, tj), (stored, computed), sidecar.as_deref());
             return Ok(());
         }
         o => o?,
@@ -573,6 +556,36 @@ fn residuals(
         rep.failing_tiles = tiles(&o.fails, &cg, &oc.fails, &rgp, tile);
     }
     Ok(())
+}
+
+/// Fails `rep` because the input `path` no longer matches its stored checksums (tile
+/// `(ti, tj)`), in the table of `sidecar` or in the file itself: the output cannot be checked
+/// against it ([`residuals`]).
+fn input_changed(
+    rep: &mut VerifyReport,
+    path: &std::path::Path,
+    (ti, tj): (u64, u64),
+    (stored, computed): (u32, u32),
+    sidecar: Option<&std::path::Path>,
+) {
+    rep.pass = false;
+    rep.corrupt_input = Some(path.display().to_string());
+    let p = path.display();
+    let (table, meant) = match sidecar {
+        Some(s) => (
+            format!("the checksums in {}", s.display()),
+            format!(
+                "; if it was changed on purpose, delete {} and `run --restart` to recompute the step from it",
+                s.display()
+            ),
+        ),
+        None => ("the checksums stored in it".into(), String::new()),
+    };
+    // Neutral about when it changed: with `verify_inputs = false` the run itself may
+    // have read it so.
+    rep.reason = Some(format!(
+        "the input {p} does not match {table} (tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}): its data changed after they were written, so the output cannot be checked against it — restore the input (regenerate or re-import it; an output of an earlier step is checked at that step, where `verify --repair` recomputes its bad tiles) and verify again; `info {p} --check` lists every bad tile{meant}"
+    ));
 }
 
 /// Why the residual test cannot run on a part of a whole-expression chain: its intermediates

@@ -18,57 +18,16 @@ use std::sync::Mutex;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
-use zerocopy::{FromBytes, Immutable, IntoBytes};
+use zerocopy::IntoBytes;
 
-use crate::backend::round_inputs;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::plan::Precision;
 use crate::store::{Block, MatrixSource};
 
-use super::kernel;
-
-/// A double-double accumulator: `hi + lo` carries about 106 significant bits.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Dd {
-    pub(crate) hi: f64,
-    pub(crate) lo: f64,
-}
-
-impl Dd {
-    /// Add `v` exactly (Knuth's TwoSum; the rounding error goes to `lo`).
-    #[inline]
-    pub(crate) fn add(&mut self, v: f64) {
-        let s = self.hi + v;
-        let bb = s - self.hi;
-        let err = (self.hi - (s - bb)) + (v - bb);
-        self.hi = s;
-        self.lo += err;
-    }
-    /// Add the product `a·b` (TwoProd by fused multiply-add, then TwoSum).
-    #[inline]
-    pub(crate) fn add_prod(&mut self, a: f64, b: f64) {
-        let p = a * b;
-        let e = a.mul_add(b, -p);
-        self.add(p);
-        self.lo += e;
-    }
-    /// Add `s · d` for another double-double `d`.
-    #[inline]
-    pub(crate) fn add_scaled(&mut self, s: f64, d: Dd) {
-        self.add_prod(s, d.hi);
-        self.lo += s * d.lo;
-    }
-    /// Add another double-double.
-    #[inline]
-    pub(crate) fn add_dd(&mut self, d: Dd) {
-        self.add(d.hi);
-        self.lo += d.lo;
-    }
-    pub(crate) fn value(self) -> f64 {
-        self.hi + self.lo
-    }
-}
+/// Double-double sums are part of what a pass returns ([`Sums`]); named here for its callers.
+pub(crate) use super::kernel::Dd;
+use super::kernel::{self, Elem};
 
 /// One operand as a pass sees it: op(M) of a stored file, optionally rounded to the GEMM's
 /// input precision exactly as the CPU backend rounds it (so a value beyond fp16's range is
@@ -158,37 +117,6 @@ pub(crate) struct Sums {
 /// Stored bytes of one band of rows; two bands are in memory at once (the next one is read
 /// while the current one is folded).
 const BAND_BYTES: usize = 32 << 20;
-
-/// The element type a pass reads a file as: f64 for f64 files, f32 for the others (the reader
-/// widens f16 and bf16). Bands stay in this type; values are widened to f64 in registers.
-pub(crate) trait Elem:
-    Copy + Default + Send + Sync + IntoBytes + FromBytes + Immutable + 'static
-{
-    const DTYPE: DType;
-    fn wide(self) -> f64;
-    /// Round to the GEMM's input format as the CPU backend does (f64 data is left as is).
-    fn round(p: Precision, v: &mut [Self]);
-}
-
-impl Elem for f32 {
-    const DTYPE: DType = DType::F32;
-    #[inline(always)]
-    fn wide(self) -> f64 {
-        self as f64
-    }
-    fn round(p: Precision, v: &mut [f32]) {
-        round_inputs(p, v)
-    }
-}
-
-impl Elem for f64 {
-    const DTYPE: DType = DType::F64;
-    #[inline(always)]
-    fn wide(self) -> f64 {
-        self
-    }
-    fn round(_: Precision, _: &mut [f64]) {}
-}
 
 /// Read stored rows `r0..r0 + h` (all columns) into `buf`, in parallel pieces, once the stored
 /// checksums of the storage tiles they touch have been checked.
