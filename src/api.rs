@@ -14,8 +14,8 @@ use std::sync::{Arc, Mutex};
 
 use crate::backend;
 use crate::durable::journal::{Journal, State};
+use crate::durable::sink::TileSink;
 use crate::error::{Error, Result};
-use crate::pipeline::stages::TileSink;
 pub use crate::pipeline::StepSources;
 use crate::pipeline::{output_header, Engines, Pipeline, RunConfig, Work};
 use crate::plan::engine::{EngineSet, EngineSource};

@@ -11,7 +11,7 @@
 //! into PATH ([`crate::trace`]).
 
 #[cfg(feature = "fault-injection")]
-use crate::backend::fault::FaultConfig;
+use crate::seam::FaultConfig;
 
 /// Read `MGMM_FAULT_LANE`, `MGMM_FAULT_GEMM_AFTER`, `MGMM_FAULT_WRITE_AFTER`; `None` when
 /// neither a GEMM nor a write fault is set. Called once by the command line, never by the

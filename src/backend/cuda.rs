@@ -31,14 +31,12 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 
-use super::{
-    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, HostRun, Lane, MemorySpace,
-    Ticket,
-};
+use super::{Backend, Dst, GemmDesc, HostAlloc, HostBuf, HostRun, Lane, Ticket};
 use crate::dtype::DType;
 use crate::error::{DeviceError, Error, Result};
 use crate::plan::layout::Layout;
-use crate::plan::{Devices, Engine, Precision};
+use crate::plan::{Devices, Engine};
+use crate::seam::{Caps, DeviceCheckSpec, DeviceStats, MemorySpace, Precision};
 use crate::units::fmt_bytes;
 
 const CONVERT_SRC: &str = include_str!("../../kernels/convert.cu");
@@ -1995,7 +1993,7 @@ impl Lane for CudaLane {
     /// copied into a page-locked region and an event recorded after them.
     fn check_upload(
         &mut self,
-        spec: &super::check::DeviceCheckSpec,
+        spec: &DeviceCheckSpec,
     ) -> Option<Box<dyn super::check::DeviceCheck>> {
         let f = self.check.clone()?;
         let (landing, slot, bytes) = self.last_upload.take()?;

@@ -27,7 +27,9 @@ use std::ptr::NonNull;
 
 use crate::error::Result;
 use crate::plan::layout::Layout;
-use crate::plan::Precision;
+pub(crate) use crate::seam::MemorySpace;
+pub use crate::seam::{Caps, DeviceStats, MAX_THREADS};
+use crate::seam::{DeviceCheckSpec, Precision};
 
 /// Host memory owned by a backend (plain on the CPU, page-locked on a GPU), 4096-byte aligned.
 pub struct HostBuf {
@@ -209,23 +211,6 @@ pub struct GemmDesc {
     pub(crate) beta: f64,
 }
 
-/// Device-side time and traffic, as the device measured it.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct DeviceStats {
-    /// Seconds spent in GEMMs.
-    pub gemm_s: f64,
-    /// Seconds spent copying host to device.
-    pub h2d_s: f64,
-    /// Seconds spent copying device to host.
-    pub d2h_s: f64,
-    /// Bytes copied host to device.
-    pub h2d_bytes: u64,
-    /// Bytes copied device to host.
-    pub d2h_bytes: u64,
-    /// GEMMs run.
-    pub gemms: u64,
-}
-
 /// A device's worth of compute: slots, accumulators, and ordered asynchronous work.
 pub trait Lane: Send {
     /// Human name ("cpu", "cuda:0 NVIDIA H200").
@@ -254,10 +239,7 @@ pub trait Lane: Send {
     }
     /// Check the block the last [`Self::upload_runs`] copied, on the device, as `spec` says:
     /// queued after that copy; `None` when this lane cannot (the host then checks the block).
-    fn check_upload(
-        &mut self,
-        _spec: &check::DeviceCheckSpec,
-    ) -> Option<Box<dyn check::DeviceCheck>> {
+    fn check_upload(&mut self, _spec: &DeviceCheckSpec) -> Option<Box<dyn check::DeviceCheck>> {
         None
     }
     /// Accumulate `op(A slot) · op(B slot)` into accumulator `acc` as `g` describes.
@@ -324,64 +306,6 @@ pub(crate) fn round_inputs(p: Precision, xs: &mut [f32]) {
     }
 }
 
-/// Where a lane's input-tile slots and accumulators live, which decides whose budget they count
-/// against in the layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum MemorySpace {
-    /// In host memory (the CPU backend): counted in `engine.host_memory`.
-    Host,
-    /// On a device with its own memory: counted in the per-device budget.
-    Device,
-}
-
-/// What the planner and `plan` need to know about a backend; everything backend-specific above
-/// the [`Lane`] seam is read from here, never from the backend's name.
-#[derive(Clone, Debug)]
-pub struct Caps {
-    /// Short kind for the journal's fingerprint ("cpu", "cuda", "sim"): a step never mixes
-    /// results of two kinds.
-    pub(crate) kind: &'static str,
-    pub(crate) memory: MemorySpace,
-    /// Square tile edges tried by `tile = "auto"`, largest first.
-    pub(crate) tile_ladder: &'static [u64],
-    /// Most staging buffers per lane worth having.
-    pub(crate) staging_depth: usize,
-    /// Whether an extra output buffer (download overlapping writeback) is worth budget.
-    pub(crate) extra_out_buf: bool,
-    /// `staging = "auto"` copies inputs into the staging buffers, instead of uploading them
-    /// from the files' pages, when the backend drives at least this many lanes
-    /// ([`Caps::staging`]; `usize::MAX`: never).
-    pub(crate) auto_copies_from: usize,
-    /// Lanes (devices) the backend drives.
-    pub(crate) lanes: usize,
-    /// Per-lane device memory budget (0 for [`MemorySpace::Host`]).
-    pub(crate) device_memory: u64,
-    /// Whether the lane converts bf16/fp16 inputs on the device (needs landing buffers and
-    /// slots in the narrow type).
-    pub(crate) narrow_slots: bool,
-    /// Names of the copy engines in reports ("H2D"/"D2H", or "staged"/"collected" on the CPU).
-    pub(crate) link_names: (&'static str, &'static str),
-    /// Host↔device link rate per lane for `plan`'s lower bound (None: no link).
-    pub(crate) link_rate: Option<f64>,
-    /// Peak FLOP rate per lane by precision for `plan`'s lower bound, and where it comes from.
-    pub(crate) peak_flops: fn(Precision, usize) -> f64,
-    pub(crate) peak_source: &'static str,
-}
-
-impl Caps {
-    /// How this backend stages inputs when the plan asks for `asked` (docs/PLAN.md `staging`):
-    /// as asked, except that `auto` copies on [`Caps::auto_copies_from`] lanes or more. On the
-    /// GPUs that is two: with a second GPU's context alive the driver page-locks the files'
-    /// pages at 21–31 GB/s instead of 40, one registration at a time whichever thread asks
-    /// (`tools/gpu/register_probe.py`), and two H200s ran every job faster copying into
-    /// pinned buffers than uploading from the files' pages — 32768² bf16 0.511 s against
-    /// 0.681, fp32 0.750 against 0.837, 60000² fp64 4.40 against 5.45 (BENCHMARKS.md §26) —
-    /// while one H200 ran level (tf32 0.565 against 0.557).
-    pub(crate) fn staging(&self, asked: crate::plan::StagingMode) -> crate::plan::StagingMode {
-        asked.on_lanes(self.lanes, self.auto_copies_from)
-    }
-}
-
 /// A compute backend: its capabilities, its host allocator, and the lanes it makes for a
 /// layout. The run loop, the planner and the pipeline see only this trait and [`Lane`].
 pub trait Backend: HostAlloc {
@@ -403,11 +327,6 @@ pub trait Backend: HostAlloc {
 }
 
 /// Number of worker threads `threads = 0` means.
-/// The most worker threads a plan or command may ask for: far above any machine's cores, low
-/// enough that a typo (`threads = 100000`) is an error rather than a process spawning threads
-/// until the machine stalls.
-pub const MAX_THREADS: usize = 1024;
-
 pub(crate) fn resolve_threads(threads: usize) -> usize {
     if threads > 0 {
         threads

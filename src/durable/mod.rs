@@ -8,3 +8,4 @@
 
 pub(crate) mod checkpoint;
 pub mod journal;
+pub(crate) mod sink;

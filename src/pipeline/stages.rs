@@ -27,6 +27,7 @@ use super::shared::{Got, SharedReads};
 use crate::backend::{Dst, GemmDesc, Lane, Ticket};
 use crate::dtype::DType;
 use crate::durable::checkpoint::Checkpoints;
+use crate::durable::sink::TileSink;
 use crate::error::{Error, Result};
 use crate::plan::schedule::{OutTile, Schedule, Src, TileCache};
 use crate::store::{Block, MatrixSink, MatrixSource};
@@ -1101,12 +1102,6 @@ impl OutPrep<'_> {
         }
         Ok(())
     }
-}
-
-/// Called by writeback after a tile's data is written (and flushed, when durable) — the resume
-/// journal hooks in here. `data_crc` is the CRC-32C of the tile's bytes in the output dtype.
-pub(crate) trait TileSink: Sync {
-    fn tile_written(&self, tile: &OutTile, data_crc: u32) -> Result<()>;
 }
 
 pub(crate) struct Writeback<'a> {

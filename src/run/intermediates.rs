@@ -20,8 +20,8 @@ use std::time::Instant;
 
 use super::{fail_over, RunOptions};
 use crate::backend::Backend;
+use crate::durable::sink::TileSink;
 use crate::error::{Error, Result};
-use crate::pipeline::stages::TileSink;
 use crate::pipeline::{Engines, Pipeline, RunConfig, StepSources, Work};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::{OutTile, Schedule};
