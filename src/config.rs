@@ -42,6 +42,12 @@ pub(crate) fn pinned_alloc() -> bool {
     *ON.get_or_init(|| std::env::var_os("MGMM_PINNED_ALLOC").is_some())
 }
 
+/// `CUDA_VISIBLE_DEVICES`: the GPUs CUDA will let the process see, for the run's guess of
+/// them before the driver is up (`run::prefill`); `None` when unset.
+pub(crate) fn cuda_visible_devices() -> Option<String> {
+    std::env::var("CUDA_VISIBLE_DEVICES").ok()
+}
+
 /// `MGMM_TRACE`: where to write the run's timeline ([`crate::trace`]); `None` when unset.
 pub(crate) fn trace_path() -> Option<std::path::PathBuf> {
     static P: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();

@@ -480,6 +480,9 @@ pub(crate) struct CudaAlloc {
     /// The [`Prefill`]'s buffers until the pools of the step it was made for are made
     /// ([`HostAlloc::pools_made`] frees those no pool took).
     prefill: std::sync::Mutex<Option<Prefill>>,
+    /// Allocate with `cuMemHostAlloc` rather than registering mapped memory
+    /// (`MGMM_PINNED_ALLOC`, read at the edge: [`super::BackendOptions`]).
+    pinned_alloc: bool,
 }
 
 /// Page-locked host memory, either kind.
@@ -664,7 +667,7 @@ impl CudaAlloc {
     /// Fresh page-locked memory: registered, or from `cuMemHostAlloc` if registering fails.
     fn fresh(&self, len: usize) -> Result<PinnedMem> {
         let mut why = String::new();
-        if !crate::config::pinned_alloc() {
+        if !self.pinned_alloc {
             match Registered::new(&self.ctx, len) {
                 Ok(r) => return Ok(PinnedMem::Registered(r)),
                 Err(e) => why = format!(" (registering mapped memory failed first: {e})"),
@@ -693,18 +696,38 @@ impl CudaAlloc {
 
 /// The length of the pinned allocation that holds `bytes`: whole pages, at least one. The
 /// prefill's guess must round as the allocator does, or no pool would find its buffers.
-fn pinned_len(bytes: usize) -> usize {
+pub(crate) fn pinned_len(bytes: usize) -> usize {
     bytes.div_ceil(4096).max(1) * 4096
 }
 
-/// What a run can start before its CUDA backend is ready, guessed from its plan
-/// ([`early_start`]): populating the pinned pools' memory, and each GPU's first GEMM of the
+/// What a run can start before its CUDA backend is ready, as `run` guessed it from the plan
+/// ([`EarlySpec`]): populating the pinned pools' memory, and each GPU's first GEMM of the
 /// plan's tile shape, which loads cuBLAS's kernel.
 pub(crate) struct EarlyStart {
     prefill: Option<Prefill>,
     warm: Option<WarmSpec>,
     /// The GPUs the plan lists (`None`: all), the only ones warmed up.
     devices: Option<Vec<usize>>,
+}
+
+/// What a run's first CUDA pipelines will allocate and compute, worked out from the plan before
+/// the driver is up (by `run`, which has the plan and opens its inputs): the backend gets
+/// these numbers, never the plan, and prepares them early ([`EarlyStart`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct EarlySpec {
+    /// The byte lengths of the pinned buffers the pools will ask for, rounded as the
+    /// allocator rounds them ([`pinned_len`]).
+    pub(crate) pool_lens: Vec<usize>,
+    /// The plan step ([`Step::order`](crate::plan::Step::order)) whose pools those are:
+    /// pipelines of earlier steps leave the buffers for it ([`HostAlloc::pools_made`]).
+    pub(crate) step: (usize, usize),
+    /// Threads that may populate the buffers.
+    pub(crate) threads: usize,
+    /// That step's GEMM tile (m, n, k) and precision: each GPU's warm-up GEMM.
+    pub(crate) tile: (usize, usize, usize),
+    pub(crate) precision: Precision,
+    /// The GPUs the plan lists (`None`: all), the only ones warmed up.
+    pub(crate) devices: Option<Vec<usize>>,
 }
 
 /// A GEMM shape and precision whose cuBLAS kernel a GPU has loaded (a lane of that tile shape
@@ -717,29 +740,22 @@ pub(crate) struct WarmSpec {
     precision: Precision,
 }
 
-/// The start of `plan`'s CUDA backend that can be prepared before the driver is up: `None`
-/// when no GPU is in sight or no layout can be made.
-pub(crate) fn early_start(plan: &crate::plan::Plan, threads: usize) -> Option<EarlyStart> {
-    let lanes = guess_gpu_count(&plan.engine);
-    let (step, l) = guess_layout(plan, lanes)?;
-    let mut lens = pool_lens(&l, lanes);
-    if staging_lazy(plan, step, &l) {
-        // The staging pools will be leases without memory (`Pool::lazy`): only the output's.
-        lens.drain(..l.staging_bufs * lanes);
+impl EarlyStart {
+    /// The start that `spec` describes (worked out from the plan by `run`, before the driver
+    /// is up); `pinned_alloc`: no prefill, the pools' buffers come from `cuMemHostAlloc`.
+    pub(crate) fn new(spec: EarlySpec, pinned_alloc: bool) -> EarlyStart {
+        let (m, n, k) = spec.tile;
+        EarlyStart {
+            prefill: Prefill::new(spec.pool_lens, spec.threads, spec.step, pinned_alloc),
+            warm: Some(WarmSpec {
+                m,
+                n,
+                k,
+                precision: spec.precision,
+            }),
+            devices: spec.devices,
+        }
     }
-    Some(EarlyStart {
-        prefill: Prefill::new(lens, threads, step),
-        warm: Some(WarmSpec {
-            m: l.tm as usize,
-            n: l.tn as usize,
-            k: l.tk as usize,
-            precision: plan.engine.precision,
-        }),
-        devices: match &plan.engine.devices {
-            Devices::List(l) => Some(l.iter().map(|&d| d as usize).collect()),
-            _ => None,
-        },
-    })
 }
 
 /// Host memory populated for a run's pinned pools while the driver starts, then registered
@@ -777,11 +793,16 @@ impl Prefill {
     /// Buffers of `lens` bytes, to be populated on at most `threads` threads once started.
     /// `None`: nothing to do, more than half of the memory the process can take (the host's
     /// `MemAvailable`, or its memory cgroup's headroom: a guess must not run the process out
-    /// of memory — [`touched_map`]), or `MGMM_PINNED_ALLOC=1`.
-    pub(crate) fn new(lens: Vec<usize>, threads: usize, step: (usize, usize)) -> Option<Prefill> {
+    /// of memory — [`touched_map`]), or `pinned_alloc` (`MGMM_PINNED_ALLOC=1`).
+    pub(crate) fn new(
+        lens: Vec<usize>,
+        threads: usize,
+        step: (usize, usize),
+        pinned_alloc: bool,
+    ) -> Option<Prefill> {
         let total: usize = lens.iter().sum();
         let fits = crate::store::fsutil::memory_headroom().is_some_and(|m| total as u64 <= m / 2);
-        if lens.is_empty() || !fits || crate::config::pinned_alloc() {
+        if lens.is_empty() || !fits || pinned_alloc {
             return None;
         }
         let (tx, rx) = crossbeam_channel::unbounded();
@@ -882,88 +903,13 @@ impl Drop for Prefill {
     }
 }
 
-/// How many GPUs `CUDA_VISIBLE_DEVICES` lets CUDA see, read as CUDA reads it: indices or
-/// `GPU-`/`MIG-` UUIDs up to the first entry that is neither (`"0,1,-1,2"`: two; `"-1"`,
-/// `""`: none).
-fn visible_count(v: &str) -> usize {
-    v.split(',')
-        .map(str::trim)
-        .take_while(|x| x.parse::<u32>().is_ok() || x.starts_with("GPU-") || x.starts_with("MIG-"))
-        .count()
-}
-
-/// The GPUs a run of `engine` would use, guessed without starting the driver: the listed
-/// ones, or those `CUDA_VISIBLE_DEVICES` lets through, at most as many as the driver lists
-/// under `/proc/driver/nvidia/gpus`. 0 when there is no sign of a GPU.
-fn guess_gpu_count(engine: &Engine) -> usize {
-    let present = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
-    let n = match (&engine.devices, std::env::var("CUDA_VISIBLE_DEVICES")) {
-        (Devices::List(l), _) => l.len(),
-        (_, Ok(v)) => visible_count(&v),
-        _ => present,
-    };
-    n.min(present)
-}
-
-/// The [`Step::order`](crate::plan::Step::order) and layout of `plan`'s step with the largest pinned pools on `lanes` GPUs (the largest: a
-/// chain's first part is often tiny, and the pools of one step are reused by the next when
-/// the sizes match). `None` when there is no GPU or no layout can be made. Device memory is
-/// taken as 64 GiB (or `engine.device_memory`): it changes the layout only through the tile
-/// size, which on GPUs with less memory may come out smaller — then the guess goes unused:
-/// the prefilled buffers are freed once the first pools are made, and the lanes warm up
-/// their own tile shape.
-fn guess_layout(plan: &crate::plan::Plan, lanes: usize) -> Option<((usize, usize), Layout)> {
-    let e = &plan.engine;
-    if lanes == 0 {
-        return None;
-    }
-    let caps = cuda_caps(lanes, e.device_memory.unwrap_or(64 << 30));
-    (plan.steps.iter())
-        .filter_map(|step| Some((step.order(), Layout::new(&plan.path, step, e, &caps).ok()?)))
-        .max_by_key(|(_, l)| pool_lens(l, lanes).iter().sum::<usize>())
-}
-
-/// Whether the staging pools of plan step `order` (laid out as `l`) will be lazy, as
-/// [`crate::pipeline::Engines::make`] will decide once the step's inputs are open: they are
-/// opened here for it (a header read and a residency check), assuming the GPUs can register
-/// read-only maps (if not, the pools are allocated up front without the prefill's help).
-fn staging_lazy(plan: &crate::plan::Plan, order: (usize, usize), l: &Layout) -> bool {
-    let t = std::time::Instant::now();
-    let Some(step) = plan.steps.iter().find(|s| s.order() == order) else {
-        return false;
-    };
-    let open = |op: &crate::plan::Operand| (!op.temp).then(|| op.open().ok()).flatten();
-    let lazy = match (open(&step.a), open(&step.b)) {
-        (Some(a), Some(b)) => crate::pipeline::direct::expected(
-            (plan.engine.staging).on_lanes(l.lanes, AUTO_COPIES_FROM),
-            Some(crate::pipeline::direct::default_limits()),
-            &[&*a, &*b],
-            step.c0.is_some(),
-            l.host_dt,
-        ),
-        _ => false,
-    };
-    crate::trace::span("start-up", "inputs direct?", t, std::time::Instant::now());
-    lazy
-}
-
-/// The byte lengths of the pinned buffers of `l`'s pools on `lanes` GPUs, as [`CudaAlloc`]
-/// rounds them.
-fn pool_lens(l: &Layout, lanes: usize) -> Vec<usize> {
-    let mut lens = vec![pinned_len(l.staging_buf_bytes as usize); l.staging_bufs * lanes];
-    lens.extend(std::iter::repeat_n(
-        pinned_len(l.out_buf_bytes as usize),
-        l.out_bufs * lanes,
-    ));
-    lens
-}
-
 impl CudaAlloc {
-    fn new(ctx: Arc<CudaContext>, prefill: Option<Prefill>) -> CudaAlloc {
+    fn new(ctx: Arc<CudaContext>, prefill: Option<Prefill>, pinned_alloc: bool) -> CudaAlloc {
         CudaAlloc {
             ctx,
             cache: Arc::default(),
             prefill: std::sync::Mutex::new(prefill),
+            pinned_alloc,
         }
     }
 
@@ -1008,6 +954,7 @@ impl HostAlloc for CudaAlloc {
             ctx: self.ctx.clone(),
             cache: self.cache.clone(),
             prefill: std::sync::Mutex::new(None),
+            pinned_alloc: self.pinned_alloc,
         }))
     }
     fn pools_made(&self, step: (usize, usize)) {
@@ -1133,7 +1080,7 @@ pub(crate) struct CudaBackend {
 }
 
 /// `staging = "auto"` copies inputs on this many GPUs or more ([`Caps::staging`] says why).
-const AUTO_COPIES_FROM: usize = 2;
+pub(crate) const AUTO_COPIES_FROM: usize = 2;
 
 const GPU_TILES: &[u64] = &[
     8192, 6144, 4096, 3072, 2048, 1536, 1024, 768, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1,
@@ -1151,7 +1098,7 @@ fn h200_peak(p: Precision, lanes: usize) -> f64 {
 }
 
 /// What the CUDA backend offers with `lanes` GPUs of `device_memory` bytes each.
-fn cuda_caps(lanes: usize, device_memory: u64) -> Caps {
+pub(crate) fn cuda_caps(lanes: usize, device_memory: u64) -> Caps {
     Caps {
         kind: "cuda",
         memory: MemorySpace::Device,
@@ -1195,11 +1142,17 @@ fn choose(engine: &Engine, devs: &[DeviceInfo]) -> Result<Vec<DeviceInfo>> {
 
 impl CudaBackend {
     /// The backend over the GPUs `engine` asks for, with `early`'s work started as the
-    /// driver comes up and its prefilled memory adopted (freed on error).
-    pub(crate) fn select(engine: &Engine, early: Option<EarlyStart>) -> Result<CudaBackend> {
+    /// driver comes up and its prefilled memory adopted (freed on error); `pinned_alloc`: see
+    /// [`super::BackendOptions`].
+    pub(crate) fn select(
+        engine: &Engine,
+        early: Option<EarlyStart>,
+        pinned_alloc: bool,
+    ) -> Result<CudaBackend> {
         let devs = probe_with(early.as_ref())?;
         let chosen = choose(engine, &devs)?;
-        CudaBackend::from_devices(engine, chosen, None, early.and_then(|e| e.prefill))
+        let prefill = early.and_then(|e| e.prefill);
+        CudaBackend::from_devices(engine, chosen, None, prefill, pinned_alloc)
     }
 
     /// The backend over `chosen` (opened GPUs), their pools held. `device_memory`: the budget
@@ -1210,6 +1163,7 @@ impl CudaBackend {
         mut chosen: Vec<DeviceInfo>,
         device_memory: Option<u64>,
         prefill: Option<Prefill>,
+        pinned_alloc: bool,
     ) -> Result<CudaBackend> {
         for d in &mut chosen {
             if d.held.is_none() {
@@ -1242,7 +1196,7 @@ impl CudaBackend {
             (None, None) => min_free.saturating_sub(auto_margin(min_free)) / share,
         };
         let ctx0 = chosen[0].ctx.clone();
-        let alloc = CudaAlloc::new(ctx0, prefill);
+        let alloc = CudaAlloc::new(ctx0, prefill, pinned_alloc);
         Ok(CudaBackend {
             engine: engine.clone(),
             threads: super::resolve_threads(engine.threads),
@@ -1370,7 +1324,7 @@ impl Backend for CudaBackend {
         };
         let fixed = Some(self.caps.device_memory);
         Some(
-            CudaBackend::from_devices(&engine, rest, fixed, None)
+            CudaBackend::from_devices(&engine, rest, fixed, None, self.alloc.pinned_alloc)
                 .map(|b| Box::new(b) as Box<dyn Backend>),
         )
     }
@@ -2371,111 +2325,11 @@ impl Drop for CudaLane {
 mod tests {
     use super::*;
 
-    /// The prefill leaves out the staging buffers when the step's inputs will go straight from
-    /// their pages (the pools then lease tokens); not with `staging = "copy"`, nor for inputs
-    /// that cannot be opened yet.
-    #[test]
-    fn prefill_leaves_out_staging_buffers_when_the_inputs_go_direct() {
-        let dir = tempfile::tempdir().unwrap();
-        for (name, seed) in [("A.mgt", 1), ("B.mgt", 2)] {
-            let spec = crate::store::gen::GenSpec {
-                rows: 96,
-                cols: 96,
-                dtype: crate::dtype::DType::F32,
-                tile: (32, 32),
-                dist: crate::store::gen::Dist::Normal,
-                seed,
-            };
-            crate::store::gen::generate(&dir.path().join(name), &spec).unwrap();
-        }
-        let plan_with = |staging: &str, b: &str| {
-            let text = format!(
-                "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"{b}\"\n\
-                 [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
-                 [engine]\nbackend = \"cuda\"\nstaging = \"{staging}\"\n"
-            );
-            let path = dir.path().join("p.toml");
-            std::fs::write(&path, text).unwrap();
-            crate::plan::Plan::load(&path).unwrap()
-        };
-        let caps = cuda_caps(1, 64 << 30);
-        for (staging, want) in [("auto", true), ("direct", true), ("copy", false)] {
-            let plan = plan_with(staging, "B.mgt");
-            let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
-            assert_eq!(staging_lazy(&plan, (0, 0), &l), want, "{staging}");
-        }
-        // An input not there yet (to be generated, say): the pools are made up front.
-        let mut plan = plan_with("auto", "B.mgt");
-        std::fs::remove_file(dir.path().join("B.mgt")).unwrap();
-        plan.steps[0].b.path = dir.path().join("B.mgt");
-        let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
-        assert!(!staging_lazy(&plan, (0, 0), &l));
-    }
-
-    /// The prefill's guess is the pools' own sizes: for 32768² fp32 on one GPU, six staging
-    /// buffers and three output buffers of one 8192² f32 tile each, twice as many on two; the
-    /// largest step of a chain, not its tiny first part; nothing without a GPU.
-    #[test]
-    fn prefill_guesses_the_pools_of_the_largest_step() {
-        let dir = tempfile::tempdir().unwrap();
-        let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 32768, cols = 32768 }\n\
-                    [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 32768, cols = 32768 }\n\
-                    [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
-                    [engine]\nbackend = \"cuda\"\ndevices = [0]\nhost_memory = \"16GiB\"\n";
-        let path = dir.path().join("p.toml");
-        std::fs::write(&path, text).unwrap();
-        let plan = crate::plan::Plan::load(&path).unwrap();
-        let pool_lens_on = |plan: &crate::plan::Plan, lanes: usize| {
-            (guess_layout(plan, lanes).map(|(_, l)| pool_lens(&l, lanes))).unwrap_or_default()
-        };
-        let tile = 8192 * 8192 * 4;
-        assert_eq!(pool_lens_on(&plan, 1), vec![tile; 9]);
-        assert_eq!(pool_lens_on(&plan, 2), vec![tile; 18]);
-        assert!(pool_lens_on(&plan, 0).is_empty());
-        let (_, l) = guess_layout(&plan, 1).unwrap();
-        assert_eq!(
-            (l.tm, l.tn, l.tk),
-            (8192, 8192, 8192),
-            "the early warm-up's shape"
-        );
-        let caps = cuda_caps(1, 64 << 30);
-        let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
-        assert_eq!((l.staging_bufs, l.out_bufs), (6, 3));
-        // The 43 GB chain: two parts, the first 3000×100·100×100; the guess is the second's.
-        let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 3000, cols = 100 }\n\
-                    [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 100, cols = 100 }\n\
-                    [matrices.C]\npath = \"C.mgt\"\ngenerate = { rows = 100, cols = 3600000 }\n\
-                    [[step]]\noutput = \"D.mgt\"\nexpr = \"(A @ B @ C).T\"\n\
-                    [engine]\nbackend = \"cuda\"\nhost_memory = \"16GiB\"\n";
-        std::fs::write(&path, text).unwrap();
-        let chain = crate::plan::Plan::load(&path).unwrap();
-        assert_eq!(chain.steps.len(), 2);
-        let big = Layout::new(&chain.path, &chain.steps[1], &chain.engine, &caps).unwrap();
-        let lens = pool_lens_on(&chain, 1);
-        assert_eq!(
-            guess_layout(&chain, 1).unwrap().0,
-            (0, 2),
-            "made for the second part"
-        );
-        assert!(lens.contains(&pinned_len(big.out_buf_bytes as usize)));
-        assert!(lens.iter().sum::<usize>() > 100 << 20, "{lens:?}");
-    }
-
-    /// `CUDA_VISIBLE_DEVICES` as CUDA reads it: up to the first entry that is not a GPU.
-    #[test]
-    fn visible_devices_stop_at_the_first_invalid_entry() {
-        assert_eq!(visible_count("0,1"), 2);
-        assert_eq!(visible_count("0,1,-1,2"), 2);
-        assert_eq!(visible_count("-1"), 0);
-        assert_eq!(visible_count(""), 0);
-        assert_eq!(visible_count("GPU-8f2c,MIG-1a2b/1/0"), 2);
-    }
-
     /// A prefill populates buffers of the asked sizes on its own threads; called off (`stop`),
     /// populating gives up; dropped, it frees what it made.
     #[test]
     fn a_prefill_populates_and_can_be_called_off() {
-        let p = Prefill::new(vec![1 << 20, 3 << 20, 1 << 20], 2, (0, 0)).expect("buffers");
+        let p = Prefill::new(vec![1 << 20, 3 << 20, 1 << 20], 2, (0, 0), false).expect("buffers");
         assert!(lock(&p.workers).is_empty(), "nothing runs before start");
         p.start();
         p.start(); // once only
@@ -2492,13 +2346,13 @@ mod tests {
         assert!(touched_map(8 << 20, &AtomicBool::new(false)).is_ok_and(|m| m.len() == 8 << 20));
         assert!(populated_map(8 << 20).is_ok_and(|m| m.iter().all(|&b| b == 0)));
         assert!(
-            Prefill::new(vec![usize::MAX / 4; 2], 2, (0, 0)).is_none(),
+            Prefill::new(vec![usize::MAX / 4; 2], 2, (0, 0), false).is_none(),
             "more than memory holds"
         );
-        let p = Prefill::new(vec![8 << 20; 4], 2, (0, 0)).unwrap();
+        let p = Prefill::new(vec![8 << 20; 4], 2, (0, 0), false).unwrap();
         p.start();
         drop(p); // returns once its threads have stopped
-        drop(Prefill::new(vec![8 << 20; 4], 2, (0, 0))); // never started
-        assert!(Prefill::new(Vec::new(), 2, (0, 0)).is_none());
+        drop(Prefill::new(vec![8 << 20; 4], 2, (0, 0), false)); // never started
+        assert!(Prefill::new(Vec::new(), 2, (0, 0), false).is_none());
     }
 }

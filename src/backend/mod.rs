@@ -30,6 +30,7 @@ use crate::plan::layout::Layout;
 pub(crate) use crate::seam::MemorySpace;
 pub use crate::seam::{Caps, DeviceStats, MAX_THREADS};
 use crate::seam::{DeviceCheckSpec, Precision};
+pub(crate) use cuda::EarlySpec;
 
 /// Host memory owned by a backend (plain on the CPU, page-locked on a GPU), 4096-byte aligned.
 pub struct HostBuf {
@@ -337,29 +338,47 @@ pub(crate) fn resolve_threads(threads: usize) -> usize {
     }
 }
 
+/// How to build a backend beyond the plan's `[engine]`: the settings read at the edge of the
+/// process ([`crate::config`]), and what `run` worked out ahead for a CUDA backend.
+#[derive(Debug, Default)]
+pub(crate) struct BackendOptions {
+    /// Pin the CUDA backend's host buffers with `cuMemHostAlloc` rather than registering
+    /// memory it mapped (`MGMM_PINNED_ALLOC`, [`crate::config::pinned_alloc`]).
+    pub(crate) pinned_alloc: bool,
+    /// What the first CUDA pipeline will allocate, to prepare while the driver starts.
+    pub(crate) early: Option<EarlySpec>,
+}
+
 /// Choose the backend for `engine`: `cpu`, `cuda` (an error if no GPU is usable), or `auto`
 /// (every visible GPU if the driver loads and one exists, else the CPU with a note).
 pub fn select(engine: &crate::plan::Engine) -> Result<Box<dyn Backend>> {
-    select_with(engine, None)
+    let opts = BackendOptions {
+        pinned_alloc: crate::config::pinned_alloc(),
+        early: None,
+    };
+    select_with(engine, opts)
 }
 
-/// [`select`], handing a CUDA backend what [`early_start_for`] prepared for it (freed,
-/// the populating called off, when the backend is not CUDA after all).
+/// [`select`] with `opts`: a CUDA backend starts what [`BackendOptions::early`] describes
+/// as its driver comes up (freed, the populating called off, when the backend is not CUDA
+/// after all).
 pub(crate) fn select_with(
     engine: &crate::plan::Engine,
-    early: Option<cuda::EarlyStart>,
+    opts: BackendOptions,
 ) -> Result<Box<dyn Backend>> {
     use crate::plan::BackendKind;
+    let pinned = opts.pinned_alloc;
+    let early = opts.early.map(|s| cuda::EarlyStart::new(s, pinned));
     match engine.backend {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(engine.threads, None))),
-        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine, early)?)),
+        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine, early, pinned)?)),
         #[cfg(feature = "fault-injection")]
         BackendKind::Sim => Ok(Box::new(sim::SimBackend::new(engine))),
         #[cfg(not(feature = "fault-injection"))]
         BackendKind::Sim => Err(crate::error::Error::Usage(
             "engine.backend = \"sim\" (simulated devices) exists only in test builds (cargo feature fault-injection); use \"auto\", \"cpu\" or \"cuda\"".into(),
         )),
-        BackendKind::Auto => match cuda::CudaBackend::select(engine, early) {
+        BackendKind::Auto => match cuda::CudaBackend::select(engine, early, pinned) {
             Ok(s) => Ok(Box::new(s)),
             Err(e) => {
                 // GPUs named in the plan make the fallback worth more than a note: the Python
@@ -377,16 +396,6 @@ pub(crate) fn select_with(
             }
         },
     }
-}
-
-/// Start what a CUDA backend for `plan` can prepare before the driver is up (see
-/// [`cuda::EarlyStart`]). Give the result to [`select_with`].
-pub(crate) fn early_start_for(plan: &crate::plan::Plan) -> Option<cuda::EarlyStart> {
-    use crate::plan::BackendKind;
-    if !matches!(plan.engine.backend, BackendKind::Cuda | BackendKind::Auto) {
-        return None;
-    }
-    cuda::early_start(plan, resolve_threads(plan.engine.threads))
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 
 mod describe;
 mod intermediates;
+mod prefill;
 mod resume;
 pub(crate) use resume::resolve_write;
 mod space;
@@ -375,7 +376,7 @@ pub fn generate_missing(
 
 /// The backend a run uses: the plan's, wrapped with injected faults when asked (tests only).
 fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
-    let b = backend::select_with(&plan.engine, backend::early_start_for(plan))?;
+    let b = backend::select_with(&plan.engine, prefill::backend_options(plan))?;
     #[cfg(feature = "fault-injection")]
     if let Some(f) = &_opts.faults {
         return Ok(Box::new(crate::backend::fault::FaultyBackend::new(
