@@ -16,10 +16,11 @@
 //! [`mirror`] is the kernel in Rust, step for step (thread shares, slicing-by-4, the tree of
 //! combines), so that its arithmetic is tested here, where there is no GPU.
 
+#[cfg(any(test, feature = "fault-injection"))]
 use crate::seam::DeviceCheckSpec;
 
 /// A device check on its way: [`DeviceCheck::wait`] blocks until the device has done it and
-/// returns `[crc, nonfinite]` per storage tile (in [`DeviceCheckSpec`]'s order), or why it
+/// returns `[crc, nonfinite]` per storage tile (in [`DeviceCheckSpec`](crate::seam::DeviceCheckSpec)'s order), or why it
 /// could not (the host then checks the block itself).
 pub trait DeviceCheck: Send {
     fn wait(self: Box<Self>) -> std::result::Result<Vec<[u32; 2]>, String>;
