@@ -62,8 +62,8 @@ fn visible_count(v: &str) -> usize {
 }
 
 /// The GPUs a run of `engine` would use, guessed without starting the driver: the listed
-/// ones, or those `CUDA_VISIBLE_DEVICES` (`visible`, when set) lets through, at most as many as the driver lists
-/// under `/proc/driver/nvidia/gpus`. 0 when there is no sign of a GPU.
+/// ones, or those `CUDA_VISIBLE_DEVICES` (`visible`, when set) lets through, at most as many
+/// as the driver lists under `/proc/driver/nvidia/gpus`. 0 when there is no sign of a GPU.
 fn guess_gpu_count(engine: &Engine, visible: Option<&str>) -> usize {
     let present = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
     let n = match (&engine.devices, visible) {

@@ -9,8 +9,7 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 
-use super::kernels::{gemm_ex, gemm_sizes};
-use super::lane::let_go_of_blas;
+use super::kernels::{gemm_ex, gemm_sizes, let_go_of_blas};
 use super::lock;
 use super::pinned::{touched_map, PinnedCache, PinnedMem, Registered};
 use crate::backend::GemmDesc;
@@ -161,10 +160,11 @@ pub(crate) struct EarlyStart {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct EarlySpec {
     /// The byte lengths of the pinned buffers the pools will ask for, rounded as the
-    /// allocator rounds them ([`pinned_len`]).
+    /// allocator rounds them ([`pinned_len`](super::pinned_len)).
     pub(crate) pool_lens: Vec<usize>,
     /// The plan step ([`Step::order`](crate::plan::Step::order)) whose pools those are:
-    /// pipelines of earlier steps leave the buffers for it ([`HostAlloc::pools_made`]).
+    /// pipelines of earlier steps leave the buffers for it
+    /// ([`HostAlloc::pools_made`](crate::backend::HostAlloc::pools_made)).
     pub(crate) step: (usize, usize),
     /// Threads that may populate the buffers.
     pub(crate) threads: usize,
@@ -218,7 +218,7 @@ impl EarlyStart {
 pub(crate) struct Prefill {
     lens: Vec<usize>,
     /// The plan step whose pools were guessed: pipelines of earlier steps leave the buffers
-    /// for it ([`HostAlloc::pools_made`]).
+    /// for it ([`HostAlloc::pools_made`](crate::backend::HostAlloc::pools_made)).
     pub(super) step: (usize, usize),
     threads: usize,
     stop: Arc<AtomicBool>,

@@ -142,6 +142,18 @@ pub(super) unsafe fn gemm_ex(
     }
 }
 
+/// Let go of a cuBLAS handle without letting a broken context turn into a panic: cudarc's
+/// `CudaBlas` unwraps `cublasDestroy` in its Drop, which fails on a context that took an error
+/// (an illegal address, an ECC error). There the handle is leaked (with the stream and the
+/// context retain it holds: the GPU is unusable anyway); on a healthy context it is dropped.
+pub(super) fn let_go_of_blas(ctx: &cudarc::driver::CudaContext, blas: cudarc::cublas::CudaBlas) {
+    if ctx.synchronize().is_ok() {
+        drop(blas);
+    } else {
+        std::mem::forget(blas);
+    }
+}
+
 /// Checks a lane may have in flight at once (staging's check queue holds 64, plus the blocks
 /// being copied); a check beyond them is left to the host.
 pub(super) const CHECK_RING: usize = 128;

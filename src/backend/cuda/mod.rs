@@ -19,9 +19,11 @@
 //! NVRTC can be loaded before anything else touches them, and turns absence into an error.
 //!
 //! By concern: [`driver`] finds the GPUs and loads the libraries, [`early`] starts what a run
-//! can prepare before the driver is up, [`pinned`] owns page-locked host memory, [`lane`] is
-//! one GPU's lane, [`kernels`] the GPU code it runs; this file is the backend over them.
+//! can prepare before the driver is up, [`pinned`] makes page-locked host memory (and registers
+//! input files' maps) and [`alloc`] hands it to the pools, [`lane`] is one GPU's lane,
+//! [`kernels`] the GPU code it runs; this file is the backend over them.
 
+mod alloc;
 mod driver;
 mod early;
 mod kernels;
@@ -36,6 +38,7 @@ use crate::plan::layout::Layout;
 use crate::plan::{Devices, Engine};
 use crate::seam::{Caps, MemorySpace, Precision};
 use crate::units::fmt_bytes;
+use alloc::CudaAlloc;
 pub(crate) use driver::probe;
 use driver::{auto_margin, probe_with, DeviceInfo, HeldPool};
 pub(crate) use early::EarlySpec;
@@ -43,7 +46,7 @@ pub(crate) use early::EarlyStart;
 use early::Prefill;
 use lane::CudaLane;
 pub(crate) use pinned::pinned_len;
-use pinned::{CudaAlloc, FilePinner};
+use pinned::FilePinner;
 
 fn derr(what: &str, e: impl std::fmt::Display) -> Error {
     Error::backend("cuda", format!("{what}: {e}"))

@@ -2,6 +2,8 @@
 //! handle, every device buffer allocated once at start, and the tickets (events) that tell the
 //! pipeline when an upload or download is done.
 
+mod start;
+
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -13,35 +15,18 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 
-use super::driver::DeviceInfo;
-use super::early::{WarmSpec, Warming};
-use super::kernels::{
-    check_ptx, convert_ptx, gemm_ex, CheckBufs, CheckRing, CudaCheck, CHECK_RING,
-};
+use super::early::Warming;
+use super::kernels::{gemm_ex, let_go_of_blas, CheckBufs, CheckRing, CudaCheck, CHECK_RING};
 use crate::backend::check::MAX_TILES as CHECK_MAX_TILES;
 use crate::backend::{Dst, GemmDesc, HostBuf, HostRun, Lane, Ticket};
 use crate::dtype::DType;
 use crate::error::{DeviceError, Error, Result};
-use crate::plan::layout::Layout;
 use crate::seam::{DeviceCheckSpec, DeviceStats, Precision};
-use crate::units::fmt_bytes;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
     H2d,
     D2h,
-}
-
-/// Let go of a cuBLAS handle without letting a broken context turn into a panic: cudarc's
-/// `CudaBlas` unwraps `cublasDestroy` in its Drop, which fails on a context that took an error
-/// (an illegal address, an ECC error). There the handle is leaked (with the stream and the
-/// context retain it holds: the GPU is unusable anyway); on a healthy context it is dropped.
-pub(super) fn let_go_of_blas(ctx: &CudaContext, blas: CudaBlas) {
-    if ctx.synchronize().is_ok() {
-        drop(blas);
-    } else {
-        std::mem::forget(blas);
-    }
 }
 
 pub(crate) struct CudaLane {
@@ -90,243 +75,6 @@ fn timing() -> Option<CUevent_flags> {
 }
 
 impl CudaLane {
-    pub(super) fn new(
-        lane: usize,
-        d: &DeviceInfo,
-        l: &Layout,
-        precision: Precision,
-    ) -> Result<CudaLane> {
-        let ordinal = d.ordinal;
-        let name = format!("cuda:{ordinal}");
-        let e = |what: &str| {
-            let name = name.clone();
-            let what = what.to_string();
-            move |err: cudarc::driver::DriverError| {
-                Error::device(lane, name.clone(), what.clone(), err)
-            }
-        };
-        let track = format!("cuda:{ordinal} lane");
-        let t = std::time::Instant::now();
-        // The backend holds the GPU's primary context open, so this only retains it; the lane
-        // has a handle of its own so that errors cudarc records on one (in a Drop, say)
-        // surface in this lane's calls, not in another lane's or step's.
-        let ctx = CudaContext::new(ordinal).map_err(e("cannot open context"))?;
-        ctx.bind_to_thread().map_err(e("cannot use context"))?;
-        let h2d = ctx.new_stream().map_err(e("cannot create stream"))?;
-        let comp = ctx.new_stream().map_err(e("cannot create stream"))?;
-        let d2h = ctx.new_stream().map_err(e("cannot create stream"))?;
-        let alloc = |n: usize, count: usize, what: &str| -> Result<Vec<CudaSlice<u8>>> {
-            (0..count)
-                .map(|i| {
-                    // SAFETY: device memory is uninitialised; every slot/accumulator is written
-                    // (upload or GEMM with beta = 0) before it is read.
-                    unsafe { comp.alloc::<u8>(n.max(1)) }.map_err(|err| {
-                        Error::device(
-                            lane,
-                            name.clone(),
-                            format!(
-                                "cannot allocate {what} {} of {count} ({} each, {} in all for this GPU; lower engine.device_memory or engine.tile)",
-                                i + 1,
-                                fmt_bytes(n as u64),
-                                fmt_bytes(l.device_bytes)
-                            ),
-                            err,
-                        )
-                    })
-                })
-                .collect()
-        };
-        crate::trace::span(&track, "streams", t, std::time::Instant::now());
-        // The device buffers, and on a thread of its own the cuBLAS handle and the conversion
-        // kernel (library loads, 90–100 ms on an H200), which do not need the buffers.
-        // The cuBLAS handle and the conversion and check kernels.
-        type Libs = (CudaBlas, (Option<CudaFunction>, Option<CudaFunction>));
-        let libs = || -> Result<Libs> {
-            let t = std::time::Instant::now();
-            ctx.bind_to_thread().map_err(e("cannot use context"))?;
-            let blas = CudaBlas::new(comp.clone())
-                .map_err(|err| Error::device(lane, name.clone(), "cuBLAS handle", err))?;
-            crate::trace::span(&track, "cuBLAS handle", t, std::time::Instant::now());
-            let t = std::time::Instant::now();
-            let convert = || -> Result<Option<CudaFunction>> {
-                Ok(match precision {
-                    Precision::Bf16 | Precision::Fp16 => {
-                        let ptx = convert_ptx().map_err(|err| {
-                            Error::device(
-                                lane,
-                                name.clone(),
-                                "NVRTC failed on kernels/convert.cu",
-                                err,
-                            )
-                        })?;
-                        let module = ctx
-                            .load_module(ptx)
-                            .map_err(e("cannot load kernels/convert.cu"))?;
-                        let f = if precision == Precision::Bf16 {
-                            "f32_to_bf16"
-                        } else {
-                            "f32_to_f16"
-                        };
-                        Some(
-                            module
-                                .load_function(f)
-                                .map_err(e("cannot find conversion kernel"))?,
-                        )
-                    }
-                    _ => None,
-                })
-            };
-            let convert = convert();
-            // The checks' kernel, for the tensor-core precisions only: there the GEMMs leave
-            // the GPU idle most of a step while the host is the limit; with fp32/fp64 the
-            // GEMMs are the limit, and checks queued between the copies delayed them (32768²
-            // fp32: 1.492 s against 1.427 s), while the host has time to spare (§23). A lane
-            // without it lets the host check (no error).
-            let tensor = matches!(
-                precision,
-                Precision::Tf32 | Precision::Bf16 | Precision::Fp16
-            );
-            let check = match (&convert, l.host_dt) {
-                (Ok(_), DType::F32) if tensor => check_ptx()
-                    .ok()
-                    .and_then(|ptx| ctx.load_module(ptx).ok())
-                    .and_then(|m| m.load_function("check_tiles").ok()),
-                _ => None,
-            };
-            crate::trace::span(&track, "kernels", t, std::time::Instant::now());
-            match convert {
-                Ok(c) => Ok((blas, (c, check))),
-                Err(err) => {
-                    let_go_of_blas(&ctx, blas);
-                    Err(err)
-                }
-            }
-        };
-        let bufs = || -> Result<_> {
-            let t = std::time::Instant::now();
-            let slots = alloc(l.slot_bytes as usize, l.slots, "tile-cache slot")?;
-            let accs = alloc(l.acc_bytes as usize, l.accs, "accumulator")?;
-            let landing = alloc(l.landing_bytes as usize, l.landing, "landing buffer")?;
-            ctx.synchronize()
-                .map_err(e("synchronize after allocation"))?;
-            crate::trace::span(&track, "device buffers", t, std::time::Instant::now());
-            Ok((slots, accs, landing))
-        };
-        let (bufs, libs) = std::thread::scope(|s| {
-            let libs = s.spawn(libs);
-            let bufs = bufs();
-            let libs = libs.join().unwrap_or_else(|_| {
-                Err(Error::backend(
-                    "cuda",
-                    "loading cuBLAS for a GPU lane panicked",
-                ))
-            });
-            (bufs, libs)
-        });
-        let ((slots, accs, landing), (blas, (convert, check))) = match (bufs, libs) {
-            (Ok(b), Ok(l)) => (b, l),
-            (Err(e), Ok((blas, _))) => {
-                let_go_of_blas(&ctx, blas);
-                return Err(e);
-            }
-            (Err(e), Err(_)) | (Ok(_), Err(e)) => return Err(e),
-        };
-        ctx.bind_to_thread().map_err(e("cannot use context"))?;
-        let mut lane = CudaLane {
-            ordinal,
-            name: format!("cuda:{ordinal} {}", ctx.name().unwrap_or_default()),
-            ctx,
-            h2d,
-            comp,
-            d2h,
-            blas: Some(blas),
-            warming: None,
-            slots,
-            accs,
-            landing,
-            next_landing: 0,
-            convert,
-            check,
-            last_upload: None,
-            check_bufs: None,
-            precision,
-            host_dt: l.host_dt,
-            dev_dt: l.dev_dt,
-            tickets: HashMap::new(),
-            next_ticket: 1,
-            gemm_events: VecDeque::new(),
-            stats: DeviceStats::default(),
-            clock: None,
-            lane,
-        };
-        let shape = WarmSpec {
-            m: l.tm as usize,
-            n: l.tn as usize,
-            k: l.tk as usize,
-            precision,
-        };
-        match &d.warming {
-            // The probe is loading this shape's kernel: the first GEMM waits for it.
-            Some(w) if w.spec == shape => lane.warming = Some(w.clone()),
-            _ => {
-                let t = std::time::Instant::now();
-                lane.warm_up(l)?;
-                crate::trace::span(&track, "warm-up GEMM", t, std::time::Instant::now());
-            }
-        }
-        if crate::trace::enabled() {
-            let ev = lane
-                .comp
-                .record_event(timing())
-                .map_err(|e| lane.err("event", e))?;
-            ev.synchronize().map_err(|e| lane.err("event wait", e))?;
-            lane.clock = Some((ev, std::time::Instant::now()));
-        }
-        Ok(lane)
-    }
-
-    /// One full-tile GEMM on zeroed buffers, waited for, then forgotten. cuBLAS loads the
-    /// kernels it picks lazily, on their first call; without this the pipeline's first GEMM
-    /// waited for that load (the first GEMM of 32768² fp32 on one H200 was issued 0.25 s after
-    /// the stages started, while its two tiles take about 0.05 s to read and upload), and the
-    /// stages behind it stalled. Tiles of other shapes (edges) and transposed operands may
-    /// still load a kernel on first use. Skipped when the probe already ran this tile shape
-    /// ([`warm_up_early`]), which moves the load off the lanes' creation.
-    fn warm_up(&mut self, l: &Layout) -> Result<()> {
-        let (dev, host) = (self.dev_dt.size() as u64, self.host_dt.size() as u64);
-        let fits = l.tm * l.tk * dev <= l.slot_bytes
-            && l.tk * l.tn * dev <= l.slot_bytes
-            && l.tm * l.tn * host <= l.acc_bytes;
-        if !fits || self.slots.is_empty() || self.accs.is_empty() {
-            return Ok(());
-        }
-        let b_slot = 1.min(self.slots.len() - 1);
-        for i in [0, b_slot] {
-            self.comp
-                .memset_zeros(&mut self.slots[i])
-                .map_err(|e| self.err("zero a slot", e))?;
-        }
-        let desc = GemmDesc {
-            m: l.tm as usize,
-            n: l.tn as usize,
-            k: l.tk as usize,
-            a_trans: false,
-            b_trans: false,
-            alpha: 1.0,
-            beta: 0.0,
-        };
-        let t = std::time::Instant::now();
-        self.gemm(&desc, 0, b_slot, 0)?;
-        let track = format!("cuda:{} lane", self.ordinal);
-        crate::trace::span(&track, "warm-up: issue", t, std::time::Instant::now());
-        self.comp
-            .synchronize()
-            .map_err(|e| self.err("synchronize after warm-up GEMM", e))?;
-        self.gemm_events.clear();
-        self.stats = DeviceStats::default();
-        Ok(())
-    }
-
     fn err(&self, what: &str, e: impl Into<DeviceError>) -> Error {
         Error::device(self.lane, format!("cuda:{}", self.ordinal), what, e)
     }
