@@ -11,7 +11,7 @@
 //! into PATH ([`crate::trace`]).
 
 #[cfg(feature = "fault-injection")]
-use crate::backend::fault::FaultConfig;
+use crate::seam::FaultConfig;
 
 /// Read `MGMM_FAULT_LANE`, `MGMM_FAULT_GEMM_AFTER`, `MGMM_FAULT_WRITE_AFTER`; `None` when
 /// neither a GEMM nor a write fault is set. Called once by the command line, never by the
@@ -40,6 +40,12 @@ pub(crate) fn verify_times() -> bool {
 pub(crate) fn pinned_alloc() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("MGMM_PINNED_ALLOC").is_some())
+}
+
+/// `CUDA_VISIBLE_DEVICES`: the GPUs CUDA will let the process see, for the run's guess of
+/// them before the driver is up (`run::prefill`); `None` when unset.
+pub(crate) fn cuda_visible_devices() -> Option<String> {
+    std::env::var("CUDA_VISIBLE_DEVICES").ok()
 }
 
 /// `MGMM_TRACE`: where to write the run's timeline ([`crate::trace`]); `None` when unset.

@@ -50,6 +50,7 @@ pub mod plan;
 pub mod progress;
 pub(crate) mod report;
 pub mod run;
+pub(crate) mod seam;
 pub mod store;
 pub(crate) mod trace;
 pub(crate) mod units;

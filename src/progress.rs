@@ -68,7 +68,7 @@ pub(crate) struct Live<'a> {
     /// Whether the lanes are devices with their own engines worth showing (not the CPU).
     pub(crate) show_devices: bool,
     /// Each lane's name and its device statistics so far.
-    pub(crate) lanes: Vec<(String, &'a Mutex<crate::backend::DeviceStats>)>,
+    pub(crate) lanes: Vec<(String, &'a Mutex<crate::seam::DeviceStats>)>,
 }
 
 /// A recent-rate estimate: the plain average over the first [`RATE_TAU_S`] seconds, then an
@@ -112,10 +112,8 @@ impl Rate {
     }
 }
 
-/// `n` and the noun that goes with it: "1 tile", "16 tiles".
-pub fn count(n: u64, one: &str, many: &str) -> String {
-    format!("{n} {}", if n == 1 { one } else { many })
-}
+/// `n` and the noun that goes with it ([`crate::units`], where every layer can reach it).
+pub use crate::units::count;
 
 /// A duration for people: "42s", "3m05s", "1h02m", "2d03h"; `--` for none.
 pub fn fmt_duration(s: Option<f64>) -> String {

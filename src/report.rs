@@ -14,6 +14,10 @@ use crate::plan::layout::Layout;
 use crate::plan::{Precision, Step};
 use crate::units::fmt_bytes;
 
+/// The process clock lives with the timeline it starts ([`crate::trace`]); the command line
+/// starts it and the run report reads it through here.
+pub(crate) use crate::trace::{mark_process_start, process_age_s};
+
 #[derive(Clone, Debug, Serialize)]
 pub struct LaneReport {
     pub name: String,
@@ -157,26 +161,6 @@ pub struct RunReport {
     /// Seconds before the first step, by phase: choosing and starting the backend (device
     /// discovery, the first context), sizing the steps and checking space, generating inputs.
     pub startup_s: Vec<(String, f64)>,
-}
-
-static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-
-/// Mark the start of the process: the command line calls it first thing. (The kernel's
-/// start time would do, but `cargo run` execs the binary inside cargo's process, so that clock
-/// would include the build.)
-pub(crate) fn mark_process_start() {
-    let _ = PROCESS_START.set(std::time::Instant::now());
-}
-
-/// When [`mark_process_start`] was called; `None` when it was never called (a library caller,
-/// such as the Python package, whose process is not the job's).
-pub(crate) fn process_start() -> Option<std::time::Instant> {
-    PROCESS_START.get().copied()
-}
-
-/// Seconds since [`mark_process_start`]; `None` when it was never called.
-pub(crate) fn process_age_s() -> Option<f64> {
-    PROCESS_START.get().map(|t| t.elapsed().as_secs_f64())
 }
 
 /// A byte rate in MB/s below 1 GB/s, else in GB/s.

@@ -46,7 +46,7 @@ fn global() -> Option<&'static Global> {
     GLOBAL
         .get_or_init(|| {
             crate::config::trace_path().map(|_| Global {
-                origin: crate::report::process_start().unwrap_or_else(Instant::now),
+                origin: process_start().unwrap_or_else(Instant::now),
                 trace: Mutex::default(),
             })
         })
@@ -147,4 +147,27 @@ pub(crate) fn write() -> crate::error::Result<u64> {
     std::fs::write(&path, s)
         .map_err(|e| crate::error::Error::io(&path, "cannot write the trace (MGMM_TRACE)", e))?;
     Ok(t.dropped)
+}
+
+// The process clock: the origin of the timeline, and the process wall time of the run report
+// (`crate::report`, which hands it on).
+
+static PROCESS_START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// Mark the start of the process: the command line calls it first thing. (The kernel's
+/// start time would do, but `cargo run` execs the binary inside cargo's process, so that clock
+/// would include the build.)
+pub(crate) fn mark_process_start() {
+    let _ = PROCESS_START.set(std::time::Instant::now());
+}
+
+/// When [`mark_process_start`] was called; `None` when it was never called (a library caller,
+/// such as the Python package, whose process is not the job's).
+pub(crate) fn process_start() -> Option<std::time::Instant> {
+    PROCESS_START.get().copied()
+}
+
+/// Seconds since [`mark_process_start`]; `None` when it was never called.
+pub(crate) fn process_age_s() -> Option<f64> {
+    PROCESS_START.get().map(|t| t.elapsed().as_secs_f64())
 }

@@ -1,5 +1,5 @@
 //! Units at the bottom of the house: human byte sizes for plan keys like `host_memory = "2GiB"`, and
-//! the short sizes every message prints. Imports nothing of the crate, so any layer may use it.
+//! the short sizes and counts every message prints. Imports nothing of the crate, so any layer may use it.
 
 /// Parse "2GiB", "512 MiB", "1.5GB", "4096", "64k". Binary (KiB) and decimal (KB) suffixes;
 /// a bare `k`/`m`/`g`/`t` is binary.
@@ -43,6 +43,11 @@ pub(crate) fn fmt_bytes(b: u64) -> String {
     } else {
         format!("{v:.2} {}", units[u])
     }
+}
+
+/// `n` and the noun that goes with it: "1 tile", "16 tiles".
+pub fn count(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
 }
 
 #[cfg(test)]

@@ -16,35 +16,11 @@
 //! [`mirror`] is the kernel in Rust, step for step (thread shares, slicing-by-4, the tree of
 //! combines), so that its arithmetic is tested here, where there is no GPU.
 
-/// Where a block's storage tiles lie, for kernels/check.cu's `check_tiles`: the block is
-/// `brows × bcols` elements of `elem` bytes, dense row-major, its element (0, 0) the matrix's
-/// (`br0`, `bc0`); it touches storage tiles `ti0..ti0 + nti` × `tj0..tj0 + ntj` of
-/// `tile_rows × tile_cols`, one result each, in row-major order.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceCheckSpec {
-    pub brows: u64,
-    pub bcols: u64,
-    pub br0: u64,
-    pub bc0: u64,
-    pub tile_rows: u64,
-    pub tile_cols: u64,
-    pub ti0: u64,
-    pub tj0: u64,
-    pub nti: u64,
-    pub ntj: u64,
-    /// 4 (f32) or 8 (f64).
-    pub elem: u32,
-}
-
-impl DeviceCheckSpec {
-    /// Results the check gives: one per storage tile touched.
-    pub fn tiles(&self) -> usize {
-        (self.nti * self.ntj) as usize
-    }
-}
+#[cfg(any(test, feature = "fault-injection"))]
+use crate::seam::DeviceCheckSpec;
 
 /// A device check on its way: [`DeviceCheck::wait`] blocks until the device has done it and
-/// returns `[crc, nonfinite]` per storage tile (in [`DeviceCheckSpec`]'s order), or why it
+/// returns `[crc, nonfinite]` per storage tile (in [`DeviceCheckSpec`](crate::seam::DeviceCheckSpec)'s order), or why it
 /// could not (the host then checks the block itself).
 pub trait DeviceCheck: Send {
     fn wait(self: Box<Self>) -> std::result::Result<Vec<[u32; 2]>, String>;

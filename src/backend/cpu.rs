@@ -11,13 +11,11 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use zerocopy::FromBytes;
 
-use super::{
-    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, MemorySpace, Ticket,
-};
+use super::{Backend, Dst, GemmDesc, HostAlloc, HostBuf, InputPinner, Lane, Ticket};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
-use crate::plan::Precision;
+use crate::seam::{Caps, DeviceStats, MemorySpace, Precision};
 
 /// The CPU backend: one lane computing on `threads` rayon workers; slots and accumulators
 /// live in host memory and count against `engine.host_memory`.
@@ -96,9 +94,9 @@ impl HostAlloc for CpuBackend {
         Some(std::sync::Arc::new(super::HeapAlloc))
     }
     /// The lanes copy input blocks from the files' maps into their slots themselves, which
-    /// saves the staging copy ([`crate::pipeline::direct`]); nothing needs registering.
-    fn input_pinner(&self) -> Option<std::sync::Arc<dyn super::InputPinner>> {
-        Some(std::sync::Arc::new(crate::pipeline::direct::HostMemory))
+    /// saves the staging copy (`pipeline::direct`); nothing needs registering.
+    fn input_pinner(&self) -> Option<std::sync::Arc<dyn InputPinner>> {
+        Some(std::sync::Arc::new(HostMemory))
     }
 }
 
@@ -106,7 +104,7 @@ impl Backend for CpuBackend {
     fn name(&self) -> String {
         format!(
             "cpu ({})",
-            crate::progress::count(self.threads as u64, "thread", "threads")
+            crate::units::count(self.threads as u64, "thread", "threads")
         )
     }
     fn caps(&self) -> &Caps {
@@ -307,5 +305,18 @@ impl Lane for CpuLane {
     }
     fn stats(&mut self) -> DeviceStats {
         self.stats.clone()
+    }
+}
+
+/// The CPU's "registration": nothing, its lanes read host memory anyway.
+pub(crate) struct HostMemory;
+
+impl InputPinner for HostMemory {
+    fn register(&self, _ptr: *const u8, _len: usize) -> std::result::Result<(), String> {
+        Ok(())
+    }
+    fn unregister(&self, _ptr: *const u8) {}
+    fn locks(&self) -> bool {
+        false
     }
 }

@@ -10,25 +10,13 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::{Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, Lane, Ticket};
+use super::{Backend, Dst, GemmDesc, HostAlloc, HostBuf, Lane, Ticket};
+use crate::durable::sink::TileSink;
 use crate::error::{Error, Result};
-use crate::pipeline::stages::TileSink;
 use crate::plan::layout::Layout;
 use crate::plan::schedule::OutTile;
-use crate::plan::Precision;
-
-/// Which faults to inject.
-#[derive(Clone, Debug, Default)]
-pub struct FaultConfig {
-    /// Only this lane (index in the backend's lane list) fails; `None`: every lane.
-    pub lane: Option<usize>,
-    /// A failing lane's GEMM fails once this many GEMMs have run on it.
-    pub gemm_after: Option<u64>,
-    /// Writing the output fails (ENOSPC) once this many tiles were written by this process.
-    pub write_after: Option<u64>,
-    /// Every output tile's write takes this much longer (a slow disk), in milliseconds.
-    pub write_delay_ms: u64,
-}
+pub use crate::seam::FaultConfig;
+use crate::seam::{Caps, DeviceStats, Precision};
 
 impl FaultConfig {
     /// The settings the environment asks for ([`crate::config::fault_config`], where the

@@ -27,7 +27,10 @@ use std::ptr::NonNull;
 
 use crate::error::Result;
 use crate::plan::layout::Layout;
-use crate::plan::Precision;
+pub(crate) use crate::seam::MemorySpace;
+pub use crate::seam::{Caps, DeviceStats, MAX_THREADS};
+use crate::seam::{DeviceCheckSpec, Precision};
+pub(crate) use cuda::EarlySpec;
 
 /// Host memory owned by a backend (plain on the CPU, page-locked on a GPU), 4096-byte aligned.
 pub struct HostBuf {
@@ -209,23 +212,6 @@ pub struct GemmDesc {
     pub(crate) beta: f64,
 }
 
-/// Device-side time and traffic, as the device measured it.
-#[derive(Clone, Debug, Default, serde::Serialize)]
-pub struct DeviceStats {
-    /// Seconds spent in GEMMs.
-    pub gemm_s: f64,
-    /// Seconds spent copying host to device.
-    pub h2d_s: f64,
-    /// Seconds spent copying device to host.
-    pub d2h_s: f64,
-    /// Bytes copied host to device.
-    pub h2d_bytes: u64,
-    /// Bytes copied device to host.
-    pub d2h_bytes: u64,
-    /// GEMMs run.
-    pub gemms: u64,
-}
-
 /// A device's worth of compute: slots, accumulators, and ordered asynchronous work.
 pub trait Lane: Send {
     /// Human name ("cpu", "cuda:0 NVIDIA H200").
@@ -254,10 +240,7 @@ pub trait Lane: Send {
     }
     /// Check the block the last [`Self::upload_runs`] copied, on the device, as `spec` says:
     /// queued after that copy; `None` when this lane cannot (the host then checks the block).
-    fn check_upload(
-        &mut self,
-        _spec: &check::DeviceCheckSpec,
-    ) -> Option<Box<dyn check::DeviceCheck>> {
+    fn check_upload(&mut self, _spec: &DeviceCheckSpec) -> Option<Box<dyn check::DeviceCheck>> {
         None
     }
     /// Accumulate `op(A slot) · op(B slot)` into accumulator `acc` as `g` describes.
@@ -324,64 +307,6 @@ pub(crate) fn round_inputs(p: Precision, xs: &mut [f32]) {
     }
 }
 
-/// Where a lane's input-tile slots and accumulators live, which decides whose budget they count
-/// against in the layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum MemorySpace {
-    /// In host memory (the CPU backend): counted in `engine.host_memory`.
-    Host,
-    /// On a device with its own memory: counted in the per-device budget.
-    Device,
-}
-
-/// What the planner and `plan` need to know about a backend; everything backend-specific above
-/// the [`Lane`] seam is read from here, never from the backend's name.
-#[derive(Clone, Debug)]
-pub struct Caps {
-    /// Short kind for the journal's fingerprint ("cpu", "cuda", "sim"): a step never mixes
-    /// results of two kinds.
-    pub(crate) kind: &'static str,
-    pub(crate) memory: MemorySpace,
-    /// Square tile edges tried by `tile = "auto"`, largest first.
-    pub(crate) tile_ladder: &'static [u64],
-    /// Most staging buffers per lane worth having.
-    pub(crate) staging_depth: usize,
-    /// Whether an extra output buffer (download overlapping writeback) is worth budget.
-    pub(crate) extra_out_buf: bool,
-    /// `staging = "auto"` copies inputs into the staging buffers, instead of uploading them
-    /// from the files' pages, when the backend drives at least this many lanes
-    /// ([`Caps::staging`]; `usize::MAX`: never).
-    pub(crate) auto_copies_from: usize,
-    /// Lanes (devices) the backend drives.
-    pub(crate) lanes: usize,
-    /// Per-lane device memory budget (0 for [`MemorySpace::Host`]).
-    pub(crate) device_memory: u64,
-    /// Whether the lane converts bf16/fp16 inputs on the device (needs landing buffers and
-    /// slots in the narrow type).
-    pub(crate) narrow_slots: bool,
-    /// Names of the copy engines in reports ("H2D"/"D2H", or "staged"/"collected" on the CPU).
-    pub(crate) link_names: (&'static str, &'static str),
-    /// Host↔device link rate per lane for `plan`'s lower bound (None: no link).
-    pub(crate) link_rate: Option<f64>,
-    /// Peak FLOP rate per lane by precision for `plan`'s lower bound, and where it comes from.
-    pub(crate) peak_flops: fn(Precision, usize) -> f64,
-    pub(crate) peak_source: &'static str,
-}
-
-impl Caps {
-    /// How this backend stages inputs when the plan asks for `asked` (docs/PLAN.md `staging`):
-    /// as asked, except that `auto` copies on [`Caps::auto_copies_from`] lanes or more. On the
-    /// GPUs that is two: with a second GPU's context alive the driver page-locks the files'
-    /// pages at 21–31 GB/s instead of 40, one registration at a time whichever thread asks
-    /// (`tools/probes/page_lock_two_gpus.py`), and two H200s ran every job faster copying into
-    /// pinned buffers than uploading from the files' pages — 32768² bf16 0.511 s against
-    /// 0.681, fp32 0.750 against 0.837, 60000² fp64 4.40 against 5.45 (docs/decisions/0007-copy-staging-on-several-gpus.md) —
-    /// while one H200 ran level (tf32 0.565 against 0.557).
-    pub(crate) fn staging(&self, asked: crate::plan::StagingMode) -> crate::plan::StagingMode {
-        asked.on_lanes(self.lanes, self.auto_copies_from)
-    }
-}
-
 /// A compute backend: its capabilities, its host allocator, and the lanes it makes for a
 /// layout. The run loop, the planner and the pipeline see only this trait and [`Lane`].
 pub trait Backend: HostAlloc {
@@ -403,11 +328,6 @@ pub trait Backend: HostAlloc {
 }
 
 /// Number of worker threads `threads = 0` means.
-/// The most worker threads a plan or command may ask for: far above any machine's cores, low
-/// enough that a typo (`threads = 100000`) is an error rather than a process spawning threads
-/// until the machine stalls.
-pub const MAX_THREADS: usize = 1024;
-
 pub(crate) fn resolve_threads(threads: usize) -> usize {
     if threads > 0 {
         threads
@@ -418,29 +338,47 @@ pub(crate) fn resolve_threads(threads: usize) -> usize {
     }
 }
 
+/// How to build a backend beyond the plan's `[engine]`: the settings read at the edge of the
+/// process ([`crate::config`]), and what `run` worked out ahead for a CUDA backend.
+#[derive(Debug, Default)]
+pub(crate) struct BackendOptions {
+    /// Pin the CUDA backend's host buffers with `cuMemHostAlloc` rather than registering
+    /// memory it mapped (`MGMM_PINNED_ALLOC`, [`crate::config::pinned_alloc`]).
+    pub(crate) pinned_alloc: bool,
+    /// What the first CUDA pipeline will allocate, to prepare while the driver starts.
+    pub(crate) early: Option<EarlySpec>,
+}
+
 /// Choose the backend for `engine`: `cpu`, `cuda` (an error if no GPU is usable), or `auto`
 /// (every visible GPU if the driver loads and one exists, else the CPU with a note).
 pub fn select(engine: &crate::plan::Engine) -> Result<Box<dyn Backend>> {
-    select_with(engine, None)
+    let opts = BackendOptions {
+        pinned_alloc: crate::config::pinned_alloc(),
+        early: None,
+    };
+    select_with(engine, opts)
 }
 
-/// [`select`], handing a CUDA backend what [`early_start_for`] prepared for it (freed,
-/// the populating called off, when the backend is not CUDA after all).
+/// [`select`] with `opts`: a CUDA backend starts what [`BackendOptions::early`] describes
+/// as its driver comes up (freed, the populating called off, when the backend is not CUDA
+/// after all).
 pub(crate) fn select_with(
     engine: &crate::plan::Engine,
-    early: Option<cuda::EarlyStart>,
+    opts: BackendOptions,
 ) -> Result<Box<dyn Backend>> {
     use crate::plan::BackendKind;
+    let pinned = opts.pinned_alloc;
+    let early = opts.early.map(|s| cuda::EarlyStart::new(s, pinned));
     match engine.backend {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(engine.threads, None))),
-        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine, early)?)),
+        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine, early, pinned)?)),
         #[cfg(feature = "fault-injection")]
         BackendKind::Sim => Ok(Box::new(sim::SimBackend::new(engine))),
         #[cfg(not(feature = "fault-injection"))]
         BackendKind::Sim => Err(crate::error::Error::Usage(
             "engine.backend = \"sim\" (simulated devices) exists only in test builds (cargo feature fault-injection); use \"auto\", \"cpu\" or \"cuda\"".into(),
         )),
-        BackendKind::Auto => match cuda::CudaBackend::select(engine, early) {
+        BackendKind::Auto => match cuda::CudaBackend::select(engine, early, pinned) {
             Ok(s) => Ok(Box::new(s)),
             Err(e) => {
                 // GPUs named in the plan make the fallback worth more than a note: the Python
@@ -458,16 +396,6 @@ pub(crate) fn select_with(
             }
         },
     }
-}
-
-/// Start what a CUDA backend for `plan` can prepare before the driver is up (see
-/// [`cuda::EarlyStart`]). Give the result to [`select_with`].
-pub(crate) fn early_start_for(plan: &crate::plan::Plan) -> Option<cuda::EarlyStart> {
-    use crate::plan::BackendKind;
-    if !matches!(plan.engine.backend, BackendKind::Cuda | BackendKind::Auto) {
-        return None;
-    }
-    cuda::early_start(plan, resolve_threads(plan.engine.threads))
 }
 
 #[cfg(test)]

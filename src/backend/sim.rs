@@ -21,13 +21,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use super::cpu::CpuLane;
-use super::{
-    Backend, Caps, DeviceStats, Dst, GemmDesc, HostAlloc, HostBuf, HostRun, InputPinner, Lane,
-    MemorySpace, Ticket,
-};
+use super::{Backend, Dst, GemmDesc, HostAlloc, HostBuf, HostRun, InputPinner, Lane, Ticket};
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
-use crate::plan::{Devices, Engine, Precision};
+use crate::plan::{Devices, Engine};
+use crate::seam::{Caps, DeviceCheckSpec, DeviceStats, MemorySpace, Precision};
 
 const SIM_TILES: &[u64] = &[512, 256, 128, 64, 32, 16, 8, 4, 2, 1];
 
@@ -248,7 +246,7 @@ enum Op {
     Check(
         Vec<HostRun>,
         usize,
-        super::check::DeviceCheckSpec,
+        DeviceCheckSpec,
         crossbeam_channel::Sender<Vec<[u32; 2]>>,
     ),
 }
@@ -447,7 +445,7 @@ impl Lane for SimLane {
     }
     fn check_upload(
         &mut self,
-        spec: &super::check::DeviceCheckSpec,
+        spec: &DeviceCheckSpec,
     ) -> Option<Box<dyn super::check::DeviceCheck>> {
         if !self.checks_uploads() {
             return None;

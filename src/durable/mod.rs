@@ -8,4 +8,5 @@
 
 pub(crate) mod checkpoint;
 pub mod journal;
+pub(crate) mod sink;
 pub(crate) mod split;

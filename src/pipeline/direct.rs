@@ -44,10 +44,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use super::pool::Lease;
-use crate::backend::check::{DeviceCheck, DeviceCheckSpec};
+use crate::backend::check::DeviceCheck;
 use crate::backend::{HostRun, InputPinner};
 use crate::dtype::DType;
 use crate::plan::StagingMode;
+use crate::seam::DeviceCheckSpec;
 use crate::store::{Block, MappedBlock, MatrixSource};
 
 /// The registry of page-locked storage tiles of one step's inputs, shared by its lanes.
@@ -564,19 +565,6 @@ impl Drop for DirectReads {
             }
         }
         crate::trace::span("direct", "release", t, Instant::now());
-    }
-}
-
-/// The CPU's "registration": nothing, its lanes read host memory anyway.
-pub(crate) struct HostMemory;
-
-impl InputPinner for HostMemory {
-    fn register(&self, _ptr: *const u8, _len: usize) -> Result<(), String> {
-        Ok(())
-    }
-    fn unregister(&self, _ptr: *const u8) {}
-    fn locks(&self) -> bool {
-        false
     }
 }
 

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::RecvTimeoutError;
 
 use crate::backend::{Backend, DeviceStats, Lane, MemorySpace};
+use crate::durable::sink::TileSink;
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;

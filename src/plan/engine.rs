@@ -178,14 +178,14 @@ pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engin
         })?),
     };
     let threads = e.threads.as_ref().map_or(0, |v| *v.get_ref());
-    if threads > crate::backend::MAX_THREADS {
+    if threads > crate::seam::MAX_THREADS {
         let v = e.threads.as_ref().expect("threads > 0 was given");
         return Err(bad(
             "threads",
             from.at("threads", v),
             format!(
                 "{threads} threads is more than {}; leave it out (or 0) to use every core",
-                crate::backend::MAX_THREADS
+                crate::seam::MAX_THREADS
             ),
         ));
     }

@@ -8,9 +8,9 @@
 //! is rejected here with the numbers, before any work.
 
 use super::{Engine, Precision, Step, TileSpec};
-use crate::backend::{Caps, MemorySpace};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::seam::{Caps, MemorySpace};
 use crate::units::fmt_bytes;
 
 #[derive(Clone, Debug)]

@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+pub use crate::seam::{Precision, StagingMode};
 use crate::store::gen::GenSpec;
 use engine::{EngineSet, EngineSource};
 use resolve::Ctx;
@@ -36,72 +37,6 @@ pub enum BackendKind {
     Cuda,
     /// Simulated devices for tests (only in builds with the `fault-injection` feature).
     Sim,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-/// The GEMM's arithmetic precision.
-pub enum Precision {
-    /// fp32 inputs and accumulation.
-    Fp32,
-    /// TF32 inputs, fp32 accumulation.
-    Tf32,
-    /// bf16 inputs, fp32 accumulation.
-    Bf16,
-    /// fp16 inputs, fp32 accumulation.
-    Fp16,
-    /// fp64 inputs and accumulation.
-    Fp64,
-}
-
-impl Precision {
-    /// The precision named `s` in a plan (`fp32`, `tf32`, `bf16`, `fp16`, `fp64`).
-    pub fn parse(s: &str) -> Option<Precision> {
-        [
-            Precision::Fp32,
-            Precision::Tf32,
-            Precision::Bf16,
-            Precision::Fp16,
-            Precision::Fp64,
-        ]
-        .into_iter()
-        .find(|p| p.name() == s)
-    }
-    /// The name plans use (`fp32`, `tf32`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Tf32 => "tf32",
-            Precision::Bf16 => "bf16",
-            Precision::Fp16 => "fp16",
-            Precision::Fp64 => "fp64",
-        }
-    }
-    /// Host compute/output element type.
-    pub fn host_dtype(self) -> DType {
-        if self == Precision::Fp64 {
-            DType::F64
-        } else {
-            DType::F32
-        }
-    }
-    /// Relative unit roundoff of the inputs as the GEMM sees them (for error bounds).
-    pub fn input_eps(self) -> f64 {
-        match self {
-            Precision::Fp64 => f64::EPSILON / 2.0,
-            Precision::Fp32 => f32::EPSILON as f64 / 2.0,
-            Precision::Tf32 => 2f64.powi(-11),
-            Precision::Fp16 => 2f64.powi(-11),
-            Precision::Bf16 => 2f64.powi(-8),
-        }
-    }
-    /// Unit roundoff of the accumulation.
-    pub fn acc_eps(self) -> f64 {
-        if self == Precision::Fp64 {
-            f64::EPSILON / 2.0
-        } else {
-            f32::EPSILON as f64 / 2.0
-        }
-    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,48 +96,6 @@ pub struct Engine {
     pub checkpoint_every: Option<std::time::Duration>,
     /// How input tiles reach a GPU (`engine.staging`).
     pub staging: StagingMode,
-}
-
-/// How input tiles reach a GPU (`engine.staging`, docs/PLAN.md).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum StagingMode {
-    /// Straight from the file's pages where they are in the page cache, else copied.
-    #[default]
-    Auto,
-    /// Always copied into pinned buffers first.
-    Copy,
-    /// Straight from the file's pages wherever the format allows, reading them in if needed.
-    Direct,
-}
-
-impl StagingMode {
-    /// `self` on a backend with `lanes` lanes that copies under `auto` from `copies_from` lanes
-    /// on ([`crate::backend::Caps::staging`], which says why).
-    pub(crate) fn on_lanes(self, lanes: usize, copies_from: usize) -> StagingMode {
-        if self == StagingMode::Auto && lanes >= copies_from {
-            StagingMode::Copy
-        } else {
-            self
-        }
-    }
-
-    /// The mode a plan writes as `text`.
-    pub fn parse(text: &str) -> Option<StagingMode> {
-        match text.trim() {
-            "auto" => Some(StagingMode::Auto),
-            "copy" => Some(StagingMode::Copy),
-            "direct" => Some(StagingMode::Direct),
-            _ => None,
-        }
-    }
-    /// The plan's spelling.
-    pub fn name(self) -> &'static str {
-        match self {
-            StagingMode::Auto => "auto",
-            StagingMode::Copy => "copy",
-            StagingMode::Direct => "direct",
-        }
-    }
 }
 
 /// One operand of a step as it is stored on disk.

@@ -14,6 +14,7 @@ mod fingerprint;
 mod finished;
 mod inputs;
 mod intermediates;
+mod prefill;
 mod space;
 pub(crate) mod step;
 pub(crate) mod target;
@@ -125,7 +126,7 @@ pub fn init_threads(threads: usize) -> usize {
 
 /// The backend a run uses: the plan's, wrapped with injected faults when asked (tests only).
 fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
-    let b = backend::select_with(&plan.engine, backend::early_start_for(plan))?;
+    let b = backend::select_with(&plan.engine, prefill::backend_options(plan))?;
     #[cfg(feature = "fault-injection")]
     if let Some(f) = &_opts.faults {
         return Ok(Box::new(crate::backend::fault::FaultyBackend::new(

@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use super::target::{Opened, Resume, Target};
 use crate::backend::Backend;
+use crate::durable::sink::TileSink;
 use crate::error::{Error, Result};
-use crate::pipeline::stages::TileSink;
 use crate::pipeline::{Engines, Pipeline, RunConfig, StepSources};
 use crate::plan::layout::Layout;
 use crate::plan::{Engine, Step};

@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 
 use crate::durable::checkpoint::Checkpoints;
 use crate::durable::journal::{Fingerprint, Journal, State};
+use crate::durable::sink::TileSink;
 use crate::error::{Error, Result};
-use crate::pipeline::stages::TileSink;
 use crate::pipeline::{output_header, Work};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::{OutTile, Schedule};

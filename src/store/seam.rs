@@ -75,11 +75,7 @@ pub trait MatrixSource: Send + Sync {
     }
     /// Where block `b`'s storage tiles lie, for a device to check the block it copied from the
     /// map ([`crate::backend::check`]); `None`: the host checks it ([`Self::scan_mapped`]).
-    fn device_check_spec(
-        &self,
-        _b: &Block,
-        _host: DType,
-    ) -> Option<crate::backend::check::DeviceCheckSpec> {
+    fn device_check_spec(&self, _b: &Block, _host: DType) -> Option<crate::seam::DeviceCheckSpec> {
         None
     }
     /// [`Self::scan_mapped`]'s verdict from a device's results for

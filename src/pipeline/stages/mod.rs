@@ -42,5 +42,5 @@ pub(crate) use planner::Planner;
 pub(crate) use prefetch::Prefetch;
 pub(crate) use queue::TileQueue;
 pub(crate) use staging::Staging;
-pub(crate) use sync::{Durable, TileSink};
+pub(crate) use sync::Durable;
 pub(crate) use writeback::Writeback;

@@ -10,17 +10,12 @@ use std::time::Instant;
 use crossbeam_channel::Receiver;
 
 use crate::durable::checkpoint::Checkpoints;
+use crate::durable::sink::TileSink;
 use crate::error::Result;
 use crate::pipeline::control::Control;
 use crate::pipeline::metrics::StageMetrics;
 use crate::plan::schedule::OutTile;
 use crate::store::MatrixSink;
-
-/// Called by writeback after a tile's data is written (and flushed, when durable) — the resume
-/// journal hooks in here. `data_crc` is the CRC-32C of the tile's bytes in the output dtype.
-pub(crate) trait TileSink: Sync {
-    fn tile_written(&self, tile: &OutTile, data_crc: u32) -> Result<()>;
-}
 
 /// Makes written tiles durable (when asked) and records them in the journal, one after the
 /// other, on its own thread: waiting for the disk to take tile `t` overlaps writeback writing

@@ -383,14 +383,14 @@ impl TiledFile {
         &self,
         b: &Block,
         host: DType,
-    ) -> Option<crate::backend::check::DeviceCheckSpec> {
+    ) -> Option<crate::seam::DeviceCheckSpec> {
         let h = &self.hdr;
         if h.dtype != host || !matches!(host, DType::F32 | DType::F64) {
             return None;
         }
         b.check_inside(&self.path, (h.rows, h.cols)).ok()?;
         let (tis, tjs) = self.geo.tiles_of(b);
-        Some(crate::backend::check::DeviceCheckSpec {
+        Some(crate::seam::DeviceCheckSpec {
             brows: b.rows,
             bcols: b.cols,
             br0: b.r0,
@@ -487,11 +487,7 @@ impl MatrixSource for TiledFile {
     fn scan_mapped(&self, b: &Block, host: DType, verify: bool) -> Result<u64> {
         TiledFile::scan_mapped(self, b, host, verify)
     }
-    fn device_check_spec(
-        &self,
-        b: &Block,
-        host: DType,
-    ) -> Option<crate::backend::check::DeviceCheckSpec> {
+    fn device_check_spec(&self, b: &Block, host: DType) -> Option<crate::seam::DeviceCheckSpec> {
         TiledFile::device_check_spec(self, b, host)
     }
     fn settle_device_check(

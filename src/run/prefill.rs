@@ -1,0 +1,233 @@
+//! What a run's first CUDA pipeline will allocate, worked out before the backend exists, so
+//! that the CUDA backend can prepare it while the driver starts: populating the pinned pools'
+//! memory, and each GPU's first GEMM of the step's tile shape.
+//!
+//! This is the run's guess, not the backend's: it needs the whole plan (the step with the
+//! largest pools), its inputs opened (whether the staging pools will be leases without memory,
+//! as the pipeline decides: [`direct::expected`]) and the environment (`CUDA_VISIBLE_DEVICES`,
+//! `MGMM_PINNED_ALLOC`, read by [`crate::config`]). The backend gets only the numbers, an
+//! [`EarlySpec`], in its [`BackendOptions`].
+
+use crate::backend::cuda::{cuda_caps, pinned_len, AUTO_COPIES_FROM};
+use crate::backend::{resolve_threads, BackendOptions, EarlySpec};
+use crate::pipeline::direct;
+use crate::plan::layout::Layout;
+use crate::plan::{BackendKind, Devices, Engine, Operand, Plan};
+
+/// The options of the backend that runs `plan`: the settings of the environment, and what a
+/// CUDA backend can prepare before its driver is up ([`early_spec`]).
+pub(super) fn backend_options(plan: &Plan) -> BackendOptions {
+    BackendOptions {
+        pinned_alloc: crate::config::pinned_alloc(),
+        early: early_spec(plan, crate::config::cuda_visible_devices().as_deref()),
+    }
+}
+
+/// What a CUDA backend for `plan` can prepare before the driver is up, on GPUs that
+/// `CUDA_VISIBLE_DEVICES` = `visible` lets through: `None` when the plan's backend cannot be
+/// CUDA, no GPU is in sight or no layout can be made.
+fn early_spec(plan: &Plan, visible: Option<&str>) -> Option<EarlySpec> {
+    if !matches!(plan.engine.backend, BackendKind::Cuda | BackendKind::Auto) {
+        return None;
+    }
+    let threads = resolve_threads(plan.engine.threads);
+    let lanes = guess_gpu_count(&plan.engine, visible);
+    let (step, l) = guess_layout(plan, lanes)?;
+    let mut lens = pool_lens(&l, lanes);
+    if staging_lazy(plan, step, &l) {
+        // The staging pools will be leases without memory (`Pool::lazy`): only the output's.
+        lens.drain(..l.staging_bufs * lanes);
+    }
+    Some(EarlySpec {
+        pool_lens: lens,
+        step,
+        threads,
+        tile: (l.tm as usize, l.tn as usize, l.tk as usize),
+        precision: plan.engine.precision,
+        devices: match &plan.engine.devices {
+            Devices::List(l) => Some(l.iter().map(|&d| d as usize).collect()),
+            _ => None,
+        },
+    })
+}
+
+/// How many GPUs `CUDA_VISIBLE_DEVICES` lets CUDA see, read as CUDA reads it: indices or
+/// `GPU-`/`MIG-` UUIDs up to the first entry that is neither (`"0,1,-1,2"`: two; `"-1"`,
+/// `""`: none).
+fn visible_count(v: &str) -> usize {
+    v.split(',')
+        .map(str::trim)
+        .take_while(|x| x.parse::<u32>().is_ok() || x.starts_with("GPU-") || x.starts_with("MIG-"))
+        .count()
+}
+
+/// The GPUs a run of `engine` would use, guessed without starting the driver: the listed
+/// ones, or those `CUDA_VISIBLE_DEVICES` (`visible`, when set) lets through, at most as many
+/// as the driver lists under `/proc/driver/nvidia/gpus`. 0 when there is no sign of a GPU.
+fn guess_gpu_count(engine: &Engine, visible: Option<&str>) -> usize {
+    let present = std::fs::read_dir("/proc/driver/nvidia/gpus").map_or(0, |d| d.count());
+    let n = match (&engine.devices, visible) {
+        (Devices::List(l), _) => l.len(),
+        (_, Some(v)) => visible_count(v),
+        _ => present,
+    };
+    n.min(present)
+}
+
+/// The [`Step::order`](crate::plan::Step::order) and layout of `plan`'s step with the largest pinned pools on `lanes` GPUs (the largest: a
+/// chain's first part is often tiny, and the pools of one step are reused by the next when
+/// the sizes match). `None` when there is no GPU or no layout can be made. Device memory is
+/// taken as 64 GiB (or `engine.device_memory`): it changes the layout only through the tile
+/// size, which on GPUs with less memory may come out smaller — then the guess goes unused:
+/// the prefilled buffers are freed once the first pools are made, and the lanes warm up
+/// their own tile shape.
+fn guess_layout(plan: &Plan, lanes: usize) -> Option<((usize, usize), Layout)> {
+    let e = &plan.engine;
+    if lanes == 0 {
+        return None;
+    }
+    let caps = cuda_caps(lanes, e.device_memory.unwrap_or(64 << 30));
+    (plan.steps.iter())
+        .filter_map(|step| Some((step.order(), Layout::new(&plan.path, step, e, &caps).ok()?)))
+        .max_by_key(|(_, l)| pool_lens(l, lanes).iter().sum::<usize>())
+}
+
+/// Whether the staging pools of plan step `order` (laid out as `l`) will be lazy, as
+/// [`crate::pipeline::Engines::make`] will decide once the step's inputs are open: they are
+/// opened here for it (a header read and a residency check), assuming the GPUs can register
+/// read-only maps (if not, the pools are allocated up front without the prefill's help).
+fn staging_lazy(plan: &Plan, order: (usize, usize), l: &Layout) -> bool {
+    let t = std::time::Instant::now();
+    let Some(step) = plan.steps.iter().find(|s| s.order() == order) else {
+        return false;
+    };
+    let open = |op: &Operand| (!op.temp).then(|| op.open().ok()).flatten();
+    let lazy = match (open(&step.a), open(&step.b)) {
+        (Some(a), Some(b)) => direct::expected(
+            (plan.engine.staging).on_lanes(l.lanes, AUTO_COPIES_FROM),
+            Some(direct::default_limits()),
+            &[&*a, &*b],
+            step.c0.is_some(),
+            l.host_dt,
+        ),
+        _ => false,
+    };
+    crate::trace::span("start-up", "inputs direct?", t, std::time::Instant::now());
+    lazy
+}
+
+/// The byte lengths of the pinned buffers of `l`'s pools on `lanes` GPUs, as the CUDA
+/// backend's allocator rounds them ([`pinned_len`]).
+fn pool_lens(l: &Layout, lanes: usize) -> Vec<usize> {
+    let mut lens = vec![pinned_len(l.staging_buf_bytes as usize); l.staging_bufs * lanes];
+    lens.extend(std::iter::repeat_n(
+        pinned_len(l.out_buf_bytes as usize),
+        l.out_bufs * lanes,
+    ));
+    lens
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The prefill leaves out the staging buffers when the step's inputs will go straight from
+    /// their pages (the pools then lease tokens); not with `staging = "copy"`, nor for inputs
+    /// that cannot be opened yet.
+    #[test]
+    fn prefill_leaves_out_staging_buffers_when_the_inputs_go_direct() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, seed) in [("A.mgt", 1), ("B.mgt", 2)] {
+            let spec = crate::store::gen::GenSpec {
+                rows: 96,
+                cols: 96,
+                dtype: crate::dtype::DType::F32,
+                tile: (32, 32),
+                dist: crate::store::gen::Dist::Normal,
+                seed,
+            };
+            crate::store::gen::generate(&dir.path().join(name), &spec).unwrap();
+        }
+        let plan_with = |staging: &str, b: &str| {
+            let text = format!(
+                "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"{b}\"\n\
+                 [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+                 [engine]\nbackend = \"cuda\"\nstaging = \"{staging}\"\n"
+            );
+            let path = dir.path().join("p.toml");
+            std::fs::write(&path, text).unwrap();
+            crate::plan::Plan::load(&path).unwrap()
+        };
+        let caps = cuda_caps(1, 64 << 30);
+        for (staging, want) in [("auto", true), ("direct", true), ("copy", false)] {
+            let plan = plan_with(staging, "B.mgt");
+            let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
+            assert_eq!(staging_lazy(&plan, (0, 0), &l), want, "{staging}");
+        }
+        // An input not there yet (to be generated, say): the pools are made up front.
+        let mut plan = plan_with("auto", "B.mgt");
+        std::fs::remove_file(dir.path().join("B.mgt")).unwrap();
+        plan.steps[0].b.path = dir.path().join("B.mgt");
+        let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
+        assert!(!staging_lazy(&plan, (0, 0), &l));
+    }
+
+    /// The prefill's guess is the pools' own sizes: for 32768² fp32 on one GPU, six staging
+    /// buffers and three output buffers of one 8192² f32 tile each, twice as many on two; the
+    /// largest step of a chain, not its tiny first part; nothing without a GPU.
+    #[test]
+    fn prefill_guesses_the_pools_of_the_largest_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 32768, cols = 32768 }\n\
+                    [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 32768, cols = 32768 }\n\
+                    [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+                    [engine]\nbackend = \"cuda\"\ndevices = [0]\nhost_memory = \"16GiB\"\n";
+        let path = dir.path().join("p.toml");
+        std::fs::write(&path, text).unwrap();
+        let plan = crate::plan::Plan::load(&path).unwrap();
+        let pool_lens_on = |plan: &crate::plan::Plan, lanes: usize| {
+            (guess_layout(plan, lanes).map(|(_, l)| pool_lens(&l, lanes))).unwrap_or_default()
+        };
+        let tile = 8192 * 8192 * 4;
+        assert_eq!(pool_lens_on(&plan, 1), vec![tile; 9]);
+        assert_eq!(pool_lens_on(&plan, 2), vec![tile; 18]);
+        assert!(pool_lens_on(&plan, 0).is_empty());
+        let (_, l) = guess_layout(&plan, 1).unwrap();
+        assert_eq!(
+            (l.tm, l.tn, l.tk),
+            (8192, 8192, 8192),
+            "the early warm-up's shape"
+        );
+        let caps = cuda_caps(1, 64 << 30);
+        let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
+        assert_eq!((l.staging_bufs, l.out_bufs), (6, 3));
+        // The 43 GB chain: two parts, the first 3000×100·100×100; the guess is the second's.
+        let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 3000, cols = 100 }\n\
+                    [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 100, cols = 100 }\n\
+                    [matrices.C]\npath = \"C.mgt\"\ngenerate = { rows = 100, cols = 3600000 }\n\
+                    [[step]]\noutput = \"D.mgt\"\nexpr = \"(A @ B @ C).T\"\n\
+                    [engine]\nbackend = \"cuda\"\nhost_memory = \"16GiB\"\n";
+        std::fs::write(&path, text).unwrap();
+        let chain = crate::plan::Plan::load(&path).unwrap();
+        assert_eq!(chain.steps.len(), 2);
+        let big = Layout::new(&chain.path, &chain.steps[1], &chain.engine, &caps).unwrap();
+        let lens = pool_lens_on(&chain, 1);
+        assert_eq!(
+            guess_layout(&chain, 1).unwrap().0,
+            (0, 2),
+            "made for the second part"
+        );
+        assert!(lens.contains(&pinned_len(big.out_buf_bytes as usize)));
+        assert!(lens.iter().sum::<usize>() > 100 << 20, "{lens:?}");
+    }
+
+    /// `CUDA_VISIBLE_DEVICES` as CUDA reads it: up to the first entry that is not a GPU.
+    #[test]
+    fn visible_devices_stop_at_the_first_invalid_entry() {
+        assert_eq!(visible_count("0,1"), 2);
+        assert_eq!(visible_count("0,1,-1,2"), 2);
+        assert_eq!(visible_count("-1"), 0);
+        assert_eq!(visible_count(""), 0);
+        assert_eq!(visible_count("GPU-8f2c,MIG-1a2b/1/0"), 2);
+    }
+}
