@@ -18,6 +18,7 @@ pub(crate) mod model;
 pub(crate) mod pass;
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -546,24 +547,7 @@ fn residuals(
         }) if path != step.output => {
             // The passes check the operands' stored checksums as they read them
             // (pass::read_band); the output's were checked before.
-            rep.pass = false;
-            rep.corrupt_input = Some(path.display().to_string());
-            let p = path.display();
-            let (table, meant) = match &sidecar {
-                Some(s) => (
-                    format!("the checksums in {}", s.display()),
-                    format!(
-                        "; if it was changed on purpose, delete {} and `run --restart` to recompute the step from it",
-                        s.display()
-                    ),
-                ),
-                None => ("the checksums stored in it".into(), String::new()),
-            };
-            // Neutral about when it changed: with `verify_inputs = false` the run itself may
-            // have read it so.
-            rep.reason = Some(format!(
-                "the input {p} does not match {table} (tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}): its data changed after they were written, so the output cannot be checked against it — restore the input (regenerate or re-import it; an output of an earlier step is checked at that step, where `verify --repair` recomputes its bad tiles) and verify again; `info {p} --check` lists every bad tile{meant}"
-            ));
+            input_changed(rep, &path, (ti, tj), (stored, computed), sidecar.as_deref());
             return Ok(());
         }
         o => o?,
@@ -591,6 +575,35 @@ fn residuals(
         rep.failing_tiles = tiles(&o.fails, &cg, &oc.fails, &rgp, tile);
     }
     Ok(())
+}
+
+/// Fill `rep` for an input `path` whose tile `(ti, tj)` no longer matches its stored checksum
+/// (in `sidecar`, or in the file): the output cannot be checked against it.
+fn input_changed(
+    rep: &mut VerifyReport,
+    path: &Path,
+    (ti, tj): (u64, u64),
+    (stored, computed): (u32, u32),
+    sidecar: Option<&Path>,
+) {
+    rep.pass = false;
+    rep.corrupt_input = Some(path.display().to_string());
+    let p = path.display();
+    let (table, meant) = match sidecar {
+        Some(s) => (
+            format!("the checksums in {}", s.display()),
+            format!(
+                "; if it was changed on purpose, delete {} and `run --restart` to recompute the step from it",
+                s.display()
+            ),
+        ),
+        None => ("the checksums stored in it".into(), String::new()),
+    };
+    // Neutral about when it changed: with `verify_inputs = false` the run itself may
+    // have read it so.
+    rep.reason = Some(format!(
+        "the input {p} does not match {table} (tile ({ti}, {tj}): stored {stored:#010x}, computed {computed:#010x}): its data changed after they were written, so the output cannot be checked against it — restore the input (regenerate or re-import it; an output of an earlier step is checked at that step, where `verify --repair` recomputes its bad tiles) and verify again; `info {p} --check` lists every bad tile{meant}"
+    ));
 }
 
 /// Why the residual test cannot run on a part of a whole-expression chain: its intermediates
