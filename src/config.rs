@@ -8,10 +8,37 @@
 //! `MGMM_PINNED_ALLOC`, which makes the CUDA backend pin its host buffers with
 //! `cuMemHostAlloc` instead of registering memory it mapped (to compare the two on a GPU
 //! machine, tools/bench/gpu_table.sh); `MGMM_TRACE=PATH`, which records a timeline of the run
-//! into PATH ([`crate::trace`]).
+//! into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and `MGMM_TRACE` are read once into a
+//! [`Settings`] where a command starts.
+
+use std::path::PathBuf;
 
 #[cfg(feature = "fault-injection")]
 use crate::seam::FaultConfig;
+
+/// The settings a command takes from the environment, read once where it starts (the command
+/// line's `execute`, a library entry point) by [`Settings::from_env`] and passed down as
+/// values: nothing below reads the environment for them.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Settings {
+    /// `MGMM_VERIFY_TIMES` is set: `verify` reports each pass's time and input rate on stderr.
+    pub(crate) verify_times: bool,
+    /// `MGMM_TRACE`: where to write the run's timeline ([`crate::trace`]); `None` when unset
+    /// or empty.
+    pub(crate) trace: Option<PathBuf>,
+}
+
+impl Settings {
+    /// Read `MGMM_VERIFY_TIMES` and `MGMM_TRACE`.
+    pub(crate) fn from_env() -> Self {
+        Settings {
+            verify_times: std::env::var_os("MGMM_VERIFY_TIMES").is_some(),
+            trace: std::env::var_os("MGMM_TRACE")
+                .filter(|v| !v.is_empty())
+                .map(Into::into),
+        }
+    }
+}
 
 /// Read `MGMM_FAULT_LANE`, `MGMM_FAULT_GEMM_AFTER`, `MGMM_FAULT_WRITE_AFTER`; `None` when
 /// neither a GEMM nor a write fault is set. Called once by the command line, never by the
@@ -28,13 +55,6 @@ pub(crate) fn fault_config() -> Option<FaultConfig> {
     (c.gemm_after.is_some() || c.write_after.is_some()).then_some(c)
 }
 
-/// Whether `MGMM_VERIFY_TIMES` is set: `verify` then reports each pass's time on stderr. Read
-/// once per process.
-pub(crate) fn verify_times() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("MGMM_VERIFY_TIMES").is_some())
-}
-
 /// Whether `MGMM_PINNED_ALLOC` is set: the CUDA backend then allocates its pinned host buffers
 /// with `cuMemHostAlloc` rather than mapping and registering them. Read once per process.
 pub(crate) fn pinned_alloc() -> bool {
@@ -46,15 +66,4 @@ pub(crate) fn pinned_alloc() -> bool {
 /// them before the driver is up (`run::prefill`); `None` when unset.
 pub(crate) fn cuda_visible_devices() -> Option<String> {
     std::env::var("CUDA_VISIBLE_DEVICES").ok()
-}
-
-/// `MGMM_TRACE`: where to write the run's timeline ([`crate::trace`]); `None` when unset.
-pub(crate) fn trace_path() -> Option<std::path::PathBuf> {
-    static P: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
-    P.get_or_init(|| {
-        std::env::var_os("MGMM_TRACE")
-            .filter(|v| !v.is_empty())
-            .map(Into::into)
-    })
-    .clone()
 }

@@ -442,6 +442,33 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         r.write_mode,
         r.flush_s
     );
+    s += &inputs_line(r);
+    s += &direct_line(r);
+    s += &format!(
+        "  host memory: peak {} of {} budget; process peak RSS {}\n",
+        fmt_bytes(r.host_peak_bytes),
+        fmt_bytes(r.host_budget_bytes),
+        fmt_bytes(r.peak_rss_bytes)
+    );
+    s += &pools_line(r);
+    s += &device_lines(r);
+    s += &busy_line(r);
+    s += &format!("  bottleneck: {}", r.bottleneck);
+    if r.nonfinite_inputs > 0 {
+        s += &format!(
+            "\n  note: {} NaN/Inf values seen while staging inputs (computed as IEEE arithmetic says; a tile staged twice counts twice)",
+            r.nonfinite_inputs
+        );
+    }
+    if let Some(note) = dirty_note(r.write_bytes, r.dirty_throttle_bytes) {
+        s += &format!("\n  note: {note}");
+    }
+    crate::progress::wrap(&s)
+}
+
+/// The `inputs:` line: what was read, in one bracket where the bytes came from, their rate over
+/// the step and what `plan` predicted; the bytes shared between devices; the first GEMM's time.
+fn inputs_line(r: &StepReport) -> String {
     // One bracket: where the bytes came from, their rate over the step, what `plan` predicted.
     let mut about = Vec::new();
     if r.memory_read_bytes > 0 {
@@ -473,7 +500,7 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         fmt_bytes(r.predicted_read_bytes),
         fmt_bytes(r.min_read_bytes)
     ));
-    s += &format!(
+    format!(
         "  inputs: read {}{} ({}){}; first GEMM after {}\n",
         fmt_bytes(r.read_bytes),
         if r.memory_read_bytes > 0 {
@@ -493,14 +520,11 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         r.first_gemm_s
             .map(|t| format!("{t:.2} s"))
             .unwrap_or_else(|| "-".into())
-    );
-    s += &direct_line(r);
-    s += &format!(
-        "  host memory: peak {} of {} budget; process peak RSS {}\n",
-        fmt_bytes(r.host_peak_bytes),
-        fmt_bytes(r.host_budget_bytes),
-        fmt_bytes(r.peak_rss_bytes)
-    );
+    )
+}
+
+/// The `host pools:` line: each pool's buffers and how many were in use at most.
+fn pools_line(r: &StepReport) -> String {
     let pools: Vec<String> = r
         .pools
         .iter()
@@ -530,8 +554,11 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
             ),
         })
         .collect();
-    s += &format!("  host pools: {}\n", pools.join(", "));
-    s += &device_lines(r);
+    format!("  host pools: {}\n", pools.join(", "))
+}
+
+/// The `busy:` line: each stage's share of the step, largest first.
+fn busy_line(r: &StepReport) -> String {
     // Largest first; the long tail under 1% (many of them with several lanes) is counted, not
     // listed (the JSON report has every share).
     let mut shares: Vec<String> = (r.busy_shares.iter().enumerate())
@@ -544,18 +571,7 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
             r.busy_shares.len() - shares.len()
         ));
     }
-    s += &format!("  busy: {}\n", shares.join(" | "));
-    s += &format!("  bottleneck: {}", r.bottleneck);
-    if r.nonfinite_inputs > 0 {
-        s += &format!(
-            "\n  note: {} NaN/Inf values seen while staging inputs (computed as IEEE arithmetic says; a tile staged twice counts twice)",
-            r.nonfinite_inputs
-        );
-    }
-    if let Some(note) = dirty_note(r.write_bytes, r.dirty_throttle_bytes) {
-        s += &format!("\n  note: {note}");
-    }
-    crate::progress::wrap(&s)
+    format!("  busy: {}\n", shares.join(" | "))
 }
 
 /// Why a step that wrote through the output's map (`write = "mmap"`, `durable = false`) past

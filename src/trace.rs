@@ -2,7 +2,8 @@
 //!
 //! The report gives each stage's busy and waiting *totals*; they say which stage is the
 //! bottleneck but not *when* a GPU sat idle (at the start, between tiles, at the end) or what
-//! it waited for at that moment. With `MGMM_TRACE=PATH` set ([`crate::config::trace_path`]),
+//! it waited for at that moment. With `MGMM_TRACE=PATH` set (read once by the command line
+//! into [`crate::config::Settings`], which starts the timeline with [`init`] before a run),
 //! every stage's busy and waiting intervals (recorded where [`StageMetrics`] counts them), each
 //! GPU's GEMMs and copies as the device timed them (CUDA events, placed on the host clock), and
 //! the phases of start-up and tear-down are kept in memory and written at the end as Chrome
@@ -15,6 +16,7 @@
 //! [`StageMetrics`]: crate::pipeline::metrics::StageMetrics
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
@@ -36,21 +38,17 @@ struct Trace {
 }
 
 struct Global {
+    /// Where [`write`] puts the timeline.
+    path: PathBuf,
     origin: Instant,
     trace: Mutex<Trace>,
 }
 
-static GLOBAL: OnceLock<Option<Global>> = OnceLock::new();
+/// Set once by [`init`]; unset, nothing is recorded.
+static GLOBAL: OnceLock<Global> = OnceLock::new();
 
 fn global() -> Option<&'static Global> {
-    GLOBAL
-        .get_or_init(|| {
-            crate::config::trace_path().map(|_| Global {
-                origin: process_start().unwrap_or_else(Instant::now),
-                trace: Mutex::default(),
-            })
-        })
-        .as_ref()
+    GLOBAL.get()
 }
 
 /// Whether a timeline is being recorded.
@@ -94,30 +92,38 @@ pub(crate) fn ended_now(track: &str, name: &str, d: std::time::Duration) {
     span(track, name, now.checked_sub(d).unwrap_or(now), now);
 }
 
-/// Check, before a run, that the `MGMM_TRACE` path can be written (its folder exists), so
-/// that a long run does not find out at its end that its timeline is lost.
-pub(crate) fn check_path() -> crate::error::Result<()> {
-    let Some(path) = crate::config::trace_path() else {
+/// Start recording a timeline to be written to `path` (`MGMM_TRACE`) at the end; `None`:
+/// record nothing. Called by the command line before a run, once. Checks first that the path
+/// can be written (its folder exists), so that a long run does not find out at its end that
+/// its timeline is lost.
+pub(crate) fn init(path: Option<&Path>) -> crate::error::Result<()> {
+    let Some(path) = path else {
         return Ok(());
     };
-    let dir = crate::store::atomic::parent_dir(&path);
-    if dir.is_dir() {
-        return Ok(());
+    let dir = crate::store::fsutil::parent_dir(path);
+    if !dir.is_dir() {
+        return Err(crate::error::Error::Usage(format!(
+            "MGMM_TRACE={}: the folder {} does not exist; create it or point MGMM_TRACE elsewhere",
+            path.display(),
+            dir.display()
+        )));
     }
-    Err(crate::error::Error::Usage(format!(
-        "MGMM_TRACE={}: the folder {} does not exist; create it or point MGMM_TRACE elsewhere",
-        path.display(),
-        dir.display()
-    )))
+    let _ = GLOBAL.set(Global {
+        path: path.to_path_buf(),
+        origin: process_start().unwrap_or_else(Instant::now),
+        trace: Mutex::default(),
+    });
+    Ok(())
 }
 
 /// Write what was recorded to the `MGMM_TRACE` path (Chrome trace-event JSON). Called when the
 /// command ends; a later call writes everything recorded until then again.
 /// Returns how many events were dropped (the buffer keeps the first [`MAX_EVENTS`]).
 pub(crate) fn write() -> crate::error::Result<u64> {
-    let (Some(g), Some(path)) = (global(), crate::config::trace_path()) else {
+    let Some(g) = global() else {
         return Ok(0);
     };
+    let path = &g.path;
     let t = g.trace.lock().unwrap_or_else(|e| e.into_inner());
     let mut names: Vec<(&String, &u32)> = t.tracks.iter().collect();
     names.sort_by_key(|(_, &i)| i);
@@ -144,8 +150,8 @@ pub(crate) fn write() -> crate::error::Result<u64> {
         "otherData": {"dropped_events": t.dropped, "origin": "process start"},
     });
     let s = serde_json::to_string(&doc).expect("trace serializes");
-    std::fs::write(&path, s)
-        .map_err(|e| crate::error::Error::io(&path, "cannot write the trace (MGMM_TRACE)", e))?;
+    std::fs::write(path, s)
+        .map_err(|e| crate::error::Error::io(path, "cannot write the trace (MGMM_TRACE)", e))?;
     Ok(t.dropped)
 }
 

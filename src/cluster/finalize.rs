@@ -202,8 +202,12 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
 }
 
 /// `finalize PLAN`: finalize every split step that is not yet, in order; with `verify`, run
-/// Freivalds' test on each after.
-pub(crate) fn finalize_plan(plan: &Plan, verify: Option<(Precision, usize, u64)>) -> Result<()> {
+/// Freivalds' test on each after (`times`: each pass's time on stderr, `MGMM_VERIFY_TIMES`).
+pub(crate) fn finalize_plan(
+    plan: &Plan,
+    verify: Option<(Precision, usize, u64)>,
+    times: bool,
+) -> Result<()> {
     let mut any = false;
     for step in &plan.steps {
         let n = step.index + 1;
@@ -234,7 +238,7 @@ pub(crate) fn finalize_plan(plan: &Plan, verify: Option<(Precision, usize, u64)>
             );
         }
         if let Some((p, rounds, seed)) = verify {
-            let rep = crate::verify::verify_step(step, p, rounds, seed)?;
+            let rep = crate::verify::verify_step_with(step, p, rounds, seed, times)?;
             println!("{}", crate::verify::format(&rep));
             if !rep.pass {
                 return Err(Error::Usage(format!(

@@ -23,7 +23,6 @@
 //! count resumes from whatever is done.
 
 pub(crate) mod claim;
-pub(crate) mod cmd;
 pub(crate) mod finalize;
 pub(crate) mod identity;
 pub(crate) mod model;

@@ -422,57 +422,13 @@ fn step(
     let text = s.expr.get_ref();
     let form =
         expr::product_form(text).map_err(|e| cx.err(format!("{at}: expr = \"{text}\": {e}")))?;
-    let operand = |f: &Factor| -> Result<Operand> {
-        let base = avail.get(&f.name).ok_or_else(|| {
-            let place = if f.col == 0 {
-                "in accumulate".to_string()
-            } else {
-                format!("(column {}) in expr \"{text}\"", f.col)
-            };
-            if let Some(&j) = named.get(&f.name).filter(|&&j| j >= i) {
-                let fix = if j == i {
-                    "a step cannot use its own output".to_string()
-                } else {
-                    format!("steps run in plan order: move step {} before this one", j + 1)
-                };
-                return cx.err(format!(
-                    "{at}: `{}` {place} is the output of step {} (name = \"{}\"), which has not run yet; {fix}",
-                    f.name,
-                    j + 1,
-                    f.name
-                ));
-            }
-            cx.err(format!(
-                "{at}: unknown matrix `{}` {place}; known: {}",
-                f.name,
-                avail.keys().cloned().collect::<Vec<_>>().join(", ")
-            ))
-        })?;
-        Ok(Operand {
-            trans: base.trans ^ f.trans,
-            ..base.clone()
-        })
-    };
+    let operand = |f: &Factor| factor_operand(cx, &at, text, f, i, avail, named);
     let leaves = form
         .factors
         .iter()
         .map(operand)
         .collect::<Result<Vec<_>>>()?;
-    for w in leaves.windows(2) {
-        let ((m, k), (k2, n)) = (w[0].op_shape(), w[1].op_shape());
-        if k != k2 {
-            return Err(cx.err(format!(
-                "{at}: shape mismatch in \"{text}\": {} is {m}×{k} but {} is {k2}×{n} (inner dimensions {k} ≠ {k2})",
-                show(&w[0]), show(&w[1])
-            )));
-        }
-        if w[0].dtype != w[1].dtype {
-            return Err(cx.err(format!(
-                "{at}: `{}` is {} but `{}` is {}; operands must have the same dtype",
-                w[0].name, w[0].dtype, w[1].name, w[1].dtype
-            )));
-        }
-    }
+    check_chain(cx, &at, text, &leaves)?;
     let m = leaves[0].op_shape().0;
     let n = leaves[leaves.len() - 1].op_shape().1;
     let (c0, beta) = addend(cx, &at, s, &form, &operand, (m, n), leaves[0].dtype)?;
@@ -488,25 +444,12 @@ fn step(
     }
     let output = cx.base.join(s.output.get_ref());
     let alpha = form.alpha * s.alpha.as_ref().map_or(1.0, |v| *v.get_ref());
-    for (what, v) in [("alpha", alpha), ("beta", beta)] {
-        // inf or NaN would make every output element non-finite (and an overflowing product
-        // of finite factors, too): refused here rather than found by `verify` afterwards.
-        if !v.is_finite() {
-            return Err(cx.err(format!(
-                "{at}: {what} = {v} (expr's coefficient times the `{what}` key); use a finite number"
-            )));
-        }
-        // Inputs other than f64 are computed with f32 scalars: a factor that overflows f32
-        // makes every output element infinite, one below its normal range loses its digits
-        // or flushes to zero — a wrong product, silently.
-        let f32_range = f32::MIN_POSITIVE as f64..=f32::MAX as f64;
-        if leaves[0].dtype != DType::F64 && v != 0.0 && !f32_range.contains(&v.abs()) {
-            return Err(cx.err(format!(
-                "{at}: {what} = {v:e} is outside f32's normal range (about 1.2e-38 to 3.4e38), and with {} inputs the product is computed with f32 factors; scale the inputs instead, or store them as f64 and set precision = \"fp64\"",
-                leaves[0].dtype
-            )));
-        }
-    }
+    check_scalars(
+        cx,
+        &at,
+        &[("alpha", alpha), ("beta", beta)],
+        leaves[0].dtype,
+    )?;
     let one = |a: Operand, b: Operand, output: PathBuf, last: bool| Step {
         index: i,
         line,
@@ -538,6 +481,92 @@ fn step(
         .map(|f| format!("{}{}", f.name, if f.trans { ".T" } else { "" }))
         .collect();
     Ok(chain_steps(&leaves, &names, &output, mem, text, one))
+}
+
+/// The operand a factor of step `i`'s expression names (transposed as the factor says), or the
+/// error naming it: unknown, or the output of a step that has not run yet.
+fn factor_operand(
+    cx: &Ctx,
+    at: &str,
+    text: &str,
+    f: &Factor,
+    i: usize,
+    avail: &Avail,
+    named: &BTreeMap<String, usize>,
+) -> Result<Operand> {
+    let base = avail.get(&f.name).ok_or_else(|| {
+        let place = if f.col == 0 {
+            "in accumulate".to_string()
+        } else {
+            format!("(column {}) in expr \"{text}\"", f.col)
+        };
+        if let Some(&j) = named.get(&f.name).filter(|&&j| j >= i) {
+            let fix = if j == i {
+                "a step cannot use its own output".to_string()
+            } else {
+                format!("steps run in plan order: move step {} before this one", j + 1)
+            };
+            return cx.err(format!(
+                "{at}: `{}` {place} is the output of step {} (name = \"{}\"), which has not run yet; {fix}",
+                f.name,
+                j + 1,
+                f.name
+            ));
+        }
+        cx.err(format!(
+            "{at}: unknown matrix `{}` {place}; known: {}",
+            f.name,
+            avail.keys().cloned().collect::<Vec<_>>().join(", ")
+        ))
+    })?;
+    Ok(Operand {
+        trans: base.trans ^ f.trans,
+        ..base.clone()
+    })
+}
+
+/// Neighbouring factors of a product must agree in inner dimension and dtype.
+fn check_chain(cx: &Ctx, at: &str, text: &str, leaves: &[Operand]) -> Result<()> {
+    for w in leaves.windows(2) {
+        let ((m, k), (k2, n)) = (w[0].op_shape(), w[1].op_shape());
+        if k != k2 {
+            return Err(cx.err(format!(
+                "{at}: shape mismatch in \"{text}\": {} is {m}×{k} but {} is {k2}×{n} (inner dimensions {k} ≠ {k2})",
+                show(&w[0]), show(&w[1])
+            )));
+        }
+        if w[0].dtype != w[1].dtype {
+            return Err(cx.err(format!(
+                "{at}: `{}` is {} but `{}` is {}; operands must have the same dtype",
+                w[0].name, w[0].dtype, w[1].name, w[1].dtype
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `alpha` and `beta` must be finite, and within f32's normal range unless the inputs are f64.
+fn check_scalars(cx: &Ctx, at: &str, scalars: &[(&str, f64)], dtype: DType) -> Result<()> {
+    for &(what, v) in scalars {
+        // inf or NaN would make every output element non-finite (and an overflowing product
+        // of finite factors, too): refused here rather than found by `verify` afterwards.
+        if !v.is_finite() {
+            return Err(cx.err(format!(
+                "{at}: {what} = {v} (expr's coefficient times the `{what}` key); use a finite number"
+            )));
+        }
+        // Inputs other than f64 are computed with f32 scalars: a factor that overflows f32
+        // makes every output element infinite, one below its normal range loses its digits
+        // or flushes to zero — a wrong product, silently.
+        let f32_range = f32::MIN_POSITIVE as f64..=f32::MAX as f64;
+        if dtype != DType::F64 && v != 0.0 && !f32_range.contains(&v.abs()) {
+            return Err(cx.err(format!(
+                "{at}: {what} = {v:e} is outside f32's normal range (about 1.2e-38 to 3.4e38), and with {} inputs the product is computed with f32 factors; scale the inputs instead, or store them as f64 and set precision = \"fp64\"",
+                dtype
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The steps of a chain: the cheapest order, its sub-products as steps, each knowing the chain

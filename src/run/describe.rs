@@ -4,7 +4,7 @@
 use crate::backend::{self, describe_precision, Backend, MemorySpace};
 use crate::error::Result;
 use crate::plan::layout::Layout;
-use crate::plan::schedule::traffic;
+use crate::plan::schedule::{traffic, Traffic};
 use crate::plan::{Plan, Precision};
 use crate::progress::count;
 use crate::units::fmt_bytes;
@@ -70,9 +70,41 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
     let caps = sel.caps();
     let device = caps.memory == MemorySpace::Device;
     let e = &plan.engine;
-    let mut s = String::new();
     let l = crate::run::layout_for(&plan.path, step, e, caps, false)?;
     let t = traffic(step, &l);
+    let mut s = describe_shape(step, &l, &t);
+    s += &describe_memory(&l, e, device);
+    s += describe_order(step, &l);
+    s += &format!(
+        "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
+        fmt_bytes(t.read_bytes),
+        fmt_bytes(t.min_read_bytes),
+        t.tile_loads,
+        caps.link_names.0,
+        fmt_bytes(t.h2d_bytes),
+        caps.link_names.1,
+        fmt_bytes(t.d2h_bytes),
+        fmt_bytes(t.write_bytes)
+    );
+    if !step.output_in_memory() {
+        s += &describe_write(step, &l, e);
+    }
+    s += &describe_staging(
+        step,
+        &l,
+        e,
+        caps.staging(e.staging),
+        caps.memory == MemorySpace::Device,
+    );
+    s += &describe_bounds(step, &l, &t, sel, e);
+    s += &describe_status(plan, step, &l, caps.kind, e.precision)?;
+    Ok(s)
+}
+
+/// The step's first lines: what it computes (and its chain), its shapes, the compute tile and
+/// grid, and the row tile when the lanes' rows were evened out.
+fn describe_shape(step: &crate::plan::Step, l: &Layout, t: &Traffic) -> String {
+    let mut s = String::new();
     let (gm, gn, gk) = l.grid(step);
     s += &format!(
         "step {} (line {}): {} = {}\n",
@@ -82,7 +114,7 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
         step.expr
     );
     if let Some(c) = &step.chain {
-        let h = crate::pipeline::output_header(step, &l);
+        let h = crate::pipeline::output_header(step, l);
         let mem_bytes = step.m * step.n * step.out_dtype.size() as u64;
         let file_bytes = crate::store::output_file_len(&step.output, &h);
         s += &c.describe(&step.output, mem_bytes, file_bytes);
@@ -126,6 +158,12 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
             l.tm, step.m
         );
     }
+    s
+}
+
+/// The host pools and the host ceiling, and on a GPU the device memory per lane.
+fn describe_memory(l: &Layout, e: &crate::plan::Engine, device: bool) -> String {
+    let mut s = String::new();
     s += &format!(
         "  host pools: staging {}×{} per lane, output {}×{} per lane{}  => host ceiling {} of {}\n",
         l.staging_bufs,
@@ -162,44 +200,25 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
             fmt_bytes(l.device_bytes)
         );
     }
+    s
+}
+
+/// The order each lane computes its output tiles in.
+fn describe_order(step: &crate::plan::Step, l: &Layout) -> &'static str {
     // Every backend: the CPU's lanes have no device tile cache, so they walk row bands. The
     // schedule is built only when the tile cache holds the inputs, which bounds its tile count
     // (a million² plan on the CPU has 2.4·10⁸ tiles: building them took `plan` 110 s).
     let fit = l.squares_fit(step, l.lanes);
     let grows = fit && {
-        let sched = crate::plan::schedule::Schedule::new(step, &l);
+        let sched = crate::plan::schedule::Schedule::new(step, l);
         let all = (0..sched.tiles.len() as u32).collect();
         crate::pipeline::stages::TileQueue::new(&sched, all, l.lanes, fit).grows()
     };
-    s += if grows {
+    if grows {
         "  order: each lane in growing squares (its inputs fit its tile cache)\n"
     } else {
         "  order: each lane in serpentine row bands\n"
-    };
-    s += &format!(
-        "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
-        fmt_bytes(t.read_bytes),
-        fmt_bytes(t.min_read_bytes),
-        t.tile_loads,
-        caps.link_names.0,
-        fmt_bytes(t.h2d_bytes),
-        caps.link_names.1,
-        fmt_bytes(t.d2h_bytes),
-        fmt_bytes(t.write_bytes)
-    );
-    if !step.output_in_memory() {
-        s += &describe_write(step, &l, e);
     }
-    s += &describe_staging(
-        step,
-        &l,
-        e,
-        caps.staging(e.staging),
-        caps.memory == MemorySpace::Device,
-    );
-    s += &describe_bounds(step, &l, &t, sel, e);
-    s += &describe_status(plan, step, &l, caps.kind, e.precision)?;
-    Ok(s)
 }
 
 /// What `run` would do with what is already on disk for `step`: skip it (complete), resume it,

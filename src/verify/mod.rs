@@ -18,6 +18,7 @@ pub(crate) mod model;
 pub(crate) mod pass;
 
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -320,11 +321,27 @@ fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
 }
 
 /// Check the output of `step` with Freivalds' test (`rounds` random vectors from `seed`) against error bounds for `precision`, after checking its journal.
+///
+/// A library entry point: `MGMM_VERIFY_TIMES` is read here ([`crate::config::Settings`]);
+/// the command line reads it once and calls [`verify_step_with`].
 pub fn verify_step(
     step: &Step,
     precision: Precision,
     rounds: usize,
     seed: u64,
+) -> Result<VerifyReport> {
+    let times = crate::config::Settings::from_env().verify_times;
+    verify_step_with(step, precision, rounds, seed, times)
+}
+
+/// [`verify_step`], with `times` (`MGMM_VERIFY_TIMES`) given: report each pass's time and
+/// input rate on stderr.
+pub(crate) fn verify_step_with(
+    step: &Step,
+    precision: Precision,
+    rounds: usize,
+    seed: u64,
+    times: bool,
 ) -> Result<VerifyReport> {
     let t0 = Instant::now();
     let r = rounds.max(1);
@@ -377,7 +394,7 @@ pub fn verify_step(
                 rep.pass = pass;
                 rep.reason = Some(why);
             } else {
-                residuals(step, precision, out.as_ref(), seed, &mut rep)?;
+                residuals(step, precision, out.as_ref(), seed, times, &mut rep)?;
             }
         }
     }
@@ -464,12 +481,13 @@ fn no_residuals(step: &Step, precision: Precision) -> Result<Option<(bool, Strin
 
 /// Freivalds' test of `out` against the step's operands, row residuals first and, when some
 /// fail, column residuals to name the failing storage tiles; fills `rep` (its `rounds` and
-/// `tile_shape` are set).
+/// `tile_shape` are set). `times`: report each pass's time on stderr.
 fn residuals(
     step: &Step,
     precision: Precision,
     out: &dyn MatrixSource,
     seed: u64,
+    times: bool,
     rep: &mut VerifyReport,
 ) -> Result<()> {
     let (m, n, k) = (step.m as usize, step.n as usize, step.k);
@@ -505,6 +523,7 @@ fn residuals(
         trans,
         round,
         check,
+        times,
     };
     let rows = Side {
         a: op(fa.as_ref(), step.a.trans, rd, ca),
@@ -558,15 +577,14 @@ fn residuals(
     Ok(())
 }
 
-/// Fails `rep` because the input `path` no longer matches its stored checksums (tile
-/// `(ti, tj)`), in the table of `sidecar` or in the file itself: the output cannot be checked
-/// against it ([`residuals`]).
+/// Fill `rep` for an input `path` whose tile `(ti, tj)` no longer matches its stored checksum
+/// (in `sidecar`, or in the file): the output cannot be checked against it.
 fn input_changed(
     rep: &mut VerifyReport,
-    path: &std::path::Path,
+    path: &Path,
     (ti, tj): (u64, u64),
     (stored, computed): (u32, u32),
-    sidecar: Option<&std::path::Path>,
+    sidecar: Option<&Path>,
 ) {
     rep.pass = false;
     rep.corrupt_input = Some(path.display().to_string());

@@ -39,6 +39,9 @@ pub(crate) struct Op<'a> {
     pub(crate) round: Option<Precision>,
     /// Check the file's stored checksums as it is read ([`read_band`]).
     pub(crate) check: bool,
+    /// Report each pass over it (time, input rate) on stderr (`MGMM_VERIFY_TIMES`, read once
+    /// where the command starts: [`crate::config::Settings`]).
+    pub(crate) times: bool,
 }
 
 impl Op<'_> {
@@ -336,11 +339,12 @@ pub(crate) fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
     })
 }
 
-/// Run one pass, and with `MGMM_VERIFY_TIMES` set report its time and input rate on stderr.
+/// Run one pass, and with `op.times` (`MGMM_VERIFY_TIMES`) report its time and input rate on
+/// stderr.
 fn timed<R>(what: &str, op: &Op, f: impl FnOnce() -> R) -> R {
     let t0 = std::time::Instant::now();
     let r = f();
-    if crate::config::verify_times() {
+    if op.times {
         let (rows, cols) = op.file.shape();
         let bytes = (rows * cols) as f64 * op.file.dtype().size() as f64;
         let s = t0.elapsed().as_secs_f64();

@@ -1,0 +1,67 @@
+//! `export`: convert a tiled file, .npy or raw descriptor into a .npy array, streaming; an
+//! output `run` has not finished is refused unless `--allow-partial`.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+
+use super::info::{run_output_checksum, unfinished};
+use super::{interrupted, refuse_existing, refuse_same};
+use crate::durable::journal;
+use crate::error::{Error, Result};
+use crate::store::npy;
+use crate::{interrupt, outln, run};
+
+/// Convert a tiled file, .npy or raw descriptor into a .npy array (streaming; 16-bit data
+/// becomes f32; a column-major input gives a Fortran-order array).
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Example:\n  mgmm-stream export data/C.mgt C.npy\n  python3 -c 'import numpy as np; print(np.load(\"C.npy\", mmap_mode=\"r\")[:2, :4])'"
+)]
+pub(crate) struct ExportArgs {
+    input: PathBuf,
+    output: PathBuf,
+    #[arg(long)]
+    force: bool,
+    /// Export an output that `run` has not finished (unfinished tiles read as zeros).
+    #[arg(long)]
+    allow_partial: bool,
+}
+
+impl ExportArgs {
+    pub(super) fn execute(self) -> Result<()> {
+        export(&self.input, &self.output, self.force, self.allow_partial)
+    }
+}
+
+fn export(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Result<()> {
+    refuse_same(input, output)?;
+    refuse_existing(output, force)?;
+    // An output `run` is still writing (.mgt or .npy) has a journal, or a split run's state,
+    // beside it; a raw descriptor is read as it is.
+    if !allow_partial {
+        if let Some(progress) = unfinished(input)? {
+            return Err(Error::Usage(format!(
+                "{} is unfinished ({progress}): resume with `mgmm-stream run PLAN` (the plan that writes it), or pass --allow-partial to export it as it is",
+                input.display()
+            )));
+        }
+    }
+    run::ignore_sigxfsz();
+    interrupt::install();
+    let t = Instant::now();
+    npy::export(input, output, !allow_partial).map_err(|e| match e {
+        e @ Error::Checksum { .. } if journal::peek(input).is_ok_and(|j| j.is_some()) => {
+            run_output_checksum(e, "", ", then export again")
+        }
+        e => interrupted(e, &format!("{} was not written", output.display())),
+    })?;
+    outln!(
+        "exported {} → {} in {:.2} s",
+        input.display(),
+        output.display(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

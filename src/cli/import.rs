@@ -1,0 +1,48 @@
+//! `import`: convert a .npy array or a raw descriptor into a tiled file, streaming.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+
+use super::{check_tile, refuse_existing, refuse_same};
+use crate::error::Result;
+use crate::outln;
+use crate::store::npy;
+
+/// Convert a .npy array (C or Fortran order, f16/f32/f64) or a raw descriptor
+/// (raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH) into a tiled file (streaming).
+#[derive(Args, Debug)]
+#[command(after_help = "Example:\n  mgmm-stream import A.npy data/A.mgt --tile 1024")]
+pub(crate) struct ImportArgs {
+    input: PathBuf,
+    output: PathBuf,
+    #[arg(long, default_value_t = 1024)]
+    tile: u64,
+    #[arg(long)]
+    force: bool,
+}
+
+impl ImportArgs {
+    pub(super) fn execute(self) -> Result<()> {
+        import(&self.input, &self.output, self.tile, self.force)
+    }
+}
+
+fn import(input: &Path, output: &Path, tile: u64, force: bool) -> Result<()> {
+    refuse_same(input, output)?;
+    refuse_existing(output, force)?;
+    check_tile(tile)?;
+    let t = Instant::now();
+    let h = npy::import(input, output, (tile, tile))?;
+    outln!(
+        "imported {} → {} ({}×{} {}) in {:.2} s",
+        input.display(),
+        output.display(),
+        h.rows,
+        h.cols,
+        h.dtype,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

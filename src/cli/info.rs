@@ -1,0 +1,216 @@
+//! `info`: what a matrix file is (header, shape, tile grid, size) and, with `--check`, whether
+//! every tile still matches its stored checksum — telling an output `run` has not finished
+//! apart from a corrupt one. Also the wording, shared with `export`, of a checksum mismatch in
+//! an output of `run` and of an unfinished output.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use clap::Args;
+
+use crate::durable::journal;
+use crate::error::{Error, Result};
+use crate::store::TiledFile;
+use crate::units::fmt_bytes;
+use crate::{out, outln};
+
+/// Print a matrix file's header, shape, tile grid and size; --check verifies every tile.
+/// FILE is a .mgt, a .npy, or a raw descriptor raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH.
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Example:\n  mgmm-stream info data/C.mgt --check\n  mgmm-stream info raw:rows=4096,cols=3000,dtype=f32:x.bin"
+)]
+pub(crate) struct InfoArgs {
+    file: PathBuf,
+    /// Verify every storage tile against the stored CRC-32C table.
+    #[arg(long)]
+    check: bool,
+}
+
+impl InfoArgs {
+    pub(super) fn execute(self) -> Result<()> {
+        info(&self.file, self.check)
+    }
+}
+
+fn info(file: &Path, check: bool) -> Result<()> {
+    use crate::store::source::Checked;
+    // An output `run` has not finished is told apart from a corrupt one, in every format.
+    let open = if check { unfinished(file)? } else { None };
+    // .npy and raw inputs describe themselves.
+    if let Some((text, checked)) = crate::store::source::inspect(file, check && open.is_none())? {
+        out!("{text}");
+        if let Some(progress) = open {
+            outln!("check:       unfinished, resumable ({progress})");
+            return Err(unfinished_error(file, &progress));
+        }
+        return match checked {
+            None => Ok(()),
+            Some(Checked::Ok(line)) => {
+                out!("{line}");
+                Ok(())
+            }
+            Some(Checked::NotPossible(e)) => {
+                outln!("check:       not possible");
+                Err(e)
+            }
+            Some(Checked::Corrupt(bad)) => Err(corrupt(file, bad)),
+        };
+    }
+    let f = TiledFile::open(file)?;
+    let h = f.hdr;
+    outln!("file:        {}", file.display());
+    outln!("format:      MGMTILE1 v1, dtype {}", h.dtype);
+    outln!("shape:       {} × {}", h.rows, h.cols);
+    outln!(
+        "tiles:       {} × {} elements, grid {} × {} = {} tiles, stride {} bytes",
+        h.tile_rows,
+        h.tile_cols,
+        h.grid_rows(),
+        h.grid_cols(),
+        h.tiles(),
+        h.tile_stride
+    );
+    outln!(
+        "data:        offset {}, {}",
+        h.data_offset,
+        fmt_bytes(h.data_end() - h.data_offset)
+    );
+    outln!(
+        "checksums:   {}",
+        if h.has_checksums() {
+            format!("CRC-32C per tile at offset {}", h.checksum_table_offset)
+        } else {
+            "none".into()
+        }
+    );
+    outln!(
+        "size:        {} ({} bytes)",
+        fmt_bytes(h.file_len()),
+        h.file_len()
+    );
+    if !check {
+        return Ok(());
+    }
+    if let Some(progress) = open {
+        outln!("check:       unfinished, resumable ({progress})");
+        return Err(unfinished_error(file, &progress));
+    }
+    if !h.has_checksums() {
+        outln!("check:       not possible");
+        return Err(Error::format(
+            file,
+            format!(
+                "has no checksum table (a file written without one); nothing to check. To add one, rewrite it: mgmm-stream export {f} tmp.npy && mgmm-stream import tmp.npy {f} --tile {t} --force",
+                f = file.display(),
+                t = h.tile_rows.max(h.tile_cols)
+            ),
+        ));
+    }
+    let t = Instant::now();
+    use rayon::prelude::*;
+    let gc = h.grid_cols();
+    let bad: Vec<Error> = (0..h.tiles())
+        .into_par_iter()
+        .filter_map(|i| f.verify_tile(i / gc, i % gc).err())
+        .collect();
+    if !bad.is_empty() {
+        return Err(corrupt(file, bad));
+    }
+    outln!(
+        "check:       all {} tiles OK ({:.2} s)",
+        h.tiles(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `info --check`'s verdict on a file with tiles that do not match their checksums: every such
+/// tile on the `check:` line, and the first one's error — for a finished output of `run` (its
+/// journal beside it) with the advice that fits one: `verify --repair`, not regenerating it.
+fn corrupt(file: &Path, bad: Vec<Error>) -> Error {
+    let tiles: Vec<String> = bad
+        .iter()
+        .filter_map(|e| match e {
+            Error::Checksum { ti, tj, .. } => Some(format!("({ti}, {tj})")),
+            _ => None,
+        })
+        .collect();
+    outln!(
+        "check:       corrupt: {} tile(s) do not match their checksums: {}",
+        tiles.len(),
+        tiles.join(" ")
+    );
+    let first = bad.into_iter().next().expect("at least one bad tile");
+    let output = !file.to_string_lossy().starts_with("raw:")
+        && journal::peek(file).is_ok_and(|j| j.is_some());
+    if output {
+        run_output_checksum(
+            first,
+            &format!(" (of {} bad)", tiles.len()),
+            " — keep its checksums",
+        )
+    } else {
+        first
+    }
+}
+
+/// A checksum mismatch in an output that `run` wrote (its journal is beside it) is recomputed
+/// by `verify --repair`, not regenerated: the error says so instead of the generic advice.
+/// `of`: how many tiles are bad, if known; `then`: what to do afterwards.
+pub(super) fn run_output_checksum(e: Error, of: &str, then: &str) -> Error {
+    match e {
+        Error::Checksum {
+            path,
+            ti,
+            tj,
+            stored,
+            computed,
+            ..
+        } => Error::Usage(format!(
+            "{}: checksum mismatch in tile ({ti}, {tj}){of}: stored {stored:#010x}, computed {computed:#010x}; it is an output of `run` (its journal is beside it): `mgmm-stream verify PLAN --repair` (the plan that writes it) recomputes the bad tiles{then}",
+            path.display()
+        )),
+        e => e,
+    }
+}
+
+fn unfinished_error(file: &Path, progress: &str) -> Error {
+    Error::Usage(format!(
+        "{}: unfinished, resumable ({progress}), not corrupt: resume with `mgmm-stream run PLAN` (the plan that writes it)",
+        file.display()
+    ))
+}
+
+/// "N of M output tiles done" when `file` is an output whose journal says `run` has not
+/// finished it (or what a split run that is writing it has left to do); `None` for a
+/// finished output or a file no run is writing.
+pub(super) fn unfinished(file: &Path) -> Result<Option<String>> {
+    // A `raw:…` descriptor is never an output of `run`.
+    if file.to_string_lossy().starts_with("raw:") {
+        return Ok(None);
+    }
+    let Some(j) = journal::peek(file)? else {
+        return Ok(crate::cluster::split_state(file).map(|state| {
+            format!(
+                "a split run's shards are writing it, state in {}; `mgmm-stream status PLAN` shows them, `finalize PLAN` completes it",
+                state.display()
+            )
+        }));
+    };
+    if j.complete {
+        return Ok(None);
+    }
+    // Any output format (.mgt, .npy): the shape is all that is needed.
+    let (rows, cols) = crate::store::source::open_source(file)?.shape();
+    let done: std::collections::BTreeSet<u32> = j.done.iter().map(|&(s, _)| s).collect();
+    // The journal's fingerprint names the compute tile "tm×tn×tk": output tiles are tm × tn.
+    let total = j.fingerprint.get("compute tile").and_then(|t| {
+        let v: Vec<u64> = t.split('×').filter_map(|x| x.trim().parse().ok()).collect();
+        (v.len() == 3 && v[0] > 0 && v[1] > 0).then(|| rows.div_ceil(v[0]) * cols.div_ceil(v[1]))
+    });
+    Ok(Some(match total {
+        Some(m) => format!("{} of {m} tiles done", done.len()),
+        None => format!("{} tiles done", done.len()),
+    }))
+}

@@ -1,0 +1,35 @@
+//! `status`: a split job's progress per step and per shard, and who holds each shard
+//! (`cluster::status` computes it).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::cluster::status;
+use crate::error::Result;
+use crate::plan::Plan;
+
+/// Show a split job's progress: done/left/rate/ETA per step and per shard, and who holds
+/// each shard.
+#[derive(Args, Debug)]
+#[command(after_help = "Example:\n  watch -n 10 mgmm-stream status plan.toml")]
+pub(crate) struct StatusArgs {
+    plan: PathBuf,
+    #[arg(long = "set", value_name = "engine.KEY=VALUE")]
+    set: Vec<String>,
+    /// Heartbeat age (seconds) after which a claim is shown as stale.
+    #[arg(long, default_value_t = 120.0)]
+    claim_timeout: f64,
+}
+
+impl StatusArgs {
+    /// `status PLAN`: done/left/rate/ETA per step and per shard.
+    pub(super) fn execute(self) -> Result<()> {
+        let p = Plan::load_with(&self.plan, &self.set)?;
+        let timeout = Duration::from_secs_f64(self.claim_timeout.max(0.5));
+        let text = status::status_text(&p, timeout)?;
+        print!("{}", crate::progress::wrap(&text));
+        Ok(())
+    }
+}

@@ -1,0 +1,161 @@
+//! `verify`: check a plan's outputs (the journal's record of the inputs, then Freivalds' test),
+//! print PASS/FAIL per step, and with `--repair` recompute the failing tiles through the
+//! journal — and the later steps computed from them — before checking again. `run --verify`
+//! uses the same [`verify_plan`].
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use crate::config::Settings;
+use crate::error::{Error, Result};
+use crate::plan::Plan;
+use crate::progress::Progress;
+use crate::run::{self, RunOptions};
+use crate::{diagln, outln};
+
+/// Check the outputs of a plan that has run: the journal's record of the inputs, then
+/// Freivalds' test, streaming, O(n²): C·x against α·op(A)·(op(B)·x) (+ β·C0·x) for random
+/// ±1 vectors x, in higher precision than the product, against the rounding a correct
+/// product would have. Prints PASS/FAIL per step on stdout, exits non-zero and names the
+/// failing output tiles.
+#[derive(Args, Debug)]
+#[command(after_help = "Example:\n  mgmm-stream verify examples/quickstart.toml --rounds 3")]
+pub(crate) struct VerifyArgs {
+    plan: PathBuf,
+    /// Override an [engine] key of the plan (repeatable), e.g. --set engine.host_memory=8GiB.
+    #[arg(long = "set", value_name = "engine.KEY=VALUE")]
+    set: Vec<String>,
+    /// Random vectors to test with.
+    #[arg(long, default_value_t = 2)]
+    rounds: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Recompute the failing output tiles (through the journal) and verify again.
+    #[arg(long)]
+    repair: bool,
+}
+
+impl VerifyArgs {
+    pub(super) fn execute(self, settings: &Settings) -> Result<()> {
+        if self.rounds == 0 {
+            return Err(Error::Usage(
+                "--rounds 0: give at least 1 (each round is one random vector)".into(),
+            ));
+        }
+        let p = Plan::load_with(&self.plan, &self.set)?;
+        run::init_threads(p.engine.threads);
+        let (rounds, seed, repair) = (self.rounds, self.seed, self.repair);
+        verify_plan(&p, rounds, seed, false, repair, settings.verify_times)
+    }
+}
+
+/// The steps after `step` that read its output and whose journals no longer match it (a repair
+/// rewrote tiles they were computed from): they must be computed again. A step whose journal
+/// still matches (the repaired tiles came out as they were when it ran) is left alone.
+fn stale_after_repair<'p>(
+    p: &'p Plan,
+    step: &crate::plan::Step,
+) -> Result<Vec<&'p crate::plan::Step>> {
+    let mut backend = None;
+    let mut stale = Vec::new();
+    for later in p.steps.iter().skip(step.index + 1) {
+        let ops = [Some(&later.a), Some(&later.b), later.c0.as_ref()];
+        if !ops.into_iter().flatten().any(|o| o.path == step.output)
+            || crate::durable::journal::peek(&later.output)?.is_none()
+        {
+            continue;
+        }
+        // Made only when a later step reads the output (a GPU backend takes a while to start).
+        if backend.is_none() {
+            backend = Some(crate::backend::select(&p.engine)?);
+        }
+        let b = backend.as_deref().expect("made above");
+        let layout = run::layout_for(&p.path, later, &p.engine, b.caps(), false)?;
+        let fp = run::fingerprint(later, &layout, b.caps().kind, p.engine.precision)?;
+        if run::journal_state(later, &fp)?.is_some_and(|(_, same)| !same) {
+            stale.push(later);
+        }
+    }
+    Ok(stale)
+}
+
+/// Verify every step; results go to stdout (one PASS/FAIL line per step), the error that
+/// makes the exit status non-zero to stderr. With `repair`, failing tiles are recomputed
+/// through the journal and the step is verified again. `times`: report each pass's time on
+/// stderr (`MGMM_VERIFY_TIMES`).
+pub(super) fn verify_plan(
+    p: &Plan,
+    rounds: usize,
+    seed: u64,
+    quiet: bool,
+    repair: bool,
+    times: bool,
+) -> Result<()> {
+    let mut failed = Vec::new();
+    for step in &p.steps {
+        let mut rep =
+            crate::verify::verify_step_with(step, p.engine.precision, rounds, seed, times)?;
+        if !quiet || !rep.pass {
+            outln!("{}", crate::verify::format(&rep));
+        }
+        if repair && !rep.pass && !rep.failing_tiles.is_empty() {
+            let n = crate::verify::forget_failing(p, step, &rep)?;
+            diagln!(
+                "repair: recomputing {n} tile(s) of {} through `run`",
+                step.output.display()
+            );
+            let progress = Progress::new(true, run::default_log_every());
+            // This step and those before it first: a later step that reads this output was
+            // computed from the tiles now redone, and is computed again below if their bytes
+            // changed what its journal recorded of them.
+            let mut upto = p.clone();
+            upto.steps.truncate(step.index + 1);
+            run::run_plan(&upto, &RunOptions::default(), &progress)?;
+            for later in stale_after_repair(p, step)? {
+                diagln!(
+                    "repair: step {} ({}) reads {}, which the repair rewrote, and its journal no longer matches it (a .npy's modification time, or a changed tile's checksum): computing it again",
+                    later.index + 1,
+                    later.output.display(),
+                    step.output.display()
+                );
+                crate::cluster::prepare::reset(&later.output)?;
+            }
+            if step.index + 1 < p.steps.len() {
+                run::run_plan(p, &RunOptions::default(), &progress)?;
+            }
+            rep = crate::verify::verify_step_with(step, p.engine.precision, rounds, seed, times)?;
+            outln!("after repair:\n{}", crate::verify::format(&rep));
+        }
+        if !rep.pass {
+            // 0: an input does not match its checksums; 1: the journal (no tiles); 2: tiles
+            // (an earlier step's output that does not match its checksums is repaired there).
+            let of_plan = |i: &String| p.steps.iter().any(|s| s.output.display().to_string() == *i);
+            let kind = match (&rep.corrupt_input, &rep.reason) {
+                (Some(i), _) if of_plan(i) => 2,
+                (Some(_), _) => 0,
+                (None, Some(_)) => 1,
+                (None, None) => 2,
+            };
+            failed.push((format!("step {} ({})", rep.step, rep.output), kind));
+        }
+    }
+    if failed.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = failed.iter().map(|(n, _)| n.as_str()).collect();
+    // A failure found in the journal (other inputs or plan, unfinished) names no tiles: only
+    // rerunning the step (or resuming it) helps; residuals that fail name tiles to repair; an
+    // input that no longer matches its checksums must be restored first.
+    let advice = if failed.iter().any(|(_, kind)| *kind == 0) {
+        "an input does not match its stored checksums (see above): restore it, then verify again"
+    } else if failed.iter().all(|(_, kind)| *kind == 1) {
+        "see the reason above: `run` resumes an unfinished step; `run --restart` recomputes one whose plan or inputs changed"
+    } else {
+        "the output does not match the inputs or its stored checksums; `verify --repair` recomputes the failing tiles, `run --restart` the whole step"
+    };
+    Err(Error::Usage(format!(
+        "verification failed for {}: {advice}",
+        names.join(", ")
+    )))
+}
