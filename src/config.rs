@@ -1,6 +1,6 @@
 //! Settings read from the process environment, in one place: the engine itself never reads
 //! the environment (hot paths get their settings as values), so every variable a run obeys is
-//! listed here or in [`crate::cluster::identity`] (the launcher's variables for split runs).
+//! listed here or in the cluster module's `identity.rs` (the launcher's variables for split runs).
 //!
 //! Today that is the fault injection of the tests and the GPU resilience scripts
 //! (`MGMM_FAULT_*`, cargo feature `fault-injection`), and `MGMM_VERIFY_TIMES`, which makes

@@ -44,6 +44,7 @@ pub mod dtype;
 pub(crate) mod durable;
 pub mod error;
 pub mod interrupt;
+pub(crate) mod metrics;
 pub mod out;
 pub(crate) mod pipeline;
 pub mod plan;

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::pipeline::metrics::{StageKind, StageMetrics};
+use crate::metrics::{StageKind, StageMetrics};
 use crate::{diagln, outln};
 
 /// Widest line the display draws.

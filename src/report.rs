@@ -8,7 +8,7 @@
 use serde::Serialize;
 
 use crate::backend::{Caps, DeviceStats, MemorySpace};
-use crate::pipeline::metrics::{StageKind, StageSnapshot};
+use crate::metrics::{StageKind, StageSnapshot};
 use crate::pipeline::{PoolReport, RunStats};
 use crate::plan::layout::Layout;
 use crate::plan::{Precision, Step};

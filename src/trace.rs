@@ -13,7 +13,7 @@
 //! Off (the default) it costs one relaxed load per recorded interval. On, it keeps at most
 //! [`MAX_EVENTS`] events (a few per tile and k-step), so even long runs stay bounded.
 //!
-//! [`StageMetrics`]: crate::pipeline::metrics::StageMetrics
+//! [`StageMetrics`]: crate::metrics::StageMetrics
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

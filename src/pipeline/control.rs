@@ -84,7 +84,7 @@ impl Control {
     pub(crate) fn recv_timed<T>(
         &self,
         rx: &Receiver<T>,
-        m: &super::metrics::StageMetrics,
+        m: &crate::metrics::StageMetrics,
     ) -> Option<T> {
         let t = std::time::Instant::now();
         let r = self.recv(rx);
@@ -97,7 +97,7 @@ impl Control {
         &self,
         tx: &Sender<T>,
         msg: T,
-        m: &super::metrics::StageMetrics,
+        m: &crate::metrics::StageMetrics,
     ) -> Result<()> {
         let t = std::time::Instant::now();
         let r = self.send(tx, msg);

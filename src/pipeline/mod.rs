@@ -10,7 +10,7 @@
 
 pub(crate) mod control;
 pub(crate) mod direct;
-pub(crate) mod metrics;
+
 pub(crate) mod pool;
 pub(crate) mod shared;
 pub(crate) mod stages;
@@ -24,6 +24,7 @@ use crossbeam_channel::RecvTimeoutError;
 use crate::backend::{Backend, DeviceStats, Lane, MemorySpace};
 use crate::durable::sink::TileSink;
 use crate::error::{Error, Result};
+use crate::metrics::{StageKind, StageMetrics, StageSnapshot};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::{Engine, Step};
@@ -31,7 +32,6 @@ use crate::progress::{Live, Progress};
 use crate::store::fsutil::DirtyLimits;
 use crate::store::{Header, MatrixSink, MatrixSource};
 use control::Control;
-use metrics::{StageKind, StageMetrics, StageSnapshot};
 use pool::Pool;
 use stages::*;
 

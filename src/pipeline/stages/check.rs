@@ -13,9 +13,9 @@ use super::inputs::Inputs;
 use super::messages::CheckJob;
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::metrics::StageMetrics;
 use crate::pipeline::control::Control;
 use crate::pipeline::direct::CheckProgress;
-use crate::pipeline::metrics::StageMetrics;
 
 /// Checks the blocks a lane uploads straight from the files' pages
 /// ([`crate::pipeline::direct`]): the checksums of storage tiles not verified yet and the NaN/Inf

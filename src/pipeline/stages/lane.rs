@@ -16,9 +16,9 @@ use crate::backend::{Dst, GemmDesc, Lane, Ticket};
 use crate::dtype::DType;
 use crate::durable::checkpoint::Checkpoints;
 use crate::error::Result;
+use crate::metrics::StageMetrics;
 use crate::pipeline::control::Control;
 use crate::pipeline::direct::CheckProgress;
-use crate::pipeline::metrics::StageMetrics;
 use crate::pipeline::pool::{Lease, Pool};
 use crate::plan::schedule::OutTile;
 

@@ -14,7 +14,7 @@
 //! does, and reports its first error through [`Control`], which cancels the others.
 //!
 //! One file per stage, named as reports and the progress display name it
-//! ([`StageKind`](crate::pipeline::metrics::StageKind)): [`planner`], [`prefetch`], [`staging`],
+//! ([`StageKind`](crate::metrics::StageKind)): [`planner`], [`prefetch`], [`staging`],
 //! [`check`], [`lane`], [`outprep`], [`writeback`], [`sync`]. Each opens with what it takes and
 //! gives, on which thread, and what blocks it. What they share: the [`messages`] between them,
 //! the step's [`inputs`], and the [`queue`] of output tiles the planners take from.

@@ -9,8 +9,8 @@ use std::time::Instant;
 use crossbeam_channel::Receiver;
 
 use crate::error::Result;
+use crate::metrics::StageMetrics;
 use crate::pipeline::control::Control;
-use crate::pipeline::metrics::StageMetrics;
 use crate::store::{Block, MatrixSink};
 
 /// Populates the output file's pages for tiles the planners just scheduled, so writeback copies

@@ -14,8 +14,8 @@ use super::queue::TileQueue;
 use crate::backend::GemmDesc;
 use crate::durable::checkpoint::Checkpoints;
 use crate::error::{Error, Result};
+use crate::metrics::StageMetrics;
 use crate::pipeline::control::Control;
-use crate::pipeline::metrics::StageMetrics;
 use crate::plan::schedule::{OutTile, Schedule, Src, TileCache};
 use crate::store::Block;
 
@@ -196,7 +196,7 @@ impl Planner<'_> {
 pub(super) mod tests {
     use super::*;
     use crate::backend::{Caps, MemorySpace};
-    use crate::pipeline::metrics::StageKind;
+    use crate::metrics::StageKind;
     use crate::plan::layout::Layout;
 
     /// A 300×190 · 190×520 step in 64² tiles (5 × 9 output tiles, 3 k-chunks) on a device

@@ -10,8 +10,8 @@ use crossbeam_channel::{Receiver, Sender};
 use super::inputs::Inputs;
 use super::messages::PlanOp;
 use crate::error::Result;
+use crate::metrics::StageMetrics;
 use crate::pipeline::control::Control;
-use crate::pipeline::metrics::StageMetrics;
 use crate::plan::schedule::Src;
 
 pub(crate) struct Prefetch<'a> {

@@ -12,8 +12,8 @@ use crossbeam_channel::Receiver;
 use crate::durable::checkpoint::Checkpoints;
 use crate::durable::sink::TileSink;
 use crate::error::Result;
+use crate::metrics::StageMetrics;
 use crate::pipeline::control::Control;
-use crate::pipeline::metrics::StageMetrics;
 use crate::plan::schedule::OutTile;
 use crate::store::MatrixSink;
 

@@ -13,8 +13,8 @@ use super::messages::Done;
 use crate::dtype::DType;
 use crate::durable::checkpoint::Checkpoints;
 use crate::error::Result;
+use crate::metrics::StageMetrics;
 use crate::pipeline::control::Control;
-use crate::pipeline::metrics::StageMetrics;
 use crate::plan::schedule::OutTile;
 use crate::store::MatrixSink;
 

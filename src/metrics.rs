@@ -1,6 +1,9 @@
 //! Per-stage counters, updated where the work happens and read by the progress display and the
 //! final report: items, bytes, busy time, and time blocked waiting for input or for room
-//! downstream. The stage with the largest busy share is the bottleneck.
+//! downstream. The stage with the largest busy share is the bottleneck. The counters live where
+//! the work happens (the pipeline's stages and channels update them); the type sits at the
+//! bottom of the house, importing nothing of the crate, so the progress display, the timeline
+//! and the report read it without importing the pipeline.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
