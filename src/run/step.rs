@@ -76,7 +76,9 @@ impl StepRun<'_> {
             let n = self.step.index + 1;
             crate::trace::span("start-up", &format!("step {n}: resume"), tr, tl);
             let resume_s = (tl - tr).as_secs_f64();
-            match self.attempt(backend.as_ref(), opened, progress, resume_s) {
+            // Only a device that fails while the pipeline runs is failed over; an error while
+            // the attempt is set up (the operands, the lanes, the pools) stops the step.
+            match self.attempt(backend.as_ref(), opened, progress, resume_s)? {
                 Err(err @ Error::Device { .. }) => {
                     *backend = fail_over(backend.as_ref(), err, self.prefix(), progress)?;
                 }
@@ -85,14 +87,15 @@ impl StepRun<'_> {
         }
     }
 
-    /// One attempt: the pipeline over the work `opened` leaves, on `backend`.
+    /// One attempt: the pipeline over the work `opened` leaves, on `backend`. The outer error is
+    /// one of setting the attempt up; the inner result is the pipeline's run and what follows.
     fn attempt(
         &mut self,
         backend: &dyn Backend,
         opened: Opened,
         progress: &Progress,
         resume_s: f64,
-    ) -> Result<StepReport> {
+    ) -> Result<Result<StepReport>> {
         let (step, layout, e) = (self.step, self.layout, self.engine);
         let sources = (self.sources)()?;
         let engines = Engines::make(backend, layout, e, self.order, &sources)?;
@@ -140,7 +143,10 @@ impl StepRun<'_> {
                 "step {n}: checkpoints of long tiles were turned off for the rest of this run: {why}; free space there, or set engine.checkpoint_every = \"off\""
             ));
         }
-        let stats = result?;
+        let stats = match result {
+            Ok(stats) => stats,
+            Err(e) => return Ok(Err(e)),
+        };
         let drop_s = (trun.elapsed().as_secs_f64() - stats.wall_s).max(0.0);
         record.complete()?;
         self.target.finished()?;
@@ -150,7 +156,7 @@ impl StepRun<'_> {
             .chain(engine_times.iter().map(|&(k, v)| (k.into(), v)))
             .chain([("build".into(), build_s), ("drop".into(), drop_s)])
             .collect();
-        Ok(rep)
+        Ok(Ok(rep))
     }
 
     /// `step N: ` for a plan's step, nothing for a library call.
