@@ -76,23 +76,26 @@ impl StepRun<'_> {
             let n = self.step.index + 1;
             crate::trace::span("start-up", &format!("step {n}: resume"), tr, tl);
             let resume_s = (tl - tr).as_secs_f64();
-            match self.attempt(backend.as_ref(), opened, progress, resume_s) {
+            // Only a device that fails while the pipeline runs is failed over; an error while
+            // the attempt is set up (the operands, the lanes, the pools) stops the step.
+            match self.attempt(backend.as_ref(), opened, progress, resume_s)? {
                 Err(err @ Error::Device { .. }) => {
-                    *backend = fail_over(backend.as_ref(), err, self.prefix(), progress)?;
+                    *backend = fail_over(backend.as_ref(), err, &self, progress)?;
                 }
                 done => return done.map(Some),
             }
         }
     }
 
-    /// One attempt: the pipeline over the work `opened` leaves, on `backend`.
+    /// One attempt: the pipeline over the work `opened` leaves, on `backend`. The outer error is
+    /// one of setting the attempt up; the inner result is the pipeline's run and what follows.
     fn attempt(
         &mut self,
         backend: &dyn Backend,
         opened: Opened,
         progress: &Progress,
         resume_s: f64,
-    ) -> Result<StepReport> {
+    ) -> Result<Result<StepReport>> {
         let (step, layout, e) = (self.step, self.layout, self.engine);
         let sources = (self.sources)()?;
         let engines = Engines::make(backend, layout, e, self.order, &sources)?;
@@ -137,10 +140,14 @@ impl StepRun<'_> {
         crate::trace::span("start-up", &format!("step {n}"), trun, Instant::now());
         if let Some(why) = self.target.checkpoints().and_then(|c| c.take_failure()) {
             progress.note(&format!(
-                "step {n}: checkpoints of long tiles were turned off for the rest of this run: {why}; free space there, or set engine.checkpoint_every = \"off\""
+                "{}checkpoints of long tiles were turned off for the rest of this run: {why}; free space there, or set engine.checkpoint_every = \"off\"",
+                self.prefix()
             ));
         }
-        let stats = result?;
+        let stats = match result {
+            Ok(stats) => stats,
+            Err(e) => return Ok(Err(e)),
+        };
         let drop_s = (trun.elapsed().as_secs_f64() - stats.wall_s).max(0.0);
         record.complete()?;
         self.target.finished()?;
@@ -150,7 +157,7 @@ impl StepRun<'_> {
             .chain(engine_times.iter().map(|&(k, v)| (k.into(), v)))
             .chain([("build".into(), build_s), ("drop".into(), drop_s)])
             .collect();
-        Ok(rep)
+        Ok(Ok(rep))
     }
 
     /// `step N: ` for a plan's step, nothing for a library call.
@@ -194,7 +201,11 @@ impl StepRun<'_> {
         if let Some(label) = self.target.shard_label() {
             let left = crate::progress::count(o.total - done, "tile", "tiles");
             progress.note(&format!("{p}{label} of {out}: {left} to compute{redone}"));
-        } else if done > 0 || o.bad > 0 {
+        } else if (done > 0 || o.bad > 0)
+            && (self.target.journaled() || self.voice == Voice::Library)
+        {
+            // (A plan's intermediate in memory redoes a failed device's tiles without a word:
+            // nothing of it is resumed from disk.)
             progress.note(&format!(
                 "{p}resuming {out}: {done} of {} output tiles already done{redone}",
                 o.total
@@ -205,9 +216,9 @@ impl StepRun<'_> {
     /// Say which checkpoints were ignored and why (`notes`), how many unfinished tiles resume
     /// from checkpoints, and how much of their K they hold.
     fn note_partial(&self, progress: &Progress, notes: &[String]) {
-        let n = self.step.index + 1;
+        let p = self.prefix();
         for note in notes {
-            progress.note(&format!("step {n}: {note}"));
+            progress.note(&format!("{p}{note}"));
         }
         let Some(ckpt) = self.target.checkpoints() else {
             return;
@@ -220,7 +231,7 @@ impl StepRun<'_> {
         let of = resumed.len() as u64 * self.step.k.max(1);
         let tiles = if resumed.len() == 1 { "tile" } else { "tiles" };
         progress.note(&format!(
-            "step {n}: resuming {} partial {tiles} from checkpoints ({:.0} % of their K done)",
+            "{p}resuming {} partial {tiles} from checkpoints ({:.0} % of their K done)",
             resumed.len(),
             100.0 * done as f64 / of as f64
         ));
@@ -248,11 +259,11 @@ impl StepRun<'_> {
 }
 
 /// The backend without the device that `err` (an [`Error::Device`]) names, when it can go on
-/// without it; else `err` itself.
+/// without it; else `err` itself. `run` says so as its voice speaks.
 fn fail_over(
     backend: &dyn Backend,
     err: Error,
-    prefix: String,
+    run: &StepRun<'_>,
     progress: &Progress,
 ) -> Result<Box<dyn Backend>> {
     let Error::Device {
@@ -265,9 +276,98 @@ fn fail_over(
         return Err(err);
     };
     let rest = rest?;
+    // A plan's step: `step N: DEVICE failed (ERROR); …`; a library call: `ERROR; …`.
+    let failed = match run.voice {
+        Voice::Plan => format!("{}{device} failed ({err})", run.prefix()),
+        Voice::Library => err.to_string(),
+    };
     progress.note(&format!(
-        "{prefix}{device} failed ({err}); redoing its unfinished tiles on {}",
+        "{failed}; redoing its unfinished tiles on {}",
         rest.name()
     ));
     Ok(rest)
+}
+
+#[cfg(all(test, feature = "fault-injection"))]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::backend::fault::{FaultConfig, FaultyBackend};
+    use crate::backend::sim::SimBackend;
+    use crate::run::target::MemoryTarget;
+    use crate::store::memory::{MemoryMatrix, MemoryWriter};
+    use crate::store::MatrixSink;
+
+    /// A library call's failover note is the one `api::run_step` has always given: the
+    /// device's error, then what goes on — no step number and no "DEVICE failed (…)", which
+    /// are a plan's (`step 1: sim:1 failed (…); redoing …`).
+    #[test]
+    fn a_library_calls_failover_note_is_the_devices_error() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, rows, cols, seed) in [("A.mgt", 96, 80, 1), ("B.mgt", 80, 96, 2)] {
+            let spec = crate::store::gen::GenSpec {
+                rows,
+                cols,
+                dtype: crate::dtype::DType::F32,
+                tile: (16, 16),
+                dist: crate::store::gen::Dist::Normal,
+                seed,
+            };
+            crate::store::gen::generate(&dir.path().join(name), &spec).unwrap();
+        }
+        let path = dir.path().join("p.toml");
+        std::fs::write(
+            &path,
+            "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+             [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+             [engine]\nbackend = \"sim\"\ntile = 16\n",
+        )
+        .unwrap();
+        let plan = crate::plan::Plan::load(&path).unwrap();
+        let step = &plan.steps[0];
+        let lane_dies = FaultConfig {
+            lane: Some(1),
+            gemm_after: Some(2),
+            ..Default::default()
+        };
+        let sim = Box::new(SimBackend::with_delays(vec![0; 2], 1 << 30));
+        let mut backend: Box<dyn Backend> = Box::new(FaultyBackend::new(sim, lane_dies));
+        let layout = Layout::new(&plan.path, step, &plan.engine, backend.caps()).unwrap();
+        let out = Arc::new(
+            MemoryMatrix::new(
+                &step.output,
+                (step.m, step.n),
+                step.out_dtype,
+                layout.out_tile,
+            )
+            .unwrap(),
+        );
+        let make = || Ok(Box::new(MemoryWriter(out.clone())) as Box<dyn MatrixSink>);
+        let sources = || crate::run::open_sources(step);
+        let run = StepRun {
+            step,
+            layout: &layout,
+            engine: &plan.engine,
+            sources: &sources,
+            target: Box::new(MemoryTarget::new(step, &layout, Box::new(make))),
+            order: (0, 0),
+            cancel: None,
+            voice: Voice::Library,
+            faults: None,
+        };
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let progress = Progress::log_into(Duration::from_secs(3600), lines.clone());
+        run.run(&mut backend, &progress).unwrap().expect("computed");
+        let notes = lines.lock().unwrap().join(" ");
+        let notes = notes.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            notes.contains(
+                "sim:1: GEMM: injected fault (MGMM_FAULT_GEMM_AFTER); redoing its unfinished tiles on"
+            ),
+            "{notes}"
+        );
+        assert!(!notes.contains("failed ("), "{notes}");
+    }
 }

@@ -420,3 +420,31 @@ fn a_memory_intermediate_whose_reader_is_complete_is_not_recomputed() {
     );
     assert_eq!(part_files(dir), Vec::<String>::new());
 }
+
+/// A device that fails inside the in-memory part of a chain is failed over without a word of
+/// "resuming": nothing of an intermediate in memory is resumed from disk (the steps with a
+/// journal say "resuming", and tests and users grep for it).
+#[test]
+fn failover_inside_the_memory_part_says_nothing_of_resuming() {
+    let d = tmp();
+    let dir = d.path();
+    inputs(dir);
+    chain_plan(
+        dir,
+        "fail.toml",
+        "D.mgt",
+        "A @ B @ C",
+        &engine("sim", "32MiB"),
+    );
+    // Late enough that tiles of the intermediate are written before (24 k-steps a tile).
+    let lane_dies = FaultConfig {
+        lane: Some(1),
+        gemm_after: Some(200),
+        ..Default::default()
+    };
+    let (r, notes) = run_file(dir, "fail.toml", Some(lane_dies));
+    r.unwrap();
+    assert!(notes.contains("stays in host memory"), "{notes}");
+    assert!(notes.contains("step 1: sim:1 failed"), "{notes}");
+    assert!(!notes.contains("step 1: resuming"), "{notes}");
+}

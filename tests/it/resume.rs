@@ -371,3 +371,89 @@ fn kill_during_output_creation_restarts_the_step() {
         std::fs::read(dir.join("C.mgt")).unwrap() == std::fs::read(dir.join("C_ref.mgt")).unwrap()
     );
 }
+
+/// A library call's resume speaks as the library does, without a plan's step number: a
+/// damaged journal record is noted as "1 record in the journal damaged and skipped…", not
+/// "step 1: …" (`matmul()` has no step 1), and the product is completed.
+#[test]
+fn a_library_calls_resume_notes_name_no_step() {
+    use mgmm_stream::api::{self, FileOutput, Output, StepJob, StepSources};
+    use mgmm_stream::plan::Plan;
+    use mgmm_stream::progress::Progress;
+    use std::sync::{Arc, Mutex};
+
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        200,
+        150,
+        DType::F32,
+        (50, 50),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        150,
+        180,
+        DType::F32,
+        (50, 50),
+        Dist::Normal,
+        2,
+    );
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 50\ndurable = false\n",
+    )
+    .unwrap();
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let step = &plan.steps[0];
+    let call = |progress: &Progress| {
+        let open = |p: &Path| mgmm_stream::store::open_source(p).unwrap();
+        api::run_step(StepJob {
+            origin: Path::new("matmul()"),
+            engine: &plan.engine,
+            step,
+            sources: StepSources {
+                a: open(&dir.join("A.mgt")),
+                b: open(&dir.join("B.mgt")),
+                c0: None,
+            },
+            output: Output::File(Box::new(FileOutput(step.output.clone()))),
+            restart: false,
+            progress,
+        })
+    };
+    call(&Progress::quiet()).unwrap().expect("computed");
+    let want = std::fs::read(&step.output).unwrap();
+    // The journal without its completion record, its first tile record damaged in place.
+    let jp = mgmm_stream::journal::journal_path(&step.output);
+    let mut j = std::fs::read(&jp).unwrap();
+    j.truncate(j.len() - 16);
+    let first = j.iter().position(|&b| b == b'\n').unwrap() + 1;
+    j[first + 8] ^= 0xff;
+    std::fs::write(&jp, &j).unwrap();
+
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let rep = call(&Progress::log_into(
+        Duration::from_secs(3600),
+        lines.clone(),
+    ))
+    .unwrap();
+    assert!(rep.is_some(), "the damaged record's tile is computed again");
+    let lines = lines.lock().unwrap();
+    let notes: Vec<String> = (lines.iter())
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    let damaged = notes.iter().find(|n| n.contains("damaged and skipped"));
+    assert!(
+        damaged.is_some_and(
+            |n| n.contains("1 record in the journal damaged") && !n.contains("step 1:")
+        ),
+        "{notes:?}"
+    );
+    assert_eq!(std::fs::read(&step.output).unwrap(), want);
+}

@@ -504,3 +504,69 @@ fn a_restart_on_fewer_lanes_still_keeps_a_finished_output_over_a_corrupt_input()
     assert!(e.to_string().contains("left it as it was"), "{e}");
     assert_eq!(std::fs::read(dir.join("C.mgt")).unwrap(), before);
 }
+
+/// A backend whose lane 1 cannot be set up for the step: making its lanes fails with a device
+/// error there (a GPU out of memory for the tile cache, a kernel that does not load). The
+/// backend without that lane works.
+struct LanesFail(Box<dyn Backend>);
+
+impl mgmm_stream::backend::HostAlloc for LanesFail {
+    fn alloc_host(&self, bytes: usize) -> mgmm_stream::Result<mgmm_stream::backend::HostBuf> {
+        self.0.alloc_host(bytes)
+    }
+    fn pools_made(&self, step: (usize, usize)) {
+        self.0.pools_made(step)
+    }
+    fn shared(&self) -> Option<std::sync::Arc<dyn mgmm_stream::backend::HostAlloc>> {
+        self.0.shared()
+    }
+    fn input_pinner(&self) -> Option<std::sync::Arc<dyn mgmm_stream::backend::InputPinner>> {
+        self.0.input_pinner()
+    }
+}
+
+impl Backend for LanesFail {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+    fn caps(&self) -> &mgmm_stream::backend::Caps {
+        self.0.caps()
+    }
+    fn threads(&self) -> usize {
+        self.0.threads()
+    }
+    fn lanes(
+        &self,
+        layout: &mgmm_stream::plan::layout::Layout,
+        p: mgmm_stream::plan::Precision,
+    ) -> mgmm_stream::Result<Vec<Box<dyn mgmm_stream::backend::Lane>>> {
+        let _ = (layout, p);
+        Err(Error::Device {
+            lane: 1,
+            device: "sim:1".into(),
+            what: "cannot allocate tile-cache slot 1 of 8".into(),
+            source: mgmm_stream::error::DeviceError::Other("out of memory".into()),
+        })
+    }
+    fn without(&self, lane: usize) -> Option<mgmm_stream::Result<Box<dyn Backend>>> {
+        self.0.without(lane)
+    }
+}
+
+/// A device error while the step is being set up (its lanes made) stops the run with that
+/// error, as before the step lifecycle was one `StepRun`: failover is for a device that fails
+/// while the step runs, not for a setup the devices cannot take (it would cascade through
+/// every GPU on a setting too large for all of them, or go on on fewer GPUs unasked).
+#[test]
+fn a_device_failing_while_its_lanes_are_made_stops_the_step() {
+    let d = tmp();
+    setup(d.path(), 300, 300, 100, 64, "64MiB");
+    let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let progress = Progress::log_into(Duration::from_secs(3600), lines.clone());
+    let backend = Box::new(LanesFail(sim(vec![0; 2])));
+    let e = run_plan_on(&plan, backend, &RunOptions::default(), &progress).unwrap_err();
+    assert!(matches!(e, Error::Device { lane: 1, .. }), "{e}");
+    let notes = lines.lock().unwrap().join("\n");
+    assert!(!notes.contains("redoing"), "failed over: {notes}");
+}
