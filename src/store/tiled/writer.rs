@@ -103,7 +103,7 @@ impl TiledWriter {
             .map_err(|e| size_error(path, hdr.file_len(), e))?;
         // SAFETY: the output is a file this process just created or reopened for writing; the
         // engine holds it for the duration of the job and nothing else may write or truncate
-        // it (the job takes an exclusive lock on it, see pipeline::journal).
+        // it (the job takes an exclusive lock on it, see durable::journal).
         let map = unsafe {
             MmapOptions::new()
                 .len(hdr.file_len() as usize)
