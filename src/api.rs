@@ -81,7 +81,7 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
     let target: Box<dyn Target> = match job.output {
         Output::Memory(make) => Box::new(MemoryTarget::new(job.step, &layout, make)),
         Output::File(file) => {
-            let ids = identities(job.step, &job.sources);
+            let ids = crate::run::source_ids(job.step, &job.sources);
             let kind = backend.caps().kind;
             let fp = crate::run::fingerprint_with(job.step, &layout, kind, e.precision, &ids);
             if job.restart && e.verify_inputs {
@@ -124,22 +124,12 @@ fn guard_finished(
 ) -> Result<()> {
     let kept: Layout = crate::run::layout_for(origin, step, e, caps, false)?;
     let fp = crate::run::fingerprint_with(step, &kept, caps.kind, e.precision, ids);
-    if !crate::run::finished_for(step, &fp) {
-        return Ok(());
-    }
-    let srcs = [Some(&s.a), Some(&s.b), s.c0.as_ref()];
-    let srcs = srcs.into_iter().flatten().map(|a| a.as_ref());
-    crate::run::inputs_intact(srcs, &step.output, progress)
-}
-
-/// (operand name, source identity) of every operand, for the journal's fingerprint.
-fn identities(step: &Step, s: &StepSources) -> Vec<(String, String)> {
-    let mut ids = vec![
-        (format!("input {}", step.a.name), s.a.identity()),
-        (format!("input {}", step.b.name), s.b.identity()),
-    ];
-    if let (Some(op), Some(c0)) = (&step.c0, &s.c0) {
-        ids.push((format!("input {}", op.name), c0.identity()));
-    }
-    ids
+    let srcs = || {
+        Ok([Some(&s.a), Some(&s.b), s.c0.as_ref()]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect())
+    };
+    crate::run::guard_finished(step, &fp, srcs, progress)
 }

@@ -45,7 +45,7 @@ impl<'a> ShardTarget<'a> {
         tiles: Range<u32>,
         label: String,
     ) -> ShardTarget<'a> {
-        let ckpt = Checkpoints::new(&step.output, &fp, engine.checkpoint_every, layout, step.k);
+        let ckpt = Checkpoints::for_step(step, layout, engine, &fp);
         ShardTarget {
             step,
             layout,

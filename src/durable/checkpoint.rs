@@ -129,6 +129,17 @@ impl Checkpoints {
         }
     }
 
+    /// The checkpoints of `step` laid out as `layout`, under fingerprint `fp`, taken every
+    /// `engine.checkpoint_every`: what a journaled target (a step's file, a shard) keeps.
+    pub(crate) fn for_step(
+        step: &crate::plan::Step,
+        layout: &Layout,
+        engine: &crate::plan::Engine,
+        fp: &Fingerprint,
+    ) -> Checkpoints {
+        Checkpoints::new(&step.output, fp, engine.checkpoint_every, layout, step.k)
+    }
+
     fn path(&self, seq: u32) -> PathBuf {
         self.dir.join(format!("tile{seq}.ckpt"))
     }

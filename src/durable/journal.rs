@@ -60,7 +60,7 @@ pub fn journal_path(output: &Path) -> PathBuf {
 /// can outlive its holder for a moment. A `flock` belongs to the open file, and a process
 /// forked between another run's open and its exec (a test harness running the command line
 /// beside the library) holds that file until it execs (`O_CLOEXEC`); one CI run met that
-/// (`tests/progress.rs`, a resume right after a failed run in the same process).
+/// (`tests/it/progress.rs`, a resume right after a failed run in the same process).
 const LOCK_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 fn lock(file: &File, path: &Path) -> Result<()> {

@@ -93,7 +93,7 @@ impl SharedReads {
     /// leasing would make them wait for the claimer's pool, and a slow lane's pool is empty most
     /// of the time. Four simulated lanes, one twenty times slower, once split a run's GEMMs
     /// [35, 65, 295, 210], most likely that way: the fast lane in phase with the slow one held
-    /// behind it (tests/sim.rs; not reproduced in twenty local runs).
+    /// behind it (tests/it/sim.rs; not reproduced in twenty local runs).
     pub(crate) fn get(&self, ctl: &Control, src: Src, b: &Block, claim: bool) -> Result<Got> {
         let k = key(src, b);
         let mut st = self.st.lock().unwrap();

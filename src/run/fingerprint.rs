@@ -6,6 +6,7 @@
 use crate::durable::journal::Fingerprint;
 use crate::error::Result;
 use crate::pipeline;
+use crate::pipeline::StepSources;
 use crate::plan::layout::Layout;
 use crate::plan::{Precision, Step};
 
@@ -67,7 +68,7 @@ pub fn input_ids(step: &Step) -> Result<Vec<(String, String)>> {
         } else {
             input_identity(op)?
         };
-        out.push((format!("input {}", op.name), id));
+        out.push((input_key(op), id));
     }
     if let Some(c) = &step.chain {
         for op in &c.leaves {
@@ -82,4 +83,22 @@ pub fn input_ids(step: &Step) -> Result<Vec<(String, String)>> {
 /// the output was computed.
 pub fn input_identity(op: &crate::plan::Operand) -> Result<String> {
     Ok(op.open()?.identity())
+}
+
+/// [`input_ids`] for operands the caller opened ([`crate::api`]): (operand name, source
+/// identity) of every operand.
+pub(crate) fn source_ids(step: &Step, s: &StepSources) -> Vec<(String, String)> {
+    let mut ids = vec![
+        (input_key(&step.a), s.a.identity()),
+        (input_key(&step.b), s.b.identity()),
+    ];
+    if let (Some(op), Some(c0)) = (&step.c0, &s.c0) {
+        ids.push((input_key(op), c0.identity()));
+    }
+    ids
+}
+
+/// The fingerprint's key of an operand's identity.
+fn input_key(op: &crate::plan::Operand) -> String {
+    format!("input {}", op.name)
 }

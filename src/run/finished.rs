@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 use std::path::Path;
+use std::sync::Arc;
 
 use super::fingerprint::{fingerprint, fingerprint_with, input_ids};
 use super::RunOptions;
@@ -13,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
 use crate::plan::{Plan, Step};
 use crate::progress::Progress;
+use crate::store::MatrixSource;
 use crate::units::fmt_bytes;
 
 /// Whether step `i` is an intermediate of a chain whose final product is already complete for
@@ -102,18 +104,37 @@ pub(crate) fn check_before_restart(
         let Ok(fp) = fingerprint(step, layout, kind, plan.engine.precision) else {
             continue;
         };
-        if !finished_for(step, &fp) {
-            continue;
-        }
         let operands = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
-        for op in operands.into_iter().flatten() {
-            if op.temp || outputs.contains(op.path.as_path()) || !checked.insert(&op.path) {
-                continue;
+        let sources = || {
+            let mut v = Vec::new();
+            for op in operands.into_iter().flatten() {
+                if op.temp || outputs.contains(op.path.as_path()) || !checked.insert(&op.path) {
+                    continue;
+                }
+                v.push(op.open()?);
             }
-            inputs_intact([op.open()?.as_ref()], &step.output, progress)?;
-        }
+            Ok(v)
+        };
+        guard_finished(step, &fp, sources, progress)?;
     }
     Ok(())
+}
+
+/// Before a restart overwrites `step`'s output: when its journal says the output is finished
+/// for `fp`, check every stored checksum of the inputs `sources` opens (a mismatch is
+/// [`Error::KeptOutput`], and the output is kept). `run --restart` (for each step, through
+/// [`check_before_restart`]) and a library call with `restart` both ask here.
+pub(crate) fn guard_finished(
+    step: &Step,
+    fp: &Fingerprint,
+    sources: impl FnOnce() -> Result<Vec<Arc<dyn MatrixSource>>>,
+    progress: &Progress,
+) -> Result<()> {
+    if !finished_for(step, fp) {
+        return Ok(());
+    }
+    let sources = sources()?;
+    inputs_intact(sources.iter().map(|s| s.as_ref()), &step.output, progress)
 }
 
 /// Whether `step`'s journal says its output is complete for the fingerprint `fp` (the plan and
@@ -125,7 +146,7 @@ pub(crate) fn finished_for(step: &Step, fp: &Fingerprint) -> bool {
 /// Check every stored checksum of `sources` before the finished output `kept` is overwritten;
 /// a mismatch is [`Error::KeptOutput`].
 pub(crate) fn inputs_intact<'a>(
-    sources: impl IntoIterator<Item = &'a dyn crate::store::MatrixSource>,
+    sources: impl IntoIterator<Item = &'a dyn MatrixSource>,
     kept: &Path,
     progress: &Progress,
 ) -> Result<()> {

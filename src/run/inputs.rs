@@ -37,14 +37,7 @@ pub fn generate_missing(
     let mut out = Vec::new();
     for (d, spec) in to_generate(plan)? {
         let t = Instant::now();
-        let h = crate::store::Header::new(
-            spec.dtype,
-            spec.rows,
-            spec.cols,
-            spec.tile.0,
-            spec.tile.1,
-            true,
-        );
+        let h = spec.header();
         let done = std::sync::atomic::AtomicU64::new(0);
         let label = format!("generating {}", d.path.display());
         let bytes = progress.job(&label, h.data_end() - h.data_offset, &done, || {

@@ -215,7 +215,7 @@ impl<'a> FileTarget<'a> {
         file: Box<dyn OutputFile + 'a>,
         restart: bool,
     ) -> FileTarget<'a> {
-        let ckpt = Checkpoints::new(&step.output, &fp, engine.checkpoint_every, layout, step.k);
+        let ckpt = Checkpoints::for_step(step, layout, engine, &fp);
         FileTarget {
             step,
             layout,

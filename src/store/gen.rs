@@ -141,6 +141,20 @@ pub struct GenSpec {
     pub seed: u64,
 }
 
+impl GenSpec {
+    /// The header of the `.mgt` file this spec generates (checksums on).
+    pub(crate) fn header(&self) -> Header {
+        Header::new(
+            self.dtype,
+            self.rows,
+            self.cols,
+            self.tile.0,
+            self.tile.1,
+            true,
+        )
+    }
+}
+
 /// Generate a matrix into a new file at `path`. Returns the bytes written.
 pub fn generate(path: &Path, spec: &GenSpec) -> Result<u64> {
     generate_counted(path, spec, &AtomicU64::new(0), None)
@@ -165,14 +179,7 @@ pub fn generate_counted(
             spec.cols
         )));
     }
-    let hdr = Header::new(
-        spec.dtype,
-        spec.rows,
-        spec.cols,
-        spec.tile.0,
-        spec.tile.1,
-        true,
-    );
+    let hdr = spec.header();
     let tmp = TempOutput::new(path, hdr.file_len())?;
     let w = TiledWriter::create(tmp.path(), hdr)?;
     // One band of storage-tile rows at a time per thread: generate whole rows (the random

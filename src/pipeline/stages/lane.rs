@@ -173,7 +173,7 @@ impl DeviceLane<'_> {
     /// ([`Self::next_op`]), a lane whose inputs are all cached could otherwise queue its whole
     /// share of work on a slow device and hold the buffers and reads other lanes wait for:
     /// with one simulated lane 20× slower than three others, a fast lane was left with a
-    /// sixth of its share in 3–6 of 30 runs (`tests/sim.rs`), 1 in 30 with a bound of 32,
+    /// sixth of its share in 3–6 of 30 runs (`tests/it/sim.rs`), 1 in 30 with a bound of 32,
     /// none with 8. Eight 8192³ GEMMs are 0.17 s of fp32 and 16–22 ms of tf32 or bf16 on an
     /// H200, well ahead of the GPU.
     fn hold_back(&mut self, p: &mut Pending, ctl: &Control) -> Result<()> {
