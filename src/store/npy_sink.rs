@@ -336,3 +336,29 @@ pub(crate) fn write_sidecar(npy: &Path, side: &Sidecar, durable: bool) -> Result
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The unfinished header is the finished one's size, numpy would refuse it (the text after
+    /// the 10-byte preamble is not a dict), and the engine reads it back as what it describes,
+    /// marked unfinished.
+    #[test]
+    fn the_unfinished_header_reads_back_as_unfinished() {
+        let (done, open) = (
+            header(DType::F64, 70000, 3).unwrap(),
+            unfinished_header(DType::F64, 70000, 3).unwrap(),
+        );
+        assert_eq!((done.len(), open.len()), (4096, 4096));
+        assert_eq!(done[10], b'{');
+        assert_eq!(open[10], b'\'');
+        for (bytes, unfinished) in [(&done, false), (&open, true)] {
+            let h = read_header(Path::new("C.npy"), &mut &bytes[..]).unwrap();
+            assert_eq!(
+                (h.dtype, h.rows, h.cols, h.data_offset, h.unfinished),
+                (DType::F64, 70000, 3, DATA_OFFSET, unfinished)
+            );
+        }
+    }
+}
