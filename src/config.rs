@@ -3,7 +3,8 @@
 //! listed here or in the cluster module's `identity.rs` (the launcher's variables for split runs).
 //!
 //! Today that is the fault injection of the tests and the GPU resilience scripts
-//! (`MGMM_FAULT_*`, cargo feature `fault-injection`), and `MGMM_VERIFY_TIMES`, which makes
+//! (`MGMM_FAULT_*`, cargo feature `fault-injection`; `MGMM_FAULT_SYNC_LOG=PATH` logs every
+//! sync of a created file or directory there), and `MGMM_VERIFY_TIMES`, which makes
 //! `verify` print each pass's time and input rate on stderr (for the benchmark scripts), and
 //! `MGMM_PINNED_ALLOC`, which makes the CUDA backend pin its host buffers with
 //! `cuMemHostAlloc` instead of registering memory it mapped (to compare the two on a GPU
@@ -53,6 +54,15 @@ pub(crate) fn fault_config() -> Option<FaultConfig> {
         write_delay_ms: 0,
     };
     (c.gemm_after.is_some() || c.write_after.is_some()).then_some(c)
+}
+
+/// `MGMM_FAULT_SYNC_LOG`: the file the test hook of `store::fsutil` logs every sync and
+/// journal record to; `None` when unset. Called once by the command line.
+#[cfg(feature = "fault-injection")]
+pub(crate) fn sync_log() -> Option<PathBuf> {
+    std::env::var_os("MGMM_FAULT_SYNC_LOG")
+        .filter(|v| !v.is_empty())
+        .map(Into::into)
 }
 
 /// Whether `MGMM_PINNED_ALLOC` is set: the CUDA backend then allocates its pinned host buffers

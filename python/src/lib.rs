@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use mgmm_stream::api::{self, Output, StepJob, StepSources, TiledOutput};
+use mgmm_stream::api::{self, FileOutput, Output, StepJob, StepSources};
 use mgmm_stream::dtype::DType;
 use mgmm_stream::plan::schedule::traffic;
 use mgmm_stream::plan::{Engine, MatrixDecl, Operand, Plan, Precision, Step};
@@ -24,7 +24,7 @@ use pyo3::types::PyDict;
 
 use drive::{Queue, Watch};
 use errors::{bad_input, to_py};
-use sources::{BufferSink, BufferSource, NpyOutput, RawFileSource, RawMatrix};
+use sources::{BufferSink, BufferSource, RawFileSource, RawMatrix};
 
 const ORIGIN: &str = "matmul()";
 
@@ -304,8 +304,8 @@ impl Job {
                 }
                 step.output = p.clone();
                 match p.extension().and_then(|e| e.to_str()) {
-                    Some("mgt") => Output::File(Box::new(TiledOutput(p))),
-                    Some("npy") => Output::File(Box::new(NpyOutput(p))),
+                    // The engine's output file, by the name's extension: as `run` writes it.
+                    Some("mgt" | "npy") => Output::File(Box::new(FileOutput(p))),
                     _ => {
                         return Err(bad_input(
                             py,

@@ -1,23 +1,22 @@
 //! Storage the Python package adds to the engine's [`MatrixSource`]/[`MatrixSink`] seam: a numpy
 //! buffer in memory read or written in place ([`BufferSource`], [`BufferSink`]), and a raw
-//! row-major file region — an `np.memmap`'s file or a `.npy` body — read with `pread` and
-//! written with `pwrite` ([`RawFileSource`], [`RawFileSink`], [`NpyOutput`]).
+//! row-major file region — an `np.memmap`'s file or a `.npy` body — read with `pread`
+//! ([`RawFileSource`]). A `.npy` output file is the engine's own (`api::FileOutput`), as for
+//! `run`: the same header numpy refuses until the last tile is written, and the same sidecar.
 //!
 //! Every matrix here is row-major with unit column stride and a row stride `ld` (elements) of
 //! at least `cols`; the Python layer turns a Fortran-order array into its row-major transpose
 //! and flips the operand's transpose flag, so column-major data is read in place too.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
-use mgmm_stream::api::OutputFile;
 use mgmm_stream::dtype::{self, DType};
 use mgmm_stream::error::{Error, Result};
 use mgmm_stream::store::par_crc32c;
-use mgmm_stream::store::{Block, Header, MatrixSink, MatrixSource, WriteMode};
+use mgmm_stream::store::{Block, MatrixSink, MatrixSource};
 use rayon::prelude::*;
 
 /// A row-major matrix in memory: base address, shape, row stride (elements), dtype.
@@ -298,149 +297,5 @@ impl MatrixSource for RawFileSource {
             self.dtype,
             self.ld
         )
-    }
-}
-
-/// A dense row-major region of a file written with `pwrite` (the body of a `.npy` output).
-pub struct RawFileSink {
-    path: PathBuf,
-    file: File,
-    offset: u64,
-    rows: u64,
-    cols: u64,
-    dtype: DType,
-}
-
-impl MatrixSink for RawFileSink {
-    fn path(&self) -> &Path {
-        &self.path
-    }
-    fn write_mode(&self) -> &'static str {
-        "pwrite"
-    }
-    fn shape(&self) -> (u64, u64) {
-        (self.rows, self.cols)
-    }
-    fn dtype(&self) -> DType {
-        self.dtype
-    }
-    fn storage_tile(&self) -> (u64, u64) {
-        (self.rows, self.cols)
-    }
-    fn write_block(&self, b: &Block, host: DType, src: &[u8]) -> Result<u32> {
-        check_block(&self.path, self.shape(), b)?;
-        if host != self.dtype {
-            return Err(unsupported(&self.path, host, self.dtype));
-        }
-        let es = self.dtype.size() as u64;
-        src.par_chunks(b.cols as usize * es as usize)
-            .enumerate()
-            .try_for_each(|(i, s)| {
-                let at = self.offset + ((b.r0 + i as u64) * self.cols + b.c0) * es;
-                self.file
-                    .write_all_at(s, at)
-                    .map_err(|e| Error::io(&self.path, "cannot write", e))
-            })?;
-        Ok(par_crc32c(src))
-    }
-    fn prefault(&self, _b: &Block) -> u64 {
-        0
-    }
-    /// Write back the rows the block spans (not the whole file: other tiles are in flight).
-    fn flush_block(&self, b: &Block) -> Result<()> {
-        let row = self.cols * self.dtype.size() as u64;
-        let start = self.offset + b.r0 * row;
-        let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
-            | libc::SYNC_FILE_RANGE_WRITE
-            | libc::SYNC_FILE_RANGE_WAIT_AFTER;
-        // SAFETY: sync_file_range only reads its integer arguments; the descriptor is open.
-        let r = unsafe {
-            libc::sync_file_range(
-                self.file.as_raw_fd(),
-                start as libc::off64_t,
-                (b.rows * row) as libc::off64_t,
-                flags,
-            )
-        };
-        if r != 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(Error::io(&self.path, "cannot flush output rows to disk", e));
-        }
-        Ok(())
-    }
-    fn forget_checksums(&self) {}
-    fn finish(self: Box<Self>, durable: bool) -> Result<()> {
-        if durable {
-            self.file
-                .sync_all()
-                .map_err(|e| Error::io(&self.path, "cannot sync", e))?;
-        }
-        Ok(())
-    }
-}
-
-/// A `.npy` output file (C order, f32 or f64), journaled like a `.mgt` output.
-pub struct NpyOutput(pub PathBuf);
-
-impl NpyOutput {
-    fn open(&self, h: &Header, create: bool) -> Result<RawFileSink> {
-        let p = &self.0;
-        let head = mgmm_stream::store::npy::header_bytes(h.dtype, h.rows, h.cols)?;
-        let len = head.len() as u64 + h.rows * h.cols * h.dtype.size() as u64;
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(create)
-            .truncate(create)
-            .open(p)
-            .map_err(|e| Error::io(p, "cannot open output", e))?;
-        if create {
-            // A checksum sidecar left by the CLI's writer would describe the old contents:
-            // readers of the new array would report every tile as corrupt.
-            let mut side = p.as_os_str().to_owned();
-            side.push(".crc32c");
-            let _ = std::fs::remove_file(side);
-            file.write_all_at(&head, 0)
-                .map_err(|e| Error::io(p, "cannot write .npy header", e))?;
-            file.set_len(len)
-                .map_err(|e| Error::io(p, "cannot size output", e))?;
-        } else {
-            let mut have = vec![0u8; head.len()];
-            let ok = file.read_exact_at(&mut have, 0).is_ok() && have == head;
-            let size = file.metadata().map(|m| m.len()).unwrap_or(0);
-            if !ok || size != len {
-                return Err(Error::format(
-                    p,
-                    "is not the .npy file this call started (header or size differ); pass restart=True to recompute it",
-                ));
-            }
-        }
-        Ok(RawFileSink {
-            path: p.clone(),
-            file,
-            offset: head.len() as u64,
-            rows: h.rows,
-            cols: h.cols,
-            dtype: h.dtype,
-        })
-    }
-}
-
-impl OutputFile for NpyOutput {
-    fn create(&self, header: Header, _write: WriteMode) -> Result<Box<dyn MatrixSink>> {
-        Ok(Box::new(self.open(&header, true)?))
-    }
-    fn reopen(&self, header: Header, _write: WriteMode) -> Result<Box<dyn MatrixSink>> {
-        Ok(Box::new(self.open(&header, false)?))
-    }
-    fn read_back(&self) -> Result<Arc<dyn MatrixSource>> {
-        let mut f = File::open(&self.0).map_err(|e| Error::io(&self.0, "cannot open", e))?;
-        let h = mgmm_stream::store::npy::read_header(&self.0, &mut f)?;
-        Ok(Arc::new(RawFileSource::open(
-            &self.0,
-            h.data_offset,
-            (h.rows, h.cols, h.cols),
-            h.dtype,
-        )?))
     }
 }

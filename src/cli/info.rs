@@ -35,12 +35,20 @@ impl InfoArgs {
 
 fn info(file: &Path, check: bool) -> Result<()> {
     use crate::store::source::Checked;
-    // An output `run` has not finished is told apart from a corrupt one, in every format.
-    let open = if check { unfinished(file)? } else { None };
+    // An output `run` has not finished is told apart from a corrupt one, in every format, and
+    // named as such with or without `--check` (a damaged journal only matters to the check).
+    let open = if check {
+        unfinished(file)?
+    } else {
+        unfinished(file).ok().flatten()
+    };
     // .npy and raw inputs describe themselves.
     if let Some((text, checked)) = crate::store::source::inspect(file, check && open.is_none())? {
         out!("{text}");
-        if let Some(progress) = open {
+        if let Some(progress) = &open {
+            say_unfinished(progress);
+        }
+        if let Some(progress) = open.filter(|_| check) {
             outln!("check:       unfinished, resumable ({progress})");
             return Err(unfinished_error(file, &progress));
         }
@@ -89,6 +97,9 @@ fn info(file: &Path, check: bool) -> Result<()> {
         fmt_bytes(h.file_len()),
         h.file_len()
     );
+    if let Some(progress) = &open {
+        say_unfinished(progress);
+    }
     if !check {
         return Ok(());
     }
@@ -175,6 +186,13 @@ pub(super) fn run_output_checksum(e: Error, of: &str, then: &str) -> Error {
     }
 }
 
+/// The `state:` line of an output a run has not finished: how far it is and what finishes it.
+fn say_unfinished(progress: &str) {
+    outln!(
+        "state:       UNFINISHED ({progress}); finish it with `mgmm-stream run PLAN` (the plan that writes it), or read it as it is with `mgmm-stream export FILE OUT.npy --allow-partial`"
+    );
+}
+
 fn unfinished_error(file: &Path, progress: &str) -> Error {
     Error::Usage(format!(
         "{}: unfinished, resumable ({progress}), not corrupt: resume with `mgmm-stream run PLAN` (the plan that writes it)",
@@ -210,7 +228,11 @@ pub(super) fn unfinished(file: &Path) -> Result<Option<String>> {
         (v.len() == 3 && v[0] > 0 && v[1] > 0).then(|| rows.div_ceil(v[0]) * cols.div_ceil(v[1]))
     });
     Ok(Some(match total {
-        Some(m) => format!("{} of {m} tiles done", done.len()),
+        Some(m) => format!(
+            "{} of {m} tiles done, {} left",
+            done.len(),
+            m.saturating_sub(done.len() as u64)
+        ),
         None => format!("{} tiles done", done.len()),
     }))
 }

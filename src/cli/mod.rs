@@ -65,6 +65,10 @@ pub fn execute(cli: Cli) -> Result<()> {
     crate::report::mark_process_start();
     // The environment's settings, read here once and passed down as values.
     let settings = Settings::from_env();
+    #[cfg(feature = "fault-injection")]
+    if let Some(p) = crate::config::sync_log() {
+        crate::store::fsutil::log_syncs_to(&p);
+    }
     match cli.cmd {
         Command::Gen(a) => a.execute(),
         Command::Info(a) => a.execute(),

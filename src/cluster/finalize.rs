@@ -1,6 +1,9 @@
 //! Finishing a split step: every tile accounted for, every journal record checked against the
 //! bytes, the checksum table written, the shard journals merged into the step's journal.
 //!
+//! A `.npy` output gets its checksum sidecar and, last, the real header that makes it an array
+//! numpy loads (until then its header is one numpy refuses).
+//!
 //! `finalize` runs once per step — explicitly (`mgmm-stream finalize PLAN`) or by the process
 //! that finds every tile done after its last shard (claimed through `finalize.claim`, so two
 //! such processes do not both do it). It refuses while tiles are missing and names the shards;
@@ -16,11 +19,12 @@ use rayon::prelude::*;
 
 use super::prepare::{read_manifest, wait_for, Manifest};
 use super::{claim, recorded, shard_files, shard_range, state_dir, ShardOptions};
+use crate::dtype::DType;
 use crate::durable::journal::{self, Fingerprint};
 use crate::error::{Error, Result};
 use crate::plan::{Plan, Precision, Step};
 use crate::progress::Progress;
-use crate::store::{TiledFile, TiledWriter, WriteMode};
+use crate::store::{open_source, reopen_output, Header, OutputFormat, TiledFile, WriteMode};
 
 /// Whether `output`'s journal marks the step complete (for fingerprint `fp`, when given).
 pub(crate) fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
@@ -161,7 +165,8 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
             name_shards(out, m, &missing)?
         )));
     }
-    let file = TiledFile::open(out)?;
+    // Any output format: `.mgt`, or a `.npy` whose unfinished header the engine reads.
+    let file = open_source(out)?;
     let dt = file.dtype();
     let blocks = m.blocks();
     let checked: Vec<Result<(u32, Option<u32>)>> = blocks
@@ -191,14 +196,32 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
             name_shards(out, m, &bad)?
         )));
     }
-    let hdr = file.hdr;
     drop(file);
-    TiledWriter::reopen_with(out, hdr, WriteMode::Pwrite)?.finish(true)?;
+    // The checksums of every tile (a `.mgt`'s table; a `.npy`'s sidecar, then its real
+    // header, last), synced.
+    reopen_output(out, output_header_of(out, m, dt)?, WriteMode::Pwrite)?.finish(true)?;
     journal::write_complete(out, &m.fingerprint, &good)?;
     Ok(Finalized {
         tiles: m.tiles,
         secs: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The header the prepared output `out` was created with: a `.mgt`'s own; for a `.npy`, its
+/// shape and dtype with the storage tile the manifest records.
+fn output_header_of(out: &Path, m: &Manifest, dt: DType) -> Result<Header> {
+    match OutputFormat::of(out) {
+        OutputFormat::Mgt => Ok(TiledFile::open(out)?.hdr),
+        OutputFormat::Npy => {
+            let (tr, tc) = m.out_tile.ok_or_else(|| {
+                Error::Usage(format!(
+                    "{}: its manifest does not record the output's storage tile (written by an older version); run `mgmm-stream prepare PLAN --restart` to start the step over",
+                    out.display()
+                ))
+            })?;
+            Ok(Header::new(dt, m.m, m.n, tr, tc, true))
+        }
+    }
 }
 
 /// `finalize PLAN`: finalize every split step that is not yet, in order; with `verify`, run

@@ -1,7 +1,9 @@
 //! Creating a split step's output exactly once, and waiting for it.
 //!
 //! The first process to claim `C.mgt.shards/prepare.claim` writes the output under a temporary
-//! name (header, full length, reserved blocks where `fallocate` works), `link`s it to its
+//! name, in the format its name asks for (`.mgt`, or a `.npy` whose header numpy refuses until
+//! `finalize` writes the real one), header, full length, reserved blocks where `fallocate`
+//! works, synced, then `link`s it to its
 //! final name — `link` fails rather than replace, and is atomic on NFS and Lustre — and then
 //! writes `manifest.json` the same way. The manifest is the signal: every other process waits
 //! for it (printing what it waits for) up to a timeout.
@@ -18,7 +20,7 @@ use crate::pipeline::output_header;
 use crate::plan::layout::Layout;
 use crate::plan::Step;
 use crate::progress::Progress;
-use crate::store::{Block, TiledWriter, WriteMode};
+use crate::store::{create_output_as, Block, OutputFormat, WriteMode};
 
 /// What every process of a split step agrees on, written once by the preparer.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -43,6 +45,11 @@ pub struct Manifest {
     pub per_process: u32,
     /// Who prepared the output (`host pid N`).
     pub prepared_by: String,
+    /// The output's storage tile (rows, columns): the tiles of a `.npy` output's checksum
+    /// sidecar, which `finalize` writes (a `.mgt` keeps it in its own header). Absent from
+    /// manifests written before `.npy` outputs could be split.
+    #[serde(default)]
+    pub out_tile: Option<(u64, u64)>,
 }
 
 impl Manifest {
@@ -154,8 +161,11 @@ pub(crate) fn ensure(
         return Ok(m);
     }
     let dir = state_dir(out);
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| Error::io(&dir, "cannot create shard directory", e))?;
+    if !dir.is_dir() {
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(&dir, "cannot create shard directory", e))?;
+        crate::store::fsutil::sync_parent(&dir)?;
+    }
     loop {
         match claim::try_claim(&dir.join("prepare.claim"), sh.claim_timeout)? {
             claim::Try::Got(c) => {
@@ -199,13 +209,20 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
     }
     let header = output_header(step, layout);
     let tmp = tmp_name(out);
-    drop(TiledWriter::create_with(&tmp, header, WriteMode::Pwrite)?);
-    std::fs::File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| Error::io(&tmp, "cannot sync new output", e))?;
+    // In the format the output's name asks for (a `.npy` with a header numpy refuses until
+    // `finalize`); created synced, header and size.
+    drop(create_output_as(
+        OutputFormat::of(out),
+        &tmp,
+        header,
+        WriteMode::Pwrite,
+    )?);
+    // A stale sidecar would describe another array; `finalize` writes this one's.
+    let _ = std::fs::remove_file(crate::store::sidecar::sidecar_path(out));
     let linked = std::fs::hard_link(&tmp, out);
     let _ = std::fs::remove_file(&tmp);
     linked.map_err(|e| Error::io(out, "cannot create output (link from temporary name)", e))?;
+    crate::store::fsutil::sync_parent(out)?;
     let (gm, gn, _) = layout.grid(step);
     let m = Manifest {
         fingerprint: fp.clone(),
@@ -217,6 +234,7 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
         tiles: (gm * gn) as u32,
         per_process: super::per_process(step, layout),
         prepared_by: format!("{} pid {}", identity::host(), std::process::id()),
+        out_tile: Some((header.tile_rows, header.tile_cols)),
     };
     let mp = manifest_path(out);
     let mtmp = tmp_name(&mp);
@@ -226,6 +244,7 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
     )
     .and_then(|_| std::fs::rename(&mtmp, &mp))
     .map_err(|e| Error::io(&mp, "cannot write manifest", e))?;
+    crate::store::fsutil::sync_parent(&mp)?;
     progress.note(&format!(
         "step {}: prepared {} ({}) for a split run",
         step.index + 1,
@@ -244,7 +263,11 @@ pub(crate) fn reset(output: &Path) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::io(&partial, "cannot remove checkpoints", e)),
     }
-    for p in [output.to_path_buf(), journal::journal_path(output)] {
+    for p in [
+        output.to_path_buf(),
+        journal::journal_path(output),
+        crate::store::sidecar::sidecar_path(output),
+    ] {
         match std::fs::remove_file(&p) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

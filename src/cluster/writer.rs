@@ -1,16 +1,17 @@
-//! The output sink of one shard: the step's output reopened for `pwrite`, whose `finish` only
-//! makes this process's writes durable and visible to other nodes (`fsync`), leaving the
-//! checksum table to `finalize` — a shard knows only its own tiles.
+//! The output sink of one shard: the step's output (`.mgt` or `.npy`) reopened for `pwrite`,
+//! whose `finish` only makes this process's writes durable and visible to other nodes
+//! (`fsync`), leaving the checksums (a `.mgt`'s table, a `.npy`'s sidecar and its real header)
+//! to `finalize` — a shard knows only its own tiles.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::store::{Block, Header, MatrixSink, TiledWriter, WriteMode};
+use crate::store::{reopen_output, Block, Header, MatrixSink, WriteMode};
 
 pub(crate) struct ShardWriter {
-    inner: TiledWriter,
+    inner: Box<dyn MatrixSink>,
     path: PathBuf,
 }
 
@@ -18,7 +19,7 @@ impl ShardWriter {
     /// Reopen the prepared output `path` (whose header must be `hdr`) for `pwrite`s.
     pub(crate) fn open(path: &Path, hdr: Header) -> Result<ShardWriter> {
         Ok(ShardWriter {
-            inner: TiledWriter::reopen_with(path, hdr, WriteMode::Pwrite)?,
+            inner: reopen_output(path, hdr, WriteMode::Pwrite)?,
             path: path.to_path_buf(),
         })
     }
@@ -29,13 +30,13 @@ impl MatrixSink for ShardWriter {
         &self.path
     }
     fn shape(&self) -> (u64, u64) {
-        (self.inner.hdr.rows, self.inner.hdr.cols)
+        self.inner.shape()
     }
     fn dtype(&self) -> DType {
-        self.inner.hdr.dtype
+        self.inner.dtype()
     }
     fn storage_tile(&self) -> (u64, u64) {
-        (self.inner.hdr.tile_rows, self.inner.hdr.tile_cols)
+        self.inner.storage_tile()
     }
     fn write_block(&self, b: &Block, host: DType, src: &[u8]) -> Result<u32> {
         self.inner.write_block(b, host, src)
@@ -61,7 +62,8 @@ impl MatrixSink for ShardWriter {
     }
     fn finish(self: Box<Self>, _durable: bool) -> Result<()> {
         // Always sync: the next reader of these tiles is another process, maybe on another
-        // node, and NFS promises only close-to-open coherence.
+        // node, and NFS promises only close-to-open coherence. The inner writer is dropped
+        // unfinished: its checksums and a `.npy`'s real header are `finalize`'s.
         File::open(&self.path)
             .and_then(|f| f.sync_all())
             .map_err(|e| Error::io(&self.path, "cannot sync output to disk", e))

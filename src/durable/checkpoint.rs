@@ -358,8 +358,11 @@ impl Checkpoints {
         };
         let json = serde_json::to_string(&h).expect("checkpoint header serializes");
         let line = format!("{MAGIC} {:08x} {json}\n", crc32c::crc32c(json.as_bytes()));
-        std::fs::create_dir_all(&self.dir)
-            .map_err(|e| Error::io(&self.dir, "cannot create the checkpoint directory", e))?;
+        if !self.dir.is_dir() {
+            std::fs::create_dir_all(&self.dir)
+                .map_err(|e| Error::io(&self.dir, "cannot create the checkpoint directory", e))?;
+            crate::store::fsutil::sync_parent(&self.dir)?;
+        }
         let path = self.path(tile.seq);
         let tmp = self
             .dir

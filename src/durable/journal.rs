@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
+use crate::store::fsutil;
 
 const MAGIC: &str = "MGMJRNL1";
 const REC: u32 = u32::from_le_bytes(*b"JREC");
@@ -182,8 +183,12 @@ impl Journal {
             use std::os::unix::fs::FileExt;
             file.write_all_at(header_line(fp).as_bytes(), 0)
                 .map_err(|e| Error::io(&path, "cannot write journal", e))?;
-            file.sync_all()
-                .map_err(|e| Error::io(&path, "cannot sync journal", e))?;
+            fsutil::sync_file(&file, &path)?;
+        }
+        if !existed {
+            // Its name, too: a journal lost from the directory would leave an output that
+            // cannot be resumed.
+            fsutil::sync_parent(&path)?;
         } else if let State::Partial(..) = &state {
             let (header_end, peek) = parse(&path, &bytes)?;
             settle(&file, &path, fp, header_end > bytes.len(), peek.good_end)?;
@@ -211,6 +216,7 @@ impl Journal {
             f.sync_data()
                 .map_err(|e| Error::io(&self.path, "cannot sync journal", e))?;
         }
+        fsutil::log_sync("record", &self.path);
         Ok(())
     }
 
@@ -416,8 +422,9 @@ impl Journal {
             .map_err(|e| Error::io(path, "cannot read shard journal", e))?;
         let done = if bytes.is_empty() {
             file.write_all_at(header_line(fp).as_bytes(), 0)
-                .and_then(|_| file.sync_all())
                 .map_err(|e| Error::io(path, "cannot write shard journal", e))?;
+            fsutil::sync_file(&file, path)?;
+            fsutil::sync_parent(path)?;
             Vec::new()
         } else {
             let (head, peek) = parse(path, &bytes)?;
@@ -461,7 +468,8 @@ pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)
         f.sync_all()?;
         std::fs::rename(&tmp, &path)
     };
-    write().map_err(|e| Error::io(&path, "cannot write the merged journal", e))
+    write().map_err(|e| Error::io(&path, "cannot write the merged journal", e))?;
+    fsutil::sync_parent(&path)
 }
 
 /// Read the journal at `path` (any journal file, e.g. a shard's) without locking it; `None`

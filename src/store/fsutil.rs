@@ -39,6 +39,71 @@ pub(crate) fn parent_dir(path: &Path) -> std::path::PathBuf {
     }
 }
 
+/// Make `file`'s data and metadata durable (`fsync`), its path named in the error. Every sync
+/// of a file the engine creates or finishes goes through here or [`sync_dir`], so that the test
+/// hook below can see them in order.
+pub(crate) fn sync_file(file: &File, path: &Path) -> crate::error::Result<()> {
+    file.sync_all()
+        .map_err(|e| crate::error::Error::io(path, "cannot sync to disk", e))?;
+    log_sync("file", path);
+    Ok(())
+}
+
+/// Make the directory entries of `dir` durable (`fsync` on the directory): a file created,
+/// linked or renamed there is found under its name after a power cut only once its directory
+/// is synced. Filesystems that cannot sync a directory (`EINVAL`: some FUSE and network
+/// mounts) are let pass — there is nothing more a process can do there.
+pub(crate) fn sync_dir(dir: &Path) -> crate::error::Result<()> {
+    let r = File::open(dir).and_then(|d| d.sync_all());
+    match r {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+        Err(e) => return Err(crate::error::Error::io(dir, "cannot sync directory", e)),
+    }
+    log_sync("dir", dir);
+    Ok(())
+}
+
+/// [`sync_dir`] of the directory holding `path`: after `path` was created, linked or renamed.
+pub(crate) fn sync_parent(path: &Path) -> crate::error::Result<()> {
+    sync_dir(&parent_dir(path))
+}
+
+/// Test hook (cargo feature `fault-injection`): where each sync and each journal record is
+/// logged, one line each (`file PATH`, `dir PATH`, `record PATH`), so a test can check that
+/// the output's header and directory entries were synced before the first tile was recorded —
+/// what cannot be seen without a power cut. Set once by the command line from
+/// `MGMM_FAULT_SYNC_LOG` ([`crate::config`]).
+#[cfg(feature = "fault-injection")]
+static SYNC_LOG: std::sync::OnceLock<std::sync::Mutex<File>> = std::sync::OnceLock::new();
+
+/// Log syncs to `path` from now on (the test hook of [`sync_file`] and [`sync_dir`]).
+#[cfg(feature = "fault-injection")]
+pub(crate) fn log_syncs_to(path: &Path) {
+    if let Ok(f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = SYNC_LOG.set(std::sync::Mutex::new(f));
+    }
+}
+
+/// One line in the sync log, when a test asked for it; nothing otherwise.
+pub(crate) fn log_sync(what: &str, path: &Path) {
+    #[cfg(feature = "fault-injection")]
+    if let Some(f) = SYNC_LOG.get() {
+        use std::io::Write;
+        let line = format!("{what} {}\n", identity_path(path).display());
+        let _ = f
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .write_all(line.as_bytes());
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    let _ = (what, path);
+}
+
 /// Free bytes for unprivileged writers on the filesystem holding `dir`; `None` if it cannot be
 /// asked (then callers skip the check rather than refuse).
 pub(crate) fn free_bytes(dir: &Path) -> Option<u64> {

@@ -35,7 +35,20 @@ pub struct NpyHeader {
     pub fortran: bool,
     /// Byte offset of the first element.
     pub data_offset: u64,
+    /// An output the engine has not finished ([`UNFINISHED`]): its header is one numpy
+    /// refuses, so only the engine itself reads it (to resume it, `info`, `export
+    /// --allow-partial`).
+    pub unfinished: bool,
 }
+
+/// How the header of a `.npy` output the engine is still writing starts. The header is then a
+/// Python tuple, this sentence then the dict of the finished array —
+/// `'UNFINISHED mgmm-stream output: …', {'descr': '<f4', 'fortran_order': False, 'shape': (R, C), }`
+/// — which numpy refuses (`ValueError: Header is not a dictionary: ('UNFINISHED …', {…})`),
+/// so an output cut short by a kill cannot be loaded as an array with zeros where tiles are
+/// missing. The real header is written over it once the last tile is durable
+/// (docs/FORMAT.md).
+pub(crate) const UNFINISHED: &str = "UNFINISHED mgmm-stream output: not every tile is written yet, so this is not an array to load; run the plan that writes it again to finish it (mgmm-stream info FILE says how far it is)";
 
 /// A value in the header dict: the subset of Python literals numpy writes there.
 #[derive(Clone, Debug, PartialEq)]
@@ -344,9 +357,13 @@ pub fn read_header(path: &Path, r: &mut impl Read) -> Result<NpyHeader> {
     let mut h = vec![0u8; hlen];
     r.read_exact(&mut h)
         .map_err(|_| bad("truncated .npy header".into()))?;
+    // An output the engine is still writing: the sentence, a comma, then the dict.
+    let mark = format!("'{UNFINISHED}',");
+    let unfinished = h.starts_with(mark.as_bytes());
+    let from = if unfinished { mark.len() } else { 0 };
     // Versions 1 and 2 are latin-1 and version 3 UTF-8; every header numpy writes for the
     // arrays accepted here is ASCII, so anything else is refused by the parser's string rules.
-    let dict = LiteralParser { s: &h, i: 0 }
+    let dict = LiteralParser { s: &h, i: from }
         .dict()
         .map_err(|m| bad(format!("malformed .npy header: {m}")))?;
     let it = interpret(dict).map_err(bad)?;
@@ -356,6 +373,7 @@ pub fn read_header(path: &Path, r: &mut impl Read) -> Result<NpyHeader> {
         cols: it.cols,
         fortran: it.fortran,
         data_offset: (6 + 2 + len_bytes + hlen) as u64,
+        unfinished,
     })
 }
 

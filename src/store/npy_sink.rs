@@ -9,6 +9,10 @@
 //! ([`super::sidecar::Sidecar`]), written by `finish`. The sidecar's tiles are the output's
 //! storage tiles; `info --check`, `verify` and later steps reading the array check them.
 //!
+//! Until the last tile is durable the file carries a header numpy refuses
+//! ([`unfinished_header`], [`UNFINISHED`]): an output cut short by a kill is not an array a user
+//! can load with zeros where tiles are missing. `finish` writes the real header last.
+//!
 //! Memory-map safety: as for `.mgt` outputs ([`super::tiled`]), the output is created or
 //! reopened by this process and locked through its journal for the whole step.
 
@@ -24,7 +28,7 @@ use super::block::Block;
 use super::blockio::{size_error, BlockOut};
 use super::fsutil;
 use super::header::Header;
-use super::npy_header::{read_header, NpyHeader};
+use super::npy_header::{read_header, NpyHeader, UNFINISHED};
 use super::runs::Geometry;
 use super::seam::{MatrixSink, WriteMode};
 use super::sidecar::{clip_tile, sidecar_path, Sidecar, TileCrcs};
@@ -34,8 +38,18 @@ use crate::error::{Error, Result};
 /// Where the data of every `.npy` output starts.
 pub(crate) const DATA_OFFSET: u64 = 4096;
 
-/// The 4096-byte header of a C-order `.npy` output.
+/// The 4096-byte header of a finished C-order `.npy` output.
 pub(crate) fn header(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
+    head(dtype, rows, cols, false)
+}
+
+/// The 4096-byte header an output carries until its last tile is durable: one numpy refuses
+/// ([`UNFINISHED`]), the data at the same offset.
+pub(crate) fn unfinished_header(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
+    head(dtype, rows, cols, true)
+}
+
+fn head(dtype: DType, rows: u64, cols: u64, unfinished: bool) -> Result<Vec<u8>> {
     let descr = match dtype {
         DType::F32 => "<f4",
         DType::F64 => "<f8",
@@ -45,8 +59,11 @@ pub(crate) fn header(dtype: DType, rows: u64, cols: u64) -> Result<Vec<u8>> {
             )))
         }
     };
-    let dict =
+    let mut dict =
         format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    if unfinished {
+        dict = format!("'{UNFINISHED}', {dict}");
+    }
     let mut out = Vec::with_capacity(DATA_OFFSET as usize);
     out.extend_from_slice(b"\x93NUMPY\x01\x00");
     out.extend_from_slice(&((DATA_OFFSET - 10) as u16).to_le_bytes());
@@ -78,10 +95,15 @@ pub(crate) struct NpyWriter {
     len: u64,
     crcs: Mutex<Vec<Option<u32>>>,
     pwrite: bool,
+    /// The finished array's header, written over the unfinished one by `finish`.
+    head: Vec<u8>,
 }
 
 impl NpyWriter {
-    /// Create `path` (replacing it and removing a stale sidecar) for the matrix `hdr` describes.
+    /// Create `path` (replacing it and removing a stale sidecar) for the matrix `hdr` describes,
+    /// with the header numpy refuses ([`unfinished_header`]) until `finish`. The header, the
+    /// file's size and its name in the directory are synced before any tile is written, so a
+    /// journal record never points into a file a power cut could leave headerless or unnamed.
     pub(crate) fn create(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         let _ = std::fs::remove_file(sidecar_path(path));
         let file = OpenOptions::new()
@@ -91,13 +113,18 @@ impl NpyWriter {
             .truncate(true)
             .open(path)
             .map_err(|e| Error::io(path, "cannot create output file", e))?;
-        let head = header(hdr.dtype, hdr.rows, hdr.cols)?;
-        file.write_all_at(&head, 0)
+        file.write_all_at(&unfinished_header(hdr.dtype, hdr.rows, hdr.cols)?, 0)
             .map_err(|e| Error::io(path, "cannot write .npy header", e))?;
-        Self::init(path, file, hdr, mode)
+        let w = Self::init(path, file, hdr, mode)?;
+        fsutil::sync_file(&w.file, path)?;
+        fsutil::sync_parent(path)?;
+        Ok(w)
     }
 
-    /// Reopen a partly written output to resume it; its header must be the one `hdr` gives.
+    /// Reopen a partly written output to resume it; its header must be the one `hdr` gives,
+    /// unfinished or (an output being repaired, or one whose run was stopped between writing
+    /// its header and the journal's completion record) finished — then it is marked
+    /// unfinished again, and synced, before any tile is written.
     pub(crate) fn reopen(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         let _ = std::fs::remove_file(sidecar_path(path));
         let file = OpenOptions::new()
@@ -118,6 +145,11 @@ impl NpyWriter {
                 path,
                 "existing output has a different header than this plan produces; rerun with --restart",
             ));
+        }
+        if !found.unfinished {
+            file.write_all_at(&unfinished_header(hdr.dtype, hdr.rows, hdr.cols)?, 0)
+                .map_err(|e| Error::io(path, "cannot write .npy header", e))?;
+            fsutil::sync_file(&file, path)?;
         }
         Self::init(path, file, hdr, mode)
     }
@@ -143,6 +175,7 @@ impl NpyWriter {
             len,
             crcs: Mutex::new(vec![None; n]),
             pwrite: mode == WriteMode::Pwrite || !prealloc,
+            head: header(hdr.dtype, hdr.rows, hdr.cols)?,
         })
     }
 
@@ -250,9 +283,7 @@ impl MatrixSink for NpyWriter {
             self.map
                 .flush()
                 .map_err(|e| Error::io(&self.path, "cannot flush output to disk", e))?;
-            self.file
-                .sync_all()
-                .map_err(|e| Error::io(&self.path, "cannot sync output to disk", e))?;
+            fsutil::sync_file(&self.file, &self.path)?;
         }
         let side = Sidecar {
             dtype: self.dtype,
@@ -265,9 +296,23 @@ impl MatrixSink for NpyWriter {
                 crcs,
             },
         };
-        let NpyWriter { path, map, .. } = *self;
+        let NpyWriter {
+            path,
+            map,
+            file,
+            head,
+            ..
+        } = *self;
         super::fsutil::unmap_in_background(map);
-        write_sidecar(&path, &side, durable)
+        write_sidecar(&path, &side, durable)?;
+        // Last, once every tile (and, when durable, the data) is on disk: the real header,
+        // which makes the file an array numpy loads.
+        file.write_all_at(&head, 0)
+            .map_err(|e| Error::io(&path, "cannot write .npy header", e))?;
+        if durable {
+            fsutil::sync_file(&file, &path)?;
+        }
+        Ok(())
     }
 }
 
@@ -284,5 +329,36 @@ pub(crate) fn write_sidecar(npy: &Path, side: &Sidecar, durable: bool) -> Result
         f.sync_all()
             .map_err(|e| Error::io(&tmp, "cannot sync sidecar", e))?;
     }
-    std::fs::rename(&tmp, &sp).map_err(|e| Error::io(&sp, "cannot rename sidecar into place", e))
+    std::fs::rename(&tmp, &sp)
+        .map_err(|e| Error::io(&sp, "cannot rename sidecar into place", e))?;
+    if durable {
+        fsutil::sync_parent(&sp)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The unfinished header is the finished one's size, numpy would refuse it (the text after
+    /// the 10-byte preamble is not a dict), and the engine reads it back as what it describes,
+    /// marked unfinished.
+    #[test]
+    fn the_unfinished_header_reads_back_as_unfinished() {
+        let (done, open) = (
+            header(DType::F64, 70000, 3).unwrap(),
+            unfinished_header(DType::F64, 70000, 3).unwrap(),
+        );
+        assert_eq!((done.len(), open.len()), (4096, 4096));
+        assert_eq!(done[10], b'{');
+        assert_eq!(open[10], b'\'');
+        for (bytes, unfinished) in [(&done, false), (&open, true)] {
+            let h = read_header(Path::new("C.npy"), &mut &bytes[..]).unwrap();
+            assert_eq!(
+                (h.dtype, h.rows, h.cols, h.data_offset, h.unfinished),
+                (DType::F64, 70000, 3, DATA_OFFSET, unfinished)
+            );
+        }
+    }
 }

@@ -6,6 +6,10 @@
 //! transpose of its shape, so it is opened as that and flagged
 //! [`MatrixSource::transposed`](super::MatrixSource).
 //!
+//! An output the engine has not finished carries a header numpy refuses
+//! ([`super::npy_header::UNFINISHED`]); it is read here all the same — to resume it, for `info`
+//! and `export --allow-partial` — and described as unfinished.
+//!
 //! The sidecar `ARRAY.npy.crc32c` ([`super::sidecar`]) holds what a `.mgt` file keeps in its
 //! checksum table: one CRC-32C per storage tile. It is only trusted when it describes exactly
 //! this array (dtype, shape, data offset and file length); otherwise it is ignored and `info`
@@ -72,7 +76,11 @@ pub(crate) fn open(path: &Path) -> Result<RowMajorFile> {
         dtype: h.dtype,
         data_offset: h.data_offset,
         transposed: h.fortran,
-        kind: format!(".npy v{version}.0"),
+        kind: if h.unfinished {
+            format!(".npy v{version}.0, UNFINISHED output (a header numpy refuses until its last tile is written)")
+        } else {
+            format!(".npy v{version}.0")
+        },
         region: false,
     };
     let (crcs, note) = load_sidecar(path, &spec, len);

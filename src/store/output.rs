@@ -53,7 +53,18 @@ pub(crate) fn create_output(
     hdr: Header,
     mode: WriteMode,
 ) -> Result<Box<dyn MatrixSink>> {
-    Ok(match OutputFormat::of(path) {
+    create_output_as(OutputFormat::of(path), path, hdr, mode)
+}
+
+/// [`create_output`] in the format `format` whatever `path` is called: a split step's output is
+/// prepared under a temporary name, then linked to the name that says its format.
+pub(crate) fn create_output_as(
+    format: OutputFormat,
+    path: &Path,
+    hdr: Header,
+    mode: WriteMode,
+) -> Result<Box<dyn MatrixSink>> {
+    Ok(match format {
         OutputFormat::Mgt => Box::new(TiledWriter::create_with(path, hdr, mode)?),
         OutputFormat::Npy => Box::new(NpyWriter::create(path, &hdr, mode)?),
     })

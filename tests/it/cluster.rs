@@ -457,3 +457,67 @@ fn prepare_on_all_lanes_and_shards_on_one_each_agree_on_the_auto_tile() {
     let v = ok(cmd(dir, &["verify", "plan.toml"], &[]).output().unwrap());
     assert!(v.contains("PASS"), "{v}");
 }
+
+/// A split step with a `.npy` output writes a real `.npy`: `prepare`, two shards and
+/// `finalize` give the bytes one process gives (data at its 4096-byte offset, the real header),
+/// and `finalize` writes the checksum sidecar; until then the header is one numpy refuses.
+#[test]
+fn a_split_npy_output_is_the_npy_one_process_writes() {
+    let npy_plan = |dir: &Path| {
+        plan(dir, SMALL, 64);
+        let p = dir.join("plan.toml");
+        let text = std::fs::read_to_string(&p).unwrap();
+        std::fs::write(&p, text.replace("output = \"C.mgt\"", "output = \"C.npy\"")).unwrap();
+    };
+    let one = tmp();
+    npy_plan(one.path());
+    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
+        .output()
+        .unwrap());
+    let reference = std::fs::read(one.path().join("C.npy")).unwrap();
+    assert_eq!(&reference[..6], b"\x93NUMPY");
+
+    let d = tmp();
+    let dir = d.path();
+    npy_plan(dir);
+    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    let head = std::fs::read(dir.join("C.npy")).unwrap();
+    assert_eq!(
+        &head[..6],
+        b"\x93NUMPY",
+        "prepare writes a .npy, not {:?}",
+        String::from_utf8_lossy(&head[..8])
+    );
+    assert!(
+        String::from_utf8_lossy(&head[10..200]).starts_with("'UNFINISHED"),
+        "a prepared output's header is one numpy refuses"
+    );
+    for k in 0..2 {
+        ok(cmd(
+            dir,
+            &["run", "plan.toml", "-q", "--shard", &format!("{k}/2")],
+            &[],
+        )
+        .output()
+        .unwrap());
+    }
+    // The last shard finalizes the step; an explicit finalize says so.
+    ok(cmd(dir, &["finalize", "plan.toml"], &[]).output().unwrap());
+    let split = std::fs::read(dir.join("C.npy")).unwrap();
+    assert_eq!(&split[..8], b"\x93NUMPY\x01\x00");
+    assert_eq!(split.len(), reference.len());
+    assert!(
+        split == reference,
+        "the split .npy differs from one process's"
+    );
+    let side = std::fs::read(dir.join("C.npy.crc32c")).expect("finalize writes the sidecar");
+    assert_eq!(
+        side,
+        std::fs::read(one.path().join("C.npy.crc32c")).unwrap(),
+        "the same checksum sidecar as one process's"
+    );
+    let o = ok(cmd(dir, &["info", "C.npy", "--check"], &[])
+        .output()
+        .unwrap());
+    assert!(o.contains("all tiles OK"), "{o}");
+}

@@ -457,3 +457,188 @@ fn a_library_calls_resume_notes_name_no_step() {
     );
     assert_eq!(std::fs::read(&step.output).unwrap(), want);
 }
+
+/// `setup_tiles` with `.npy` outputs: `plan.toml` writes `C.npy`, `ref.toml` `C_ref.npy`.
+fn setup_npy(dir: &Path, durable: bool) {
+    setup_tiles(dir, durable, "[48, 64, 128]");
+    for name in ["plan.toml", "ref.toml"] {
+        let p = dir.join(name);
+        let t = std::fs::read_to_string(&p).unwrap();
+        std::fs::write(&p, t.replace(".mgt\"\nexpr", ".npy\"\nexpr")).unwrap();
+    }
+}
+
+/// Whether numpy would load the `.npy` header `b` as an array: its magic, a version it
+/// reads, and a header that is a dict (numpy's `_read_array_header` refuses anything else:
+/// "Header is not a dictionary").
+fn numpy_would_load(b: &[u8]) -> bool {
+    let version_ok = matches!((b[6], b[7]), (1, 0) | (2, 0) | (3, 0));
+    let text_at = if b[6] == 1 { 10 } else { 12 };
+    &b[..6] == b"\x93NUMPY" && version_ok && b[text_at] == b'{'
+}
+
+/// `python3 -c CODE` in `dir` when python3 with numpy is there (`MGMM_PYTHON` names another
+/// interpreter): `None` when it is not, else whether the code ran without error.
+fn with_numpy(dir: &Path, code: &str) -> Option<bool> {
+    let py = std::env::var("MGMM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has = Command::new(&py)
+        .args(["-c", "import numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    has.then(|| {
+        Command::new(&py)
+            .args(["-c", code])
+            .current_dir(dir)
+            .output()
+            .unwrap()
+            .status
+            .success()
+    })
+}
+
+/// A run killed mid-way leaves a `.npy` that numpy refuses to load (its header says it is
+/// unfinished), which `info` names unfinished with the tiles done and left, `export
+/// --allow-partial` reads, and the resumed run turns into the array an uninterrupted run
+/// writes, byte for byte.
+#[test]
+fn a_killed_runs_npy_output_is_not_loadable_until_resumed() {
+    let d = tmp();
+    let dir = d.path();
+    setup_npy(dir, true);
+    let o = run(dir, &["run", "ref.toml", "--quiet"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let reference = std::fs::read(dir.join("C_ref.npy")).unwrap();
+    assert!(numpy_would_load(&reference));
+    // SIGKILL once the journal records a few tiles.
+    let journal = dir.join("C.npy.journal");
+    let records = || {
+        let b = std::fs::read(&journal).unwrap_or_default();
+        b.iter()
+            .position(|&c| c == b'\n')
+            .map_or(0, |h| (b.len() - h - 1) / 16)
+    };
+    let mut child = Command::new(bin())
+        .args(["run", "plan.toml", "--quiet"])
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while records() < 3 && t.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the run finished before it could be killed"
+    );
+    child.kill().unwrap(); // SIGKILL
+    let _ = child.wait();
+    let left = std::fs::read(dir.join("C.npy")).unwrap();
+    assert_eq!(left.len(), reference.len());
+    assert!(
+        !numpy_would_load(&left),
+        "a killed run's .npy has a header numpy loads: {:?}",
+        String::from_utf8_lossy(&left[..120])
+    );
+    assert!(
+        String::from_utf8_lossy(&left[10..60]).starts_with("'UNFINISHED mgmm-stream output"),
+        "{:?}",
+        String::from_utf8_lossy(&left[..120])
+    );
+    if let Some(loaded) = with_numpy(dir, "import numpy as np; np.load('C.npy')") {
+        assert!(!loaded, "np.load read an unfinished output");
+    }
+    let o = run(dir, &["info", "C.npy"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains("UNFINISHED")
+            && out.contains("tiles done")
+            && out.contains("left")
+            && out.contains("mgmm-stream run PLAN"),
+        "{out}"
+    );
+    let o = run(dir, &["export", "C.npy", "part.npy", "--allow-partial"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(numpy_would_load(
+        &std::fs::read(dir.join("part.npy")).unwrap()
+    ));
+    let o = run(dir, &["run", "plan.toml"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = std::fs::read(dir.join("C.npy")).unwrap();
+    assert!(
+        out == reference,
+        "resumed .npy differs from an uninterrupted run"
+    );
+    assert_eq!(
+        std::fs::read(dir.join("C.npy.crc32c")).unwrap(),
+        std::fs::read(dir.join("C_ref.npy.crc32c")).unwrap()
+    );
+    if let Some(loaded) = with_numpy(dir, "import numpy as np; np.load('C.npy')") {
+        assert!(loaded, "np.load refused the finished output");
+    }
+    let o = run(dir, &["info", "C.npy", "--check"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("UNFINISHED"));
+}
+
+/// With `durable = true` the output's header and size, the output's and the journal's names
+/// in their folder are synced before the first tile is recorded (`MGMM_FAULT_SYNC_LOG`, the
+/// test hook that logs every sync and journal record in order). What this shows is the order
+/// of the `fsync` calls; that the disk keeps what was synced across a power cut is the
+/// kernel's promise, which no test here can cut the power to check.
+#[test]
+fn the_header_and_directory_entries_are_synced_before_the_first_tile_is_recorded() {
+    for out in ["C.mgt", "C.npy"] {
+        let d = tmp();
+        let dir = d.path();
+        if out == "C.npy" {
+            setup_npy(dir, true);
+        } else {
+            setup(dir, true);
+        }
+        let log = dir.join("syncs.log");
+        let o = Command::new(bin())
+            .args(["run", "plan.toml", "--quiet"])
+            .env("MGMM_FAULT_SYNC_LOG", &log)
+            .env("MGMM_FAULT_WRITE_AFTER", "4")
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        let canon = std::fs::canonicalize(dir).unwrap();
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let at = |want: String| lines.iter().position(|l| *l == want);
+        let first_record = at(format!(
+            "record {}",
+            canon.join(format!("{out}.journal")).display()
+        ))
+        .unwrap_or_else(|| panic!("{out}: no journal record logged:\n{text}"));
+        let output_synced = at(format!("file {}", canon.join(out).display()));
+        let dir_synced = at(format!("dir {}", canon.display()));
+        let journal_synced = at(format!(
+            "file {}",
+            canon.join(format!("{out}.journal")).display()
+        ));
+        for (what, i) in [
+            ("the output's header", output_synced),
+            ("the folder's entries", dir_synced),
+            ("the journal's header", journal_synced),
+        ] {
+            assert!(
+                i.is_some_and(|i| i < first_record),
+                "{out}: {what} not synced before the first tile was recorded:\n{text}"
+            );
+        }
+        // The folder is synced after the output was created, not only before.
+        let last_dir = lines
+            .iter()
+            .rposition(|l| *l == format!("dir {}", canon.display()));
+        assert!(last_dir > output_synced, "{out}:\n{text}");
+        // And the header read back through a fresh open is the output's (not zeros).
+        let head = std::fs::read(dir.join(out)).unwrap();
+        assert!(head.starts_with(b"MGMTILE1") || head.starts_with(b"\x93NUMPY"));
+    }
+}

@@ -48,7 +48,9 @@ impl TiledWriter {
         Self::create_with(path, hdr, WriteMode::default())
     }
 
-    /// [`TiledWriter::create`] with an explicit write mode.
+    /// [`TiledWriter::create`] with an explicit write mode. The header, the file's size and its
+    /// name in the directory are synced before any tile is written: a journal record never
+    /// points into a file that a power cut could leave headerless (read as zeros) or unnamed.
     pub(crate) fn create_with(path: &Path, hdr: Header, mode: WriteMode) -> Result<TiledWriter> {
         let file = OpenOptions::new()
             .read(true)
@@ -57,7 +59,10 @@ impl TiledWriter {
             .truncate(true)
             .open(path)
             .map_err(|e| Error::io(path, "cannot create output file", e))?;
-        Self::init(path, file, hdr, true, mode)
+        let w = Self::init(path, file, hdr, true, mode)?;
+        fsutil::sync_file(&w.file, path)?;
+        fsutil::sync_parent(path)?;
+        Ok(w)
     }
 
     /// [`TiledWriter::reopen`] with an explicit write mode.
