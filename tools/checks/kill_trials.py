@@ -131,10 +131,13 @@ def main():
         have = recorded_tiles(out + ".journal")
         # An unfinished .npy must not load as an array: numpy checks the magic and version.
         if out.endswith(".npy") and os.path.exists(out) and len(have) < totals[out]:
-            head = open(out, "rb").read(8)
+            head = open(out, "rb").read(4096)
             unfinished_npy += 1
+            # numpy reads magic, version, then a header that must be a dict literal.
             if head[:6] == b"\x93NUMPY" and head[6] in (1, 2, 3) and head[7] == 0:
-                npy_loadable += 1
+                start = 10 if head[6] == 1 else 12
+                if head[start:].lstrip().startswith(b"{"):
+                    npy_loadable += 1
         r = run(binary, plan, report="report.json")
         why = None
         if r.returncode != 0:
