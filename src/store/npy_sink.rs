@@ -12,7 +12,7 @@
 //! Memory-map safety: as for `.mgt` outputs ([`super::tiled`]), the output is created or
 //! reopened by this process and locked through its journal for the whole step.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -20,6 +20,7 @@ use std::sync::Mutex;
 use memmap2::{Advice, MmapMut, MmapOptions};
 use rayon::prelude::*;
 
+use super::atomic::TempOutput;
 use super::block::Block;
 use super::blockio::{size_error, BlockOut};
 use super::fsutil;
@@ -84,13 +85,7 @@ impl NpyWriter {
     /// Create `path` (replacing it and removing a stale sidecar) for the matrix `hdr` describes.
     pub(crate) fn create(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         let _ = std::fs::remove_file(sidecar_path(path));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(|e| Error::io(path, "cannot create output file", e))?;
+        let file = fsutil::open_in_place(path, fsutil::InPlace::New)?;
         let head = header(hdr.dtype, hdr.rows, hdr.cols)?;
         file.write_all_at(&head, 0)
             .map_err(|e| Error::io(path, "cannot write .npy header", e))?;
@@ -100,11 +95,7 @@ impl NpyWriter {
     /// Reopen a partly written output to resume it; its header must be the one `hdr` gives.
     pub(crate) fn reopen(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         let _ = std::fs::remove_file(sidecar_path(path));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| Error::io(path, "cannot reopen output file", e))?;
+        let file = fsutil::open_in_place(path, fsutil::InPlace::Existing)?;
         let found: NpyHeader = read_header(path, &mut &file)?;
         if (
             found.dtype,
@@ -271,18 +262,16 @@ impl MatrixSink for NpyWriter {
     }
 }
 
-/// Write the sidecar of `npy` atomically (temporary file, then rename).
+/// Write the sidecar of `npy` atomically (temporary file, then rename: [`TempOutput`]).
 pub(crate) fn write_sidecar(npy: &Path, side: &Sidecar, durable: bool) -> Result<()> {
     let sp = sidecar_path(npy);
-    let mut tmp = sp.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let f = File::create(&tmp).map_err(|e| Error::io(&tmp, "cannot create sidecar", e))?;
-    f.write_all_at(&side.encode(), 0)
-        .map_err(|e| Error::io(&tmp, "cannot write sidecar", e))?;
+    let bytes = side.encode();
+    let tmp = TempOutput::new(&sp, bytes.len() as u64)?;
+    tmp.file()
+        .write_all_at(&bytes, 0)
+        .map_err(|e| Error::io(&sp, "cannot write sidecar", e))?;
     if durable {
-        f.sync_all()
-            .map_err(|e| Error::io(&tmp, "cannot sync sidecar", e))?;
+        (tmp.file().sync_all()).map_err(|e| Error::io(&sp, "cannot sync sidecar", e))?;
     }
-    std::fs::rename(&tmp, &sp).map_err(|e| Error::io(&sp, "cannot rename sidecar into place", e))
+    tmp.commit()
 }
