@@ -6,7 +6,8 @@
 //! writes `manifest.json` the same way. The manifest is the signal: every other process waits
 //! for it (printing what it waits for) up to a timeout.
 
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -18,6 +19,7 @@ use crate::pipeline::output_header;
 use crate::plan::layout::Layout;
 use crate::plan::Step;
 use crate::progress::Progress;
+use crate::store::atomic::TempOutput;
 use crate::store::{Block, TiledWriter, WriteMode};
 
 /// What every process of a split step agrees on, written once by the preparer.
@@ -81,13 +83,6 @@ pub fn read_manifest(output: &Path) -> Result<Option<Manifest>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(Error::io(&p, "cannot read manifest", e)),
     }
-}
-
-/// A temporary name beside `path`, unique to this process.
-pub(crate) fn tmp_name(path: &Path) -> PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(format!(".tmp-{}-{}", identity::host(), std::process::id()));
-    PathBuf::from(s)
 }
 
 /// Poll `ready` every 200 ms, saying once (and every 30 s) what is awaited, up to `timeout`.
@@ -198,14 +193,10 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
         )));
     }
     let header = output_header(step, layout);
-    let tmp = tmp_name(out);
-    drop(TiledWriter::create_with(&tmp, header, WriteMode::Pwrite)?);
-    std::fs::File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| Error::io(&tmp, "cannot sync new output", e))?;
-    let linked = std::fs::hard_link(&tmp, out);
-    let _ = std::fs::remove_file(&tmp);
-    linked.map_err(|e| Error::io(out, "cannot create output (link from temporary name)", e))?;
+    let tmp = TempOutput::new(out, header.file_len())?;
+    drop(TiledWriter::create_temp(&tmp, header, WriteMode::Pwrite)?);
+    (tmp.file().sync_all()).map_err(|e| Error::io(tmp.path(), "cannot sync new output", e))?;
+    tmp.commit_new()?;
     let (gm, gn, _) = layout.grid(step);
     let m = Manifest {
         fingerprint: fp.clone(),
@@ -219,13 +210,10 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
         prepared_by: format!("{} pid {}", identity::host(), std::process::id()),
     };
     let mp = manifest_path(out);
-    let mtmp = tmp_name(&mp);
-    std::fs::write(
-        &mtmp,
-        serde_json::to_vec_pretty(&m).expect("manifest serializes"),
-    )
-    .and_then(|_| std::fs::rename(&mtmp, &mp))
-    .map_err(|e| Error::io(&mp, "cannot write manifest", e))?;
+    let json = serde_json::to_vec_pretty(&m).expect("manifest serializes");
+    let mtmp = TempOutput::new(&mp, json.len() as u64)?;
+    (mtmp.file().write_all(&json)).map_err(|e| Error::io(&mp, "cannot write manifest", e))?;
+    mtmp.commit()?;
     progress.note(&format!(
         "step {}: prepared {} ({}) for a split run",
         step.index + 1,
