@@ -150,8 +150,11 @@ pub(crate) fn write() -> crate::error::Result<u64> {
         "otherData": {"dropped_events": t.dropped, "origin": "process start"},
     });
     let s = serde_json::to_string(&doc).expect("trace serializes");
-    std::fs::write(path, s)
+    // Whole or not at all, never through a link at `path` (`store::atomic`).
+    let tmp = crate::store::atomic::TempOutput::new(path, s.len() as u64)?;
+    std::io::Write::write_all(&mut tmp.file(), s.as_bytes())
         .map_err(|e| crate::error::Error::io(path, "cannot write the trace (MGMM_TRACE)", e))?;
+    tmp.commit()?;
     Ok(t.dropped)
 }
 

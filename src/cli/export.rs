@@ -11,7 +11,7 @@ use super::{interrupted, refuse_existing, refuse_same};
 use crate::durable::journal;
 use crate::error::{Error, Result};
 use crate::store::npy;
-use crate::{interrupt, outln, run};
+use crate::{interrupt, outln};
 
 /// Convert a tiled file, .npy or raw descriptor into a .npy array (streaming; 16-bit data
 /// becomes f32; a column-major input gives a Fortran-order array).
@@ -48,7 +48,6 @@ fn export(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Resu
             )));
         }
     }
-    run::ignore_sigxfsz();
     interrupt::install();
     let t = Instant::now();
     npy::export(input, output, !allow_partial).map_err(|e| match e {

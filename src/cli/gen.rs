@@ -74,7 +74,6 @@ impl GenArgs {
             )));
         }
         run::init_threads(self.threads);
-        run::ignore_sigxfsz();
         interrupt::install();
         let t = Instant::now();
         let spec = GenSpec {

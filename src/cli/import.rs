@@ -1,14 +1,15 @@
-//! `import`: convert a .npy array or a raw descriptor into a tiled file, streaming.
+//! `import`: convert a .npy array or a raw descriptor into a tiled file, streaming; the file
+//! appears whole or not at all, as `gen`'s and `export`'s do (`store::atomic`).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
 
-use super::{check_tile, refuse_existing, refuse_same};
+use super::{check_tile, interrupted, refuse_existing, refuse_same};
 use crate::error::Result;
-use crate::outln;
 use crate::store::npy;
+use crate::{interrupt, outln};
 
 /// Convert a .npy array (C or Fortran order, f16/f32/f64) or a raw descriptor
 /// (raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH) into a tiled file (streaming).
@@ -33,8 +34,10 @@ fn import(input: &Path, output: &Path, tile: u64, force: bool) -> Result<()> {
     refuse_same(input, output)?;
     refuse_existing(output, force)?;
     check_tile(tile)?;
+    interrupt::install();
     let t = Instant::now();
-    let h = npy::import(input, output, (tile, tile))?;
+    let h = npy::import(input, output, (tile, tile))
+        .map_err(|e| interrupted(e, &format!("{} was not written", output.display())))?;
     outln!(
         "imported {} → {} ({}×{} {}) in {:.2} s",
         input.display(),

@@ -63,6 +63,9 @@ pub(crate) enum Command {
 /// Run one command.
 pub fn execute(cli: Cli) -> Result<()> {
     crate::report::mark_process_start();
+    // Past a file-size limit (`ulimit -f`) a write fails with EFBIG, which every command
+    // reports naming the file, instead of the process dying of SIGXFSZ without a word.
+    crate::run::ignore_sigxfsz();
     // The environment's settings, read here once and passed down as values.
     let settings = Settings::from_env();
     #[cfg(feature = "fault-injection")]

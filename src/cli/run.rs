@@ -153,35 +153,29 @@ impl RunArgs {
     }
 }
 
-/// Whether `--report PATH` can be written: an existing regular file opened for writing (left
-/// as it is), or a new one that could be created in its folder (tried with a probe file removed
-/// at once, so a run killed before its end leaves no empty report behind; the report itself is
-/// written whole at the end, `run::run_plan_timed`).
+/// Whether `--report PATH` can be written: a path that is not a folder, device or FIFO, in a
+/// folder where the report's temporary file can be created (tried now, and removed at once, so
+/// a run killed before its end leaves no empty report behind; the report itself is written whole
+/// at the end and renamed onto PATH, `run::write_report`: a link or a hard link there is
+/// replaced, never written through).
 fn report_writable(path: &Path) -> Result<()> {
     let err = |e| Error::io(path, "cannot write the report (--report)", e);
-    match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => Err(Error::Usage(format!(
-            "--report {}: not a regular file; give a file path",
-            path.display()
-        ))),
-        Ok(_) => std::fs::OpenOptions::new()
-            .write(true)
-            .open(path)
-            .map(|_| ())
-            .map_err(err),
-        Err(_) => {
-            // Its folder is made as an output's is (`run` creates those too).
-            if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-                std::fs::create_dir_all(parent).map_err(err)?;
-            }
-            let probe = crate::run::report_temp(path, "probe");
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&probe)
-                .map_err(err)?;
-            let _ = std::fs::remove_file(&probe);
-            Ok(())
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if !m.is_file() && !m.file_type().is_symlink() {
+            return Err(Error::Usage(format!(
+                "--report {}: not a regular file; give a file path",
+                path.display()
+            )));
         }
     }
+    // Its folder is made as an output's is (`run` creates those too).
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(err)?;
+    }
+    let probe = crate::store::atomic::TempOutput::new(path, 0).map_err(|e| match e {
+        Error::Io { source, .. } => err(source),
+        e => e,
+    })?;
+    drop(probe);
+    Ok(())
 }

@@ -213,10 +213,8 @@ pub(crate) fn generate_shared(
         match claim::try_claim(&claim_path, sh.claim_timeout)? {
             claim::Try::Got(c) => {
                 if !d.path.exists() {
-                    let tmp = prepare::tmp_name(&d.path);
-                    crate::store::gen::generate(&tmp, spec)?;
-                    std::fs::rename(&tmp, &d.path)
-                        .map_err(|e| Error::io(&d.path, "cannot rename generated input", e))?;
+                    // Appears whole or not at all (`store::atomic`).
+                    crate::store::gen::generate(&d.path, spec)?;
                     progress.note(&format!("generated {}", d.path.display()));
                     out.push(d.path.display().to_string());
                 }

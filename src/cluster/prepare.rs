@@ -8,7 +8,8 @@
 //! writes `manifest.json` the same way. The manifest is the signal: every other process waits
 //! for it (printing what it waits for) up to a timeout.
 
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -20,7 +21,8 @@ use crate::pipeline::output_header;
 use crate::plan::layout::Layout;
 use crate::plan::Step;
 use crate::progress::Progress;
-use crate::store::{create_output_as, Block, OutputFormat, WriteMode};
+use crate::store::atomic::TempOutput;
+use crate::store::{create_output_in, Block, OutputFormat, WriteMode};
 
 /// What every process of a split step agrees on, written once by the preparer.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -88,13 +90,6 @@ pub fn read_manifest(output: &Path) -> Result<Option<Manifest>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(Error::io(&p, "cannot read manifest", e)),
     }
-}
-
-/// A temporary name beside `path`, unique to this process.
-pub(crate) fn tmp_name(path: &Path) -> PathBuf {
-    let mut s = path.as_os_str().to_owned();
-    s.push(format!(".tmp-{}-{}", identity::host(), std::process::id()));
-    PathBuf::from(s)
 }
 
 /// Poll `ready` every 200 ms, saying once (and every 30 s) what is awaited, up to `timeout`.
@@ -208,21 +203,19 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
         )));
     }
     let header = output_header(step, layout);
-    let tmp = tmp_name(out);
     // In the format the output's name asks for (a `.npy` with a header numpy refuses until
-    // `finalize`); created synced, header and size.
-    drop(create_output_as(
+    // `finalize`), whole and synced under a temporary name, then moved to a name nothing has.
+    let tmp = TempOutput::new(out, header.file_len())?;
+    drop(create_output_in(
         OutputFormat::of(out),
         &tmp,
         header,
         WriteMode::Pwrite,
     )?);
+    (tmp.file().sync_all()).map_err(|e| Error::io(tmp.path(), "cannot sync new output", e))?;
     // A stale sidecar would describe another array; `finalize` writes this one's.
     let _ = std::fs::remove_file(crate::store::sidecar::sidecar_path(out));
-    let linked = std::fs::hard_link(&tmp, out);
-    let _ = std::fs::remove_file(&tmp);
-    linked.map_err(|e| Error::io(out, "cannot create output (link from temporary name)", e))?;
-    crate::store::fsutil::sync_parent(out)?;
+    tmp.commit_new()?;
     let (gm, gn, _) = layout.grid(step);
     let m = Manifest {
         fingerprint: fp.clone(),
@@ -237,14 +230,10 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
         out_tile: Some((header.tile_rows, header.tile_cols)),
     };
     let mp = manifest_path(out);
-    let mtmp = tmp_name(&mp);
-    std::fs::write(
-        &mtmp,
-        serde_json::to_vec_pretty(&m).expect("manifest serializes"),
-    )
-    .and_then(|_| std::fs::rename(&mtmp, &mp))
-    .map_err(|e| Error::io(&mp, "cannot write manifest", e))?;
-    crate::store::fsutil::sync_parent(&mp)?;
+    let json = serde_json::to_vec_pretty(&m).expect("manifest serializes");
+    let mtmp = TempOutput::new(&mp, json.len() as u64)?;
+    (mtmp.file().write_all(&json)).map_err(|e| Error::io(&mp, "cannot write manifest", e))?;
+    mtmp.commit()?;
     progress.note(&format!(
         "step {}: prepared {} ({}) for a split run",
         step.index + 1,

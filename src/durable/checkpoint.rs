@@ -5,7 +5,9 @@
 //! hour would lose all of it on a kill, so while a lane computes a tile it downloads the
 //! accumulator every `engine.checkpoint_every` (after a k-chunk, when at least one remains) and
 //! writeback stores it here: `OUTPUT.partial/tile<seq>.ckpt`, one file per tile, the latest only,
-//! written to a temporary name, fsynced and renamed over the previous one. A file starts with
+//! written to a temporary file of its own (`store::atomic`), fsynced and renamed over the
+//! previous one. A folder `OUTPUT.partial` that is a symbolic link is refused: its files would
+//! be deleted and written wherever it points. A file starts with
 //! one text line — `MGMCKPT1 <CRC-32C of the JSON, 8 hex digits> <JSON>` — whose JSON names the
 //! tile (seq and block), the k-chunks done and in all, the accumulator's dtype, the CRC-32C of
 //! the data and the step's journal fingerprint; the accumulator's bytes follow, exactly as the
@@ -32,6 +34,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::{OutTile, Schedule};
+use crate::store::atomic::{temp_writer, TempOutput};
 
 const MAGIC: &str = "MGMCKPT1";
 /// Longest header line accepted (the fingerprint names every input; a few KiB at most).
@@ -185,6 +188,7 @@ impl Checkpoints {
 
     /// Delete every checkpoint of the step (`--restart`, or the step is complete).
     pub(crate) fn discard_all(&self) -> Result<()> {
+        self.refuse_linked_dir()?;
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -198,6 +202,12 @@ impl Checkpoints {
         self.remove_dir_if_empty();
         self.present.lock().unwrap().clear();
         Ok(())
+    }
+
+    /// Refuse a checkpoint folder that is a symbolic link: its `tile*.ckpt` files are deleted and
+    /// rewritten here, which through a link would happen in whatever folder it points at.
+    pub(crate) fn refuse_linked_dir(&self) -> Result<()> {
+        crate::store::fsutil::refuse_link(&self.dir)
     }
 
     /// Remove the directory when nothing is left in it (another process of a split step may
@@ -216,6 +226,7 @@ impl Checkpoints {
         mine: std::ops::Range<u32>,
     ) -> Result<Vec<String>> {
         self.resume.clear();
+        self.refuse_linked_dir()?;
         let mut notes = Vec::new();
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
@@ -358,27 +369,22 @@ impl Checkpoints {
         };
         let json = serde_json::to_string(&h).expect("checkpoint header serializes");
         let line = format!("{MAGIC} {:08x} {json}\n", crc32c::crc32c(json.as_bytes()));
+        self.refuse_linked_dir()?;
         if !self.dir.is_dir() {
             std::fs::create_dir_all(&self.dir)
                 .map_err(|e| Error::io(&self.dir, "cannot create the checkpoint directory", e))?;
             crate::store::fsutil::sync_parent(&self.dir)?;
         }
         let path = self.path(tile.seq);
-        let tmp = self
-            .dir
-            .join(format!("tile{}.ckpt.tmp{}", tile.seq, std::process::id()));
-        let write = || -> std::io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            f.write_all(line.as_bytes())?;
-            f.write_all(data)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &path)?;
-            File::open(&self.dir)?.sync_all()
-        };
-        if let Err(e) = write() {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(Error::io(&path, "cannot write the tile's checkpoint", e));
-        }
+        // A temporary file of its own (never through a link), synced, renamed over the last
+        // checkpoint; the directory is synced by the rename (`TempOutput::commit`).
+        let tmp = TempOutput::new(&path, (line.len() + n) as u64)?;
+        let mut f = tmp.file();
+        (f.write_all(line.as_bytes()))
+            .and_then(|_| f.write_all(data))
+            .and_then(|_| f.sync_all())
+            .map_err(|e| Error::io(&path, "cannot write the tile's checkpoint", e))?;
+        tmp.commit()?;
         self.present.lock().unwrap().insert(tile.seq);
         Ok(())
     }
@@ -393,14 +399,15 @@ impl Checkpoints {
 }
 
 /// The tile of a checkpoint's file name, and whether it is a temporary file
-/// (`tile<seq>.ckpt` or `tile<seq>.ckpt.tmp<pid>`); `None` for any other name.
+/// (`tile<seq>.ckpt`, or `tile<seq>.ckpt.<pid>.<random>.partial` being written — earlier
+/// versions wrote `tile<seq>.ckpt.tmp<pid>`); `None` for any other name.
 fn parse_name(name: &str) -> Option<(u32, bool)> {
     let (seq, rest) = name.strip_prefix("tile")?.split_once(".ckpt")?;
     let seq = seq.parse().ok()?;
     match rest {
         "" => Some((seq, false)),
         r if r.starts_with(".tmp") => Some((seq, true)),
-        _ => None,
+        _ => temp_writer(name, &format!("tile{seq}.ckpt")).map(|_| (seq, true)),
     }
 }
 
@@ -468,4 +475,66 @@ fn list_error(dir: &Path, e: std::io::Error) -> Error {
         ));
     }
     Error::io(dir, "cannot list checkpoints", e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::Block;
+
+    /// The checkpoints of a step of 4 k-chunks writing `output`, taken every time.
+    fn ckpts(output: &Path) -> Checkpoints {
+        Checkpoints {
+            dir: partial_dir(output),
+            fp: [("expr".to_string(), "A @ B".to_string())].into(),
+            every: Some(Duration::ZERO),
+            dt: DType::F32,
+            gk: 4,
+            tk: 1,
+            k: 4,
+            resume: BTreeMap::new(),
+            present: Mutex::new(BTreeSet::new()),
+            failed: Mutex::new(None),
+            off: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    fn tile(seq: u32) -> OutTile {
+        OutTile {
+            seq,
+            ti: 0,
+            tj: seq as u64,
+            block: Block {
+                r0: 0,
+                c0: 2 * seq as u64,
+                rows: 2,
+                cols: 2,
+            },
+        }
+    }
+
+    /// A link planted where a checkpoint's temporary file went (`tile<seq>.ckpt.tmp<pid>`, the
+    /// name earlier versions used) after the run's scan is never followed: its target keeps its
+    /// bytes and the checkpoint is a regular file.
+    #[test]
+    fn a_link_at_a_temporary_name_is_never_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let c = ckpts(&d.path().join("C.mgt"));
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        std::fs::create_dir(&c.dir).unwrap();
+        let planted = c.dir.join(format!("tile0.ckpt.tmp{}", std::process::id()));
+        std::os::unix::fs::symlink(&victim, &planted).unwrap();
+        c.save(&tile(0), 2, &[7u8; 16]).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert!(std::fs::symlink_metadata(c.path(0)).unwrap().is_file());
+        // Temporary names, this version's and earlier ones', are told from checkpoints.
+        assert_eq!(parse_name("tile3.ckpt"), Some((3, false)));
+        assert_eq!(parse_name("tile3.ckpt.tmp12"), Some((3, true)));
+        assert_eq!(
+            parse_name("tile3.ckpt.12.aB3xYz9Q.partial"),
+            Some((3, true))
+        );
+        assert_eq!(parse_name("tile3.ckpt.other"), None);
+    }
 }

@@ -24,6 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
+use crate::store::atomic::TempOutput;
 use crate::store::fsutil;
 
 const MAGIC: &str = "MGMJRNL1";
@@ -103,20 +104,19 @@ fn own_journal_file(path: &Path) -> Result<()> {
         )));
     }
     if m.nlink() > 1 {
-        let mut tmp = path.as_os_str().to_owned();
-        tmp.push(format!(".{}.unlink", std::process::id()));
-        let tmp = PathBuf::from(tmp);
-        let copy = std::fs::copy(path, &tmp)
-            .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
-            .and_then(|_| std::fs::rename(&tmp, path));
-        if let Err(e) = copy {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(Error::io(
-                path,
-                "has other hard links and a copy of its own could not be made",
-                e,
-            ));
-        }
+        let tmp = TempOutput::new(path, m.len())?;
+        let mut to = tmp.file();
+        File::open(path)
+            .and_then(|mut from| std::io::copy(&mut from, &mut to))
+            .and_then(|_| to.sync_all())
+            .map_err(|e| {
+                Error::io(
+                    path,
+                    "has other hard links and a copy of its own could not be made",
+                    e,
+                )
+            })?;
+        tmp.commit()?;
     }
     Ok(())
 }
@@ -459,17 +459,12 @@ pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)
         bytes.extend_from_slice(&encode(seq, crc));
     }
     bytes.extend_from_slice(&encode(COMPLETE, 0));
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp{}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-    let write = || -> std::io::Result<()> {
-        let mut f = File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &path)
-    };
-    write().map_err(|e| Error::io(&path, "cannot write the merged journal", e))?;
-    fsutil::sync_parent(&path)
+    let tmp = TempOutput::new(&path, bytes.len() as u64)?;
+    let mut f = tmp.file();
+    (f.write_all(&bytes))
+        .and_then(|_| f.sync_all())
+        .map_err(|e| Error::io(&path, "cannot write the merged journal", e))?;
+    tmp.commit()
 }
 
 /// Read the journal at `path` (any journal file, e.g. a shard's) without locking it; `None`
@@ -553,9 +548,12 @@ pub(crate) fn peek(output: &Path) -> Result<Option<Peek>> {
 /// and recomputes exactly those tiles (`verify --repair`). Returns how many records went.
 pub fn forget(output: &Path, seqs: &std::collections::BTreeSet<u32>) -> Result<usize> {
     let path = journal_path(output);
+    own_journal_file(&path)?;
+    use std::os::unix::fs::OpenOptionsExt;
     let mut file = OpenOptions::new()
         .read(true)
         .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(&path)
         .map_err(|e| Error::io(&path, "cannot open journal", e))?;
     lock(&file, &path)?;
@@ -585,6 +583,43 @@ pub fn forget(output: &Path, seqs: &std::collections::BTreeSet<u32>) -> Result<u
 
 #[cfg(test)]
 mod tests {
+
+    /// Links planted at the temporary names earlier versions used beside a journal
+    /// (`JOURNAL.tmp<pid>` for a merged journal, `JOURNAL.<pid>.unlink` for a hard-linked one's
+    /// own copy) are never followed: their target keeps its bytes, the journal is a regular file.
+    #[test]
+    fn temporaries_beside_a_journal_never_follow_links() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("C.mgt");
+        let path = journal_path(&out);
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let pid = std::process::id();
+        for name in [
+            format!("C.mgt.journal.tmp{pid}"),
+            format!("C.mgt.journal.{pid}.unlink"),
+        ] {
+            std::os::unix::fs::symlink(&victim, d.path().join(name)).unwrap();
+        }
+        let fp: Fingerprint = [("expr".to_string(), "A @ B".to_string())].into();
+        write_complete(&out, &fp, &[(0, 7)]).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert!(std::fs::symlink_metadata(&path).unwrap().is_file());
+        let backup = d.path().join("backup");
+        std::fs::hard_link(&path, &backup).unwrap();
+        let kept = std::fs::read(&backup).unwrap();
+        own_journal_file(&path).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(std::fs::metadata(&path).unwrap().nlink(), 1);
+        assert_eq!(std::fs::read(&path).unwrap(), kept);
+        // `verify --repair` rewrites the journal in place: never through a link.
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink(&victim, &path).unwrap();
+        let e = forget(&out, &[0].into()).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    }
 
     /// A journal refused only because the auto tile changed with the budget says how to
     /// resume; one from another expression does not.

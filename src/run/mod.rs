@@ -183,13 +183,6 @@ pub fn layout_for(
     Ok(Layout::new(origin, step, &kept, caps).unwrap_or(l))
 }
 
-/// A temporary file beside report `path`: `NAME.<pid>.<what>`.
-pub(crate) fn report_temp(path: &std::path::Path, what: &str) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(format!(".{}.{what}", std::process::id()));
-    path.with_file_name(name)
-}
-
 /// Run every step of `plan` on the backend the plan selects.
 pub fn run_plan(plan: &Plan, opts: &RunOptions, progress: &Progress) -> Result<RunReport> {
     run_plan_split(plan, opts, progress, None)
@@ -397,23 +390,17 @@ fn create_output_dir(step: &Step) -> Result<()> {
     Ok(())
 }
 
-/// Write the run report as JSON to `p`.
+/// Write the run report as JSON to `p`: whole or not at all, through a temporary file renamed
+/// onto it. An existing report — a link, or a file with other hard links — has its directory
+/// entry replaced; what it pointed at, or its other names, keep their bytes.
 fn write_report(p: &std::path::Path, report: &RunReport) -> Result<()> {
     let s = serde_json::to_string_pretty(report).expect("report serializes");
-    if p.exists() {
-        // An existing report (or a link to one) is written through, as the check before
-        // the run tried: its folder need not be writable.
-        std::fs::write(p, s).map_err(|e| Error::io(p, "cannot write report", e))
-    } else {
-        // A new one appears whole or not at all: a temporary file renamed onto it.
-        let tmp = report_temp(p, "partial");
-        std::fs::write(&tmp, s)
-            .and_then(|_| std::fs::rename(&tmp, p))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                Error::io(p, "cannot write report", e)
-            })
-    }
+    let tmp = crate::store::atomic::TempOutput::new(p, s.len() as u64)?;
+    let mut f = tmp.file();
+    std::io::Write::write_all(&mut f, s.as_bytes())
+        .and_then(|_| f.sync_all())
+        .map_err(|e| Error::io(p, "cannot write report", e))?;
+    tmp.commit()
 }
 
 pub(crate) fn default_log_every() -> Duration {

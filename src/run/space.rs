@@ -63,16 +63,12 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
         }
         // A folder the user may not write to (permissions, not a read-only mount): said once,
         // naming the folder, instead of by the first file `run` fails to create in it.
-        let probe = dir.join(format!(".mgmm-stream-probe.{}", std::process::id()));
-        match std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&probe)
-        {
-            Ok(_) => {
-                let _ = std::fs::remove_file(&probe);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+        // A temporary file of its own, removed at once (`store::atomic`).
+        match crate::store::atomic::TempOutput::new(&dir.join(".mgmm-stream-probe"), 0) {
+            Ok(probe) => drop(probe),
+            Err(Error::Io { source: e, .. })
+                if e.kind() == std::io::ErrorKind::PermissionDenied =>
+            {
                 return Err(Error::Usage(format!(
                     "cannot create files in {} ({e}), where {} would be written; choose a folder you can write to, or change its permissions",
                     dir.display(),

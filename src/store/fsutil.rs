@@ -3,6 +3,9 @@
 //! off the critical path; and the kernel's dirty-page limits, which decide how fast an output
 //! much larger than RAM's share for dirty pages can be written (docs/PLAN.md, `durable`).
 //!
+//! Outputs written in place (a `run`'s, which a later run resumes) are opened here, by
+//! [`open_in_place`]: never through a symbolic link, and a new one is always a new file.
+//!
 //! These go through `rustix`, whose safe wrappers replace hand-written `libc` calls and their
 //! `unsafe` blocks (zeroed C structs, raw descriptors, `errno` reads).
 
@@ -11,6 +14,8 @@ use std::io;
 use std::path::Path;
 
 use rustix::fs::{FallocateFlags, FlockOperation, StatVfsMountFlags};
+
+use crate::error::{Error, Result};
 
 /// How a file is named in the journal's identity of an input: its canonical path (symlinks and
 /// `..` resolved), so that the same file reached from another working directory, or through
@@ -29,6 +34,89 @@ pub(crate) fn identity_path(p: &Path) -> std::path::PathBuf {
         (Ok(d), Some(f)) => d.join(f),
         _ => std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf()),
     }
+}
+
+/// Refuse `path` when it is a symbolic link. What the engine writes in place — an output, the
+/// checkpoint folder beside it — is written, truncated and emptied by later runs, so through a
+/// link it would change whatever the link points at (someone else's file, an input).
+pub(crate) fn refuse_link(path: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => Err(link_error(path)),
+        _ => Ok(()),
+    }
+}
+
+fn link_error(path: &Path) -> Error {
+    let to = std::fs::read_link(path)
+        .map(|t| format!(" (to {})", t.display()))
+        .unwrap_or_default();
+    Error::Usage(format!(
+        "{p}: is a symbolic link{to}; mgmm-stream writes and deletes here in place, so it will not go through a link — remove the link (`rm {p}`), or use the path it points to instead",
+        p = path.display()
+    ))
+}
+
+/// How [`open_in_place`] opens an output.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum InPlace {
+    /// A new file at `path`. An existing regular file there is replaced — its directory entry
+    /// removed first, so another hard link to it keeps its bytes; `run --restart` never writes
+    /// into the old inode.
+    New,
+    /// The partly written file already at `path`, to resume it. A file with other hard links is
+    /// refused: writing it in place would change the other names' bytes too.
+    Existing,
+}
+
+/// Open the output at `path` for reading and writing, written in place (the one way the
+/// engine does so: the `.mgt` and `.npy` writers call it). Never through a symbolic link — one
+/// at `path` is refused, naming it (`O_NOFOLLOW` closes the race with a link planted after the
+/// check) — and see [`InPlace`] for hard links.
+pub(crate) fn open_in_place(path: &Path, how: InPlace) -> Result<File> {
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC);
+    let what = match how {
+        InPlace::New => {
+            match std::fs::symlink_metadata(path) {
+                Ok(m) if m.file_type().is_symlink() => return Err(link_error(path)),
+                Ok(m) if !m.is_file() => {
+                    return Err(Error::Usage(format!(
+                        "{}: exists and is not a regular file (a directory, device or FIFO); move it away or choose another output path",
+                        path.display()
+                    )))
+                }
+                Ok(_) => std::fs::remove_file(path)
+                    .map_err(|e| Error::io(path, "cannot replace output file", e))?,
+                Err(_) => {}
+            }
+            opts.create_new(true).mode(0o666);
+            "cannot create output file"
+        }
+        InPlace::Existing => "cannot reopen output file",
+    };
+    let file = opts.open(path).map_err(|e| {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            link_error(path)
+        } else {
+            Error::io(path, what, e)
+        }
+    })?;
+    if how == InPlace::Existing {
+        let links = file
+            .metadata()
+            .map_err(|e| Error::io(path, "cannot stat output file", e))?
+            .nlink();
+        if links > 1 {
+            return Err(Error::Usage(format!(
+                "{p}: has {links} names (hard links); resuming writes it in place, which would change the other names' bytes too — give it a copy of its own to resume (`cp {p} {p}.own && mv {p}.own {p}`), or rerun with --restart to write a new file",
+                p = path.display()
+            )));
+        }
+    }
+    Ok(file)
 }
 
 /// The directory a new file at `path` goes into ("." for a bare name).
@@ -380,6 +468,38 @@ mod tests {
     }
 
     use super::*;
+
+    /// An output written in place is never opened through a link: a symlink is refused for a
+    /// new file and for a resume; a new file over one with another hard link is a new inode
+    /// (the other name keeps its bytes); resuming a file with another hard link is refused.
+    #[test]
+    fn outputs_in_place_never_go_through_links() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let out = d.path().join("C.mgt");
+        std::os::unix::fs::symlink(&victim, &out).unwrap();
+        for how in [InPlace::New, InPlace::Existing] {
+            let e = open_in_place(&out, how).unwrap_err().to_string();
+            assert!(e.contains("C.mgt") && e.contains("symbolic link"), "{e}");
+            assert!(refuse_link(&out).is_err());
+        }
+        std::fs::remove_file(&out).unwrap();
+        assert!(refuse_link(&out).is_ok());
+        std::fs::hard_link(&victim, &out).unwrap();
+        let e = open_in_place(&out, InPlace::Existing)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hard links") && e.contains("--restart"), "{e}");
+        let f = open_in_place(&out, InPlace::New).unwrap();
+        f.set_len(100).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        assert_eq!(std::fs::metadata(&out).unwrap().nlink(), 1);
+        drop(open_in_place(&out, InPlace::Existing).unwrap());
+        std::fs::create_dir(d.path().join("D.mgt")).unwrap();
+        assert!(open_in_place(&d.path().join("D.mgt"), InPlace::New).is_err());
+    }
 
     #[test]
     fn statvfs_answers_for_a_temp_dir() {

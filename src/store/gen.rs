@@ -162,8 +162,8 @@ pub fn generate(path: &Path, spec: &GenSpec) -> Result<u64> {
 
 /// [`generate`], adding the data bytes written so far to `done` (for a progress display) and
 /// stopping with an "interrupted" error when `cancel` becomes true. The file
-/// appears at `path` only when it is complete: it is written as `path.<pid>.partial` after a
-/// free-space check and renamed at the end; on any error the partial file is removed
+/// appears at `path` only when it is complete: it is written under a temporary name beside it
+/// after a free-space check and renamed at the end; on any error the partial file is removed
 /// ([`TempOutput`]).
 pub fn generate_counted(
     path: &Path,
@@ -181,7 +181,7 @@ pub fn generate_counted(
     }
     let hdr = spec.header();
     let tmp = TempOutput::new(path, hdr.file_len())?;
-    let w = TiledWriter::create(tmp.path(), hdr)?;
+    let w = TiledWriter::create_temp(&tmp, hdr, Default::default())?;
     // One band of storage-tile rows at a time per thread: generate whole rows (the random
     // stream is per row), lay them out as the band's tiles, write the band with one pwrite.
     (0..hdr.grid_rows()).into_par_iter().try_for_each(|ti| {

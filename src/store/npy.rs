@@ -5,7 +5,6 @@
 //! itself is parsed and written in [`super::npy_header`] (strictly: see there for what is
 //! accepted), whose public names are re-exported here.
 
-use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
@@ -37,7 +36,11 @@ pub(crate) fn import(src: &Path, dst: &Path, tile: (u64, u64)) -> Result<Header>
         tile.1.min(cols).max(1),
         true,
     );
-    let w = TiledWriter::create(dst, hdr)?;
+    // Written under a temporary name after a free-space check and renamed when complete, like
+    // `gen` and `export`: a kill, a full disk or a file-size limit leaves nothing at `dst`, and
+    // `--force` replaces its directory entry, never the file (or link target) it names.
+    let tmp = super::atomic::TempOutput::new(dst, hdr.file_len())?;
+    let w = TiledWriter::create_temp(&tmp, hdr, Default::default())?;
     let es = s.dtype().size();
     // Stored blocks: whole row bands for a C-order source; for a transposed one, blocks of
     // `tile.1` stored rows (output columns) so each transposed block fills whole output tiles.
@@ -53,6 +56,12 @@ pub(crate) fn import(src: &Path, dst: &Path, tile: (u64, u64)) -> Result<Header>
     };
     let (mut buf, mut tr) = (Vec::new(), Vec::new());
     for r0 in (0..sr).step_by(band as usize) {
+        if crate::interrupt::requested() {
+            return Err(Error::Usage(format!(
+                "interrupted; {} was not written (run the same command again)",
+                dst.display()
+            )));
+        }
         for c0 in (0..sc).step_by(width as usize) {
             let b = Block {
                 r0,
@@ -79,6 +88,7 @@ pub(crate) fn import(src: &Path, dst: &Path, tile: (u64, u64)) -> Result<Header>
         }
     }
     w.finish(true)?;
+    tmp.commit()?;
     Ok(hdr)
 }
 
@@ -115,8 +125,7 @@ pub(crate) fn export(src: &Path, dst: &Path, verify: bool) -> Result<()> {
     // any error (ENOSPC, EFBIG, Ctrl-C) the partial file is removed (`TempOutput`'s drop).
     let need = head.len() as u64 + rows * cols * out_dt.size() as u64;
     let tmp = super::atomic::TempOutput::new(dst, need)?;
-    let f = File::create(tmp.path()).map_err(|e| Error::io(dst, "cannot create .npy file", e))?;
-    let mut w = BufWriter::with_capacity(8 << 20, f);
+    let mut w = BufWriter::with_capacity(8 << 20, tmp.file());
     w.write_all(&head)
         .map_err(|e| Error::io(dst, "cannot write", e))?;
     let row_bytes = (cols as usize) * out_dt.size();
@@ -153,6 +162,5 @@ pub(crate) fn export(src: &Path, dst: &Path, verify: bool) -> Result<()> {
         .into_inner()
         .map_err(|e| Error::io(dst, "cannot write", e.into_error()))?;
     f.sync_all().map_err(|e| Error::io(dst, "cannot sync", e))?;
-    drop(f);
     tmp.commit()
 }

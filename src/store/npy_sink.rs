@@ -16,7 +16,7 @@
 //! Memory-map safety: as for `.mgt` outputs ([`super::tiled`]), the output is created or
 //! reopened by this process and locked through its journal for the whole step.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -24,6 +24,7 @@ use std::sync::Mutex;
 use memmap2::{Advice, MmapMut, MmapOptions};
 use rayon::prelude::*;
 
+use super::atomic::TempOutput;
 use super::block::Block;
 use super::blockio::{size_error, BlockOut};
 use super::fsutil;
@@ -106,18 +107,30 @@ impl NpyWriter {
     /// journal record never points into a file a power cut could leave headerless or unnamed.
     pub(crate) fn create(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         let _ = std::fs::remove_file(sidecar_path(path));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(|e| Error::io(path, "cannot create output file", e))?;
+        let file = fsutil::open_in_place(path, fsutil::InPlace::New)?;
+        let w = Self::start(path, file, hdr, mode)?;
+        fsutil::sync_parent(path)?;
+        Ok(w)
+    }
+
+    /// Create the array in the temporary `tmp` (renamed into place by the caller): a split
+    /// step's output, which `prepare` makes whole before any shard writes.
+    pub(crate) fn create_temp(
+        tmp: &TempOutput,
+        hdr: &Header,
+        mode: WriteMode,
+    ) -> Result<NpyWriter> {
+        let file = (tmp.file().try_clone())
+            .map_err(|e| Error::io(tmp.path(), "cannot create output file", e))?;
+        Self::start(tmp.path(), file, hdr, mode)
+    }
+
+    /// The unfinished header, the file's size, synced.
+    fn start(path: &Path, file: File, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         file.write_all_at(&unfinished_header(hdr.dtype, hdr.rows, hdr.cols)?, 0)
             .map_err(|e| Error::io(path, "cannot write .npy header", e))?;
         let w = Self::init(path, file, hdr, mode)?;
         fsutil::sync_file(&w.file, path)?;
-        fsutil::sync_parent(path)?;
         Ok(w)
     }
 
@@ -127,11 +140,7 @@ impl NpyWriter {
     /// unfinished again, and synced, before any tile is written.
     pub(crate) fn reopen(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         let _ = std::fs::remove_file(sidecar_path(path));
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| Error::io(path, "cannot reopen output file", e))?;
+        let file = fsutil::open_in_place(path, fsutil::InPlace::Existing)?;
         let found: NpyHeader = read_header(path, &mut &file)?;
         if (
             found.dtype,
@@ -316,25 +325,18 @@ impl MatrixSink for NpyWriter {
     }
 }
 
-/// Write the sidecar of `npy` atomically (temporary file, then rename).
+/// Write the sidecar of `npy` atomically (temporary file, then rename: [`TempOutput`]).
 pub(crate) fn write_sidecar(npy: &Path, side: &Sidecar, durable: bool) -> Result<()> {
     let sp = sidecar_path(npy);
-    let mut tmp = sp.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let f = File::create(&tmp).map_err(|e| Error::io(&tmp, "cannot create sidecar", e))?;
-    f.write_all_at(&side.encode(), 0)
-        .map_err(|e| Error::io(&tmp, "cannot write sidecar", e))?;
+    let bytes = side.encode();
+    let tmp = TempOutput::new(&sp, bytes.len() as u64)?;
+    tmp.file()
+        .write_all_at(&bytes, 0)
+        .map_err(|e| Error::io(&sp, "cannot write sidecar", e))?;
     if durable {
-        f.sync_all()
-            .map_err(|e| Error::io(&tmp, "cannot sync sidecar", e))?;
+        (tmp.file().sync_all()).map_err(|e| Error::io(&sp, "cannot sync sidecar", e))?;
     }
-    std::fs::rename(&tmp, &sp)
-        .map_err(|e| Error::io(&sp, "cannot rename sidecar into place", e))?;
-    if durable {
-        fsutil::sync_parent(&sp)?;
-    }
-    Ok(())
+    tmp.commit()
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@
 
 use std::path::Path;
 
+use super::atomic::TempOutput;
 use super::header::Header;
 use super::npy_sink::{self, NpyWriter};
 use super::seam::{MatrixSink, WriteMode};
@@ -67,6 +68,19 @@ pub(crate) fn create_output_as(
     Ok(match format {
         OutputFormat::Mgt => Box::new(TiledWriter::create_with(path, hdr, mode)?),
         OutputFormat::Npy => Box::new(NpyWriter::create(path, &hdr, mode)?),
+    })
+}
+
+/// [`create_output_as`] in the temporary `tmp`, renamed into place by the caller once whole.
+pub(crate) fn create_output_in(
+    format: OutputFormat,
+    tmp: &TempOutput,
+    hdr: Header,
+    mode: WriteMode,
+) -> Result<Box<dyn MatrixSink>> {
+    Ok(match format {
+        OutputFormat::Mgt => Box::new(TiledWriter::create_temp(tmp, hdr, mode)?),
+        OutputFormat::Npy => Box::new(NpyWriter::create_temp(tmp, &hdr, mode)?),
     })
 }
 

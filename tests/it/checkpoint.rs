@@ -310,16 +310,16 @@ fn changed_input_or_restart_discards_checkpoints(backend: &str) {
     assert!(same_output(dir) && !partial_dir(dir).exists());
 }
 
-/// A checkpoint that cannot be saved does not stop the run: here every temporary name a save
-/// would create is taken by a directory (which defeats even root). The product is finished and
-/// identical, a note says checkpoints were turned off and why, and the directories stay.
+/// A checkpoint that cannot be saved does not stop the run: here every checkpoint's name is
+/// taken by a directory, so the rename of a saved one onto it fails (which defeats even root).
+/// The product is finished and identical, a note says checkpoints were turned off and why, and
+/// the directories stay.
 fn unsaveable_checkpoint_is_a_note(backend: &str) {
     let d = tmp();
     let dir = d.path();
     setup(dir, backend, 150, 130, false);
     for seq in 0..4 {
-        let name = format!("tile{seq}.ckpt.tmp{}", std::process::id());
-        std::fs::create_dir_all(partial_dir(dir).join(name)).unwrap();
+        std::fs::create_dir_all(partial_dir(dir).join(format!("tile{seq}.ckpt"))).unwrap();
     }
     let (r, notes) = run_file(dir, "plan.toml", None, false);
     let r = r.unwrap();

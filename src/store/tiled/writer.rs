@@ -3,7 +3,7 @@
 //! `pwrite` ([`WriteMode`]); `finish` fills in the checksum table and makes the data durable.
 //! Format and map safety: [`super`].
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::store::atomic::TempOutput;
 use crate::store::block::Block;
 use crate::store::blockio::{par_crc32c, read_prefix, size_error, BlockOut};
 use crate::store::fsutil;
@@ -42,36 +43,39 @@ pub(crate) struct TiledWriter {
 }
 
 impl TiledWriter {
-    /// Create `path` (replacing an existing file) at its full length, zero-filled, writing
-    /// through the prefaulted map.
+    /// [`TiledWriter::create_with`] the default write mode (the tests').
+    #[cfg(test)]
     pub(crate) fn create(path: &Path, hdr: Header) -> Result<TiledWriter> {
         Self::create_with(path, hdr, WriteMode::default())
     }
 
-    /// [`TiledWriter::create`] with an explicit write mode. The header, the file's size and its
-    /// name in the directory are synced before any tile is written: a journal record never
-    /// points into a file that a power cut could leave headerless (read as zeros) or unnamed.
+    /// [`TiledWriter::create`] with an explicit write mode: `path` as a new file (an existing
+    /// one's directory entry is replaced, a link is refused: [`fsutil::open_in_place`]) at its
+    /// full length, zero-filled. The header, the file's size and its name in the directory are
+    /// synced before any tile is written: a journal record never points into a file that a
+    /// power cut could leave headerless (read as zeros) or unnamed.
     pub(crate) fn create_with(path: &Path, hdr: Header, mode: WriteMode) -> Result<TiledWriter> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(|e| Error::io(path, "cannot create output file", e))?;
+        let file = fsutil::open_in_place(path, fsutil::InPlace::New)?;
         let w = Self::init(path, file, hdr, true, mode)?;
         fsutil::sync_file(&w.file, path)?;
         fsutil::sync_parent(path)?;
         Ok(w)
     }
 
+    /// Create the file in the temporary `tmp` (renamed into place by the caller when finished).
+    pub(crate) fn create_temp(
+        tmp: &TempOutput,
+        hdr: Header,
+        mode: WriteMode,
+    ) -> Result<TiledWriter> {
+        let file = (tmp.file().try_clone())
+            .map_err(|e| Error::io(tmp.path(), "cannot create output file", e))?;
+        Self::init(tmp.path(), file, hdr, true, mode)
+    }
+
     /// [`TiledWriter::reopen`] with an explicit write mode.
     pub(crate) fn reopen_with(path: &Path, hdr: Header, mode: WriteMode) -> Result<TiledWriter> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| Error::io(path, "cannot reopen output file", e))?;
+        let file = fsutil::open_in_place(path, fsutil::InPlace::Existing)?;
         let len = file
             .metadata()
             .map_err(|e| Error::io(path, "cannot stat output file", e))?

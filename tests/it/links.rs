@@ -1,0 +1,347 @@
+//! Files written where they must not be: temporaries at predictable names, outputs, reports
+//! and checkpoint folders that are links, `import` at its final name, and the file-size limit.
+//! A link planted by someone else never has its target written or emptied, and what a command
+//! leaves at a final name is a regular file of its own (docs/RESILIENCE.md, "Temporary files
+//! and links").
+
+use crate::common::*;
+
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use mgmm_stream::dtype::DType;
+use mgmm_stream::store::gen::Dist;
+
+const VICTIM: &[u8] = b"precious bytes that are not ours to write\n";
+
+fn mg(dir: &Path, args: &[&str]) -> Output {
+    Command::new(bin())
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+/// `sh -c SCRIPT` in `dir`, where `$MG` is the binary; `exec $MG …` keeps the shell's pid, so
+/// `$$` names the pid the command will have.
+fn sh(dir: &Path, script: &str) -> Output {
+    Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .env("MG", bin())
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+fn ok(o: &Output) {
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+fn failed_with(o: &Output, needles: &[&str]) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success(), "expected failure:\n{err}");
+    assert!(
+        o.status.signal().is_none(),
+        "killed by signal {:?}, with no message:\n{err}",
+        o.status.signal()
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    for n in needles {
+        assert!(err.contains(n), "message should mention {n:?}:\n{err}");
+    }
+    err
+}
+
+/// A file someone else owns, to point links at.
+fn victim(dir: &Path) -> std::path::PathBuf {
+    let v = dir.join("victim.txt");
+    std::fs::write(&v, VICTIM).unwrap();
+    v
+}
+
+fn untouched(v: &Path) {
+    let now = std::fs::read(v).unwrap();
+    assert!(
+        now == VICTIM,
+        "{} was written through a link (now {} bytes)",
+        v.display(),
+        now.len()
+    );
+}
+
+/// `p` is a regular file (not a link) with one name.
+fn own_file(p: &Path) {
+    let m = std::fs::symlink_metadata(p).unwrap();
+    assert!(
+        m.file_type().is_file(),
+        "{} is not a regular file",
+        p.display()
+    );
+    assert_eq!(m.nlink(), 1, "{} has other names", p.display());
+}
+
+/// Temporaries left in `dir` (names with `.partial` or `.tmp`).
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".partial") || n.contains(".tmp"))
+        .collect()
+}
+
+fn inputs(dir: &Path) {
+    gen(
+        &dir.join("A.mgt"),
+        20,
+        30,
+        DType::F32,
+        (8, 8),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        30,
+        10,
+        DType::F32,
+        (8, 8),
+        Dist::Normal,
+        2,
+    );
+}
+
+fn plan(dir: &Path, output: &str) {
+    std::fs::write(
+        dir.join("p.toml"),
+        format!(
+            "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+             [[step]]\noutput = \"{output}\"\nexpr = \"A @ B\"\n\
+             [engine]\nbackend = \"cpu\"\ntile = 8\n"
+        ),
+    )
+    .unwrap();
+}
+
+/// A symlink planted at the name `gen`, `export` and a report's writer used for their temporary
+/// file (`NAME.<pid>.partial`, the pid known in advance through `exec`), or at the fixed name of
+/// a `.npy` output's sidecar temporary, is never followed: its target keeps its bytes, and the
+/// final name is a regular file.
+#[test]
+fn a_link_at_a_temporary_name_is_never_followed() {
+    let d = tmp();
+    let dir = d.path();
+    let v = victim(dir);
+    ok(&sh(
+        dir,
+        "ln -s victim.txt G.mgt.$$.partial && exec \"$MG\" gen G.mgt --rows 40 --cols 30",
+    ));
+    untouched(&v);
+    own_file(&dir.join("G.mgt"));
+    ok(&sh(
+        dir,
+        "ln -s victim.txt G.npy.$$.partial && exec \"$MG\" export G.mgt G.npy",
+    ));
+    untouched(&v);
+    own_file(&dir.join("G.npy"));
+    ok(&sh(
+        dir,
+        "ln -s victim.txt I.mgt.$$.partial && exec \"$MG\" import G.npy I.mgt",
+    ));
+    untouched(&v);
+    own_file(&dir.join("I.mgt"));
+
+    inputs(dir);
+    plan(dir, "C.mgt");
+    ok(&sh(
+        dir,
+        "ln -s victim.txt r.json.$$.partial && exec \"$MG\" run p.toml -q --report r.json",
+    ));
+    untouched(&v);
+    own_file(&dir.join("r.json"));
+
+    plan(dir, "C.npy");
+    std::os::unix::fs::symlink("victim.txt", dir.join("C.npy.crc32c.tmp")).unwrap();
+    ok(&mg(dir, &["run", "p.toml", "-q"]));
+    untouched(&v);
+    own_file(&dir.join("C.npy"));
+    own_file(&dir.join("C.npy.crc32c"));
+    ok(&mg(dir, &["verify", "p.toml"]));
+    // Only the links this test planted are left.
+    for n in leftovers(dir) {
+        let m = std::fs::symlink_metadata(dir.join(&n)).unwrap();
+        assert!(m.file_type().is_symlink(), "left behind: {n}");
+    }
+}
+
+/// `run --restart` over an output that is a symlink is refused (naming it, saying what to do)
+/// and the link's target keeps its bytes; over an output with another hard link it writes a new
+/// file, and the other name keeps its bytes. A report that is a link is replaced, not written
+/// through.
+#[test]
+fn restart_and_report_never_write_through_links() {
+    let d = tmp();
+    let dir = d.path();
+    let v = victim(dir);
+    inputs(dir);
+    plan(dir, "C.mgt");
+    std::os::unix::fs::symlink("victim.txt", dir.join("C.mgt")).unwrap();
+    for args in [&["run", "p.toml", "--restart"][..], &["run", "p.toml"]] {
+        let o = mg(dir, args);
+        failed_with(&o, &["C.mgt", "symbolic link"]);
+        untouched(&v);
+    }
+    std::fs::remove_file(dir.join("C.mgt")).unwrap();
+
+    // A hard link (a `cp -al` backup, or any other name of the same inode).
+    let other = dir.join("other.bin");
+    std::fs::write(&other, VICTIM).unwrap();
+    std::fs::hard_link(&other, dir.join("C.mgt")).unwrap();
+    ok(&mg(dir, &["run", "p.toml", "--restart", "-q"]));
+    untouched(&other);
+    own_file(&dir.join("C.mgt"));
+    ok(&mg(dir, &["verify", "p.toml"]));
+
+    // A report that is a link to someone else's file, or has another hard link.
+    std::os::unix::fs::symlink("victim.txt", dir.join("r.json")).unwrap();
+    ok(&mg(
+        dir,
+        &["run", "p.toml", "-q", "--restart", "--report", "r.json"],
+    ));
+    untouched(&v);
+    own_file(&dir.join("r.json"));
+    assert!(std::fs::read_to_string(dir.join("r.json"))
+        .unwrap()
+        .contains("\"steps\""));
+    std::fs::remove_file(dir.join("r.json")).unwrap();
+    std::fs::hard_link(&other, dir.join("r.json")).unwrap();
+    ok(&mg(dir, &["run", "p.toml", "-q", "--report", "r.json"]));
+    untouched(&other);
+    own_file(&dir.join("r.json"));
+}
+
+/// A checkpoint folder `OUTPUT.partial` that is a symlink to another folder: its `tile*.ckpt`
+/// files are neither deleted nor written; the run is refused, naming the link.
+#[test]
+fn a_linked_checkpoint_folder_is_never_emptied() {
+    let d = tmp();
+    let dir = d.path();
+    inputs(dir);
+    plan(dir, "C.mgt");
+    let elsewhere = dir.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    for n in ["tile0.ckpt", "tile1.ckpt", "tile2.ckpt.tmp7"] {
+        std::fs::write(elsewhere.join(n), VICTIM).unwrap();
+    }
+    std::os::unix::fs::symlink("elsewhere", dir.join("C.mgt.partial")).unwrap();
+    for args in [&["run", "p.toml"][..], &["run", "p.toml", "--restart"]] {
+        let o = mg(dir, args);
+        failed_with(&o, &["C.mgt.partial", "symbolic link"]);
+        for n in ["tile0.ckpt", "tile1.ckpt", "tile2.ckpt.tmp7"] {
+            untouched(&elsewhere.join(n));
+        }
+    }
+    std::fs::remove_file(dir.join("C.mgt.partial")).unwrap();
+    ok(&mg(dir, &["run", "p.toml", "-q", "--restart"]));
+    ok(&mg(dir, &["verify", "p.toml"]));
+}
+
+/// `import` writes under a temporary name and renames: `--force` replaces a link or a hard
+/// link's entry (the other name keeps its bytes), and under a file-size limit it fails with a
+/// message naming the file — not SIGXFSZ — leaving nothing at the final name and no partial file.
+/// `gen` and `export` do the same.
+#[test]
+fn import_is_atomic_and_never_writes_through_links() {
+    let d = tmp();
+    let dir = d.path();
+    let v = victim(dir);
+    ok(&mg(
+        dir,
+        &["gen", "G.mgt", "--rows", "1024", "--cols", "1024"],
+    ));
+    ok(&mg(dir, &["export", "G.mgt", "G.npy"]));
+    std::os::unix::fs::symlink("victim.txt", dir.join("I.mgt")).unwrap();
+    ok(&mg(dir, &["import", "G.npy", "I.mgt", "--force"]));
+    untouched(&v);
+    own_file(&dir.join("I.mgt"));
+    std::fs::remove_file(dir.join("I.mgt")).unwrap();
+    let other = dir.join("other.bin");
+    std::fs::write(&other, VICTIM).unwrap();
+    std::fs::hard_link(&other, dir.join("I.mgt")).unwrap();
+    ok(&mg(dir, &["import", "G.npy", "I.mgt", "--force"]));
+    untouched(&other);
+    own_file(&dir.join("I.mgt"));
+    assert_eq!(digest(&dir.join("I.mgt")), digest(&dir.join("G.mgt")));
+
+    // The file-size limit (1 MiB, the arrays are 4 MiB) stands in for a full disk or a kill.
+    std::fs::remove_file(dir.join("I.mgt")).unwrap();
+    for (cmd, out) in [
+        ("import G.npy I.mgt", "I.mgt"),
+        ("gen H.mgt --rows 1024 --cols 1024", "H.mgt"),
+        ("export G.mgt H.npy", "H.npy"),
+    ] {
+        let o = sh(dir, &format!("ulimit -f 1024; exec \"$MG\" {cmd}"));
+        failed_with(&o, &[out]);
+        assert!(!dir.join(out).exists(), "{out} left at its final name");
+        assert!(
+            leftovers(dir).is_empty(),
+            "left behind: {:?}",
+            leftovers(dir)
+        );
+    }
+    // --force under the limit keeps the old file whole.
+    ok(&mg(dir, &["import", "G.npy", "I.mgt"]));
+    let before = std::fs::read(dir.join("I.mgt")).unwrap();
+    let o = sh(
+        dir,
+        "ulimit -f 1024; exec \"$MG\" import G.npy I.mgt --tile 512 --force",
+    );
+    failed_with(&o, &["I.mgt"]);
+    assert!(std::fs::read(dir.join("I.mgt")).unwrap() == before);
+    assert!(
+        leftovers(dir).is_empty(),
+        "left behind: {:?}",
+        leftovers(dir)
+    );
+}
+
+/// `import` checks the free space first: an array larger than the disk is refused before
+/// anything is created (a sparse raw file of 1.28 TB stands in for it).
+#[test]
+fn import_larger_than_the_disk_is_refused_up_front() {
+    let d = tmp();
+    let dir = d.path();
+    let free = {
+        let out = Command::new("df")
+            .args(["-B1", "--output=avail", "."])
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .nth(1)
+            .and_then(|l| l.trim().parse::<u64>().ok())
+    };
+    let n: u64 = 400_000;
+    let len = n * n * 8;
+    if free.is_none_or(|f| f >= len) {
+        return; // a disk this large: nothing to show here
+    }
+    let raw = dir.join("big.raw");
+    let f = std::fs::File::create(&raw).unwrap();
+    if f.set_len(len).is_err() {
+        return; // the filesystem cannot hold a file this large, even sparse
+    }
+    drop(f);
+    let src = format!("raw:rows={n},cols={n},dtype=f64:big.raw");
+    let o = mg(dir, &["import", &src, "I.mgt"]);
+    failed_with(&o, &["not enough disk space", "I.mgt"]);
+    assert!(!dir.join("I.mgt").exists());
+    assert!(
+        leftovers(dir).is_empty(),
+        "left behind: {:?}",
+        leftovers(dir)
+    );
+}
