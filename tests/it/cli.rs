@@ -806,3 +806,60 @@ fn journal_does_not_depend_on_the_working_directory() {
     let v = mg(Path::new("/"), &["verify", abs.to_str().unwrap()]);
     assert!(ok(&v).contains("PASS"), "{}", ok(&v));
 }
+
+/// An output that overflows its precision is not silent (issue 33, item 3): `alpha = 3e38` on
+/// normal f32 data makes most of the output ±Inf from finite inputs. The run's summary and its
+/// `--report` count the non-finite elements and name the likely cause; `verify`, which can
+/// check none of it, exits 3 (not 0) and says why and what to do.
+#[test]
+fn an_overflowing_output_is_counted_and_verify_exits_3() {
+    let d = tmp();
+    let dir = d.path();
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 100, cols = 50, dist = \"normal\", seed = 1 }\n\
+                [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 50, cols = 70, dist = \"normal\", seed = 2 }\n\
+                [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = 3e38\n\
+                [engine]\nbackend = \"cpu\"\nprecision = \"fp32\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    let s = ok(&mg(dir, &["run", "p.toml", "--report", "r.json"]));
+    let (_, _, c) = load(&dir.join("C.mgt"));
+    let inf = c.iter().filter(|v| !v.is_finite()).count() as u64;
+    assert!(inf > 3000, "most of the 7000 elements overflow: {inf}");
+    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains(&format!("{inf} of the 7000 output elements are NaN/Inf"))
+            && flat.contains("the inputs are all finite")
+            && flat.contains("overflow")
+            && flat.contains("alpha")
+            && flat.contains("fp64"),
+        "{s}"
+    );
+    let rep: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("r.json")).unwrap()).unwrap();
+    assert_eq!(rep["steps"][0]["nonfinite_outputs"], inf, "{rep}");
+    assert_eq!(rep["steps"][0]["nonfinite_inputs"], 0);
+    assert_eq!(
+        rep["steps"][0]["first_nonfinite_tile"],
+        serde_json::json!([0, 0])
+    );
+
+    let o = mg(dir, &["verify", "p.toml"]);
+    let out = String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(3), "{out}\n{err}");
+    assert!(
+        out.contains("NOT CHECKED") && !out.contains("PASS") && out.contains("fp64"),
+        "{out}"
+    );
+    assert!(
+        err.starts_with("error: ") && err.contains("nothing") && err.contains("./C.mgt"),
+        "{err}"
+    );
+    // A plan whose output is finite still verifies with 0.
+    let fine = text.replace("alpha = 3e38\n", "");
+    std::fs::write(dir.join("p.toml"), fine).unwrap();
+    ok(&mg(dir, &["run", "p.toml", "--restart", "-q"]));
+    ok(&mg(dir, &["verify", "p.toml"]));
+}
