@@ -288,7 +288,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
     StepReport {
         step: step.index + 1,
         expr: step.expr.clone(),
-        output: step.output.display().to_string(),
+        output: step.output_label(),
         m: step.m,
         n: step.n,
         k: step.k,

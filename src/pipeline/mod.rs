@@ -521,7 +521,7 @@ impl<'a> Pipeline<'a> {
             started: t0,
             step: step.index,
             part: step.chain.as_ref().map(|c| (c.part, c.parts)),
-            output: step.output.display().to_string(),
+            output: step.output_label(),
             tiles_total: self.queue.len() as u64 + done_start,
             flops_total: all_flops,
             flops_before: all_flops - self.todo_flops(),
