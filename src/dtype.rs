@@ -211,23 +211,57 @@ compile_error!("mgmm-stream reads tile payloads as native little-endian floats")
 /// The number of NaN and Inf elements in `bytes` (little-endian `dt` elements); 0 for the
 /// 16-bit types, which the engine only ever produces by conversion from f32.
 pub fn count_nonfinite(dt: DType, bytes: &[u8]) -> u64 {
-    match dt {
-        DType::F32 => bytes
-            .chunks_exact(4)
-            .filter(|x| {
-                let bits = u32::from_le_bytes([x[0], x[1], x[2], x[3]]);
-                bits & 0x7f80_0000 == 0x7f80_0000
+    count_nonfinite_as(dt, dt, bytes)
+}
+
+/// The number of elements of `bytes` (little-endian `from` elements) that are NaN or Inf once
+/// converted to `to` as [`convert`] does (rounding to nearest, ties to even): those already
+/// non-finite, and those beyond `to`'s range (an f32 of 65520 or more is Inf as f16). What the
+/// writeback counts of an output tile on its way into the output file. 0 where `from` is a
+/// 16-bit type (the engine computes in f32 or f64).
+pub fn count_nonfinite_as(from: DType, to: DType, bytes: &[u8]) -> u64 {
+    match from {
+        DType::F32 => {
+            // The smallest magnitude (as bits, sign cleared) that is not finite in `to`.
+            let at: u32 = match to {
+                // 65504 is f16's largest; 65520, half-way to 65536, rounds to the even Inf.
+                DType::F16 => 0x477f_f000,
+                // Half-way from bf16's largest (0x7f7f) to Inf (0x7f80), which is even.
+                DType::BF16 => 0x7f7f_8000,
+                DType::F32 | DType::F64 => 0x7f80_0000,
+            };
+            count_at_least(bytes, |x: [u8; 4]| {
+                u32::from_le_bytes(x) & 0x7fff_ffff >= at
             })
-            .count() as u64,
-        DType::F64 => bytes
-            .chunks_exact(8)
-            .filter(|x| {
-                let bits = u64::from_le_bytes((*x).try_into().unwrap());
-                bits & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
+        }
+        DType::F64 => {
+            let at: u64 = match to {
+                // Half-way from f32's largest to 2^128, which rounds to the even Inf.
+                DType::F32 | DType::F16 | DType::BF16 => {
+                    (f32::MAX as f64 + 2f64.powi(103)).to_bits()
+                }
+                DType::F64 => 0x7ff0_0000_0000_0000,
+            };
+            count_at_least(bytes, |x: [u8; 8]| {
+                u64::from_le_bytes(x) & 0x7fff_ffff_ffff_ffff >= at
             })
-            .count() as u64,
-        _ => 0,
+        }
+        DType::F16 | DType::BF16 => 0,
     }
+}
+
+/// How many `N`-byte elements of `bytes` satisfy `hit`: summed per block of elements in a
+/// `u32`, which the compiler turns into vector compares (an f32 tile counts at memory speed).
+fn count_at_least<const N: usize>(bytes: &[u8], hit: impl Fn([u8; N]) -> bool) -> u64 {
+    bytes
+        .chunks(N << 12)
+        .map(|block| {
+            block
+                .chunks_exact(N)
+                .map(|x| hit(x.try_into().expect("chunks_exact")) as u32)
+                .sum::<u32>() as u64
+        })
+        .sum()
 }
 
 /// [`count_nonfinite`] on the rayon pool, for whole blocks.
@@ -243,6 +277,56 @@ pub fn count_nonfinite_par(dt: DType, bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What [`count_nonfinite_as`] counts is exactly what [`convert`] turns into NaN or Inf,
+    /// at the edges of each narrower type's range.
+    #[test]
+    fn nonfinite_counts_match_the_conversion() {
+        let near = |v: f32| {
+            [
+                v,
+                f32::from_bits(v.to_bits() - 1),
+                f32::from_bits(v.to_bits() + 1),
+            ]
+        };
+        let mut vals: Vec<f32> = [65504.0, 65520.0, 65536.0, 3.389_531_4e38, 3.396_177_6e38]
+            .into_iter()
+            .flat_map(near)
+            .chain([1.0, f32::MAX, f32::INFINITY, f32::NAN, 0.0, 1e-40])
+            .collect();
+        vals.extend(vals.clone().iter().map(|v| -v));
+        let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for to in [DType::F32, DType::F16, DType::BF16, DType::F64] {
+            let mut dst = vec![0u8; vals.len() * to.size()];
+            assert!(convert(DType::F32, &src, to, &mut dst));
+            let want = (0..vals.len())
+                .filter(|&i| !get(to, &dst[i * to.size()..]).is_finite())
+                .count() as u64;
+            assert_eq!(count_nonfinite_as(DType::F32, to, &src), want, "f32 → {to}");
+        }
+        let m = f32::MAX as f64;
+        let wide: Vec<f64> = [
+            m,
+            m + 2f64.powi(103),
+            m + 2f64.powi(103) - 2f64.powi(60),
+            1e300,
+        ]
+        .into_iter()
+        .chain([f64::NAN, f64::INFINITY, 1.0])
+        .flat_map(|v| [v, -v])
+        .collect();
+        let src: Vec<u8> = wide.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut dst = vec![0u8; wide.len() * 4];
+        assert!(convert(DType::F64, &src, DType::F32, &mut dst));
+        let want = (0..wide.len())
+            .filter(|&i| !get(DType::F32, &dst[i * 4..]).is_finite())
+            .count();
+        assert_eq!(
+            count_nonfinite_as(DType::F64, DType::F32, &src),
+            want as u64
+        );
+        assert_eq!(count_nonfinite_as(DType::F64, DType::F64, &src), 4);
+    }
 
     /// Slice conversions (aligned buffers) and the element loop (misaligned) agree, both ways.
     #[test]

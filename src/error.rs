@@ -96,9 +96,26 @@ pub enum Error {
         kept: PathBuf,
     },
 
+    /// `verify` found nothing wrong but could check nothing of an output (every part of it
+    /// NaN/Inf, or past the range the test can judge): not a pass. The binary exits with
+    /// [`Error::exit_status`] 3 for it.
+    #[error("{0}")]
+    Unverified(String),
+
     /// The run was cancelled because another stage failed (never the reported error).
     #[error("cancelled")]
     Cancelled,
+}
+
+impl Error {
+    /// The binary's exit status for this error: 3 when `verify` could check nothing
+    /// ([`Error::Unverified`]), 1 for every other error (README, "Exit status").
+    pub fn exit_status(&self) -> i32 {
+        match self {
+            Error::Unverified(_) => 3,
+            _ => 1,
+        }
+    }
 }
 
 /// What to do about a checksum mismatch: a `.mgt` file is corrupt; a `.npy` file may also

@@ -121,6 +121,14 @@ pub struct StepReport {
     pub bottleneck: String,
     /// NaN/Inf elements seen in the inputs.
     pub nonfinite_inputs: u64,
+    /// NaN/Inf elements in the output tiles this run wrote, as stored (a value beyond the
+    /// output type's range is stored as Inf and counts).
+    #[serde(default)]
+    pub nonfinite_outputs: u64,
+    /// The first compute tile (tile row, tile column, of `tile`'s grid) in row-major order
+    /// that holds one of them.
+    #[serde(default)]
+    pub first_nonfinite_tile: Option<[u64; 2]>,
     /// Seconds spent flushing the output at the end.
     pub flush_s: f64,
     /// How the output was written: `"mmap"`, `"pwrite"` (what `write = "auto"` chose, or the
@@ -280,7 +288,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
     StepReport {
         step: step.index + 1,
         expr: step.expr.clone(),
-        output: step.output.display().to_string(),
+        output: step.output_label(),
         m: step.m,
         n: step.n,
         k: step.k,
@@ -323,6 +331,8 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         busy_shares: shares,
         stages: st.stages,
         nonfinite_inputs: st.nonfinite_inputs,
+        nonfinite_outputs: st.nonfinite_outputs.0,
+        first_nonfinite_tile: (st.nonfinite_outputs.1).map(|b| [b.r0 / l.tm, b.c0 / l.tn]),
         flush_s: st.flush_s,
         write_mode: st.write_mode.into(),
         dirty_limit_bytes: st.dirty.map(|d| d.limit),
@@ -460,10 +470,58 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
             r.nonfinite_inputs
         );
     }
+    if let Some(note) = nonfinite_output_note(r) {
+        s += &format!("\n  note: {note}");
+    }
     if let Some(note) = dirty_note(r.write_bytes, r.dirty_throttle_bytes) {
         s += &format!("\n  note: {note}");
     }
     crate::progress::wrap(&s)
+}
+
+/// What the summary says of NaN/Inf in the output: how many, the first tile holding one, and
+/// the likely cause — an overflow of the output type when the inputs were all finite (`alpha =
+/// 3e38` on normal f32 data gave 88 % ±Inf and exited silently before, issue 33), or the
+/// inputs' own NaN/Inf, which propagate as IEEE arithmetic says. `None` when there are none.
+fn nonfinite_output_note(r: &StepReport) -> Option<String> {
+    if r.nonfinite_outputs == 0 {
+        return None;
+    }
+    let of = if r.tiles_computed == r.tiles_total {
+        format!("of the {} output elements", r.m * r.n)
+    } else {
+        format!(
+            "output elements of the {} tiles this run computed",
+            r.tiles_computed
+        )
+    };
+    let first = match r.first_nonfinite_tile {
+        Some([ti, tj]) => {
+            let (tm, tn) = (r.tile[0], r.tile[1]);
+            let (r0, c0) = (ti * tm, tj * tn);
+            format!(
+                " (the first in tile ({ti}, {tj}): rows {r0}–{}, columns {c0}–{})",
+                (r0 + tm).min(r.m) - 1,
+                (c0 + tn).min(r.n) - 1
+            )
+        }
+        None => String::new(),
+    };
+    let largest = if r.precision == Precision::Fp64.name() {
+        "f64, largest about 1.8e308"
+    } else {
+        "f32, largest about 3.4e38"
+    };
+    let n = r.nonfinite_outputs;
+    Some(if r.nonfinite_inputs == 0 {
+        format!(
+            "{n} {of} are NaN/Inf{first} although the inputs are all finite: the product overflowed the output's precision ({largest}). Scale alpha or the inputs down, or store the inputs as f64 and compute in fp64; then run --restart"
+        )
+    } else {
+        format!(
+            "{n} {of} are NaN/Inf{first}; the inputs hold NaN/Inf too (the note above), which IEEE arithmetic carries into the output — or the product overflowed the output's precision ({largest}). Look at the inputs' values; scale alpha or the inputs down, or compute in fp64"
+        )
+    })
 }
 
 /// The `inputs:` line: what was read, in one bracket where the bytes came from, their rate over

@@ -157,9 +157,10 @@ pub struct Caps {
     pub(crate) link_names: (&'static str, &'static str),
     /// Host↔device link rate per lane for `plan`'s lower bound (None: no link).
     pub(crate) link_rate: Option<f64>,
-    /// Peak FLOP rate per lane by precision for `plan`'s lower bound, and where it comes from.
+    /// Peak FLOP rate per lane by precision for `plan`'s lower bound, and where that rate
+    /// comes from, by precision too (`plan` once called the CPU's f64 rate "faer's f32 rate").
     pub(crate) peak_flops: fn(Precision, usize) -> f64,
-    pub(crate) peak_source: &'static str,
+    pub(crate) peak_source: fn(Precision) -> &'static str,
 }
 
 impl Caps {

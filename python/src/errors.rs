@@ -24,6 +24,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Backend { .. } | Error::Device { .. } => "DeviceError",
         Error::Io { .. } | Error::Checksum { .. } | Error::KeptOutput { .. } => "StorageError",
         Error::Cancelled => "CancelledError",
+        Error::Unverified(_) => "MgmmError",
     };
     let mut msg = e.to_string();
     if msg.contains("--restart") {

@@ -27,6 +27,8 @@ use errors::{bad_input, to_py};
 use sources::{BufferSink, BufferSource, RawFileSource, RawMatrix};
 
 const ORIGIN: &str = "matmul()";
+/// The name a plan given as a dict goes by (relative paths in it are the current directory's).
+const DICT: &str = "<plan dict>";
 
 /// JSON text to Python objects (dicts, lists, numbers, strings).
 pub(crate) fn json_to_py<'py>(py: Python<'py>, json: &str) -> PyResult<Bound<'py, PyAny>> {
@@ -417,16 +419,21 @@ fn load_plan(
     let r = match (path, toml_text) {
         (Some(p), None) => Plan::load_with(Path::new(&p), sets),
         (None, Some(t)) => Plan::resolve(
-            &std::env::current_dir()
-                .unwrap_or_default()
-                .join("<plan dict>"),
+            &std::env::current_dir().unwrap_or_default().join(DICT),
             &t,
             sets,
             &mgmm_stream::plan::header_from_disk,
         ),
         _ => return Err(bad_input(py, "give a plan path or a plan dict")),
     };
-    r.map_err(|e| to_py(py, e))
+    let mut plan = r.map_err(|e| to_py(py, e))?;
+    if plan.path.ends_with(DICT) {
+        // The lines are those of the TOML the dict was written as, which the caller never saw.
+        for s in &mut plan.steps {
+            s.line = 0;
+        }
+    }
+    Ok(plan)
 }
 
 /// A plan dict (as JSON text) to TOML text.

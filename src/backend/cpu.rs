@@ -43,6 +43,15 @@ fn cpu_peak(p: Precision, threads: usize) -> f64 {
     per_core * threads as f64
 }
 
+/// Where [`cpu_peak`]'s rate for `p` comes from, as `plan`'s lower bound says it.
+fn cpu_peak_source(p: Precision) -> &'static str {
+    if p == Precision::Fp64 {
+        "faer's f64 rate per core: half its f32 rate with AVX-512, a quarter without, BENCHMARKS.md"
+    } else {
+        "faer's f32 rate per core with AVX-512, half without, BENCHMARKS.md"
+    }
+}
+
 fn simd_f32_per_core() -> f64 {
     #[cfg(target_arch = "x86_64")]
     {
@@ -80,7 +89,7 @@ impl CpuBackend {
                 link_names: ("staged", "collected"),
                 link_rate: None,
                 peak_flops: cpu_peak,
-                peak_source: "faer's f32 rate per core with AVX-512, half without, BENCHMARKS.md",
+                peak_source: cpu_peak_source,
             },
         }
     }

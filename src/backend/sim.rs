@@ -138,7 +138,7 @@ impl SimBackend {
                 link_names: ("H2D", "D2H"),
                 link_rate: None,
                 peak_flops: sim_peak,
-                peak_source: "simulated devices (tests only)",
+                peak_source: |_| "simulated devices (tests only)",
             },
             ids,
             max_delay_us,

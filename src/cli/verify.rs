@@ -20,7 +20,9 @@ use crate::{diagln, outln};
 /// product would have. Prints PASS/FAIL per step on stdout, exits non-zero and names the
 /// failing output tiles.
 #[derive(Args, Debug)]
-#[command(after_help = "Example:\n  mgmm-stream verify examples/quickstart.toml --rounds 3")]
+#[command(
+    after_help = "Exit status: 0 every output passed; 1 an output failed (or an error); 3 nothing failed, but the check could judge nothing of an output (NOT CHECKED: NaN/Inf or a possible overflow everywhere, as from an output that overflowed its precision).\n\nExample:\n  mgmm-stream verify examples/quickstart.toml --rounds 3"
+)]
 pub(crate) struct VerifyArgs {
     plan: PathBuf,
     /// Override an [engine] key of the plan (repeatable), e.g. --set engine.host_memory=8GiB.
@@ -93,10 +95,11 @@ pub(super) fn verify_plan(
     times: bool,
 ) -> Result<()> {
     let mut failed = Vec::new();
+    let mut unchecked = Vec::new();
     for step in &p.steps {
         let mut rep =
             crate::verify::verify_step_with(step, p.engine.precision, rounds, seed, times)?;
-        if !quiet || !rep.pass {
+        if !quiet || !rep.pass || rep.nothing_checked() {
             outln!("{}", crate::verify::format(&rep));
         }
         if repair && !rep.pass && !rep.failing_tiles.is_empty() {
@@ -138,10 +141,19 @@ pub(super) fn verify_plan(
                 (None, None) => 2,
             };
             failed.push((format!("step {} ({})", rep.step, rep.output), kind));
+        } else if rep.nothing_checked() {
+            unchecked.push(format!("step {} ({})", rep.step, rep.output));
         }
     }
     if failed.is_empty() {
-        return Ok(());
+        if unchecked.is_empty() {
+            return Ok(());
+        }
+        // Not a pass: a script that reads only the exit status must not take it for one.
+        return Err(Error::Unverified(format!(
+            "nothing checked for {}: the output is NaN/Inf, or could overflow, everywhere the test looks (see NOT CHECKED above), so it is not known to be right; exit status 3",
+            unchecked.join(", ")
+        )));
     }
     let names: Vec<&str> = failed.iter().map(|(n, _)| n.as_str()).collect();
     // A failure found in the journal (other inputs or plan, unfinished) names no tiles: only

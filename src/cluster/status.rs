@@ -22,9 +22,15 @@ fn unix(t: SystemTime) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn eta(left: u64, rate: f64) -> String {
+/// The time left at `rate`; none while no process works on it (`running` false): a rate from
+/// before a process died is not a forecast (`status` once said "ETA 1 s" for a shard whose
+/// process was killed).
+fn eta(left: u64, rate: f64, running: bool) -> String {
     if left == 0 {
         return "-".into();
+    }
+    if !running {
+        return "not running".into();
     }
     if rate <= 0.0 {
         return "unknown".into();
@@ -59,7 +65,7 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
         let done = rec.len() as u64;
         let total = m.tiles as u64;
         let fin = finalize::is_finalized(out, Some(&m.fingerprint))?;
-        let (lines, first, last) = shard_lines(&dir, &m, &rec, claim_timeout)?;
+        let (lines, first, last, running) = shard_lines(&dir, &m, &rec, claim_timeout)?;
         let rate = if last > first {
             done as f64 / (last - first)
         } else {
@@ -75,7 +81,7 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
             } else {
                 "rate unknown".into()
             },
-            eta(total - done, rate),
+            eta(total - done, rate, running),
             if fin {
                 ", FINALIZED"
             } else if done == total {
@@ -108,20 +114,22 @@ fn newest_split(dir: &Path) -> Result<Option<u32>> {
     Ok(newest_s.map(|(_, s)| s))
 }
 
-/// One line per shard of the split in use (tiles done, rate, ETA, state), and the span over
+/// One line per shard of the split in use (tiles done, rate, ETA, state), the span over
 /// which the held shards recorded tiles: (earliest claim, latest journal write), `(f64::MAX,
-/// 0.0)` when none did.
+/// 0.0)` when none did, and whether a process works on any shard now (a claim with a fresh
+/// heartbeat).
 fn shard_lines(
     dir: &Path,
     m: &Manifest,
     rec: &BTreeMap<u32, Vec<u32>>,
     claim_timeout: Duration,
-) -> Result<(Vec<String>, f64, f64)> {
+) -> Result<(Vec<String>, f64, f64, bool)> {
     let mut first = f64::MAX;
     let mut last: f64 = 0.0;
     let mut lines = Vec::new();
+    let mut any_running = false;
     let Some(ns) = newest_split(dir)? else {
-        return Ok((lines, first, last));
+        return Ok((lines, first, last, false));
     };
     for k in 0..ns {
         let r = shard_range(m.tiles, m.gn as u32, ns, k);
@@ -134,7 +142,13 @@ fn shard_lines(
             .map(unix);
         let holder = claim::read(&shard_file(dir, k, ns, "claim"))
             .or_else(|| claim::read(&shard_file(dir, k, ns, "done")));
-        let state = if shard_file(dir, k, ns, "done").exists() {
+        let done_mark = shard_file(dir, k, ns, "done").exists();
+        let running = !done_mark
+            && holder
+                .as_ref()
+                .is_some_and(|h| !claim::is_stale(h, claim_timeout));
+        any_running |= running;
+        let state = if done_mark {
             "done".to_string()
         } else if let Some(h) = &holder {
             if claim::is_stale(h, claim_timeout) {
@@ -165,8 +179,8 @@ fn shard_lines(
             } else {
                 "-".into()
             },
-            eta(left, rate)
+            eta(left, rate, running)
         ));
     }
-    Ok((lines, first, last))
+    Ok((lines, first, last, any_running))
 }

@@ -118,6 +118,8 @@ pub(crate) struct RunStats {
     /// FLOPs of the tiles computed in this run.
     pub(crate) flops: f64,
     pub(crate) nonfinite_inputs: u64,
+    /// NaN/Inf elements in the output tiles written (as stored), and the first tile with one.
+    pub(crate) nonfinite_outputs: (u64, Option<crate::store::Block>),
     /// Input bytes one lane took from another lane's read instead of reading them.
     pub(crate) shared_read_bytes: u64,
     /// Of the bytes staged, those from sources held in memory.
@@ -282,6 +284,8 @@ pub(crate) struct Pipeline<'a> {
     /// The kernel's dirty-page limits when the output is a disk-backed file, read when the
     /// pipeline is built (for the report's note on outputs larger than them).
     dirty: Option<DirtyLimits>,
+    /// NaN/Inf in the output tiles written, counted by writeback.
+    out_nonfinite: OutputNonfinite,
 }
 
 /// Counters shared by the stages and the progress display.
@@ -357,6 +361,7 @@ impl<'a> Pipeline<'a> {
             ckpt: None,
             scope: None,
             dirty,
+            out_nonfinite: Default::default(),
         })
     }
 
@@ -476,6 +481,7 @@ impl<'a> Pipeline<'a> {
             tiles_computed: computed,
             flops: todo_flops as f64,
             nonfinite_inputs: self.inputs.nonfinite.load(Ordering::Relaxed),
+            nonfinite_outputs: self.out_nonfinite.get(),
             shared_read_bytes: self.shared.shared_bytes.load(Ordering::Relaxed),
             memory_read_bytes: self.inputs.memory_bytes.load(Ordering::Relaxed),
             device_checked_bytes: self.inputs.device_checked.load(Ordering::Relaxed),
@@ -515,7 +521,7 @@ impl<'a> Pipeline<'a> {
             started: t0,
             step: step.index,
             part: step.chain.as_ref().map(|c| (c.part, c.parts)),
-            output: step.output.display().to_string(),
+            output: step.output_label(),
             tiles_total: self.queue.len() as u64 + done_start,
             flops_total: all_flops,
             flops_before: all_flops - self.todo_flops(),
@@ -593,6 +599,7 @@ impl<'a> Pipeline<'a> {
             cfg,
             sink,
             ckpt,
+            out_nonfinite,
             ..
         } = self;
         let (step, l, sink, ckpt) = (*step, *l, *sink, *ckpt);
@@ -638,6 +645,7 @@ impl<'a> Pipeline<'a> {
             durable: cfg.durable,
             threads: cfg.threads,
             k: step.k,
+            nonfinite: out_nonfinite,
         };
         stages.extend(out.stages(c, metrics));
         stages
@@ -795,6 +803,7 @@ struct OutputWiring<'p> {
     durable: bool,
     threads: usize,
     k: u64,
+    nonfinite: &'p OutputNonfinite,
 }
 
 impl<'p> OutputWiring<'p> {
@@ -814,6 +823,7 @@ impl<'p> OutputWiring<'p> {
             durable,
             threads,
             k,
+            nonfinite,
         } = self;
         let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
         // Populating output pages is kernel work that one thread does at ~3.5 GB/s. In a
@@ -837,6 +847,7 @@ impl<'p> OutputWiring<'p> {
                 writer,
                 ckpt,
                 host_dt: l.host_dt,
+                nonfinite,
                 rx,
                 out: sync_tx.clone(),
                 m,

@@ -57,6 +57,12 @@ pub struct ChainPart {
 }
 
 impl ChainPart {
+    /// The name of what this part computes: `T1` for an intermediate, the output's path for
+    /// the last part (the left side of [`Self::text`]).
+    pub(crate) fn result_name(&self) -> &str {
+        self.text.split(" = ").next().unwrap_or(&self.text)
+    }
+
     /// What `plan` prints for this part: on the first part, the chosen order and its cost beside
     /// the naive left-to-right order's; on every part, its sub-product and cost, and where an
     /// intermediate goes: `output` held in memory (`mem_bytes`) or in its file (`file_bytes`).
@@ -218,10 +224,6 @@ pub(crate) fn sub_products(
     out
 }
 
-fn label(o: &Operand) -> String {
-    format!("{}{}", o.name, if o.trans { ".T" } else { "" })
-}
-
 fn emit(
     t: &Tree,
     leaves: &[Operand],
@@ -241,7 +243,7 @@ fn emit(
     let n = b.op_shape().1;
     let cost = product_cost(m, k, n, !root, mem, elem);
     if root {
-        let text = format!("{} = {} @ {}", output.display(), label(&a), label(&b));
+        let text = format!("{} = {} @ {}", output.display(), a.label(), b.label());
         out.push(SubProduct {
             a,
             b,
@@ -260,7 +262,7 @@ fn emit(
     let tname = format!("T{id}");
     // Both operands transposed: compute the untransposed Rᵀ = op(b)ᵀ·op(a)ᵀ and read it with .T.
     let flip = a.trans && b.trans;
-    let plain = format!("{tname} = {} @ {}", label(&a), label(&b));
+    let plain = format!("{tname} = {} @ {}", a.label(), b.label());
     let (sa, sb, trans, (rows, cols)) = if flip {
         let un = |o: &Operand| Operand {
             trans: false,
@@ -273,8 +275,8 @@ fn emit(
     let text = if flip {
         format!(
             "{plain}, stored untransposed as {} @ {} and read with .T",
-            label(&sa),
-            label(&sb)
+            sa.label(),
+            sb.label()
         )
     } else {
         plain

@@ -49,17 +49,32 @@ impl EngineSet {
         let value = value.trim();
         // As the TOML value it spells; if that does not parse or has the wrong type, as a string.
         let literal = toml::from_str::<RawEngine>(&format!("{key} = {value}"));
-        let raw = match literal {
-            Ok(r) => r,
-            Err(_) => toml::from_str::<RawEngine>(&format!("{key} = {}", quote(value)))
-                .map_err(|e| usage(e.message().trim()))?,
-        };
+        let raw =
+            match literal {
+                Ok(r) => r,
+                Err(_) => toml::from_str::<RawEngine>(&format!("{key} = {}", quote(value)))
+                    .map_err(|e| match takes(key) {
+                        Some(what) => usage(&format!("engine.{key} takes {what}, not {value}")),
+                        None => usage(&super::raw::plain(e.message().trim())),
+                    })?,
+            };
         Ok(EngineSet {
             key: key.to_string(),
             text,
             raw,
         })
     }
+}
+
+/// What an `[engine]` key whose value serde checks (a number, a bool) takes, in words, for a
+/// `--set` that gives something else (`--set engine.threads=-1` answered "invalid type: string
+/// \"-1\", expected usize"). The string keys say what they take where they are resolved.
+fn takes(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "threads" => "a whole number of worker threads, 0 or more (0: every core)",
+        "durable" | "verify_inputs" => "true or false",
+        _ => return None,
+    })
 }
 
 /// Where each `[engine]` value came from, for messages.
@@ -396,7 +411,12 @@ mod tests {
         );
         let m = msg("", &["engine.threads=many"]);
         assert!(m.starts_with("--set engine.threads=many: "), "{m}");
-        assert!(m.contains("integer") || m.contains("usize"), "{m}");
+        // In words, not serde's "expected usize".
+        assert!(
+            m.contains("engine.threads takes a whole number") && m.contains("not many"),
+            "{m}"
+        );
+        assert!(!m.contains("usize"), "{m}");
         let m = msg("", &["engine.bogus=1"]);
         assert!(
             m.contains("--set engine.bogus=1") && m.contains("bogus"),

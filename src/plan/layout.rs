@@ -142,9 +142,8 @@ impl Layout {
             "even the smallest tile"
         };
         let mut msg = format!(
-            "step {} (line {}): {what} ({}×{}×{}) does not fit: it needs {} of host memory",
-            step.index + 1,
-            step.line,
+            "{}: {what} ({}×{}×{}) does not fit: it needs {} of host memory",
+            step.at(),
             l.tm,
             l.tn,
             l.tk,

@@ -120,6 +120,11 @@ pub struct Operand {
 }
 
 impl Operand {
+    /// The operand as the plan's text names it: `B`, or `B.T` when used transposed.
+    pub(crate) fn label(&self) -> String {
+        format!("{}{}", self.name, if self.trans { ".T" } else { "" })
+    }
+
     /// Open the operand's file for reading.
     pub(crate) fn open(&self) -> Result<std::sync::Arc<dyn crate::store::MatrixSource>> {
         match &self.raw {
@@ -143,7 +148,8 @@ impl Operand {
 pub struct Step {
     /// Position in the plan (0-based).
     pub index: usize,
-    /// Line of the step in the plan file.
+    /// Line of the step in the plan file; 0 for a step that no plan file's line holds (the
+    /// Python package's `matmul`, a plan given as a dict): [`Step::at`] then names no line.
     pub line: usize,
     /// The expression as written.
     pub expr: String,
@@ -185,10 +191,30 @@ impl Step {
         (self.index, self.chain.as_ref().map_or(0, |c| c.part))
     }
 
+    /// How messages and `plan` name the step: `step 2 (line 14)`, or `step 1` alone when no
+    /// plan file's line holds it (`line` 0: `plan` of a Python `matmul` said `line 0`).
+    pub(crate) fn at(&self) -> String {
+        match self.line {
+            0 => format!("step {}", self.index + 1),
+            l => format!("step {} (line {l})", self.index + 1),
+        }
+    }
+
     /// Whether this step writes a chain intermediate that an unsplit run holds in host memory
     /// instead of a file (a split run writes every intermediate to its file).
     pub(crate) fn output_in_memory(&self) -> bool {
         (self.chain.as_ref()).is_some_and(|c| c.part < c.parts && c.memory.contains(&self.output))
+    }
+
+    /// How `plan`, the progress lines and the summary name this step's output: its file, or for
+    /// a chain's intermediate that an unsplit run holds in memory, its name in the chain and
+    /// `(held in memory)` — not the file a split run would write (`D.npy.part1.mgt`), which
+    /// never exists then.
+    pub(crate) fn output_label(&self) -> String {
+        match &self.chain {
+            Some(c) if self.output_in_memory() => format!("{} (held in memory)", c.result_name()),
+            _ => self.output.display().to_string(),
+        }
     }
 }
 

@@ -154,8 +154,10 @@ pub(crate) fn parse(src: &str) -> Result<RawPlan, String> {
 }
 
 /// serde's message for a value of none of an untagged enum's shapes names the Rust type; say
-/// instead what the key accepts. Integers where a size string belongs get the string form.
-fn plain(msg: &str) -> String {
+/// instead what the key accepts. Integers where a size string belongs get the string form, and
+/// the Rust types in "expected usize" are said in words (`threads = -1` answered "invalid
+/// value: integer `-1`, expected usize").
+pub(crate) fn plain(msg: &str) -> String {
     if msg.contains("untagged enum RawTile") {
         return "tile takes \"auto\", one edge (tile = 4096) or three (tile = [4096, 4096, 2048]), positive integers".into();
     }
@@ -164,6 +166,22 @@ fn plain(msg: &str) -> String {
     }
     if msg.starts_with("invalid type: integer") && msg.ends_with("expected a string") {
         return format!("{msg}; sizes are strings with a unit (\"64GiB\", \"512MiB\")");
+    }
+    const WORDS: [(&str, &str); 6] = [
+        ("usize", "a whole number, 0 or more"),
+        ("u64", "a whole number, 0 or more"),
+        ("u32", "a whole number, 0 or more"),
+        ("i64", "a whole number"),
+        ("f64", "a number"),
+        ("a boolean", "true or false"),
+    ];
+    for (rust, words) in WORDS {
+        if let Some(head) = msg.strip_suffix(&format!("expected {rust}")) {
+            let head = (head.strip_prefix("invalid value: "))
+                .or_else(|| head.strip_prefix("invalid type: "))
+                .unwrap_or(head);
+            return format!("got {head}expected {words}");
+        }
     }
     msg.to_string()
 }

@@ -126,6 +126,15 @@ impl Ctx<'_> {
     pub(crate) fn line<T>(&self, v: &Spanned<T>) -> usize {
         line_of(self.src, v.span().start)
     }
+    /// A path the plan gives, relative to the plan's folder: `./A.mgt` for a plan in the
+    /// current folder, but `../../x.npy`, not `./../../x.npy`, for one that climbs out of it.
+    pub(crate) fn path(&self, p: impl AsRef<Path>) -> PathBuf {
+        let p = p.as_ref();
+        if self.base == Path::new(".") && p.starts_with("..") {
+            return p.to_path_buf();
+        }
+        self.base.join(p)
+    }
 }
 
 /// Resolve `[matrices]`: existing files by their header, missing ones by `generate`.
@@ -143,7 +152,7 @@ pub(crate) fn matrices(
                 cx.line(&m.path)
             )));
         }
-        let path = cx.base.join(m.path.get_ref());
+        let path = cx.path(m.path.get_ref());
         let decl = if m.format.is_some() {
             raw_decl(cx, name, &key, m, &path)?
         } else {
@@ -442,7 +451,7 @@ fn step(
             )));
         }
     }
-    let output = cx.base.join(s.output.get_ref());
+    let output = cx.path(s.output.get_ref());
     let alpha = form.alpha * s.alpha.as_ref().map_or(1.0, |v| *v.get_ref());
     check_scalars(
         cx,
@@ -704,7 +713,7 @@ fn check_precision(
     p_at: Option<&str>,
     earlier: &[Step],
 ) -> Result<()> {
-    let at = format!("step {} (line {})", s.index + 1, s.line);
+    let at = s.at();
     // Changing the precision would only move the error to an earlier step of the other kind.
     let mixed = (earlier.iter())
         .find(|e| (e.a.dtype == DType::F64) != (s.a.dtype == DType::F64))
@@ -750,7 +759,7 @@ fn check_output(
     earlier: &[Step],
     mats: &BTreeMap<String, MatrixDecl>,
 ) -> Result<()> {
-    let at = format!("step {} (line {})", s.index + 1, s.line);
+    let at = s.at();
     let out = &s.output;
     if out.is_dir() {
         return Err(cx.err(format!(

@@ -106,30 +106,28 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
 fn describe_shape(step: &crate::plan::Step, l: &Layout, t: &Traffic) -> String {
     let mut s = String::new();
     let (gm, gn, gk) = l.grid(step);
-    s += &format!(
-        "step {} (line {}): {} = {}\n",
-        step.index + 1,
-        step.line,
-        step.output.display(),
-        step.expr
-    );
+    s += &format!("{}: {} = {}\n", step.at(), step.output_label(), step.expr);
     if let Some(c) = &step.chain {
         let h = crate::pipeline::output_header(step, l);
         let mem_bytes = step.m * step.n * step.out_dtype.size() as u64;
         let file_bytes = crate::store::output_file_len(&step.output, &h);
         s += &c.describe(&step.output, mem_bytes, file_bytes);
     }
+    // The operands by their own names (`op(A)`, `op(B)`, `C` collided with a plan's own A, B
+    // and C); what the step computes is named as the chain's text names it (`T1`), else by
+    // its output file.
+    let (m, n, k) = (step.m, step.n, step.k);
+    let out = match &step.chain {
+        Some(c) if c.part < c.parts => c.result_name().to_string(),
+        _ => step.output.display().to_string(),
+    };
     s += &format!(
-        "  shapes: op(A) {}×{}, op(B) {}×{}, C {}×{}{}  alpha {} beta {}\n",
-        step.m,
-        step.k,
-        step.k,
-        step.n,
-        step.m,
-        step.n,
+        "  shapes: {} {m}×{k} @ {} {k}×{n}{} → {out} {m}×{n}  alpha {} beta {}\n",
+        step.a.label(),
+        step.b.label(),
         step.c0
             .as_ref()
-            .map(|c| format!(" + {}", c.name))
+            .map(|c| format!(" + {} {m}×{n}", c.label()))
             .unwrap_or_default(),
         step.alpha,
         step.beta
@@ -468,7 +466,7 @@ fn describe_bounds(
         fmt_bytes(t.read_bytes)
     );
     let rate = (caps.peak_flops)(e.precision, if device { caps.lanes } else { sel.threads() });
-    let why = caps.peak_source;
+    let why = (caps.peak_source)(e.precision);
     let tc = step.flops() / rate;
     let td = (t.min_read_bytes + t.write_bytes) as f64 / DISK_READ;
     let link = caps.link_rate;

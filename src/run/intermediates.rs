@@ -118,7 +118,6 @@ impl Held {
             .step_run(Box::new(target), &sources)
             .run(backend, cx.progress)?;
         let mut rep = rep.expect("an output in memory is never complete before it is computed");
-        rep.output = format!("{} (held in memory)", step.output.display());
         rep.setup_s.insert(0, ("alloc".into(), alloc_s));
         self.mats.insert(step.output.clone(), out);
         Ok(rep)

@@ -291,11 +291,7 @@ fn prepare(
             .iter()
             .map(|s| {
                 let flops = 2u64.saturating_mul(s.m).saturating_mul(s.n);
-                (
-                    s.output.display().to_string(),
-                    flops.saturating_mul(s.k),
-                    s.index,
-                )
+                (s.output_label(), flops.saturating_mul(s.k), s.index)
             })
             .collect(),
     );

@@ -90,6 +90,15 @@ pub struct VerifyReport {
     pub seconds: f64,
 }
 
+impl VerifyReport {
+    /// Nothing failed, but every cell of the test was set aside (NaN/Inf or a possible
+    /// overflow everywhere: an output that overflowed its precision): nothing was checked, which
+    /// is not a pass (`verify` exits 3, [`crate::error::Error::Unverified`]).
+    pub fn nothing_checked(&self) -> bool {
+        self.pass && self.cells > 0 && self.skipped_cells == self.cells
+    }
+}
+
 /// One direction of Freivalds' test: the row residuals of `c = α·a·b + β·c0`.
 struct Side<'a> {
     a: Op<'a>,
@@ -686,10 +695,11 @@ pub fn format(rep: &VerifyReport) -> String {
         );
         return crate::progress::wrap(&s);
     }
-    if rep.pass && rep.cells > 0 && rep.skipped_cells == rep.cells {
-        // Nothing failed, but nothing was tested either: say so on the line scripts read.
+    if rep.nothing_checked() {
+        // Nothing failed, but nothing was tested either: not a pass (`verify` exits 3), said
+        // on the line scripts read.
         let mut s = format!(
-            "verify step {} ({}): {verdict} — nothing checked: every one of the {} row groups holds NaN/Inf, or its inputs overflow the computed precision (IEEE results the test cannot judge); look at the inputs' values and scale, or compute in fp64",
+            "verify step {} ({}): NOT CHECKED — every one of the {} row groups holds NaN/Inf or could overflow the output's precision (|alpha|·|A|·|B| near its largest value): IEEE results the test cannot judge, so nothing says this output is right. If `run` noted NaN/Inf in the output from finite inputs, the product overflowed: scale alpha or the inputs down, or store the inputs as f64 and compute in fp64, then `run --restart` and verify again",
             rep.step, rep.output, rep.cells
         );
         if !rep.inputs_unchecked.is_empty() {

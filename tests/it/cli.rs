@@ -806,3 +806,171 @@ fn journal_does_not_depend_on_the_working_directory() {
     let v = mg(Path::new("/"), &["verify", abs.to_str().unwrap()]);
     assert!(ok(&v).contains("PASS"), "{}", ok(&v));
 }
+
+/// An output that overflows its precision is not silent (issue 33, item 3): `alpha = 3e38` on
+/// normal f32 data makes most of the output ±Inf from finite inputs. The run's summary and its
+/// `--report` count the non-finite elements and name the likely cause; `verify`, which can
+/// check none of it, exits 3 (not 0) and says why and what to do.
+#[test]
+fn an_overflowing_output_is_counted_and_verify_exits_3() {
+    let d = tmp();
+    let dir = d.path();
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 100, cols = 50, dist = \"normal\", seed = 1 }\n\
+                [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 50, cols = 70, dist = \"normal\", seed = 2 }\n\
+                [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = 3e38\n\
+                [engine]\nbackend = \"cpu\"\nprecision = \"fp32\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    let s = ok(&mg(dir, &["run", "p.toml", "--report", "r.json"]));
+    let (_, _, c) = load(&dir.join("C.mgt"));
+    let inf = c.iter().filter(|v| !v.is_finite()).count() as u64;
+    assert!(inf > 3000, "most of the 7000 elements overflow: {inf}");
+    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains(&format!("{inf} of the 7000 output elements are NaN/Inf"))
+            && flat.contains("the inputs are all finite")
+            && flat.contains("overflow")
+            && flat.contains("alpha")
+            && flat.contains("fp64"),
+        "{s}"
+    );
+    let rep: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("r.json")).unwrap()).unwrap();
+    assert_eq!(rep["steps"][0]["nonfinite_outputs"], inf, "{rep}");
+    assert_eq!(rep["steps"][0]["nonfinite_inputs"], 0);
+    assert_eq!(
+        rep["steps"][0]["first_nonfinite_tile"],
+        serde_json::json!([0, 0])
+    );
+
+    let o = mg(dir, &["verify", "p.toml"]);
+    let out = String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(3), "{out}\n{err}");
+    assert!(
+        out.contains("NOT CHECKED") && !out.contains("PASS") && out.contains("fp64"),
+        "{out}"
+    );
+    assert!(
+        err.starts_with("error: ") && err.contains("nothing") && err.contains("./C.mgt"),
+        "{err}"
+    );
+    // A plan whose output is finite still verifies with 0.
+    let fine = text.replace("alpha = 3e38\n", "");
+    std::fs::write(dir.join("p.toml"), fine).unwrap();
+    ok(&mg(dir, &["run", "p.toml", "--restart", "-q"]));
+    ok(&mg(dir, &["verify", "p.toml"]));
+}
+
+/// `plan` names what it means (issue 33's small things): an fp64 rate is faer's f64 rate; a
+/// chain's shapes use the plan's own operand names (`op(A)`, `op(B)`, `C` collided with a plan's
+/// A, B and C); an intermediate held in memory is `T1 (held in memory)`, not a file that never
+/// exists; a path that climbs out of the plan's folder prints as given, without `./`.
+#[test]
+fn plan_text_names_rates_operands_intermediates_and_paths_as_they_are() {
+    let d = tmp();
+    let dir = d.path();
+    std::fs::create_dir_all(dir.join("sub/dir")).unwrap();
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 300, cols = 10, seed = 1 }\n\
+                [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 10, cols = 10, seed = 2 }\n\
+                [matrices.C]\npath = \"C.mgt\"\ngenerate = { rows = 10, cols = 200, seed = 3 }\n\
+                [[step]]\noutput = \"D.mgt\"\nexpr = \"A @ B @ C\"\n\
+                [engine]\nbackend = \"cpu\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    let s = ok(&mg(dir, &["plan", "p.toml"]));
+    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(!flat.contains("op(A)") && !flat.contains("op(B)"), "{s}");
+    assert!(
+        flat.contains("shapes: B 10×10 @ C 10×200 → T1 10×200")
+            && flat.contains("shapes: A 300×10 @ T1 10×200 → ./D.mgt 300×200"),
+        "{s}"
+    );
+    assert!(
+        flat.contains("step 1 (line 12): T1 (held in memory) = A @ B @ C")
+            && !flat.contains("D.mgt.part1.mgt ="),
+        "{s}"
+    );
+    let r = ok(&mg(dir, &["run", "p.toml"]));
+    assert!(
+        !r.contains("part1.mgt") && r.contains("T1 (held in memory)"),
+        "{r}"
+    );
+    // f64 inputs: fp64, at faer's f64 rate.
+    let f64_plan = text
+        .replace("seed = 1 }", "seed = 1, dtype = \"f64\" }")
+        .replace("seed = 2 }", "seed = 2, dtype = \"f64\" }")
+        .replace("seed = 3 }", "seed = 3, dtype = \"f64\" }")
+        .replace("A.mgt", "A64.mgt")
+        .replace("B.mgt", "B64.mgt")
+        .replace("C.mgt", "C64.mgt")
+        .replace("D.mgt", "D64.mgt");
+    std::fs::write(dir.join("p64.toml"), f64_plan).unwrap();
+    let s = ok(&mg(dir, &["plan", "p64.toml"]));
+    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains("fp64")
+            && flat.contains("faer's f64 rate")
+            && !flat.contains("faer's f32 rate"),
+        "{s}"
+    );
+    // A plan in the current folder whose paths climb out of it.
+    let up = "[matrices.A]\npath = \"../../A.mgt\"\n[[step]]\noutput = \"../../x.npy\"\n\
+              expr = \"A @ A.T\"\n[engine]\nbackend = \"cpu\"\n";
+    std::fs::write(dir.join("sub/dir/up.toml"), up).unwrap();
+    let s = ok(&mg(&dir.join("sub/dir"), &["plan", "up.toml"]));
+    assert!(
+        s.contains("../../A.mgt") && s.contains("../../x.npy = A @ A.T") && !s.contains(" ./../"),
+        "{s}"
+    );
+}
+
+/// A `--set` value of the wrong kind names the key, the value and what the key takes, in
+/// words (it answered "invalid type: string \"-1\", expected usize"); so does the plan file.
+#[test]
+fn a_bad_engine_value_is_answered_in_words() {
+    let d = tmp();
+    let dir = d.path();
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 40, cols = 30, seed = 1 }\n\
+                [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ A.T\"\n[engine]\nbackend = \"cpu\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    let e = fails(
+        &mg(dir, &["plan", "p.toml", "--set", "engine.threads=-1"]),
+        &[
+            "--set engine.threads=-1",
+            "engine.threads takes a whole number",
+            "not -1",
+        ],
+    );
+    assert!(!e.contains("usize") && !e.contains("invalid type"), "{e}");
+    let e = fails(
+        &mg(dir, &["plan", "p.toml", "--set", "engine.durable=maybe"]),
+        &["engine.durable takes true or false", "not maybe"],
+    );
+    assert!(!e.contains("boolean"), "{e}");
+    std::fs::write(dir.join("q.toml"), format!("{text}threads = -1\n")).unwrap();
+    let e = fails(
+        &mg(dir, &["plan", "q.toml"]),
+        &["line 9", "threads = -1", "a whole number, 0 or more"],
+    );
+    assert!(!e.contains("usize"), "{e}");
+}
+
+/// A step that no plan file's line holds (the Python package's `plan(a, b)` of a `matmul`, a
+/// plan given as a dict: line 0) is named without a line; `plan` said `line 0`.
+#[test]
+fn a_step_without_a_plan_line_is_named_without_one() {
+    let d = tmp();
+    let dir = d.path();
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 40, cols = 30, seed = 1 }\n\
+                [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ A.T\"\n[engine]\nbackend = \"cpu\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    let mut p = mgmm_stream::plan::Plan::load(&dir.join("p.toml")).unwrap();
+    assert!(mgmm_stream::run::describe(&p)
+        .unwrap()
+        .contains("step 1 (line 6): "));
+    p.steps[0].line = 0;
+    let s = mgmm_stream::run::describe(&p).unwrap();
+    assert!(s.contains("step 1: ") && !s.contains("line 0"), "{s}");
+}

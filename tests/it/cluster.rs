@@ -521,3 +521,48 @@ fn a_split_npy_output_is_the_npy_one_process_writes() {
         .unwrap());
     assert!(o.contains("all tiles OK"), "{o}");
 }
+
+/// A shard whose process died shows no ETA: its last rate is no forecast (issue 33: `status`
+/// said "ETA 1 s" for a shard no process worked on), and the step's ETA says so too.
+#[test]
+fn status_shows_no_eta_for_a_shard_no_process_works_on() {
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SLOW, 32);
+    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    let mut kid = spawn(dir, &["run", "plan.toml", "--shard", "0/2"], &[]);
+    let t = Instant::now();
+    while done_tiles(dir) < 8 && t.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    kid.kill().unwrap(); // SIGKILL: the claim stays, its heartbeat stops
+    let _ = kid.wait();
+    let left = 256 - done_tiles(dir);
+    assert!(
+        left > 128,
+        "the shard finished before the kill ({left} left)"
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    let st = ok(
+        cmd(dir, &["status", "plan.toml", "--claim-timeout", "1"], &[])
+            .output()
+            .unwrap(),
+    );
+    let flat = st.split_whitespace().collect::<Vec<_>>().join(" ");
+    let shard0 = flat
+        .split("shard 0/2:")
+        .nth(1)
+        .and_then(|s| s.split("shard 1/2:").next())
+        .unwrap_or_else(|| panic!("no line for shard 0/2: {st}"));
+    assert!(
+        shard0.contains("STALE") && shard0.contains("ETA not running"),
+        "{st}"
+    );
+    let shard1 = flat.split("shard 1/2:").nth(1).unwrap();
+    assert!(
+        shard1.contains("ETA not running") && shard1.contains("waiting"),
+        "{st}"
+    );
+    let step = flat.split("shard 0/2:").next().unwrap();
+    assert!(step.contains("ETA not running"), "{st}");
+}

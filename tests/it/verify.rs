@@ -708,7 +708,8 @@ fn repair_of_an_output_a_later_step_reads_computes_that_step_again() {
 }
 
 /// A product that overflows f32 everywhere is IEEE's inf in every element: nothing fails, but
-/// nothing can be tested either, and the line scripts read says so instead of a bare PASS.
+/// nothing can be tested either, and the line scripts read says so — NOT CHECKED, not PASS
+/// (issue 33: `verify` then exits 3, tests/it/cli.rs `an_overflowing_output_is_counted_and_verify_exits_3`).
 #[test]
 fn an_output_that_overflows_everywhere_is_reported_as_nothing_checked() {
     let d = tmp();
@@ -740,11 +741,14 @@ fn an_output_that_overflows_everywhere_is_reported_as_nothing_checked() {
         poke(&dir.join("B.mgt"), 0, j, 1e30);
     }
     write_plan(dir, "A @ B", "fp32", "\"auto\"", "", false);
-    run_text(
+    let run = run_text(
         dir,
         &std::fs::read_to_string(dir.join("plan.toml")).unwrap(),
     )
     .unwrap();
+    // The run counted them, from finite inputs.
+    let s = &run.steps[0];
+    assert_eq!((s.nonfinite_outputs, s.nonfinite_inputs), (m * n, 0));
     let plan = Plan::load(&dir.join("plan.toml")).unwrap();
     let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
     let text = format(&rep)
@@ -752,14 +756,76 @@ fn an_output_that_overflows_everywhere_is_reported_as_nothing_checked() {
         .collect::<Vec<_>>()
         .join(" ");
     assert!(
-        rep.pass && rep.skipped_cells == rep.cells && rep.cells > 0,
+        rep.nothing_checked() && rep.skipped_cells == rep.cells && rep.cells > 0,
         "{text}"
     );
     assert!(
-        text.starts_with("verify step 1 (") && text.contains("PASS — nothing checked"),
+        text.starts_with("verify step 1 (")
+            && text.contains("NOT CHECKED — ")
+            && !text.contains("PASS")
+            && text.contains("overflow")
+            && text.contains("fp64"),
         "{text}"
     );
     // A product with finite rows is checked as before.
     let ok = run_then(tmp().path(), "", "", "fp32", DType::F32);
-    assert!(ok.cells > ok.skipped_cells && !format(&ok).contains("nothing checked"));
+    assert!(!ok.nothing_checked() && !format(&ok).contains("NOT CHECKED"));
+}
+
+/// NaN in an input reaches the output as IEEE arithmetic says: the run's summary counts the
+/// output's NaN/Inf and, the inputs holding some too, names them as a cause rather than
+/// blaming an overflow alone (issue 33, item 3).
+#[test]
+fn nan_in_an_input_is_named_with_the_output_nan_it_makes() {
+    let d = tmp();
+    let dir = d.path();
+    let (m, k, n) = (70, 30, 50);
+    gen(
+        &dir.join("A.mgt"),
+        m,
+        k,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        k,
+        n,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        2,
+    );
+    poke(&dir.join("A.mgt"), 40, 3, f64::NAN);
+    write_plan(dir, "A @ B", "fp32", "32", "", false);
+    let rep = run_text(
+        dir,
+        &std::fs::read_to_string(dir.join("plan.toml")).unwrap(),
+    )
+    .unwrap();
+    let s = &rep.steps[0];
+    // Row 40 of the output, all of it; tile row 40 / 32 = 1, the first tile column.
+    assert_eq!(s.nonfinite_outputs, n, "{s:?}");
+    assert_eq!(s.first_nonfinite_tile, Some([1, 0]));
+    assert!(s.nonfinite_inputs > 0);
+    let o = std::process::Command::new(bin())
+        .args(["run", "plan.toml", "--restart"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains(&format!(
+            "{n} of the {} output elements are NaN/Inf (the first in tile (1, 0): rows 32–63",
+            m * n
+        )) && out.contains("the inputs hold NaN/Inf too")
+            && !out.contains("all finite"),
+        "{out}"
+    );
 }

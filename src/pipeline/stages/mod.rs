@@ -43,4 +43,4 @@ pub(crate) use prefetch::Prefetch;
 pub(crate) use queue::TileQueue;
 pub(crate) use staging::Staging;
 pub(crate) use sync::Durable;
-pub(crate) use writeback::Writeback;
+pub(crate) use writeback::{OutputNonfinite, Writeback};

@@ -226,7 +226,7 @@ pub(super) mod tests {
             link_names: ("H2D", "D2H"),
             link_rate: None,
             peak_flops: |_, _| 1e12,
-            peak_source: "test",
+            peak_source: |_| "test",
         };
         let step = &plan.steps[0];
         let l = Layout::new(&plan.path, step, &plan.engine, &caps).unwrap();
