@@ -545,7 +545,25 @@ fn verify_plan<'py>(
             .map(|s| mgmm_stream::verify::verify_step(s, plan.engine.precision, rounds, seed))
             .collect::<mgmm_stream::Result<Vec<_>>>()
     });
-    to_py_value(py, &reps.map_err(|e| to_py(py, e))?)
+    // An output nothing could be checked in (every row non-finite) is no pass: `pass` is
+    // False, `checked` False, and `reason` says why (the CLI's exit status 3).
+    let reps = reps.map_err(|e| to_py(py, e))?;
+    let dicts: Vec<serde_json::Value> = reps
+        .iter()
+        .map(|r| {
+            let mut v = serde_json::to_value(r).expect("a verify report serializes");
+            v["checked"] = serde_json::Value::Bool(!r.nothing_checked());
+            if r.nothing_checked() {
+                v["pass"] = serde_json::Value::Bool(false);
+                v["reason"] = serde_json::Value::String(format!(
+                    "nothing checked: every row of {} holds NaN or Inf (an overflow of the output's precision, or non-finite inputs)",
+                    r.output
+                ));
+            }
+            v
+        })
+        .collect();
+    to_py_value(py, &dicts)
 }
 
 /// A `.mgt` file's header as a dict; `check` verifies every tile's CRC.

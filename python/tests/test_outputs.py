@@ -88,7 +88,24 @@ def test_run_plan_dict_plan_and_verify(tmp_path, monkeypatch):
     assert sorted(rep["generated"]) == sorted([str(tmp_path / "A.mgt"), str(tmp_path / "B.mgt")]) \
         or len(rep["generated"]) == 2
     (r,) = mg.verify(p)
-    assert r["pass"] is True
+    assert r["pass"] is True and r["checked"] is True
+
+
+def test_verify_of_an_overflowed_output_is_no_pass(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = {
+        "matrices": {
+            "A": {"path": "A.mgt", "generate": {"rows": 100, "cols": 50, "seed": 1}},
+            "B": {"path": "B.mgt", "generate": {"rows": 50, "cols": 70, "seed": 2}},
+        },
+        "step": [{"output": "C.mgt", "expr": "A @ B", "alpha": 3e38}],
+        "engine": {"backend": "cpu", "tile": 32},
+    }
+    rep = mg.run(p, progress=False)
+    assert rep["steps"][0]["nonfinite_outputs"] > 0
+    (r,) = mg.verify(p)
+    assert r["checked"] is False and r["pass"] is False
+    assert "nothing checked" in r["reason"]
     c = mg.matmul("C.mgt", np.eye(120, dtype=np.float32), **CPU)
     a = mg.matmul("A.mgt", np.eye(80, dtype=np.float32), **CPU)
     b = mg.matmul("B.mgt", np.eye(120, dtype=np.float32), **CPU)

@@ -570,7 +570,8 @@ def verify(plan_path_or_dict: Union[PathLike, Dict[str, Any]], *, rounds: int = 
            set: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
     """Freivalds' check of every output of a plan that has run (``mgmm-stream verify``):
     one report dict per step, with ``pass``, ``reason``, ``max_ratio`` and the failing tiles.
-    Raises nothing for a failing product — look at ``report["pass"]``.
+    Raises nothing for a failing product — look at ``report["pass"]``. An output whose every
+    row holds NaN or Inf (an overflow) cannot be checked: ``checked`` and ``pass`` are False.
 
     >>> [r["pass"] for r in mg.verify("plan.toml")]  # doctest: +SKIP
     [True]
