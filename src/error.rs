@@ -86,9 +86,9 @@ pub enum Error {
         sidecar: Option<PathBuf>,
     },
 
-    /// An input found corrupt before a finished output was overwritten (`run --restart`, a
+    /// An input found unreadable or corrupt before a finished output was overwritten (`run --restart`, a
     /// restarted file output of the Python API, `prepare --restart`): the output was kept.
-    #[error("{source}; the restart stopped before touching {}, which its journal says is complete for these inputs, and left it as it was", kept.display())]
+    #[error("{source}; the restart stopped before touching {}, which its journal says is complete, and left it as it was", kept.display())]
     KeptOutput {
         /// The checksum mismatch found.
         source: Box<Error>,

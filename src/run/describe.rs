@@ -262,6 +262,9 @@ fn describe_status(
     };
     let fp = crate::run::fingerprint_with(step, l, kind, p, &ids);
     if !journal::same_fingerprint(&j.fingerprint, &fp) {
+        if let Some((_, e)) = crate::run::damaged_input(step, &j.fingerprint) {
+            return line(format!("{e}"));
+        }
         return line(format!(
             "the journal of {out} is from a different plan, other inputs or another backend ({}): `run` here refuses it; `run --restart` starts the step over",
             journal::fingerprint_changes(&j.fingerprint, &fp)

@@ -273,8 +273,13 @@ fn round_of(p: Precision) -> Option<Precision> {
 }
 
 /// Compare the journal's record of the plan and inputs with now; `Some(reason)` on a mismatch
-/// or an unfinished step.
-fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
+/// or an unfinished step. An input whose identity changed because it is damaged (its checksum
+/// table or data no longer agree) is named as such, in `rep.corrupt_input` too.
+fn journal_check(
+    step: &Step,
+    precision: Precision,
+    rep: &mut VerifyReport,
+) -> Result<Option<String>> {
     let Some(j) = journal::peek(&step.output)? else {
         return Ok(crate::durable::split::split_state(&step.output).map(|state| {
             format!(
@@ -304,6 +309,10 @@ fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
         .collect();
     let jp = journal::journal_path(&step.output);
     if !changes.is_empty() {
+        if let Some((path, e)) = crate::run::damaged_input(step, &j.fingerprint) {
+            rep.corrupt_input = Some(path.display().to_string());
+            return Ok(Some(e.to_string()));
+        }
         return Ok(Some(format!(
             "the output was computed from other inputs or another plan than now (journal {}): {}; rerun this step with `run --restart`",
             jp.display(),
@@ -377,7 +386,7 @@ pub(crate) fn verify_step_with(
     }
     let tile = out.checksum_tile().unwrap_or((step.m, step.n));
     let mut rep = blank_report(step, r, tile);
-    match no_residuals(step, precision)? {
+    match no_residuals(step, precision, &mut rep)? {
         Some((false, why)) => {
             rep.pass = false;
             rep.reason = Some(why);
@@ -472,8 +481,12 @@ fn intermediate_part(step: &Step) -> Option<String> {
 /// Why the residual test is not run on the last part of a chain or an ordinary `step`, with
 /// the verdict that stands instead: a chain without its intermediates passes on the journal
 /// alone; a journal that disagrees with the plan and inputs fails.
-fn no_residuals(step: &Step, precision: Precision) -> Result<Option<(bool, String)>> {
-    if let Some(why) = journal_check(step, precision)? {
+fn no_residuals(
+    step: &Step,
+    precision: Precision,
+    rep: &mut VerifyReport,
+) -> Result<Option<(bool, String)>> {
+    if let Some(why) = journal_check(step, precision, rep)? {
         return Ok(Some((false, why)));
     }
     Ok(chain_gap(step).map(|why| (true, why)))
