@@ -96,6 +96,16 @@ pub enum Error {
         kept: PathBuf,
     },
 
+    /// An output that another process is writing right now (its journal is locked): not an
+    /// error in it, a moment to wait. The binary exits with [`Error::BUSY_STATUS`].
+    #[error("{path}: {msg}")]
+    Busy {
+        /// The output.
+        path: PathBuf,
+        /// Who writes it, and what to do.
+        msg: String,
+    },
+
     /// The run was cancelled because another stage failed (never the reported error).
     #[error("cancelled")]
     Cancelled,
@@ -142,6 +152,18 @@ impl From<String> for DeviceError {
 }
 
 impl Error {
+    /// The exit status of [`Error::Busy`]: 75, `EX_TEMPFAIL` of sysexits.h ("try again later").
+    pub const BUSY_STATUS: i32 = 75;
+
+    /// The binary's exit status for this error: [`Error::BUSY_STATUS`] for an output being
+    /// written by another process, 1 for every other error.
+    pub fn exit_status(&self) -> i32 {
+        match self {
+            Error::Busy { .. } => Self::BUSY_STATUS,
+            _ => 1,
+        }
+    }
+
     pub(crate) fn device(
         lane: usize,
         device: impl Into<String>,

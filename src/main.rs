@@ -1,7 +1,8 @@
 //! The `mgmm-stream` binary: parse the command line, run it, print errors as one clear message.
 //!
-//! Exit status: 0 on success, 1 on an error (one line on stderr, `error: …`), 130 when Ctrl-C
-//! stopped a job (the last line says how to resume). Output goes through `mgmm_stream::out`,
+//! Exit status: 0 on success, 1 on an error (one line on stderr, `error: …`), 75 when the
+//! output is being written by another process (`verify` during a run: try again later), 130
+//! when Ctrl-C stopped a job (the last line says how to resume). Output goes through `mgmm_stream::out`,
 //! so a closed stdout or stderr pipe never turns a finished job into a panic.
 
 use clap::Parser;
@@ -27,7 +28,7 @@ fn main() {
         std::process::exit(if mgmm_stream::interrupt::requested() {
             130
         } else {
-            1
+            e.exit_status()
         });
     }
 }

@@ -18,7 +18,8 @@ use crate::{diagln, outln};
 /// Freivalds' test, streaming, O(n²): C·x against α·op(A)·(op(B)·x) (+ β·C0·x) for random
 /// ±1 vectors x, in higher precision than the product, against the rounding a correct
 /// product would have. Prints PASS/FAIL per step on stdout, exits non-zero and names the
-/// failing output tiles.
+/// failing output tiles. Exit status: 0 every step passed, 1 a step failed (or another error),
+/// 75 an output is being written by a run right now (try again once it has ended).
 #[derive(Args, Debug)]
 #[command(after_help = "Example:\n  mgmm-stream verify examples/quickstart.toml --rounds 3")]
 pub(crate) struct VerifyArgs {

@@ -64,19 +64,70 @@ pub fn journal_path(output: &Path) -> PathBuf {
 const LOCK_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 fn lock(file: &File, path: &Path) -> Result<()> {
-    let t = std::time::Instant::now();
-    let mut got = crate::store::fsutil::try_lock_exclusive(file);
-    while matches!(got, Ok(false)) && t.elapsed() < LOCK_GRACE {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        got = crate::store::fsutil::try_lock_exclusive(file);
-    }
-    match got {
+    match wait_for(file, crate::store::fsutil::try_lock_exclusive) {
         Ok(true) => Ok(()),
         Ok(false) => Err(Error::Usage(format!(
-            "{}: another mgmm-stream run is writing this output (its journal is locked); wait for it to finish or stop it first",
-            path.display()
+            "{}: another mgmm-stream {} this output (its journal is locked); wait for it to finish or stop it first",
+            path.display(),
+            match crate::store::fsutil::flock_holder(file) {
+                Some((pid, false)) => format!("process (pid {pid}, a `verify`) is reading"),
+                Some((pid, true)) => format!("run (pid {pid}) is writing"),
+                None => "run is writing".into(),
+            }
         ))),
         Err(e) => Err(Error::io(path, "cannot lock journal", e)),
+    }
+}
+
+/// `try` (a non-blocking `flock`) until it succeeds or [`LOCK_GRACE`] has passed.
+fn wait_for(file: &File, r#try: fn(&File) -> std::io::Result<bool>) -> std::io::Result<bool> {
+    let t = std::time::Instant::now();
+    let mut got = r#try(file);
+    while matches!(got, Ok(false)) && t.elapsed() < LOCK_GRACE {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        got = r#try(file);
+    }
+    got
+}
+
+/// A reader's hold on the journal of an output (`verify`): a shared lock, so that no run starts
+/// writing the output while it is read. `None` inside when there is no journal (nothing locks
+/// such an output).
+pub(crate) struct ReadLock(#[allow(dead_code)] Option<File>);
+
+/// Take a shared lock on the journal of `output` for reading the output, waiting at most
+/// [`LOCK_GRACE`]. While a run holds it (it is writing the output: a `run`, a `run --restart`,
+/// the run of a `verify --repair`) the output is neither right nor wrong yet, so that is
+/// [`Error::Busy`], naming the run's pid where the system says it.
+pub(crate) fn read_lock(output: &Path) -> Result<ReadLock> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = journal_path(output);
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ReadLock(None)),
+        // A link or a file that cannot be read: what reads the journal next says why.
+        Err(_) => return Ok(ReadLock(None)),
+    };
+    match wait_for(&file, crate::store::fsutil::try_lock_shared) {
+        Ok(true) => Ok(ReadLock(Some(file))),
+        Ok(false) => {
+            let by = match crate::store::fsutil::flock_holder(&file) {
+                Some((pid, _)) => format!("a run (pid {pid})"),
+                None => "a run".into(),
+            };
+            Err(Error::Busy {
+                path: output.to_path_buf(),
+                msg: format!(
+                    "is being written by {by} right now (its journal {} is locked), so it is neither finished nor checkable; verify it once that run has ended",
+                    path.display()
+                ),
+            })
+        }
+        Err(e) => Err(Error::io(&path, "cannot lock journal", e)),
     }
 }
 

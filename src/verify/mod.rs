@@ -362,6 +362,9 @@ pub(crate) fn verify_step_with(
         rep.seconds = t0.elapsed().as_secs_f64();
         return Ok(rep);
     }
+    // A run writing the output holds its journal: the file is then neither finished nor
+    // wrong. Held (shared) while the output is read, so no run starts writing it meanwhile.
+    let _reading = journal::read_lock(&step.output)?;
     let (m, n) = (step.m as usize, step.n as usize);
     if !step.output.exists() {
         return Err(Error::format(
