@@ -251,6 +251,9 @@ fn describe_status(
                 shards.display()
             ));
         }
+        Ok(None) if journal::torn(&step.output) => {
+            return line(format!("the journal of {out} was torn while it was first written (a crash) and records no tile: `run` writes it again and computes the step"));
+        }
         Ok(None) if step.output.exists() => {
             return line(format!("{out} exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it"));
         }

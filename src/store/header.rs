@@ -231,13 +231,19 @@ impl Header {
             )));
         }
         // Fields that are each plausible but not the ones written (a tile edge or a dtype
-        // changed) would read every tile wrongly: the header's own CRC-32C catches them. Zero
-        // means a file written before it existed.
+        // changed) would read every tile wrongly: the header's own CRC-32C catches them. Every
+        // file of this format version carries one, so 0 is refused too: accepting it as "no
+        // checksum" would let a zeroed checksum vouch for any fields.
         let stored = bytes
             .get(RAW_LEN..RAW_LEN + 4)
             .map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()));
         let computed = crc32c::crc32c(&bytes[..RAW_LEN]);
-        if stored != 0 && stored != computed {
+        if stored == 0 && computed != 0 {
+            return Err(bad(format!(
+                "header checksum is 0 (bytes 72–75; computed {computed:#010x}): every .mgt file carries one, so its header cannot be trusted — the checksum was zeroed, or the file was written by a build from before header checksums (before 2026-12-04); regenerate or re-import it"
+            )));
+        }
+        if stored != computed {
             return Err(bad(format!(
                 "header checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): its fields changed after the file was written; the file is corrupt — regenerate or re-import it"
             )));

@@ -281,6 +281,12 @@ fn journal_check(
     rep: &mut VerifyReport,
 ) -> Result<Option<String>> {
     let Some(j) = journal::peek(&step.output)? else {
+        if journal::torn(&step.output) {
+            return Ok(Some(format!(
+                "the step is unfinished: its journal {}'s first line was torn while it was first written (a crash), so it records no tile; `run` writes it again and computes the step",
+                journal::journal_path(&step.output).display()
+            )));
+        }
         return Ok(crate::durable::split::split_state(&step.output).map(|state| {
             format!(
                 "the step is unfinished: a split run's shards are writing it (state in {}); `finalize` completes it",
