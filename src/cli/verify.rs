@@ -100,12 +100,20 @@ pub(super) fn verify_plan(
         if !quiet || !rep.pass {
             outln!("{}", crate::verify::format(&rep));
         }
-        if repair && !rep.pass && !rep.failing_tiles.is_empty() {
-            let n = crate::verify::forget_failing(p, step, &rep)?;
-            diagln!(
-                "repair: recomputing {n} tile(s) of {} through `run`",
-                step.output.display()
-            );
+        let mend = rep.damaged_output.is_some();
+        if repair && !rep.pass && (!rep.failing_tiles.is_empty() || mend) {
+            if mend {
+                diagln!(
+                    "repair: mending {} through `run` (its recorded tiles are checked against the journal)",
+                    step.output.display()
+                );
+            } else {
+                let n = crate::verify::forget_failing(p, step, &rep)?;
+                diagln!(
+                    "repair: recomputing {n} tile(s) of {} through `run`",
+                    step.output.display()
+                );
+            }
             let progress = Progress::new(true, run::default_log_every());
             // This step and those before it first: a later step that reads this output was
             // computed from the tiles now redone, and is computed again below if their bytes
@@ -133,6 +141,7 @@ pub(super) fn verify_plan(
             // (an earlier step's output that does not match its checksums is repaired there).
             let of_plan = |i: &String| p.steps.iter().any(|s| s.output.display().to_string() == *i);
             let kind = match (&rep.corrupt_input, &rep.reason) {
+                _ if rep.damaged_output.is_some() => 2,
                 (Some(i), _) if of_plan(i) => 2,
                 (Some(_), _) => 0,
                 (None, Some(_)) => 1,
@@ -153,7 +162,7 @@ pub(super) fn verify_plan(
     } else if failed.iter().all(|(_, kind)| *kind == 1) {
         "see the reason above: `run` resumes an unfinished step; `run --restart` recomputes one whose plan or inputs changed"
     } else {
-        "the output does not match the inputs or its stored checksums; `verify --repair` recomputes the failing tiles, `run --restart` the whole step"
+        "the output does not match the inputs or its stored checksums, or its header or checksums are damaged; `verify --repair` recomputes the failing tiles (or mends the header or checksums), `run --restart` the whole step"
     };
     Err(Error::Usage(format!(
         "verification failed for {}: {advice}",

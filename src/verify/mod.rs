@@ -78,6 +78,10 @@ pub struct VerifyReport {
     /// larger than a quarter of the memory available, so checking it ahead of the band reads
     /// would read it from disk twice.
     pub inputs_unchecked: Vec<String>,
+    /// The output's own header or stored checksums (a `.npy`'s sidecar) are damaged or
+    /// missing though its journal says the step is complete (`reason` says which): `--repair`
+    /// mends them through `run`, which recomputes only tiles that no longer match the journal.
+    pub damaged_output: Option<String>,
     /// Storage tile shape used to name failing tiles.
     pub tile_shape: (u64, u64),
     /// NaN/Inf in the output where the inputs give no IEEE reason for one.
@@ -381,7 +385,31 @@ pub(crate) fn verify_step_with(
             ),
         ));
     }
-    let out = open_source(&step.output)?;
+    let complete = journal::peek(&step.output)
+        .ok()
+        .flatten()
+        .is_some_and(|j| j.complete);
+    let out = match open_source(&step.output) {
+        Ok(out) => out,
+        Err(e @ Error::Format { .. }) if complete => {
+            let why = format!("its header is damaged ({e})");
+            return Ok(damaged_output(step, r, why, t0));
+        }
+        Err(e) => return Err(e),
+    };
+    if complete
+        && crate::store::OutputFormat::of(&step.output) == crate::store::OutputFormat::Npy
+        && out.checksum_tile().is_none()
+    {
+        let why = match out.checksum_note() {
+            Some(note) => format!("its checksum {note}"),
+            None => format!(
+                "its checksum sidecar {} is missing",
+                crate::store::sidecar::sidecar_path(&step.output).display()
+            ),
+        };
+        return Ok(damaged_output(step, r, why, t0));
+    }
     if out.shape() != (step.m, step.n) || out.transposed() {
         return Err(Error::format(
             &step.output,
@@ -418,6 +446,19 @@ pub(crate) fn verify_step_with(
     }
     rep.seconds = t0.elapsed().as_secs_f64();
     Ok(rep)
+}
+
+/// The failing report of `step` whose output, complete by its journal, has a damaged header or
+/// lost its stored checksums (`why`): nothing else is checked; `--repair` mends it.
+fn damaged_output(step: &Step, rounds: usize, why: String, t0: Instant) -> VerifyReport {
+    let mut rep = blank_report(step, rounds, (step.m, step.n));
+    rep.pass = false;
+    rep.reason = Some(format!(
+        "{why}, though its journal says the step is complete: `verify --repair` (or `run`) checks every tile against the journal's record and writes the header or checksums again, recomputing only tiles that no longer match"
+    ));
+    rep.damaged_output = Some(why);
+    rep.seconds = t0.elapsed().as_secs_f64();
+    rep
 }
 
 /// The storage tiles of `out` whose data no longer matches the checksum stored with it (none
@@ -465,6 +506,7 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         corrupt_tiles: 0,
         corrupt_input: None,
         inputs_unchecked: Vec::new(),
+        damaged_output: None,
         tile_shape: tile,
         unexpected_nonfinite: 0,
         skipped_cells: 0,
