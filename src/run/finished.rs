@@ -91,10 +91,17 @@ pub(crate) fn journal_state(step: &Step, fp: &Fingerprint) -> Result<Option<(boo
 /// such steps — whatever inputs the journal recorded — every input is opened and every input
 /// tile's stored checksum is checked before anything is overwritten: one read of those inputs,
 /// which the step's own reads then find in the page cache when they fit, and only when a
-/// finished output is at stake. Inputs that a step of this plan writes are recomputed anyway and
-/// are not checked. Also used by `prepare --restart`.
+/// finished output is at stake. Inputs that a step of this plan writes, or that it generates and
+/// are missing, are recomputed anyway and are not checked. Also used by `prepare --restart`.
 pub(crate) fn check_before_restart(plan: &Plan, progress: &Progress) -> Result<()> {
-    let outputs: HashSet<&Path> = plan.steps.iter().map(|s| s.output.as_path()).collect();
+    let mut outputs: HashSet<&Path> = plan.steps.iter().map(|s| s.output.as_path()).collect();
+    // Inputs the plan generates and that are not there yet (`prepare` generates them after this
+    // check): nothing to read; the step's output is recomputed from them.
+    outputs.extend(
+        (plan.matrices.iter())
+            .filter(|d| d.generate.is_some() && !d.path.exists())
+            .map(|d| d.path.as_path()),
+    );
     let mut checked = HashSet::new();
     for step in &plan.steps {
         let operands = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
