@@ -15,7 +15,6 @@ use crate::backend;
 use crate::error::Result;
 pub use crate::pipeline::StepSources;
 use crate::plan::engine::{EngineSet, EngineSource};
-use crate::plan::layout::Layout;
 use crate::plan::raw::RawEngine;
 use crate::plan::{Engine, Step};
 use crate::progress::Progress;
@@ -84,9 +83,8 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
             let ids = crate::run::source_ids(job.step, &job.sources);
             let kind = backend.caps().kind;
             let fp = crate::run::fingerprint_with(job.step, &layout, kind, e.precision, &ids);
-            if job.restart && e.verify_inputs {
-                let what = (job.origin, e, job.step);
-                guard_finished(what, &job.sources, backend.caps(), &ids, job.progress)?;
+            if job.restart {
+                guard_finished(job.step, e, &job.sources, job.progress)?;
             }
             Box::new(FileTarget::new(job.step, &layout, e, fp, file, job.restart))
         }
@@ -112,18 +110,8 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
 }
 
 /// As `run --restart`: a finished output is not thrown away for inputs found corrupt only
-/// afterwards ([`crate::run::check_before_restart`]). "Finished" is judged against the layout
-/// the journal records (a restart's fresh layout may differ: `tile = "auto"` follows the GPU
-/// count).
-fn guard_finished(
-    (origin, e, step): (&Path, &Engine, &Step),
-    s: &StepSources,
-    caps: &crate::backend::Caps,
-    ids: &[(String, String)],
-    progress: &Progress,
-) -> Result<()> {
-    let kept: Layout = crate::run::layout_for(origin, step, e, caps, false)?;
-    let fp = crate::run::fingerprint_with(step, &kept, caps.kind, e.precision, ids);
+/// afterwards ([`crate::run::check_before_restart`]).
+fn guard_finished(step: &Step, e: &Engine, s: &StepSources, progress: &Progress) -> Result<()> {
     let srcs = || {
         Ok([Some(&s.a), Some(&s.b), s.c0.as_ref()]
             .into_iter()
@@ -131,5 +119,5 @@ fn guard_finished(
             .cloned()
             .collect())
     };
-    crate::run::guard_finished(step, &fp, srcs, progress)
+    crate::run::guard_finished(step, srcs, e.verify_inputs, progress)
 }

@@ -86,9 +86,9 @@ pub enum Error {
         sidecar: Option<PathBuf>,
     },
 
-    /// An input found corrupt before a finished output was overwritten (`run --restart`, a
+    /// An input found unreadable or corrupt before a finished output was overwritten (`run --restart`, a
     /// restarted file output of the Python API, `prepare --restart`): the output was kept.
-    #[error("{source}; the restart stopped before touching {}, which its journal says is complete for these inputs, and left it as it was", kept.display())]
+    #[error("{source}; the restart stopped before touching {}, which its journal says is complete, and left it as it was", kept.display())]
     KeptOutput {
         /// The checksum mismatch found.
         source: Box<Error>,
@@ -102,20 +102,19 @@ pub enum Error {
     #[error("{0}")]
     Unverified(String),
 
+    /// An output that another process is writing right now (its journal is locked): not an
+    /// error in it, a moment to wait. The binary exits with [`Error::BUSY_STATUS`].
+    #[error("{path}: {msg}")]
+    Busy {
+        /// The output.
+        path: PathBuf,
+        /// Who writes it, and what to do.
+        msg: String,
+    },
+
     /// The run was cancelled because another stage failed (never the reported error).
     #[error("cancelled")]
     Cancelled,
-}
-
-impl Error {
-    /// The binary's exit status for this error: 3 when `verify` could check nothing
-    /// ([`Error::Unverified`]), 1 for every other error (README, "Exit status").
-    pub fn exit_status(&self) -> i32 {
-        match self {
-            Error::Unverified(_) => 3,
-            _ => 1,
-        }
-    }
 }
 
 /// What to do about a checksum mismatch: a `.mgt` file is corrupt; a `.npy` file may also
@@ -159,6 +158,20 @@ impl From<String> for DeviceError {
 }
 
 impl Error {
+    /// The exit status of [`Error::Busy`]: 75, `EX_TEMPFAIL` of sysexits.h ("try again later").
+    pub const BUSY_STATUS: i32 = 75;
+
+    /// The binary's exit status for this error (README, "Exit status"): 3 when `verify` could
+    /// check nothing ([`Error::Unverified`]), [`Error::BUSY_STATUS`] for an output being
+    /// written by another process, 1 for every other error.
+    pub fn exit_status(&self) -> i32 {
+        match self {
+            Error::Unverified(_) => 3,
+            Error::Busy { .. } => Self::BUSY_STATUS,
+            _ => 1,
+        }
+    }
+
     pub(crate) fn device(
         lane: usize,
         device: impl Into<String>,

@@ -1,8 +1,9 @@
 //! The `mgmm-stream` binary: parse the command line, run it, print errors as one clear message.
 //!
 //! Exit status: 0 on success, 1 on an error (one line on stderr, `error: …`), 3 when `verify`
-//! could check nothing of an output ([`mgmm_stream::error::Error::exit_status`]), 130 when
-//! Ctrl-C stopped a job (the last line says how to resume). Output goes through `mgmm_stream::out`,
+//! could check nothing of an output, 75 when the output is being written by another process
+//! (`verify` during a run: try again later; [`mgmm_stream::error::Error::exit_status`]), 130
+//! when Ctrl-C stopped a job (the last line says how to resume). Output goes through `mgmm_stream::out`,
 //! so a closed stdout or stderr pipe never turns a finished job into a panic.
 
 use clap::Parser;

@@ -22,7 +22,10 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let class = match &e {
         Error::Plan { .. } | Error::Format { .. } | Error::Usage(_) => "BadInputError",
         Error::Backend { .. } | Error::Device { .. } => "DeviceError",
-        Error::Io { .. } | Error::Checksum { .. } | Error::KeptOutput { .. } => "StorageError",
+        Error::Io { .. }
+        | Error::Checksum { .. }
+        | Error::KeptOutput { .. }
+        | Error::Busy { .. } => "StorageError",
         Error::Cancelled => "CancelledError",
         Error::Unverified(_) => "MgmmError",
     };

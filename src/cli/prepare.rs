@@ -40,10 +40,7 @@ impl PrepareArgs {
         let backend = crate::backend::select(&p.engine)?;
         if self.restart {
             // Finished outputs are kept when an input is found corrupt (as `run --restart`).
-            let layouts: Vec<_> = (p.steps.iter())
-                .map(|s| Layout::new(&p.path, s, &p.engine, backend.caps()))
-                .collect::<Result<_>>()?;
-            run::check_before_restart(&p, &layouts, backend.caps().kind, &progress)?;
+            run::check_before_restart(&p, &progress)?;
             for step in &p.steps {
                 prepare::reset(&step.output)?;
             }

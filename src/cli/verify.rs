@@ -18,10 +18,12 @@ use crate::{diagln, outln};
 /// Freivalds' test, streaming, O(n²): C·x against α·op(A)·(op(B)·x) (+ β·C0·x) for random
 /// ±1 vectors x, in higher precision than the product, against the rounding a correct
 /// product would have. Prints PASS/FAIL per step on stdout, exits non-zero and names the
-/// failing output tiles.
+/// failing output tiles. Exit status: 0 every step passed, 1 a step failed (or another error),
+/// 3 nothing failed but nothing of an output could be checked, 75 an output is being written by
+/// a run right now (try again once it has ended).
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Exit status: 0 every output passed; 1 an output failed (or an error); 3 nothing failed, but the check could judge nothing of an output (NOT CHECKED: NaN/Inf or a possible overflow everywhere, as from an output that overflowed its precision).\n\nExample:\n  mgmm-stream verify examples/quickstart.toml --rounds 3"
+    after_help = "Exit status: 0 every output passed; 1 an output failed (or an error); 3 nothing failed, but the check could judge nothing of an output (NOT CHECKED: NaN/Inf or a possible overflow everywhere, as from an output that overflowed its precision); 75 an output is being written by a run right now (try again once it has ended).\n\nExample:\n  mgmm-stream verify examples/quickstart.toml --rounds 3"
 )]
 pub(crate) struct VerifyArgs {
     plan: PathBuf,
@@ -102,12 +104,20 @@ pub(super) fn verify_plan(
         if !quiet || !rep.pass || rep.nothing_checked() {
             outln!("{}", crate::verify::format(&rep));
         }
-        if repair && !rep.pass && !rep.failing_tiles.is_empty() {
-            let n = crate::verify::forget_failing(p, step, &rep)?;
-            diagln!(
-                "repair: recomputing {n} tile(s) of {} through `run`",
-                step.output.display()
-            );
+        let mend = rep.damaged_output.is_some();
+        if repair && !rep.pass && (!rep.failing_tiles.is_empty() || mend) {
+            if mend {
+                diagln!(
+                    "repair: mending {} through `run` (its recorded tiles are checked against the journal)",
+                    step.output.display()
+                );
+            } else {
+                let n = crate::verify::forget_failing(p, step, &rep)?;
+                diagln!(
+                    "repair: recomputing {n} tile(s) of {} through `run`",
+                    step.output.display()
+                );
+            }
             let progress = Progress::new(true, run::default_log_every());
             // This step and those before it first: a later step that reads this output was
             // computed from the tiles now redone, and is computed again below if their bytes
@@ -135,6 +145,7 @@ pub(super) fn verify_plan(
             // (an earlier step's output that does not match its checksums is repaired there).
             let of_plan = |i: &String| p.steps.iter().any(|s| s.output.display().to_string() == *i);
             let kind = match (&rep.corrupt_input, &rep.reason) {
+                _ if rep.damaged_output.is_some() => 2,
                 (Some(i), _) if of_plan(i) => 2,
                 (Some(_), _) => 0,
                 (None, Some(_)) => 1,
@@ -164,7 +175,7 @@ pub(super) fn verify_plan(
     } else if failed.iter().all(|(_, kind)| *kind == 1) {
         "see the reason above: `run` resumes an unfinished step; `run --restart` recomputes one whose plan or inputs changed"
     } else {
-        "the output does not match the inputs or its stored checksums; `verify --repair` recomputes the failing tiles, `run --restart` the whole step"
+        "the output does not match the inputs or its stored checksums, or its header or checksums are damaged; `verify --repair` recomputes the failing tiles (or mends the header or checksums), `run --restart` the whole step"
     };
     Err(Error::Usage(format!(
         "verification failed for {}: {advice}",

@@ -66,19 +66,70 @@ pub fn journal_path(output: &Path) -> PathBuf {
 const LOCK_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 fn lock(file: &File, path: &Path) -> Result<()> {
-    let t = std::time::Instant::now();
-    let mut got = crate::store::fsutil::try_lock_exclusive(file);
-    while matches!(got, Ok(false)) && t.elapsed() < LOCK_GRACE {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        got = crate::store::fsutil::try_lock_exclusive(file);
-    }
-    match got {
+    match wait_for(file, crate::store::fsutil::try_lock_exclusive) {
         Ok(true) => Ok(()),
         Ok(false) => Err(Error::Usage(format!(
-            "{}: another mgmm-stream run is writing this output (its journal is locked); wait for it to finish or stop it first",
-            path.display()
+            "{}: another mgmm-stream {} this output (its journal is locked); wait for it to finish or stop it first",
+            path.display(),
+            match crate::store::fsutil::flock_holder(file) {
+                Some((pid, false)) => format!("process (pid {pid}, a `verify`) is reading"),
+                Some((pid, true)) => format!("run (pid {pid}) is writing"),
+                None => "run is writing".into(),
+            }
         ))),
         Err(e) => Err(Error::io(path, "cannot lock journal", e)),
+    }
+}
+
+/// `try` (a non-blocking `flock`) until it succeeds or [`LOCK_GRACE`] has passed.
+fn wait_for(file: &File, r#try: fn(&File) -> std::io::Result<bool>) -> std::io::Result<bool> {
+    let t = std::time::Instant::now();
+    let mut got = r#try(file);
+    while matches!(got, Ok(false)) && t.elapsed() < LOCK_GRACE {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        got = r#try(file);
+    }
+    got
+}
+
+/// A reader's hold on the journal of an output (`verify`): a shared lock, so that no run starts
+/// writing the output while it is read. `None` inside when there is no journal (nothing locks
+/// such an output).
+pub(crate) struct ReadLock(#[allow(dead_code)] Option<File>);
+
+/// Take a shared lock on the journal of `output` for reading the output, waiting at most
+/// [`LOCK_GRACE`]. While a run holds it (it is writing the output: a `run`, a `run --restart`,
+/// the run of a `verify --repair`) the output is neither right nor wrong yet, so that is
+/// [`Error::Busy`], naming the run's pid where the system says it.
+pub(crate) fn read_lock(output: &Path) -> Result<ReadLock> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = journal_path(output);
+    let file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(ReadLock(None)),
+        // A link or a file that cannot be read: what reads the journal next says why.
+        Err(_) => return Ok(ReadLock(None)),
+    };
+    match wait_for(&file, crate::store::fsutil::try_lock_shared) {
+        Ok(true) => Ok(ReadLock(Some(file))),
+        Ok(false) => {
+            let by = match crate::store::fsutil::flock_holder(&file) {
+                Some((pid, _)) => format!("a run (pid {pid})"),
+                None => "a run".into(),
+            };
+            Err(Error::Busy {
+                path: output.to_path_buf(),
+                msg: format!(
+                    "is being written by {by} right now (its journal {} is locked), so it is neither finished nor checkable; verify it once that run has ended",
+                    path.display()
+                ),
+            })
+        }
+        Err(e) => Err(Error::io(&path, "cannot lock journal", e)),
     }
 }
 
@@ -122,23 +173,28 @@ fn own_journal_file(path: &Path) -> Result<()> {
 }
 
 /// Make a journal being resumed end at its last good record, so new records follow it: a torn
-/// tail is cut off, and a header line torn before its newline (`torn_header`: no record can
-/// follow it) is written again whole.
-fn settle(
-    file: &File,
-    path: &Path,
-    fp: &Fingerprint,
-    torn_header: bool,
-    good_end: usize,
-) -> Result<()> {
-    use std::os::unix::fs::FileExt;
-    let done = if torn_header {
-        file.set_len(0)
-            .and_then(|_| file.write_all_at(header_line(fp).as_bytes(), 0))
-    } else {
-        file.set_len(good_end as u64)
-    };
-    done.map_err(|e| Error::io(path, "cannot trim journal", e))
+/// tail is cut off.
+fn settle(file: &File, path: &Path, good_end: usize) -> Result<()> {
+    file.set_len(good_end as u64)
+        .map_err(|e| Error::io(path, "cannot trim journal", e))
+}
+
+/// Whether the journal `bytes` is a first line torn before its newline: no newline at all, and
+/// the beginning of a header line (or the zeros a crash can leave where it was being written).
+/// Records follow the header only once it is written whole and synced, so such a journal
+/// records nothing, and is written again whole (docs/RESILIENCE.md).
+fn torn_header(bytes: &[u8]) -> bool {
+    let magic = format!("{MAGIC} ");
+    let magic = magic.as_bytes();
+    !bytes.is_empty()
+        && !bytes.contains(&b'\n')
+        && (bytes.starts_with(magic) || magic.starts_with(bytes) || bytes.iter().all(|&b| b == 0))
+}
+
+/// Whether the journal of `output` is a first line torn before its newline ([`torn_header`]):
+/// `run` writes it again and computes the step; readers ([`peek`]) see no journal.
+pub(crate) fn torn(output: &Path) -> bool {
+    std::fs::read(journal_path(output)).is_ok_and(|b| torn_header(&b))
 }
 
 impl Journal {
@@ -190,8 +246,8 @@ impl Journal {
             // cannot be resumed.
             fsutil::sync_parent(&path)?;
         } else if let State::Partial(..) = &state {
-            let (header_end, peek) = parse(&path, &bytes)?;
-            settle(&file, &path, fp, header_end > bytes.len(), peek.good_end)?;
+            let (_, peek) = parse(&path, &bytes)?;
+            settle(&file, &path, peek.good_end)?;
         }
         use std::io::Seek;
         file.seek(std::io::SeekFrom::End(0))
@@ -266,6 +322,11 @@ fn read_state(
                 output.display()
             )));
         }
+        return Ok(State::Fresh);
+    }
+    if torn_header(bytes) {
+        // Torn while first written: it records nothing (whatever the output holds is from
+        // before, or half created), so the step starts afresh and the line is written whole.
         return Ok(State::Fresh);
     }
     let (_, peek) = parse(path, bytes)?;
@@ -420,21 +481,23 @@ impl Journal {
         let mut bytes = Vec::new();
         file.read_to_end(&mut bytes)
             .map_err(|e| Error::io(path, "cannot read shard journal", e))?;
-        let done = if bytes.is_empty() {
-            file.write_all_at(header_line(fp).as_bytes(), 0)
+        let done = if bytes.is_empty() || torn_header(&bytes) {
+            file.set_len(0)
+                .and_then(|_| file.write_all_at(header_line(fp).as_bytes(), 0))
+                .and_then(|_| file.sync_all())
                 .map_err(|e| Error::io(path, "cannot write shard journal", e))?;
             fsutil::sync_file(&file, path)?;
             fsutil::sync_parent(path)?;
             Vec::new()
         } else {
-            let (head, peek) = parse(path, &bytes)?;
+            let (_, peek) = parse(path, &bytes)?;
             if !same_fingerprint(&peek.fingerprint, fp) {
                 return Err(Error::Usage(format!(
                     "{}: this shard journal is from a different plan, inputs or backend; run `mgmm-stream prepare PLAN --restart` to start the step over",
                     path.display()
                 )));
             }
-            settle(&file, path, fp, head > bytes.len(), peek.good_end)?;
+            settle(&file, path, peek.good_end)?;
             peek.done
         };
         use std::io::Seek;
@@ -468,10 +531,11 @@ pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)
 }
 
 /// Read the journal at `path` (any journal file, e.g. a shard's) without locking it; `None`
-/// when there is none or it is empty.
+/// when there is none, it is empty, or its first line was torn ([`torn_header`]: it records
+/// nothing).
 pub fn peek_file(path: &Path) -> Result<Option<Peek>> {
     match std::fs::read(path) {
-        Ok(b) if b.is_empty() => Ok(None),
+        Ok(b) if b.is_empty() || torn_header(&b) => Ok(None),
         Ok(b) => Ok(Some(parse(path, &b)?.1)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(Error::io(path, "cannot read journal", e)),

@@ -249,6 +249,9 @@ fn describe_status(
                 shards.display()
             ));
         }
+        Ok(None) if journal::torn(&step.output) => {
+            return line(format!("the journal of {out} was torn while it was first written (a crash) and records no tile: `run` writes it again and computes the step"));
+        }
         Ok(None) if step.output.exists() => {
             return line(format!("{out} exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it"));
         }
@@ -260,6 +263,9 @@ fn describe_status(
     };
     let fp = crate::run::fingerprint_with(step, l, kind, p, &ids);
     if !journal::same_fingerprint(&j.fingerprint, &fp) {
+        if let Some((_, e)) = crate::run::damaged_input(step, &j.fingerprint) {
+            return line(format!("{e}"));
+        }
         return line(format!(
             "the journal of {out} is from a different plan, other inputs or another backend ({}): `run` here refuses it; `run --restart` starts the step over",
             journal::fingerprint_changes(&j.fingerprint, &fp)
@@ -280,6 +286,8 @@ fn describe_status(
         format!("the journal is there but {out} is not: `run` starts the step afresh")
     } else if j.complete && have < want {
         format!("complete by its journal, but {out} is {have} bytes, shorter than the {want} its header needs (truncated?): `run` skips it; `verify` checks it, `run --restart` computes it again")
+    } else if let (true, Some(why)) = (j.complete, damaged_output(&step.output)) {
+        format!("complete by its journal, but {why}: `run` checks every recorded tile against the journal and writes that again (as `verify --repair` does)")
     } else if j.complete {
         "complete: `run` skips this step (`run --restart` computes it again)".into()
     } else if done.is_empty() && !ckpts.is_empty() {
@@ -484,4 +492,19 @@ fn describe_bounds(
         tc.max(tp).max(td)
     );
     s
+}
+
+/// What `run` would mend in a finished `output` before skipping it (read only, unlike
+/// [`crate::store::mend_finished`]): a header that does not open, a `.npy` without its sidecar.
+fn damaged_output(output: &std::path::Path) -> Option<String> {
+    match crate::store::open_source(output) {
+        Err(e) => Some(format!("its header is damaged ({e})")),
+        Ok(s)
+            if crate::store::OutputFormat::of(output) == crate::store::OutputFormat::Npy
+                && s.checksum_tile().is_none() =>
+        {
+            Some("its checksum sidecar is missing or damaged".into())
+        }
+        Ok(_) => None,
+    }
 }

@@ -4,7 +4,7 @@
 //! overwrites it), and the removal of a chain's intermediates once the chain is complete.
 
 use std::collections::HashSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::fingerprint::{fingerprint, fingerprint_with, input_ids};
@@ -51,6 +51,9 @@ pub(crate) fn refuse_foreign_journals(plan: &Plan, layouts: &[Layout], kind: &st
         };
         let fp = fingerprint_with(step, layout, kind, plan.engine.precision, &ids);
         if !journal::same_fingerprint(&j.fingerprint, &fp) {
+            if let Some((_, e)) = damaged_input(step, &j.fingerprint) {
+                return Err(e);
+            }
             let path = journal::journal_path(&step.output);
             return Err(journal::foreign(&path, &j.fingerprint, &fp));
         }
@@ -81,29 +84,26 @@ pub(crate) fn journal_state(step: &Step, fp: &Fingerprint) -> Result<Option<(boo
         .map(|p| (p.complete, journal::same_fingerprint(&p.fingerprint, fp))))
 }
 
-/// `run --restart` over a step its journal calls complete for these very inputs would throw a
-/// good output away first and only then, reading the inputs, find one of them corrupt (its data
-/// changed in place: the journal's identity of an input does not read the data). So, for such
-/// steps, every input tile's stored checksum is checked before anything is overwritten — one
-/// read of those inputs, which the step's own reads then find in the page cache when they fit,
-/// and only when a finished output is at stake. Inputs that a step of this plan writes are
-/// recomputed anyway and are not checked. Also used by `prepare --restart`.
-pub(crate) fn check_before_restart(
-    plan: &Plan,
-    layouts: &[Layout],
-    kind: &str,
-    progress: &Progress,
-) -> Result<()> {
-    if !plan.engine.verify_inputs {
-        return Ok(());
-    }
-    let outputs: HashSet<&Path> = plan.steps.iter().map(|s| s.output.as_path()).collect();
+/// `run --restart` over a step its journal calls complete would throw a good output away first
+/// and only then, reading the inputs, find one of them unreadable or corrupt (its data changed
+/// in place, which the journal's identity of an input does not read; or its checksum table or
+/// header damaged, which makes the identity differ as if the input had been replaced). So, for
+/// such steps — whatever inputs the journal recorded — every input is opened and every input
+/// tile's stored checksum is checked before anything is overwritten: one read of those inputs,
+/// which the step's own reads then find in the page cache when they fit, and only when a
+/// finished output is at stake. Inputs that a step of this plan writes, or that it generates and
+/// are missing, are recomputed anyway and are not checked. Also used by `prepare --restart`.
+pub(crate) fn check_before_restart(plan: &Plan, progress: &Progress) -> Result<()> {
+    let mut outputs: HashSet<&Path> = plan.steps.iter().map(|s| s.output.as_path()).collect();
+    // Inputs the plan generates and that are not there yet (`prepare` generates them after this
+    // check): nothing to read; the step's output is recomputed from them.
+    outputs.extend(
+        (plan.matrices.iter())
+            .filter(|d| d.generate.is_some() && !d.path.exists())
+            .map(|d| d.path.as_path()),
+    );
     let mut checked = HashSet::new();
-    for (step, layout) in plan.steps.iter().zip(layouts) {
-        // Inputs that cannot be identified promise no finished output.
-        let Ok(fp) = fingerprint(step, layout, kind, plan.engine.precision) else {
-            continue;
-        };
+    for step in &plan.steps {
         let operands = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
         let sources = || {
             let mut v = Vec::new();
@@ -115,37 +115,48 @@ pub(crate) fn check_before_restart(
             }
             Ok(v)
         };
-        guard_finished(step, &fp, sources, progress)?;
+        guard_finished(step, sources, plan.engine.verify_inputs, progress)?;
     }
     Ok(())
 }
 
 /// Before a restart overwrites `step`'s output: when its journal says the output is finished
-/// for `fp`, check every stored checksum of the inputs `sources` opens (a mismatch is
-/// [`Error::KeptOutput`], and the output is kept). `run --restart` (for each step, through
+/// (for whatever inputs), open the inputs `sources` opens and, with `verify` (`verify_inputs`),
+/// check every stored checksum of theirs. An input that cannot be opened or does not match is
+/// [`Error::KeptOutput`], and the output is kept. `run --restart` (for each step, through
 /// [`check_before_restart`]) and a library call with `restart` both ask here.
 pub(crate) fn guard_finished(
     step: &Step,
-    fp: &Fingerprint,
     sources: impl FnOnce() -> Result<Vec<Arc<dyn MatrixSource>>>,
+    verify: bool,
     progress: &Progress,
 ) -> Result<()> {
-    if !finished_for(step, fp) {
+    if !finished(step) {
         return Ok(());
     }
-    let sources = sources()?;
-    inputs_intact(sources.iter().map(|s| s.as_ref()), &step.output, progress)
+    let kept = |e: Error| Error::KeptOutput {
+        source: Box::new(e),
+        kept: step.output.clone(),
+    };
+    let sources = sources().map_err(kept)?;
+    if !verify {
+        return Ok(());
+    }
+    inputs_intact(sources.iter().map(|s| s.as_ref()), &step.output, progress).map_err(|e| match e {
+        e @ Error::Checksum { .. } => kept(e),
+        e => e,
+    })
 }
 
-/// Whether `step`'s journal says its output is complete for the fingerprint `fp` (the plan and
-/// the inputs as they are now). A journal that cannot be read promises no finished output.
-pub(crate) fn finished_for(step: &Step, fp: &Fingerprint) -> bool {
-    matches!(journal_state(step, fp), Ok(Some((true, true))))
+/// Whether `step`'s output exists and its journal says it is complete (for whatever plan and
+/// inputs). A journal that cannot be read promises no finished output.
+fn finished(step: &Step) -> bool {
+    step.output.exists() && matches!(journal::peek(&step.output), Ok(Some(p)) if p.complete)
 }
 
-/// Check every stored checksum of `sources` before the finished output `kept` is overwritten;
-/// a mismatch is [`Error::KeptOutput`].
-pub(crate) fn inputs_intact<'a>(
+/// Check every stored checksum of `sources` before the finished output `kept` is overwritten,
+/// saying so (it reads each input whole); the first mismatch is the error.
+fn inputs_intact<'a>(
     sources: impl IntoIterator<Item = &'a dyn MatrixSource>,
     kept: &Path,
     progress: &Progress,
@@ -158,24 +169,60 @@ pub(crate) fn inputs_intact<'a>(
             fmt_bytes(src.shape().0 * src.shape().1 * src.dtype().size() as u64),
             kept.display()
         ));
-        let (rows, cols) = src.shape();
-        let all = crate::store::Block {
-            r0: 0,
-            c0: 0,
-            rows,
-            cols,
-        };
-        match src.verify_block(&all) {
-            Err(e @ Error::Checksum { .. }) => {
-                return Err(Error::KeptOutput {
-                    source: Box::new(e),
-                    kept: kept.to_path_buf(),
-                })
-            }
-            r => r?,
-        }
+        check_whole(src)?;
     }
     Ok(())
+}
+
+/// Every storage tile of `src` against its stored checksum (nothing for a file without any).
+fn check_whole(src: &dyn MatrixSource) -> Result<()> {
+    let (rows, cols) = src.shape();
+    src.verify_block(&crate::store::Block {
+        r0: 0,
+        c0: 0,
+        rows,
+        cols,
+    })
+}
+
+/// A journal written under `old` no longer matches `step`'s inputs: is one of the inputs whose
+/// identity changed *damaged* rather than replaced? An input's identity includes its header and
+/// its checksum table, so one flipped bit there reads like another input; but a replaced input
+/// (regenerated, re-imported) still matches its own checksums, and a damaged one does not. So
+/// each input whose identity changed is opened and checked whole (a read of that input, only on
+/// this error path), and the first that fails is named as damaged, with what to do — instead of
+/// "different inputs, rerun with --restart", which would throw the finished output away and then
+/// stop on the same damage. The input's path and that error; `None`: every changed input is
+/// intact (really changed).
+pub(crate) fn damaged_input(step: &Step, old: &Fingerprint) -> Option<(PathBuf, Error)> {
+    let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+    let leaves = step.chain.iter().flat_map(|c| c.leaves.iter());
+    for op in ops.into_iter().flatten().chain(leaves) {
+        if op.temp {
+            continue;
+        }
+        let Ok(src) = op.open() else {
+            // Unreadable: the step's own open names it.
+            continue;
+        };
+        let was = old
+            .values()
+            .any(|v| journal::same_value(v, &src.identity()));
+        if was {
+            continue;
+        }
+        if let Err(e @ Error::Checksum { .. }) = check_whole(src.as_ref()) {
+            let p = op.path.display();
+            let e = Error::Usage(format!(
+                "input {} is damaged, not changed: {e}. Its stored checksums no longer match its own data, which is why the journal {} no longer recognises it (`info {p} --check` lists every bad tile). The finished output {} is kept: restore {p} (copy it back, regenerate or re-import it) and run again; --restart would stop on the same damage",
+                op.name,
+                journal::journal_path(&step.output).display(),
+                step.output.display()
+            ));
+            return Some((op.path.clone(), e));
+        }
+    }
+    None
 }
 
 /// After the last product of a chain: remove its intermediates and their journals.

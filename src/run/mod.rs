@@ -33,7 +33,7 @@ pub use crate::report::{RunReport, StepReport};
 pub use describe::describe;
 pub(crate) use fingerprint::{fingerprint, fingerprint_with, source_ids};
 pub use fingerprint::{input_identity, input_ids};
-pub(crate) use finished::{check_before_restart, guard_finished, journal_state};
+pub(crate) use finished::{check_before_restart, damaged_input, guard_finished, journal_state};
 pub use inputs::generate_missing;
 pub(crate) use inputs::to_generate;
 use intermediates::Held;
@@ -298,8 +298,9 @@ fn prepare(
     Ok(layouts)
 }
 
-/// Before an unsplit run computes anything: refuse journals of other plans or inputs, and with
-/// `--restart` check the inputs of every finished output before it is overwritten.
+/// Before an unsplit run computes anything: refuse journals of other plans or inputs (naming an
+/// input that is damaged rather than changed), and with `--restart` check the inputs of every
+/// finished output before it is overwritten.
 fn guard_outputs(
     plan: &Plan,
     layouts: &[Layout],
@@ -310,12 +311,7 @@ fn guard_outputs(
     if !opts.restart {
         return finished::refuse_foreign_journals(plan, layouts, caps.kind);
     }
-    // Against the tile the journals record (the fresh layouts may differ: `tile = "auto"`
-    // depends on the GPU count), so a finished output is still recognised as finished.
-    let recorded: Vec<Layout> = (plan.steps.iter())
-        .map(|s| layout_for(&plan.path, s, &plan.engine, caps, false))
-        .collect::<Result<_>>()?;
-    check_before_restart(plan, &recorded, caps.kind, progress)
+    check_before_restart(plan, progress)
 }
 
 /// Run the steps in order: each one's [`StepRun`] (or, split, this process's shards of it).

@@ -131,6 +131,12 @@ pub trait OutputFile: Send + Sync {
     fn reopen(&self, header: Header, write: WriteMode) -> Result<Box<dyn MatrixSink>>;
     /// Open the file for reading back the tiles the journal records (their CRCs are checked).
     fn read_back(&self) -> Result<Arc<dyn MatrixSource>>;
+    /// The file is complete by its journal: why it cannot be trusted as it lies (a damaged
+    /// header, written again here from `header`; missing stored checksums), or `None`. The
+    /// target then resumes it from the journal. Formats without such metadata: always `None`.
+    fn mend_finished(&self, _header: Header) -> Result<Option<String>> {
+        Ok(None)
+    }
 }
 
 /// The output file at a path, in the format its name says (`.npy`, else `.mgt`): what a plan's
@@ -146,6 +152,9 @@ impl OutputFile for FileOutput {
     }
     fn read_back(&self) -> Result<Arc<dyn MatrixSource>> {
         open_source(&self.0)
+    }
+    fn mend_finished(&self, header: Header) -> Result<Option<String>> {
+        crate::store::mend_finished(&self.0, &header)
     }
 }
 
@@ -296,10 +305,26 @@ impl Target for FileTarget<'_> {
             self.ckpt.discard_all()?;
         }
         let (work, bad, note) = match state {
-            State::Complete => {
-                self.ckpt.discard_all()?;
-                return Ok(Resume::Complete);
-            }
+            State::Complete => match self.file.mend_finished(header)? {
+                None => {
+                    self.ckpt.discard_all()?;
+                    return Ok(Resume::Complete);
+                }
+                // Complete by its journal, but the file's own header or stored checksums are
+                // damaged: resume from the journal — every recorded tile is checked against
+                // its CRC (only a mismatch is computed again), and finishing writes the
+                // checksum table or sidecar again.
+                Some(why) => {
+                    let done = crate::durable::journal::peek(out)?.map_or(Vec::new(), |p| p.done);
+                    let (work, bad, _) = self.resume(header, plan.mode, &done, 0)?;
+                    let note = format!(
+                        "{} is complete by its journal, but {why}: checking its {} recorded tiles against the journal and writing what is damaged again",
+                        out.display(),
+                        done.len()
+                    );
+                    (work, bad, Some(note))
+                }
+            },
             State::Partial(done, damaged) if !done.is_empty() => {
                 self.resume(header, plan.mode, &done, damaged)?
             }

@@ -222,11 +222,46 @@ pub(crate) fn preallocate(file: &File, len: u64) -> io::Result<bool> {
 /// Take an exclusive advisory lock on `file` without waiting: `Ok(false)` if another process
 /// holds it. The lock is released when the file is closed.
 pub(crate) fn try_lock_exclusive(file: &File) -> io::Result<bool> {
-    match rustix::fs::flock(file, FlockOperation::NonBlockingLockExclusive) {
+    try_flock(file, FlockOperation::NonBlockingLockExclusive)
+}
+
+/// [`try_lock_exclusive`]'s shared twin: `Ok(false)` if another process holds the lock
+/// exclusively (readers share it).
+pub(crate) fn try_lock_shared(file: &File) -> io::Result<bool> {
+    try_flock(file, FlockOperation::NonBlockingLockShared)
+}
+
+fn try_flock(file: &File, op: FlockOperation) -> io::Result<bool> {
+    match rustix::fs::flock(file, op) {
         Ok(()) => Ok(true),
         Err(e) if e == rustix::io::Errno::WOULDBLOCK => Ok(false),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Who holds a `flock` on `file`, as the kernel lists it in `/proc/locks`: (pid, exclusive).
+/// `None` where that is not known (no `/proc`, another pid namespace, an overlay filesystem
+/// whose inode numbers differ from the kernel's): for messages only.
+pub(crate) fn flock_holder(file: &File) -> Option<(u32, bool)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = file.metadata().ok()?;
+    let dev = m.dev();
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        rustix::fs::major(dev),
+        rustix::fs::minor(dev),
+        m.ino()
+    );
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    // `1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF`; waiters' lines have `->` after the
+    // number.
+    locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let f = f.get(1..)?;
+        (f.first() == Some(&"FLOCK") && f.get(4) == Some(&want.as_str()))
+            .then(|| Some((f.get(3)?.parse().ok()?, f.get(2) == Some(&"WRITE"))))
+            .flatten()
+    })
 }
 
 /// Unmap a finished output's map on a thread of its own. Tearing down the page tables of a

@@ -137,6 +137,23 @@ impl Header {
     pub(crate) fn data_end(&self) -> u64 {
         self.data_offset + self.tiles() * self.tile_stride
     }
+    /// The file ranges of storage tile (`ti`, `tj`) that hold no element of the matrix — the
+    /// columns and rows of an edge tile outside it, and the bytes from the tile's elements to
+    /// its stride — which are zero in every file written (docs/FORMAT.md).
+    pub(crate) fn padding(&self, ti: u64, tj: u64) -> Vec<std::ops::Range<u64>> {
+        let off = self.tile_offset(ti, tj);
+        let e = self.elem() as u64;
+        let row = self.tile_cols * e;
+        let vr = self.tile_rows.min(self.rows - ti * self.tile_rows);
+        let vc = self.tile_cols.min(self.cols - tj * self.tile_cols);
+        let mut out = Vec::new();
+        if vc < self.tile_cols {
+            out.extend((0..vr).map(|r| off + r * row + vc * e..off + (r + 1) * row));
+        }
+        out.push(off + vr * row..off + self.tile_stride);
+        out.retain(|r| r.start < r.end);
+        out
+    }
     /// Whether the file has a CRC per tile.
     pub fn has_checksums(&self) -> bool {
         self.flags & FLAG_CHECKSUMS != 0
@@ -231,15 +248,31 @@ impl Header {
             )));
         }
         // Fields that are each plausible but not the ones written (a tile edge or a dtype
-        // changed) would read every tile wrongly: the header's own CRC-32C catches them. Zero
-        // means a file written before it existed.
+        // changed) would read every tile wrongly: the header's own CRC-32C catches them. Every
+        // file of this format version carries one, so 0 is refused too: accepting it as "no
+        // checksum" would let a zeroed checksum vouch for any fields.
         let stored = bytes
             .get(RAW_LEN..RAW_LEN + 4)
             .map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()));
         let computed = crc32c::crc32c(&bytes[..RAW_LEN]);
-        if stored != 0 && stored != computed {
+        if stored == 0 && computed != 0 {
+            return Err(bad(format!(
+                "header checksum is 0 (bytes 72–75; computed {computed:#010x}): every .mgt file carries one, so its header cannot be trusted — the checksum was zeroed, or the file was written by a build from before header checksums (before 2026-12-04); regenerate or re-import it"
+            )));
+        }
+        if stored != computed {
             return Err(bad(format!(
                 "header checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): its fields changed after the file was written; the file is corrupt — regenerate or re-import it"
+            )));
+        }
+        // The rest of the first page is reserved and zero; the CRC does not cover it, so a
+        // damaged byte there is found here (when the caller read that far).
+        let reserved = bytes.get(RAW_LEN + 4..bytes.len().min(ALIGN as usize));
+        if let Some(at) = reserved.and_then(|r| r.iter().position(|&b| b != 0)) {
+            let at = at + RAW_LEN + 4;
+            return Err(bad(format!(
+                "header byte {at} is {:#04x}, but bytes 76–4095 are reserved and zero: the header is damaged",
+                bytes[at]
             )));
         }
         Ok(h)

@@ -45,7 +45,8 @@ pub use block::Block;
 pub use blockio::par_crc32c;
 pub use header::Header;
 pub(crate) use output::{
-    create_output, create_output_in, output_file_len, output_main_len, reopen_output, OutputFormat,
+    create_output, create_output_in, mend_finished, output_file_len, output_main_len,
+    reopen_output, OutputFormat,
 };
 pub use seam::{MappedBlock, MatrixSink, MatrixSource, WriteMode};
 pub use source::{open_region, open_source};

@@ -12,7 +12,7 @@ use super::header::Header;
 use super::npy_sink::{self, NpyWriter};
 use super::seam::{MatrixSink, WriteMode};
 use super::tiled::TiledWriter;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// What an output file holds: chosen by the output path's extension (`.npy`, else `.mgt`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,4 +94,68 @@ pub(crate) fn reopen_output(
         OutputFormat::Mgt => Box::new(TiledWriter::reopen_with(path, hdr, mode)?),
         OutputFormat::Npy => Box::new(NpyWriter::reopen(path, &hdr, mode)?),
     })
+}
+
+/// Why the output `path` (the matrix `hdr` describes), which its journal calls complete, cannot
+/// be trusted as it lies: its header block is not the one `run` writes (a field or a reserved
+/// byte damaged), or a `.npy`'s checksum sidecar is missing or damaged. A damaged header is
+/// written again from `hdr` — the journal's fingerprint matched the plan, so `hdr` is the header
+/// that was written — provided the file has the length that header needs (else reopening it
+/// says it is truncated). `None`: nothing is wrong. The caller then resumes the step from the
+/// journal: every recorded tile is checked against its CRC, and the checksum table or sidecar
+/// is written again when it finishes. A read of one header block (and a sidecar): cheap enough
+/// for every "already complete".
+pub(crate) fn mend_finished(path: &Path, hdr: &Header) -> Result<Option<String>> {
+    use std::os::unix::fs::FileExt;
+    let format = OutputFormat::of(path);
+    let want = match format {
+        OutputFormat::Mgt => hdr.to_block(),
+        OutputFormat::Npy => npy_sink::header(hdr.dtype, hdr.rows, hdr.cols)?,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| {
+            Error::io(
+                path,
+                "cannot open the finished output to check its header",
+                e,
+            )
+        })?;
+    let mut have = vec![0u8; want.len()];
+    let n = super::blockio::read_prefix(&file, &mut have)
+        .map_err(|e| Error::io(path, "cannot read header", e))?;
+    let mut why = Vec::new();
+    if n < want.len() || have != want {
+        let len = file.metadata().map_or(0, |m| m.len());
+        let need = output_main_len(path, hdr);
+        if len != need {
+            return Ok(Some(format!(
+                "it is {len} bytes, not the {need} its header needs"
+            )));
+        }
+        why.push(match super::source::open_source(path) {
+            Err(e) => format!("its header is damaged ({e})"),
+            Ok(_) => {
+                "its header block is not the one `run` writes (a reserved byte changed)".into()
+            }
+        });
+        file.write_all_at(&want, 0)
+            .and_then(|_| file.sync_data())
+            .map_err(|e| Error::io(path, "cannot write the header again", e))?;
+    }
+    if format == OutputFormat::Npy {
+        let src = super::source::open_source(path)?;
+        if src.checksum_tile().is_none() {
+            why.push(match src.checksum_note() {
+                Some(note) => format!("its checksum {note}"),
+                None => format!(
+                    "its checksum sidecar {} is missing",
+                    super::sidecar::sidecar_path(path).display()
+                ),
+            });
+        }
+    }
+    Ok((!why.is_empty()).then(|| why.join("; ")))
 }

@@ -78,6 +78,10 @@ pub struct VerifyReport {
     /// larger than a quarter of the memory available, so checking it ahead of the band reads
     /// would read it from disk twice.
     pub inputs_unchecked: Vec<String>,
+    /// The output's own header or stored checksums (a `.npy`'s sidecar) are damaged or
+    /// missing though its journal says the step is complete (`reason` says which): `--repair`
+    /// mends them through `run`, which recomputes only tiles that no longer match the journal.
+    pub damaged_output: Option<String>,
     /// Storage tile shape used to name failing tiles.
     pub tile_shape: (u64, u64),
     /// NaN/Inf in the output where the inputs give no IEEE reason for one.
@@ -282,9 +286,20 @@ fn round_of(p: Precision) -> Option<Precision> {
 }
 
 /// Compare the journal's record of the plan and inputs with now; `Some(reason)` on a mismatch
-/// or an unfinished step.
-fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
+/// or an unfinished step. An input whose identity changed because it is damaged (its checksum
+/// table or data no longer agree) is named as such, in `rep.corrupt_input` too.
+fn journal_check(
+    step: &Step,
+    precision: Precision,
+    rep: &mut VerifyReport,
+) -> Result<Option<String>> {
     let Some(j) = journal::peek(&step.output)? else {
+        if journal::torn(&step.output) {
+            return Ok(Some(format!(
+                "the step is unfinished: its journal {}'s first line was torn while it was first written (a crash), so it records no tile; `run` writes it again and computes the step",
+                journal::journal_path(&step.output).display()
+            )));
+        }
         return Ok(crate::durable::split::split_state(&step.output).map(|state| {
             format!(
                 "the step is unfinished: a split run's shards are writing it (state in {}); `finalize` completes it",
@@ -313,6 +328,10 @@ fn journal_check(step: &Step, precision: Precision) -> Result<Option<String>> {
         .collect();
     let jp = journal::journal_path(&step.output);
     if !changes.is_empty() {
+        if let Some((path, e)) = crate::run::damaged_input(step, &j.fingerprint) {
+            rep.corrupt_input = Some(path.display().to_string());
+            return Ok(Some(e.to_string()));
+        }
         return Ok(Some(format!(
             "the output was computed from other inputs or another plan than now (journal {}): {}; rerun this step with `run --restart`",
             jp.display(),
@@ -362,6 +381,9 @@ pub(crate) fn verify_step_with(
         rep.seconds = t0.elapsed().as_secs_f64();
         return Ok(rep);
     }
+    // A run writing the output holds its journal: the file is then neither finished nor
+    // wrong. Held (shared) while the output is read, so no run starts writing it meanwhile.
+    let _reading = journal::read_lock(&step.output)?;
     let (m, n) = (step.m as usize, step.n as usize);
     if !step.output.exists() {
         return Err(Error::format(
@@ -372,7 +394,31 @@ pub(crate) fn verify_step_with(
             ),
         ));
     }
-    let out = open_source(&step.output)?;
+    let complete = journal::peek(&step.output)
+        .ok()
+        .flatten()
+        .is_some_and(|j| j.complete);
+    let out = match open_source(&step.output) {
+        Ok(out) => out,
+        Err(e @ Error::Format { .. }) if complete => {
+            let why = format!("its header is damaged ({e})");
+            return Ok(damaged_output(step, r, why, t0));
+        }
+        Err(e) => return Err(e),
+    };
+    if complete
+        && crate::store::OutputFormat::of(&step.output) == crate::store::OutputFormat::Npy
+        && out.checksum_tile().is_none()
+    {
+        let why = match out.checksum_note() {
+            Some(note) => format!("its checksum {note}"),
+            None => format!(
+                "its checksum sidecar {} is missing",
+                crate::store::sidecar::sidecar_path(&step.output).display()
+            ),
+        };
+        return Ok(damaged_output(step, r, why, t0));
+    }
     if out.shape() != (step.m, step.n) || out.transposed() {
         return Err(Error::format(
             &step.output,
@@ -386,7 +432,7 @@ pub(crate) fn verify_step_with(
     }
     let tile = out.checksum_tile().unwrap_or((step.m, step.n));
     let mut rep = blank_report(step, r, tile);
-    match no_residuals(step, precision)? {
+    match no_residuals(step, precision, &mut rep)? {
         Some((false, why)) => {
             rep.pass = false;
             rep.reason = Some(why);
@@ -409,6 +455,19 @@ pub(crate) fn verify_step_with(
     }
     rep.seconds = t0.elapsed().as_secs_f64();
     Ok(rep)
+}
+
+/// The failing report of `step` whose output, complete by its journal, has a damaged header or
+/// lost its stored checksums (`why`): nothing else is checked; `--repair` mends it.
+fn damaged_output(step: &Step, rounds: usize, why: String, t0: Instant) -> VerifyReport {
+    let mut rep = blank_report(step, rounds, (step.m, step.n));
+    rep.pass = false;
+    rep.reason = Some(format!(
+        "{why}, though its journal says the step is complete: `verify --repair` (or `run`) checks every tile against the journal's record and writes the header or checksums again, recomputing only tiles that no longer match"
+    ));
+    rep.damaged_output = Some(why);
+    rep.seconds = t0.elapsed().as_secs_f64();
+    rep
 }
 
 /// The storage tiles of `out` whose data no longer matches the checksum stored with it (none
@@ -456,6 +515,7 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         corrupt_tiles: 0,
         corrupt_input: None,
         inputs_unchecked: Vec::new(),
+        damaged_output: None,
         tile_shape: tile,
         unexpected_nonfinite: 0,
         skipped_cells: 0,
@@ -481,8 +541,12 @@ fn intermediate_part(step: &Step) -> Option<String> {
 /// Why the residual test is not run on the last part of a chain or an ordinary `step`, with
 /// the verdict that stands instead: a chain without its intermediates passes on the journal
 /// alone; a journal that disagrees with the plan and inputs fails.
-fn no_residuals(step: &Step, precision: Precision) -> Result<Option<(bool, String)>> {
-    if let Some(why) = journal_check(step, precision)? {
+fn no_residuals(
+    step: &Step,
+    precision: Precision,
+    rep: &mut VerifyReport,
+) -> Result<Option<(bool, String)>> {
+    if let Some(why) = journal_check(step, precision, rep)? {
         return Ok(Some((false, why)));
     }
     Ok(chain_gap(step).map(|why| (true, why)))

@@ -841,3 +841,84 @@ fn info_check_without_a_checksum_table_says_how_to_add_one() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).contains("tiles OK"));
 }
+
+/// One flipped bit in an input's checksum table after a finished run (issue 33, item 7): every
+/// command names the input as damaged — its table no longer matches its own data — instead of
+/// "different inputs, rerun with --restart"; and `run --restart` (and `prepare --restart`) stop
+/// before touching the finished output, output and journal byte-identical. The same when the
+/// input cannot even be opened (its header damaged). Once the input is restored, `run` finds
+/// the step complete.
+#[test]
+fn a_damaged_checksum_table_is_named_and_restart_keeps_the_output() {
+    use std::os::unix::fs::FileExt;
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    cpu_plan(dir, "C.mgt", "");
+    assert!(mg(dir, &["run", "p.toml", "-q"]).status.success());
+    let c = std::fs::read(dir.join("C.mgt")).unwrap();
+    let j = std::fs::read(dir.join("C.mgt.journal")).unwrap();
+    let f = mgmm_stream::store::TiledFile::open(&dir.join("B.mgt")).unwrap();
+    // Tile 1 of B's checksum table: tile (0, 1) of its 4×2 grid.
+    let table = f.hdr.checksum_table_offset + 4;
+    drop(f);
+    let flip = |off: u64, bit: u8| {
+        let w = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join("B.mgt"))
+            .unwrap();
+        let mut x = [0u8; 1];
+        w.read_exact_at(&mut x, off).unwrap();
+        w.write_all_at(&[x[0] ^ bit], off).unwrap();
+    };
+    let kept = || {
+        assert!(
+            std::fs::read(dir.join("C.mgt")).unwrap() == c,
+            "C.mgt changed"
+        );
+        assert!(
+            std::fs::read(dir.join("C.mgt.journal")).unwrap() == j,
+            "the journal changed"
+        );
+    };
+    flip(table, 0x10);
+    let o = mg(dir, &["run", "p.toml"]);
+    let err = failed_with(&o, &["B.mgt", "damaged", "tile (0, 1)", "restore"]);
+    assert!(!err.contains("different plan or different inputs"), "{err}");
+    kept();
+    let o = mg(dir, &["verify", "p.toml"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(!o.status.success(), "{out}");
+    assert!(out.contains("damaged") && out.contains("B.mgt"), "{out}");
+    assert!(!out.contains("other inputs"), "{out}");
+    for args in [
+        &["run", "p.toml", "--restart"][..],
+        &["prepare", "p.toml", "--restart"],
+    ] {
+        let o = mg(dir, args);
+        failed_with(
+            &o,
+            &[
+                "B.mgt",
+                "checksum mismatch in tile (0, 1)",
+                "the restart stopped before touching ./C.mgt",
+            ],
+        );
+        kept();
+    }
+    flip(table, 0x10);
+    // An input that cannot be opened at all (a header field flipped): refused as the plan
+    // loads, the output kept all the same.
+    flip(20, 0x01);
+    let o = mg(dir, &["run", "p.toml", "--restart"]);
+    failed_with(&o, &["B.mgt", "header"]);
+    kept();
+    flip(20, 0x01);
+    let o = mg(dir, &["run", "p.toml"]);
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stderr).contains("already complete"),
+        "{o:?}"
+    );
+    kept();
+}

@@ -714,6 +714,7 @@ fn end_of_command_text_fits_80_columns() {
         corrupt_tiles: 0,
         corrupt_input: None,
         inputs_unchecked: vec!["in/A.mgt".into()],
+        damaged_output: None,
         tile_shape: (4096, 4096),
         unexpected_nonfinite: 7,
         skipped_cells: 3,

@@ -17,6 +17,7 @@ mod checkpoint;
 mod cli;
 mod cluster;
 mod correctness;
+mod integrity;
 mod links;
 mod npy;
 mod ooc;

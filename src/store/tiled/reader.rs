@@ -93,7 +93,8 @@ impl TiledFile {
             return Err(Error::format(path, "is not a regular file"));
         }
         let len = meta.len();
-        let mut head = [0u8; 76];
+        // The whole first page: the header's fields, its CRC and the reserved bytes.
+        let mut head = [0u8; 4096];
         let n =
             read_prefix(&file, &mut head).map_err(|e| Error::io(path, "cannot read header", e))?;
         let hdr = Header::parse(path, &head[..n], len)?;

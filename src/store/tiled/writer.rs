@@ -22,6 +22,33 @@ use crate::store::header::Header;
 use crate::store::runs::Geometry;
 use crate::store::seam::{MatrixSink, WriteMode};
 
+/// Zero every storage tile's padding ([`Header::padding`]) of the reopened output `file` where
+/// it is not: no tile write covers those bytes, and the checksums computed when the run ends
+/// assume them zero (or read them), so a byte damaged there would stay — a repaired file
+/// would differ from a clean run — or be blessed by the new table. Read with `pread` (a page
+/// or less per tile for most outputs); the rare fix is a `pwrite`.
+fn clear_padding(path: &Path, file: &File, hdr: &Header) -> Result<()> {
+    let io = |e| Error::io(path, "cannot clear the padding of the output's tiles", e);
+    let mut buf = Vec::new();
+    for (ti, tj) in (0..hdr.grid_rows()).flat_map(|ti| (0..hdr.grid_cols()).map(move |tj| (ti, tj)))
+    {
+        for r in hdr.padding(ti, tj) {
+            let mut at = r.start;
+            while at < r.end {
+                let n = ((r.end - at) as usize).min(1 << 20);
+                buf.resize(n, 0);
+                file.read_exact_at(&mut buf, at).map_err(io)?;
+                if buf.iter().any(|&x| x != 0) {
+                    buf.fill(0);
+                    file.write_all_at(&buf, at).map_err(io)?;
+                }
+                at += n as u64;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// An output matrix file being written.
 pub(crate) struct TiledWriter {
     path: PathBuf,
@@ -105,6 +132,8 @@ impl TiledWriter {
                 .map_err(|e| Error::io(path, "cannot write header", e))?;
             file.set_len(hdr.file_len())
                 .map_err(|e| size_error(path, hdr.file_len(), e))?;
+        } else {
+            clear_padding(path, &file, &hdr)?;
         }
         // Reserve every block now: running out of space becomes an error here, before any
         // work, instead of a SIGBUS from a write through the map hours later.
