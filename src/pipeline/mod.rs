@@ -77,6 +77,9 @@ pub(crate) struct RunConfig {
     pub(crate) staging: crate::plan::StagingMode,
     /// Worker threads of the run (`engine.threads` resolved: 0 means every core).
     pub(crate) threads: usize,
+    /// `engine.host_memory`: the pools and the input pages page-locked for direct uploads
+    /// together stay within it ([`direct::limits`]).
+    pub(crate) host_memory: u64,
     /// A flag set from outside (Ctrl-C) that cancels the run; `None`: only errors cancel.
     pub(crate) cancel: Option<&'static std::sync::atomic::AtomicBool>,
 }
@@ -88,6 +91,7 @@ impl RunConfig {
             durable: e.durable,
             staging: e.staging,
             threads: crate::backend::resolve_threads(e.threads),
+            host_memory: e.host_memory,
             cancel: None,
         }
     }
@@ -181,7 +185,8 @@ impl Engines {
         let p = e.precision;
         let lazy = direct::expected(
             backend.caps().staging(e.staging),
-            backend.input_pinner().map(|p| direct::limits(&*p)),
+            (backend.input_pinner())
+                .map(|p| direct::limits(p.limits(), e.host_memory, layout.host_bytes)),
             &[&*sources.a, &*sources.b],
             sources.c0.is_some(),
             layout.host_dt,
@@ -326,10 +331,12 @@ impl<'a> Pipeline<'a> {
         let direct = match backend.input_pinner() {
             Some(pinner) if lanes.iter().any(|l| l.uploads_runs()) => {
                 let srcs = [Some(&inputs.a), Some(&inputs.b), inputs.c0.as_ref()];
+                let limits = direct::limits(pinner.limits(), cfg.host_memory, l.host_bytes);
                 direct::DirectReads::new(
                     backend.caps().staging(cfg.staging),
                     pinner,
                     srcs.into_iter().flatten().cloned().collect(),
+                    limits,
                 )
             }
             _ => None,
