@@ -1,7 +1,8 @@
 //! The `mgmm-stream` binary: parse the command line, run it, print errors as one clear message.
 //!
-//! Exit status: 0 on success, 1 on an error (one line on stderr, `error: …`), 130 when Ctrl-C
-//! stopped a job (the last line says how to resume). Output goes through `mgmm_stream::out`,
+//! Exit status: 0 on success, 1 on an error (one line on stderr, `error: …`), 128 + the
+//! signal's number when Ctrl-C (130), SIGTERM (143) or SIGHUP (129) stopped a job (the last
+//! line says how to resume; `mgmm_stream::interrupt`). Output goes through `mgmm_stream::out`,
 //! so a closed stdout or stderr pipe never turns a finished job into a panic.
 
 use clap::Parser;
@@ -19,13 +20,14 @@ fn main() {
             }
             src = s.source();
         }
-        if mgmm_stream::interrupt::requested() && msg.starts_with("interrupted") {
+        let interrupted = mgmm_stream::interrupt::requested();
+        if interrupted && msg.starts_with("interrupted") {
             diagln!("{msg}");
-            std::process::exit(130);
+            std::process::exit(mgmm_stream::interrupt::exit_status());
         }
         diagln!("error: {msg}");
-        std::process::exit(if mgmm_stream::interrupt::requested() {
-            130
+        std::process::exit(if interrupted {
+            mgmm_stream::interrupt::exit_status()
         } else {
             1
         });

@@ -444,10 +444,13 @@ impl<'a> Pipeline<'a> {
         if let Some(e) = ctl.take_error() {
             return Err(e);
         }
-        if ctl.is_cancelled() {
+        let computed = c.tiles_done.load(Ordering::Relaxed) - done_start;
+        // A stopped run whose last tiles were all recorded meanwhile is finished.
+        if (ctl.is_cancelled() && !ctl.is_stopping())
+            || (ctl.is_stopping() && computed != self.queue.len() as u64)
+        {
             return Err(Error::Cancelled);
         }
-        let computed = c.tiles_done.load(Ordering::Relaxed) - done_start;
         if computed != self.queue.len() as u64 {
             return Err(Error::Usage(format!(
                 "internal error: {computed} of {} output tiles were written",
@@ -548,16 +551,26 @@ impl<'a> Pipeline<'a> {
                 .collect();
             if !flags.is_empty() {
                 // Cancel flags are polled, because whoever sets them (a signal handler, Python)
-                // may not be able to do more than store a bool.
+                // may not be able to do more than store a bool. A flag set stops the run
+                // (`Control::stop`: the lanes save what they hold), which is then cancelled once
+                // the output stages have written and recorded it, or after `STOP_GRACE`.
                 let stop = stop_rx.clone();
                 let flags = &flags;
                 s.spawn(move || {
+                    let mut since: Option<Instant> = None;
                     while let Err(RecvTimeoutError::Timeout) =
                         stop.recv_timeout(Duration::from_millis(20))
                     {
-                        if flags.iter().any(|f| f.load(Ordering::SeqCst)) {
-                            ctl.cancel();
-                            break;
+                        match since {
+                            None if flags.iter().any(|f| f.load(Ordering::SeqCst)) => {
+                                ctl.stop();
+                                since = Some(Instant::now());
+                            }
+                            Some(t) if ctl.is_output_done() || t.elapsed() >= STOP_GRACE => {
+                                ctl.cancel();
+                                break;
+                            }
+                            _ => {}
                         }
                     }
                 });
@@ -650,6 +663,11 @@ impl<'a> Pipeline<'a> {
         stages
     }
 }
+
+/// How long a stopped run waits for its lanes to save their tiles in flight and for the output
+/// stages to write and record them before it is cancelled outright (SLURM's `KillWait` is 30 s
+/// by default; a save is one download and one checkpoint file per tile in flight).
+const STOP_GRACE: Duration = Duration::from_secs(15);
 
 /// Writeback threads for `threads` worker threads (`engine.threads`): one per eight, 1 to 4.
 /// One thread copied finished tiles into the output and checksummed them at 3.5–3.9 GB/s on

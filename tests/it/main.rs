@@ -22,5 +22,6 @@ mod ooc;
 mod pipeline;
 mod progress;
 mod resume;
+mod signals;
 mod sim;
 mod verify;
