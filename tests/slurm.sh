@@ -145,7 +145,7 @@ job=$(sbatch --parsable --time=1 -o "$W/time.log" "$W/time.sh")
 JOBS+=("$job")
 wait_gone "$job"
 state=$(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)
-echo "job $job with --time=1 ended after $(( ($(date +%s%N) - t) / 1000000 )) ms ($state): $(grep interrupted "$W/time.log" || tail -1 "$W/time.log")"
+echo "job $job with --time=1 ended after $(( ($(date +%s%N) - t) / 1000000 )) ms ($state): $(grep "^interrupted" "$W/time.log" || tail -1 "$W/time.log")"
 [ "$state" = JobState=TIMEOUT ] || { echo "FAIL: the job was not ended by its time limit ($state; finished first, nothing tested?)" >&2; cat "$W/time.log" >&2; exit 1; }
 grep -q "^interrupted by SIGTERM; run the same command again to resume" "$W/time.log" \
     || { echo "FAIL: SIGTERM at the time limit did not stop the run cleanly within KillWait:" >&2; cat "$W/time.log" >&2; exit 1; }
