@@ -41,9 +41,10 @@ impl Settings {
     }
 }
 
-/// Read `MGMM_FAULT_LANE`, `MGMM_FAULT_GEMM_AFTER`, `MGMM_FAULT_WRITE_AFTER`; `None` when
-/// neither a GEMM nor a write fault is set. Called once by the command line, never by the
-/// engine.
+/// Read `MGMM_FAULT_LANE`, `MGMM_FAULT_GEMM_AFTER`, `MGMM_FAULT_WRITE_AFTER` and
+/// `MGMM_FAULT_WRITE_DELAY_MS` (every output tile's record takes that much longer: a slow disk,
+/// which keeps a step running for as long as a test needs without using the CPU); `None` when
+/// none is set. Called once by the command line, never by the engine.
 #[cfg(feature = "fault-injection")]
 pub(crate) fn fault_config() -> Option<FaultConfig> {
     let var = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
@@ -51,9 +52,9 @@ pub(crate) fn fault_config() -> Option<FaultConfig> {
         lane: var("MGMM_FAULT_LANE").map(|v| v as usize),
         gemm_after: var("MGMM_FAULT_GEMM_AFTER"),
         write_after: var("MGMM_FAULT_WRITE_AFTER"),
-        write_delay_ms: 0,
+        write_delay_ms: var("MGMM_FAULT_WRITE_DELAY_MS").unwrap_or(0),
     };
-    (c.gemm_after.is_some() || c.write_after.is_some()).then_some(c)
+    (c.gemm_after.is_some() || c.write_after.is_some() || c.write_delay_ms > 0).then_some(c)
 }
 
 /// `MGMM_FAULT_SYNC_LOG`: the file the test hook of `store::fsutil` logs every sync and

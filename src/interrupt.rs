@@ -1,32 +1,52 @@
-//! Ctrl-C (SIGINT) as a request to stop cleanly, not a kill.
+//! Ctrl-C (SIGINT), SIGTERM and SIGHUP as a request to stop cleanly, not a kill.
 //!
 //! [`install`] replaces the default action (terminate at once, leaving the progress bar drawn
-//! over and no word on what to do next) with a handler that only sets a flag. Long jobs poll
-//! [`flag`]: the pipeline cancels its stages (every finished tile is already in the journal),
-//! `gen` and `export` stop and remove their temporary file, and the binary's last line says how
-//! to resume. A second Ctrl-C while the first is being honoured exits at once (status 130).
+//! over, the in-flight tiles lost and temporaries behind) with a handler that only sets a flag
+//! and remembers the signal. SLURM sends SIGTERM at a job's time limit (SIGKILL follows
+//! `KillWait` seconds later, 30 by default), `kill` and container runtimes send it by default,
+//! and a closed terminal sends SIGHUP: all three stop a job the same way. Long jobs poll
+//! [`flag`]: the pipeline stops its lanes, writes the tiles already computed, saves the
+//! accumulators of the tiles in flight as checkpoints and keeps the journal
+//! ([`crate::pipeline`]'s stop); `gen` and `export` stop and remove their temporary file; and
+//! the binary's last line says how to resume. The process then exits with status 128 + the
+//! signal's number (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP), as a shell reports a
+//! process killed by it, rather than re-raising the signal: the work was stopped, not lost, and
+//! the status still names the signal.
+//!
+//! A second Ctrl-C while the first stop is being honoured exits at once (status 130). A
+//! repeated SIGTERM or SIGHUP does not: SLURM may deliver SIGTERM twice (to the step's tasks
+//! and through `srun`), and the stop it asked for is already under way.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
 static REQUESTED: AtomicBool = AtomicBool::new(false);
+/// The first signal received (0: none).
+static SIGNAL: AtomicI32 = AtomicI32::new(0);
 
-extern "C" fn on_sigint(_: libc::c_int) {
-    // Only async-signal-safe work here: an atomic swap and `_exit`.
-    if REQUESTED.swap(true, Ordering::SeqCst) {
+/// The signals that stop a job cleanly.
+const SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    // Only async-signal-safe work here: atomics and `_exit`.
+    let _ = SIGNAL.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+    if REQUESTED.swap(true, Ordering::SeqCst) && sig == libc::SIGINT {
         // SAFETY: `_exit` is async-signal-safe and never returns.
-        unsafe { libc::_exit(130) };
+        unsafe { libc::_exit(128 + libc::SIGINT) };
     }
 }
 
-/// Install the SIGINT handler (idempotent).
+/// Install the handler for SIGINT, SIGTERM and SIGHUP (idempotent).
 pub fn install() {
-    // SAFETY: `on_sigint` is an `extern "C"` function that only touches an atomic and calls
-    // `_exit`, both async-signal-safe; `signal` with a valid handler has no other precondition.
-    unsafe {
-        libc::signal(
-            libc::SIGINT,
-            on_sigint as extern "C" fn(libc::c_int) as libc::sighandler_t,
-        );
+    for sig in SIGNALS {
+        // SAFETY: `on_signal` is an `extern "C"` function that only touches atomics and calls
+        // `_exit`, all async-signal-safe; `signal` with a valid handler has no other
+        // precondition.
+        unsafe {
+            libc::signal(
+                sig,
+                on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
     }
 }
 
@@ -35,7 +55,33 @@ pub fn flag() -> &'static AtomicBool {
     &REQUESTED
 }
 
-/// Whether Ctrl-C was pressed.
+/// Whether a stop was asked for (Ctrl-C, SIGTERM or SIGHUP).
 pub fn requested() -> bool {
     REQUESTED.load(Ordering::SeqCst)
+}
+
+/// The signal that asked for the stop, by name (`SIGTERM`); `None` before one came.
+pub fn signal_name() -> Option<&'static str> {
+    match SIGNAL.load(Ordering::SeqCst) {
+        libc::SIGINT => Some("SIGINT"),
+        libc::SIGTERM => Some("SIGTERM"),
+        libc::SIGHUP => Some("SIGHUP"),
+        _ => None,
+    }
+}
+
+/// How the last line of a stopped job starts: `interrupted` (Ctrl-C), `interrupted by SIGTERM`.
+pub fn interrupted() -> String {
+    match signal_name() {
+        Some(n) if n != "SIGINT" => format!("interrupted by {n}"),
+        _ => "interrupted".into(),
+    }
+}
+
+/// The exit status of a job a signal stopped: 128 + its number (130 when none is known).
+pub fn exit_status() -> i32 {
+    match SIGNAL.load(Ordering::SeqCst) {
+        0 => 128 + libc::SIGINT,
+        s => 128 + s,
+    }
 }

@@ -2,8 +2,9 @@
 //!
 //! Exit status: 0 on success, 1 on an error (one line on stderr, `error: …`), 3 when `verify`
 //! could check nothing of an output, 75 when the output is being written by another process
-//! (`verify` during a run: try again later; [`mgmm_stream::error::Error::exit_status`]), 130
-//! when Ctrl-C stopped a job (the last line says how to resume). Output goes through `mgmm_stream::out`,
+//! (`verify` during a run: try again later; [`mgmm_stream::error::Error::exit_status`]), 128 +
+//! the signal's number when Ctrl-C (130), SIGTERM (143) or SIGHUP (129) stopped a job (the
+//! last line says how to resume; `mgmm_stream::interrupt`). Output goes through `mgmm_stream::out`,
 //! so a closed stdout or stderr pipe never turns a finished job into a panic.
 
 use clap::Parser;
@@ -21,13 +22,14 @@ fn main() {
             }
             src = s.source();
         }
-        if mgmm_stream::interrupt::requested() && msg.starts_with("interrupted") {
+        let interrupted = mgmm_stream::interrupt::requested();
+        if interrupted && msg.starts_with("interrupted") {
             diagln!("{msg}");
-            std::process::exit(130);
+            std::process::exit(mgmm_stream::interrupt::exit_status());
         }
         diagln!("error: {msg}");
-        std::process::exit(if mgmm_stream::interrupt::requested() {
-            130
+        std::process::exit(if interrupted {
+            mgmm_stream::interrupt::exit_status()
         } else {
             e.exit_status()
         });

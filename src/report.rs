@@ -80,18 +80,27 @@ pub struct StepReport {
     pub direct_registered_bytes: u64,
     /// Seconds page-locking took, all staging threads together (0 on the CPU: nothing to lock).
     pub direct_register_s: f64,
-    /// Page-locked bytes released before the step's end to stay under the budget (half the
-    /// memory the host can spare).
+    /// Page-locked bytes released before the step's end to stay under the budget
+    /// (`direct_budget_bytes`).
     pub direct_released_bytes: u64,
     /// Input blocks staged by copy under `staging = "auto"` because their pages were not all
     /// in memory.
     pub direct_cold_blocks: u64,
     /// Input blocks staged by copy because the file range they lie in is larger than the
-    /// page-locking budget (half the memory the host can spare: `direct_budget_bytes`); a
-    /// `.npy` or raw file is one range.
+    /// page-locking budget (`direct_budget_bytes`); a `.npy` or raw file is one range.
     pub direct_oversize_blocks: u64,
-    /// That budget, in bytes (0 when direct uploads were not set up).
+    /// Input blocks staged by copy because the ranges in use left no room for theirs in the
+    /// page-locking budget.
+    #[serde(default)]
+    pub direct_full_blocks: u64,
+    /// That budget, in bytes (0 when direct uploads were not set up): what the pools
+    /// (`host_pool_bytes`) leave of `host_budget_bytes` (`engine.host_memory`), and at most half
+    /// the memory the host could spare when the step started.
     pub direct_budget_bytes: u64,
+    /// The most bytes of the input files page-locked at once (at most `direct_budget_bytes`):
+    /// host memory the kernel cannot reclaim, beside the pools.
+    #[serde(default)]
+    pub peak_locked_bytes: u64,
     /// Why uploads from the files' pages stopped part-way through the step, if they did.
     pub direct_failed: Option<String>,
     /// Bytes written to the output.
@@ -312,7 +321,9 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         direct_released_bytes: st.direct.as_ref().map_or(0, |d| d.released_bytes),
         direct_cold_blocks: st.direct.as_ref().map_or(0, |d| d.cold_blocks),
         direct_oversize_blocks: st.direct.as_ref().map_or(0, |d| d.oversize_blocks),
+        direct_full_blocks: st.direct.as_ref().map_or(0, |d| d.full_blocks),
         direct_budget_bytes: st.direct.as_ref().map_or(0, |d| d.budget),
+        peak_locked_bytes: st.direct.as_ref().map_or(0, |d| d.peak_locked),
         direct_failed: st.direct.as_ref().and_then(|d| d.failed.clone()),
         first_gemm_s: st.first_gemm_s,
         peak_rss_bytes: peak_rss_bytes(),
@@ -360,9 +371,10 @@ fn direct_line(r: &StepReport) -> String {
         );
         if r.direct_register_s >= 0.001 {
             p += &format!(
-                " (page-locked {} in {:.2} s{})",
+                " (page-locked {} in {:.2} s, at most {} at once{})",
                 fmt_bytes(r.direct_registered_bytes),
                 r.direct_register_s,
+                fmt_bytes(r.peak_locked_bytes),
                 if r.direct_released_bytes > 0 {
                     format!(
                         ", {} released early to stay under the budget",
@@ -397,6 +409,13 @@ fn direct_line(r: &StepReport) -> String {
         parts.push(format!(
             "{} in a file range larger than the {} that may be page-locked staged by copy",
             crate::progress::count(r.direct_oversize_blocks, "block", "blocks"),
+            fmt_bytes(r.direct_budget_bytes)
+        ));
+    }
+    if r.direct_full_blocks > 0 {
+        parts.push(format!(
+            "{} staged by copy while the {} that may be page-locked was in use",
+            crate::progress::count(r.direct_full_blocks, "block", "blocks"),
             fmt_bytes(r.direct_budget_bytes)
         ));
     }

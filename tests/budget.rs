@@ -5,14 +5,20 @@
 //! so the peak above the baseline must stay within `host_memory` plus the simulated devices'
 //! memory (which lives on the heap here) plus a small allowance for bookkeeping — smaller than
 //! one tile buffer, so a single unpooled tile-sized buffer anywhere in the pipeline fails this.
-//! One test per file: the allocator counts the whole process, so this file is a test binary of
-//! its own, outside the one that holds the other integration tests (tests/it).
+//! The allocator counts the whole process, so this file is a test binary of its own, outside the
+//! one that holds the other integration tests (tests/it), and its tests take turns ([`SERIAL`]).
+//!
+//! Input pages page-locked for the devices' direct copies (`staging = "direct"`) are host memory
+//! too, and memory the kernel cannot reclaim: the simulated devices count what they hold
+//! registered ([`SimPinner::peak_locked`]), and that peak plus the heap's must stay within the
+//! same bound.
 
 #[path = "it/common/mod.rs"]
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use common::*;
 use mgmm_stream::backend::sim::SimBackend;
@@ -45,6 +51,9 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static A: Counting = Counting;
 
+/// Held by each test while it measures: the counts are the whole process's.
+static SERIAL: Mutex<()> = Mutex::new(());
+
 /// Tile 512² f32: every staging/output buffer is 1 MiB; the allowance is half of that.
 const ALLOWANCE: usize = 512 << 10;
 
@@ -72,6 +81,7 @@ fn gemm_workspace_per_thread() -> usize {
 
 #[test]
 fn peak_heap_stays_within_host_memory_plus_device_memory() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let d = tmp();
     let dir = d.path();
     gen(
@@ -122,4 +132,110 @@ fn peak_heap_stays_within_host_memory_plus_device_memory() {
     assert!(peak <= allowed, "peak heap {peak} B > allowed {allowed} B");
     // The pools and devices really are most of the heap: the count is not vacuous.
     assert!(peak >= s.host_pool_bytes as usize);
+}
+
+/// 2048×1536 · 1536×2048 f32 in 512² storage tiles (12 MiB per input) on two simulated devices
+/// that copy input blocks straight from the files' pages (`staging = "direct"`), with a
+/// `host_memory` of 20 MiB whose pools take 14 MiB: the pages locked at once plus the heap
+/// must stay within `host_memory` (plus the simulated devices' memory, which lives on the heap
+/// here), so at most the 6 MiB the pools leave may be locked. Registering every block the
+/// devices copy (24 MiB: the budget was half the memory the host could spare, whatever
+/// `host_memory` said) fails this.
+#[test]
+fn locked_input_pages_and_heap_stay_within_host_memory() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = tmp();
+    let dir = d.path();
+    let tile = (512, 512);
+    gen(
+        &dir.join("A.mgt"),
+        2048,
+        1536,
+        DType::F32,
+        tile,
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        1536,
+        2048,
+        DType::F32,
+        tile,
+        Dist::Normal,
+        2,
+    );
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"sim\"\ntile = 512\nhost_memory = \"20MiB\"\ndevice_memory = \"8MiB\"\n\
+         durable = false\nthreads = 1\nstaging = \"direct\"\n",
+    )
+    .unwrap();
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let workspace = gemm_workspace_per_thread();
+    let backend = SimBackend::with_delays(vec![200; 2], 8 << 20);
+    let pinner = backend.pinner();
+    let base = LIVE.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let r = run_plan_on(
+        &plan,
+        Box::new(backend),
+        &RunOptions::default(),
+        &Progress::quiet(),
+    )
+    .unwrap();
+    let heap = PEAK.load(Ordering::Relaxed) - base;
+    let locked = pinner.peak_locked() as usize;
+    let s = &r.steps[0];
+    let computing = s.lanes.iter().filter(|l| l.stats.gemms > 0).count();
+    let allowed = s.host_budget_bytes as usize
+        + 2 * s.device_bytes_per_lane as usize
+        + computing * workspace
+        + ALLOWANCE;
+    eprintln!(
+        "peak heap above baseline {heap} B, peak locked {locked} B; pools {} B, devices 2 × {} B, GEMM workspace {computing} × {workspace} B, budget {} B, allowed {allowed} B; {} B uploaded from the files' pages",
+        s.host_pool_bytes, s.device_bytes_per_lane, s.host_budget_bytes, s.direct_bytes
+    );
+    assert!(
+        s.direct_bytes > 0 && locked > 0,
+        "nothing went direct: the test is vacuous"
+    );
+    assert!(
+        locked as u64 <= s.host_budget_bytes - s.host_pool_bytes,
+        "{locked} B locked at once, but host_memory {} B less the pools' {} B leaves {} B",
+        s.host_budget_bytes,
+        s.host_pool_bytes,
+        s.host_budget_bytes - s.host_pool_bytes
+    );
+    assert!(
+        heap + locked <= allowed,
+        "peak heap {heap} B + peak locked {locked} B > allowed {allowed} B"
+    );
+    // The report says what was locked at most: the engine counts a range from just before it
+    // registers it to just after it releases it, so never less than the devices saw.
+    let v = serde_json::to_value(s).unwrap();
+    let reported = v["peak_locked_bytes"].as_u64().unwrap_or(0);
+    assert!(
+        reported >= locked as u64 && reported <= s.host_budget_bytes - s.host_pool_bytes,
+        "the report's peak_locked_bytes {reported} B (the devices saw {locked} B)"
+    );
+    assert!(same_as_copies(dir, &plan));
+}
+
+/// The output of the direct run equals a run that copies every block (nothing lost by copying
+/// the blocks the budget could not lock).
+fn same_as_copies(dir: &std::path::Path, plan: &Plan) -> bool {
+    let mut p = plan.clone();
+    p.engine.staging = mgmm_stream::plan::StagingMode::Copy;
+    p.steps[0].output = dir.join("C_copy.mgt");
+    run_plan_on(
+        &p,
+        Box::new(SimBackend::with_delays(vec![200; 2], 8 << 20)),
+        &RunOptions::default(),
+        &Progress::quiet(),
+    )
+    .unwrap();
+    std::fs::read(dir.join("C.mgt")).unwrap() == std::fs::read(dir.join("C_copy.mgt")).unwrap()
 }

@@ -3,9 +3,15 @@
 #   1. `srun -n 4 mgmm-stream run PLAN`                       -> bytes of a one-process run
 #   2. `sbatch --array=0-7%4` (one array task per shard)      -> same bytes
 #   3. a 4-task job SIGKILLed mid-run by `scancel`, then resubmitted as `srun -n 2` -> same bytes
-# and nothing left in the queue. Run from the repository root (.ci/run does); about 1 minute
-# after the first SLURM install (docs/CLUSTER.md gives the measured time).
-# Env: MGMM_BIN (default: build and use target/debug/mgmm-stream), SLURM_LOCAL (the script).
+#   4. a job whose `--time=1` limit ends mid-step: SLURM sends SIGTERM (SIGKILL KillWait = 5 s
+#      later), the run stops, saying so, before the SIGKILL; resubmitted, it finishes -> the
+#      bytes of an uninterrupted run (the step is slowed by the test build's slow-disk hook,
+#      MGMM_FAULT_WRITE_DELAY_MS, so that it outlasts the limit without using the CPU)
+# and nothing left in the queue. Run from the repository root (.ci/run does); about 2.5 minutes
+# after the first SLURM install, most of it the minute-long time limit and SLURM's 30 s check
+# of it (docs/CLUSTER.md gives the measured time).
+# Env: MGMM_BIN (default: build and use target/debug/mgmm-stream, the test build with the
+# fault-injection hooks), SLURM_LOCAL (the script).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -27,7 +33,7 @@ if [ "${1:-}" != "--inner" ]; then
         # The binary `cargo test` just built (.ci/run runs this after it), if no source is newer.
         MGMM_BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug/mgmm-stream"
         if [ ! -x "$MGMM_BIN" ] || [ -n "$(find src Cargo.toml -newer "$MGMM_BIN" -print -quit)" ]; then
-            cargo build --quiet --bin mgmm-stream
+            cargo build --quiet --bin mgmm-stream --features fault-injection
         fi
     fi
     export MGMM_BIN
@@ -47,7 +53,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-plan() {  # plan DIR
+plan() {  # plan DIR [TILE]
     mkdir -p "$1"
     cat > "$1/plan.toml" <<TOML
 [matrices.A]
@@ -62,12 +68,12 @@ expr = "A @ B"
 [engine]
 backend = "cpu"
 threads = 1
-tile = 48
+tile = ${2:-48}
 host_memory = "64MiB"
 TOML
 }
-same() {  # same DIR WHAT
-    cmp -s "$W/ref/C.mgt" "$1/C.mgt" || { echo "FAIL: $2: output differs from one process" >&2; exit 1; }
+same() {  # same DIR WHAT [REFERENCE DIR]
+    cmp -s "${3:-$W/ref}/C.mgt" "$1/C.mgt" || { echo "FAIL: $2: output differs from one process" >&2; exit 1; }
     "$BIN" info "$1/C.mgt" --check >/dev/null
     echo "ok: $2: bit-identical to one process"
 }
@@ -123,6 +129,36 @@ fi
 echo "killed job $job mid-run: $(cd "$W/kill" && "$BIN" status plan.toml | head -1)"
 (cd "$W/kill" && srun -n 2 "$BIN" run plan.toml -q --shards 5 --claim-timeout 5)
 same "$W/kill" "killed mid-run, resubmitted with 2 tasks"
+
+# 4. a time limit that ends mid-step: SIGTERM, a clean stop, a resubmission that finishes.
+# 1024 output tiles of 24², each recorded 150 ms late: 150 s in all, where SLURM ends the job
+# 60-90 s after its start (it checks time limits every 30 s).
+plan "$W/ref24" 24
+(cd "$W/ref24" && env -u SLURM_PROCID -u SLURM_NTASKS "$BIN" run plan.toml -q)
+plan "$W/time" 24
+cat > "$W/time.sh" <<SH
+#!/bin/bash
+cd "$W/time" && MGMM_FAULT_WRITE_DELAY_MS=150 exec "$BIN" run plan.toml --log-every 10
+SH
+t=$(date +%s%N)
+job=$(sbatch --parsable --time=1 -o "$W/time.log" "$W/time.sh")
+JOBS+=("$job")
+wait_gone "$job"
+state=$(scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' || true)
+echo "job $job with --time=1 ended after $(( ($(date +%s%N) - t) / 1000000 )) ms ($state): $(grep "^interrupted" "$W/time.log" || tail -1 "$W/time.log")"
+[ "$state" = JobState=TIMEOUT ] || { echo "FAIL: the job was not ended by its time limit ($state; finished first, nothing tested?)" >&2; cat "$W/time.log" >&2; exit 1; }
+grep -q "^interrupted by SIGTERM; run the same command again to resume" "$W/time.log" \
+    || { echo "FAIL: SIGTERM at the time limit did not stop the run cleanly within KillWait:" >&2; cat "$W/time.log" >&2; exit 1; }
+[ -e "$W/time/C.mgt.journal" ] || { echo "FAIL: no journal kept after SIGTERM" >&2; exit 1; }
+tmp=$(find "$W/time" -name '*.tmp*' -o -name '*.partial' -type f)
+[ -z "$tmp" ] || { echo "FAIL: temporaries left after SIGTERM: $tmp" >&2; exit 1; }
+echo "stopped by the time limit: $("$BIN" info "$W/time/C.mgt" --check 2>&1 | grep -m1 unfinished)"
+cat > "$W/time2.sh" <<SH
+#!/bin/bash
+cd "$W/time" && exec "$BIN" run plan.toml -q
+SH
+sbatch --wait -o "$W/time2.log" "$W/time2.sh" >/dev/null || { cat "$W/time2.log" >&2; exit 1; }
+same "$W/time" "time limit (SIGTERM) mid-step, resubmitted" "$W/ref24"
 
 left=$(squeue -h | wc -l)
 [ "$left" = 0 ] || { echo "FAIL: $left jobs left in the queue" >&2; squeue >&2; exit 1; }

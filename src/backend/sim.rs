@@ -51,9 +51,16 @@ pub struct SimPinner {
     held: Mutex<Vec<(usize, usize)>>,
     limits: Option<(u64, u64)>,
     violations: std::sync::atomic::AtomicU64,
+    /// The most bytes registered at once (counted here, apart from the engine's own count).
+    peak: std::sync::atomic::AtomicU64,
 }
 
 impl SimPinner {
+    /// The most bytes of the input files that were registered ("page-locked") at once.
+    pub fn peak_locked(&self) -> u64 {
+        self.peak.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Copies that found part of what they read no longer registered.
     pub fn violations(&self) -> u64 {
         self.violations.load(std::sync::atomic::Ordering::Relaxed)
@@ -90,6 +97,9 @@ impl InputPinner for SimPinner {
             ));
         }
         h.push((p, len));
+        let now: usize = h.iter().map(|&(_, l)| l).sum();
+        self.peak
+            .fetch_max(now as u64, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
     fn unregister(&self, ptr: *const u8) {

@@ -131,10 +131,10 @@ fn check_tile(tile: u64) -> Result<()> {
     Ok(())
 }
 
-/// The error for a job stopped by Ctrl-C, or `e` itself.
+/// The error for a job stopped by Ctrl-C, SIGTERM or SIGHUP, or `e` itself.
 fn interrupted(e: Error, what: &str) -> Error {
     if interrupt::requested() && matches!(e, Error::Cancelled | Error::Usage(_)) {
-        Error::Usage(format!("interrupted; {what}"))
+        Error::Usage(format!("{}; {what}", interrupt::interrupted()))
     } else {
         e
     }

@@ -171,6 +171,12 @@ impl Checkpoints {
             && !self.off.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether the run takes checkpoints (`engine.checkpoint_every` is not `"off"` and saving
+    /// has not failed): a stopped run then saves its tiles in flight, whatever the interval.
+    pub(crate) fn saving(&self) -> bool {
+        self.every.is_some() && !self.off.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Tiles this run resumes from a checkpoint: seq → k-chunks already done.
     pub(crate) fn resumed(&self) -> &BTreeMap<u32, u32> {
         &self.resume

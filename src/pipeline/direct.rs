@@ -13,9 +13,13 @@
 //! compute dtype), staging hands the lane the block's rectangles in the map and the page-locked
 //! storage tiles behind them ([`DirectUpload`]); the lane copies each rectangle into the slot.
 //! A storage tile is registered the first time a block needs it and stays registered for later
-//! blocks until the registered total would pass the budget (half the memory the host can spare,
-//! measured when the step starts), when idle tiles are released oldest first; everything is
-//! released when the step ends. Storage tiles are page-aligned and `tile_stride` apart
+//! blocks until the registered total would pass the budget, when idle tiles are released oldest
+//! first; everything is released when the step ends. Locked pages are host memory the kernel
+//! cannot reclaim (under a cgroup limit — SLURM's `--mem`, a container — more than that is an OOM
+//! kill), so the budget is part of `engine.host_memory`: what the step's pools leave of it, and at
+//! most half the memory the host can spare when the step starts ([`limits`]). It is a bound, not
+//! a goal: a block whose ranges do not fit beside those in use (which are never released) is
+//! copied instead, so pools plus locked pages never pass `host_memory`. Storage tiles are page-aligned and `tile_stride` apart
 //! (docs/FORMAT.md), so their ranges never overlap and each is registered once.
 //!
 //! Checks stay, off the devices' path: a storage tile's CRC is verified and NaN/Inf are counted
@@ -62,6 +66,8 @@ pub(crate) struct DirectReads {
     /// Registered ranges by their first byte's address.
     entries: Mutex<HashMap<usize, Arc<Entry>>>,
     registered: AtomicU64,
+    /// The most registered at once.
+    peak: AtomicU64,
     tick: AtomicU64,
     /// Why direct uploads stopped, if a registration failed.
     failed: OnceLock<String>,
@@ -76,6 +82,7 @@ struct Counts {
     bytes: AtomicU64,
     cold_blocks: AtomicU64,
     oversize_blocks: AtomicU64,
+    full_blocks: AtomicU64,
     register_ns: AtomicU64,
     registered_bytes: AtomicU64,
     released_bytes: AtomicU64,
@@ -91,7 +98,11 @@ pub(crate) struct DirectStats {
     /// Blocks copied instead because one range they lie in is larger than the budget (a large
     /// `.npy` or raw file is one range), and that budget.
     pub(crate) oversize_blocks: u64,
+    /// Blocks copied instead because the ranges in use left no room for theirs in the budget.
+    pub(crate) full_blocks: u64,
     pub(crate) budget: u64,
+    /// The most bytes page-locked at once.
+    pub(crate) peak_locked: u64,
     /// Bytes registered, and the seconds that took (all threads together).
     pub(crate) registered_bytes: u64,
     pub(crate) register_s: f64,
@@ -119,6 +130,14 @@ struct EntryState {
 
 /// A range kept registered while an upload (or its check) uses it.
 pub(crate) struct Pin(Arc<Entry>);
+
+/// Why a range could not be pinned.
+enum PinError {
+    /// The budget has no room for it beside the ranges in use: copy this block.
+    Full,
+    /// Registering failed (the driver's words): copy the rest of the step.
+    Failed(String),
+}
 
 impl Clone for Pin {
     fn clone(&self) -> Pin {
@@ -239,15 +258,22 @@ fn budget() -> u64 {
         .unwrap_or(DEFAULT_BUDGET)
 }
 
-/// The registration budget and range size for `pinner`: its own where it fixes them (the
-/// simulated devices' tests), else half the memory the host can spare and [`CHUNK`].
-pub(crate) fn limits(pinner: &dyn InputPinner) -> (u64, u64) {
-    pinner.limits().unwrap_or_else(default_limits)
+/// The registration budget and range size of a step whose pools take `pools` bytes of
+/// `host_memory`, registering through a pinner with limits `fixed` (the simulated devices'
+/// tests fix them; `None`: half the memory the host can spare, and [`CHUNK`]): what the pools
+/// leave of `host_memory`, and at most that cap ([`lock_budget`]); ranges of at most an eighth
+/// of it, so that a small budget still holds several.
+pub(crate) fn limits(fixed: Option<(u64, u64)>, host_memory: u64, pools: u64) -> (u64, u64) {
+    let (cap, chunk) = fixed.unwrap_or_else(|| (budget(), CHUNK));
+    let b = lock_budget(host_memory, pools, cap);
+    (b, chunk.min((b / 8).max(PAGE)))
 }
 
-/// Half the memory the host can spare, and [`CHUNK`]: the limits of the GPUs' registrations.
-pub(crate) fn default_limits() -> (u64, u64) {
-    (budget(), CHUNK)
+/// Bytes of the input files that may be page-locked at once: `host_memory` less the step's
+/// pools (`pools`, the layout's `host_bytes`: every host buffer the step may allocate, lazy
+/// ones included), and at most `cap`. Pools plus locked pages never pass `host_memory`.
+pub(crate) fn lock_budget(host_memory: u64, pools: u64, cap: u64) -> u64 {
+    host_memory.saturating_sub(pools).min(cap)
 }
 
 /// Whether every block of `sources` (a step's A and B) is expected to go straight from the
@@ -284,16 +310,17 @@ pub(crate) fn expected(
 }
 
 impl DirectReads {
-    /// A registry for `sources` (A, B, C0), registering through `pinner`; `None` for `copy`.
+    /// A registry for `sources` (A, B, C0), registering through `pinner` at most `budget`
+    /// bytes at once in ranges of `chunk` ([`limits`]); `None` for `copy`.
     pub(crate) fn new(
         mode: StagingMode,
         pinner: Arc<dyn InputPinner>,
         sources: Vec<Arc<dyn MatrixSource>>,
+        (budget, chunk): (u64, u64),
     ) -> Option<DirectReads> {
         if mode == StagingMode::Copy {
             return None;
         }
-        let (budget, chunk) = limits(&*pinner);
         Some(Self::with_budget(mode, pinner, sources, budget, chunk))
     }
 
@@ -311,6 +338,7 @@ impl DirectReads {
             chunk,
             entries: Mutex::new(HashMap::new()),
             registered: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
             tick: AtomicU64::new(0),
             failed: OnceLock::new(),
             stats: Counts::default(),
@@ -436,7 +464,12 @@ impl DirectReads {
             let ptr = unsafe { mb.map.as_ptr().add(start) } as usize;
             match self.pin(ptr, end - start) {
                 Ok(p) => pins.push(p),
-                Err(why) => {
+                Err(PinError::Full) => {
+                    // The pins taken so far go idle (and may be released for the next block).
+                    self.stats.full_blocks.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                }
+                Err(PinError::Failed(why)) => {
                     // Off for the rest of the step: let go of what is idle now (the failure
                     // may be memory running short), not at the step's end.
                     drop(pins);
@@ -453,8 +486,9 @@ impl DirectReads {
         Some(pins)
     }
 
-    /// Keep `len` bytes at `ptr` registered while the returned pin lives.
-    fn pin(&self, ptr: usize, len: usize) -> Result<Pin, String> {
+    /// Keep `len` bytes at `ptr` registered while the returned pin lives; `Full` when the
+    /// budget has no room for it beside the ranges in use.
+    fn pin(&self, ptr: usize, len: usize) -> Result<Pin, PinError> {
         let e = {
             let mut m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
             m.entry(ptr)
@@ -474,12 +508,17 @@ impl DirectReads {
         }
         if !st.registered {
             self.make_room(len as u64, ptr);
+            if !self.reserve(len as u64) {
+                return Err(PinError::Full);
+            }
             let t = Instant::now();
-            self.pinner.register(ptr as *const u8, len)?;
+            if let Err(why) = self.pinner.register(ptr as *const u8, len) {
+                self.registered.fetch_sub(len as u64, Ordering::SeqCst);
+                return Err(PinError::Failed(why));
+            }
             let ns = t.elapsed().as_nanos() as u64;
             crate::trace::span("direct", "register", t, Instant::now());
             st.registered = true;
-            self.registered.fetch_add(len as u64, Ordering::Relaxed);
             self.stats.register_ns.fetch_add(ns, Ordering::Relaxed);
             self.stats
                 .registered_bytes
@@ -488,6 +527,21 @@ impl DirectReads {
         st.users += 1;
         drop(st);
         Ok(Pin(e))
+    }
+
+    /// Count `len` more bytes registered if they fit in the budget (checked and added at once:
+    /// two threads cannot both take the last room); the peak follows.
+    fn reserve(&self, len: u64) -> bool {
+        let r = (self.registered).fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| {
+            (r + len <= self.budget).then_some(r + len)
+        });
+        match r {
+            Ok(before) => {
+                self.peak.fetch_max(before + len, Ordering::SeqCst);
+                true
+            }
+            Err(_) => false,
+        }
     }
 
     /// Release idle ranges, oldest first, until `len` more bytes fit in the budget (or
@@ -542,7 +596,9 @@ impl DirectReads {
             bytes: c.bytes.load(Ordering::Relaxed),
             cold_blocks: c.cold_blocks.load(Ordering::Relaxed),
             oversize_blocks: c.oversize_blocks.load(Ordering::Relaxed),
+            full_blocks: c.full_blocks.load(Ordering::Relaxed),
             budget: self.budget,
+            peak_locked: self.peak.load(Ordering::Relaxed),
             registered_bytes: c.registered_bytes.load(Ordering::Relaxed),
             register_s: c.register_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             released_bytes: c.released_bytes.load(Ordering::Relaxed),
@@ -698,16 +754,19 @@ mod tests {
         assert_eq!(rec.registrations.load(Ordering::Relaxed), 6);
         assert_eq!(rec.held.lock().unwrap().len(), 4);
         assert_eq!(reg.stats().released_bytes, 2 * 4096);
-        // Tiles in use are never released, even over the budget.
+        // Tiles in use are never released, and the budget is never passed: a block whose
+        // ranges have no room beside them is copied instead (counted), taking nothing.
+        assert!(fx.up(&reg, block(48, 0, 16, 64), DType::F32).is_none());
+        assert_eq!(rec.held.lock().unwrap().len(), 4, "2 idle, 2 in use by up3");
+        assert_eq!(reg.stats().full_blocks, 1);
+        // Once up3 is done, its tiles are idle and the four the block needs fit.
+        drop(up3);
         let up4 = fx.up(&reg, block(48, 0, 16, 64), DType::F32).unwrap();
-        assert_eq!(
-            rec.held.lock().unwrap().len(),
-            6,
-            "2 in use by up3, 4 by up4"
-        );
-        drop((up3, up4));
+        assert_eq!(rec.held.lock().unwrap().len(), 4, "all four in use by up4");
+        drop(up4);
         let st = reg.stats();
         assert_eq!(st.bytes, (256 + 256 + 512 + 1024) * 4);
+        assert_eq!(st.peak_locked, 4 * 4096, "never more than the budget");
         assert!(st.failed.is_none());
         drop(reg);
         assert!(
@@ -812,6 +871,43 @@ mod tests {
         let held = rec.held.lock().unwrap().clone();
         assert_eq!(held.len(), 6);
         assert_eq!(held.iter().map(|h| h.1).sum::<usize>(), 16 * 4096);
+    }
+
+    /// 65536² f32 on one H200 with `host_memory = "8GiB"`, where the host could spare 30.8 GB:
+    /// the budget used to be half of that (15.4 GB, and 19.9 GB were locked). Now the pools (six
+    /// staging and three output buffers of an 8192² f32 tile) and the locked pages together
+    /// stay within `host_memory`; a host with less to spare locks less; pools that take all of
+    /// `host_memory` leave nothing to lock (every block is copied).
+    #[test]
+    fn locked_pages_share_host_memory_with_the_pools() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.toml");
+        std::fs::write(
+            &path,
+            "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 65536, cols = 65536 }\n\
+             [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 65536, cols = 65536 }\n\
+             [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+             [engine]\nbackend = \"cuda\"\nhost_memory = \"8GiB\"\n",
+        )
+        .unwrap();
+        let plan = crate::plan::Plan::load(&path).unwrap();
+        let caps = crate::backend::cuda::cuda_caps(1, 139 << 30);
+        let l = crate::plan::layout::Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps)
+            .unwrap();
+        let host_memory = 8u64 << 30;
+        assert_eq!(plan.engine.host_memory, host_memory);
+        assert_eq!(l.host_bytes, 9 * (8192 * 8192 * 4), "the pools");
+        let h200 = Some((15_400_000_000, CHUNK));
+        let (budget, chunk) = limits(h200, host_memory, l.host_bytes);
+        assert_eq!(budget, host_memory - l.host_bytes);
+        assert_eq!(chunk, CHUNK);
+        assert_eq!(
+            limits(Some((1 << 30, CHUNK)), host_memory, l.host_bytes).0,
+            1 << 30
+        );
+        assert_eq!(limits(h200, l.host_bytes, l.host_bytes).0, 0);
+        // A small budget registers small ranges (an eighth of it), so that several fit.
+        assert_eq!(limits(h200, 64 << 20, 32 << 20), (32 << 20, 4 << 20));
     }
 
     #[test]

@@ -77,6 +77,9 @@ pub(crate) struct RunConfig {
     pub(crate) staging: crate::plan::StagingMode,
     /// Worker threads of the run (`engine.threads` resolved: 0 means every core).
     pub(crate) threads: usize,
+    /// `engine.host_memory`: the pools and the input pages page-locked for direct uploads
+    /// together stay within it ([`direct::limits`]).
+    pub(crate) host_memory: u64,
     /// A flag set from outside (Ctrl-C) that cancels the run; `None`: only errors cancel.
     pub(crate) cancel: Option<&'static std::sync::atomic::AtomicBool>,
 }
@@ -88,6 +91,7 @@ impl RunConfig {
             durable: e.durable,
             staging: e.staging,
             threads: crate::backend::resolve_threads(e.threads),
+            host_memory: e.host_memory,
             cancel: None,
         }
     }
@@ -183,7 +187,8 @@ impl Engines {
         let p = e.precision;
         let lazy = direct::expected(
             backend.caps().staging(e.staging),
-            backend.input_pinner().map(|p| direct::limits(&*p)),
+            (backend.input_pinner())
+                .map(|p| direct::limits(p.limits(), e.host_memory, layout.host_bytes)),
             &[&*sources.a, &*sources.b],
             sources.c0.is_some(),
             layout.host_dt,
@@ -330,10 +335,12 @@ impl<'a> Pipeline<'a> {
         let direct = match backend.input_pinner() {
             Some(pinner) if lanes.iter().any(|l| l.uploads_runs()) => {
                 let srcs = [Some(&inputs.a), Some(&inputs.b), inputs.c0.as_ref()];
+                let limits = direct::limits(pinner.limits(), cfg.host_memory, l.host_bytes);
                 direct::DirectReads::new(
                     backend.caps().staging(cfg.staging),
                     pinner,
                     srcs.into_iter().flatten().cloned().collect(),
+                    limits,
                 )
             }
             _ => None,
@@ -442,10 +449,13 @@ impl<'a> Pipeline<'a> {
         if let Some(e) = ctl.take_error() {
             return Err(e);
         }
-        if ctl.is_cancelled() {
+        let computed = c.tiles_done.load(Ordering::Relaxed) - done_start;
+        // A stopped run whose last tiles were all recorded meanwhile is finished.
+        if (ctl.is_cancelled() && !ctl.is_stopping())
+            || (ctl.is_stopping() && computed != self.queue.len() as u64)
+        {
             return Err(Error::Cancelled);
         }
-        let computed = c.tiles_done.load(Ordering::Relaxed) - done_start;
         if computed != self.queue.len() as u64 {
             return Err(Error::Usage(format!(
                 "internal error: {computed} of {} output tiles were written",
@@ -547,16 +557,26 @@ impl<'a> Pipeline<'a> {
                 .collect();
             if !flags.is_empty() {
                 // Cancel flags are polled, because whoever sets them (a signal handler, Python)
-                // may not be able to do more than store a bool.
+                // may not be able to do more than store a bool. A flag set stops the run
+                // (`Control::stop`: the lanes save what they hold), which is then cancelled once
+                // the output stages have written and recorded it, or after `STOP_GRACE`.
                 let stop = stop_rx.clone();
                 let flags = &flags;
                 s.spawn(move || {
+                    let mut since: Option<Instant> = None;
                     while let Err(RecvTimeoutError::Timeout) =
                         stop.recv_timeout(Duration::from_millis(20))
                     {
-                        if flags.iter().any(|f| f.load(Ordering::SeqCst)) {
-                            ctl.cancel();
-                            break;
+                        match since {
+                            None if flags.iter().any(|f| f.load(Ordering::SeqCst)) => {
+                                ctl.stop();
+                                since = Some(Instant::now());
+                            }
+                            Some(t) if ctl.is_output_done() || t.elapsed() >= STOP_GRACE => {
+                                ctl.cancel();
+                                break;
+                            }
+                            _ => {}
                         }
                     }
                 });
@@ -651,6 +671,11 @@ impl<'a> Pipeline<'a> {
         stages
     }
 }
+
+/// How long a stopped run waits for its lanes to save their tiles in flight and for the output
+/// stages to write and record them before it is cancelled outright (SLURM's `KillWait` is 30 s
+/// by default; a save is one download and one checkpoint file per tile in flight).
+const STOP_GRACE: Duration = Duration::from_secs(15);
 
 /// Writeback threads for `threads` worker threads (`engine.threads`): one per eight, 1 to 4.
 /// One thread copied finished tiles into the output and checksummed them at 3.5–3.9 GB/s on

@@ -105,7 +105,7 @@ fn staging_lazy(plan: &Plan, order: (usize, usize), l: &Layout) -> bool {
     let lazy = match (open(&step.a), open(&step.b)) {
         (Some(a), Some(b)) => direct::expected(
             (plan.engine.staging).on_lanes(l.lanes, AUTO_COPIES_FROM),
-            Some(direct::default_limits()),
+            Some(direct::limits(None, plan.engine.host_memory, l.host_bytes)),
             &[&*a, &*b],
             step.c0.is_some(),
             l.host_dt,

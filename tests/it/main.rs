@@ -24,5 +24,6 @@ mod ooc;
 mod pipeline;
 mod progress;
 mod resume;
+mod signals;
 mod sim;
 mod verify;

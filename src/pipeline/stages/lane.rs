@@ -5,6 +5,7 @@
 //! meanwhile), on a free output buffer, on the device when it is [`MAX_AHEAD`] GEMMs or
 //! `max_downs` downloads ahead, and on its output channels.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -143,7 +144,7 @@ impl DeviceLane<'_> {
     /// for the last download waits for every GEMM queued before it, so the GPU ran dry and sat
     /// idle until the next upload arrived (about 10 ms at every output tile of 32768² fp32 on
     /// one H200, 76–101 ms in all, seen in `MGMM_TRACE` timelines). `None`: upstream is
-    /// finished or the run is cancelled.
+    /// finished, the run is cancelled or a stop is asked.
     fn next_op(&mut self, p: &mut Pending, ctl: &Control) -> Result<Option<LaneOp>> {
         // Only the time spent in `recv` counts as waiting for input (handing on finished
         // downloads counts as waiting for room downstream, in `settle`).
@@ -151,12 +152,9 @@ impl DeviceLane<'_> {
         let op = loop {
             self.settle(p, ctl, false)?;
             let t = Instant::now();
-            if p.ups.is_empty() && p.downs.is_empty() {
-                let op = ctl.recv(&self.rx);
-                waited += t.elapsed();
-                break op;
-            }
-            let r = ctl.recv_within(&self.rx, LANE_POLL);
+            // Nothing in flight: block until an op comes (or a stop is asked).
+            let idle = p.ups.is_empty() && p.downs.is_empty();
+            let r = ctl.recv_lane(&self.rx, (!idle).then_some(LANE_POLL));
             waited += t.elapsed();
             match r {
                 Ok(Some(op)) => break Some(op),
@@ -194,7 +192,11 @@ impl DeviceLane<'_> {
             ups: Vec::new(),
             downs: Vec::new(),
         };
-        let r = self.work(ctl, &mut p);
+        let mut active = BTreeMap::new();
+        let mut r = self.work(ctl, &mut p, &mut active);
+        if r.is_ok() && ctl.is_stopping() && !ctl.is_cancelled() {
+            r = self.stop(ctl, &mut p, &active);
+        }
         // A lane that stops early (an error, a cancel) may leave copies in flight; those
         // reading the files' page-locked pages must end before the pages are released when
         // the stages are over (best effort: a failed device answers at once).
@@ -206,12 +208,22 @@ impl DeviceLane<'_> {
         r
     }
 
-    fn work(&mut self, ctl: &Control, p: &mut Pending) -> Result<()> {
+    /// Run ops until upstream is finished, the run is cancelled or a stop is asked; `active`
+    /// keeps, per accumulator in use, its tile and the k-chunks issued on it.
+    fn work(
+        &mut self,
+        ctl: &Control,
+        p: &mut Pending,
+        active: &mut BTreeMap<usize, (OutTile, u32)>,
+    ) -> Result<()> {
         let mut ops = 0u64;
         // When each accumulator's tile started, or was last saved (for checkpoints): per
         // accumulator, because a start group interleaves several tiles' k-chunks.
         let mut marks: Vec<Instant> = Vec::new();
         loop {
+            if ctl.is_stopping() {
+                return Ok(());
+            }
             let op = match self.rx.try_recv() {
                 Ok(op) => op,
                 Err(TryRecvError::Disconnected) => break,
@@ -241,10 +253,14 @@ impl DeviceLane<'_> {
                 } => {
                     self.hold_back(p, ctl)?;
                     self.lane.gemm(&desc, a_slot, b_slot, acc)?;
+                    active.insert(acc, (tile, kk as u32 + 1));
                     self.count_gemm(&desc, ops == 0);
                     self.checkpoint_if_due(&tile, acc, kk, &mut marks, p, ctl)?;
                 }
-                LaneOp::End { tile, acc } => self.end_tile(tile, acc, p, ctl)?,
+                LaneOp::End { tile, acc } => {
+                    active.remove(&acc);
+                    self.end_tile(tile, acc, p, ctl)?
+                }
             }
             self.m.add_busy_since(t, waited);
             self.settle(p, ctl, false)?;
@@ -253,10 +269,36 @@ impl DeviceLane<'_> {
                 *self.live.lock().unwrap() = self.lane.live_stats();
             }
         }
-        if !ctl.is_cancelled() {
+        if !ctl.is_cancelled() && !ctl.is_stopping() {
             self.settle(p, ctl, true)?;
             *self.live.lock().unwrap() = self.lane.live_stats();
             self.lane.release();
+        }
+        Ok(())
+    }
+
+    /// A stop was asked: hand on the tiles finished (their downloads), send the accumulators of
+    /// the tiles `active` is in the middle of to be saved as checkpoints (when the run takes
+    /// them), let go of the channels to writeback — which ends once every lane has — and then
+    /// only discard what upstream still sends until the run is cancelled, so that no stage
+    /// fails on a closed channel before the output stages are done.
+    fn stop(
+        &mut self,
+        ctl: &Control,
+        p: &mut Pending,
+        active: &BTreeMap<usize, (OutTile, u32)>,
+    ) -> Result<()> {
+        self.settle(p, ctl, true)?;
+        if let Some(c) = self.ckpt.filter(|c| c.saving()) {
+            for (&acc, &(tile, k_done)) in active {
+                if (k_done as u64) < c.k_chunks() {
+                    self.checkpoint(&tile, acc, k_done, p, ctl)?;
+                }
+            }
+        }
+        drop(std::mem::replace(&mut self.out, ToWriteback(Vec::new())));
+        while let Some(op) = ctl.recv(&self.rx) {
+            drop(op);
         }
         Ok(())
     }

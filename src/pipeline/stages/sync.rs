@@ -36,6 +36,13 @@ pub(crate) struct Durable<'a> {
 
 impl Durable<'_> {
     pub(crate) fn run(self, ctl: &Control) -> Result<()> {
+        let r = self.record(ctl);
+        // A stopped run is cancelled once everything the lanes sent is recorded.
+        ctl.output_done();
+        r
+    }
+
+    fn record(&self, ctl: &Control) -> Result<()> {
         while let Some((tile, crc)) = ctl.recv_timed(&self.rx, &self.m) {
             let t = Instant::now();
             let b = tile.block;

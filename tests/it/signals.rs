@@ -1,0 +1,164 @@
+//! SIGTERM and SIGHUP stop a run as Ctrl-C does: SLURM sends SIGTERM at a job's time limit (and
+//! SIGKILL `KillWait` seconds later), a closed terminal sends SIGHUP. The run stops within a few
+//! seconds, writes the tiles already computed, saves the accumulators of the tiles in flight as
+//! checkpoints (here the only checkpoints: `checkpoint_every = "1h"`), keeps the journal, leaves
+//! no temporary file of its own, and exits with 128 + the signal's number; the same command then
+//! finishes with the bytes of an uninterrupted run. The real SLURM's time limit is
+//! `tests/slurm.sh`'s.
+
+use crate::common::*;
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use mgmm_stream::dtype::DType;
+use mgmm_stream::store::gen::Dist;
+
+/// A run of several seconds on four simulated devices: 512³ in 16³ tiles (32 k-chunks per
+/// output tile), checkpoints only when the run is stopped.
+fn slow_plan(dir: &Path) {
+    gen(
+        &dir.join("A.mgt"),
+        512,
+        512,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        512,
+        512,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"sim\"\ntile = [16, 16, 16]\ncheckpoint_every = \"1h\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+}
+
+fn run_quiet(dir: &Path) {
+    let o = Command::new(bin())
+        .args(["run", "p.toml", "--quiet"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Files under `dir` (recursively) whose names look like a temporary: `*.tmp`, `*.<pid>.partial`.
+fn temporaries(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if p.is_dir() {
+            out.extend(temporaries(&p));
+        } else if name.contains(".tmp") || name.ends_with(".partial") {
+            out.push(p.display().to_string());
+        }
+    }
+    out
+}
+
+/// Start the slow plan, send `signal` once it is under way, and check how it stopped.
+fn stops_like_ctrl_c(signal: &str, signo: i32) {
+    let d = tmp();
+    let dir = d.path();
+    slow_plan(dir);
+    let r = tmp();
+    slow_plan(r.path());
+    run_quiet(r.path());
+
+    let mut child = Command::new(bin())
+        .args(["run", "p.toml", "--log-every", "0.2"])
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    // Under way: a progress line past 0 %, so some tiles are written and others in flight.
+    while !seen
+        .lines()
+        .any(|l| l.contains('%') && !l.contains(" 0.0%"))
+    {
+        let mut l = String::new();
+        assert!(
+            err.read_line(&mut l).unwrap() > 0,
+            "run ended early: {seen}"
+        );
+        seen += &l;
+    }
+    let st = Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let t = Instant::now();
+    let mut rest = String::new();
+    err.read_to_string(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    let took = t.elapsed();
+    let all = seen + &rest;
+    assert_eq!(
+        status.code(),
+        Some(128 + signo),
+        "exit status after SIG{signal} ({status}): {all}"
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "stopped {took:?} after SIG{signal}"
+    );
+    assert!(!all.contains("panicked"), "{all}");
+    let last = all.trim_end().lines().last().unwrap();
+    assert!(
+        last.contains(&format!(
+            "interrupted by SIG{signal}; run the same command again to resume"
+        )),
+        "last line: {last}\n{all}"
+    );
+    assert!(dir.join("C.mgt.journal").is_file(), "the journal is kept");
+    let ckpts: Vec<_> = std::fs::read_dir(dir.join("C.mgt.partial"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        ckpts.iter().any(|n| n.to_string_lossy().ends_with(".ckpt")),
+        "the tiles in flight were saved as checkpoints: {ckpts:?}"
+    );
+    assert_eq!(temporaries(dir), Vec::<String>::new(), "temporaries left");
+
+    // The same command resumes (from the checkpoints) and writes the bytes of a run never
+    // stopped.
+    let o = Command::new(bin())
+        .args(["run", "p.toml"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{text}");
+    assert!(
+        text.contains("checkpoint"),
+        "resumed from checkpoints: {text}"
+    );
+    assert!(
+        std::fs::read(dir.join("C.mgt")).unwrap() == std::fs::read(r.path().join("C.mgt")).unwrap(),
+        "the resumed output differs from an uninterrupted run"
+    );
+    assert!(!dir.join("C.mgt.partial").exists());
+}
+
+#[test]
+fn sigterm_stops_like_ctrl_c_and_the_rerun_finishes_identically() {
+    stops_like_ctrl_c("TERM", libc::SIGTERM);
+}
+
+#[test]
+fn sighup_stops_like_ctrl_c_and_the_rerun_finishes_identically() {
+    stops_like_ctrl_c("HUP", libc::SIGHUP);
+}
