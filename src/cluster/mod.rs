@@ -310,9 +310,20 @@ fn run_step_shards(
             shard_range(manifest.tiles, manifest.gn as u32, s, k),
             format!("shard {k}/{s}"),
         );
-        let rep = cx
+        let rep = match cx
             .step_run(Box::new(target), &sources)
-            .run(backend, progress)?;
+            .run(backend, progress)
+        {
+            Ok(rep) => rep,
+            // Asked to stop (Ctrl-C, SIGTERM at a job's time limit, SIGHUP): the shard's journal
+            // and checkpoints are saved, so give the shard back at once; a resubmission on
+            // another host need not wait for the claim to go stale.
+            Err(e) if crate::interrupt::requested() => {
+                c.release();
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         c.finish_as(&shard_file(&dir, k, s, "done"))?;
         reports.extend(rep);
     }

@@ -41,9 +41,10 @@ fn slow_plan(dir: &Path) {
     std::fs::write(dir.join("p.toml"), text).unwrap();
 }
 
-fn run_quiet(dir: &Path) {
+fn run_quiet(dir: &Path, extra: &[&str]) {
     let o = Command::new(bin())
         .args(["run", "p.toml", "--quiet"])
+        .args(extra)
         .current_dir(dir)
         .output()
         .unwrap();
@@ -72,7 +73,7 @@ fn stops_like_ctrl_c(signal: &str, signo: i32) {
     slow_plan(dir);
     let r = tmp();
     slow_plan(r.path());
-    run_quiet(r.path());
+    run_quiet(r.path(), &[]);
 
     let mut child = Command::new(bin())
         .args(["run", "p.toml", "--log-every", "0.2"])
@@ -161,4 +162,77 @@ fn sigterm_stops_like_ctrl_c_and_the_rerun_finishes_identically() {
 #[test]
 fn sighup_stops_like_ctrl_c_and_the_rerun_finishes_identically() {
     stops_like_ctrl_c("HUP", libc::SIGHUP);
+}
+
+/// Files under `dir` (recursively) whose names end with `suffix`.
+fn files_ending(dir: &Path, suffix: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files_ending(&p, suffix));
+        } else if e.file_name().to_string_lossy().ends_with(suffix) {
+            out.push(p.display().to_string());
+        }
+    }
+    out
+}
+
+/// A shard stopped by SIGTERM (SLURM's time limit) gives its claim back, so a resubmission
+/// on another host starts at once instead of waiting `--claim-timeout`; it resumes the shard
+/// to the bytes of a run never stopped.
+#[test]
+fn a_shard_stopped_by_sigterm_gives_its_claim_back() {
+    let d = tmp();
+    let dir = d.path();
+    slow_plan(dir);
+    let r = tmp();
+    slow_plan(r.path());
+    run_quiet(r.path(), &[]);
+    let o = Command::new(bin())
+        .args(["prepare", "p.toml"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut child = Command::new(bin())
+        .args(["run", "p.toml", "--shard", "0/1", "--log-every", "0.2"])
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen
+        .lines()
+        .any(|l| l.contains('%') && !l.contains(" 0.0%"))
+    {
+        let mut l = String::new();
+        assert!(
+            err.read_line(&mut l).unwrap() > 0,
+            "run ended early: {seen}"
+        );
+        seen += &l;
+    }
+    assert_eq!(files_ending(dir, ".claim").len(), 1, "the shard is claimed");
+    let st = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut rest = String::new();
+    err.read_to_string(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{seen}{rest}");
+    assert_eq!(
+        files_ending(dir, ".claim"),
+        Vec::<String>::new(),
+        "a stopped shard gives its claim back"
+    );
+    run_quiet(dir, &["--shard", "0/1"]);
+    assert!(
+        std::fs::read(dir.join("C.mgt")).unwrap() == std::fs::read(r.path().join("C.mgt")).unwrap(),
+        "the resumed shard's output differs from an uninterrupted run"
+    );
 }
