@@ -13,24 +13,7 @@ use mgmm_stream::store::gen::Dist;
 const GOOD: &str = "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[matrices.D]\npath = \"D.mgt\"\n";
 
 fn setup(dir: &Path) {
-    gen(
-        &dir.join("A.mgt"),
-        20,
-        30,
-        DType::F32,
-        (8, 8),
-        Dist::Normal,
-        1,
-    );
-    gen(
-        &dir.join("B.mgt"),
-        30,
-        10,
-        DType::F32,
-        (8, 8),
-        Dist::Normal,
-        2,
-    );
+    small_inputs(dir);
     gen(
         &dir.join("D.mgt"),
         30,

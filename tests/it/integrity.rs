@@ -15,24 +15,7 @@ use mgmm_stream::store::gen::Dist;
 /// A.mgt (20×30), B.mgt (30×10) and p.toml computing `output` = A·B on the CPU with 8×8×8
 /// compute tiles (6 output tiles); the run done.
 fn finished(dir: &Path, output: &str) {
-    gen(
-        &dir.join("A.mgt"),
-        20,
-        30,
-        DType::F32,
-        (8, 8),
-        Dist::Normal,
-        1,
-    );
-    gen(
-        &dir.join("B.mgt"),
-        30,
-        10,
-        DType::F32,
-        (8, 8),
-        Dist::Normal,
-        2,
-    );
+    small_inputs(dir);
     std::fs::write(
         dir.join("p.toml"),
         format!(

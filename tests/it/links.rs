@@ -11,9 +11,6 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use mgmm_stream::dtype::DType;
-use mgmm_stream::store::gen::Dist;
-
 const VICTIM: &[u8] = b"precious bytes that are not ours to write\n";
 
 fn mg(dir: &Path, args: &[&str]) -> Output {
@@ -93,24 +90,7 @@ fn leftovers(dir: &Path) -> Vec<String> {
 }
 
 fn inputs(dir: &Path) {
-    gen(
-        &dir.join("A.mgt"),
-        20,
-        30,
-        DType::F32,
-        (8, 8),
-        Dist::Normal,
-        1,
-    );
-    gen(
-        &dir.join("B.mgt"),
-        30,
-        10,
-        DType::F32,
-        (8, 8),
-        Dist::Normal,
-        2,
-    );
+    small_inputs(dir);
 }
 
 fn plan(dir: &Path, output: &str) {

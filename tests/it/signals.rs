@@ -66,17 +66,17 @@ fn temporaries(dir: &Path) -> Vec<String> {
     out
 }
 
-/// Start the slow plan, send `signal` once it is under way, and check how it stopped.
-fn stops_like_ctrl_c(signal: &str, signo: i32) {
-    let d = tmp();
-    let dir = d.path();
-    slow_plan(dir);
-    let r = tmp();
-    slow_plan(r.path());
-    run_quiet(r.path(), &[]);
-
+/// Start `run p.toml EXTRA…` in `dir`, send `signal` once a progress line passes 0 % (some tiles
+/// written, others in flight), and wait: the exit status, everything it printed on stderr, and
+/// how long it took to stop.
+fn signal_when_under_way(
+    dir: &Path,
+    extra: &[&str],
+    signal: &str,
+) -> (std::process::ExitStatus, String, Duration) {
     let mut child = Command::new(bin())
         .args(["run", "p.toml", "--log-every", "0.2"])
+        .args(extra)
         .current_dir(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -84,7 +84,6 @@ fn stops_like_ctrl_c(signal: &str, signo: i32) {
         .unwrap();
     let mut err = BufReader::new(child.stderr.take().unwrap());
     let mut seen = String::new();
-    // Under way: a progress line past 0 %, so some tiles are written and others in flight.
     while !seen
         .lines()
         .any(|l| l.contains('%') && !l.contains(" 0.0%"))
@@ -105,8 +104,19 @@ fn stops_like_ctrl_c(signal: &str, signo: i32) {
     let mut rest = String::new();
     err.read_to_string(&mut rest).unwrap();
     let status = child.wait().unwrap();
-    let took = t.elapsed();
-    let all = seen + &rest;
+    (status, seen + &rest, t.elapsed())
+}
+
+/// Start the slow plan, send `signal` once it is under way, and check how it stopped.
+fn stops_like_ctrl_c(signal: &str, signo: i32) {
+    let d = tmp();
+    let dir = d.path();
+    slow_plan(dir);
+    let r = tmp();
+    slow_plan(r.path());
+    run_quiet(r.path(), &[]);
+
+    let (status, all, took) = signal_when_under_way(dir, &[], signal);
     assert_eq!(
         status.code(),
         Some(128 + signo),
@@ -195,36 +205,8 @@ fn a_shard_stopped_by_sigterm_gives_its_claim_back() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let mut child = Command::new(bin())
-        .args(["run", "p.toml", "--shard", "0/1", "--log-every", "0.2"])
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let mut seen = String::new();
-    while !seen
-        .lines()
-        .any(|l| l.contains('%') && !l.contains(" 0.0%"))
-    {
-        let mut l = String::new();
-        assert!(
-            err.read_line(&mut l).unwrap() > 0,
-            "run ended early: {seen}"
-        );
-        seen += &l;
-    }
-    assert_eq!(files_ending(dir, ".claim").len(), 1, "the shard is claimed");
-    let st = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let mut rest = String::new();
-    err.read_to_string(&mut rest).unwrap();
-    let status = child.wait().unwrap();
-    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{seen}{rest}");
+    let (status, all, _) = signal_when_under_way(dir, &["--shard", "0/1"], "TERM");
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{all}");
     assert_eq!(
         files_ending(dir, ".claim"),
         Vec::<String>::new(),

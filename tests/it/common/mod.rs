@@ -37,6 +37,29 @@ pub fn gen(
     generate(path, &spec).expect("generate");
 }
 
+/// The small pair most edge tests multiply: `A.mgt` (20×30) and `B.mgt` (30×10), f32 in 8×8
+/// storage tiles, normal, seeds 1 and 2.
+pub fn small_inputs(dir: &Path) {
+    gen(
+        &dir.join("A.mgt"),
+        20,
+        30,
+        DType::F32,
+        (8, 8),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        30,
+        10,
+        DType::F32,
+        (8, 8),
+        Dist::Normal,
+        2,
+    );
+}
+
 /// Whole matrix as f64, row-major.
 pub fn load(path: &Path) -> (usize, usize, Vec<f64>) {
     let f = TiledFile::open(path).expect("open");
