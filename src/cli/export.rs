@@ -41,10 +41,12 @@ fn export(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Resu
     // An output `run` is still writing (.mgt or .npy) has a journal, or a split run's state,
     // beside it; a raw descriptor is read as it is.
     if !allow_partial {
-        if let Some(progress) = unfinished(input)? {
+        if let Some(u) = unfinished(input)? {
             return Err(Error::Usage(format!(
-                "{} is unfinished ({progress}): resume with `mgmm-stream run PLAN` (the plan that writes it), or pass --allow-partial to export it as it is",
-                input.display()
+                "{} is unfinished ({}): finish it with {}, or pass --allow-partial to export it as it is",
+                input.display(),
+                u.progress,
+                u.finish
             )));
         }
     }

@@ -73,6 +73,12 @@ impl GenArgs {
                 out.display()
             )));
         }
+        if gen::absurdly_large(rows, cols) {
+            return Err(Error::Usage(format!(
+                "{}: --rows {rows} --cols {cols} is absurdly large (past 1 PiB as f64); check the shape",
+                out.display()
+            )));
+        }
         run::init_threads(self.threads);
         interrupt::install();
         let t = Instant::now();

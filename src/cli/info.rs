@@ -45,12 +45,12 @@ fn info(file: &Path, check: bool) -> Result<()> {
     // .npy and raw inputs describe themselves.
     if let Some((text, checked)) = crate::store::source::inspect(file, check && open.is_none())? {
         out!("{text}");
-        if let Some(progress) = &open {
-            say_unfinished(progress);
+        if let Some(u) = &open {
+            say_unfinished(u);
         }
-        if let Some(progress) = open.filter(|_| check) {
-            outln!("check:       unfinished, resumable ({progress})");
-            return Err(unfinished_error(file, &progress));
+        if let Some(u) = open.filter(|_| check) {
+            outln!("check:       unfinished, resumable ({})", u.progress);
+            return Err(unfinished_error(file, &u));
         }
         return match checked {
             None => Ok(()),
@@ -97,15 +97,15 @@ fn info(file: &Path, check: bool) -> Result<()> {
         fmt_bytes(h.file_len()),
         h.file_len()
     );
-    if let Some(progress) = &open {
-        say_unfinished(progress);
+    if let Some(u) = &open {
+        say_unfinished(u);
     }
     if !check {
         return Ok(());
     }
-    if let Some(progress) = open {
-        outln!("check:       unfinished, resumable ({progress})");
-        return Err(unfinished_error(file, &progress));
+    if let Some(u) = open {
+        outln!("check:       unfinished, resumable ({})", u.progress);
+        return Err(unfinished_error(file, &u));
     }
     if !h.has_checksums() {
         outln!("check:       not possible");
@@ -186,34 +186,50 @@ pub(super) fn run_output_checksum(e: Error, of: &str, then: &str) -> Error {
     }
 }
 
-/// The `state:` line of an output a run has not finished: how far it is and what finishes it.
-fn say_unfinished(progress: &str) {
-    outln!(
-        "state:       UNFINISHED ({progress}); finish it with `mgmm-stream run PLAN` (the plan that writes it), or read it as it is with `mgmm-stream export FILE OUT.npy --allow-partial`"
-    );
+/// The `state:` lines of an output a run has not finished: how far it is and what finishes it.
+fn say_unfinished(u: &Unfinished) {
+    outln!("state:       UNFINISHED ({})", u.progress);
+    outln!("             finish it: {}", u.finish);
+    outln!("             read it as it is: mgmm-stream export FILE OUT.npy --allow-partial");
 }
 
-fn unfinished_error(file: &Path, progress: &str) -> Error {
+fn unfinished_error(file: &Path, u: &Unfinished) -> Error {
     Error::Usage(format!(
-        "{}: unfinished, resumable ({progress}), not corrupt: resume with `mgmm-stream run PLAN` (the plan that writes it)",
-        file.display()
+        "{}: unfinished, resumable ({}), not corrupt: finish it with {}",
+        file.display(),
+        u.progress,
+        u.finish
     ))
 }
 
-/// "N of M output tiles done" when `file` is an output whose journal says `run` has not
-/// finished it (or what a split run that is writing it has left to do); `None` for a
-/// finished output or a file no run is writing.
-pub(super) fn unfinished(file: &Path) -> Result<Option<String>> {
+/// An output a run (or a split run's shards) has not finished.
+pub(super) struct Unfinished {
+    /// How far it is: "N of M tiles done, L left".
+    pub(super) progress: String,
+    /// The command that finishes it, as a user types it.
+    pub(super) finish: &'static str,
+}
+
+/// What finishes an output a plain `run` writes.
+const FINISH_RUN: &str = "`mgmm-stream run PLAN` (the plan that writes it)";
+/// What finishes a split run's output: its shards, not a plain `run` (which refuses it).
+const FINISH_SHARDS: &str = "`mgmm-stream run PLAN --shard K/S` for the shards left (`--shards S` runs them all here; `mgmm-stream status PLAN` names them)";
+
+/// "N of M output tiles done" and what finishes it, when `file` is an output whose journal says
+/// `run` has not finished it (or a split run's shards are writing it); `None` for a finished
+/// output or a file no run is writing.
+pub(super) fn unfinished(file: &Path) -> Result<Option<Unfinished>> {
     // A `raw:…` descriptor is never an output of `run`.
     if file.to_string_lossy().starts_with("raw:") {
         return Ok(None);
     }
     let Some(j) = journal::peek(file)? else {
-        return Ok(crate::cluster::split_state(file).map(|state| {
-            format!(
-                "a split run's shards are writing it, state in {}; `mgmm-stream status PLAN` shows them, `finalize PLAN` completes it",
+        return Ok(crate::cluster::split_state(file).map(|state| Unfinished {
+            progress: format!(
+                "a split run's shards are writing it, state in {}",
                 state.display()
-            )
+            ),
+            finish: FINISH_SHARDS,
         }));
     };
     if j.complete {
@@ -227,12 +243,16 @@ pub(super) fn unfinished(file: &Path) -> Result<Option<String>> {
         let v: Vec<u64> = t.split('×').filter_map(|x| x.trim().parse().ok()).collect();
         (v.len() == 3 && v[0] > 0 && v[1] > 0).then(|| rows.div_ceil(v[0]) * cols.div_ceil(v[1]))
     });
-    Ok(Some(match total {
+    let progress = match total {
         Some(m) => format!(
             "{} of {m} tiles done, {} left",
             done.len(),
             m.saturating_sub(done.len() as u64)
         ),
         None => format!("{} tiles done", done.len()),
+    };
+    Ok(Some(Unfinished {
+        progress,
+        finish: FINISH_RUN,
     }))
 }

@@ -55,6 +55,15 @@ pub(crate) fn try_auto(
     }
     let rec = recorded(&state_dir(&step.output), &m.fingerprint)?;
     if rec.len() < m.tiles as usize {
+        // This process's shards are done, others are not: say so, or a finished shard's
+        // "done" reads as the step's.
+        progress.note(&format!(
+            "step {}: {} of {} output tiles of {} are done; the step is not finished until the other shards run (`mgmm-stream status PLAN` names them), and the last of them finalizes it",
+            step.index + 1,
+            rec.len(),
+            m.tiles,
+            step.output.display()
+        ));
         return Ok(());
     }
     let cp = state_dir(&step.output).join("finalize.claim");

@@ -133,15 +133,12 @@ pub(crate) fn read_lock(output: &Path) -> Result<ReadLock> {
     }
 }
 
-/// Make the journal at `path` safe to write in place. A symlink or another kind of file is
-/// refused: the journal is truncated on `--restart` and appended to on every run, so through a
-/// link it would overwrite whatever it points at (an input, say). A regular file with other hard
-/// links (a `cp -al` or rsnapshot backup) gets a copy of its own, renamed over it, so the other
-/// names keep their bytes and the progress it records is kept.
-fn own_journal_file(path: &Path) -> Result<()> {
-    use std::os::unix::fs::MetadataExt;
+/// The journal at `path` as it stands (`None`: not there), refused when it is a symlink or
+/// another kind of file — first, before anything reads it, so every command says what is wrong
+/// with it rather than what it would find through the link.
+fn refuse_odd_journal(path: &Path) -> Result<Option<std::fs::Metadata>> {
     let Ok(m) = std::fs::symlink_metadata(path) else {
-        return Ok(());
+        return Ok(None);
     };
     if m.file_type().is_symlink() || !m.is_file() {
         let what = if m.file_type().is_symlink() {
@@ -154,6 +151,19 @@ fn own_journal_file(path: &Path) -> Result<()> {
             p = path.display()
         )));
     }
+    Ok(Some(m))
+}
+
+/// Make the journal at `path` safe to write in place. A symlink or another kind of file is
+/// refused: the journal is truncated on `--restart` and appended to on every run, so through a
+/// link it would overwrite whatever it points at (an input, say). A regular file with other hard
+/// links (a `cp -al` or rsnapshot backup) gets a copy of its own, renamed over it, so the other
+/// names keep their bytes and the progress it records is kept.
+fn own_journal_file(path: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(m) = refuse_odd_journal(path)? else {
+        return Ok(());
+    };
     if m.nlink() > 1 {
         let tmp = TempOutput::new(path, m.len())?;
         let mut to = tmp.file();
@@ -317,6 +327,13 @@ fn read_state(
     let output_exists = output.exists();
     if restart || bytes.is_empty() {
         if output_exists && !restart && bytes.is_empty() {
+            if let Some(state) = super::split::split_state(output) {
+                return Err(Error::Usage(format!(
+                    "{}: a split run is writing this output (its shards' state is in {}): go on with `mgmm-stream run PLAN --shard K/S` for the shards left, or `--shards S` to run them all here (`mgmm-stream status PLAN` names them); --restart would throw the split run's tiles away",
+                    output.display(),
+                    state.display()
+                )));
+            }
             return Err(Error::Usage(format!(
                 "{}: the output exists but was not written by this plan (no journal); rerun with --restart to overwrite it, or choose another output path",
                 output.display()
@@ -534,6 +551,7 @@ pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)
 /// when there is none, it is empty, or its first line was torn ([`torn_header`]: it records
 /// nothing).
 pub fn peek_file(path: &Path) -> Result<Option<Peek>> {
+    refuse_odd_journal(path)?;
     match std::fs::read(path) {
         Ok(b) if b.is_empty() || torn_header(&b) => Ok(None),
         Ok(b) => Ok(Some(parse(path, &b)?.1)),

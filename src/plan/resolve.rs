@@ -281,11 +281,7 @@ fn gen_spec(cx: &Ctx, name: &str, g: &Spanned<RawGenerate>) -> Result<GenSpec> {
             g.rows, g.cols
         )));
     }
-    if g.rows
-        .checked_mul(g.cols)
-        .and_then(|n| n.checked_mul(8))
-        .is_none_or(|b| b > 1 << 50)
-    {
+    if crate::store::gen::absurdly_large(g.rows, g.cols) {
         return Err(cx.err(format!("{key}: {}×{} is absurdly large", g.rows, g.cols)));
     }
     let dist = match &g.dist {

@@ -124,6 +124,14 @@ pub fn row_values(dist: Dist, seed: u64, r: u64, cols: u64, out: &mut [f64]) {
     }
 }
 
+/// Whether `rows`×`cols` is past what any machine this runs on could hold (1 PiB as f64): such
+/// a shape is refused by its name before a header is sized (whose arithmetic it would overflow).
+pub(crate) fn absurdly_large(rows: u64, cols: u64) -> bool {
+    rows.checked_mul(cols)
+        .and_then(|n| n.checked_mul(8))
+        .is_none_or(|b| b > 1 << 50)
+}
+
 /// What to generate: shape, element type, storage tiles, distribution and seed.
 #[derive(Clone, Debug)]
 pub struct GenSpec {

@@ -302,7 +302,7 @@ fn journal_check(
         }
         return Ok(crate::durable::split::split_state(&step.output).map(|state| {
             format!(
-                "the step is unfinished: a split run's shards are writing it (state in {}); `finalize` completes it",
+                "the step is unfinished: a split run's shards are writing it (state in {}); `run PLAN --shard K/S` runs the shards left (`status PLAN` names them), and the last to finish finalizes it",
                 state.display()
             )
         }));
@@ -763,7 +763,7 @@ pub fn format(rep: &VerifyReport) -> String {
         // Nothing failed, but nothing was tested either: not a pass (`verify` exits 3), said
         // on the line scripts read.
         let mut s = format!(
-            "verify step {} ({}): NOT CHECKED — every one of the {} row groups holds NaN/Inf or could overflow the output's precision (|alpha|·|A|·|B| near its largest value): IEEE results the test cannot judge, so nothing says this output is right. If `run` noted NaN/Inf in the output from finite inputs, the product overflowed: scale alpha or the inputs down, or store the inputs as f64 and compute in fp64, then `run --restart` and verify again",
+            "verify step {} ({}): NOT CHECKED — every part the test looks at ({} cells: each row's run of columns) holds NaN/Inf or could overflow the output's precision (|alpha|·|A|·|B| near its largest value): IEEE results the test cannot judge, so nothing says this output is right. If `run` noted NaN/Inf in the output from finite inputs, the product overflowed: scale alpha or the inputs down, or store the inputs as f64 and compute in fp64, then `run --restart` and verify again",
             rep.step, rep.output, rep.cells
         );
         if !rep.inputs_unchecked.is_empty() {

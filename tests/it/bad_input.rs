@@ -136,6 +136,8 @@ fn catalogue_of_bad_input() {
         case("output is a directory", |d| { std::fs::create_dir(d.join("C.mgt")).unwrap(); plan_with(d, &step("A @ B")); }, &["run", "p.toml"], &["C.mgt", "is a directory"]),
         case("gen: zero rows", |_| {}, &["gen", "Z.mgt", "--rows", "0", "--cols", "4"], &["Z.mgt", "at least 1"]),
         case("gen: unknown dist", |_| {}, &["gen", "Z.mgt", "--rows", "4", "--cols", "4", "--dist", "cauchy"], &["--dist cauchy"]),
+        case("gen: a shape whose size overflows", |_| {}, &["gen", "Z.mgt", "--rows", "3000000000", "--cols", "3000000000"], &["Z.mgt", "absurdly large"]),
+        case("gen: u64::MAX rows", |_| {}, &["gen", "Z.mgt", "--rows", "18446744073709551615", "--cols", "1"], &["Z.mgt", "absurdly large"]),
         case("gen over an input", |_| {}, &["gen", "A.mgt", "--rows", "4", "--cols", "4"], &["A.mgt", "already exists"]),
         case("export over an existing file", |_| {}, &["export", "A.mgt", "B.mgt"], &["B.mgt", "already exists"]),
         case("import of a file that is no matrix", |d| std::fs::write(d.join("junk.bin"), b"hello world").unwrap(), &["import", "junk.bin", "Z.mgt"], &["junk.bin", "wrong magic", "format = \"raw\""]),
@@ -425,7 +427,11 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
     let o = mg(dir, &["export", "C.mgt", "C.npy"]);
     failed_with(
         &o,
-        &["C.mgt", "unfinished", "resume with `mgmm-stream run PLAN`"],
+        &[
+            "C.mgt",
+            "unfinished",
+            "finish it with `mgmm-stream run PLAN`",
+        ],
     );
     assert!(!dir.join("C.npy").exists());
     let o = mg(dir, &["info", "C.mgt", "--check"]);

@@ -566,3 +566,42 @@ fn status_shows_no_eta_for_a_shard_no_process_works_on() {
     let step = flat.split("shard 0/2:").next().unwrap();
     assert!(step.contains("ETA not running"), "{st}");
 }
+
+/// A split step with shards still to run: every command that names it says to run those
+/// shards (a plain `run` used to refuse the output as "not written by this plan" and suggest
+/// `--restart`), and a shard that finishes while others are left says the step is not done.
+#[test]
+fn an_unfinished_split_step_sends_the_user_to_its_shards() {
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SMALL, 64);
+    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    let o = cmd(dir, &["run", "plan.toml", "--shard", "1/2"], &[])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("not finished until the other shards run"),
+        "{err}"
+    );
+    let o = cmd(dir, &["run", "plan.toml"], &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success());
+    assert!(
+        err.contains("a split run is writing this output") && err.contains("--shard K/S"),
+        "{err}"
+    );
+    assert!(!err.contains("not written by this plan"), "{err}");
+    let info = cmd(dir, &["info", "C.mgt"], &[]).output().unwrap();
+    let text = String::from_utf8_lossy(&info.stdout).to_string();
+    assert!(
+        text.contains("UNFINISHED") && text.contains("--shard K/S"),
+        "{text}"
+    );
+    // What the messages say works: the shard left, then the step is whole.
+    ok(cmd(dir, &["run", "plan.toml", "--shard", "0/2"], &[])
+        .output()
+        .unwrap());
+    ok(cmd(dir, &["verify", "plan.toml"], &[]).output().unwrap());
+}

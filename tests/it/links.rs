@@ -202,6 +202,31 @@ fn restart_and_report_never_write_through_links() {
     own_file(&dir.join("r.json"));
 }
 
+/// A journal that is a symlink is named as one by every command, before anything reads
+/// through it (a plain `run` used to call it "not a journal this version understands" and send
+/// the user to `--restart`, which then refused the link).
+#[test]
+fn a_linked_journal_is_named_as_a_link_first() {
+    let d = tmp();
+    let dir = d.path();
+    let v = victim(dir);
+    inputs(dir);
+    plan(dir, "C.mgt");
+    ok(&mg(dir, &["run", "p.toml", "-q"]));
+    std::fs::remove_file(dir.join("C.mgt.journal")).unwrap();
+    std::os::unix::fs::symlink("victim.txt", dir.join("C.mgt.journal")).unwrap();
+    for args in [
+        &["run", "p.toml"][..],
+        &["run", "p.toml", "--restart"],
+        &["verify", "p.toml"],
+    ] {
+        let o = mg(dir, args);
+        let err = failed_with(&o, &["C.mgt.journal", "symbolic link"]);
+        assert!(!err.contains("understands"), "{err}");
+        untouched(&v);
+    }
+}
+
 /// A checkpoint folder `OUTPUT.partial` that is a symlink to another folder: its `tile*.ckpt`
 /// files are neither deleted nor written; the run is refused, naming the link.
 #[test]
