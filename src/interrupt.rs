@@ -13,6 +13,8 @@
 //! process killed by it, rather than re-raising the signal: the work was stopped, not lost, and
 //! the status still names the signal.
 //!
+//! A signal the process was started with ignored (`nohup` ignores SIGHUP) stays ignored.
+//!
 //! A second Ctrl-C while the first stop is being honoured exits at once (status 130). A
 //! repeated SIGTERM or SIGHUP does not: SLURM may deliver SIGTERM twice (to the step's tasks
 //! and through `srun`), and the stop it asked for is already under way.
@@ -35,13 +37,22 @@ extern "C" fn on_signal(sig: libc::c_int) {
     }
 }
 
-/// Install the handler for SIGINT, SIGTERM and SIGHUP (idempotent).
+/// Install the handler for SIGINT, SIGTERM and SIGHUP (idempotent). A signal the process was
+/// started with ignored stays ignored: `nohup mgmm-stream run …` (SIGHUP) and a job started in
+/// the background by a shell without job control (SIGINT) asked not to be stopped by it.
 pub fn install() {
     for sig in SIGNALS {
-        // SAFETY: `on_signal` is an `extern "C"` function that only touches atomics and calls
-        // `_exit`, all async-signal-safe; `signal` with a valid handler has no other
-        // precondition.
+        // SAFETY: `sigaction` with a null new action only reads the current one into `old`, a
+        // zeroed `sigaction` it may write; `on_signal` is an `extern "C"` function that only
+        // touches atomics and calls `_exit`, all async-signal-safe, and `signal` with a valid
+        // handler has no other precondition.
         unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(sig, std::ptr::null(), &mut old) == 0
+                && old.sa_sigaction == libc::SIG_IGN
+            {
+                continue;
+            }
             libc::signal(
                 sig,
                 on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t,

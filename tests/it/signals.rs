@@ -218,3 +218,45 @@ fn a_shard_stopped_by_sigterm_gives_its_claim_back() {
         "the resumed shard's output differs from an uninterrupted run"
     );
 }
+
+/// `nohup mgmm-stream run …` (SIGHUP ignored when the process starts) is not stopped when the
+/// terminal closes: an ignored signal stays ignored, and the run finishes.
+#[test]
+fn an_ignored_sighup_stays_ignored() {
+    let d = tmp();
+    let dir = d.path();
+    slow_plan(dir);
+    // `trap '' HUP` ignores SIGHUP, and `exec` keeps that (and the pid) for the run.
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg("trap '' HUP; exec \"$MG\" run p.toml --log-every 0.2")
+        .env("MG", bin())
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    while !seen
+        .lines()
+        .any(|l| l.contains('%') && !l.contains(" 0.0%"))
+    {
+        let mut l = String::new();
+        assert!(
+            err.read_line(&mut l).unwrap() > 0,
+            "run ended early: {seen}"
+        );
+        seen += &l;
+    }
+    let st = Command::new("kill")
+        .args(["-HUP", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut rest = String::new();
+    err.read_to_string(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}: {seen}{rest}");
+    assert!(!rest.contains("interrupted"), "{rest}");
+}
