@@ -236,7 +236,7 @@ pub(super) fn unfinished(file: &Path) -> Result<Option<Unfinished>> {
         return Ok(None);
     }
     // Any output format (.mgt, .npy): the shape is all that is needed.
-    let (rows, cols) = crate::store::source::open_source(file)?.shape();
+    let (rows, cols) = crate::store::source::open_as_written(file)?.shape();
     let done: std::collections::BTreeSet<u32> = j.done.iter().map(|&(s, _)| s).collect();
     // The journal's fingerprint names the compute tile "tm×tn×tk": output tiles are tm × tn.
     let total = j.fingerprint.get("compute tile").and_then(|t| {

@@ -24,7 +24,7 @@ use crate::durable::journal::{self, Fingerprint};
 use crate::error::{Error, Result};
 use crate::plan::{Plan, Precision, Step};
 use crate::progress::Progress;
-use crate::store::{open_source, reopen_output, Header, OutputFormat, TiledFile, WriteMode};
+use crate::store::{open_as_written, reopen_output, Header, OutputFormat, TiledFile, WriteMode};
 
 /// Whether `output`'s journal marks the step complete (for fingerprint `fp`, when given).
 pub(crate) fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
@@ -175,7 +175,7 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
         )));
     }
     // Any output format: `.mgt`, or a `.npy` whose unfinished header the engine reads.
-    let file = open_source(out)?;
+    let file = open_as_written(out)?;
     let dt = file.dtype();
     let blocks = m.blocks();
     let checked: Vec<Result<(u32, Option<u32>)>> = blocks

@@ -16,7 +16,7 @@ use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::{Engine, Step};
 use crate::run::target::{check_recorded, JournalRecord, Opened, Resume, Target};
-use crate::store::open_source;
+use crate::store::open_as_written;
 
 /// The tiles `tiles` of `step`, worked by this process under the shard's claim.
 pub(crate) struct ShardTarget<'a> {
@@ -75,7 +75,7 @@ impl Target for ShardTarget<'_> {
             .filter(|(seq, _)| self.tiles.contains(seq))
             .flat_map(|(seq, crcs)| crcs.into_iter().map(move |c| (seq, c)))
             .collect();
-        let out = open_source(&step.output)?;
+        let out = open_as_written(&step.output)?;
         let (finished, _) = check_recorded(step, &sched, out.as_ref(), &done)?;
         let todo: Vec<u32> = (self.tiles.clone())
             .filter(|&i| !finished[i as usize])

@@ -28,7 +28,8 @@ use crate::plan::layout::Layout;
 use crate::plan::schedule::{OutTile, Schedule};
 use crate::plan::{Engine, Step};
 use crate::store::{
-    create_output, fsutil, open_source, reopen_output, Header, MatrixSink, MatrixSource, WriteMode,
+    create_output, fsutil, open_as_written, reopen_output, Header, MatrixSink, MatrixSource,
+    WriteMode,
 };
 
 /// What remembers the finished tiles of one attempt: the pipeline's writeback reports each
@@ -151,7 +152,7 @@ impl OutputFile for FileOutput {
         reopen_output(&self.0, header, write)
     }
     fn read_back(&self) -> Result<Arc<dyn MatrixSource>> {
-        open_source(&self.0)
+        open_as_written(&self.0)
     }
     fn mend_finished(&self, header: Header) -> Result<Option<String>> {
         crate::store::mend_finished(&self.0, &header)

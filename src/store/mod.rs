@@ -49,5 +49,6 @@ pub(crate) use output::{
     reopen_output, OutputFormat,
 };
 pub use seam::{MappedBlock, MatrixSink, MatrixSource, WriteMode};
+pub(crate) use source::open_as_written;
 pub use source::{open_region, open_source};
 pub use tiled::TiledFile;

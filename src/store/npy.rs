@@ -24,7 +24,7 @@ const CHUNK_BYTES: usize = 64 << 20;
 /// descriptor `raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH`.
 pub(crate) fn import(src: &Path, dst: &Path, tile: (u64, u64)) -> Result<Header> {
     let spec = SourceSpec::parse_arg(&src.to_string_lossy())?;
-    let s = spec.open()?;
+    let s = spec.open(false)?;
     let (sr, sc) = s.shape();
     let t = s.transposed();
     let (rows, cols) = if t { (sc, sr) } else { (sr, sc) };
@@ -113,7 +113,7 @@ fn transpose_bytes(src: &[u8], rows: usize, cols: usize, es: usize, dst: &mut [u
 pub(crate) fn export(src: &Path, dst: &Path, verify: bool) -> Result<()> {
     // Any source (.mgt, .npy, raw:…); a transposed (column-major) one is written as a
     // Fortran-order array, byte for byte its stored row-major transpose.
-    let t = SourceSpec::parse_arg(&src.to_string_lossy())?.open()?;
+    let t = SourceSpec::parse_arg(&src.to_string_lossy())?.open(!verify)?;
     let (rows, cols) = t.shape();
     let out_dt = t.dtype().compute();
     let head = if t.transposed() {

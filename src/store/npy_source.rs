@@ -7,8 +7,10 @@
 //! [`MatrixSource::transposed`](super::MatrixSource).
 //!
 //! An output the engine has not finished carries a header numpy refuses
-//! ([`super::npy_header::UNFINISHED`]); it is read here all the same — to resume it, for `info`
-//! and `export --allow-partial` — and described as unfinished.
+//! ([`super::npy_header::UNFINISHED`]), and the engine refuses it too as a matrix to read (an
+//! input, `import`, `verify`): its missing tiles would read as zeros. Only what works on the
+//! output itself opens it as it is — to resume or finalize it, `info`, `export --allow-partial`
+//! — and it is described as unfinished.
 //!
 //! The sidecar `ARRAY.npy.crc32c` ([`super::sidecar`]) holds what a `.mgt` file keeps in its
 //! checksum table: one CRC-32C per storage tile. It is only trusted when it describes exactly
@@ -53,8 +55,9 @@ fn load_sidecar(path: &Path, spec: &RowMajorSpec, len: u64) -> (Option<TileCrcs>
     )
 }
 
-/// Open a `.npy` file for reading in place.
-pub(crate) fn open(path: &Path) -> Result<RowMajorFile> {
+/// Open a `.npy` file for reading in place; an unfinished output of the engine only with
+/// `unfinished_ok` (the output itself being resumed, finalized, described or exported as it is).
+pub(crate) fn open(path: &Path, unfinished_ok: bool) -> Result<RowMajorFile> {
     let f = File::open(path).map_err(|e| Error::io(path, "cannot open .npy file", e))?;
     let len = f
         .metadata()
@@ -62,6 +65,12 @@ pub(crate) fn open(path: &Path) -> Result<RowMajorFile> {
         .len();
     let mut r = BufReader::with_capacity(64 << 10, f);
     let h = read_header(path, &mut r)?;
+    if h.unfinished && !unfinished_ok {
+        return Err(Error::format(
+            path,
+            "is an output mgmm-stream has not finished (its header says UNFINISHED, so numpy refuses it too): its missing tiles would read as zeros, so it is not read as a matrix until its run finishes it — `mgmm-stream info FILE` says how far it is and what finishes it; `mgmm-stream export FILE OUT.npy --allow-partial` copies it as it is",
+        ));
+    }
     let version = {
         use std::os::unix::fs::FileExt;
         let mut v = [0u8; 8];

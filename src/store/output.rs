@@ -8,7 +8,9 @@
 use std::path::Path;
 
 use super::atomic::TempOutput;
+use super::fsutil;
 use super::header::Header;
+use super::npy_header;
 use super::npy_sink::{self, NpyWriter};
 use super::seam::{MatrixSink, WriteMode};
 use super::tiled::TiledWriter;
@@ -98,13 +100,16 @@ pub(crate) fn reopen_output(
 
 /// Why the output `path` (the matrix `hdr` describes), which its journal calls complete, cannot
 /// be trusted as it lies: its header block is not the one `run` writes (a field or a reserved
-/// byte damaged), or a `.npy`'s checksum sidecar is missing or damaged. A damaged header is
-/// written again from `hdr` — the journal's fingerprint matched the plan, so `hdr` is the header
-/// that was written — provided the file has the length that header needs (else reopening it
-/// says it is truncated). `None`: nothing is wrong. The caller then resumes the step from the
+/// byte damaged, or a `.npy` header still marked unfinished after a crash), or a `.npy`'s
+/// checksum sidecar is missing or damaged. A damaged header is written again from `hdr` — the
+/// journal's fingerprint matched the plan, so `hdr` is the header that was written — provided
+/// the file has the length that header needs (else reopening it says it is truncated). A header
+/// that is whole but describes another matrix (the file replaced since) is an error: it is not
+/// this run's to overwrite. `None`: nothing is wrong. The caller then resumes the step from the
 /// journal: every recorded tile is checked against its CRC, and the checksum table or sidecar
-/// is written again when it finishes. A read of one header block (and a sidecar): cheap enough
-/// for every "already complete".
+/// is written again when it finishes. A read of one header block (and a sidecar), the file
+/// opened read-only — a finished output the user made read-only is still skipped — and for
+/// writing (through [`fsutil::open_in_place`]) only when there is something to mend.
 pub(crate) fn mend_finished(path: &Path, hdr: &Header) -> Result<Option<String>> {
     use std::os::unix::fs::FileExt;
     let format = OutputFormat::of(path);
@@ -112,17 +117,13 @@ pub(crate) fn mend_finished(path: &Path, hdr: &Header) -> Result<Option<String>>
         OutputFormat::Mgt => hdr.to_block(),
         OutputFormat::Npy => npy_sink::header(hdr.dtype, hdr.rows, hdr.cols)?,
     };
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|e| {
-            Error::io(
-                path,
-                "cannot open the finished output to check its header",
-                e,
-            )
-        })?;
+    let file = std::fs::File::open(path).map_err(|e| {
+        Error::io(
+            path,
+            "cannot open the finished output to check its header",
+            e,
+        )
+    })?;
     let mut have = vec![0u8; want.len()];
     let n = super::blockio::read_prefix(&file, &mut have)
         .map_err(|e| Error::io(path, "cannot read header", e))?;
@@ -135,18 +136,20 @@ pub(crate) fn mend_finished(path: &Path, hdr: &Header) -> Result<Option<String>>
                 "it is {len} bytes, not the {need} its header needs"
             )));
         }
-        why.push(match super::source::open_source(path) {
-            Err(e) => format!("its header is damaged ({e})"),
-            Ok(_) => {
+        why.push(match header_as_found(path, format, &have[..n], len, hdr)? {
+            Found::Damaged(e) => format!("its header is damaged ({e})"),
+            Found::Unfinished => "its header still marks it unfinished (a crash before the finished header reached the disk)".into(),
+            Found::Reserved => {
                 "its header block is not the one `run` writes (a reserved byte changed)".into()
             }
         });
+        let file = fsutil::open_in_place(path, fsutil::InPlace::Existing)?;
         file.write_all_at(&want, 0)
             .and_then(|_| file.sync_data())
             .map_err(|e| Error::io(path, "cannot write the header again", e))?;
     }
     if format == OutputFormat::Npy {
-        let src = super::source::open_source(path)?;
+        let src = super::source::open_as_written(path)?;
         if src.checksum_tile().is_none() {
             why.push(match src.checksum_note() {
                 Some(note) => format!("its checksum {note}"),
@@ -158,4 +161,58 @@ pub(crate) fn mend_finished(path: &Path, hdr: &Header) -> Result<Option<String>>
         }
     }
     Ok((!why.is_empty()).then(|| why.join("; ")))
+}
+
+/// What a finished output's header block, not the one `run` writes, holds.
+enum Found {
+    /// It does not parse (or its own checksum fails): the error says where.
+    Damaged(Error),
+    /// A `.npy` header of this matrix still marked unfinished.
+    Unfinished,
+    /// The fields of this matrix, with other bytes (a `.mgt`'s reserved bytes, a `.npy`'s
+    /// padding) changed.
+    Reserved,
+}
+
+/// Read `have` (the first block of `path`, `len` bytes long) as the header it is; a whole header
+/// of another matrix than `hdr` is an error (the file was replaced, not damaged).
+fn header_as_found(
+    path: &Path,
+    format: OutputFormat,
+    have: &[u8],
+    len: u64,
+    hdr: &Header,
+) -> Result<Found> {
+    let replaced = |what: String| {
+        Error::Usage(format!(
+            "{}: its header describes another matrix ({what}) than the plan writes, so the file was replaced since the run finished it; restore it, or rerun with --restart to compute it again",
+            path.display()
+        ))
+    };
+    Ok(match format {
+        OutputFormat::Mgt => match Header::parse(path, have, len) {
+            Err(e) => Found::Damaged(e),
+            Ok(h)
+                if (h.dtype, h.rows, h.cols, h.tile_rows, h.tile_cols)
+                    != (hdr.dtype, hdr.rows, hdr.cols, hdr.tile_rows, hdr.tile_cols) =>
+            {
+                return Err(replaced(format!(
+                    "{}×{} {} in {}×{} tiles",
+                    h.rows, h.cols, h.dtype, h.tile_rows, h.tile_cols
+                )))
+            }
+            Ok(_) => Found::Reserved,
+        },
+        OutputFormat::Npy => match npy_header::read_header(path, &mut &have[..]) {
+            Err(e) => Found::Damaged(e),
+            Ok(h)
+                if (h.dtype, h.rows, h.cols, h.fortran, h.data_offset)
+                    != (hdr.dtype, hdr.rows, hdr.cols, false, npy_sink::DATA_OFFSET) =>
+            {
+                return Err(replaced(format!("{}×{} {}", h.rows, h.cols, h.dtype)))
+            }
+            Ok(h) if h.unfinished => Found::Unfinished,
+            Ok(_) => Found::Reserved,
+        },
+    })
 }

@@ -21,6 +21,16 @@ use crate::error::{Error, Result};
 /// (`MGMTILE1`) or `.npy` (`\x93NUMPY`). A raw binary file has no header and must be described
 /// ([`SourceSpec::Raw`]).
 pub fn open_source(path: &Path) -> Result<Arc<dyn MatrixSource>> {
+    open_file(path, false)
+}
+
+/// [`open_source`] for an output the engine writes, read as it is — unfinished too (a `.npy`
+/// whose header still says so): to resume, finalize, describe or export it as it is.
+pub(crate) fn open_as_written(path: &Path) -> Result<Arc<dyn MatrixSource>> {
+    open_file(path, true)
+}
+
+fn open_file(path: &Path, unfinished_ok: bool) -> Result<Arc<dyn MatrixSource>> {
     let meta =
         std::fs::metadata(path).map_err(|e| Error::io(path, "cannot open matrix file", e))?;
     if !meta.is_file() {
@@ -34,7 +44,7 @@ pub fn open_source(path: &Path) -> Result<Arc<dyn MatrixSource>> {
         })
         .map_err(|e| Error::io(path, "cannot open matrix file", e))?;
     if n >= 6 && &magic[..6] == b"\x93NUMPY" {
-        return Ok(Arc::new(super::npy_source::open(path)?));
+        return Ok(Arc::new(super::npy_source::open(path, unfinished_ok)?));
     }
     if n == 8 && &magic == b"MGMTILE1" {
         return Ok(Arc::new(TiledFile::open(path)?));
@@ -134,7 +144,7 @@ pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<(String, Option<
             return Ok(None);
         }
     }
-    let s = spec.open()?;
+    let s = spec.open(true)?;
     let out = s.describe();
     if !check {
         return Ok(Some((out, None)));
@@ -185,9 +195,11 @@ impl SourceSpec {
             SourceSpec::Raw(r) => &r.path,
         }
     }
-    pub(crate) fn open(&self) -> Result<Arc<dyn MatrixSource>> {
+    /// Open it as a matrix to read (an unfinished output refused), or with `as_written` as the
+    /// file it is ([`open_as_written`]).
+    pub(crate) fn open(&self, as_written: bool) -> Result<Arc<dyn MatrixSource>> {
         match self {
-            SourceSpec::File(p) => open_source(p),
+            SourceSpec::File(p) => open_file(p, as_written),
             SourceSpec::Raw(r) => Ok(Arc::new(r.open()?)),
         }
     }

@@ -549,6 +549,7 @@ fn a_killed_runs_npy_output_is_not_loadable_until_resumed() {
     if let Some(loaded) = with_numpy(dir, "import numpy as np; np.load('C.npy')") {
         assert!(!loaded, "np.load read an unfinished output");
     }
+    let unfinished_head = std::fs::read(dir.join("C.npy")).unwrap()[..4096].to_vec();
     let o = run(dir, &["info", "C.npy"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -564,6 +565,22 @@ fn a_killed_runs_npy_output_is_not_loadable_until_resumed() {
     assert!(numpy_would_load(
         &std::fs::read(dir.join("part.npy")).unwrap()
     ));
+    // Nor does the engine read it as a matrix: as an input of another plan, or to import.
+    std::fs::write(
+        dir.join("uses.toml"),
+        "[matrices.X]\npath = \"C.npy\"\n[[step]]\noutput = \"XX.mgt\"\nexpr = \"X @ X.T\"\n[engine]\nbackend = \"cpu\"\n",
+    )
+    .unwrap();
+    for args in [&["run", "uses.toml"][..], &["import", "C.npy", "I.mgt"]] {
+        let o = run(dir, args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success(),
+            "{args:?} read an unfinished .npy: {err}"
+        );
+        assert!(err.contains("has not finished"), "{args:?}: {err}");
+    }
+    assert!(!dir.join("XX.mgt").exists() && !dir.join("I.mgt").exists());
     let o = run(dir, &["run", "plan.toml"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let out = std::fs::read(dir.join("C.npy")).unwrap();
@@ -581,6 +598,30 @@ fn a_killed_runs_npy_output_is_not_loadable_until_resumed() {
     let o = run(dir, &["info", "C.npy", "--check"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(!String::from_utf8_lossy(&o.stdout).contains("UNFINISHED"));
+
+    // The journal complete but the header still unfinished (`durable = false` and a crash
+    // before the finished header reached the disk): `verify` does not pass it, and `run` writes
+    // the finished header again instead of skipping the step.
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("C.npy"))
+            .unwrap();
+        f.write_all_at(&unfinished_head, 0).unwrap();
+    }
+    let o = run(dir, &["verify", "plan.toml"]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "verify passed an unfinished header: {text}"
+    );
+    assert!(text.contains("not finished"), "{text}");
+    let o = run(dir, &["run", "plan.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("still marks it unfinished"), "{err}");
+    assert!(std::fs::read(dir.join("C.npy")).unwrap() == reference);
 }
 
 /// With `durable = true` the output's header and size, the output's and the journal's names
