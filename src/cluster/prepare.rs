@@ -212,7 +212,6 @@ fn create(step: &Step, layout: &Layout, fp: &Fingerprint, progress: &Progress) -
         header,
         WriteMode::Pwrite,
     )?);
-    (tmp.file().sync_all()).map_err(|e| Error::io(tmp.path(), "cannot sync new output", e))?;
     // A stale sidecar would describe another array; `finalize` writes this one's.
     let _ = std::fs::remove_file(crate::store::sidecar::sidecar_path(out));
     tmp.commit_new()?;

@@ -388,7 +388,6 @@ impl Checkpoints {
         let mut f = tmp.file();
         (f.write_all(line.as_bytes()))
             .and_then(|_| f.write_all(data))
-            .and_then(|_| f.sync_all())
             .map_err(|e| Error::io(&path, "cannot write the tile's checkpoint", e))?;
         tmp.commit()?;
         self.present.lock().unwrap().insert(tile.seq);

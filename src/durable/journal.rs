@@ -541,9 +541,7 @@ pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)
     bytes.extend_from_slice(&encode(COMPLETE, 0));
     let tmp = TempOutput::new(&path, bytes.len() as u64)?;
     let mut f = tmp.file();
-    (f.write_all(&bytes))
-        .and_then(|_| f.sync_all())
-        .map_err(|e| Error::io(&path, "cannot write the merged journal", e))?;
+    (f.write_all(&bytes)).map_err(|e| Error::io(&path, "cannot write the merged journal", e))?;
     tmp.commit()
 }
 

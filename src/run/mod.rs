@@ -390,7 +390,6 @@ fn write_report(p: &std::path::Path, report: &RunReport) -> Result<()> {
     let tmp = crate::store::atomic::TempOutput::new(p, s.len() as u64)?;
     let mut f = tmp.file();
     std::io::Write::write_all(&mut f, s.as_bytes())
-        .and_then(|_| f.sync_all())
         .map_err(|e| Error::io(p, "cannot write report", e))?;
     tmp.commit()
 }

@@ -157,32 +157,27 @@ impl TempOutput {
         &self.file
     }
 
-    /// Move the finished (and already synced) file onto its final name, replacing whatever
-    /// directory entry is there (a file, a link: the entry, never what it points at), and sync
-    /// the directory so the rename survives a crash.
+    /// Sync the finished file, move it onto its final name, replacing whatever directory entry
+    /// is there (a file, a link: the entry, never what it points at), and sync the directory so
+    /// the rename survives a crash ([`fsutil::sync_file`], [`fsutil::sync_parent`]: the one
+    /// place every such sync goes through). A file its writer already synced costs a second
+    /// `fsync` with nothing left to write.
     pub(crate) fn commit(self) -> Result<()> {
-        let TempOutput { tmp, dst, .. } = self;
+        let TempOutput { file, tmp, dst } = self;
+        fsutil::sync_file(&file, &tmp)?;
         tmp.persist(&dst)
             .map_err(|e| Error::io(&dst, "cannot move the finished file into place", e.error))?;
-        sync_dir(&dst);
-        Ok(())
+        fsutil::sync_parent(&dst)
     }
 
     /// [`TempOutput::commit`], but only where nothing has the final name yet (a link, then
     /// the temporary name removed): `AlreadyExists` when something does.
     pub(crate) fn commit_new(self) -> Result<()> {
-        let TempOutput { tmp, dst, .. } = self;
+        let TempOutput { file, tmp, dst } = self;
+        fsutil::sync_file(&file, &tmp)?;
         tmp.persist_noclobber(&dst)
             .map_err(|e| Error::io(&dst, "cannot put the new file in place", e.error))?;
-        sync_dir(&dst);
-        Ok(())
-    }
-}
-
-/// Sync the directory holding `path`, so that a rename into it survives a crash.
-fn sync_dir(path: &Path) {
-    if let Ok(d) = File::open(parent_dir(path)) {
-        let _ = d.sync_all();
+        fsutil::sync_parent(&dst)
     }
 }
 

@@ -139,7 +139,6 @@ impl NpyWriter {
     /// its header and the journal's completion record) finished — then it is marked
     /// unfinished again, and synced, before any tile is written.
     pub(crate) fn reopen(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
-        let _ = std::fs::remove_file(sidecar_path(path));
         let file = fsutil::open_in_place(path, fsutil::InPlace::Existing)?;
         let found: NpyHeader = read_header(path, &mut &file)?;
         if (
@@ -155,6 +154,8 @@ impl NpyWriter {
                 "existing output has a different header than this plan produces; rerun with --restart",
             ));
         }
+        // Accepted for writing: the sidecar describes the array as it was, not as it will be.
+        let _ = std::fs::remove_file(sidecar_path(path));
         if !found.unfinished {
             file.write_all_at(&unfinished_header(hdr.dtype, hdr.rows, hdr.cols)?, 0)
                 .map_err(|e| Error::io(path, "cannot write .npy header", e))?;
@@ -313,7 +314,7 @@ impl MatrixSink for NpyWriter {
             ..
         } = *self;
         super::fsutil::unmap_in_background(map);
-        write_sidecar(&path, &side, durable)?;
+        write_sidecar(&path, &side)?;
         // Last, once every tile (and, when durable, the data) is on disk: the real header,
         // which makes the file an array numpy loads.
         file.write_all_at(&head, 0)
@@ -326,16 +327,13 @@ impl MatrixSink for NpyWriter {
 }
 
 /// Write the sidecar of `npy` atomically (temporary file, then rename: [`TempOutput`]).
-pub(crate) fn write_sidecar(npy: &Path, side: &Sidecar, durable: bool) -> Result<()> {
+pub(crate) fn write_sidecar(npy: &Path, side: &Sidecar) -> Result<()> {
     let sp = sidecar_path(npy);
     let bytes = side.encode();
     let tmp = TempOutput::new(&sp, bytes.len() as u64)?;
     tmp.file()
         .write_all_at(&bytes, 0)
         .map_err(|e| Error::io(&sp, "cannot write sidecar", e))?;
-    if durable {
-        (tmp.file().sync_all()).map_err(|e| Error::io(&sp, "cannot sync sidecar", e))?;
-    }
     tmp.commit()
 }
 
