@@ -146,10 +146,17 @@ impl TempOutput {
         })
     }
 
-    /// Where the bytes go (for writers that open files by name: reopen it with
-    /// [`TempOutput::file`], never by this path alone).
+    /// Where the bytes go (the tests look there; writers use [`TempOutput::file`], and name
+    /// [`TempOutput::dst`] in messages).
+    #[cfg(test)]
     pub(crate) fn path(&self) -> &Path {
         &self.tmp
+    }
+
+    /// The final name, as the caller gave it: what messages about the file name (a user never
+    /// asked for the temporary one).
+    pub(crate) fn dst(&self) -> &Path {
+        &self.dst
     }
 
     /// The temporary file, open for reading and writing.

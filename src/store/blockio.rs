@@ -274,6 +274,21 @@ pub(crate) fn supported(from: DType, to: DType) -> bool {
         )
 }
 
+/// A failed write of the `len`-byte file `path`: a full disk, the file-size limit or a quota
+/// said as [`size_error`] says it, anything else as it is.
+pub(crate) fn write_error(path: &Path, len: u64, e: std::io::Error) -> Error {
+    use rustix::io::Errno;
+    let code = e.raw_os_error();
+    if [Errno::NOSPC, Errno::FBIG, Errno::DQUOT]
+        .iter()
+        .any(|c| code == Some(c.raw_os_error()))
+    {
+        size_error(path, len, e)
+    } else {
+        Error::io(path, "cannot write", e)
+    }
+}
+
 pub(crate) fn size_error(path: &Path, len: u64, e: std::io::Error) -> Error {
     use rustix::io::Errno;
     let code = e.raw_os_error();

@@ -9,6 +9,7 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use super::block::Block;
+use super::blockio::write_error;
 use super::header::Header;
 use super::npy_header::header_bytes_order;
 pub use super::npy_header::{header_bytes, read_header, NpyHeader};
@@ -126,8 +127,7 @@ pub(crate) fn export(src: &Path, dst: &Path, verify: bool) -> Result<()> {
     let need = head.len() as u64 + rows * cols * out_dt.size() as u64;
     let tmp = super::atomic::TempOutput::new(dst, need)?;
     let mut w = BufWriter::with_capacity(8 << 20, tmp.file());
-    w.write_all(&head)
-        .map_err(|e| Error::io(dst, "cannot write", e))?;
+    w.write_all(&head).map_err(|e| write_error(dst, need, e))?;
     let row_bytes = (cols as usize) * out_dt.size();
     let chunk_rows = (CHUNK_BYTES / row_bytes).max(1) as u64;
     let mut buf = Vec::new();
@@ -154,13 +154,12 @@ pub(crate) fn export(src: &Path, dst: &Path, verify: bool) -> Result<()> {
             &mut buf,
             verify,
         )?;
-        w.write_all(&buf)
-            .map_err(|e| Error::io(dst, "cannot write", e))?;
+        w.write_all(&buf).map_err(|e| write_error(dst, need, e))?;
         r0 += n;
     }
     let f = w
         .into_inner()
-        .map_err(|e| Error::io(dst, "cannot write", e.into_error()))?;
+        .map_err(|e| write_error(dst, need, e.into_error()))?;
     f.sync_all().map_err(|e| Error::io(dst, "cannot sync", e))?;
     tmp.commit()
 }

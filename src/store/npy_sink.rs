@@ -121,8 +121,8 @@ impl NpyWriter {
         mode: WriteMode,
     ) -> Result<NpyWriter> {
         let file = (tmp.file().try_clone())
-            .map_err(|e| Error::io(tmp.path(), "cannot create output file", e))?;
-        Self::start(tmp.path(), file, hdr, mode)
+            .map_err(|e| Error::io(tmp.dst(), "cannot create output file", e))?;
+        Self::start(tmp.dst(), file, hdr, mode)
     }
 
     /// The unfinished header, the file's size, synced.

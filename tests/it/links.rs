@@ -288,7 +288,9 @@ fn import_is_atomic_and_never_writes_through_links() {
         ("export G.mgt H.npy", "H.npy"),
     ] {
         let o = sh(dir, &format!("ulimit -f 1024; exec \"$MG\" {cmd}"));
-        failed_with(&o, &[out]);
+        let err = failed_with(&o, &[out, "ulimit -f"]);
+        // The file the user named, not the temporary one.
+        assert!(!err.contains(".partial"), "{err}");
         assert!(!dir.join(out).exists(), "{out} left at its final name");
         assert!(
             leftovers(dir).is_empty(),

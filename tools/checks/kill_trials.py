@@ -92,11 +92,16 @@ def main():
     for out in ("C.mgt", "C.npy"):
         plan = f"plan_{out}.toml"
         open(plan, "w").write(PLAN.format(out=out))
-        t = time.time()
-        r = run(binary, plan, report="report.json")
-        durations[out] = time.time() - t
-        if r.returncode != 0:
-            sys.exit(f"reference run of {out} failed:\n{r.stderr}")
+        # The first run also generates the inputs: time the second, which only multiplies.
+        for attempt in range(2):
+            for p in (out, out + ".journal", out + ".crc32c"):
+                if os.path.exists(p):
+                    os.remove(p)
+            t = time.time()
+            r = run(binary, plan, report="report.json")
+            durations[out] = time.time() - t
+            if r.returncode != 0:
+                sys.exit(f"reference run of {out} failed:\n{r.stderr}")
         refs[out] = open(out, "rb").read()
         totals[out] = json.load(open("report.json"))["steps"][0]["tiles_total"]
         os.rename(out, "ref_" + out)

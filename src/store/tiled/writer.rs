@@ -96,8 +96,8 @@ impl TiledWriter {
         mode: WriteMode,
     ) -> Result<TiledWriter> {
         let file = (tmp.file().try_clone())
-            .map_err(|e| Error::io(tmp.path(), "cannot create output file", e))?;
-        Self::init(tmp.path(), file, hdr, true, mode)
+            .map_err(|e| Error::io(tmp.dst(), "cannot create output file", e))?;
+        Self::init(tmp.dst(), file, hdr, true, mode)
     }
 
     /// [`TiledWriter::reopen`] with an explicit write mode.
