@@ -9,7 +9,8 @@ with a time limit, classified by what the process did:
 * crash     — killed by a signal, or another exit status without a message;
 * hang      — still running at the time limit.
 
-Mutations: plans (a line deleted, duplicated or swapped; a value replaced by one of a list of
+Mutations: command-line numbers (shapes, tiles, threads, raw descriptors: `gen`, `import`,
+`info`, under `ulimit -f` so a large shape fails fast), plans (a line deleted, duplicated or swapped; a value replaced by one of a list of
 hostile values; bytes flipped; truncated), `.mgt` files (bytes flipped in the header, the
 checksum table or the data; truncated; extended), `.npy` files (header dictionaries rewritten
 with hostile shapes, dtypes, orders and lengths; bytes flipped). Plans go to `plan` and, when
@@ -62,6 +63,10 @@ HOSTILE = [
     '"A.T.T.T @ B"', '"../../../etc/passwd"', '"/dev/zero"', '"/proc/self/mem"', '"\\u0000"',
     '"fp64"', '"bf16"', '"tf32"', '"cuda"', '"sim"', '"0s"', '"1ns"', '"off"',
 ]
+
+
+NUMBERS = ["0", "1", "2", "7", "64", "1000", "-1", "4294967296", "3000000000",
+           "9223372036854775807", "18446744073709551615", "18446744073709551616", "1e9", "x"]
 
 
 def npy_bytes(header: str, data: bytes, version=(1, 0)) -> bytes:
@@ -147,7 +152,10 @@ def classify(r):
     return "crash"
 
 
-def call(binary, args, timeout):
+def call(binary, args, timeout, limit_file=False):
+    if limit_file:
+        args = ["-c", 'ulimit -f 10000; exec "$0" "$@"', binary] + args
+        binary = "sh"
     try:
         return subprocess.run([binary] + args, capture_output=True, text=True, timeout=timeout,
                               errors="replace")
@@ -179,7 +187,7 @@ def main():
         d = f"c{case % 8}"
         shutil.rmtree(d, ignore_errors=True)
         os.mkdir(d)
-        kind = rnd.choice(["plan", "plan", "mgt", "npy"])
+        kind = rnd.choice(["plan", "plan", "mgt", "npy", "args"])
         if kind == "plan":
             shutil.copy("B.npy", d)
             shutil.copy("A.mgt", d)
@@ -191,13 +199,27 @@ def main():
             shutil.copy("B.npy", d)
             open(f"{d}/plan.toml", "w").write(BASE_PLAN)
             runs = [["info", "--check", f"{d}/A.mgt"], ["run", f"{d}/plan.toml"]]
+        elif kind == "args":
+            # Command-line numbers a user could type: shapes, tiles, thread counts, raw
+            # descriptors. Under `ulimit -f` (5 MB), so a shape that is only large fails fast.
+            shutil.copy("B.npy", d)
+            n = lambda: rnd.choice(NUMBERS)
+            runs = [rnd.choice([
+                ["gen", f"{d}/Z.mgt", "--rows", n(), "--cols", n()],
+                ["gen", f"{d}/Z.mgt", "--rows", n(), "--cols", n(), "--tile", n(),
+                 "--dtype", rnd.choice(["f32", "f64", "f16", "bf16", "i8"])],
+                ["gen", f"{d}/Z.mgt", "--rows", "8", "--cols", "8", "--threads", n()],
+                ["import", f"raw:rows={n()},cols={n()},dtype=f32,offset={n()}:{d}/B.npy", f"{d}/I.mgt"],
+                ["import", f"{d}/B.npy", f"{d}/I.mgt", "--tile", n()],
+                ["info", f"raw:rows={n()},cols={n()},dtype=f64:{d}/B.npy", "--check"],
+            ])]
         else:
             shutil.copy("A.mgt", d)
             open(f"{d}/B.npy", "wb").write(mutate_npy(rnd, base_b[128:]))
             open(f"{d}/plan.toml", "w").write(BASE_PLAN)
             runs = [["info", f"{d}/B.npy"], ["run", f"{d}/plan.toml"]]
         for args in runs:
-            res = classify(call(binary, args, a.timeout))
+            res = classify(call(binary, args, a.timeout, limit_file=kind == "args"))
             counts[(kind, res)] = counts.get((kind, res), 0) + 1
             if res != "ok":
                 keep = f"fail{len(failures)}"
@@ -207,7 +229,7 @@ def main():
             print(f"{case + 1} cases, {len(failures)} failures", flush=True)
     total = sum(counts.values())
     print(f"summary: {a.cases} mutated inputs, {total} commands run")
-    for kind in ("plan", "mgt", "npy"):
+    for kind in ("plan", "mgt", "npy", "args"):
         row = {res: counts.get((kind, res), 0) for res in ("ok", "panic", "crash", "hang")}
         print(f"  {kind:5s} " + "  ".join(f"{k} {v}" for k, v in row.items()))
     for case, kind, res, args, keep in failures[:10]:
