@@ -456,6 +456,12 @@ impl DirectReads {
         mb: &MappedBlock<'_>,
         ranges: &[std::ops::Range<u64>],
     ) -> Option<Vec<Pin>> {
+        // A block whose ranges together pass the whole budget can never be held at once: copy
+        // it without registering (and then releasing) any of them.
+        if ranges.iter().map(|s| s.end - s.start).sum::<u64>() > self.budget {
+            self.stats.full_blocks.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
         let mut pins = Vec::with_capacity(ranges.len());
         for s in ranges {
             let end = (s.end as usize).min(mb.map.len());
