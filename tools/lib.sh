@@ -107,3 +107,26 @@ gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
 
 # export_npy SRC.mgt DST.npy: export for the python peers, unless DST is newer than SRC.
 export_npy() { [ "$2" -nt "$1" ] || "$MGMM" export "$1" "$2" --force 2>&1 | tail -1; }
+
+# Hold all but KEEP_GB (default 60) GB of RAM in another process (anonymous memory, every page
+# touched), so the inputs no longer fit in the page cache: `hog_start`, then `hog_stop` (also
+# on exit, through the trap the caller sets: `trap hog_stop EXIT`).
+hog_pid=
+hog_start() {
+  local total keep
+  total=$(awk '/MemTotal/ {print int($2/1048576)}' /proc/meminfo)
+  keep=$((total - ${KEEP_GB:-60}))
+  log "memory hog: holding $keep GB of $total GB as anonymous memory, leaving ${KEEP_GB:-60} GB"
+  python3 -c "
+import mmap, signal, sys
+n = int(sys.argv[1]) << 30
+m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+for i in range(0, n, 4096):
+    m[i] = 1
+print('hog ready', n >> 30, 'GiB', flush=True)
+signal.pause()" "$keep" > hog.out 2>&1 &
+  hog_pid=$!
+  for _ in $(seq 1 1200); do grep -q ready hog.out 2>/dev/null && break; sleep 0.5; done
+  cat hog.out | tee -a "$LOG"; free -g | tee -a "$LOG"
+}
+hog_stop() { [ -n "$hog_pid" ] && kill "$hog_pid" 2>/dev/null; wait "$hog_pid" 2>/dev/null; hog_pid=; }

@@ -33,22 +33,6 @@ log "dd read: $RD"; log "dd write: $WR"
 rate() { python3 -c "import re,sys; m=re.search(r'([\d.]+) ([GM])B/s', sys.argv[1]); print(float(m[1])*(1e9 if m[2]=='G' else 1e6))" "$1"; }
 RDR=$(rate "$RD"); WRR=$(rate "$WR")
 
-hog_pid=
-hog_start() {
-  local total keep
-  total=$(awk '/MemTotal/ {print int($2/1048576)}' /proc/meminfo)
-  keep=$((total - KEEP_GB))
-  log "memory hog: holding $keep GB of $total GB anonymous memory"
-  python3 -c "
-import numpy as np, signal, sys
-a = np.ones(int(sys.argv[1]) * (1 << 30) // 8)
-print('hog ready', a.nbytes >> 30, 'GiB', flush=True)
-signal.pause()" "$keep" > hog.out 2>&1 &
-  hog_pid=$!
-  for _ in $(seq 1 600); do grep -q ready hog.out 2>/dev/null && break; sleep 0.5; done
-  cat hog.out | tee -a "$LOG"; free -g | tee -a "$LOG"
-}
-hog_stop() { [ -n "$hog_pid" ] && kill "$hog_pid" 2>/dev/null; wait "$hog_pid" 2>/dev/null; hog_pid=; }
 trap hog_stop EXIT
 
 one() { # NAME

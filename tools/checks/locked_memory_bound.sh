@@ -26,26 +26,7 @@ for o in ref bound; do
 done
 "$MGMM" plan bound.toml 2>&1 | tee -a "$LOG" | grep -E "compute tile|host pools|staging|inputs"
 
-balloon_pid=
-balloon_start() {
-  local total keep
-  total=$(awk '/MemTotal/ {print int($2/1048576)}' /proc/meminfo)
-  keep=$((total - KEEP_GB))
-  log "balloon: holding $keep GB of $total GB as anonymous memory (touched), leaving $KEEP_GB GB"
-  python3 -c "
-import mmap, signal, sys
-n = int(sys.argv[1]) << 30
-m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-for i in range(0, n, 4096):
-    m[i] = 1
-print('balloon ready', n >> 30, 'GiB', flush=True)
-signal.pause()" "$keep" > balloon.out 2>&1 &
-  balloon_pid=$!
-  for _ in $(seq 1 1200); do grep -q ready balloon.out 2>/dev/null && break; sleep 0.5; done
-  cat balloon.out | tee -a "$LOG"; free -g | tee -a "$LOG"
-}
-balloon_stop() { [ -n "$balloon_pid" ] && kill "$balloon_pid" 2>/dev/null; wait "$balloon_pid" 2>/dev/null; balloon_pid=; }
-trap balloon_stop EXIT
+trap hog_stop EXIT
 
 one() { # NAME: run NAME.toml, the report in $OUT/locked_NAME.json, max RSS in NAME.time
   rm -f "C_$1.mgt" "C_$1.mgt.journal"
@@ -56,9 +37,9 @@ one() { # NAME: run NAME.toml, the report in $OUT/locked_NAME.json, max RSS in N
 }
 
 drop_cache A.mgt B.mgt
-balloon_start
+hog_start
 one bound
-balloon_stop
+hog_stop
 # Two 17 GB outputs and the inputs do not fit on the 64 GiB disk together: keep a digest.
 sha256sum < C_bound.mgt > bound.sha; rm -f C_bound.mgt
 one ref
