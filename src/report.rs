@@ -156,6 +156,84 @@ pub struct StepReport {
     /// state, making the lanes (contexts, device memory, kernels), building the pipeline
     /// (opening files, allocating pinned pools) and dropping it afterwards.
     pub setup_s: Vec<(String, f64)>,
+    /// What `precision = "fp64_emulated"` did, all lanes together; `None` under the other
+    /// precisions.
+    pub emulation: Option<EmulationReport>,
+}
+
+/// What the fp64 emulation did in a step (`emulation.fallback_tiles` and the rest).
+#[derive(Clone, Debug, Serialize)]
+pub struct EmulationReport {
+    /// `engine.emulation_moduli`: `"auto"` or the count forced.
+    pub setting: String,
+    #[serde(flatten)]
+    pub stats: crate::seam::EmulationStats,
+}
+
+impl EmulationReport {
+    fn of(p: Precision, lanes: &[LaneReport]) -> Option<EmulationReport> {
+        let Precision::Fp64Emulated(m) = p else {
+            return None;
+        };
+        let mut stats = crate::seam::EmulationStats::default();
+        for l in lanes {
+            stats.add(&l.stats.emulation);
+        }
+        Some(EmulationReport {
+            setting: match m {
+                crate::seam::EmulationModuli::Auto => "auto".into(),
+                crate::seam::EmulationModuli::Fixed(n) => n.to_string(),
+            },
+            stats,
+        })
+    }
+}
+
+/// The summary's `emulation:` line: moduli used, integer GEMMs, blocks left to native fp64
+/// and why, and blocks a forced count left outside the bound.
+fn emulation_line(r: &StepReport) -> String {
+    r.emulation.as_ref().map_or(String::new(), emulation_text)
+}
+
+fn emulation_text(e: &EmulationReport) -> String {
+    use crate::progress::count;
+    let s = &e.stats;
+    let used = match (s.moduli_min, s.moduli_max) {
+        (0, _) => "no moduli needed".to_string(),
+        (a, b) if a == b => count(a as u64, "modulus", "moduli"),
+        (a, b) => format!("{a}–{b} moduli"),
+    };
+    let mut line = format!(
+        "  emulation (moduli {}): {} emulated with {used}, {}",
+        e.setting,
+        count(s.blocks, "block", "blocks"),
+        count(s.int_gemms, "integer GEMM", "integer GEMMs")
+    );
+    let why: Vec<String> = [
+        (s.fallback_nonfinite, "NaN/Inf in the block"),
+        (s.fallback_bound, "exponent range too wide for the bound"),
+        (s.fallback_short, "one element deep"),
+    ]
+    .iter()
+    .filter(|(n, _)| *n > 0)
+    .map(|(n, w)| format!("{w}: {n}"))
+    .collect();
+    line += &format!(
+        "; fallback_tiles {} (native fp64{})",
+        s.fallback_tiles,
+        if why.is_empty() {
+            String::new()
+        } else {
+            format!("; {}", why.join(", "))
+        }
+    );
+    if s.bound_unmet > 0 {
+        line += &format!(
+            "; {} outside the accuracy bound at the forced count",
+            count(s.bound_unmet, "block", "blocks")
+        );
+    }
+    line + "\n"
 }
 
 #[derive(Debug, Serialize)]
@@ -294,7 +372,14 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         MemorySpace::Host => l.slots as u64 * l.slot_bytes + l.accs as u64 * l.acc_bytes,
         MemorySpace::Device => 0,
     };
+    let lanes: Vec<LaneReport> = st
+        .lanes
+        .into_iter()
+        .map(|(name, stats)| LaneReport { name, stats })
+        .collect();
     StepReport {
+        emulation: EmulationReport::of(cx.precision, &lanes),
+        lanes,
         step: step.index + 1,
         expr: step.expr.clone(),
         output: step.output_label(),
@@ -333,11 +418,6 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         host_peak_bytes: pool_peak + lane_host,
         device_bytes_per_lane: l.device_bytes,
         pools: merged_pools(&st.pools),
-        lanes: st
-            .lanes
-            .into_iter()
-            .map(|(name, stats)| LaneReport { name, stats })
-            .collect(),
         bottleneck: shares.first().map(|s| s.0.clone()).unwrap_or_default(),
         busy_shares: shares,
         stages: st.stages,
@@ -481,6 +561,7 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
     );
     s += &pools_line(r);
     s += &device_lines(r);
+    s += &emulation_line(r);
     s += &busy_line(r);
     s += &format!("  bottleneck: {}", r.bottleneck);
     if r.nonfinite_inputs > 0 {
@@ -526,7 +607,7 @@ fn nonfinite_output_note(r: &StepReport) -> Option<String> {
         }
         None => String::new(),
     };
-    let largest = if r.precision == Precision::Fp64.name() {
+    let largest = if Precision::parse(&r.precision).is_some_and(Precision::is_f64) {
         "f64, largest about 1.8e308"
     } else {
         "f32, largest about 3.4e38"
@@ -671,6 +752,43 @@ fn dirty_note(write_bytes: u64, throttle: Option<u64>) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The summary's emulation line: moduli used, integer GEMMs, the fallback tiles with their
+    /// reasons, and the blocks a forced count left outside the bound.
+    #[test]
+    fn the_emulation_line_names_moduli_fallbacks_and_unmet_bounds() {
+        let mut stats = crate::seam::EmulationStats::default();
+        stats.emulated(14, true);
+        stats.emulated(15, true);
+        let mut other = crate::seam::EmulationStats::default();
+        other.emulated(0, true);
+        other.fallback_tiles = 3;
+        other.fallback_nonfinite = 2;
+        other.fallback_bound = 1;
+        stats.add(&other);
+        let e = EmulationReport {
+            setting: "auto".into(),
+            stats,
+        };
+        let t = emulation_text(&e);
+        assert_eq!(
+            t,
+            "  emulation (moduli auto): 3 blocks emulated with 14–15 moduli, 31 integer GEMMs; fallback_tiles 3 (native fp64; NaN/Inf in the block: 2, exponent range too wide for the bound: 1)\n"
+        );
+        let mut stats = crate::seam::EmulationStats::default();
+        stats.emulated(6, false);
+        let t = emulation_text(&EmulationReport {
+            setting: "6".into(),
+            stats,
+        });
+        assert!(
+            t.contains("(moduli 6)")
+                && t.contains("with 6 moduli")
+                && t.contains("fallback_tiles 0 (native fp64)")
+                && t.contains("1 block outside the accuracy bound at the forced count"),
+            "{t}"
+        );
+    }
 
     #[test]
     fn the_dirty_note_appears_only_past_the_throttling_point() {

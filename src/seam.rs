@@ -23,10 +23,25 @@ pub enum Precision {
     Fp16,
     /// fp64 inputs and accumulation.
     Fp64,
+    /// fp64 inputs and output, the product computed with exact integer GEMMs (Ozaki scheme
+    /// II, `backend::ozaki`), within the accuracy contract of docs/PLAN.md, with this many
+    /// moduli (`engine.emulation_moduli`).
+    Fp64Emulated(EmulationModuli),
+}
+
+/// How many moduli `precision = "fp64_emulated"` uses (`engine.emulation_moduli`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EmulationModuli {
+    /// The fewest that keep each block within the accuracy contract, chosen per block.
+    #[default]
+    Auto,
+    /// This many (1 to 16), whether or not the contract's bound is met.
+    Fixed(u8),
 }
 
 impl Precision {
-    /// The precision named `s` in a plan (`fp32`, `tf32`, `bf16`, `fp16`, `fp64`).
+    /// The precision named `s` in a plan (`fp32`, `tf32`, `bf16`, `fp16`, `fp64`,
+    /// `fp64_emulated`, the last with its moduli chosen per block).
     pub fn parse(s: &str) -> Option<Precision> {
         [
             Precision::Fp32,
@@ -34,6 +49,7 @@ impl Precision {
             Precision::Bf16,
             Precision::Fp16,
             Precision::Fp64,
+            Precision::Fp64Emulated(EmulationModuli::Auto),
         ]
         .into_iter()
         .find(|p| p.name() == s)
@@ -46,11 +62,16 @@ impl Precision {
             Precision::Bf16 => "bf16",
             Precision::Fp16 => "fp16",
             Precision::Fp64 => "fp64",
+            Precision::Fp64Emulated(_) => "fp64_emulated",
         }
+    }
+    /// Whether the inputs and the output are f64 (`fp64` and `fp64_emulated`).
+    pub fn is_f64(self) -> bool {
+        matches!(self, Precision::Fp64 | Precision::Fp64Emulated(_))
     }
     /// Host compute/output element type.
     pub fn host_dtype(self) -> DType {
-        if self == Precision::Fp64 {
+        if self.is_f64() {
             DType::F64
         } else {
             DType::F32
@@ -59,7 +80,7 @@ impl Precision {
     /// Relative unit roundoff of the inputs as the GEMM sees them (for error bounds).
     pub fn input_eps(self) -> f64 {
         match self {
-            Precision::Fp64 => f64::EPSILON / 2.0,
+            Precision::Fp64 | Precision::Fp64Emulated(_) => f64::EPSILON / 2.0,
             Precision::Fp32 => f32::EPSILON as f64 / 2.0,
             Precision::Tf32 => 2f64.powi(-11),
             Precision::Fp16 => 2f64.powi(-11),
@@ -68,7 +89,7 @@ impl Precision {
     }
     /// Unit roundoff of the accumulation.
     pub fn acc_eps(self) -> f64 {
-        if self == Precision::Fp64 {
+        if self.is_f64() {
             f64::EPSILON / 2.0
         } else {
             f32::EPSILON as f64 / 2.0
@@ -192,6 +213,66 @@ pub struct DeviceStats {
     pub d2h_bytes: u64,
     /// GEMMs run.
     pub gemms: u64,
+    /// What `precision = "fp64_emulated"` did (all zero under the other precisions).
+    pub emulation: EmulationStats,
+}
+
+/// What the fp64 emulation did on a device, per GEMM block (`backend::ozaki`): how many
+/// moduli the emulated blocks used and which blocks were computed with native fp64, and why.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct EmulationStats {
+    /// Blocks computed with integer GEMMs.
+    pub blocks: u64,
+    /// Fewest and most moduli an emulated block used (0, 0 when none needed any).
+    pub moduli_min: u32,
+    pub moduli_max: u32,
+    /// Integer GEMMs run: N + 1 per emulated block (N residue products, one for the bound).
+    pub int_gemms: u64,
+    /// Blocks computed with native fp64 instead: the sum of the three below.
+    pub fallback_tiles: u64,
+    /// ... because they hold NaN or Inf (propagated as DGEMM propagates them).
+    pub fallback_nonfinite: u64,
+    /// ... because no count of moduli up to 16 keeps them within the bound.
+    pub fallback_bound: u64,
+    /// ... because they are one element deep.
+    pub fallback_short: u64,
+    /// Emulated blocks whose bound a forced `engine.emulation_moduli` did not meet.
+    pub bound_unmet: u64,
+}
+
+impl EmulationStats {
+    /// One emulated block with `moduli` moduli (0: all zero, no GEMM needed).
+    pub(crate) fn emulated(&mut self, moduli: u32, bound_met: bool) {
+        self.blocks += 1;
+        if moduli > 0 {
+            self.int_gemms += moduli as u64 + 1;
+            self.moduli_min = if self.moduli_min == 0 {
+                moduli
+            } else {
+                self.moduli_min.min(moduli)
+            };
+            self.moduli_max = self.moduli_max.max(moduli);
+        }
+        self.bound_unmet += u64::from(!bound_met);
+    }
+    /// Add another device's figures.
+    pub(crate) fn add(&mut self, o: &EmulationStats) {
+        self.blocks += o.blocks;
+        self.int_gemms += o.int_gemms;
+        if o.moduli_max > 0 {
+            self.moduli_min = if self.moduli_min == 0 {
+                o.moduli_min
+            } else {
+                self.moduli_min.min(o.moduli_min)
+            };
+            self.moduli_max = self.moduli_max.max(o.moduli_max);
+        }
+        self.fallback_tiles += o.fallback_tiles;
+        self.fallback_nonfinite += o.fallback_nonfinite;
+        self.fallback_bound += o.fallback_bound;
+        self.fallback_short += o.fallback_short;
+        self.bound_unmet += o.bound_unmet;
+    }
 }
 
 /// The most worker threads a plan or command may ask for: far above any machine's cores, low

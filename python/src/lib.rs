@@ -199,15 +199,16 @@ fn choose_precision(py: Python<'_>, p: Option<&str>, dt: DType) -> PyResult<Prec
             bad_input(
                 py,
                 format!(
-                "precision={s:?} is unknown; use \"fp32\", \"tf32\", \"bf16\", \"fp16\" or \"fp64\""
+                "precision={s:?} is unknown; use \"fp32\", \"tf32\", \"bf16\", \"fp16\", \"fp64\" or \"fp64_emulated\""
             ),
             )
         })?,
     };
     match (p, dt) {
-        (Precision::Fp64, DType::F64) => Ok(p),
-        (Precision::Fp64, d) => Err(bad_input(py, format!(
-            "precision=\"fp64\" needs float64 inputs, but the inputs are {d}"
+        (p, DType::F64) if p.is_f64() => Ok(p),
+        (p, d) if p.is_f64() => Err(bad_input(py, format!(
+            "precision={:?} needs float64 inputs, but the inputs are {d}",
+            p.name()
         ))),
         (_, DType::F64) => Err(bad_input(py, format!(
             "the inputs are float64 but precision={:?}; use precision=\"fp64\" (the default for float64) or convert the inputs to float32",

@@ -11,11 +11,12 @@ use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use zerocopy::FromBytes;
 
+use super::ozaki;
 use super::{Backend, Dst, GemmDesc, HostAlloc, HostBuf, InputPinner, Lane, Ticket};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
-use crate::seam::{Caps, DeviceStats, MemorySpace, Precision};
+use crate::seam::{Caps, DeviceStats, EmulationModuli, MemorySpace, Precision};
 
 /// The CPU backend: one lane computing on `threads` rayon workers; slots and accumulators
 /// live in host memory and count against `engine.host_memory`.
@@ -35,10 +36,13 @@ const CPU_TILES: &[u64] = &[
 /// not assume a machine faster than this one.
 fn cpu_peak(p: Precision, threads: usize) -> f64 {
     let f32_per_core = simd_f32_per_core();
-    let per_core = if p == Precision::Fp64 {
-        f32_per_core / 2.0
-    } else {
-        f32_per_core
+    let per_core = match p {
+        Precision::Fp64 => f32_per_core / 2.0,
+        // N + 1 f64 GEMMs per block, N as `auto` picks it for normal data at k = 1024.
+        Precision::Fp64Emulated(m) => {
+            f32_per_core / 2.0 / (ozaki::expected_moduli(m, 1024) + 1) as f64
+        }
+        _ => f32_per_core,
     };
     per_core * threads as f64
 }
@@ -47,6 +51,8 @@ fn cpu_peak(p: Precision, threads: usize) -> f64 {
 fn cpu_peak_source(p: Precision) -> &'static str {
     if p == Precision::Fp64 {
         "faer's f64 rate per core: half its f32 rate with AVX-512, a quarter without, BENCHMARKS.md"
+    } else if p.is_f64() {
+        "faer's f64 rate per core over the N + 1 f64 GEMMs an emulated block takes, N as auto picks it for normal data at k = 1024"
     } else {
         "faer's f32 rate per core with AVX-512, half without, BENCHMARKS.md"
     }
@@ -141,6 +147,45 @@ pub(crate) struct CpuLane {
     stats: DeviceStats,
     /// Reduced precision to emulate by rounding input slots on upload (C0 is never rounded).
     round: Option<Precision>,
+    /// `precision = "fp64_emulated"`: the moduli setting, and the buffers the emulation reuses.
+    emulate: Option<Emulation>,
+}
+
+/// The CPU's fp64 emulation: [`ozaki`] with faer's f64 GEMM as the exact integer GEMM.
+struct Emulation {
+    moduli: EmulationModuli,
+    ws: ozaki::Workspace,
+    ints: FaerInts,
+    /// The block's product before alpha, beta and the accumulator.
+    prod: Vec<f64>,
+}
+
+/// Integer GEMMs on the CPU: the int8 operands as f64, faer's f64 GEMM, the sums back to
+/// int32. Exact: every product and partial sum is an integer below `k·128² ≤ 2³⁰ < 2⁵³`.
+struct FaerInts {
+    par: Par,
+    a: Vec<f64>,
+    b: Vec<f64>,
+    c: Vec<f64>,
+}
+
+impl ozaki::IntGemm for FaerInts {
+    fn gemm_tn(&mut self, m: usize, n: usize, k: usize, a: &[i8], b: &[i8], c: &mut [i32]) {
+        let widen = |v: &mut Vec<f64>, x: &[i8]| {
+            v.clear();
+            v.extend(x.iter().map(|&e| e as f64));
+        };
+        widen(&mut self.a, &a[..m * k]);
+        widen(&mut self.b, &b[..n * k]);
+        self.c.resize(m * n, 0.0);
+        let lhs = MatRef::from_row_major_slice(&self.a, m, k);
+        let rhs = MatRef::from_row_major_slice(&self.b, n, k).transpose();
+        let dst = MatMut::from_row_major_slice_mut(&mut self.c, m, n);
+        matmul(dst, Accum::Replace, lhs, rhs, 1.0, self.par);
+        for (o, &x) in c[..m * n].iter_mut().zip(&self.c) {
+            *o = x as i32;
+        }
+    }
 }
 
 impl CpuLane {
@@ -161,6 +206,20 @@ impl CpuLane {
             Precision::Tf32 | Precision::Bf16 | Precision::Fp16
         )
         .then_some(precision);
+        let emulate = match precision {
+            Precision::Fp64Emulated(moduli) => Some(Emulation {
+                moduli,
+                ws: ozaki::Workspace::default(),
+                ints: FaerInts {
+                    par,
+                    a: Vec::new(),
+                    b: Vec::new(),
+                    c: Vec::new(),
+                },
+                prod: Vec::new(),
+            }),
+            _ => None,
+        };
         Ok(CpuLane {
             dt: layout.host_dt,
             slots,
@@ -168,6 +227,7 @@ impl CpuLane {
             par,
             stats: DeviceStats::default(),
             round,
+            emulate,
         })
     }
 }
@@ -212,6 +272,46 @@ macro_rules! gemm_typed {
 }
 gemm_typed!(gemm_f32, f32);
 gemm_typed!(gemm_f64, f64);
+
+/// `c = alpha·op(A)·op(B) + beta·c` with the product emulated ([`ozaki::gemm`]), counted in
+/// `stats`; false (c untouched) where the block must be computed natively.
+fn emulated(
+    g: &GemmDesc,
+    a: &[f64],
+    b: &[f64],
+    c: &mut [f64],
+    em: &mut Emulation,
+    stats: &mut DeviceStats,
+) -> bool {
+    em.prod.resize(g.m * g.n, 0.0);
+    let r = ozaki::gemm(
+        (g.m, g.n, g.k),
+        a,
+        g.a_trans,
+        b,
+        g.b_trans,
+        em.moduli,
+        &mut em.ints,
+        &mut em.ws,
+        &mut em.prod,
+    );
+    ozaki::record(&mut stats.emulation, r);
+    if r.is_err() {
+        return false;
+    }
+    // The same roundings as the native path: beta·C0, alpha·product, their sum.
+    let (alpha, beta) = (g.alpha, g.beta);
+    for (x, &p) in c[..g.m * g.n].iter_mut().zip(&em.prod) {
+        *x = if beta == 0.0 {
+            alpha * p
+        } else if beta == 1.0 {
+            *x + alpha * p
+        } else {
+            *x * beta + alpha * p
+        };
+    }
+    true
+}
 
 impl Lane for CpuLane {
     fn name(&self) -> String {
@@ -288,7 +388,15 @@ impl Lane for CpuLane {
                 let a = <[f64]>::ref_from_bytes(a).map_err(|e| bad(e.to_string()))?;
                 let b = <[f64]>::ref_from_bytes(b).map_err(|e| bad(e.to_string()))?;
                 let c = <[f64]>::mut_from_bytes(c).map_err(|e| bad(e.to_string()))?;
-                gemm_f64(g, a, b, c, self.par);
+                match &mut self.emulate {
+                    // alpha = 0 computes no product (gemm_f64 says why): nothing to emulate.
+                    Some(em) if g.alpha != 0.0 => {
+                        if !emulated(g, a, b, c, em, &mut self.stats) {
+                            gemm_f64(g, a, b, c, self.par);
+                        }
+                    }
+                    _ => gemm_f64(g, a, b, c, self.par),
+                }
             }
             other => return Err(Error::backend("cpu", format!("no {other} GEMM on the CPU"))),
         }

@@ -20,6 +20,7 @@ pub(crate) mod cpu;
 pub(crate) mod cuda;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub(crate) mod ozaki;
 #[cfg(feature = "fault-injection")]
 pub mod sim;
 
@@ -282,6 +283,7 @@ pub(crate) fn describe_precision(p: Precision) -> &'static str {
         Precision::Bf16 => "bf16 inputs, fp32 accumulate and output",
         Precision::Fp16 => "fp16 inputs, fp32 accumulate and output",
         Precision::Fp64 => "fp64 (DGEMM)",
+        Precision::Fp64Emulated(_) => "fp64 emulated with exact integer GEMMs (Ozaki scheme II)",
     }
 }
 
@@ -303,7 +305,7 @@ pub(crate) fn round_inputs(p: Precision, xs: &mut [f32]) {
         Precision::Fp16 => xs
             .iter_mut()
             .for_each(|x| *x = half::f16::from_f32(*x).to_f32()),
-        Precision::Fp32 | Precision::Fp64 => {}
+        Precision::Fp32 | Precision::Fp64 | Precision::Fp64Emulated(_) => {}
     }
 }
 

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use toml::Spanned;
 
-use super::raw::{line_of, RawDevices, RawEngine, RawTile};
+use super::raw::{line_of, RawDevices, RawEngine, RawModuli, RawTile};
 use super::{BackendKind, Devices, Engine, Precision, TileSpec};
 use crate::error::{Error, Result};
 
@@ -73,6 +73,7 @@ fn takes(key: &str) -> Option<&'static str> {
     Some(match key {
         "threads" => "a whole number of worker threads, 0 or more (0: every core)",
         "durable" | "verify_inputs" => "true or false",
+        "emulation_moduli" => "\"auto\" or a number of moduli from 1 to 16",
         _ => return None,
     })
 }
@@ -149,12 +150,13 @@ pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engin
                 "precision",
                 from.at("precision", v),
                 format!(
-                    "\"{}\" is unknown; use fp32, tf32, bf16, fp16 or fp64",
+                    "\"{}\" is unknown; use fp32, tf32, bf16, fp16, fp64 or fp64_emulated",
                     v.get_ref()
                 ),
             )
         })?,
     };
+    let precision = resolve_moduli(e, from, precision)?;
     let host_memory = match &e.host_memory {
         None => 2 << 30,
         Some(v) => {
@@ -219,6 +221,41 @@ pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engin
         checkpoint_every: resolve_checkpoint_every(e, from)?,
         staging: resolve_staging(e, from)?,
     })
+}
+
+/// `engine.emulation_moduli` into `precision`: only `fp64_emulated` has moduli.
+fn resolve_moduli(e: &RawEngine, from: &EngineSource, p: Precision) -> Result<Precision> {
+    use crate::seam::EmulationModuli;
+    let Some(v) = &e.emulation_moduli else {
+        return Ok(p);
+    };
+    let at = from.at("emulation_moduli", v);
+    let moduli = match v.get_ref() {
+        RawModuli::Word(w) if w == "auto" => EmulationModuli::Auto,
+        RawModuli::Count(n) if (1..=16).contains(n) => EmulationModuli::Fixed(*n as u8),
+        RawModuli::Word(w) => {
+            return Err(from.err(
+                "emulation_moduli",
+                format!("{at}: \"{w}\" is unknown; use \"auto\" or a number of moduli from 1 to 16"),
+            ))
+        }
+        RawModuli::Count(n) => {
+            return Err(from.err(
+                "emulation_moduli",
+                format!("{at}: {n} moduli: use 1 to 16 (16 keep the reconstruction exact in 128-bit integers), or \"auto\""),
+            ))
+        }
+    };
+    match p {
+        Precision::Fp64Emulated(_) => Ok(Precision::Fp64Emulated(moduli)),
+        other => Err(from.err(
+            "emulation_moduli",
+            format!(
+                "{at}: moduli belong to precision = \"fp64_emulated\", but the precision is {}; set engine.precision = \"fp64_emulated\" or leave emulation_moduli out",
+                if e.precision.is_some() { format!("\"{}\"", other.name()) } else { "not set (fp32, or fp64 for f64 inputs)".to_string() }
+            ),
+        )),
+    }
 }
 
 fn resolve_staging(e: &RawEngine, from: &EngineSource) -> Result<super::StagingMode> {
@@ -504,6 +541,71 @@ mod tests {
         ] {
             assert_eq!(engine(text, &[]).unwrap().staging, want, "{text:?}");
         }
+    }
+
+    /// `precision = "fp64_emulated"` with `emulation_moduli = "auto" | 1..=16`; moduli without
+    /// that precision, or out of range, are errors naming the key.
+    #[test]
+    fn emulation_moduli_belong_to_fp64_emulated() {
+        use crate::seam::EmulationModuli::{Auto, Fixed};
+        let p = |src: &str, sets: &[&str]| engine(src, sets).map(|e| e.precision);
+        assert_eq!(
+            p("precision = \"fp64_emulated\"\n", &[]).unwrap(),
+            Precision::Fp64Emulated(Auto)
+        );
+        assert_eq!(
+            p(
+                "precision = \"fp64_emulated\"\nemulation_moduli = 14\n",
+                &[]
+            )
+            .unwrap(),
+            Precision::Fp64Emulated(Fixed(14))
+        );
+        assert_eq!(
+            p(
+                "precision = \"fp64_emulated\"\n",
+                &["engine.emulation_moduli=9"]
+            )
+            .unwrap(),
+            Precision::Fp64Emulated(Fixed(9))
+        );
+        assert_eq!(
+            p(
+                "precision = \"fp64_emulated\"\nemulation_moduli = 9\n",
+                &["engine.emulation_moduli=auto"]
+            )
+            .unwrap(),
+            Precision::Fp64Emulated(Auto)
+        );
+        let msg = |src: &str, sets: &[&str]| p(src, sets).unwrap_err().to_string();
+        let m = msg("precision = \"fp64\"\nemulation_moduli = 9\n", &[]);
+        assert!(
+            m.contains("engine.emulation_moduli (line 2)")
+                && m.contains("set engine.precision = \"fp64_emulated\""),
+            "{m}"
+        );
+        let m = msg("emulation_moduli = 9\n", &[]);
+        assert!(m.contains("the precision is not set"), "{m}");
+        let m = msg(
+            "precision = \"fp64_emulated\"\nemulation_moduli = 17\n",
+            &[],
+        );
+        assert!(m.contains("17 moduli: use 1 to 16"), "{m}");
+        let m = msg(
+            "precision = \"fp64_emulated\"\nemulation_moduli = \"many\"\n",
+            &[],
+        );
+        assert!(m.contains("\"many\" is unknown"), "{m}");
+        let m = msg(
+            "precision = \"fp64_emulated\"\n",
+            &["engine.emulation_moduli=1.5"],
+        );
+        assert!(
+            m.starts_with("--set engine.emulation_moduli=1.5: ") && m.contains("1 to 16"),
+            "{m}"
+        );
+        let m = msg("precision = \"fp65\"\n", &[]);
+        assert!(m.contains("fp64 or fp64_emulated"), "{m}");
     }
 
     /// `auto` copies from the backend's threshold of lanes on (two GPUs); a mode asked for

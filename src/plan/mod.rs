@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-pub use crate::seam::{Precision, StagingMode};
+pub use crate::seam::{EmulationModuli, Precision, StagingMode};
 use crate::store::gen::GenSpec;
 use engine::{EngineSet, EngineSource};
 use resolve::Ctx;

@@ -76,6 +76,14 @@ pub(crate) enum RawDevices {
     List(Vec<u32>),
 }
 
+/// `engine.emulation_moduli`: `"auto"` or a count.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum RawModuli {
+    Word(String),
+    Count(i64),
+}
+
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawEngine {
@@ -96,6 +104,8 @@ pub(crate) struct RawEngine {
     pub(crate) checkpoint_every: Option<Spanned<String>>,
     /// How input tiles reach a GPU: "auto" (default) | "copy" | "direct".
     pub(crate) staging: Option<Spanned<String>>,
+    /// Moduli of `precision = "fp64_emulated"`: "auto" (default) | 1..=16.
+    pub(crate) emulation_moduli: Option<Spanned<RawModuli>>,
 }
 
 impl RawEngine {
@@ -114,6 +124,7 @@ impl RawEngine {
             write,
             checkpoint_every,
             staging,
+            emulation_moduli,
         } = over;
         self.backend = backend.or(self.backend.take());
         self.precision = precision.or(self.precision.take());
@@ -127,6 +138,7 @@ impl RawEngine {
         self.write = write.or(self.write.take());
         self.checkpoint_every = checkpoint_every.or(self.checkpoint_every.take());
         self.staging = staging.or(self.staging.take());
+        self.emulation_moduli = emulation_moduli.or(self.emulation_moduli.take());
     }
 }
 
@@ -160,6 +172,9 @@ pub(crate) fn parse(src: &str) -> Result<RawPlan, String> {
 pub(crate) fn plain(msg: &str) -> String {
     if msg.contains("untagged enum RawTile") {
         return "tile takes \"auto\", one edge (tile = 4096) or three (tile = [4096, 4096, 2048]), positive integers".into();
+    }
+    if msg.contains("untagged enum RawModuli") {
+        return "emulation_moduli takes \"auto\" or a number of moduli from 1 to 16 (emulation_moduli = 15)".into();
     }
     if msg.contains("untagged enum RawDevices") {
         return "devices takes \"all\" or a list of GPU numbers (devices = [0, 1])".into();

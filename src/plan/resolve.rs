@@ -731,10 +731,10 @@ fn check_precision(
         }
     };
     match (p, s.a.dtype) {
-        (Precision::Fp64, DType::F64) => Ok(()),
-        (Precision::Fp64, dt) => Err(cx.err(format!(
+        (Precision::Fp64 | Precision::Fp64Emulated(_), DType::F64) => Ok(()),
+        (Precision::Fp64 | Precision::Fp64Emulated(_), dt) => Err(cx.err(format!(
             "{at}: {} needs f64 inputs, but `{}` is {dt}{}",
-            said("fp64"),
+            said(p.name()),
             s.a.name,
             mixed.unwrap_or_default()
         ))),

@@ -73,6 +73,7 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
     let l = crate::run::layout_for(&plan.path, step, e, caps, false)?;
     let t = traffic(step, &l);
     let mut s = describe_shape(step, &l, &t);
+    s += &describe_emulation(e.precision, l.tk, t.gemms);
     s += &describe_memory(&l, e, device);
     s += describe_order(step, &l);
     s += &format!(
@@ -157,6 +158,32 @@ fn describe_shape(step: &crate::plan::Step, l: &Layout, t: &Traffic) -> String {
         );
     }
     s
+}
+
+/// Under `precision = "fp64_emulated"`: the moduli setting and the predicted cost, N + 1
+/// integer GEMMs per block (N residue products and one for the accuracy bound), with N the
+/// forced count or what `auto` is expected to pick for normal data at the tile's depth.
+fn describe_emulation(p: crate::plan::Precision, tk: u64, gemms: u64) -> String {
+    use crate::plan::{EmulationModuli, Precision};
+    let Precision::Fp64Emulated(m) = p else {
+        return String::new();
+    };
+    let n = backend::ozaki::expected_moduli(m, tk) as u64;
+    let (setting, rule) = match m {
+        EmulationModuli::Auto => (
+            format!("auto (the fewest within the accuracy bound, chosen per block from its data; about {n} for normal data at k = {tk})"),
+            "blocks no count up to 16 keeps within the bound, and blocks with NaN/Inf, run as native fp64 and are counted (emulation.fallback_tiles)",
+        ),
+        EmulationModuli::Fixed(_) => (
+            format!("{n} (forced)"),
+            "blocks that count leaves outside the accuracy bound are computed with it and counted; blocks with NaN/Inf run as native fp64",
+        ),
+    };
+    format!(
+        "  emulation: moduli {setting}; {} integer GEMMs per block, about {} in all; {rule}\n",
+        n + 1,
+        (n + 1).saturating_mul(gemms)
+    )
 }
 
 /// The host pools and the host ceiling, and on a GPU the device memory per lane.

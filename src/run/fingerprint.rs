@@ -42,6 +42,10 @@ pub(crate) fn fingerprint_with(
     fp.insert("alpha".into(), format!("{:?}", step.alpha));
     fp.insert("beta".into(), format!("{:?}", step.beta));
     fp.insert("precision".into(), p.name().into());
+    if let Precision::Fp64Emulated(crate::seam::EmulationModuli::Fixed(n)) = p {
+        // `auto` picks per block from the data, so it needs no entry; a forced count does.
+        fp.insert("emulation moduli".into(), n.to_string());
+    }
     fp.insert("backend".into(), kind.into());
     fp.insert(
         "compute tile".into(),

@@ -75,7 +75,7 @@ impl Model {
         exact_check: bool,
     ) -> Model {
         let u_in = match (precision, data) {
-            (Precision::Fp32 | Precision::Fp64, _) => 0.0,
+            (Precision::Fp32 | Precision::Fp64 | Precision::Fp64Emulated(_), _) => 0.0,
             (Precision::Tf32, DType::F16 | DType::BF16) => 0.0,
             (Precision::Bf16, DType::BF16) | (Precision::Fp16, DType::F16) => 0.0,
             (p, _) => p.input_eps(),

@@ -975,3 +975,55 @@ fn a_step_without_a_plan_line_is_named_without_one() {
     let s = mgmm_stream::run::describe(&p).unwrap();
     assert!(s.contains("step 1: ") && !s.contains("line 0"), "{s}");
 }
+
+/// `precision = "fp64_emulated"`: `plan` shows the moduli setting and the predicted cost (N + 1
+/// integer GEMMs per block), the run's summary the moduli used and the fallback tiles, a
+/// forced count shows as such, and the GPUs refuse the mode in this version, saying where it
+/// runs.
+#[test]
+fn fp64_emulated_in_plan_and_summary() {
+    let d = tmp();
+    let dir = d.path();
+    let text = PLAN
+        .replace(
+            "seed = 1, tile = 16 }",
+            "seed = 1, tile = 16, dtype = \"f64\" }",
+        )
+        .replace(
+            "seed = 2, tile = 16 }",
+            "seed = 2, tile = 16, dtype = \"f64\" }",
+        )
+        .replace(
+            "backend = \"cpu\"",
+            "backend = \"cpu\"\nprecision = \"fp64_emulated\"",
+        );
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    // The output wrapped at 80 columns, read as one line.
+    let flat = |s: String| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let s = flat(ok(&mg(dir, &["plan", "plan.toml"])));
+    for want in [
+        "fp64 emulated with exact integer GEMMs",
+        "emulation: moduli auto (the fewest within the accuracy bound",
+        "integer GEMMs per block",
+        "emulation.fallback_tiles",
+    ] {
+        assert!(s.contains(want), "plan output lacks {want:?}:\n{s}");
+    }
+    let s = flat(ok(&mg(
+        dir,
+        &["plan", "plan.toml", "--set", "engine.emulation_moduli=12"],
+    )));
+    assert!(
+        s.contains("emulation: moduli 12 (forced); 13 integer GEMMs per block"),
+        "{s}"
+    );
+    let s = flat(ok(&mg(dir, &["run", "plan.toml"])));
+    assert!(
+        s.contains("emulation (moduli auto): ") && s.contains("fallback_tiles 0 (native fp64)"),
+        "{s}"
+    );
+    fails(
+        &mg(dir, &["plan", "plan.toml", "--set", "engine.backend=cuda"]),
+        &["precision = \"fp64_emulated\" runs on backend = \"cpu\""],
+    );
+}

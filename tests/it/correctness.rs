@@ -290,11 +290,7 @@ fn run_exact(
 ) -> Vec<f64> {
     let d = tmp();
     let dir = d.path();
-    let dt = if p == Precision::Fp64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let dt = if p.is_f64() { DType::F64 } else { DType::F32 };
     write_npy(&dir.join("A.npy"), m, k, a, dt);
     write_npy(&dir.join("B.npy"), k, n, b, dt);
     write_npy(&dir.join("C0.npy"), m, n, c0, dt);
@@ -433,7 +429,266 @@ fn alpha_zero_and_c0_full_precision(backend: &str) {
     }
 }
 
+/// Ogita–Rump–Oishi Dot2 (TwoSum, TwoProduct by FMA): the dot product as if computed in twice
+/// the working precision, then rounded: a reference more accurate than any f64 GEMM.
+fn dot2(x: impl Iterator<Item = (f64, f64)>) -> f64 {
+    let (mut s, mut c) = (0f64, 0f64);
+    for (a, b) in x {
+        let p = a * b;
+        let pe = a.mul_add(b, -p);
+        let t = s + p;
+        let z = t - s;
+        c += pe + ((s - (t - z)) + (p - z));
+        s = t;
+    }
+    s + c
+}
+
+/// `alpha·A·B + beta·C0` from `.npy` files, through the engine with `engine` lines added to
+/// `[engine]`; the output and the run's report.
+#[allow(clippy::too_many_arguments)]
+fn run_f64(
+    backend: &str,
+    engine: &str,
+    (m, n, k): (usize, usize, usize),
+    a: &[f64],
+    b: &[f64],
+    c0: &[f64],
+    alpha: f64,
+    beta: f64,
+) -> mgmm_stream::Result<(Vec<f64>, mgmm_stream::run::RunReport)> {
+    let d = tmp();
+    let dir = d.path();
+    write_npy(&dir.join("A.npy"), m, k, a, DType::F64);
+    write_npy(&dir.join("B.npy"), k, n, b, DType::F64);
+    write_npy(&dir.join("C0.npy"), m, n, c0, DType::F64);
+    let text = format!(
+        "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
+         [matrices.C0]\npath = \"C0.npy\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nalpha = {alpha:?}\n\
+         accumulate = \"C0\"\nbeta = {beta:?}\n\
+         [engine]\nbackend = \"{backend}\"\nhost_memory = \"64MiB\"\ntile = [16, 16, 16]\n{engine}\n"
+    );
+    let rep = run_text(dir, &text)?;
+    Ok((Mat::load(&dir.join("C.mgt")).v, rep))
+}
+
+/// The inputs of the emulation's accuracy tests, by name: A (m×k), B (k×n).
+fn emulation_inputs(
+    kind: &str,
+    (m, n, k): (usize, usize, usize),
+    seed: u64,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut g = Rng::new(seed, 9);
+    let mut unit = || (g.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+    let mut normal = || {
+        let (u, v) = (unit().max(1e-300), unit());
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    };
+    let mut a: Vec<f64> = (0..m * k).map(|_| normal()).collect();
+    let mut b: Vec<f64> = (0..k * n).map(|_| normal()).collect();
+    match kind {
+        "normal" => {}
+        "uniform" => {
+            a.iter_mut().for_each(|x| *x = x.abs().fract());
+            b.iter_mut().for_each(|x| *x = x.abs().fract());
+        }
+        // Rows of A and columns of B scaled over 1e-8 … 1e8.
+        "scaled rows" => {
+            for i in 0..m {
+                let s = 10f64.powf(-8.0 + 16.0 * i as f64 / (m - 1) as f64);
+                a[i * k..(i + 1) * k].iter_mut().for_each(|x| *x *= s);
+            }
+            for j in 0..n {
+                let s = 10f64.powf(8.0 - 16.0 * j as f64 / (n - 1) as f64);
+                (0..k).for_each(|p| b[p * n + j] *= s);
+            }
+        }
+        // A column of B all zero, and a row of A.
+        "zero column" => {
+            (0..k).for_each(|p| b[p * n + 3] = 0.0);
+            a[2 * k..3 * k].fill(0.0);
+        }
+        // Subnormal rows of A and a subnormal column of B, beside normal ones.
+        "subnormals" => {
+            a[..2 * k].iter_mut().for_each(|x| *x *= 1e-310);
+            (0..k).for_each(|p| b[p * n + 1] *= 2e-309);
+        }
+        // Rows of A spanning 1e±150 whose large elements meet zeros of B: no count of
+        // moduli meets the bound there, the blocks fall back to native fp64.
+        "wide rows" => {
+            for i in 0..m {
+                a[i * k] = 1e150;
+                (1..k).for_each(|p| a[i * k + p] *= 1e-150);
+            }
+            b[..n].fill(0.0);
+        }
+        "nonfinite" => {
+            a[5] = f64::NAN;
+            a[3 * k + 20] = f64::INFINITY;
+            b[7 * n + 11] = f64::NEG_INFINITY;
+        }
+        other => panic!("{other}"),
+    }
+    (a, b)
+}
+
+/// `precision = "fp64_emulated"` against Dot2 element by element — every element within
+/// `(K+2)·u·(|α||A||B| + |β·C0|)` (plus K+2 units of underflow, 2^-1074, where the products
+/// are subnormal) — and its median relative error at most twice the engine's native fp64 on
+/// the same files; NaN/Inf exactly where native fp64 puts them; the blocks left to native
+/// fp64 counted in the report. Shapes straddle every tile edge (tile 16, m, n, k not
+/// multiples of it). The CUDA backend refuses the mode in this version, saying so.
+fn fp64_emulated_accuracy(backend: &str) {
+    let (m, n, k) = (37, 29, 45);
+    let emulated = "precision = \"fp64_emulated\"";
+    if backend == "cuda" {
+        let (a, b) = emulation_inputs("normal", (m, n, k), 1);
+        let e = run_f64(
+            backend,
+            emulated,
+            (m, n, k),
+            &a,
+            &b,
+            &vec![0.0; m * n],
+            1.0,
+            0.0,
+        )
+        .expect_err("refused on the GPUs in this version");
+        assert!(e.to_string().contains("runs on backend = \"cpu\""), "{e}");
+        return;
+    }
+    let u = 2f64.powi(-53);
+    for (t, kind) in [
+        "normal",
+        "uniform",
+        "scaled rows",
+        "zero column",
+        "subnormals",
+        "wide rows",
+        "nonfinite",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (a, b) = emulation_inputs(kind, (m, n, k), 10 + t as u64);
+        let c0: Vec<f64> = emulation_inputs("normal", (m, 1, n), 50 + t as u64).0;
+        let (alpha, beta) = [(1.0, 0.0), (-0.75, 1.0), (2.0, -0.5)][t % 3];
+        let (c, rep) = run_f64(backend, emulated, (m, n, k), &a, &b, &c0, alpha, beta)
+            .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        let (native, _) = run_f64(
+            backend,
+            "precision = \"fp64\"",
+            (m, n, k),
+            &a,
+            &b,
+            &c0,
+            alpha,
+            beta,
+        )
+        .unwrap();
+        let em = rep.steps[0]
+            .emulation
+            .as_ref()
+            .expect("an emulation report");
+        let (mut rel, mut rel_native) = (Vec::new(), Vec::new());
+        for i in 0..m {
+            for j in 0..n {
+                let e = i * n + j;
+                let pairs = (0..k).map(|p| (a[i * k + p], b[p * n + j]));
+                let s = dot2(pairs.clone());
+                let g: f64 = pairs.map(|(x, y)| (x * y).abs()).sum();
+                let want = alpha * s + beta * c0[e];
+                if !want.is_finite() || !native[e].is_finite() {
+                    assert!(
+                        c[e].to_bits() == native[e].to_bits()
+                            || (c[e].is_nan() && native[e].is_nan()),
+                        "{kind} ({i}, {j}): {} where native fp64 gives {}",
+                        c[e],
+                        native[e]
+                    );
+                    continue;
+                }
+                let mag = alpha.abs() * g + (beta * c0[e]).abs();
+                let bound = (k as f64 + 2.0) * (u * mag + f64::from_bits(1));
+                let err = (c[e] - want).abs();
+                assert!(
+                    err <= bound,
+                    "{kind} ({i}, {j}): {} against {want}, error {err:e} > {bound:e}",
+                    c[e]
+                );
+                if want != 0.0 {
+                    rel.push(err / want.abs());
+                    rel_native.push((native[e] - want).abs() / want.abs());
+                }
+            }
+        }
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(0.0)
+        };
+        let (med, med_native) = (median(rel), median(rel_native));
+        assert!(
+            med <= 2.0 * med_native,
+            "{kind}: median relative error {med:e}, native fp64 {med_native:e}"
+        );
+        let st = &em.stats;
+        match kind {
+            "nonfinite" => assert!(st.fallback_nonfinite > 0, "{kind}: {st:?}"),
+            "wide rows" => assert!(st.fallback_bound > 0, "{kind}: {st:?}"),
+            _ => assert!(
+                st.fallback_tiles == 0 && st.blocks > 0 && st.moduli_max <= 16,
+                "{kind}: {st:?}"
+            ),
+        }
+        assert_eq!(
+            st.fallback_tiles,
+            st.fallback_nonfinite + st.fallback_bound + st.fallback_short
+        );
+    }
+}
+
+/// A forced count is used as given and reported: blocks it leaves outside the bound are
+/// counted, not silently fallen back (the summary's wording: `report`'s unit tests).
+fn fp64_emulated_forced_moduli(backend: &str) {
+    if backend == "cuda" {
+        return; // refused in this version (fp64_emulated_accuracy checks how)
+    }
+    let (m, n, k) = (20, 18, 32);
+    let (a, b) = emulation_inputs("normal", (m, n, k), 3);
+    let z = vec![0.0; m * n];
+    let engine = "precision = \"fp64_emulated\"\nemulation_moduli = 6";
+    let (_, rep) = run_f64(backend, engine, (m, n, k), &a, &b, &z, 1.0, 0.0).unwrap();
+    let em = rep.steps[0].emulation.as_ref().unwrap();
+    assert_eq!(em.setting, "6");
+    assert_eq!((em.stats.moduli_min, em.stats.moduli_max), (6, 6));
+    assert!(
+        em.stats.bound_unmet > 0 && em.stats.fallback_tiles == 0,
+        "{em:?}"
+    );
+}
+
+/// `precision = "fp64_emulated"` through the engine's random shapes, tiles and transposes
+/// (the sweep's f64 reference and bound).
+fn sweep_f64_emulated(backend: &str) {
+    if backend == "cuda" {
+        return; // refused in this version (fp64_emulated_accuracy checks how)
+    }
+    let mut g = Rng::new(2024, 4);
+    for i in 0..8 {
+        let c = random_case(
+            &mut g,
+            DType::F64,
+            Precision::Fp64Emulated(mgmm_stream::plan::EmulationModuli::Auto),
+        );
+        check(backend, &c, 700 + i);
+    }
+}
+
 per_backend! {
+    fp64_emulated_within_the_bound_and_twice_native => super::fp64_emulated_accuracy;
+    fp64_emulated_forced_moduli_reported => super::fp64_emulated_forced_moduli;
+    sweep_f64_emulated_random_shapes => super::sweep_f64_emulated;
     sweep_f32_random_shapes_tiles_transposes => super::sweep_f32;
     sweep_f64_random_shapes => super::sweep_f64;
     reduced_precision_modes => super::reduced_precisions;
@@ -441,4 +696,44 @@ per_backend! {
     matrix_smaller_than_a_tile => super::small_matrix_big_tiles;
     sixteen_bit_files_widen_to_f32 => super::f16_and_bf16_files;
     alpha_zero_beta_zero_and_c0_kept_in_full_precision => super::alpha_zero_and_c0_full_precision;
+}
+
+/// The journal's fingerprint tells `fp64_emulated` from `fp64`, and a forced count of moduli
+/// from another: an output computed one way is never resumed or taken as complete the other.
+#[test]
+fn fp64_emulated_and_its_moduli_are_in_the_fingerprint() {
+    let d = tmp();
+    let dir = d.path();
+    let (m, n, k) = (9, 7, 20);
+    let (a, b) = emulation_inputs("normal", (m, n, k), 5);
+    write_npy(&dir.join("A.npy"), m, k, &a, DType::F64);
+    write_npy(&dir.join("B.npy"), k, n, &b, DType::F64);
+    let plan = |engine: &str| {
+        format!(
+            "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
+             [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+             [engine]\nbackend = \"cpu\"\nhost_memory = \"64MiB\"\n{engine}\n"
+        )
+    };
+    run_text(dir, &plan("precision = \"fp64\"")).unwrap();
+    let e = run_text(dir, &plan("precision = \"fp64_emulated\""))
+        .expect_err("an fp64 output is not the emulated one");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("precision") && msg.contains("fp64_emulated"),
+        "{msg}"
+    );
+    std::fs::remove_file(dir.join("C.mgt")).unwrap();
+    let _ = std::fs::remove_file(dir.join("C.mgt.journal"));
+    run_text(
+        dir,
+        &plan("precision = \"fp64_emulated\"\nemulation_moduli = 12"),
+    )
+    .unwrap();
+    let e = run_text(
+        dir,
+        &plan("precision = \"fp64_emulated\"\nemulation_moduli = 14"),
+    )
+    .expect_err("another forced count is another output");
+    assert!(e.to_string().contains("emulation moduli"), "{e}");
 }

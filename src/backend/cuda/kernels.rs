@@ -48,7 +48,8 @@ pub(super) fn gemm_sizes(p: Precision) -> (usize, usize) {
     match p {
         Precision::Fp32 | Precision::Tf32 => (4, 4),
         Precision::Bf16 | Precision::Fp16 => (2, 4),
-        Precision::Fp64 => (8, 8),
+        // fp64_emulated is refused before a CUDA lane exists (CudaBackend::select).
+        Precision::Fp64 | Precision::Fp64Emulated(_) => (8, 8),
     }
 }
 
@@ -96,7 +97,7 @@ pub(super) unsafe fn gemm_ex(
             CUDA_R_32F,
             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         ),
-        Precision::Fp64 => (
+        Precision::Fp64 | Precision::Fp64Emulated(_) => (
             CUDA_R_64F,
             CUDA_R_64F,
             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
@@ -104,7 +105,7 @@ pub(super) unsafe fn gemm_ex(
     };
     let (a32, b32) = (g.alpha as f32, g.beta as f32);
     let (a64, b64) = (g.alpha, g.beta);
-    let (pa, pb): (*const c_void, *const c_void) = if p == Precision::Fp64 {
+    let (pa, pb): (*const c_void, *const c_void) = if p.is_f64() {
         (
             &a64 as *const f64 as *const c_void,
             &b64 as *const f64 as *const c_void,

@@ -80,6 +80,8 @@ fn h200_peak(p: Precision, lanes: usize) -> f64 {
         Precision::Tf32 => 350e12,
         Precision::Bf16 | Precision::Fp16 => 700e12,
         Precision::Fp64 => 60e12,
+        // Not run on the GPUs yet (CudaBackend::select refuses it): no rate measured.
+        Precision::Fp64Emulated(_) => 60e12,
     };
     per * lanes as f64
 }
@@ -136,6 +138,12 @@ impl CudaBackend {
         early: Option<EarlyStart>,
         pinned_alloc: bool,
     ) -> Result<CudaBackend> {
+        if let Precision::Fp64Emulated(_) = engine.precision {
+            // Refused before the driver starts; `backend = "auto"` then runs on the CPU.
+            return Err(crate::error::Error::Usage(
+                "precision = \"fp64_emulated\" runs on backend = \"cpu\" in this version (the int8 tensor-core lane for the GPUs is the next step); set engine.backend = \"cpu\", or precision = \"fp64\" for native fp64 on the GPUs".into(),
+            ));
+        }
         let devs = probe_with(early.as_ref())?;
         let chosen = choose(engine, &devs)?;
         let prefill = early.and_then(|e| e.prefill);
