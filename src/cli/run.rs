@@ -77,6 +77,7 @@ impl ShardArgs {
             spec,
             claim_timeout: Duration::from_secs_f64(self.claim_timeout.max(0.5)),
             wait: Duration::from_secs_f64(self.wait_timeout.max(0.0)),
+            wait_for_held: false,
         }))
     }
 
@@ -107,7 +108,7 @@ impl RunArgs {
         let mut p = Plan::load_with(&plan, &split.with_local_gpu(set))?;
         if split.options()?.is_some() {
             // As `prepare` laid the step out: a tile that does not depend on this process's GPUs.
-            p.engine.even_rows = false;
+            crate::cluster::for_split(&mut p);
         }
         crate::trace::init(settings.trace.as_deref())?;
         // A report path that cannot be written fails now, not after hours of work.

@@ -235,7 +235,7 @@ fn output_header_of(out: &Path, m: &Manifest, dt: DType) -> Result<Header> {
 
 /// `finalize PLAN`: finalize every split step that is not yet, in order; with `verify`, run
 /// Freivalds' test on each after (`times`: each pass's time on stderr, `MGMM_VERIFY_TIMES`).
-pub(crate) fn finalize_plan(
+pub fn finalize_plan(
     plan: &Plan,
     verify: Option<(Precision, usize, u64)>,
     times: bool,

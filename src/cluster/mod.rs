@@ -23,7 +23,7 @@
 //! count resumes from whatever is done.
 
 pub(crate) mod claim;
-pub(crate) mod finalize;
+pub mod finalize;
 pub(crate) mod identity;
 pub(crate) mod model;
 pub mod prepare;
@@ -120,6 +120,11 @@ pub struct ShardOptions {
     pub(crate) claim_timeout: Duration,
     /// How long to wait for the output to be created or the previous step finalized.
     pub(crate) wait: Duration,
+    /// With one shard (`ShardSpec::One`) whose claim another process holds: wait until that
+    /// shard is done (nothing is left to do) or its claim goes stale (take it over), instead of
+    /// refusing. A task scheduler's retry of a shard whose worker died needs this
+    /// (`mgmm_stream.dask`); `run --shard` refuses, so two array tasks never share a shard.
+    pub(crate) wait_for_held: bool,
 }
 
 impl ShardOptions {
@@ -128,8 +133,38 @@ impl ShardOptions {
             spec,
             claim_timeout: Duration::from_secs(120),
             wait: Duration::from_secs(3600),
+            wait_for_held: false,
         }
     }
+
+    /// Shard `k` of `s` and nothing else (`run --shard K/S`), with the claim and wait
+    /// timeouts; `wait_for_held` as [`ShardOptions::wait_for_held`].
+    pub fn one_shard(
+        k: u32,
+        s: u32,
+        claim_timeout: Duration,
+        wait: Duration,
+        wait_for_held: bool,
+    ) -> Result<ShardOptions> {
+        if s == 0 || k >= s {
+            return Err(Error::Usage(format!(
+                "shard {k} of {s} does not exist: shards are numbered 0 to S-1, S at least 1"
+            )));
+        }
+        Ok(ShardOptions {
+            spec: ShardSpec::One { k, s },
+            claim_timeout: claim_timeout.max(Duration::from_millis(500)),
+            wait,
+            wait_for_held,
+        })
+    }
+}
+
+/// Lay `plan` out for a split run: a tile that does not depend on the GPUs of the process
+/// that lays it out, since the preparer and the shard processes may see different counts
+/// (`Engine::even_rows`). `prepare`, `run --shard` and the Python shards all call this.
+pub fn for_split(plan: &mut Plan) {
+    plan.engine.even_rows = false;
 }
 
 /// The tiles (schedule sequence numbers) of shard `k` of `s`, for a step of `total` tiles in
@@ -231,7 +266,7 @@ pub(crate) fn generate_shared(
 
 /// Run `plan` as this process's part of a split run (`run PLAN --shard`, or a launcher's
 /// rank): the plan's run, each step worked shard by shard ([`run_step_shards`]).
-pub(crate) fn run_plan(
+pub fn run_plan(
     plan: &Plan,
     opts: &RunOptions,
     sh: &ShardOptions,
@@ -288,7 +323,17 @@ fn run_step_shards(
         let c = match claim::try_claim(&shard_file(&dir, k, s, "claim"), sh.claim_timeout)? {
             claim::Try::Got(c) => c,
             claim::Try::Held(h) => {
-                if let ShardSpec::One { .. } = sh.spec {
+                if let (ShardSpec::One { .. }, true) = (&sh.spec, sh.wait_for_held) {
+                    let what = format!(
+                        "shard {k}/{s} of {}, worked by {}, to finish or go stale",
+                        step.output.display(),
+                        h.describe()
+                    );
+                    match wait_for_held(&dir, k, s, sh, progress, &what)? {
+                        Some(c) => c,
+                        None => continue,
+                    }
+                } else if let ShardSpec::One { .. } = sh.spec {
                     return Err(Error::Usage(format!(
                         "step {n}: shard {k}/{s} of {} is being worked by {}; not starting a second writer (if that process is gone, its claim {} goes stale after {} s)",
                         step.output.display(),
@@ -296,9 +341,10 @@ fn run_step_shards(
                         shard_file(&dir, k, s, "claim").display(),
                         sh.claim_timeout.as_secs()
                     )));
+                } else {
+                    busy.push(k);
+                    continue;
                 }
-                busy.push(k);
-                continue;
             }
         };
         let target = ShardTarget::new(
@@ -335,6 +381,32 @@ fn run_step_shards(
     }
     finalize::try_auto(plan, step, sh, progress)?;
     Ok(reports)
+}
+
+/// Wait (up to `sh.wait`) until shard `k` of `s` is done — `None`: nothing is left to do — or
+/// its claim can be taken (its holder finished without finishing it, or went stale).
+fn wait_for_held(
+    dir: &Path,
+    k: u32,
+    s: u32,
+    sh: &ShardOptions,
+    progress: &Progress,
+    what: &str,
+) -> Result<Option<claim::Claim>> {
+    let mut got = None;
+    prepare::wait_for(what, sh.wait, progress, || {
+        if shard_file(dir, k, s, "done").exists() {
+            return Ok(true);
+        }
+        match claim::try_claim(&shard_file(dir, k, s, "claim"), sh.claim_timeout)? {
+            claim::Try::Got(c) => {
+                got = Some(c);
+                Ok(true)
+            }
+            claim::Try::Held(_) => Ok(false),
+        }
+    })?;
+    Ok(got)
 }
 
 #[cfg(test)]
@@ -412,5 +484,49 @@ mod tests {
             Some((3, 16, "claim"))
         );
         assert_eq!(parse_shard_file("manifest.json"), None);
+    }
+
+    /// A shard another live process holds: `wait_for_held` waits, and returns `None` when the
+    /// holder finishes it, or the claim when the holder gives it back unfinished.
+    #[test]
+    fn waiting_for_a_held_shard_ends_when_it_is_done_or_given_back() {
+        let dir = std::env::temp_dir().join(format!("mgmm-held-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let sh =
+            ShardOptions::one_shard(0, 2, Duration::from_secs(60), Duration::from_secs(20), true)
+                .unwrap();
+        let p = Progress::quiet();
+        for finish in [true, false] {
+            let claim_path = shard_file(&dir, 0, 2, "claim");
+            let held = match claim::try_claim(&claim_path, sh.claim_timeout).unwrap() {
+                claim::Try::Got(c) => c,
+                claim::Try::Held(_) => panic!("the claim was free"),
+            };
+            let done = shard_file(&dir, 0, 2, "done");
+            let _ = std::fs::remove_file(&done);
+            let t = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(400));
+                if finish {
+                    held.finish_as(&done).unwrap();
+                } else {
+                    held.release();
+                }
+            });
+            let t0 = std::time::Instant::now();
+            let got = wait_for_held(&dir, 0, 2, &sh, &p, "the test's shard").unwrap();
+            assert!(
+                t0.elapsed() >= Duration::from_millis(350),
+                "it did not wait"
+            );
+            t.join().unwrap();
+            assert_eq!(got.is_none(), finish, "finish={finish}");
+            if let Some(c) = got {
+                assert!(claim_path.exists(), "the waiter holds the claim now");
+                c.release();
+            }
+        }
+        assert!(ShardOptions::one_shard(2, 2, Duration::ZERO, Duration::ZERO, true).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -274,3 +274,70 @@ pub(crate) fn reset(output: &Path) -> Result<()> {
 fn four() -> u32 {
     4
 }
+
+/// What [`prepare_plan`] did for one step.
+#[derive(Clone, Debug)]
+pub enum Prepared {
+    /// The output exists, laid out for a split run as its manifest says.
+    Ready {
+        /// The step's index in the plan (0-based).
+        step: usize,
+        /// The step's output file.
+        output: std::path::PathBuf,
+        /// What the shard processes agree on (tiles, grid, shards per process).
+        manifest: Manifest,
+    },
+    /// Left for later: this input does not exist yet (a step before makes it).
+    Waiting {
+        /// The step's index in the plan (0-based).
+        step: usize,
+        /// The missing input.
+        input: std::path::PathBuf,
+    },
+}
+
+/// `prepare PLAN` (and `mgmm_stream.dask`'s first task): generate the plan's missing inputs
+/// and create each split step's output once, before the shard processes start; `restart`
+/// first throws away every step's output and state (after checking the inputs, as `run
+/// --restart` does). `plan` must have been laid out with [`super::for_split`].
+pub fn prepare_plan(
+    plan: &crate::plan::Plan,
+    restart: bool,
+    progress: &Progress,
+) -> Result<Vec<Prepared>> {
+    let sh = ShardOptions::new(super::ShardSpec::One { k: 0, s: 1 });
+    let backend = crate::backend::select(&plan.engine)?;
+    if restart {
+        // Finished outputs are kept when an input is found corrupt (as `run --restart`).
+        crate::run::check_before_restart(plan, progress)?;
+        for step in &plan.steps {
+            reset(&step.output)?;
+        }
+    }
+    super::generate_shared(plan, &sh, progress)?;
+    let mut out = Vec::new();
+    for step in &plan.steps {
+        let ins = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
+        if let Some(op) = ins.into_iter().flatten().find(|op| !op.path.exists()) {
+            out.push(Prepared::Waiting {
+                step: step.index,
+                input: op.path.clone(),
+            });
+            continue;
+        }
+        if let Some(dir) = step.output.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::io(dir, "cannot create output directory", e))?;
+        }
+        let layout = Layout::new(&plan.path, step, &plan.engine, backend.caps())?;
+        let fp =
+            crate::run::fingerprint(step, &layout, backend.caps().kind, plan.engine.precision)?;
+        let manifest = ensure(step, &layout, &fp, &sh, progress)?;
+        out.push(Prepared::Ready {
+            step: step.index,
+            output: step.output.clone(),
+            manifest,
+        });
+    }
+    Ok(out)
+}
