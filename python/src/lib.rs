@@ -12,8 +12,10 @@ mod sources;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Duration;
 
 use mgmm_stream::api::{self, FileOutput, Output, StepJob, StepSources};
+use mgmm_stream::cluster::{self, prepare::Prepared, ShardOptions};
 use mgmm_stream::dtype::DType;
 use mgmm_stream::plan::schedule::traffic;
 use mgmm_stream::plan::{Engine, MatrixDecl, Operand, Plan, Precision, Step};
@@ -447,8 +449,11 @@ fn json_to_toml(py: Python<'_>, json: &str) -> PyResult<String> {
 }
 
 /// Run every step of a plan; returns the run report as a dict.
+/// With `shard = (K, S)`, only shard K of S of every step, as `run --shard K/S` (the last
+/// shard to finish finalizes the step); `wait_for_held` waits for a shard another process
+/// holds to finish or go stale instead of refusing (`mgmm_stream.dask`'s retries).
 #[pyfunction]
-#[pyo3(signature = (path, toml_text, sets, restart, on_event, cancel_event, every))]
+#[pyo3(signature = (path, toml_text, sets, restart, on_event, cancel_event, every, shard=None, claim_timeout=120.0, wait_timeout=3600.0, wait_for_held=false))]
 #[allow(clippy::too_many_arguments)]
 fn run_plan<'py>(
     py: Python<'py>,
@@ -459,8 +464,28 @@ fn run_plan<'py>(
     on_event: Option<Bound<'py, PyAny>>,
     cancel_event: Option<Bound<'py, PyAny>>,
     every: f64,
+    shard: Option<(u32, u32)>,
+    claim_timeout: f64,
+    wait_timeout: f64,
+    wait_for_held: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let plan = load_plan(py, path, toml_text, &sets)?;
+    let mut plan = load_plan(py, path, toml_text, &sets)?;
+    let split = match shard {
+        None => None,
+        Some((k, s)) => {
+            cluster::for_split(&mut plan);
+            let secs = |x: f64| Duration::from_secs_f64(x.clamp(0.0, 1e9));
+            let sh = ShardOptions::one_shard(
+                k,
+                s,
+                secs(claim_timeout),
+                secs(wait_timeout),
+                wait_for_held,
+            )
+            .map_err(|e| to_py(py, e))?;
+            Some(sh)
+        }
+    };
     let watch = Watch {
         on_event,
         cancel_event,
@@ -473,11 +498,68 @@ fn run_plan<'py>(
         restart,
         ..Default::default()
     };
-    let (plan, progress, opts) = (&plan, &progress, &opts);
-    let rep = watch.run(py, &queue, &flag, move || {
-        run::run_plan(plan, opts, progress)
+    let (plan, progress, opts, split) = (&plan, &progress, &opts, &split);
+    let rep = watch.run(py, &queue, &flag, move || match split {
+        Some(sh) => cluster::run_plan(plan, opts, sh, progress),
+        None => run::run_plan(plan, opts, progress),
     })?;
     to_py_value(py, &rep.map_err(|e| to_py(py, e))?)
+}
+
+/// `mgmm-stream prepare`: generate missing inputs and create each split step's output once;
+/// one dict per step (`ready`, `output`, `tiles`, `per_process`, or the input it waits for).
+#[pyfunction]
+#[pyo3(signature = (path, toml_text, sets, restart))]
+fn prepare_plan<'py>(
+    py: Python<'py>,
+    path: Option<String>,
+    toml_text: Option<String>,
+    sets: Vec<String>,
+    restart: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let mut plan = load_plan(py, path, toml_text, &sets)?;
+    cluster::for_split(&mut plan);
+    run::init_threads(plan.engine.threads);
+    let plan = &plan;
+    let done = py
+        .detach(move || {
+            cluster::prepare::prepare_plan(plan, restart, &mgmm_stream::progress::Progress::quiet())
+        })
+        .map_err(|e| to_py(py, e))?;
+    let v: Vec<serde_json::Value> = done
+        .iter()
+        .map(|d| match d {
+            Prepared::Ready {
+                step,
+                output,
+                manifest: m,
+            } => serde_json::json!({
+                "step": step + 1, "ready": true, "output": output.display().to_string(),
+                "tiles": m.tiles, "per_process": m.per_process, "tile": [m.tm, m.tn],
+            }),
+            Prepared::Waiting { step, input } => serde_json::json!({
+                "step": step + 1, "ready": false, "waits_for": input.display().to_string(),
+            }),
+        })
+        .collect();
+    to_py_value(py, &v)
+}
+
+/// `mgmm-stream finalize`: finish every split step (idempotent).
+#[pyfunction]
+#[pyo3(signature = (path, toml_text, sets))]
+fn finalize_plan(
+    py: Python<'_>,
+    path: Option<String>,
+    toml_text: Option<String>,
+    sets: Vec<String>,
+) -> PyResult<()> {
+    let mut plan = load_plan(py, path, toml_text, &sets)?;
+    cluster::for_split(&mut plan);
+    run::init_threads(plan.engine.threads);
+    let plan = &plan;
+    py.detach(move || cluster::finalize::finalize_plan(plan, None, false))
+        .map_err(|e| to_py(py, e))
 }
 
 /// What `plan` prints, as data: the text and, per step, tiles, memory and traffic.
@@ -603,6 +685,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Job>()?;
     m.add_function(wrap_pyfunction!(prepare, m)?)?;
     m.add_function(wrap_pyfunction!(run_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(prepare_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(finalize_plan, m)?)?;
     m.add_function(wrap_pyfunction!(describe_plan, m)?)?;
     m.add_function(wrap_pyfunction!(verify_plan, m)?)?;
     m.add_function(wrap_pyfunction!(info, m)?)?;

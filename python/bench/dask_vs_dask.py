@@ -1,0 +1,127 @@
+"""mgmm_stream.dask.matmul against Dask's own ``a @ b`` on the same file-backed arrays and the
+same workers, side by side in one run (docs/PYTHON.md, BENCHMARKS.md).
+
+Both routes go file to file: A.npy and B.npy are dask arrays over the files
+(``mgmm_stream.dask.from_npy``, chunks read in the workers), and the product is written to a
+.npy — by the engine's shard tasks, or by ``to_npy(a @ b)`` (Dask's blocked product, each
+output chunk written by the worker that computes it). Runs alternate, ``--reps`` each; the
+outputs are compared element by element at the end. CPU by default (``--backend cpu``); on a
+GPU machine start one worker per GPU (``--gpus``: dask_cuda.LocalCUDACluster when installed,
+else workers with ``CUDA_VISIBLE_DEVICES`` each) and Dask's side runs on CuPy chunks.
+
+    python python/bench/dask_vs_dask.py --n 8192 --workers 2 --threads 1 --dir /tmp/dvd
+"""
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="threads per worker")
+    ap.add_argument("--chunk", type=int, default=2048, help="Dask chunk edge")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--backend", default="cpu", help="mgmm-stream backend: cpu, cuda, auto")
+    ap.add_argument("--gpus", type=int, default=0, help="one worker per GPU; Dask side on CuPy")
+    ap.add_argument("--dir", default="/tmp/mgmm_dask_bench")
+    args = ap.parse_args()
+
+    import dask
+    import dask.array as da
+    from distributed import Client, LocalCluster
+
+    import mgmm_stream.dask as mgd
+
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    n, dt = args.n, np.dtype(args.dtype)
+    for name, seed in (("A", 1), ("B", 2)):
+        p = d / f"{name}.npy"
+        if not p.exists():
+            m = np.lib.format.open_memmap(p, mode="w+", dtype=dt, shape=(n, n))
+            rng = np.random.default_rng(seed)
+            for r in range(0, n, 1024):
+                m[r:r + 1024] = rng.standard_normal((min(1024, n - r), n)).astype(dt)
+            m.flush()
+            del m
+    if args.gpus:
+        try:
+            from dask_cuda import LocalCUDACluster
+
+            cluster = LocalCUDACluster(n_workers=args.gpus, threads_per_worker=args.threads)
+        except ImportError:
+            # One Nanny per GPU, each with its own CUDA_VISIBLE_DEVICES (what dask-cuda does).
+            from distributed import Nanny, Scheduler, SpecCluster
+
+            workers = {f"gpu{g}": {"cls": Nanny, "options": {
+                "nthreads": args.threads, "env": {"CUDA_VISIBLE_DEVICES": str(g)}}}
+                for g in range(args.gpus)}
+            cluster = SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
+                "dashboard_address": None}})
+    else:
+        cluster = LocalCluster(n_workers=args.workers, threads_per_worker=args.threads,
+                               processes=True, dashboard_address=None)
+    client = Client(cluster)
+    nw = len(client.scheduler_info()["workers"])
+    print(f"n={n} {dt} workers={nw} threads/worker={args.threads} chunk={args.chunk} "
+          f"backend={args.backend} gpus={args.gpus}", flush=True)
+    ch = (args.chunk, args.chunk)
+    A, B = mgd.from_npy(d / "A.npy", chunks=ch), mgd.from_npy(d / "B.npy", chunks=ch)
+
+    def ours() -> None:
+        for q in d.glob("C_mg.npy*"):
+            if q.is_dir():
+                for f in q.iterdir():
+                    f.unlink()
+                q.rmdir()
+            else:
+                q.unlink()
+        mgd.matmul(A, B, out=str(d / "C_mg.npy"), backend=args.backend)
+
+    def theirs() -> None:
+        a, b = A, B
+        if args.gpus:
+            import cupy
+
+            a, b = a.map_blocks(cupy.asarray), b.map_blocks(cupy.asarray)
+            prod = (a @ b).map_blocks(cupy.asnumpy)
+        else:
+            prod = a @ b
+        with dask.config.set({"array.slicing.split_large_chunks": False}):
+            mgd.to_npy(prod, str(d / "C_dask.npy"))
+
+    times: dict = {"mgmm_stream.dask.matmul": [], "dask a @ b (to_npy)": []}
+    for rep in range(args.reps):
+        for label, fn in (("mgmm_stream.dask.matmul", ours), ("dask a @ b (to_npy)", theirs)):
+            t0 = time.perf_counter()
+            fn()
+            dtm = time.perf_counter() - t0
+            times[label].append(dtm)
+            print(f"rep {rep + 1}: {label}: {dtm:.2f} s = {2 * n**3 / dtm / 1e9:.1f} GFLOP/s",
+                  flush=True)
+    x = np.load(d / "C_mg.npy", mmap_mode="r")
+    y = np.load(d / "C_dask.npy", mmap_mode="r")
+    worst = 0.0
+    for r in range(0, n, 1024):
+        xa = np.asarray(x[r:r + 1024], np.float64)
+        ya = np.asarray(y[r:r + 1024], np.float64)
+        worst = max(worst, float(np.max(np.abs(xa - ya) / (np.abs(ya) + 1.0))))
+    ours_m = statistics.median(times["mgmm_stream.dask.matmul"])
+    theirs_m = statistics.median(times["dask a @ b (to_npy)"])
+    print(f"median: mgmm_stream.dask {ours_m:.2f} s, dask a @ b {theirs_m:.2f} s, "
+          f"ratio (dask / ours) {theirs_m / ours_m:.2f}x; max |diff|/(|c|+1) {worst:.2e}",
+          flush=True)
+    client.close()
+    cluster.close()
+
+
+if __name__ == "__main__":
+    main()

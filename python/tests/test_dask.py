@@ -1,0 +1,128 @@
+"""mgmm_stream.dask on a dask.distributed LocalCluster (CPU backend, worker processes): the
+result is the bytes one process writes, a worker killed mid-shard ends in the same bytes after
+Dask retries the shard (resumed from its journal, not recomputed), and arrays that are not
+file-backed are refused with a message saying how to save them. CI installs dask and sets
+MGMM_REQUIRE_DASK=1, so these run there rather than skip."""
+
+import os
+
+import numpy as np
+import pytest
+
+import mgmm_stream as mg
+
+if os.environ.get("MGMM_REQUIRE_DASK") != "1":
+    pytest.importorskip("distributed")
+import dask.array as da  # noqa: E402
+from distributed import Client, LocalCluster  # noqa: E402
+
+import mgmm_stream.dask as mgd  # noqa: E402
+
+from conftest import close, rand, reference  # noqa: E402
+
+SETTINGS = dict(backend="cpu", tile=64)
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                           dashboard_address=None, silence_logs=40)
+    c = Client(cluster)
+    yield c
+    c.close()
+    cluster.close()
+
+
+def one_process(tmp_path, a_path, b_path, expr="A @ B", **engine):
+    """The same product as one `mgmm-stream run` (the CLI's code path), for its bytes."""
+    out = str(tmp_path / "one.npy")
+    plan = {"matrices": {"A": {"path": a_path}, "B": {"path": b_path}},
+            "step": [{"output": out, "expr": expr}],
+            "engine": {"backend": "cpu", "tile": 64, **engine}}
+    mg.run(plan, progress=False)
+    return out
+
+
+def save(tmp_path, name, x):
+    p = str(tmp_path / name)
+    np.save(p, x)
+    return p
+
+
+def test_result_is_the_bytes_one_process_writes(client, tmp_path):
+    a, b = rand((300, 200), seed=1), rand((200, 170), seed=2)
+    pa, pb = save(tmp_path, "A.npy", a), save(tmp_path, "B.npy", b)
+    A = mgd.from_npy(pa, chunks=(100, 200))
+    B = mgd.from_npy(pb, chunks=(200, 85))
+    out = str(tmp_path / "C.npy")
+    C = mgd.matmul(A, B, out=out, shards=3, **SETTINGS)
+    assert C.shape == (300, 170) and C.chunks == ((100, 100, 100), (85, 85))
+    with open(out, "rb") as f, open(one_process(tmp_path, pa, pb), "rb") as g:
+        assert f.read() == g.read(), "differs from one process's output"
+    assert os.path.exists(out + ".crc32c")
+    close(C.compute(), reference(a, b), np.float32)
+    # A second call finds the output finished and computes nothing.
+    rep = mgd.matmul(A, B, out=out, shards=3, report=True, **SETTINGS)
+    assert sum(s["tiles_computed"] for r in rep["reports"] for s in r["steps"]) == 0
+
+
+def test_transposes_paths_memmaps_alpha_and_float64(client, tmp_path):
+    a, b = rand((130, 70), np.float64, seed=3), rand((90, 70), np.float64, seed=4)
+    pa, pb = save(tmp_path, "A.npy", a), save(tmp_path, "B.npy", b)
+    raw = str(tmp_path / "B.f64")
+    b.tofile(raw)
+    Braw = np.memmap(raw, dtype=np.float64, mode="r", shape=(90, 70))
+    out = str(tmp_path / "C.npy")
+    C = mgd.matmul(pa, mgd.from_npy(raw_npy := save(tmp_path, "B2.npy", b)).T, out=out,
+                   alpha=0.5, **SETTINGS)
+    close(C.compute(), reference(a, b, trans_b=True, alpha=0.5), np.float64)
+    C2 = mgd.matmul(mgd.from_npy(pa), Braw, out=str(tmp_path / "C2.npy"), trans_b=True,
+                    alpha=0.5, **SETTINGS)
+    assert np.array_equal(C2.compute(), np.load(out)), raw_npy
+
+
+def test_a_worker_killed_mid_shard_ends_in_the_same_bytes(client, tmp_path):
+    a, b = rand((1024, 512), seed=5), rand((512, 1024), seed=6)
+    pa, pb = save(tmp_path, "A.npy", a), save(tmp_path, "B.npy", b)
+    out = str(tmp_path / "C.npy")
+    marker = str(tmp_path / "killed-once")
+    rep = mgd.matmul(pa, pb, out=out, shards=2, report=True, **SETTINGS,
+                     _fault={"shard": 0, "after_tiles": 8, "marker": marker})
+    assert os.path.exists(marker), "the fault was never armed"
+    with open(out, "rb") as f, open(one_process(tmp_path, pa, pb), "rb") as g:
+        assert f.read() == g.read(), "differs from one process's output after the retry"
+    computed = sum(s["tiles_computed"] for r in rep["reports"] for s in r["steps"])
+    total = 16 * 16
+    assert computed < total, f"the retried shard recomputed everything ({computed} of {total})"
+    close(np.load(out), reference(a, b), np.float32)
+
+
+def test_arrays_not_backed_by_files_are_refused(client, tmp_path):
+    pa = save(tmp_path, "A.npy", rand((64, 64)))
+    out = str(tmp_path / "C.npy")
+    computed = da.random.random((64, 64), chunks=32).astype(np.float32)
+    with pytest.raises(mg.BadInputError, match=r"not read from one file.*to_npy\(b"):
+        mgd.matmul(pa, computed, out=out, **SETTINGS)
+    with pytest.raises(mg.BadInputError, match=r"a numpy array in memory.*np.save"):
+        mgd.matmul(np.ones((64, 64), np.float32), pa, out=out, **SETTINGS)
+    with pytest.raises(mg.BadInputError, match=r"'getitem'.*to_npy\(a"):
+        mgd.matmul(mgd.from_npy(pa)[:32], pa, out=out, **SETTINGS)
+    # dask.array.from_array copies a memmap into memory (dask 2026.8 does): said, with the
+    # way that reads the file; a dask that keeps the map has it read from its file.
+    mapped = da.from_array(np.load(pa, mmap_mode="r"), chunks=32)
+    orig = next(iter(dict(next(v for k, v in mapped.dask.layers.items()
+                               if k.startswith("original-"))).values()))
+    if getattr(orig, "_mmap", None) is None:
+        with pytest.raises(mg.BadInputError, match=r"in-memory copy of a memmap.*from_npy"):
+            mgd.matmul(mapped, pa, out=out, **SETTINGS)
+    else:
+        close(mgd.matmul(mapped, pa, out=out, **SETTINGS).compute(),
+              reference(np.load(pa), np.load(pa)), np.float32)
+        os.remove(out)
+    with pytest.raises(mg.BadInputError, match=r"\.npy or \.mgt"):
+        mgd.matmul(pa, pa, out=str(tmp_path / "C.bin"), **SETTINGS)
+    assert not os.path.exists(out)
+    # What the message says to do works: to_npy from the workers, then the product.
+    saved = mgd.to_npy(computed, str(tmp_path / "B.npy"))
+    C = mgd.matmul(pa, saved, out=out, **SETTINGS)
+    close(C.compute(), reference(np.load(pa), computed.compute()), np.float32)
