@@ -255,7 +255,9 @@ def _source(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:
         entry = _memmap_source(orig, name)
         shape = orig.shape
     else:
-        raise _refuse(name, f"is a dask array over a {type(orig).__name__} in memory")
+        kind = f"{type(orig).__module__.split('.')[0]}.{type(orig).__name__}"
+        raise _refuse(name, f"is a dask array over a {kind}, not over a .npy or raw matrix "
+                            f"file (zarr chunks, HDF5 datasets and arrays in memory are not)")
     want = (shape[1], shape[0]) if transposed else tuple(shape)
     if tuple(x.shape) != want:
         raise _refuse(name, f"covers part of {entry['path']} (shape {x.shape} of {shape})")
@@ -288,8 +290,8 @@ def _prepare_task(text: str, sets: List[str], auto_threads: bool,
 
 
 def _shard_task(text: str, sets: List[str], auto_threads: bool, k: int, s: int,
-                claim_timeout: float, wait_timeout: float, fault: Optional[Dict[str, Any]],
-                _prepared: Any) -> Dict[str, Any]:
+                claim_timeout: float, wait_timeout: float,
+                fault: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     on_event = None
     if fault and fault.get("shard") == k and not os.path.exists(fault["marker"]):
         # Tests only: this attempt dies (SIGKILL) once it has finished some tiles, as a worker
@@ -388,7 +390,10 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
     if s < 1:
         raise BadInputError(f"shards={shards}: at least 1")
     s = min(s, int(ready[0]["tiles"]))
-    futs = [c.submit(_shard_task, text, sets, auto, k, s, claim_timeout, wait_timeout, _fault, prep,
+    # The prepare task is done (its result was read): the shards do not depend on it in the
+    # graph, so no worker fetches its result from another before it starts (0.4–0.6 s each
+    # on a LocalCluster).
+    futs = [c.submit(_shard_task, text, sets, auto, k, s, claim_timeout, wait_timeout, _fault,
                      key=f"mgmm-shard-{k}-of-{s}-{token}", pure=False, retries=int(retries))
             for k in range(s)]
     fin = c.submit(_finalize_task, text, sets, auto, *futs, key=f"mgmm-finalize-{token}", pure=False)
