@@ -13,6 +13,7 @@
 //! the columns, and the failing storage tiles of the output are listed; `repair` recomputes
 //! just those through the journal.
 
+pub mod componentwise;
 mod kernel;
 pub(crate) mod model;
 pub(crate) mod pass;
@@ -90,6 +91,9 @@ pub struct VerifyReport {
     pub skipped_cells: u64,
     /// Cells (row, group) of the row test in all.
     pub cells: u64,
+    /// Under `precision = "fp64_emulated"`: sampled elements compared one by one with native
+    /// DGEMM's bound `(K+2)·u·|A||B|` ([`componentwise`]); `None` for other precisions.
+    pub componentwise: Option<componentwise::Componentwise>,
     /// Seconds the check took.
     pub seconds: f64,
 }
@@ -520,6 +524,7 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         unexpected_nonfinite: 0,
         skipped_cells: 0,
         cells: 0,
+        componentwise: None,
         seconds: 0.0,
     }
 }
@@ -633,6 +638,16 @@ fn residuals(
     rep.unexpected_nonfinite = o.nonfinite;
     rep.skipped_cells = o.skipped;
     rep.cells = m as u64 * cg.count() as u64;
+    if let Precision::Fp64Emulated(_) = precision {
+        let ops = (fa.as_ref(), fb, fc0.as_deref());
+        let cw = componentwise::check(step, ops, out, tile, seed)?;
+        if cw.failing > 0 {
+            // Named in `format`'s lines, with the failing tiles (repairable), not as a
+            // `reason` (which means a failure found before any tile was looked at).
+            rep.pass = false;
+        }
+        rep.componentwise = Some(cw);
+    }
     if !o.fails.is_empty() {
         rep.pass = false;
         // The same test on Cᵀ = α·op(B)ᵀ·op(A)ᵀ + β·C0ᵀ names the failing columns.
@@ -646,6 +661,11 @@ fn residuals(
         let rgp = Groups::new(m, tile.0 as usize, groups_for(m.max(n), r));
         let oc = cols.run(&rgp, r, seed, 0xC015)?;
         rep.failing_tiles = tiles(&o.fails, &cg, &oc.fails, &rgp, tile);
+    }
+    if let Some(cw) = &rep.componentwise {
+        let mut all: BTreeSet<(u64, u64)> = rep.failing_tiles.iter().copied().collect();
+        all.extend(cw.failing_tiles.iter().copied());
+        rep.failing_tiles = all.into_iter().collect();
     }
     Ok(())
 }
@@ -786,6 +806,24 @@ pub fn format(rep: &VerifyReport) -> String {
         s += &format!(
             "\n  {} row groups not checked (NaN/Inf or overflow there follow IEEE rules)",
             rep.skipped_cells
+        );
+    }
+    if let Some(cw) = &rep.componentwise {
+        s += &format!(
+            "\n  componentwise (fp64_emulated): {} {}element(s) against (K+2)·u·|A||B|, worst {:.3e} × the bound at ({}, {}){}{}",
+            cw.elements,
+            if cw.all { "" } else { "sampled " },
+            cw.worst_ratio,
+            cw.worst.0,
+            cw.worst.1,
+            match cw.skipped {
+                0 => String::new(),
+                k => format!("; {k} left out (NaN/Inf or overflow: IEEE rules)"),
+            },
+            match cw.failing {
+                0 => String::new(),
+                f => format!("; {f} exceed it: the emulation missed its accuracy contract there (a bug to report; `verify --repair` recomputes those tiles)"),
+            }
         );
     }
     if !rep.inputs_unchecked.is_empty() {

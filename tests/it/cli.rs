@@ -719,6 +719,7 @@ fn end_of_command_text_fits_80_columns() {
         unexpected_nonfinite: 7,
         skipped_cells: 3,
         cells: 40,
+        componentwise: None,
         seconds: 12.5,
     };
     let text = mgmm_stream::verify::format(&fail);

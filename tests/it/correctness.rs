@@ -256,25 +256,6 @@ fn f16_and_bf16_files(backend: &str) {
 
 /// A row-major f32 or f64 `.npy` file holding exactly `v` (an input whose every value the test
 /// chooses).
-fn write_npy(path: &std::path::Path, rows: usize, cols: usize, v: &[f64], dt: DType) {
-    let descr = if dt == DType::F64 { "<f8" } else { "<f4" };
-    let dict =
-        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
-    let total = (10 + dict.len() + 1).div_ceil(64) * 64;
-    let mut h = vec![0x93, b'N', b'U', b'M', b'P', b'Y', 1, 0];
-    h.extend_from_slice(&((total - 10) as u16).to_le_bytes());
-    h.extend_from_slice(dict.as_bytes());
-    h.resize(total - 1, b' ');
-    h.push(b'\n');
-    for &x in v {
-        if dt == DType::F64 {
-            h.extend_from_slice(&x.to_le_bytes());
-        } else {
-            h.extend_from_slice(&(x as f32).to_le_bytes());
-        }
-    }
-    std::fs::write(path, h).unwrap();
-}
 
 /// C = alpha·A·B + beta·C0 on inputs whose values the test chooses; returns C.
 #[allow(clippy::too_many_arguments)]

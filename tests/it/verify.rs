@@ -829,3 +829,89 @@ fn nan_in_an_input_is_named_with_the_output_nan_it_makes() {
         "{out}"
     );
 }
+
+/// `fp64_emulated` outputs are checked element by element against native DGEMM's bound
+/// `(K+2)·u·|A||B|` besides Freivalds' test. Rows of A and columns of B span sixteen decades
+/// (the exponent range an Ozaki scheme must handle): an auto run passes with every element
+/// compared (a small output); one element of a 1e-8 column moved by 1000× its own bound —
+/// hidden in its row group's residual, which the 1e+8 columns dominate — fails the
+/// componentwise check alone, its tile named; a run forced to too few moduli fails too.
+#[test]
+fn emulated_outputs_are_checked_element_by_element() {
+    let d = tmp();
+    let dir = d.path();
+    let (m, n, k) = (150usize, 130usize, 200usize);
+    let mut g = Rng::new(11, 3);
+    let mut normal = || {
+        let u = ((g.next_u64() >> 11) as f64 / (1u64 << 53) as f64).max(1e-300);
+        let v = (g.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    };
+    let decade = |i: usize| 10f64.powi((i % 17) as i32 - 8);
+    let a: Vec<f64> = (0..m * k).map(|x| normal() * decade(x / k)).collect();
+    let b: Vec<f64> = (0..k * n).map(|x| normal() * decade(x % n)).collect();
+    write_npy(&dir.join("A.npy"), m, k, &a, DType::F64);
+    write_npy(&dir.join("B.npy"), k, n, &b, DType::F64);
+    let run_verify = |moduli: &str| {
+        let text = format!(
+            "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n[[step]]\n\
+             output = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\n\
+             precision = \"fp64_emulated\"\nemulation_moduli = {moduli}\ntile = [64, 64, 64]\n\
+             durable = false\n"
+        );
+        std::fs::write(dir.join("plan.toml"), &text).unwrap();
+        let _ = std::fs::remove_file(dir.join("C.mgt"));
+        let _ = std::fs::remove_file(dir.join("C.mgt.journal"));
+        run_text(dir, &text).unwrap();
+        let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+        let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 5).unwrap();
+        (plan, rep)
+    };
+    let (plan, rep) = run_verify("\"auto\"");
+    let cw = rep.componentwise.clone().expect("a componentwise check");
+    assert!(rep.pass, "{}", format(&rep));
+    assert!(
+        cw.all && cw.elements == (m * n) as u64 && cw.failing == 0,
+        "{cw:?}"
+    );
+    assert!(
+        format(&rep).contains("componentwise (fp64_emulated): 19500 element(s)"),
+        "{}",
+        format(&rep)
+    );
+
+    // One element of a 1e-8 column off by 1000× its own bound; its tile's CRC and journal
+    // record rewritten so that only arithmetic can tell.
+    let out = dir.join("C.mgt");
+    let (_, _, c) = load(&out);
+    let (i, j) = (70usize, 102usize);
+    assert_eq!(decade(j), 1e-8);
+    let absab: f64 = (0..k).map(|t| (a[i * k + t] * b[t * n + j]).abs()).sum();
+    let bound = (k as f64 + 2.0) * f64::EPSILON / 2.0 * absab;
+    let tile = Block {
+        r0: 64,
+        c0: 64,
+        rows: 64,
+        cols: 64,
+    };
+    let before = block_crc(&out, &tile);
+    poke(&out, i as u64, j as u64, c[i * n + j] + 1e3 * bound);
+    rewrite_journal(&out, before, block_crc(&out, &tile));
+    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 5).unwrap();
+    let cw = rep.componentwise.clone().unwrap();
+    assert!(!rep.pass, "{}", format(&rep));
+    assert_eq!((cw.failing, cw.worst), (1, (i as u64, j as u64)), "{cw:?}");
+    assert!(
+        rep.max_ratio < 1.0,
+        "Freivalds' groups alone would miss it; max_ratio {}",
+        rep.max_ratio
+    );
+    assert_eq!(rep.failing_tiles, vec![(1, 1)]);
+    assert!(format(&rep).contains("1 exceed it"), "{}", format(&rep));
+
+    // Too few moduli, forced: the emulation misses its contract and verify says where.
+    let (_, rep) = run_verify("4");
+    let cw = rep.componentwise.clone().unwrap();
+    assert!(!rep.pass && cw.failing > 0, "{cw:?}");
+    assert!(!rep.failing_tiles.is_empty());
+}
