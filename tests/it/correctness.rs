@@ -254,9 +254,6 @@ fn f16_and_bf16_files(backend: &str) {
     }
 }
 
-/// A row-major f32 or f64 `.npy` file holding exactly `v` (an input whose every value the test
-/// chooses).
-
 /// C = alpha·A·B + beta·C0 on inputs whose values the test chooses; returns C.
 #[allow(clippy::too_many_arguments)]
 fn run_exact(

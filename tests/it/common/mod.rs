@@ -192,7 +192,8 @@ pub fn set_len(p: &Path, len: u64) {
     f.set_len(len).unwrap();
 }
 
-/// Write `v` (row-major, rows×cols) as a C-order `.npy` of f64 (`DType::F64`) or f32.
+/// A row-major f32 or f64 `.npy` file holding exactly `v` (rows×cols; an input whose every
+/// value the test chooses).
 pub fn write_npy(path: &std::path::Path, rows: usize, cols: usize, v: &[f64], dt: DType) {
     let descr = if dt == DType::F64 { "<f8" } else { "<f4" };
     let dict =
