@@ -545,7 +545,8 @@ fn prepare_plan<'py>(
     to_py_value(py, &v)
 }
 
-/// `mgmm-stream finalize`: finish every split step (idempotent).
+/// `mgmm-stream finalize`: finish every split step (idempotent); returns the lines the CLI
+/// prints.
 #[pyfunction]
 #[pyo3(signature = (path, toml_text, sets))]
 fn finalize_plan(
@@ -553,13 +554,16 @@ fn finalize_plan(
     path: Option<String>,
     toml_text: Option<String>,
     sets: Vec<String>,
-) -> PyResult<()> {
+) -> PyResult<Vec<String>> {
     let mut plan = load_plan(py, path, toml_text, &sets)?;
     cluster::for_split(&mut plan);
     run::init_threads(plan.engine.threads);
     let plan = &plan;
-    py.detach(move || cluster::finalize::finalize_plan(plan, None, false))
-        .map_err(|e| to_py(py, e))
+    py.detach(move || {
+        let mut lines = Vec::new();
+        cluster::finalize::finalize_plan(plan, None, false, &mut |l| lines.push(l)).map(|()| lines)
+    })
+    .map_err(|e| to_py(py, e))
 }
 
 /// What `plan` prints, as data: the text and, per step, tiles, memory and traffic.

@@ -31,6 +31,8 @@ impl FinalizeArgs {
         let p = Plan::load_with(&self.plan, &self.set)?;
         run::init_threads(p.engine.threads);
         let verify = (self.verify).then_some((p.engine.precision, 2, 1));
-        finalize::finalize_plan(&p, verify, settings.verify_times)
+        finalize::finalize_plan(&p, verify, settings.verify_times, &mut |l| {
+            crate::outln!("{l}")
+        })
     }
 }

@@ -235,20 +235,22 @@ fn output_header_of(out: &Path, m: &Manifest, dt: DType) -> Result<Header> {
 
 /// `finalize PLAN`: finalize every split step that is not yet, in order; with `verify`, run
 /// Freivalds' test on each after (`times`: each pass's time on stderr, `MGMM_VERIFY_TIMES`).
+/// Each line of what it did goes to `say` (the CLI prints them; Python returns them).
 pub fn finalize_plan(
     plan: &Plan,
     verify: Option<(Precision, usize, u64)>,
     times: bool,
+    say: &mut dyn FnMut(String),
 ) -> Result<()> {
     let mut any = false;
     for step in &plan.steps {
         let n = step.index + 1;
         let Some(m) = read_manifest(&step.output)? else {
             if is_finalized(&step.output, None)? {
-                println!(
+                say(format!(
                     "step {n}: {} is complete (not split)",
                     step.output.display()
-                );
+                ));
                 continue;
             }
             return Err(Error::Usage(format!(
@@ -259,19 +261,21 @@ pub fn finalize_plan(
         };
         any = true;
         if is_finalized(&step.output, Some(&m.fingerprint))? {
-            println!("step {n}: {} is already finalized", step.output.display());
+            say(format!(
+                "step {n}: {} is already finalized",
+                step.output.display()
+            ));
         } else {
             let f = finalize_step(step, &m)?;
-            println!(
-                "step {n}: finalized {}: {} checked against their journals, checksum table written ({:.2} s)",
+            say(format!("step {n}: finalized {}: {} checked against their journals, checksum table written ({:.2} s)",
                 step.output.display(),
                 crate::progress::count(f.tiles as u64, "tile", "tiles"),
                 f.secs
-            );
+            ));
         }
         if let Some((p, rounds, seed)) = verify {
             let rep = crate::verify::verify_step_with(step, p, rounds, seed, times)?;
-            println!("{}", crate::verify::format(&rep));
+            say(crate::verify::format(&rep));
             if !rep.pass {
                 return Err(Error::Usage(format!(
                     "step {n}: verification failed for {}; `mgmm-stream verify PLAN --repair` recomputes the failing tiles",
@@ -281,7 +285,7 @@ pub fn finalize_plan(
         }
     }
     if !any {
-        println!("nothing to finalize: no step of this plan was split");
+        say("nothing to finalize: no step of this plan was split".into());
     }
     Ok(())
 }

@@ -33,6 +33,7 @@ a disk.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -46,6 +47,8 @@ from . import _sets as _engine_sets
 from ._errors import BadInputError
 
 __all__ = ["matmul", "from_npy", "to_npy", "NpyFile"]
+
+log = logging.getLogger("mgmm_stream")
 
 _DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16"}
 
@@ -308,7 +311,8 @@ def _shard_task(text: str, sets: List[str], auto_threads: bool, k: int, s: int,
 
 
 def _finalize_task(text: str, sets: List[str], auto_threads: bool, *reports: Any) -> List[Any]:
-    _native.finalize_plan(None, text, _here(sets, auto_threads))
+    for line in _native.finalize_plan(None, text, _here(sets, auto_threads)):
+        log.info("%s", line)
     return list(reports)
 
 
