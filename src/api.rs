@@ -72,7 +72,15 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
     let e = job.engine;
     crate::run::init_threads(e.threads);
     crate::run::ignore_sigxfsz();
-    let mut backend = backend::select(e)?;
+    // As `run` starts a plan's backend: the pinned pools and cuBLAS's first kernel prepared
+    // while the driver comes up.
+    let opts = crate::run::prefill::backend_options_for_step(
+        job.origin,
+        e,
+        job.step,
+        [&*job.sources.a, &*job.sources.b],
+    );
+    let mut backend = backend::select_with(e, opts)?;
     if let Some(n) = backend.note() {
         job.progress.note(&n);
     }

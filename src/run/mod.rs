@@ -14,7 +14,7 @@ mod fingerprint;
 mod finished;
 mod inputs;
 mod intermediates;
-mod prefill;
+pub(crate) mod prefill;
 mod space;
 pub(crate) mod step;
 pub(crate) mod target;

@@ -12,14 +12,51 @@ use crate::backend::cuda::{cuda_caps, pinned_len, AUTO_COPIES_FROM};
 use crate::backend::{resolve_threads, BackendOptions, EarlySpec};
 use crate::pipeline::direct;
 use crate::plan::layout::Layout;
-use crate::plan::{BackendKind, Devices, Engine, Operand, Plan};
+use crate::plan::{BackendKind, Devices, Engine, Operand, Plan, Step};
+use crate::store::MatrixSource;
+use std::path::Path;
 
 /// The options of the backend that runs `plan`: the settings of the environment, and what a
 /// CUDA backend can prepare before its driver is up ([`early_spec`]).
-pub(super) fn backend_options(plan: &Plan) -> BackendOptions {
+pub(crate) fn backend_options(plan: &Plan) -> BackendOptions {
+    options(early_spec(
+        plan,
+        crate::config::cuda_visible_devices().as_deref(),
+    ))
+}
+
+/// The options of the backend that runs one step over operands its caller opened
+/// ([`crate::api::run_step`], the Python package): the same early start as `run` gives a
+/// one-step plan ([`early_spec_for_step`]), so a library call does not wait for the driver,
+/// the pinned pools and cuBLAS's first kernel one after the other.
+pub(crate) fn backend_options_for_step(
+    origin: &Path,
+    engine: &Engine,
+    step: &Step,
+    inputs: [&dyn MatrixSource; 2],
+) -> BackendOptions {
+    let visible = crate::config::cuda_visible_devices();
+    options(early_spec_for_step(
+        origin,
+        engine,
+        step,
+        inputs,
+        gpus(engine, visible.as_deref()),
+    ))
+}
+
+fn options(early: Option<EarlySpec>) -> BackendOptions {
     BackendOptions {
         pinned_alloc: crate::config::pinned_alloc(),
-        early: early_spec(plan, crate::config::cuda_visible_devices().as_deref()),
+        early,
+    }
+}
+
+/// The GPUs a CUDA backend for `engine` may find (0: none, or a backend that cannot be CUDA).
+fn gpus(engine: &Engine, visible: Option<&str>) -> usize {
+    match engine.backend {
+        BackendKind::Cuda | BackendKind::Auto => guess_gpu_count(engine, visible),
+        _ => 0,
     }
 }
 
@@ -27,28 +64,56 @@ pub(super) fn backend_options(plan: &Plan) -> BackendOptions {
 /// `CUDA_VISIBLE_DEVICES` = `visible` lets through: `None` when the plan's backend cannot be
 /// CUDA, no GPU is in sight or no layout can be made.
 fn early_spec(plan: &Plan, visible: Option<&str>) -> Option<EarlySpec> {
-    if !matches!(plan.engine.backend, BackendKind::Cuda | BackendKind::Auto) {
+    early_spec_with(plan, gpus(&plan.engine, visible))
+}
+
+/// [`early_spec`] on `lanes` GPUs.
+fn early_spec_with(plan: &Plan, lanes: usize) -> Option<EarlySpec> {
+    let (order, l) = guess_layout(plan, lanes)?;
+    let step = plan.steps.iter().find(|s| s.order() == order)?;
+    let open = |op: &Operand| (!op.temp).then(|| op.open().ok()).flatten();
+    let lazy = match (open(&step.a), open(&step.b)) {
+        (Some(a), Some(b)) => staging_lazy(&plan.engine, step, &l, [&*a, &*b]),
+        _ => false,
+    };
+    Some(spec(&plan.engine, order, &l, lanes, lazy))
+}
+
+/// [`early_spec`] for one step over opened operands, on `lanes` GPUs.
+fn early_spec_for_step(
+    origin: &Path,
+    engine: &Engine,
+    step: &Step,
+    inputs: [&dyn MatrixSource; 2],
+    lanes: usize,
+) -> Option<EarlySpec> {
+    if lanes == 0 {
         return None;
     }
-    let threads = resolve_threads(plan.engine.threads);
-    let lanes = guess_gpu_count(&plan.engine, visible);
-    let (step, l) = guess_layout(plan, lanes)?;
-    let mut lens = pool_lens(&l, lanes);
-    if staging_lazy(plan, step, &l) {
-        // The staging pools will be leases without memory (`Pool::lazy`): only the output's.
+    let caps = cuda_caps(lanes, engine.device_memory.unwrap_or(64 << 30));
+    let l = Layout::new(origin, step, engine, &caps).ok()?;
+    let lazy = staging_lazy(engine, step, &l, inputs);
+    Some(spec(engine, step.order(), &l, lanes, lazy))
+}
+
+/// The early start of plan step `order` laid out as `l` on `lanes` GPUs; `lazy`: its staging
+/// pools will be leases without memory ([`staging_lazy`]), so only the output's are prefilled.
+fn spec(e: &Engine, order: (usize, usize), l: &Layout, lanes: usize, lazy: bool) -> EarlySpec {
+    let mut lens = pool_lens(l, lanes);
+    if lazy {
         lens.drain(..l.staging_bufs * lanes);
     }
-    Some(EarlySpec {
+    EarlySpec {
         pool_lens: lens,
-        step,
-        threads,
+        step: order,
+        threads: resolve_threads(e.threads),
         tile: (l.tm as usize, l.tn as usize, l.tk as usize),
-        precision: plan.engine.precision,
-        devices: match &plan.engine.devices {
+        precision: e.precision,
+        devices: match &e.devices {
             Devices::List(l) => Some(l.iter().map(|&d| d as usize).collect()),
             _ => None,
         },
-    })
+    }
 }
 
 /// How many GPUs `CUDA_VISIBLE_DEVICES` lets CUDA see, read as CUDA reads it: indices or
@@ -92,26 +157,19 @@ fn guess_layout(plan: &Plan, lanes: usize) -> Option<((usize, usize), Layout)> {
         .max_by_key(|(_, l)| pool_lens(l, lanes).iter().sum::<usize>())
 }
 
-/// Whether the staging pools of plan step `order` (laid out as `l`) will be lazy, as
-/// [`crate::pipeline::Engines::make`] will decide once the step's inputs are open: they are
-/// opened here for it (a header read and a residency check), assuming the GPUs can register
-/// read-only maps (if not, the pools are allocated up front without the prefill's help).
-fn staging_lazy(plan: &Plan, order: (usize, usize), l: &Layout) -> bool {
+/// Whether the staging pools of `step` (laid out as `l`, its operands `inputs` open) will be
+/// lazy, as [`crate::pipeline::Engines::make`] will decide (a header read and a residency
+/// check), assuming the GPUs can register read-only maps (if not, the pools are allocated up
+/// front without the prefill's help).
+fn staging_lazy(e: &Engine, step: &Step, l: &Layout, inputs: [&dyn MatrixSource; 2]) -> bool {
     let t = std::time::Instant::now();
-    let Some(step) = plan.steps.iter().find(|s| s.order() == order) else {
-        return false;
-    };
-    let open = |op: &Operand| (!op.temp).then(|| op.open().ok()).flatten();
-    let lazy = match (open(&step.a), open(&step.b)) {
-        (Some(a), Some(b)) => direct::expected(
-            (plan.engine.staging).on_lanes(l.lanes, AUTO_COPIES_FROM),
-            Some(direct::limits(None, plan.engine.host_memory, l.host_bytes)),
-            &[&*a, &*b],
-            step.c0.is_some(),
-            l.host_dt,
-        ),
-        _ => false,
-    };
+    let lazy = direct::expected(
+        (e.staging).on_lanes(l.lanes, AUTO_COPIES_FROM),
+        Some(direct::limits(None, e.host_memory, l.host_bytes)),
+        &inputs,
+        step.c0.is_some(),
+        l.host_dt,
+    );
     crate::trace::span("start-up", "inputs direct?", t, std::time::Instant::now());
     lazy
 }
@@ -162,14 +220,31 @@ mod tests {
         for (staging, want) in [("auto", true), ("direct", true), ("copy", false)] {
             let plan = plan_with(staging, "B.mgt");
             let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
-            assert_eq!(staging_lazy(&plan, (0, 0), &l), want, "{staging}");
+            let (a, b) = (
+                plan.steps[0].a.open().unwrap(),
+                plan.steps[0].b.open().unwrap(),
+            );
+            let lazy = staging_lazy(&plan.engine, &plan.steps[0], &l, [&*a, &*b]);
+            assert_eq!(lazy, want, "{staging}");
         }
+        // One step over operands a library caller opened: the same early start as the plan.
+        let plan = plan_with("auto", "B.mgt");
+        let step = &plan.steps[0];
+        let (a, b) = (step.a.open().unwrap(), step.b.open().unwrap());
+        let one = early_spec_for_step(&plan.path, &plan.engine, step, [&*a, &*b], 1).unwrap();
+        let (order, l) = guess_layout(&plan, 1).unwrap();
+        let lazy = staging_lazy(&plan.engine, step, &l, [&*a, &*b]);
+        assert_eq!(one, spec(&plan.engine, order, &l, 1, lazy));
+        assert!(
+            one.pool_lens.len() == l.out_bufs,
+            "staging left out: {one:?}"
+        );
         // An input not there yet (to be generated, say): the pools are made up front.
         let mut plan = plan_with("auto", "B.mgt");
         std::fs::remove_file(dir.path().join("B.mgt")).unwrap();
         plan.steps[0].b.path = dir.path().join("B.mgt");
-        let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, &caps).unwrap();
-        assert!(!staging_lazy(&plan, (0, 0), &l));
+        assert!(early_spec_with(&plan, 1)
+            .is_some_and(|e| e.pool_lens.len() == l.staging_bufs + l.out_bufs));
     }
 
     /// The prefill's guess is the pools' own sizes: for 32768² fp32 on one GPU, six staging
