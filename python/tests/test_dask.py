@@ -13,6 +13,7 @@ import mgmm_stream as mg
 
 if os.environ.get("MGMM_REQUIRE_DASK") != "1":
     pytest.importorskip("distributed")
+import dask  # noqa: E402
 import dask.array as da  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
@@ -126,3 +127,67 @@ def test_arrays_not_backed_by_files_are_refused(client, tmp_path):
     saved = mgd.to_npy(computed, str(tmp_path / "B.npy"))
     C = mgd.matmul(pa, saved, out=out, **SETTINGS)
     close(C.compute(), reference(np.load(pa), computed.compute()), np.float32)
+
+
+def test_transposed_operands_chunk_the_result_by_op_rows_and_columns(client, tmp_path):
+    y = rand((700, 900), seed=7)
+    py = save(tmp_path, "Y.npy", y)
+    Y = mgd.from_npy(py, chunks=(300, 400))
+    C = mgd.matmul(Y, Y.T, out=str(tmp_path / "YY.npy"), **SETTINGS)
+    assert C.shape == (700, 700) and C.chunks == ((300, 300, 100), (300, 300, 100))
+    close(C.compute(), reference(y, y, trans_b=True), np.float32)
+    # A whole-file memmap's .T is that file read transposed, as from_npy(p).T is.
+    m = np.load(py, mmap_mode="r")
+    D = mgd.matmul(m.T, m, out=str(tmp_path / "D.npy"), **SETTINGS)
+    assert D.shape == (900, 900)
+    close(D.compute(), reference(y, y, trans_a=True), np.float32)
+
+
+def test_a_shard_that_raises_is_retried_at_once(client, tmp_path):
+    """The failed attempt gives its shard's claim back (the worker lives on), so Dask's retry
+    does not wait the claim timeout (120 s) for it to go stale."""
+    import time
+
+    a, b = rand((512, 256), seed=8), rand((256, 512), seed=9)
+    pa, pb = save(tmp_path, "A.npy", a), save(tmp_path, "B.npy", b)
+    out = str(tmp_path / "C.npy")
+    marker = str(tmp_path / "raised-once")
+    t0 = time.monotonic()
+    rep = mgd.matmul(pa, pb, out=out, shards=2, report=True, **SETTINGS,
+                     _fault={"shard": 0, "after_tiles": 4, "marker": marker, "raise": True})
+    took = time.monotonic() - t0
+    assert os.path.exists(marker), "the fault was never armed"
+    assert took < 60, f"the retry waited for the claim to go stale ({took:.0f} s)"
+    with open(out, "rb") as f, open(one_process(tmp_path, pa, pb), "rb") as g:
+        assert f.read() == g.read()
+    assert sum(s["tiles_computed"] for r in rep["reports"] for s in r["steps"]) < 64
+
+
+def test_a_finished_output_that_is_gone_or_replaced_is_computed_again(client, tmp_path):
+    a, b = rand((200, 100), seed=10), rand((100, 150), seed=11)
+    pa, pb = save(tmp_path, "A.npy", a), save(tmp_path, "B.npy", b)
+    out = str(tmp_path / "C.npy")
+    mgd.matmul(pa, pb, out=out, **SETTINGS)
+    clean = open(out, "rb").read()
+    os.remove(out)
+    mgd.matmul(pa, pb, out=out, **SETTINGS)
+    assert open(out, "rb").read() == clean
+    np.save(out, np.zeros((200, 150), np.float32))  # another array under the same name
+    C = mgd.matmul(pa, pb, out=out, **SETTINGS)
+    assert open(out, "rb").read() == clean
+    close(C.compute(), reference(a, b), np.float32)
+
+
+def test_from_npy_names_each_chunking_apart_and_to_npy_keeps_its_input(client, tmp_path):
+    a = rand((512, 256), seed=12)
+    pa = save(tmp_path, "A.npy", a)
+    A1, A2 = mgd.from_npy(pa, chunks=(512, 256)), mgd.from_npy(pa, chunks=(256, 256))
+    assert A1.name != A2.name
+    s1, s2 = dask.compute(A1.sum(), A2.sum())
+    assert np.isclose(s1, a.sum(dtype=np.float64), rtol=1e-4)
+    assert np.isclose(s2, a.sum(dtype=np.float64), rtol=1e-4)
+    with pytest.raises(mg.BadInputError, match="would overwrite"):
+        mgd.to_npy(A1 * 2, pa)
+    assert np.array_equal(np.load(pa), a), "the input was changed"
+    with pytest.raises(mg.BadInputError, match="np.save"):
+        mgd.matmul(np.load(pa, mmap_mode="r")[:100], pa, out=str(tmp_path / "X.npy"), **SETTINGS)

@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::time::Duration;
 
 use rayon::prelude::*;
 
@@ -260,17 +261,32 @@ pub fn finalize_plan(
             )));
         };
         any = true;
-        if is_finalized(&step.output, Some(&m.fingerprint))? {
-            say(format!(
-                "step {n}: {} is already finalized",
-                step.output.display()
-            ));
-        } else {
-            let f = finalize_step(step, &m)?;
+        // One finalizer at a time, as the shards' own (`try_auto`): another process (a
+        // shard that found every tile done, a second `finalize`) may be at it right now.
+        let mut done = None;
+        let cp = state_dir(&step.output).join("finalize.claim");
+        while !is_finalized(&step.output, Some(&m.fingerprint))? {
+            if let claim::Try::Got(c) = claim::try_claim(&cp, Duration::from_secs(120))? {
+                let r = match is_finalized(&step.output, Some(&m.fingerprint))? {
+                    true => Ok(None),
+                    false => finalize_step(step, &m).map(Some),
+                };
+                c.release();
+                done = r?;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        if let Some(f) = done {
             say(format!("step {n}: finalized {}: {} checked against their journals, checksum table written ({:.2} s)",
                 step.output.display(),
                 crate::progress::count(f.tiles as u64, "tile", "tiles"),
                 f.secs
+            ));
+        } else {
+            say(format!(
+                "step {n}: {} is already finalized",
+                step.output.display()
             ));
         }
         if let Some((p, rounds, seed)) = verify {

@@ -304,6 +304,14 @@ fn run_step_shards(
     }
     let fp = crate::run::fingerprint(step, layout, backend.caps().kind, plan.engine.precision)?;
     if finalize::is_finalized(&step.output, Some(&fp))? {
+        if let Some(why) = prepare::finished_damage(step, layout)? {
+            // Starting over here could race the other processes of the job, which may be
+            // reading the finished output: `prepare` does it alone.
+            return Err(Error::Usage(format!(
+                "step {n}: {} is complete by its journal, but {why}; compute it again with `mgmm-stream prepare PLAN` (alone, before the job) or an unsplit `run` (from Python: call again; a Dask product prepares first)",
+                step.output.display()
+            )));
+        }
         progress.note(&format!(
             "step {n}: {} is already complete and finalized; skipping",
             step.output.display()
@@ -365,6 +373,13 @@ fn run_step_shards(
             // and checkpoints are saved, so give the shard back at once; a resubmission on
             // another host need not wait for the claim to go stale.
             Err(e) if crate::interrupt::requested() => {
+                c.release();
+                return Err(e);
+            }
+            // A library caller (a Dask task) lives on after the error and may retry at once:
+            // a claim left behind by a live process would hold the retry for the whole
+            // claim timeout. The journal keeps what was done, as above.
+            Err(e) if sh.wait_for_held => {
                 c.release();
                 return Err(e);
             }

@@ -332,6 +332,19 @@ pub fn prepare_plan(
         let layout = Layout::new(&plan.path, step, &plan.engine, backend.caps())?;
         let fp =
             crate::run::fingerprint(step, &layout, backend.caps().kind, plan.engine.precision)?;
+        if super::finalize::is_finalized(&step.output, Some(&fp))? {
+            // Complete by its journal: the file itself must still be the one finalize left
+            // (a `run` checks the same before it skips a step). Prepared alone, before the
+            // shards start, so starting over cannot race them.
+            if let Some(why) = finished_damage(step, &layout)? {
+                progress.note(&format!(
+                    "step {}: {} is complete by its journal, but {why}: computing it again",
+                    step.index + 1,
+                    step.output.display()
+                ));
+                reset(&step.output)?;
+            }
+        }
         let manifest = ensure(step, &layout, &fp, &sh, progress)?;
         out.push(Prepared::Ready {
             step: step.index,
@@ -340,4 +353,14 @@ pub fn prepare_plan(
         });
     }
     Ok(out)
+}
+
+/// Why a split step that its journal calls finalized cannot be skipped: its output is missing,
+/// or its length, header or checksums are not what finalize left (`store::mend_finished`,
+/// which writes a damaged header again); `None` when it is intact.
+pub(crate) fn finished_damage(step: &Step, layout: &Layout) -> Result<Option<String>> {
+    if !step.output.exists() {
+        return Ok(Some("the file is missing".into()));
+    }
+    crate::store::mend_finished(&step.output, &output_header(step, layout))
 }

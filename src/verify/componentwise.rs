@@ -49,6 +49,9 @@ pub struct Componentwise {
     pub worst: (u64, u64),
     /// Output storage tiles (tile row, tile column) holding a failing element.
     pub failing_tiles: Vec<(u64, u64)>,
+    /// The forced `engine.emulation_moduli`, when one was (failures are then expected where
+    /// the run counted `bound_unmet`, not a bug).
+    pub forced_moduli: Option<u32>,
 }
 
 /// Indices in `0..len`: every one when `want >= len`, else `want` strata of equal width with one
@@ -68,20 +71,37 @@ fn spread(len: u64, want: u64, rng: &mut Rng) -> Vec<usize> {
         .collect()
 }
 
-/// The sampled rows and columns of an m×n output with storage tiles `tile`, for depth `k`.
+/// Elements of op(A) rows (and of op(B) columns) held at once: 128 MiB of f64 each.
+const LINES: u64 = 1 << 24;
+
+/// The sampled rows and columns of an m×n output with storage tiles `tile`, for depth `k`:
+/// every one of a small output, else two per tile band on both sides where the budget has
+/// room for that (growing both sides alike beyond it), else as many as it has, shared
+/// between the sides in proportion to their bands. At most [`LINES`]/k of each side, so the
+/// gathered rows and columns stay within memory.
 fn sample(m: u64, n: u64, k: u64, tile: (u64, u64), seed: u64) -> (Vec<usize>, Vec<usize>) {
     let mut rng = Rng::new(seed, 0xC0_4D_0E_1E);
     let budget = (WORK / k.max(1)).clamp(1, ELEMENTS);
-    if m.saturating_mul(n) <= budget {
+    let cap = (LINES / k.max(1)).max(1);
+    if m.saturating_mul(n) <= budget && m <= cap && n <= cap {
         return ((0..m as usize).collect(), (0..n as usize).collect());
     }
-    // Rows and columns in proportion to the output's sides, at least two per tile band where
-    // the budget allows, so every tile row and tile column band is sampled.
-    let side = ((budget as f64) * (m as f64) / (n as f64)).sqrt().round() as u64;
-    let bands = (m.div_ceil(tile.0.max(1)) * 2, n.div_ceil(tile.1.max(1)) * 2);
-    let r = side.max(bands.0.min(budget)).clamp(1, m);
-    let c = (budget / r).max(bands.1.min(budget / r).max(1)).clamp(1, n);
-    (spread(m, r, &mut rng), spread(n, c, &mut rng))
+    let bands = (
+        (m.div_ceil(tile.0.max(1)) * 2).min(m),
+        (n.div_ceil(tile.1.max(1)) * 2).min(n),
+    );
+    let (r, c) = if bands.0.saturating_mul(bands.1) <= budget {
+        let grow = (budget as f64 / (bands.0 * bands.1) as f64).sqrt();
+        let r = ((bands.0 as f64 * grow) as u64).clamp(bands.0, m);
+        (r, (budget / r).clamp(bands.1.min(n), n))
+    } else {
+        let r = ((budget as f64 * bands.0 as f64 / bands.1 as f64).sqrt() as u64).clamp(1, bands.0);
+        (r, (budget / r).clamp(1, bands.1))
+    };
+    (
+        spread(m, r.min(cap), &mut rng),
+        spread(n, c.min(cap), &mut rng),
+    )
 }
 
 /// Lines of `f` as f64: stored rows `lines` when `rows`, else stored columns `lines` (one pass
@@ -160,10 +180,18 @@ pub(crate) fn check(
     let ar = op_rows(a, step.a.trans, &rows)?;
     // Columns of op(B) are rows of op(B)ᵀ.
     let bc = op_rows(b, !step.b.trans, &cols)?;
-    let crow = gather(out, &rows, true)?;
-    let c0row = match c0 {
-        Some(f) if step.beta != 0.0 => Some(gather(f, &rows, true)?),
-        _ => None,
+    // A row of C (and of C0) is read by the task that checks it: only one per thread is held.
+    let c0 = c0.filter(|_| step.beta != 0.0);
+    let row_of = |f: &dyn MatrixSource, r: usize| -> Result<Vec<f64>> {
+        let mut v = vec![0f64; n as usize];
+        let b = Block {
+            r0: r as u64,
+            c0: 0,
+            rows: 1,
+            cols: n,
+        };
+        f.read_block(&b, DType::F64, v.as_mut_bytes())?;
+        Ok(v)
     };
     let finite = |v: &[f64]| v.iter().all(|x| x.is_finite());
     let bad_b: Vec<bool> = bc.chunks(k.max(1)).map(|v| !finite(v)).collect();
@@ -180,7 +208,9 @@ pub(crate) fn check(
     let per_row: Vec<Row> = rows
         .par_iter()
         .enumerate()
-        .map(|(ri, _)| {
+        .map(|(ri, &r)| -> Result<Row> {
+            let crow = row_of(out, r)?;
+            let c0row = c0.map(|f| row_of(f, r)).transpose()?;
             let a = &ar[ri * k..(ri + 1) * k];
             let mut row = Row {
                 elements: 0,
@@ -190,7 +220,7 @@ pub(crate) fn check(
             };
             let bad_a = !finite(a);
             for (ci, &c) in cols.iter().enumerate() {
-                let c0 = c0row.as_ref().map_or(0.0, |v| v[ri * n as usize + c]);
+                let c0 = c0row.as_ref().map_or(0.0, |v| v[c]);
                 if bad_a || bad_b[ci] || !c0.is_finite() {
                     row.skipped += 1;
                     continue;
@@ -212,7 +242,7 @@ pub(crate) fn check(
                     row.skipped += 1;
                     continue;
                 }
-                let got = crow[ri * n as usize + c];
+                let got = crow[c];
                 let bound =
                     grow * (alpha.abs() * abs + beta.abs() * c0.abs()) + (k as f64 + 2.0) * eta;
                 let err = (got - want).abs();
@@ -229,9 +259,9 @@ pub(crate) fn check(
                     row.worst = (ratio, ci);
                 }
             }
-            row
+            Ok(row)
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let mut rep = Componentwise {
         elements: 0,
         all,
@@ -240,6 +270,7 @@ pub(crate) fn check(
         worst_ratio: 0.0,
         worst: (0, 0),
         failing_tiles: Vec::new(),
+        forced_moduli: None,
     };
     let mut tiles = BTreeSet::new();
     for (ri, r) in per_row.iter().enumerate() {
@@ -269,15 +300,29 @@ mod tests {
     fn a_small_output_is_compared_whole_and_a_large_one_sampled_in_every_band() {
         let (r, c) = sample(300, 200, 100, (64, 64), 1);
         assert_eq!((r.len(), c.len()), (300, 200));
-        let (m, n, tile) = (100_000u64, 80_000u64, (4096u64, 4096u64));
-        let (r, c) = sample(m, n, 100_000, tile, 7);
-        assert!((r.len() * c.len()) as u64 <= WORK / 100_000 + r.len() as u64);
         let bands = |v: &[usize], t: u64, len: u64| {
             let hit: BTreeSet<u64> = v.iter().map(|&i| i as u64 / t).collect();
             hit.len() as u64 == len.div_ceil(t)
         };
-        assert!(bands(&r, tile.0, m), "every tile row band sampled");
-        assert!(bands(&c, tile.1, n), "every tile column band sampled");
-        assert!(r.windows(2).all(|w| w[0] < w[1]) && c.windows(2).all(|w| w[0] < w[1]));
+        // Square, wide, tall and deep outputs: every tile row and column band is sampled
+        // whenever two per band fit the budget, and the lines gathered stay bounded.
+        for (m, n, k, t) in [
+            (100_000u64, 80_000u64, 100_000u64, 4096u64),
+            (131_072, 131_072, 131_072, 2048),
+            (1 << 22, 1024, 1 << 14, 1024),
+            (1 << 20, 1 << 20, 64, 4096),
+        ] {
+            let (r, c) = sample(m, n, k, (t, t), 7);
+            let cap = LINES / k;
+            let fits = 4 * m.div_ceil(t) * n.div_ceil(t) <= (WORK / k).min(ELEMENTS)
+                && 2 * m.div_ceil(t).max(n.div_ceil(t)) <= cap;
+            assert!((r.len() * c.len()) as u64 <= (WORK / k).min(ELEMENTS) + r.len() as u64);
+            assert!(r.len() as u64 * k <= LINES.max(k) && c.len() as u64 * k <= LINES.max(k));
+            if fits {
+                assert!(bands(&r, t, m), "{m}×{n}: every tile row band sampled");
+                assert!(bands(&c, t, n), "{m}×{n}: every tile column band sampled");
+            }
+            assert!(r.windows(2).all(|w| w[0] < w[1]) && c.windows(2).all(|w| w[0] < w[1]));
+        }
     }
 }

@@ -640,7 +640,10 @@ fn residuals(
     rep.cells = m as u64 * cg.count() as u64;
     if let Precision::Fp64Emulated(_) = precision {
         let ops = (fa.as_ref(), fb, fc0.as_deref());
-        let cw = componentwise::check(step, ops, out, tile, seed)?;
+        let mut cw = componentwise::check(step, ops, out, tile, seed)?;
+        if let Precision::Fp64Emulated(crate::plan::EmulationModuli::Fixed(nm)) = precision {
+            cw.forced_moduli = Some(nm as u32);
+        }
         if cw.failing > 0 {
             // Named in `format`'s lines, with the failing tiles (repairable), not as a
             // `reason` (which means a failure found before any tile was looked at).
@@ -809,6 +812,7 @@ pub fn format(rep: &VerifyReport) -> String {
         );
     }
     if let Some(cw) = &rep.componentwise {
+        let forced = cw.forced_moduli;
         s += &format!(
             "\n  componentwise (fp64_emulated): {} {}element(s) against (K+2)·u·|A||B|, worst {:.3e} × the bound at ({}, {}){}{}",
             cw.elements,
@@ -820,9 +824,10 @@ pub fn format(rep: &VerifyReport) -> String {
                 0 => String::new(),
                 k => format!("; {k} left out (NaN/Inf or overflow: IEEE rules)"),
             },
-            match cw.failing {
-                0 => String::new(),
-                f => format!("; {f} exceed it: the emulation missed its accuracy contract there (a bug to report; `verify --repair` recomputes those tiles)"),
+            match (cw.failing, forced) {
+                (0, _) => String::new(),
+                (f, Some(nm)) => format!("; {f} exceed it: the forced emulation_moduli = {nm} is too few for this data (the run counted those blocks as bound_unmet); use \"auto\", which falls back to native fp64 where no count meets the bound, and `run --restart`"),
+                (f, None) => format!("; {f} exceed it: the emulation missed its accuracy contract there (a bug to report, with the inputs if you can; `verify --repair` recomputes those tiles)"),
             }
         );
     }

@@ -913,5 +913,10 @@ fn emulated_outputs_are_checked_element_by_element() {
     let (_, rep) = run_verify("4");
     let cw = rep.componentwise.clone().unwrap();
     assert!(!rep.pass && cw.failing > 0, "{cw:?}");
+    assert!(
+        format(&rep).contains("the forced emulation_moduli = 4 is too few"),
+        "{}",
+        format(&rep)
+    );
     assert!(!rep.failing_tiles.is_empty());
 }

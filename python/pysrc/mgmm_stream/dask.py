@@ -70,6 +70,10 @@ def _client(client: Any) -> Any:
         from distributed import get_client
     except ImportError:
         raise ImportError("mgmm_stream.dask needs dask.distributed: pip install distributed") from None
+    if isinstance(client, str):
+        from distributed import Client
+
+        return Client(client)
     if client is not None:
         return client
     try:
@@ -126,11 +130,39 @@ class NpyFile:
         return np.array(m[index])
 
     def __setitem__(self, index: Any, value: Any) -> None:
+        """Write a block with ``pwrite``, a row segment at a time: writes through a shared map
+        go out a page at a time, and on NFS two hosts writing neighbouring chunks (which
+        share pages in every row) could overwrite each other's bytes; ``write`` is tracked
+        by byte range."""
         if not self.writable:
             raise BadInputError(f"{self.path} was opened read-only")
-        m = np.load(self.path, mmap_mode="r+")
-        m[index] = value
-        m.flush()
+        rows, cols = (index + (slice(None),) * 2)[:2] if isinstance(index, tuple) else (index, slice(None))
+        if self.fortran or not isinstance(rows, slice) or not isinstance(cols, slice):
+            m = np.load(self.path, mmap_mode="r+")
+            m[index] = value
+            m.flush()
+            return
+        r0, r1, rs = rows.indices(self.shape[0])
+        c0, c1, cs = cols.indices(self.shape[1])
+        if rs != 1 or cs != 1:
+            m = np.load(self.path, mmap_mode="r+")
+            m[index] = value
+            m.flush()
+            return
+        block = np.ascontiguousarray(np.broadcast_to(np.asarray(value, self.dtype),
+                                                     (r1 - r0, c1 - c0)))
+        off = _npy_header(self.path)[3]
+        item = self.dtype.itemsize
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            for r in range(r1 - r0):
+                at = off + ((r0 + r) * self.shape[1] + c0) * item
+                data = memoryview(block[r]).cast("B")
+                while len(data):
+                    n = os.pwrite(fd, data, at)
+                    data, at = data[n:], at + n
+        finally:
+            os.close(fd)
 
     def __repr__(self) -> str:
         return f"NpyFile({self.path!r}, shape={self.shape}, dtype={self.dtype})"
@@ -140,25 +172,45 @@ def from_npy(path: Union[str, "os.PathLike[str]"], chunks: Any = "auto") -> Any:
     """A dask array over a ``.npy`` file, read chunk by chunk in the workers (never pickled
     whole), and recognised by :func:`matmul` as that file."""
     da = _dask()
+    from dask.base import tokenize
+
     f = NpyFile(path)
-    return da.from_array(f, chunks=chunks, name=f"npy-{f.path}-{os.stat(f.path).st_mtime_ns}",
-                         meta=np.empty((0, 0), f.dtype))
+    # The name is the array's identity to Dask: the file as it is now, and the chunking (two
+    # chunkings of one file under one name would mix their blocks).
+    norm = da.core.normalize_chunks(chunks, f.shape, dtype=f.dtype)
+    st = os.stat(f.path)
+    name = "npy-" + tokenize(f.path, st.st_ino, st.st_size, st.st_mtime_ns, norm, str(f.dtype))
+    return da.from_array(f, chunks=norm, name=name, meta=np.empty((0, 0), f.dtype))
 
 
 def to_npy(x: Any, path: Union[str, "os.PathLike[str]"], *, compute: bool = True) -> Any:
     """Store a 2-D dask array in one ``.npy`` file, each chunk written by the worker that
-    computes it (the file must be on a filesystem the workers share). Returns ``from_npy(path,
-    x.chunks)``, or with ``compute=False`` the delayed store."""
+    computes it (the file must be on a filesystem the workers share; the file is created, at
+    full size, by this call). Returns ``from_npy(path, x.chunks)``, or with ``compute=False``
+    what ``dask.array.store(..., compute=False)`` returns (compute it to write the data)."""
     da = _dask()
+    if not hasattr(x, "__dask_graph__"):
+        raise BadInputError(f"to_npy stores dask arrays; for a numpy array or memmap use "
+                            f"np.save(path, np.ascontiguousarray(x))")
     if getattr(x, "ndim", None) != 2:
         raise BadInputError(f"to_npy stores 2-D arrays; this one has shape {getattr(x, 'shape', '?')}")
+    if any(np.isnan(c) for cs in x.chunks for c in cs):
+        raise BadInputError("to_npy needs the array's chunk sizes (this one has unknown ones, "
+                            "as after boolean indexing): call x.compute_chunk_sizes() first")
     p = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(os.path.dirname(p)):
+        raise BadInputError(f"to_npy: the directory of {p} does not exist; create it first")
+    for k, v in dict(x.__dask_graph__()).items():
+        if isinstance(v, NpyFile) and os.path.exists(p) and os.path.samefile(v.path, p):
+            raise BadInputError(f"to_npy would overwrite {p}, which the array itself reads "
+                                f"(it is computed from from_npy of that file): write to another "
+                                f"path, then rename it over the old one")
     np.lib.format.open_memmap(p, mode="w+", dtype=x.dtype, shape=tuple(int(s) for s in x.shape))
     store = da.store(x, NpyFile(p, writable=True), lock=False, compute=compute)
     return from_npy(p, chunks=x.chunks) if compute else store
 
 
-def _memmap_source(m: np.ndarray, name: str) -> Dict[str, Any]:
+def _memmap_source(m: np.ndarray, name: str) -> Tuple[Dict[str, Any], bool]:
     """The plan matrix entry for an array that maps a whole file (a .npy, or a raw file): a
     ``np.memmap``, or the view of one that ``da.from_array`` keeps. The file and offset come
     from the process's own map of it (/proc/self/maps), as ``mgmm_stream.matmul`` finds them."""
@@ -166,28 +218,32 @@ def _memmap_source(m: np.ndarray, name: str) -> Dict[str, Any]:
 
     back = _backing_file(m) if getattr(m, "mode", "r") != "c" else None
     if back is None:
-        raise _refuse(name, "holds an array in memory, not a map of a file")
+        raise _refuse(name, "holds an array in memory (or a copy-on-write map), not a map of "
+                            "a file", memory=True)
     path, offset = back
     if m.ndim != 2 or m.dtype not in _DTYPES:
         raise BadInputError(f"{name}: {path} holds a {m.dtype} array of shape {m.shape}; "
                             f"matrices are 2-D float32, float64 or float16")
     if not (m.flags.c_contiguous or m.flags.f_contiguous):
-        raise _refuse(name, f"is a strided view of {path}")
+        raise _refuse(name, f"is a strided view of {path}", memory=True)
     order = "F" if (m.flags.f_contiguous and not m.flags.c_contiguous) else "C"
     h = _npy_header(path)
     if h is not None:
         shape, fortran, dtype, off = h
-        if tuple(shape) == m.shape and np.dtype(dtype) == m.dtype and off == offset \
-                and bool(fortran) == (order == "F"):
-            return {"path": path}
+        if np.dtype(dtype) == m.dtype and off == offset and len(shape) == 2:
+            if tuple(shape) == m.shape and bool(fortran) == (order == "F"):
+                return {"path": path}, False
+            # x.T of a whole-file map: the file, read transposed.
+            if tuple(shape[::-1]) == m.shape and bool(fortran) == (order == "C"):
+                return {"path": path}, True
         raise _refuse(name, f"maps part of {path} (shape {m.shape} at byte {offset}; the "
-                            f"file holds {tuple(shape)})")
+                            f"file holds {tuple(shape)})", memory=True)
     size = os.path.getsize(path)
     if offset + m.nbytes != size:
         raise _refuse(name, f"maps part of the raw file {path} ({m.nbytes} bytes at offset "
-                            f"{offset} of {size})")
+                            f"{offset} of {size})", memory=True)
     return {"path": path, "format": "raw", "rows": int(m.shape[0]), "cols": int(m.shape[1]),
-            "dtype": _DTYPES[m.dtype], "order": order, "offset": int(offset)}
+            "dtype": _DTYPES[m.dtype], "order": order, "offset": int(offset)}, False
 
 
 def _backing_file_of(x: np.ndarray) -> Optional[Tuple[str, int]]:
@@ -196,11 +252,13 @@ def _backing_file_of(x: np.ndarray) -> Optional[Tuple[str, int]]:
     return _backing_file(x)
 
 
-def _refuse(name: str, why: str) -> BadInputError:
+def _refuse(name: str, why: str, memory: bool = False) -> BadInputError:
+    save = (f"np.save(\"{name.upper()}.npy\", np.ascontiguousarray({name})) writes it" if memory
+            else f"mgmm_stream.dask.to_npy({name}, \"{name.upper()}.npy\") writes one .npy from "
+                 f"the workers")
     return BadInputError(
         f"{name} {why}; mgmm_stream.dask reads its inputs from files every worker can read. "
-        f"Save it first — mgmm_stream.dask.to_npy({name}, \"{name.upper()}.npy\") writes one "
-        f".npy from the workers — and pass the path or from_npy(path)"
+        f"Save it first — {save} — and pass the path or from_npy(path)"
     )
 
 
@@ -212,7 +270,8 @@ def _source(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:
             raise BadInputError(f"{name}: {p} does not exist")
         return {"path": p}, False, None
     if isinstance(x, np.memmap):
-        return _memmap_source(x, name), False, None
+        entry, t = _memmap_source(x, name)
+        return entry, t, None
     if isinstance(x, np.ndarray):
         raise BadInputError(f"{name} is a numpy array in memory; save it (np.save(\"{name.upper()}.npy\", "
                             f"{name})) and pass the path, or use mgmm_stream.matmul, which reads "
@@ -255,8 +314,9 @@ def _source(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:
             f"mgmm_stream.dask.from_npy(path, chunks), which reads each chunk from the file in "
             f"the worker, or pass the path")
     elif isinstance(orig, np.ndarray):
-        entry = _memmap_source(orig, name)
-        shape = orig.shape
+        entry, flipped = _memmap_source(orig, name)
+        transposed = transposed != flipped
+        shape = orig.shape[::-1] if flipped else orig.shape
     else:
         kind = f"{type(orig).__module__.split('.')[0]}.{type(orig).__name__}"
         raise _refuse(name, f"is a dask array over a {kind}, not over a .npy or raw matrix "
@@ -270,48 +330,69 @@ def _source(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:
 # ---------------------------------------------------------------- tasks ---------------------
 #
 # Every task gets the plan as TOML text and the engine settings as `--set` strings: a few
-# hundred bytes, all that crosses the network. `auto_threads`: the engine takes as many threads
-# as the worker was given (a LocalCluster's threads_per_worker), not every core of the host.
+# hundred bytes, all that crosses the network. What depends on the worker is settled in the
+# task (`_here`): with `devices=None`, the worker's GPU — the first it sees when
+# CUDA_VISIBLE_DEVICES lists several, as dask-cuda's rotated lists (`3,4,…,0,1,2` for worker 3)
+# put each worker's own first — else every GPU it sees; and on the CPU, as many engine
+# threads as the worker was given (a LocalCluster's threads_per_worker), not every core.
 
 
-def _here(sets: List[str], auto_threads: bool) -> List[str]:
-    if not auto_threads:
-        return sets
+def _sees_gpu() -> bool:
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return vis.strip() not in ("", "-1", "NoDevFiles")
     try:
-        from distributed import get_worker
-
-        w = get_worker()
-        n = int(getattr(getattr(w, "state", w), "nthreads", 0) or 0)
-    except (ImportError, ValueError):
-        n = 0
-    return sets + ([f"engine.threads={n}"] if n > 0 else [])
+        return len(os.listdir("/proc/driver/nvidia/gpus")) > 0
+    except OSError:
+        return False
 
 
-def _prepare_task(text: str, sets: List[str], auto_threads: bool,
+def _here(sets: List[str], auto_threads: bool, auto_devices: bool = False) -> List[str]:
+    out = list(sets)
+    gpu = _sees_gpu() and not any(x == "engine.backend=cpu" for x in sets)
+    if auto_devices:
+        vis = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        out.append("engine.devices=[0]" if gpu and "," in vis else "engine.devices=all")
+    if auto_threads and not gpu:
+        try:
+            from distributed import get_worker
+
+            w = get_worker()
+            n = int(getattr(getattr(w, "state", w), "nthreads", 0) or 0)
+        except (ImportError, ValueError):
+            n = 0
+        out += [f"engine.threads={n}"] if n > 0 else []
+    return out
+
+
+def _prepare_task(text: str, sets: List[str], auto: Tuple[bool, bool],
                   restart: bool) -> List[Dict[str, Any]]:
-    return _native.prepare_plan(None, text, _here(sets, auto_threads), restart)
+    return _native.prepare_plan(None, text, _here(sets, *auto), restart)
 
 
-def _shard_task(text: str, sets: List[str], auto_threads: bool, k: int, s: int,
+def _shard_task(text: str, sets: List[str], auto: Tuple[bool, bool], k: int, s: int,
                 claim_timeout: float, wait_timeout: float,
                 fault: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     on_event = None
     if fault and fault.get("shard") == k and not os.path.exists(fault["marker"]):
         # Tests only: this attempt dies (SIGKILL) once it has finished some tiles, as a worker
-        # lost mid-shard would; the marker makes the retry run normally.
+        # lost mid-shard would — or raises, as a shard that fails does; the marker makes the
+        # retry run normally.
         open(fault["marker"], "w").close()
 
         def on_event(kind: str, data: Any) -> None:
             if kind == "update" and data["tiles_done"] >= fault["after_tiles"]:
+                if fault.get("raise"):
+                    raise RuntimeError("injected failure of a shard (tests)")
                 os.kill(os.getpid(), signal.SIGKILL)
 
     with _WORKER_LOCK:
-        return _native.run_plan(None, text, _here(sets, auto_threads), False, on_event, None,
+        return _native.run_plan(None, text, _here(sets, *auto), False, on_event, None,
                                 0.05, (k, s), float(claim_timeout), float(wait_timeout), True)
 
 
-def _finalize_task(text: str, sets: List[str], auto_threads: bool, *reports: Any) -> List[Any]:
-    for line in _native.finalize_plan(None, text, _here(sets, auto_threads)):
+def _finalize_task(text: str, sets: List[str], auto: Tuple[bool, bool], *reports: Any) -> List[Any]:
+    for line in _native.finalize_plan(None, text, _here(sets, *auto)):
         log.info("%s", line)
     return list(reports)
 
@@ -321,7 +402,7 @@ def _finalize_task(text: str, sets: List[str], auto_threads: bool, *reports: Any
 
 def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any = None,
            alpha: float = 1.0, trans_a: bool = False, trans_b: bool = False,
-           precision: Optional[str] = None, devices: Union[str, Sequence[int]] = "all",
+           precision: Optional[str] = None, devices: Union[str, Sequence[int], None] = None,
            host_memory: Union[int, str, None] = None,
            device_memory: Union[int, str, None] = None, backend: str = "auto",
            threads: Optional[int] = None, tile: Any = None,
@@ -332,13 +413,17 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
     """Compute ``alpha · op(a) · op(b)`` into the file ``out`` as Dask tasks on ``client``'s
     workers (default: the connected client), one task per shard of the engine's split step.
 
-    a, b: dask arrays over files (:func:`from_npy`, ``da.from_array(np.load(p, mmap_mode="r"))``,
-        ``x.T`` of either), paths (``.npy``, ``.mgt``) or whole-file ``np.memmap``s (a ``.npy``
-        or a raw file). Every worker must see the same paths.
+    a, b: dask arrays over files (:func:`from_npy`, and its ``.T``), paths (``.npy``, ``.mgt``)
+        or whole-file ``np.memmap``s (a ``.npy`` or a raw file, or their ``.T``). Every worker,
+        and this process, must see the same paths. (``da.from_array`` over a memmap is
+        accepted only where dask keeps the map; dask 2026.8 copies it, and it is refused.)
     out: ``"C.npy"`` (returns a dask array over it, chunked like a's rows and b's columns or
         ``chunks``) or ``"C.mgt"`` (returns the report).
     shards: how many shard tasks (default: the workers times the engine's shards per process,
-        docs/CLUSTER.md). threads: engine threads per task (default: the worker's threads).
+        docs/CLUSTER.md). threads: engine threads per task (default: the worker's threads on
+        the CPU, every core with a GPU). devices: GPU ordinals as the worker sees them
+        (default: its first GPU when CUDA_VISIBLE_DEVICES lists several, as under dask-cuda,
+        else every GPU it sees).
     retries: Dask's retries of a shard task that raised (a worker that dies is retried by
         the scheduler anyway, up to ``distributed.scheduler.allowed-failures``).
     claim_timeout: seconds after which a dead worker's shard on another host is taken over.
@@ -349,9 +434,13 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
     from . import _settings
 
     _dask()
+    if shards is not None and int(shards) < 1:
+        raise BadInputError(f"shards={shards}: give at least 1 (or None for the default)")
     c = _client(client)
     ea, ta, ca = _source(a, "a")
     eb, tb, cb = _source(b, "b")
+    # The result's chunks follow the operands as given (a dask `.T` already has its chunks).
+    out_chunks = chunks if chunks is not None else _out_chunks(ca, bool(trans_a), cb, bool(trans_b))
     ta, tb = ta != bool(trans_a), tb != bool(trans_b)
     o = os.path.abspath(os.fspath(out))
     if not (o.endswith(".npy") or o.endswith(".mgt")):
@@ -369,7 +458,8 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
     text = _native.json_to_toml(json.dumps(plan))
     precision, engine = _merge_precision(precision, engine)
     nthreads = 0 if threads is None else int(threads)
-    settings = _settings(backend, devices, host_memory, device_memory, nthreads, tile, engine)
+    settings = _settings(backend, "all" if devices is None else devices, host_memory,
+                         device_memory, nthreads, tile, engine)
     if precision is not None:
         settings.append(("precision", precision))
     elif _dtype_of(ea) == "f64":
@@ -377,22 +467,26 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
     sets = _engine_sets(dict(settings))
     if threads is None:
         sets = [s for s in sets if not s.startswith("engine.threads=")]
-    # Plan errors (shapes, dtypes, settings) now, in the caller, not in a worker's traceback.
-    _native.describe_plan(None, text, sets)
+    if devices is None:
+        sets = [s for s in sets if not s.startswith("engine.devices=")]
+    # Plan errors (shapes, dtypes, settings) now, in the caller, not in a worker's traceback;
+    # in the words of this function's keywords, not of the plan it writes.
+    try:
+        _native.describe_plan(None, text, sets)
+    except BadInputError as e:
+        raise BadInputError(_pythonic(str(e), ea, eb)) from None
 
     workers = c.scheduler_info().get("workers", {})
     if not workers:
         raise BadInputError("the Dask cluster has no workers yet; wait for them "
                             "(client.wait_for_workers(n)) and call again")
     token = uuid.uuid4().hex[:12]
-    auto = threads is None
+    auto = (threads is None, devices is None)
     prep = c.submit(_prepare_task, text, sets, auto, bool(restart), key=f"mgmm-prepare-{token}",
                     pure=False)
     ready = prep.result()
     per = max(1, int(ready[0].get("per_process", 1)))
     s = int(shards) if shards is not None else len(workers) * per
-    if s < 1:
-        raise BadInputError(f"shards={shards}: at least 1")
     s = min(s, int(ready[0]["tiles"]))
     # The prepare task is done (its result was read): the shards do not depend on it in the
     # graph, so no worker fetches its result from another before it starts (0.4–0.6 s each
@@ -401,12 +495,26 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
                      key=f"mgmm-shard-{k}-of-{s}-{token}", pure=False, retries=int(retries))
             for k in range(s)]
     fin = c.submit(_finalize_task, text, sets, auto, *futs, key=f"mgmm-finalize-{token}", pure=False)
-    reports = fin.result()
+    try:
+        reports = fin.result()
+    except BaseException:
+        # A failed shard (or Ctrl-C here) leaves no tasks of this call running on the workers:
+        # the journals keep what was done, and the same call resumes.
+        c.cancel(futs + [fin])
+        raise
     if report or o.endswith(".mgt"):
         return {"output": o, "shards": s, "reports": reports}
-    if chunks is None:
-        chunks = _out_chunks(ca, ta, cb, tb)
-    return from_npy(o, chunks=chunks)
+    return from_npy(o, chunks=out_chunks)
+
+
+def _pythonic(msg: str, ea: Dict[str, Any], eb: Dict[str, Any]) -> str:
+    """An engine message about the plan this module wrote, in the words of its caller."""
+    import re
+
+    msg = re.sub(r"^\S*<plan dict>: step 1 \(line \d+\): ", "", msg)
+    msg = re.sub(r"--set engine\.(\w+)=", r"\1=", msg)
+    msg = msg.replace("`mgmm-stream prepare PLAN --restart`", "restart=True")
+    return msg.replace("A is ", f"a ({ea['path']}) is ", 1).replace("but B is ", f"but b ({eb['path']}) is ", 1)
 
 
 def _dtype_of(entry: Dict[str, Any]) -> str:
