@@ -18,21 +18,14 @@ use std::time::Duration;
 
 use rayon::prelude::*;
 
-use super::prepare::{read_manifest, wait_for, Manifest};
+use super::prepare::{is_finalized, read_manifest, wait_for, Manifest};
 use super::{claim, recorded, shard_files, shard_range, state_dir, ShardOptions};
 use crate::dtype::DType;
-use crate::durable::journal::{self, Fingerprint};
+use crate::durable::journal;
 use crate::error::{Error, Result};
 use crate::plan::{Plan, Precision, Step};
 use crate::progress::Progress;
 use crate::store::{open_as_written, reopen_output, Header, OutputFormat, TiledFile, WriteMode};
-
-/// Whether `output`'s journal marks the step complete (for fingerprint `fp`, when given).
-pub(crate) fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
-    Ok(journal::peek(output)?.is_some_and(|p| {
-        p.complete && fp.is_none_or(|f| journal::same_fingerprint(&p.fingerprint, f))
-    }))
-}
 
 /// What finalize found and did.
 pub(crate) struct Finalized {

@@ -303,7 +303,7 @@ fn run_step_shards(
         finalize::wait_finalized(plan, prev, sh, progress)?;
     }
     let fp = crate::run::fingerprint(step, layout, backend.caps().kind, plan.engine.precision)?;
-    if finalize::is_finalized(&step.output, Some(&fp))? {
+    if prepare::is_finalized(&step.output, Some(&fp))? {
         if let Some(why) = prepare::finished_damage(step, layout)? {
             // Starting over here could race the other processes of the job, which may be
             // reading the finished output: `prepare` does it alone.

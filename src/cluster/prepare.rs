@@ -332,7 +332,7 @@ pub fn prepare_plan(
         let layout = Layout::new(&plan.path, step, &plan.engine, backend.caps())?;
         let fp =
             crate::run::fingerprint(step, &layout, backend.caps().kind, plan.engine.precision)?;
-        if super::finalize::is_finalized(&step.output, Some(&fp))? {
+        if is_finalized(&step.output, Some(&fp))? {
             // Complete by its journal: the file itself must still be the one finalize left
             // (a `run` checks the same before it skips a step). Prepared alone, before the
             // shards start, so starting over cannot race them.
@@ -363,4 +363,11 @@ pub(crate) fn finished_damage(step: &Step, layout: &Layout) -> Result<Option<Str
         return Ok(Some("the file is missing".into()));
     }
     crate::store::mend_finished(&step.output, &output_header(step, layout))
+}
+
+/// Whether `output`'s journal marks the step complete (for fingerprint `fp`, when given).
+pub(crate) fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
+    Ok(journal::peek(output)?.is_some_and(|p| {
+        p.complete && fp.is_none_or(|f| journal::same_fingerprint(&p.fingerprint, f))
+    }))
 }

@@ -10,8 +10,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use super::prepare::{read_manifest, Manifest};
-use super::{claim, finalize, recorded, shard_file, shard_files, shard_range, state_dir};
+use super::prepare::{is_finalized, read_manifest, Manifest};
+use super::{claim, recorded, shard_file, shard_files, shard_range, state_dir};
 use crate::durable::journal;
 use crate::error::Result;
 use crate::plan::Plan;
@@ -52,7 +52,7 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
         let n = step.index + 1;
         let out = &step.output;
         let Some(m) = read_manifest(out)? else {
-            let state = if finalize::is_finalized(out, None)? {
+            let state = if is_finalized(out, None)? {
                 "complete (run in one process)"
             } else {
                 "not started as a split run (no manifest yet)"
@@ -64,7 +64,7 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
         let rec = recorded(&dir, &m.fingerprint)?;
         let done = rec.len() as u64;
         let total = m.tiles as u64;
-        let fin = finalize::is_finalized(out, Some(&m.fingerprint))?;
+        let fin = is_finalized(out, Some(&m.fingerprint))?;
         let (lines, first, last, running) = shard_lines(&dir, &m, &rec, claim_timeout)?;
         let rate = if last > first {
             done as f64 / (last - first)
