@@ -233,6 +233,12 @@ struct Crt {
     m: u128,
 }
 
+/// Garner's inverses for `n` moduli (`inv[l] = (m_0···m_{l−1})⁻¹ mod m_l`), as the CUDA lane's
+/// reconstruction kernel takes them.
+pub(crate) fn garner_inverses(n: usize) -> [u32; MAX_MODULI] {
+    Crt::new(n).inv
+}
+
 /// `a mod d` for `d ≥ 2` by Lemire's method (`f = u64::MAX / d + 1`): two multiplications
 /// instead of a division, exact for every 32-bit `a`. The reconstruction does O(N²) of these
 /// per element of every block.

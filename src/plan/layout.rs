@@ -49,6 +49,9 @@ pub struct Layout {
     pub landing: usize,
     /// Bytes of one landing buffer.
     pub landing_bytes: u64,
+    /// Device scratch per lane of `precision = "fp64_emulated"` on a GPU ([`emulation_scratch`]);
+    /// 0 otherwise.
+    pub scratch_bytes: u64,
     /// Host bytes held by all pools together (the staging ceiling).
     pub host_bytes: u64,
     /// Device bytes per lane (0 on the CPU).
@@ -60,6 +63,21 @@ pub struct Layout {
     /// The ladder's row tile when `tm` was made smaller to deal the rows evenly to the lanes
     /// ([`balanced_rows`]).
     pub rows_evened: Option<u64>,
+}
+
+/// The depth of a compute tile as the emulation's int8 GEMMs see it: padded with zeros to a
+/// multiple of 16, which cuBLAS's int8 tensor-core kernels want for their leading dimensions.
+pub(crate) fn emulation_depth(tk: u64) -> u64 {
+    tk.div_ceil(16) * 16
+}
+
+/// Device scratch of one GPU lane computing `precision = "fp64_emulated"` blocks of tm×tn×tk
+/// (src/backend/cuda/emulate.rs): the scaled integers of op(A) and op(B) in the TN layout
+/// (int64) and their residues (int8), the int32 product, 16 residue planes of the output (u8),
+/// and per-vector figures. 2.4 GiB for 8192³ tiles.
+pub(crate) fn emulation_scratch(tm: u64, tn: u64, tk: u64) -> u64 {
+    let kp = emulation_depth(tk);
+    (tm + tn) * kp * (8 + 1) + tm * tn * (4 + 16) + (tm + tn) * (4 + 8 + 4) + 64
 }
 
 /// The most output tiles a lane's first group computes together ([`Layout::start_group`]).
@@ -204,6 +222,10 @@ impl Layout {
             acc_bytes,
             landing,
             landing_bytes,
+            scratch_bytes: match (caps.memory, engine.precision) {
+                (MemorySpace::Device, Precision::Fp64Emulated(_)) => emulation_scratch(tm, tn, tk),
+                _ => 0,
+            },
             host_bytes: 0,
             device_bytes: 0,
             out_tile: (0, 0),
@@ -224,7 +246,8 @@ impl Layout {
         let lanes = self.lanes as u64;
         let dev = self.slots as u64 * self.slot_bytes
             + self.accs as u64 * self.acc_bytes
-            + self.landing as u64 * self.landing_bytes;
+            + self.landing as u64 * self.landing_bytes
+            + self.scratch_bytes;
         let staging = lanes * (self.staging_bufs as u64 * self.staging_buf_bytes)
             + lanes * self.out_bufs as u64 * self.out_buf_bytes;
         if caps.memory == MemorySpace::Device {

@@ -543,3 +543,35 @@ print('ok')
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// `gen X.npy` (and a plan's `generate` under a `.npy` name) writes a real `.npy` — numpy's
+/// magic and header, the data at byte 4096 — holding exactly what `gen X.mgt` holds for the
+/// same seed (it wrote the tiled format under the `.npy` name before, which numpy refused).
+#[test]
+fn gen_writes_a_real_npy_under_a_npy_name() {
+    let d = tmp();
+    let dir = d.path();
+    for dt in [DType::F32, DType::F64] {
+        let spec = |path: &Path| {
+            let s = mgmm_stream::store::gen::GenSpec {
+                rows: 70,
+                cols: 45,
+                dtype: dt,
+                tile: (32, 32),
+                dist: mgmm_stream::store::gen::Dist::Normal,
+                seed: 9,
+            };
+            mgmm_stream::store::gen::generate(path, &s).unwrap();
+        };
+        let (npy, mgt) = (dir.join("G.npy"), dir.join("G.mgt"));
+        spec(&npy);
+        spec(&mgt);
+        let bytes = std::fs::read(&npy).unwrap();
+        assert_eq!(&bytes[..6], b"\x93NUMPY", "{dt:?}: not a .npy");
+        assert_eq!(bytes.len(), 4096 + 70 * 45 * dt.size());
+        assert_eq!(read_all(&npy).v, read_all(&mgt).v, "{dt:?}");
+        for p in [&npy, &mgt] {
+            std::fs::remove_file(p).unwrap();
+        }
+    }
+}

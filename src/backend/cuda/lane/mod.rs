@@ -64,6 +64,8 @@ pub(crate) struct CudaLane {
     clock: Option<(CudaEvent, std::time::Instant)>,
     /// Index of this lane in the backend's lane list (for [`Error::Device`]).
     lane: usize,
+    /// `precision = "fp64_emulated"`: the int8 emulation's kernels and scratch.
+    emulator: Option<super::emulate::Emulator>,
 }
 
 // SAFETY: the lane is moved to its own thread once and used only there; cudarc's handles are
@@ -434,12 +436,30 @@ impl Lane for CudaLane {
                 .blas
                 .as_ref()
                 .expect("the handle lives until release (no GEMM after it)");
+            // fp64_emulated: int8 GEMMs where the accuracy contract holds, else (NaN/Inf, no
+            // affordable count of moduli) the DGEMM below, counted either way.
+            let native = match self.emulator.as_mut() {
+                None => true,
+                Some(em) => {
+                    // SAFETY: as for the GEMM below (the same buffers and stream).
+                    let r = unsafe { em.gemm(&self.comp, *blas.handle(), g, ptr_a, ptr_b, ptr_c) }
+                        .map_err(|(what, e)| {
+                            Error::device(lane, format!("cuda:{ordinal}"), what, e.to_string())
+                        })?;
+                    crate::backend::ozaki::record(&mut self.stats.emulation, r);
+                    r.is_err()
+                }
+            };
             // SAFETY: all three buffers belong to this lane's context and are at least as large
             // as the GEMM reads/writes (layout sizes slots for tm·tk and tk·tn elements and
             // accumulators for tm·tn); the handle's stream is `comp`, on which the guards above
             // record the accesses.
-            unsafe { gemm_ex(*blas.handle(), self.precision, g, ptr_a, ptr_b, ptr_c) }
-                .map_err(|e| Error::device(lane, format!("cuda:{ordinal}"), "cublasGemmEx", e))?;
+            if native {
+                unsafe { gemm_ex(*blas.handle(), self.precision, g, ptr_a, ptr_b, ptr_c) }
+                    .map_err(|e| {
+                        Error::device(lane, format!("cuda:{ordinal}"), "cublasGemmEx", e)
+                    })?;
+            }
         }
         let end = self
             .comp

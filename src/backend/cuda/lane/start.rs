@@ -256,7 +256,15 @@ impl CudaLane {
             stats: DeviceStats::default(),
             clock: None,
             lane,
+            emulator: None,
         };
+        if let Precision::Fp64Emulated(moduli) = precision {
+            let em = crate::backend::cuda::emulate::Emulator::new(&lane.ctx, &lane.comp, l, moduli)
+                .map_err(|(what, e)| {
+                    Error::device(lane.lane, who.name.clone(), what, e.to_string())
+                })?;
+            lane.emulator = Some(em);
+        }
         lane.warm_and_clock(d, l, &who.track)?;
         Ok(lane)
     }

@@ -1,0 +1,300 @@
+// fp64 GEMM emulated with exact int8 GEMMs (Ozaki scheme II): the elementwise steps of
+// src/backend/ozaki.rs on the device, for one block C = alpha·op(A)·op(B) + beta·C of a CUDA
+// lane (src/backend/cuda/emulate.rs runs them around cuBLAS's int8 GEMMs). The numerics — the
+// per-vector scaling, the accuracy contract, Garner's reconstruction, the one rounding — are
+// the CPU's, step for step; src/backend/ozaki.rs's module documentation derives them.
+// Compiled at run time by NVRTC (no headers). Vectors: the rows of op(A) and the columns of
+// op(B), element p of vector v at X[v·rs + p·ks].
+
+typedef long long i64;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned __int128 u128;
+
+// Must equal ozaki::MODULI and t_of (a unit test in src/backend/cuda/emulate.rs compares).
+#define OZ_MAX 16
+__constant__ u32 OZ_MODULI[OZ_MAX] = {256, 255, 253, 251, 247, 241, 239, 233,
+                                      229, 227, 223, 217, 211, 199, 197, 193};
+__constant__ int OZ_T[OZ_MAX + 1] = {OZ_T_TABLE};
+#define OZ_NONE (-2147483647 - 1)
+
+// 2^e for e in [-1022, 1023].
+__device__ __forceinline__ double oz_p2(int e) {
+    return __longlong_as_double((i64)(0x3ff + e) << 52);
+}
+
+// x·2^n exactly where representable, else rounded once (musl's scalbn, as ozaki::scalbn).
+__device__ double oz_scalbn(double x, int n) {
+    double y = x;
+    if (n > 1023) {
+        y *= oz_p2(1023);
+        n -= 1023;
+        if (n > 1023) {
+            y *= oz_p2(1023);
+            n -= 1023;
+            if (n > 1023) n = 1023;
+        }
+    } else if (n < -1022) {
+        y *= oz_p2(-1022) * oz_p2(53);
+        n += 1022 - 53;
+        if (n < -1022) {
+            y *= oz_p2(-1022) * oz_p2(53);
+            n += 1022 - 53;
+            if (n < -1022) n = -1022;
+        }
+    }
+    return y * oz_p2(n);
+}
+
+// floor(log2 |x|) of a finite non-zero x, subnormals included (as ozaki::ilogb).
+__device__ int oz_ilogb(double x) {
+    u64 bits = (u64)__double_as_longlong(fabs(x));
+    int e = (int)(bits >> 52);
+    if (e == 0) {
+        u64 frac = bits & ((1ull << 52) - 1);
+        return -1023 - (__clzll((i64)frac) - 12);
+    }
+    return e - 1023;
+}
+
+// Per vector: q (2^q above its 2-norm; OZ_NONE for a zero vector), s = Σ|v|·2^-q, x = the
+// exponent of its largest magnitude; flags[0] set when any element is NaN or Inf. One block of
+// 256 threads per vector.
+extern "C" __global__ void oz_info(const double* __restrict__ X, int count, int k, i64 rs, i64 ks,
+                                   int* q, double* s, int* xo, u32* flags) {
+    __shared__ double red[256];
+    __shared__ double red2[256];
+    __shared__ int bad;
+    int v = blockIdx.x;
+    if (v >= count) return;
+    const double* base = X + (i64)v * rs;
+    int t = threadIdx.x;
+    if (t == 0) bad = 0;
+    __syncthreads();
+    double amax = 0.0;
+    int mybad = 0;
+    for (int p = t; p < k; p += blockDim.x) {
+        double e = base[(i64)p * ks];
+        if (!isfinite(e)) mybad = 1;
+        else amax = fmax(amax, fabs(e));
+    }
+    if (mybad) atomicOr(&bad, 1);
+    red[t] = amax;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (t < w) red[t] = fmax(red[t], red[t + w]);
+        __syncthreads();
+    }
+    amax = red[0];
+    __syncthreads();
+    if (bad) {
+        if (t == 0) {
+            atomicOr(&flags[0], 1u);
+            q[v] = OZ_NONE;
+            s[v] = 0.0;
+            xo[v] = 0;
+        }
+        return;
+    }
+    if (amax == 0.0) {
+        if (t == 0) {
+            q[v] = OZ_NONE;
+            s[v] = 0.0;
+            xo[v] = 0;
+        }
+        return;
+    }
+    int x = oz_ilogb(amax);
+    double s2 = 0.0, s1 = 0.0;
+    for (int p = t; p < k; p += blockDim.x) {
+        double y = oz_scalbn(fabs(base[(i64)p * ks]), -x);
+        s2 += y * y;
+        s1 += y;
+    }
+    red[t] = s2;
+    red2[t] = s1;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (t < w) {
+            red[t] += red[t + w];
+            red2[t] += red2[t + w];
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        // A margin of 2^-30 for the rounding of the sum of squares (relative error below
+        // (k+2)·u in any summation order).
+        int qq = x + oz_ilogb(sqrt(red[0]) * (1.0 + oz_p2(-30))) + 1;
+        q[v] = qq;
+        s[v] = oz_scalbn(red2[0], x - qq);
+        xo[v] = x;
+    }
+}
+
+// The vectors in the TN layout the int8 GEMMs read: out[v·kp + p], zero for p ≥ k and for zero
+// vectors. Tiles of 32 vectors × 32 elements through shared memory, so that reads follow the
+// stored order (along p when ks = 1, along v when rs = 1) and writes run along p.
+// mode 0: coarse |v|·2^(6−x_v) truncated (int8, largest in [64, 127]) for the lower bound of
+// |A||B|; mode 1: trunc(v·2^(t−q_v)) (int64, below 2^t in magnitude).
+template <typename T, int MODE>
+__device__ void oz_tn(const double* __restrict__ X, int count, int k, int kp, i64 rs, i64 ks,
+                      const int* __restrict__ q, const int* __restrict__ xo, int t, T* out) {
+    __shared__ T tile[32][33];
+    int v0 = blockIdx.y * 32, p0 = blockIdx.x * 32;
+    bool along_p = ks == 1;
+    for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+        int v = v0 + (along_p ? r : threadIdx.x);
+        int p = p0 + (along_p ? threadIdx.x : r);
+        T val = 0;
+        if (v < count && p < k && q[v] != OZ_NONE) {
+            double e = X[(i64)v * rs + (i64)p * ks];
+            if (MODE == 0) val = (T)trunc(oz_scalbn(fabs(e), 6 - xo[v]));
+            else val = (T)trunc(oz_scalbn(e, t - q[v]));
+        }
+        if (along_p) tile[r][threadIdx.x] = val;
+        else tile[threadIdx.x][r] = val;
+    }
+    __syncthreads();
+    for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+        int v = v0 + r, p = p0 + threadIdx.x;
+        if (v < count && p < kp) out[(i64)v * kp + p] = tile[r][threadIdx.x];
+    }
+}
+
+extern "C" __global__ void oz_coarse(const double* X, int count, int k, int kp, i64 rs, i64 ks,
+                                     const int* q, const int* xo, signed char* out) {
+    oz_tn<signed char, 0>(X, count, k, kp, rs, ks, q, xo, 0, out);
+}
+
+extern "C" __global__ void oz_scaled(const double* X, int count, int k, int kp, i64 rs, i64 ks,
+                                     const int* q, int t, i64* out) {
+    oz_tn<i64, 1>(X, count, k, kp, rs, ks, q, q, t, out);
+}
+
+// The accuracy contract per element (i, j) from the coarse product g = (ÃB̃)_ij: the fewest
+// moduli that meet auto's aim (out[0], atomic max, at most OZ_MAX) and the fewest that meet the
+// bound itself (out[1], OZ_MAX + 1 when none does). g is row-major m×n.
+extern "C" __global__ void oz_select(const int* __restrict__ g, int m, int n, int k,
+                                     const int* __restrict__ qa, const double* __restrict__ sa,
+                                     const int* __restrict__ xa, const int* __restrict__ qb,
+                                     const double* __restrict__ sb, const int* __restrict__ xb,
+                                     u32* out) {
+    u64 total = (u64)m * n;
+    double budget = (double)k / 4.0 * oz_p2(-53);
+    double rk = sqrt((double)k);
+    double margin = 1.0 + oz_p2(-20);
+    u32 need_max = 1, least_max = 1;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (u64)gridDim.x * blockDim.x) {
+        int i = (int)(e / n), j = (int)(e % n);
+        int qi = qa[i], rj = qb[j];
+        if (qi == OZ_NONE || rj == OZ_NONE) continue;
+        double gp = oz_scalbn((double)g[e], xa[i] - 6 - qi + xb[j] - 6 - rj);
+        double sp = sa[i] + sb[j];
+        u32 need = 1;
+        while (need < OZ_MAX && !(oz_p2(-OZ_T[need]) * sp * rk * margin <= budget * gp)) need++;
+        u32 least = 1;
+        while (least <= OZ_MAX && !(oz_p2(-OZ_T[least]) * sp * margin <= budget * gp)) least++;
+        need_max = max(need_max, need);
+        least_max = max(least_max, least);
+    }
+    atomicMax(&out[0], need_max);
+    atomicMax(&out[1], least_max);
+}
+
+// a mod m for |a| < 2^63: in two 32-bit halves (32-bit division is cheap on the GPU, 64-bit is
+// not), the result symmetric in [−m/2, m/2) as int8.
+__device__ __forceinline__ signed char oz_sym(i64 a, u32 m) {
+    u64 ua = a < 0 ? (u64)(-a) : (u64)a;
+    u32 hi = (u32)(ua >> 32), lo = (u32)ua;
+    u32 r32 = (u32)(((u64)1 << 32) % m);
+    u32 r = (u32)((((u64)(hi % m) * r32) % m + lo % m) % m);
+    int sr = a < 0 ? (r == 0 ? 0 : (int)(m - r)) : (int)r;
+    if (2 * sr >= (int)m) sr -= (int)m;
+    return (signed char)sr;
+}
+
+extern "C" __global__ void oz_residue(const i64* __restrict__ x, u64 len, u32 m, signed char* out) {
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < len;
+         e += (u64)gridDim.x * blockDim.x)
+        out[e] = oz_sym(x[e], m);
+}
+
+// plane[e] = c[e] mod m in [0, m): the residue of one modulus's integer product.
+extern "C" __global__ void oz_reduce(const int* __restrict__ c, u64 len, u32 m,
+                                     unsigned char* plane) {
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < len;
+         e += (u64)gridDim.x * blockDim.x) {
+        int r = c[e] % (int)m;
+        plane[e] = (unsigned char)(r < 0 ? r + (int)m : r);
+    }
+}
+
+// x·2^s rounded once to nearest even, also when subnormal, |x| < 2^127 (as ozaki::i128_ldexp).
+__device__ double oz_i128_ldexp(u128 ux, bool neg, int s) {
+    if (ux == 0) return 0.0;
+    u64 hi = (u64)(ux >> 64), lo = (u64)ux;
+    int bits = hi ? 128 - __clzll((i64)hi) : 64 - __clzll((i64)lo);
+    double r;
+    if (bits - 1 + s >= -1022) {
+        // Normal: round the integer to 53 bits once (64 leading bits with a sticky bit give the
+        // same rounding), then scale exactly.
+        int sh = bits > 64 ? bits - 64 : 0;
+        u64 top = (u64)(ux >> sh);
+        if (sh > 0 && (ux & (((u128)1 << sh) - 1)) != 0) top |= 1;
+        r = oz_scalbn(__ull2double_rn(top), s + sh);
+    } else {
+        int sh = -(s + 1074);
+        u128 qv;
+        if (sh <= 0) qv = ux << (-sh);
+        else if (sh >= 127) qv = 0;
+        else {
+            qv = ux >> sh;
+            u128 rem = ux & (((u128)1 << sh) - 1);
+            u128 half = (u128)1 << (sh - 1);
+            if (rem > half || (rem == half && (qv & 1))) qv += 1;
+        }
+        r = oz_scalbn(__ull2double_rn((u64)qv), -1074);
+    }
+    return neg ? -r : r;
+}
+
+// C = alpha·P + beta·C with P the exact product rebuilt from its nm residues (Garner's
+// mixed-radix digits, Horner in 128 bits, the symmetric adjustment) and rounded once:
+// planes[l·m·n + e] holds residue l of element e; C row-major m×n. The roundings of the
+// native path: beta·C, alpha·P, their sum (no fused multiply-add).
+extern "C" __global__ void oz_rebuild(const unsigned char* __restrict__ planes, int nm, int m,
+                                      int n, const int* __restrict__ qa,
+                                      const int* __restrict__ qb, int t, u64 inv_lo, u64 inv_hi,
+                                      u64 mod_lo, u64 mod_hi, double alpha, double beta,
+                                      double* C) {
+    // inv: Garner's inverses, 8 bits each packed into two u64 (moduli 1..15); mod: M.
+    u64 total = (u64)m * n;
+    u128 M = ((u128)mod_hi << 64) | mod_lo;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (u64)gridDim.x * blockDim.x) {
+        int i = (int)(e / n), j = (int)(e % n);
+        double p = 0.0;
+        if (qa[i] != OZ_NONE && qb[j] != OZ_NONE) {
+            u32 v[OZ_MAX];
+            v[0] = planes[e];
+            for (int l = 1; l < nm; l++) {
+                u32 ml = OZ_MODULI[l];
+                u32 sacc = v[l - 1];
+                for (int jj = l - 2; jj >= 0; jj--) sacc = (sacc * (OZ_MODULI[jj] % ml) + v[jj]) % ml;
+                u32 inv = (u32)(((l < 8 ? inv_lo >> (8 * l) : inv_hi >> (8 * (l - 8)))) & 0xff);
+                u32 c = planes[(u64)l * total + e];
+                v[l] = (c + 2 * ml - sacc) % ml * inv % ml;
+            }
+            u128 x = v[nm - 1];
+            for (int jj = nm - 2; jj >= 0; jj--) x = x * OZ_MODULI[jj] + v[jj];
+            bool neg = 2 * x >= M;
+            u128 ax = neg ? M - x : x;
+            p = oz_i128_ldexp(ax, neg, qa[i] + qb[j] - 2 * t);
+        }
+        double ap = __dmul_rn(alpha, p);
+        if (beta == 0.0) C[e] = ap;
+        else if (beta == 1.0) C[e] = __dadd_rn(C[e], ap);
+        else C[e] = __dadd_rn(__dmul_rn(C[e], beta), ap);
+    }
+}

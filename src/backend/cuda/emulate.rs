@@ -1,0 +1,437 @@
+//! `precision = "fp64_emulated"` on a CUDA lane: each GEMM block computed with exact int8
+//! tensor-core GEMMs (Ozaki scheme II, src/backend/ozaki.rs holds the numerics and their
+//! derivation) instead of DGEMM, or with DGEMM where the accuracy contract cannot be met.
+//!
+//! Per block, on the lane's compute stream: kernels/ozaki.cu's `oz_info` measures each row of
+//! op(A) and column of op(B) (its 2-norm's power of two, Σ|v|, its largest exponent, NaN/Inf);
+//! `oz_coarse` writes coarse non-negative int8 copies in the TN layout and one int8 GEMM
+//! (`cublasGemmEx`, int32 accumulation, op(A)ᵀ·op(B) with both k-contiguous: the layout that
+//! ran at 1,284 TOP/s on an H200 against 130 in NN) bounds |A||B| from below; `oz_select` finds
+//! the fewest moduli that keep every element within the contract, which the host reads (the
+//! one synchronisation of a block). NaN/Inf, or no count up to 16 that meets the bound under
+//! `auto`, leave the block to DGEMM. Otherwise `oz_scaled` writes the scaled integers once
+//! (int64, TN), and per modulus `oz_residue` makes their int8 residues, one int8 GEMM multiplies
+//! them and `oz_reduce` keeps the product mod the modulus as one byte per element; `oz_rebuild`
+//! recovers each element exactly (Garner, 128-bit Horner), rounds it once and applies alpha and
+//! beta with the native path's roundings. The depth is padded with zeros to a multiple of 16.
+//!
+//! The scratch this needs is in the layout's device budget
+//! ([`crate::plan::layout::emulation_scratch`]).
+//! Not yet run on a GPU (written in a session without one): `tools/checks/cuda_tests.sh` runs
+//! the CUDA twins of the emulation's accuracy tests, and until they pass the backend refuses
+//! the mode unless `MGMM_CUDA_EMULATION=1` is set (docs/GPU.md).
+
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas_result, sys as blas_sys};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+
+use crate::backend::ozaki::{self, Done, Fallback, MAX_MODULI, MODULI};
+use crate::backend::GemmDesc;
+use crate::plan::layout::{emulation_depth, Layout};
+use crate::seam::EmulationModuli;
+
+const SRC: &str = include_str!("../../../kernels/ozaki.cu");
+
+/// kernels/ozaki.cu with its table of `t` filled from [`ozaki::t_of`], compiled once per
+/// process (`--device-int128`: the reconstruction is exact in 128-bit integers).
+fn ptx() -> Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
+    static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(p) = PTX.get() {
+        return Ok(cudarc::nvrtc::Ptx::from_src(p.clone()));
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec!["--device-int128".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(), opts)?;
+    let _ = PTX.set(ptx.to_src());
+    Ok(ptx)
+}
+
+/// The kernel source as compiled: `OZ_T_TABLE` replaced by `t_of(0..=16)`.
+fn source() -> String {
+    let t: Vec<String> = (0..=MAX_MODULI)
+        .map(|n| ozaki::t_of(n.max(1)).to_string())
+        .collect();
+    SRC.replace("OZ_T_TABLE", &t.join(", "))
+}
+
+/// The kernels of kernels/ozaki.cu, loaded in one context.
+struct Kernels {
+    info: CudaFunction,
+    coarse: CudaFunction,
+    scaled: CudaFunction,
+    select: CudaFunction,
+    residue: CudaFunction,
+    reduce: CudaFunction,
+    rebuild: CudaFunction,
+}
+
+/// One lane's emulation: its kernels and scratch, sized for the layout's compute tile.
+pub(super) struct Emulator {
+    moduli: EmulationModuli,
+    k: Kernels,
+    /// Per vector of op(A) (rows) and op(B) (columns): q, s, x.
+    qa: CudaSlice<i32>,
+    sa: CudaSlice<f64>,
+    xa: CudaSlice<i32>,
+    qb: CudaSlice<i32>,
+    sb: CudaSlice<f64>,
+    xb: CudaSlice<i32>,
+    /// `[NaN/Inf seen, need, least]`.
+    flags: CudaSlice<u32>,
+    a8: CudaSlice<u8>,
+    b8: CudaSlice<u8>,
+    ai: CudaSlice<i64>,
+    bi: CudaSlice<i64>,
+    c32: CudaSlice<i32>,
+    planes: CudaSlice<u8>,
+}
+
+/// A device failure inside the emulation, with what failed.
+pub(super) type EmuError = (String, Box<dyn std::error::Error + Send + Sync>);
+
+fn fail<E: std::error::Error + Send + Sync + 'static>(what: &str) -> impl Fn(E) -> EmuError + '_ {
+    move |e| (what.to_string(), Box::new(e))
+}
+
+impl Emulator {
+    /// Load the kernels into `ctx` and allocate the scratch for `l`'s tile on `stream`.
+    pub(super) fn new(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        l: &Layout,
+        moduli: EmulationModuli,
+    ) -> Result<Emulator, EmuError> {
+        let module = ctx
+            .load_module(ptx().map_err(fail("NVRTC failed on kernels/ozaki.cu"))?)
+            .map_err(fail("cannot load kernels/ozaki.cu"))?;
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(fail("cannot find a kernel of kernels/ozaki.cu"))
+        };
+        let k = Kernels {
+            info: f("oz_info")?,
+            coarse: f("oz_coarse")?,
+            scaled: f("oz_scaled")?,
+            select: f("oz_select")?,
+            residue: f("oz_residue")?,
+            reduce: f("oz_reduce")?,
+            rebuild: f("oz_rebuild")?,
+        };
+        let (tm, tn, kp) = (l.tm as usize, l.tn as usize, emulation_depth(l.tk) as usize);
+        let e = "cannot allocate the fp64_emulated scratch (it is in the layout's device budget: lower engine.tile or engine.device_memory)";
+        // SAFETY: scratch is written by the kernels before it is read (the flags are zeroed
+        // before each block).
+        unsafe {
+            Ok(Emulator {
+                moduli,
+                k,
+                qa: stream.alloc(tm).map_err(fail(e))?,
+                sa: stream.alloc(tm).map_err(fail(e))?,
+                xa: stream.alloc(tm).map_err(fail(e))?,
+                qb: stream.alloc(tn).map_err(fail(e))?,
+                sb: stream.alloc(tn).map_err(fail(e))?,
+                xb: stream.alloc(tn).map_err(fail(e))?,
+                flags: stream.alloc(4).map_err(fail(e))?,
+                a8: stream.alloc(tm * kp).map_err(fail(e))?,
+                b8: stream.alloc(tn * kp).map_err(fail(e))?,
+                ai: stream.alloc(tm * kp).map_err(fail(e))?,
+                bi: stream.alloc(tn * kp).map_err(fail(e))?,
+                c32: stream.alloc(tm * tn).map_err(fail(e))?,
+                planes: stream.alloc(MAX_MODULI * tm * tn).map_err(fail(e))?,
+            })
+        }
+    }
+
+    /// `c = alpha·op(A)·op(B) + beta·c` for `g` emulated, or `Err(fallback)` with `c` untouched
+    /// (the caller runs DGEMM). `a`, `b`, `c`: the lane's slot and accumulator pointers.
+    ///
+    /// # Safety
+    /// As [`super::kernels::gemm_ex`]: device pointers of this lane's context holding the
+    /// block's f64 operands and accumulator, nothing else writing them meanwhile; `handle`'s
+    /// stream is `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn gemm(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        handle: blas_sys::cublasHandle_t,
+        g: &GemmDesc,
+        a: u64,
+        b: u64,
+        c: u64,
+    ) -> Result<Result<Done, Fallback>, EmuError> {
+        let (m, n, k) = (g.m, g.n, g.k);
+        if !(2..=ozaki::MAX_K).contains(&k) {
+            return Ok(Err(Fallback::ShortK));
+        }
+        let kp = emulation_depth(k as u64) as usize;
+        let (mi, ni, ki, kpi) = (m as i32, n as i32, k as i32, kp as i32);
+        // Vectors: op(A) row i at a + (i·rs + p·ks)·8; A is m×k row-major, or k×m (a_trans).
+        let (ars, aks): (i64, i64) = if g.a_trans {
+            (1, m as i64)
+        } else {
+            (k as i64, 1)
+        };
+        // op(B) column j: B is k×n row-major, or n×k (b_trans).
+        let (brs, bks): (i64, i64) = if g.b_trans {
+            (k as i64, 1)
+        } else {
+            (1, n as i64)
+        };
+        stream
+            .memset_zeros(&mut self.flags)
+            .map_err(fail("memset"))?;
+        let tiles = |count: usize| ((kp.div_ceil(32)) as u32, (count.div_ceil(32)) as u32, 1);
+        let flat = |len: usize| ((len.div_ceil(256)).clamp(1, 65535 * 8) as u32, 1, 1);
+        // SAFETY (every launch below): the kernels read the block's operands within m·k and
+        // k·n elements (the layout sizes the slots for the tile) and write only this
+        // emulator's scratch (sized for the tile: m ≤ tm, n ≤ tn, kp ≤ the tile's padded depth)
+        // and the accumulator's m·n elements; all on `stream`.
+        unsafe {
+            for (count, x, rs, ks, q, s, xo) in [
+                (mi, a, ars, aks, &mut self.qa, &mut self.sa, &mut self.xa),
+                (ni, b, brs, bks, &mut self.qb, &mut self.sb, &mut self.xb),
+            ] {
+                let (mut lb, cfg) = launch(stream, &self.k.info, (count as u32, 1, 1), (256, 1, 1));
+                lb.arg(&x)
+                    .arg(&count)
+                    .arg(&ki)
+                    .arg(&rs)
+                    .arg(&ks)
+                    .arg(q)
+                    .arg(s)
+                    .arg(xo)
+                    .arg(&mut self.flags);
+                lb.launch(cfg).map_err(fail("oz_info launch"))?;
+            }
+            for (count, x, rs, ks, q, xo, out) in [
+                (mi, a, ars, aks, &self.qa, &self.xa, &mut self.a8),
+                (ni, b, brs, bks, &self.qb, &self.xb, &mut self.b8),
+            ] {
+                let (mut lb, cfg) =
+                    launch(stream, &self.k.coarse, tiles(count as usize), (32, 8, 1));
+                lb.arg(&x)
+                    .arg(&count)
+                    .arg(&ki)
+                    .arg(&kpi)
+                    .arg(&rs)
+                    .arg(&ks)
+                    .arg(q)
+                    .arg(xo)
+                    .arg(out);
+                lb.launch(cfg).map_err(fail("oz_coarse launch"))?;
+            }
+            int_gemm(
+                stream,
+                handle,
+                (&self.a8, &self.b8, &mut self.c32),
+                m,
+                n,
+                kp,
+            )?;
+            let (mut lb, cfg) = launch(stream, &self.k.select, flat(m * n), (256, 1, 1));
+            let mut sel = self.flags.slice_mut(1..3);
+            lb.arg(&self.c32)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&ki)
+                .arg(&self.qa)
+                .arg(&self.sa)
+                .arg(&self.xa)
+                .arg(&self.qb)
+                .arg(&self.sb)
+                .arg(&self.xb)
+                .arg(&mut sel);
+            lb.launch(cfg).map_err(fail("oz_select launch"))?;
+        }
+        let flags = stream
+            .clone_dtoh(&self.flags)
+            .map_err(fail("reading the block's moduli"))?;
+        stream.synchronize().map_err(fail("synchronize"))?;
+        if flags[0] != 0 {
+            return Ok(Err(Fallback::NonFinite));
+        }
+        let (need, least) = (flags[1].max(1) as usize, flags[2].max(1) as usize);
+        let (nm, bound_met) = match self.moduli {
+            EmulationModuli::Fixed(f) => {
+                let f = (f as usize).clamp(1, MAX_MODULI);
+                (f, least <= f)
+            }
+            EmulationModuli::Auto => {
+                if least > need {
+                    return Ok(Err(Fallback::Bound));
+                }
+                (need.min(MAX_MODULI), true)
+            }
+        };
+        let t = ozaki::t_of(nm);
+        let mn = m * n;
+        // SAFETY: as above.
+        unsafe {
+            for (count, x, rs, ks, q, out) in [
+                (mi, a, ars, aks, &self.qa, &mut self.ai),
+                (ni, b, brs, bks, &self.qb, &mut self.bi),
+            ] {
+                let (mut lb, cfg) =
+                    launch(stream, &self.k.scaled, tiles(count as usize), (32, 8, 1));
+                lb.arg(&x)
+                    .arg(&count)
+                    .arg(&ki)
+                    .arg(&kpi)
+                    .arg(&rs)
+                    .arg(&ks)
+                    .arg(q)
+                    .arg(&t)
+                    .arg(out);
+                lb.launch(cfg).map_err(fail("oz_scaled launch"))?;
+            }
+            for (l, &ml) in MODULI[..nm].iter().enumerate() {
+                {
+                    let Emulator {
+                        k, ai, bi, a8, b8, ..
+                    } = &mut *self;
+                    for (src, len, out) in
+                        [(&*ai, (m * kp) as u64, a8), (&*bi, (n * kp) as u64, b8)]
+                    {
+                        let (mut lb, cfg) =
+                            launch(stream, &k.residue, flat(len as usize), (256, 1, 1));
+                        lb.arg(src).arg(&len).arg(&ml).arg(out);
+                        lb.launch(cfg).map_err(fail("oz_residue launch"))?;
+                    }
+                }
+                int_gemm(
+                    stream,
+                    handle,
+                    (&self.a8, &self.b8, &mut self.c32),
+                    m,
+                    n,
+                    kp,
+                )?;
+                let mut plane = self.planes.slice_mut(l * mn..(l + 1) * mn);
+                let len = mn as u64;
+                let (mut lb, cfg) = launch(stream, &self.k.reduce, flat(mn), (256, 1, 1));
+                lb.arg(&self.c32).arg(&len).arg(&ml).arg(&mut plane);
+                lb.launch(cfg).map_err(fail("oz_reduce launch"))?;
+            }
+            let inv = ozaki::garner_inverses(nm);
+            let pack = |r: std::ops::Range<usize>| -> u64 {
+                r.enumerate()
+                    .map(|(s, l)| (inv[l] as u64 & 0xff) << (8 * s))
+                    .fold(0, |x, y| x | y)
+            };
+            let (inv_lo, inv_hi) = (pack(0..8), pack(8..16));
+            let mm = ozaki::modulus_product(nm);
+            let (mod_lo, mod_hi) = (mm as u64, (mm >> 64) as u64);
+            let nmi = nm as i32;
+            let (alpha, beta) = (g.alpha, g.beta);
+            let (mut lb, cfg) = launch(stream, &self.k.rebuild, flat(mn), (256, 1, 1));
+            lb.arg(&self.planes)
+                .arg(&nmi)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&self.qa)
+                .arg(&self.qb)
+                .arg(&t)
+                .arg(&inv_lo)
+                .arg(&inv_hi)
+                .arg(&mod_lo)
+                .arg(&mod_hi)
+                .arg(&alpha)
+                .arg(&beta)
+                .arg(&c);
+            lb.launch(cfg).map_err(fail("oz_rebuild launch"))?;
+        }
+        Ok(Ok(Done {
+            moduli: nm as u32,
+            bound_met,
+        }))
+    }
+}
+
+/// `c32` (row-major m×n) = a8 (m×kp) · b8ᵀ (b8: n×kp), both k-contiguous, exactly in int32:
+/// the column-major Cᵀ = b8·a8ᵀ, cuBLAS's TN.
+fn int_gemm(
+    stream: &Arc<CudaStream>,
+    handle: blas_sys::cublasHandle_t,
+    (a8, b8, c32): (&CudaSlice<u8>, &CudaSlice<u8>, &mut CudaSlice<i32>),
+    m: usize,
+    n: usize,
+    kp: usize,
+) -> Result<(), EmuError> {
+    use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    use blas_sys::cudaDataType::{CUDA_R_32I, CUDA_R_8I};
+    let (one, zero) = (1i32, 0i32);
+    let (pa, _ga) = a8.device_ptr(stream);
+    let (pb, _gb) = b8.device_ptr(stream);
+    let (pc, _gc) = c32.device_ptr_mut(stream);
+    // SAFETY: a8/b8/c32 are this emulator's buffers of at least m·kp, n·kp and m·n
+    // elements on `stream`, the handle's stream; alpha/beta point to live i32 locals, the
+    // type CUBLAS_COMPUTE_32I reads.
+    unsafe {
+        blas_result::gemm_ex(
+            handle,
+            CUBLAS_OP_T,
+            CUBLAS_OP_N,
+            n as i32,
+            m as i32,
+            kp as i32,
+            &one as *const i32 as *const std::ffi::c_void,
+            pb as *const std::ffi::c_void,
+            CUDA_R_8I,
+            kp as i32,
+            pa as *const std::ffi::c_void,
+            CUDA_R_8I,
+            kp as i32,
+            &zero as *const i32 as *const std::ffi::c_void,
+            pc as *mut std::ffi::c_void,
+            CUDA_R_32I,
+            n as i32,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32I,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(fail("cublasGemmEx (int8)"))
+}
+
+/// A launch of `f` on `stream` (arguments to push) and its grid.
+fn launch<'a>(
+    stream: &'a Arc<CudaStream>,
+    f: &'a CudaFunction,
+    grid: (u32, u32, u32),
+    block: (u32, u32, u32),
+) -> (cudarc::driver::LaunchArgs<'a>, LaunchConfig) {
+    let cfg = LaunchConfig {
+        grid_dim: grid,
+        block_dim: block,
+        shared_mem_bytes: 0,
+    };
+    (stream.launch_builder(f), cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels' moduli are the CPU's, and their table of t is filled from its `t_of`.
+    #[test]
+    fn the_kernels_use_the_cpus_moduli_and_t() {
+        let src = source();
+        let list: Vec<String> = MODULI.iter().map(|m| m.to_string()).collect();
+        let flat: String = src.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            flat.contains(&list.join(", ")),
+            "OZ_MODULI differs from ozaki::MODULI"
+        );
+        let t: Vec<String> = (0..=MAX_MODULI)
+            .map(|n| ozaki::t_of(n.max(1)).to_string())
+            .collect();
+        assert!(src.contains(&format!("{{{}}}", t.join(", "))));
+        assert!(!src.contains("OZ_T_TABLE"));
+    }
+}
