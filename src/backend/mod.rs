@@ -21,6 +21,7 @@ pub(crate) mod cuda;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub(crate) mod ozaki;
+pub(crate) mod rates;
 #[cfg(feature = "fault-injection")]
 pub mod sim;
 

@@ -43,6 +43,18 @@ pub fn describe(plan: &Plan) -> Result<String> {
             String::new()
         }
     );
+    if let (crate::plan::Precision::Fp64, "cuda", Some(step)) =
+        (e.precision, caps.kind, plan.steps.first())
+    {
+        // A GPU whose fp64 is a small fraction of its int8 rate: say that the emulation exists.
+        let first = name.split(" + ").next().unwrap_or("");
+        let gpu = first.split_once(' ').map_or(first, |(_, n)| n);
+        let tk = crate::run::layout_for(&plan.path, step, e, caps, false)?.tk;
+        let n = backend::ozaki::expected_moduli(crate::plan::EmulationModuli::Auto, tk);
+        if let Some(h) = backend::rates::emulation_hint(gpu, n) {
+            s += &format!("note: {h}\n");
+        }
+    }
     s += "matrices:\n";
     for d in &plan.matrices {
         s += &format!(
