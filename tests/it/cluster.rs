@@ -605,3 +605,40 @@ fn an_unfinished_split_step_sends_the_user_to_its_shards() {
         .unwrap());
     ok(cmd(dir, &["verify", "plan.toml"], &[]).output().unwrap());
 }
+
+/// A split step its journal calls finished, whose output is gone: `run --shard` refuses (it
+/// could race the job's other processes) and names `prepare`, which computes the step again
+/// alone; the bytes are those of one process.
+#[test]
+fn a_finished_split_output_that_is_gone_is_prepared_again() {
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SMALL, 64);
+    for k in 0..2 {
+        let shard = format!("{k}/2");
+        ok(cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
+            .output()
+            .unwrap());
+    }
+    let clean = std::fs::read(dir.join("C.mgt")).unwrap();
+    std::fs::remove_file(dir.join("C.mgt")).unwrap();
+    let o = cmd(dir, &["run", "plan.toml", "-q", "--shard", "0/2"], &[])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a shard run over a missing finished output");
+    assert!(
+        err.contains("the file is missing") && err.contains("mgmm-stream prepare PLAN"),
+        "{err}"
+    );
+    let said = ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    assert!(said.contains("computing it again") || said.contains("ready"), "{said}");
+    for k in 0..2 {
+        let shard = format!("{k}/2");
+        ok(cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
+            .output()
+            .unwrap());
+    }
+    assert!(std::fs::read(dir.join("C.mgt")).unwrap() == clean);
+    assert!(std::fs::read(dir.join("C.mgt")).unwrap() == single(SMALL, 64));
+}
