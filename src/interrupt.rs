@@ -18,6 +18,13 @@
 //! A second Ctrl-C while the first stop is being honoured exits at once (status 130). A
 //! repeated SIGTERM or SIGHUP does not: SLURM may deliver SIGTERM twice (to the step's tasks
 //! and through `srun`), and the stop it asked for is already under way.
+//!
+//! SIGBUS is no request but a fault: the kernel sends it when the engine touches a page of a
+//! file it maps that no longer exists — an input truncated (or rewritten shorter) while a run
+//! reads it through its map, or a mapped output whose blocks the disk could not provide.
+//! [`explain_bus_errors`] makes the command line say that, and how to go on, instead of dying
+//! with a bare "Bus error"; the exit status stays 135 (128 + SIGBUS). What was finished is in
+//! the journal, as after a kill.
 
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 
@@ -94,5 +101,29 @@ pub fn exit_status() -> i32 {
     match SIGNAL.load(Ordering::SeqCst) {
         0 => 128 + libc::SIGINT,
         s => 128 + s,
+    }
+}
+
+/// The line the command line prints on SIGBUS ([`explain_bus_errors`]).
+const BUS_MESSAGE: &[u8] = b"\nerror: a file this run maps changed under it (SIGBUS): an input was truncated or rewritten while it was being read, or the disk could not provide the blocks of a mapped output (full?). Inputs must not change during a run: restore the file (or free space) and run the same command again; the journal keeps the tiles already finished (exit status 135)\n";
+
+extern "C" fn on_bus_error(_sig: libc::c_int) {
+    // SAFETY: `write` and `_exit` are async-signal-safe; the message is a static byte string.
+    unsafe {
+        libc::write(2, BUS_MESSAGE.as_ptr().cast(), BUS_MESSAGE.len());
+        libc::_exit(128 + libc::SIGBUS);
+    }
+}
+
+/// Make a SIGBUS (a mapped file shrank under the run) end the command with a message that says
+/// what happened and what to do (see the module's doc). The command line only: a library
+/// leaves the host program's own handling (Python's `faulthandler`) alone.
+pub fn explain_bus_errors() {
+    // SAFETY: installs an `extern "C"` handler that only calls async-signal-safe functions.
+    unsafe {
+        libc::signal(
+            libc::SIGBUS,
+            on_bus_error as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
     }
 }

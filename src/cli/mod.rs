@@ -66,6 +66,9 @@ pub fn execute(cli: Cli) -> Result<()> {
     // Past a file-size limit (`ulimit -f`) a write fails with EFBIG, which every command
     // reports naming the file, instead of the process dying of SIGXFSZ without a word.
     crate::run::ignore_sigxfsz();
+    // A mapped file that shrinks under a run (an input truncated meanwhile) faults with SIGBUS:
+    // said in words, with the way on, not a bare "Bus error".
+    crate::interrupt::explain_bus_errors();
     // The environment's settings, read here once and passed down as values.
     let settings = Settings::from_env();
     #[cfg(feature = "fault-injection")]

@@ -616,9 +616,11 @@ fn a_finished_split_output_that_is_gone_is_prepared_again() {
     plan(dir, SMALL, 64);
     for k in 0..2 {
         let shard = format!("{k}/2");
-        ok(cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
-            .output()
-            .unwrap());
+        ok(
+            cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
+                .output()
+                .unwrap(),
+        );
     }
     let clean = std::fs::read(dir.join("C.mgt")).unwrap();
     std::fs::remove_file(dir.join("C.mgt")).unwrap();
@@ -626,18 +628,26 @@ fn a_finished_split_output_that_is_gone_is_prepared_again() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success(), "a shard run over a missing finished output");
+    assert!(
+        !o.status.success(),
+        "a shard run over a missing finished output"
+    );
     assert!(
         err.contains("the file is missing") && err.contains("mgmm-stream prepare PLAN"),
         "{err}"
     );
     let said = ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
-    assert!(said.contains("computing it again") || said.contains("ready"), "{said}");
+    assert!(
+        said.contains("computing it again") || said.contains("ready"),
+        "{said}"
+    );
     for k in 0..2 {
         let shard = format!("{k}/2");
-        ok(cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
-            .output()
-            .unwrap());
+        ok(
+            cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
+                .output()
+                .unwrap(),
+        );
     }
     assert!(std::fs::read(dir.join("C.mgt")).unwrap() == clean);
     assert!(std::fs::read(dir.join("C.mgt")).unwrap() == single(SMALL, 64));
