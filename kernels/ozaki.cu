@@ -58,10 +58,10 @@ __device__ int oz_ilogb(double x) {
 }
 
 // Per vector: q (2^q above its 2-norm; OZ_NONE for a zero vector), s = Σ|v|·2^-q, x = the
-// exponent of its largest magnitude; flags[0] set when any element is NaN or Inf. One block of
-// 256 threads per vector.
+// exponent of its largest magnitude; flags[0] set when any element is NaN or Inf, and bit `side`
+// of flags[3] when a vector is not all zero. One block of 256 threads per vector.
 extern "C" __global__ void oz_info(const double* __restrict__ X, int count, int k, i64 rs, i64 ks,
-                                   int* q, double* s, int* xo, u32* flags) {
+                                   int* q, double* s, int* xo, u32* flags, u32 side) {
     __shared__ double red[256];
     __shared__ double red2[256];
     __shared__ int bad;
@@ -122,6 +122,7 @@ extern "C" __global__ void oz_info(const double* __restrict__ X, int count, int 
         __syncthreads();
     }
     if (t == 0) {
+        atomicOr(&flags[3], side);  // a non-zero vector on this side
         // A margin of 2^-30 for the rounding of the sum of squares (relative error below
         // (k+2)·u in any summation order).
         int qq = x + oz_ilogb(sqrt(red[0]) * (1.0 + oz_p2(-30))) + 1;
@@ -133,14 +134,15 @@ extern "C" __global__ void oz_info(const double* __restrict__ X, int count, int 
 
 // The vectors in the TN layout the int8 GEMMs read: out[v·kp + p], zero for p ≥ k and for zero
 // vectors. Tiles of 32 vectors × 32 elements through shared memory, so that reads follow the
-// stored order (along p when ks = 1, along v when rs = 1) and writes run along p.
+// stored order (along p when ks = 1, along v when rs = 1) and writes run along p. Vectors
+// on grid x (up to 2^31 − 1 blocks), elements on grid y (kp/32 ≤ 2048).
 // mode 0: coarse |v|·2^(6−x_v) truncated (int8, largest in [64, 127]) for the lower bound of
 // |A||B|; mode 1: trunc(v·2^(t−q_v)) (int64, below 2^t in magnitude).
 template <typename T, int MODE>
 __device__ void oz_tn(const double* __restrict__ X, int count, int k, int kp, i64 rs, i64 ks,
                       const int* __restrict__ q, const int* __restrict__ xo, int t, T* out) {
     __shared__ T tile[32][33];
-    int v0 = blockIdx.y * 32, p0 = blockIdx.x * 32;
+    int v0 = blockIdx.x * 32, p0 = blockIdx.y * 32;
     bool along_p = ks == 1;
     for (int r = threadIdx.y; r < 32; r += blockDim.y) {
         int v = v0 + (along_p ? r : threadIdx.x);
@@ -172,13 +174,17 @@ extern "C" __global__ void oz_scaled(const double* X, int count, int k, int kp, 
 }
 
 // The accuracy contract per element (i, j) from the coarse product g = (ÃB̃)_ij: the fewest
-// moduli that meet auto's aim (out[0], atomic max, at most OZ_MAX) and the fewest that meet the
-// bound itself (out[1], OZ_MAX + 1 when none does). g is row-major m×n.
-extern "C" __global__ void oz_select(const int* __restrict__ g, int m, int n, int k,
+// moduli that meet auto's aim (out[0], at most OZ_MAX) and the fewest that meet the bound
+// itself (out[1], OZ_MAX + 1 when none does), as maxima over the block. g is row-major m×n with
+// rows ldc apart (n padded for cuBLAS). Reduced per block in shared memory first: one atomic
+// per block, not per thread. Launched with 256 threads per block.
+extern "C" __global__ void oz_select(const int* __restrict__ g, int m, int n, int ldc, int k,
                                      const int* __restrict__ qa, const double* __restrict__ sa,
                                      const int* __restrict__ xa, const int* __restrict__ qb,
                                      const double* __restrict__ sb, const int* __restrict__ xb,
                                      u32* out) {
+    __shared__ u32 red_need[256];
+    __shared__ u32 red_least[256];
     u64 total = (u64)m * n;
     double budget = (double)k / 4.0 * oz_p2(-53);
     double rk = sqrt((double)k);
@@ -189,7 +195,7 @@ extern "C" __global__ void oz_select(const int* __restrict__ g, int m, int n, in
         int i = (int)(e / n), j = (int)(e % n);
         int qi = qa[i], rj = qb[j];
         if (qi == OZ_NONE || rj == OZ_NONE) continue;
-        double gp = oz_scalbn((double)g[e], xa[i] - 6 - qi + xb[j] - 6 - rj);
+        double gp = oz_scalbn((double)g[(u64)i * ldc + j], xa[i] - 6 - qi + xb[j] - 6 - rj);
         double sp = sa[i] + sb[j];
         u32 need = 1;
         while (need < OZ_MAX && !(oz_p2(-OZ_T[need]) * sp * rk * margin <= budget * gp)) need++;
@@ -198,8 +204,21 @@ extern "C" __global__ void oz_select(const int* __restrict__ g, int m, int n, in
         need_max = max(need_max, need);
         least_max = max(least_max, least);
     }
-    atomicMax(&out[0], need_max);
-    atomicMax(&out[1], least_max);
+    int t = threadIdx.x;
+    red_need[t] = need_max;
+    red_least[t] = least_max;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (t < w) {
+            red_need[t] = max(red_need[t], red_need[t + w]);
+            red_least[t] = max(red_least[t], red_least[t + w]);
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        atomicMax(&out[0], red_need[0]);
+        atomicMax(&out[1], red_least[0]);
+    }
 }
 
 // a mod m for |a| < 2^63: in two 32-bit halves (32-bit division is cheap on the GPU, 64-bit is
@@ -220,12 +239,15 @@ extern "C" __global__ void oz_residue(const i64* __restrict__ x, u64 len, u32 m,
         out[e] = oz_sym(x[e], m);
 }
 
-// plane[e] = c[e] mod m in [0, m): the residue of one modulus's integer product.
-extern "C" __global__ void oz_reduce(const int* __restrict__ c, u64 len, u32 m,
+// plane[i·n + j] = c[i·ldc + j] mod m in [0, m): the residue of one modulus's integer product
+// (c's rows padded to ldc for cuBLAS, the plane dense).
+extern "C" __global__ void oz_reduce(const int* __restrict__ c, int m_rows, int n, int ldc, u32 m,
                                      unsigned char* plane) {
+    u64 len = (u64)m_rows * n;
     for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < len;
          e += (u64)gridDim.x * blockDim.x) {
-        int r = c[e] % (int)m;
+        u64 i = e / n, j = e % n;
+        int r = c[i * ldc + j] % (int)m;
         plane[e] = (unsigned char)(r < 0 ? r + (int)m : r);
     }
 }
@@ -261,7 +283,8 @@ __device__ double oz_i128_ldexp(u128 ux, bool neg, int s) {
 
 // C = alpha·P + beta·C with P the exact product rebuilt from its nm residues (Garner's
 // mixed-radix digits, Horner in 128 bits, the symmetric adjustment) and rounded once:
-// planes[l·m·n + e] holds residue l of element e; C row-major m×n. The roundings of the
+// planes[l·m·n + e] holds residue l of element e; C row-major m×n; nm = 0: the product is
+// zero (a side all zero), C = beta·C. The roundings of the
 // native path: beta·C, alpha·P, their sum (no fused multiply-add).
 extern "C" __global__ void oz_rebuild(const unsigned char* __restrict__ planes, int nm, int m,
                                       int n, const int* __restrict__ qa,
@@ -275,7 +298,7 @@ extern "C" __global__ void oz_rebuild(const unsigned char* __restrict__ planes, 
          e += (u64)gridDim.x * blockDim.x) {
         int i = (int)(e / n), j = (int)(e % n);
         double p = 0.0;
-        if (qa[i] != OZ_NONE && qb[j] != OZ_NONE) {
+        if (nm > 0 && qa[i] != OZ_NONE && qb[j] != OZ_NONE) {
             u32 v[OZ_MAX];
             v[0] = planes[e];
             for (int l = 1; l < nm; l++) {

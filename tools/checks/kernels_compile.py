@@ -32,7 +32,11 @@ def main() -> int:
         rc = lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), os.path.basename(path).encode(),
                                     0, None, None)
         assert rc == 0, rc
-        opts = [b"--gpu-architecture=compute_90", b"--device-int128"]
+        # The options the lanes compile with (src/backend/cuda/kernels.rs, emulate.rs), plus an
+        # architecture for ptxas.
+        opts = [b"--gpu-architecture=compute_90"]
+        if os.path.basename(path) == "ozaki.cu":
+            opts += [b"--device-int128", b"--fmad=false"]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
         n = ctypes.c_size_t()

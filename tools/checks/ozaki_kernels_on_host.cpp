@@ -114,16 +114,25 @@ static Result emulated(const std::vector<double>& A, bool at, const std::vector<
     std::vector<int> qa(m), xa(m), qb(n), xb(n);
     std::vector<double> sa(m), sb(n);
     std::vector<unsigned> flags(4, 0);
-    launch({(unsigned)m, 1, 1}, {256, 1, 1}, [&] { oz_info(A.data(), m, k, ars, aks, qa.data(), sa.data(), xa.data(), flags.data()); });
-    launch({(unsigned)n, 1, 1}, {256, 1, 1}, [&] { oz_info(B.data(), n, k, brs, bks, qb.data(), sb.data(), xb.data(), flags.data()); });
-    std::vector<signed char> a8((size_t)m * kp), b8((size_t)n * kp);
-    auto tiles = [&](int count) { return dim3{(unsigned)((kp + 31) / 32), (unsigned)((count + 31) / 32), 1}; };
+    int np = (n + 15) / 16 * 16;  // the int8 GEMM's n and ldc, padded as emulate.rs pads them
+    launch({(unsigned)m, 1, 1}, {256, 1, 1}, [&] { oz_info(A.data(), m, k, ars, aks, qa.data(), sa.data(), xa.data(), flags.data(), 1u); });
+    launch({(unsigned)n, 1, 1}, {256, 1, 1}, [&] { oz_info(B.data(), n, k, brs, bks, qb.data(), sb.data(), xb.data(), flags.data(), 2u); });
+    std::vector<signed char> a8((size_t)m * kp), b8((size_t)np * kp, 0x55);  // padding rows: garbage
+    auto tiles = [&](int count) { return dim3{(unsigned)((count + 31) / 32), (unsigned)((kp + 31) / 32), 1}; };
     launch(tiles(m), {32, 8, 1}, [&] { oz_coarse(A.data(), m, k, kp, ars, aks, qa.data(), xa.data(), a8.data()); });
     launch(tiles(n), {32, 8, 1}, [&] { oz_coarse(B.data(), n, k, kp, brs, bks, qb.data(), xb.data(), b8.data()); });
-    std::vector<int> c32((size_t)m * n);
-    int_gemm(a8, b8, c32, m, n, kp);
-    launch({4, 1, 1}, {64, 1, 1}, [&] { oz_select(c32.data(), m, n, k, qa.data(), sa.data(), xa.data(), qb.data(), sb.data(), xb.data(), flags.data() + 1); });
+    std::vector<int> c32((size_t)m * np);
+    int_gemm(a8, b8, c32, m, np, kp);
+    launch({4, 1, 1}, {64, 1, 1}, [&] { oz_select(c32.data(), m, n, np, k, qa.data(), sa.data(), xa.data(), qb.data(), sb.data(), xb.data(), flags.data() + 1); });
     if (flags[0]) return {0, true};
+    size_t mn = (size_t)m * n;
+    std::vector<unsigned char> planes(16 * mn);
+    if (flags[3] != 3) {  // a side all zero: C = beta·C, 0 moduli
+        launch({8, 1, 1}, {64, 1, 1}, [&] {
+            oz_rebuild(planes.data(), 0, m, n, qa.data(), qb.data(), 0, 0, 0, 256, 0, alpha, beta, C.data());
+        });
+        return {0, false};
+    }
     int need = std::max(1u, flags[1]), least = std::max(1u, flags[2]);
     int nm = fixed ? fixed : need;
     if (!fixed && least > need) return {0, true};
@@ -131,14 +140,12 @@ static Result emulated(const std::vector<double>& A, bool at, const std::vector<
     std::vector<long long> ai((size_t)m * kp), bi((size_t)n * kp);
     launch(tiles(m), {32, 8, 1}, [&] { oz_scaled(A.data(), m, k, kp, ars, aks, qa.data(), t, ai.data()); });
     launch(tiles(n), {32, 8, 1}, [&] { oz_scaled(B.data(), n, k, kp, brs, bks, qb.data(), t, bi.data()); });
-    size_t mn = (size_t)m * n;
-    std::vector<unsigned char> planes(16 * mn);
     for (int l = 0; l < nm; l++) {
         unsigned ml = MODULI[l];
         launch({8, 1, 1}, {64, 1, 1}, [&] { oz_residue(ai.data(), ai.size(), ml, a8.data()); });
         launch({8, 1, 1}, {64, 1, 1}, [&] { oz_residue(bi.data(), bi.size(), ml, b8.data()); });
-        int_gemm(a8, b8, c32, m, n, kp);
-        launch({8, 1, 1}, {64, 1, 1}, [&] { oz_reduce(c32.data(), mn, ml, planes.data() + l * mn); });
+        int_gemm(a8, b8, c32, m, np, kp);
+        launch({8, 1, 1}, {64, 1, 1}, [&] { oz_reduce(c32.data(), m, n, np, ml, planes.data() + l * mn); });
     }
     unsigned long long inv_lo = 0, inv_hi = 0;
     for (int l = 0; l < 16; l++) {
@@ -182,6 +189,7 @@ int main() {
         {40, 9, 130, false, false, 1.0, 0.0, "zero column", 0},
         {21, 22, 23, false, false, 1.0, 0.0, "normal", 4},
         {10, 10, 10, false, false, 1.0, 0.0, "nonfinite", 0},
+        {12, 7, 20, false, false, 2.0, 0.5, "zero A", 0},
     };
     for (auto c : cs) {
         int m = c.m, n = c.n, k = c.k;
@@ -197,6 +205,7 @@ int main() {
         if (kind == "subnormals") for (int i = 0; i < m; i++) for (int p = 0; p < k; p++) ai(i, p) *= 1e-310;
         if (kind == "zero column") for (int p = 0; p < k; p++) bj(p, 3) = 0;
         if (kind == "nonfinite") ai(2, 3) = NAN;
+        if (kind == "zero A") for (auto& x : A) x = 0.0;
         for (auto& x : C) x = N(g);
         C0 = C;
         Result r = emulated(A, c.at, B, c.bt, m, n, k, c.alpha, c.beta, C, c.fixed);
@@ -207,6 +216,7 @@ int main() {
             continue;
         }
         if (r.fallback) { printf("note %-12s fell back to native (bound not met)\n", c.kind); continue; }
+        if (kind == "zero A" && r.moduli != 0) { printf("FAIL zero A: %d moduli, not 0\n", r.moduli); fails++; }
         double u = std::ldexp(1.0, -53), worst = 0;
         int bad = 0;
         for (int i = 0; i < m; i++)

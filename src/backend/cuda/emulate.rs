@@ -37,7 +37,8 @@ use crate::seam::EmulationModuli;
 const SRC: &str = include_str!("../../../kernels/ozaki.cu");
 
 /// kernels/ozaki.cu with its table of `t` filled from [`ozaki::t_of`], compiled once per
-/// process (`--device-int128`: the reconstruction is exact in 128-bit integers).
+/// process (`--device-int128`: the reconstruction is exact in 128-bit integers;
+/// `tools/checks/kernels_compile.py` compiles it with the same options).
 fn ptx() -> Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
     static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     if let Some(p) = PTX.get() {
@@ -45,6 +46,8 @@ fn ptx() -> Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
     }
     let opts = cudarc::nvrtc::CompileOptions {
         options: vec!["--device-int128".into()],
+        // No contraction into fused multiply-adds: the sums of oz_info as the CPU's.
+        fmad: Some(false),
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(), opts)?;
@@ -125,6 +128,7 @@ impl Emulator {
             rebuild: f("oz_rebuild")?,
         };
         let (tm, tn, kp) = (l.tm as usize, l.tn as usize, emulation_depth(l.tk) as usize);
+        let tnp = emulation_depth(l.tn) as usize;
         let e = "cannot allocate the fp64_emulated scratch (it is in the layout's device budget: lower engine.tile or engine.device_memory)";
         // SAFETY: scratch is written by the kernels before it is read (the flags are zeroed
         // before each block).
@@ -140,10 +144,10 @@ impl Emulator {
                 xb: stream.alloc(tn).map_err(fail(e))?,
                 flags: stream.alloc(4).map_err(fail(e))?,
                 a8: stream.alloc(tm * kp).map_err(fail(e))?,
-                b8: stream.alloc(tn * kp).map_err(fail(e))?,
+                b8: stream.alloc(tnp * kp).map_err(fail(e))?,
                 ai: stream.alloc(tm * kp).map_err(fail(e))?,
                 bi: stream.alloc(tn * kp).map_err(fail(e))?,
-                c32: stream.alloc(tm * tn).map_err(fail(e))?,
+                c32: stream.alloc(tm * tnp).map_err(fail(e))?,
                 planes: stream.alloc(MAX_MODULI * tm * tn).map_err(fail(e))?,
             })
         }
@@ -167,11 +171,13 @@ impl Emulator {
         c: u64,
     ) -> Result<Result<Done, Fallback>, EmuError> {
         let (m, n, k) = (g.m, g.n, g.k);
-        if !(2..=ozaki::MAX_K).contains(&k) {
-            return Ok(Err(Fallback::ShortK));
-        }
+        let short = !(2..=ozaki::MAX_K).contains(&k);
         let kp = emulation_depth(k as u64) as usize;
-        let (mi, ni, ki, kpi) = (m as i32, n as i32, k as i32, kp as i32);
+        // The int8 GEMM's m (our n) and ldc padded to 16, as cuBLAS's int8 tensor-core kernels
+        // want (a shape they refuse is left to DGEMM below); the padding columns of c32 are
+        // never read.
+        let np = emulation_depth(n as u64) as usize;
+        let (mi, ni, ki, kpi, npi) = (m as i32, n as i32, k as i32, kp as i32, np as i32);
         // Vectors: op(A) row i at a + (i·rs + p·ks)·8; A is m×k row-major, or k×m (a_trans).
         let (ars, aks): (i64, i64) = if g.a_trans {
             (1, m as i64)
@@ -187,16 +193,35 @@ impl Emulator {
         stream
             .memset_zeros(&mut self.flags)
             .map_err(fail("memset"))?;
-        let tiles = |count: usize| ((kp.div_ceil(32)) as u32, (count.div_ceil(32)) as u32, 1);
+        // Vectors on grid x, elements on grid y (kernels/ozaki.cu's oz_tn).
+        let tiles = |count: usize| ((count.div_ceil(32)) as u32, (kp.div_ceil(32)) as u32, 1);
         let flat = |len: usize| ((len.div_ceil(256)).clamp(1, 65535 * 8) as u32, 1, 1);
         // SAFETY (every launch below): the kernels read the block's operands within m·k and
         // k·n elements (the layout sizes the slots for the tile) and write only this
         // emulator's scratch (sized for the tile: m ≤ tm, n ≤ tn, kp ≤ the tile's padded depth)
         // and the accumulator's m·n elements; all on `stream`.
         unsafe {
-            for (count, x, rs, ks, q, s, xo) in [
-                (mi, a, ars, aks, &mut self.qa, &mut self.sa, &mut self.xa),
-                (ni, b, brs, bks, &mut self.qb, &mut self.sb, &mut self.xb),
+            for (count, x, rs, ks, q, s, xo, side) in [
+                (
+                    mi,
+                    a,
+                    ars,
+                    aks,
+                    &mut self.qa,
+                    &mut self.sa,
+                    &mut self.xa,
+                    1u32,
+                ),
+                (
+                    ni,
+                    b,
+                    brs,
+                    bks,
+                    &mut self.qb,
+                    &mut self.sb,
+                    &mut self.xb,
+                    2u32,
+                ),
             ] {
                 let (mut lb, cfg) = launch(stream, &self.k.info, (count as u32, 1, 1), (256, 1, 1));
                 lb.arg(&x)
@@ -207,9 +232,26 @@ impl Emulator {
                     .arg(q)
                     .arg(s)
                     .arg(xo)
-                    .arg(&mut self.flags);
+                    .arg(&mut self.flags)
+                    .arg(&side);
                 lb.launch(cfg).map_err(fail("oz_info launch"))?;
             }
+        }
+        if short {
+            // As the CPU: NaN/Inf first, then a depth with nothing to gain (k = 1) or past what
+            // int32 holds exactly (k > 65536).
+            let flags = stream
+                .clone_dtoh(&self.flags)
+                .map_err(fail("reading the block's flags"))?;
+            stream.synchronize().map_err(fail("synchronize"))?;
+            return Ok(Err(if flags[0] != 0 {
+                Fallback::NonFinite
+            } else {
+                Fallback::ShortK
+            }));
+        }
+        // SAFETY: as above.
+        unsafe {
             for (count, x, rs, ks, q, xo, out) in [
                 (mi, a, ars, aks, &self.qa, &self.xa, &mut self.a8),
                 (ni, b, brs, bks, &self.qb, &self.xb, &mut self.b8),
@@ -227,19 +269,24 @@ impl Emulator {
                     .arg(out);
                 lb.launch(cfg).map_err(fail("oz_coarse launch"))?;
             }
-            int_gemm(
+            if !int_gemm(
                 stream,
                 handle,
                 (&self.a8, &self.b8, &mut self.c32),
                 m,
-                n,
+                np,
                 kp,
-            )?;
+            )? {
+                // cuBLAS has no int8 kernel for this shape: the block is left to DGEMM (c is
+                // untouched until the rebuild).
+                return Ok(Err(Fallback::Bound));
+            }
             let (mut lb, cfg) = launch(stream, &self.k.select, flat(m * n), (256, 1, 1));
             let mut sel = self.flags.slice_mut(1..3);
             lb.arg(&self.c32)
                 .arg(&mi)
                 .arg(&ni)
+                .arg(&npi)
                 .arg(&ki)
                 .arg(&self.qa)
                 .arg(&self.sa)
@@ -256,6 +303,15 @@ impl Emulator {
         stream.synchronize().map_err(fail("synchronize"))?;
         if flags[0] != 0 {
             return Ok(Err(Fallback::NonFinite));
+        }
+        if flags[3] != 3 {
+            // Every row of op(A) or every column of op(B) is zero: the product is zero, C =
+            // beta·C, no integer GEMM (as the CPU: 0 moduli).
+            self.rebuild(stream, (m, n), 0, 0, g, c)?;
+            return Ok(Ok(Done {
+                moduli: 0,
+                bound_met: true,
+            }));
         }
         let (need, least) = (flags[1].max(1) as usize, flags[2].max(1) as usize);
         let (nm, bound_met) = match self.moduli {
@@ -305,57 +361,83 @@ impl Emulator {
                         lb.launch(cfg).map_err(fail("oz_residue launch"))?;
                     }
                 }
-                int_gemm(
+                if !int_gemm(
                     stream,
                     handle,
                     (&self.a8, &self.b8, &mut self.c32),
                     m,
-                    n,
+                    np,
                     kp,
-                )?;
+                )? {
+                    // cuBLAS has no int8 kernel for this shape: the block is left to DGEMM (c is
+                    // untouched until the rebuild).
+                    return Ok(Err(Fallback::Bound));
+                }
                 let mut plane = self.planes.slice_mut(l * mn..(l + 1) * mn);
-                let len = mn as u64;
                 let (mut lb, cfg) = launch(stream, &self.k.reduce, flat(mn), (256, 1, 1));
-                lb.arg(&self.c32).arg(&len).arg(&ml).arg(&mut plane);
+                lb.arg(&self.c32)
+                    .arg(&mi)
+                    .arg(&ni)
+                    .arg(&npi)
+                    .arg(&ml)
+                    .arg(&mut plane);
                 lb.launch(cfg).map_err(fail("oz_reduce launch"))?;
             }
-            let inv = ozaki::garner_inverses(nm);
-            let pack = |r: std::ops::Range<usize>| -> u64 {
-                r.enumerate()
-                    .map(|(s, l)| (inv[l] as u64 & 0xff) << (8 * s))
-                    .fold(0, |x, y| x | y)
-            };
-            let (inv_lo, inv_hi) = (pack(0..8), pack(8..16));
-            let mm = ozaki::modulus_product(nm);
-            let (mod_lo, mod_hi) = (mm as u64, (mm >> 64) as u64);
-            let nmi = nm as i32;
-            let (alpha, beta) = (g.alpha, g.beta);
-            let (mut lb, cfg) = launch(stream, &self.k.rebuild, flat(mn), (256, 1, 1));
-            lb.arg(&self.planes)
-                .arg(&nmi)
-                .arg(&mi)
-                .arg(&ni)
-                .arg(&self.qa)
-                .arg(&self.qb)
-                .arg(&t)
-                .arg(&inv_lo)
-                .arg(&inv_hi)
-                .arg(&mod_lo)
-                .arg(&mod_hi)
-                .arg(&alpha)
-                .arg(&beta)
-                .arg(&c);
-            lb.launch(cfg).map_err(fail("oz_rebuild launch"))?;
         }
+        self.rebuild(stream, (m, n), nm, t, g, c)?;
         Ok(Ok(Done {
             moduli: nm as u32,
             bound_met,
         }))
     }
+
+    /// `c = alpha·P + beta·c` with P rebuilt from the first `nm` residue planes (`nm = 0`: P = 0).
+    fn rebuild(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        (m, n): (usize, usize),
+        nm: usize,
+        t: i32,
+        g: &GemmDesc,
+        c: u64,
+    ) -> Result<(), EmuError> {
+        let inv = ozaki::garner_inverses(nm.max(1));
+        let pack = |r: std::ops::Range<usize>| -> u64 {
+            r.enumerate()
+                .map(|(s, l)| (inv[l] as u64 & 0xff) << (8 * s))
+                .fold(0, |x, y| x | y)
+        };
+        let (inv_lo, inv_hi) = (pack(0..8), pack(8..16));
+        let mm = ozaki::modulus_product(nm.max(1));
+        let (mod_lo, mod_hi) = (mm as u64, (mm >> 64) as u64);
+        let (nmi, mi, ni) = (nm as i32, m as i32, n as i32);
+        let (alpha, beta) = (g.alpha, g.beta);
+        let flat = ((m * n).div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1);
+        let (mut lb, cfg) = launch(stream, &self.k.rebuild, flat, (256, 1, 1));
+        lb.arg(&self.planes)
+            .arg(&nmi)
+            .arg(&mi)
+            .arg(&ni)
+            .arg(&self.qa)
+            .arg(&self.qb)
+            .arg(&t)
+            .arg(&inv_lo)
+            .arg(&inv_hi)
+            .arg(&mod_lo)
+            .arg(&mod_hi)
+            .arg(&alpha)
+            .arg(&beta)
+            .arg(&c);
+        // SAFETY: the planes and per-vector figures are this emulator's, sized for the tile;
+        // `c` is the block's accumulator of m·n f64 (the caller's contract, `gemm`).
+        unsafe { lb.launch(cfg) }.map_err(fail("oz_rebuild launch"))?;
+        Ok(())
+    }
 }
 
-/// `c32` (row-major m×n) = a8 (m×kp) · b8ᵀ (b8: n×kp), both k-contiguous, exactly in int32:
-/// the column-major Cᵀ = b8·a8ᵀ, cuBLAS's TN.
+/// `c32` (row-major m×n, n a multiple of 16) = a8 (m×kp) · b8ᵀ (b8: n×kp), both k-contiguous,
+/// exactly in int32: the column-major Cᵀ = b8·a8ᵀ, cuBLAS's TN. `Ok(false)`: cuBLAS has no
+/// kernel for the shape (CUBLAS_STATUS_NOT_SUPPORTED).
 fn int_gemm(
     stream: &Arc<CudaStream>,
     handle: blas_sys::cublasHandle_t,
@@ -363,7 +445,7 @@ fn int_gemm(
     m: usize,
     n: usize,
     kp: usize,
-) -> Result<(), EmuError> {
+) -> Result<bool, EmuError> {
     use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
     use blas_sys::cudaDataType::{CUDA_R_32I, CUDA_R_8I};
     let (one, zero) = (1i32, 0i32);
@@ -373,7 +455,7 @@ fn int_gemm(
     // SAFETY: a8/b8/c32 are this emulator's buffers of at least m·kp, n·kp and m·n
     // elements on `stream`, the handle's stream; alpha/beta point to live i32 locals, the
     // type CUBLAS_COMPUTE_32I reads.
-    unsafe {
+    let r = unsafe {
         blas_result::gemm_ex(
             handle,
             CUBLAS_OP_T,
@@ -395,8 +477,14 @@ fn int_gemm(
             blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32I,
             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
+    };
+    match r {
+        Ok(()) => Ok(true),
+        Err(blas_result::CublasError(blas_sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => {
+            Ok(false)
+        }
+        Err(e) => Err(fail("cublasGemmEx (int8)")(e)),
     }
-    .map_err(fail("cublasGemmEx (int8)"))
 }
 
 /// A launch of `f` on `stream` (arguments to push) and its grid.

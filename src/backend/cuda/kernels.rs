@@ -48,7 +48,7 @@ pub(super) fn gemm_sizes(p: Precision) -> (usize, usize) {
     match p {
         Precision::Fp32 | Precision::Tf32 => (4, 4),
         Precision::Bf16 | Precision::Fp16 => (2, 4),
-        // fp64_emulated is refused before a CUDA lane exists (CudaBackend::select).
+        // fp64_emulated: f64 tiles in and out (its int8 work is in `emulate`'s scratch).
         Precision::Fp64 | Precision::Fp64Emulated(_) => (8, 8),
     }
 }
