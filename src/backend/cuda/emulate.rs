@@ -269,16 +269,7 @@ impl Emulator {
                     .arg(out);
                 lb.launch(cfg).map_err(fail("oz_coarse launch"))?;
             }
-            if !int_gemm(
-                stream,
-                handle,
-                (&self.a8, &self.b8, &mut self.c32),
-                m,
-                np,
-                kp,
-            )? {
-                // cuBLAS has no int8 kernel for this shape: the block is left to DGEMM (c is
-                // untouched until the rebuild).
+            if !self.product(stream, handle, (m, np, kp))? {
                 return Ok(Err(Fallback::Bound));
             }
             let (mut lb, cfg) = launch(stream, &self.k.select, flat(m * n), (256, 1, 1));
@@ -361,16 +352,7 @@ impl Emulator {
                         lb.launch(cfg).map_err(fail("oz_residue launch"))?;
                     }
                 }
-                if !int_gemm(
-                    stream,
-                    handle,
-                    (&self.a8, &self.b8, &mut self.c32),
-                    m,
-                    np,
-                    kp,
-                )? {
-                    // cuBLAS has no int8 kernel for this shape: the block is left to DGEMM (c is
-                    // untouched until the rebuild).
+                if !self.product(stream, handle, (m, np, kp))? {
                     return Ok(Err(Fallback::Bound));
                 }
                 let mut plane = self.planes.slice_mut(l * mn..(l + 1) * mn);
@@ -389,6 +371,25 @@ impl Emulator {
             moduli: nm as u32,
             bound_met,
         }))
+    }
+
+    /// The int8 GEMM of `a8` and `b8` into `c32` ([`int_gemm`]); `false`: cuBLAS has no int8
+    /// kernel for this shape, and the block is left to DGEMM (`c` is untouched until the
+    /// rebuild, so that is always safe).
+    fn product(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        handle: blas_sys::cublasHandle_t,
+        (m, np, kp): (usize, usize, usize),
+    ) -> Result<bool, EmuError> {
+        int_gemm(
+            stream,
+            handle,
+            (&self.a8, &self.b8, &mut self.c32),
+            m,
+            np,
+            kp,
+        )
     }
 
     /// `c = alpha·P + beta·c` with P rebuilt from the first `nm` residue planes (`nm = 0`: P = 0).
