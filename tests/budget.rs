@@ -190,10 +190,15 @@ fn locked_input_pages_and_heap_stay_within_host_memory() {
     let locked = pinner.peak_locked() as usize;
     let s = &r.steps[0];
     let computing = s.lanes.iter().filter(|l| l.stats.gemms > 0).count();
+    // With `staging = "direct"` the check stage verifies the blocks' storage tiles from the file
+    // while the lanes copy them, each tile read through a 128 KiB buffer, several at once: up to
+    // about 1 MiB of heap outside the pools (162.6–166.8 MB peak over eight runs, one of them
+    // 0.6 MB past the half-buffer allowance). What this test is for — every copied block
+    // registered, 24 MiB locked against 6 — lies far beyond 2 MiB.
     let allowed = s.host_budget_bytes as usize
         + 2 * s.device_bytes_per_lane as usize
         + computing * workspace
-        + ALLOWANCE;
+        + 4 * ALLOWANCE;
     eprintln!(
         "peak heap above baseline {heap} B, peak locked {locked} B; pools {} B, devices 2 × {} B, GEMM workspace {computing} × {workspace} B, budget {} B, allowed {allowed} B; {} B uploaded from the files' pages",
         s.host_pool_bytes, s.device_bytes_per_lane, s.host_budget_bytes, s.direct_bytes
