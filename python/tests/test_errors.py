@@ -191,3 +191,18 @@ def test_gpus_asked_for_without_a_usable_gpu_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mg.matmul(a, b, tile=64, progress=False)
+
+
+class _DeviceArray:
+    """What CuPy arrays (and numba's, and CUDA torch tensors) show: device memory only."""
+    shape, dtype = (4, 4), np.float32
+    __cuda_array_interface__ = {"shape": (4, 4), "typestr": "<f4", "data": (1 << 40, False),
+                                "version": 3}
+
+
+def test_device_arrays_are_refused_with_the_way_on(tmp_path):
+    host = np.ones((4, 4), np.float32)
+    with pytest.raises(mg.BadInputError, match=r"a is a .*_DeviceArray in GPU memory.*\.get\(\)"):
+        mg.matmul(_DeviceArray(), host, progress=False, backend="cpu")
+    with pytest.raises(mg.BadInputError, match=r"out is a .* in GPU memory"):
+        mg.matmul(host, host, out=_DeviceArray(), progress=False, backend="cpu")

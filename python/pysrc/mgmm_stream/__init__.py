@@ -71,6 +71,16 @@ def _as_array(x: Any, name: str) -> np.ndarray:
     """An ndarray view of ``x`` (ndarray, memmap, CPU torch tensor, array-interface object)."""
     if isinstance(x, np.ndarray):
         return x
+    if hasattr(x, "__cuda_array_interface__"):
+        # CuPy arrays, numba device arrays, and CUDA torch tensors through their interface:
+        # device memory, which this version does not read (it would be a copy through the host
+        # that the caller should see, not one made silently).
+        kind = f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
+        raise BadInputError(
+            f"{name} is a {kind} in GPU memory; mgmm_stream reads host memory and files in this "
+            f"version: pass {name}.get() (CuPy) or {name}.cpu() (torch), or save it to a .npy "
+            f"and pass the path (reading device arrays in place is planned, docs/PYTHON.md)"
+        )
     mod = type(x).__module__ or ""
     if mod.startswith("torch"):
         dev = getattr(getattr(x, "device", None), "type", "cpu")
