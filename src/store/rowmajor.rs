@@ -415,16 +415,17 @@ impl MatrixSource for RowMajorFile {
         // before, made the first block wait for all of it: the `.npy` run's first GEMM came
         // 1.07 s into the step at 53248² on an H200, the `.mgt`'s at 0.024 s (issue 35); and a
         // file larger than the lock budget never went direct at all.
-        let (start, end) = (
-            self.geo.data_offset,
-            self.geo.data_offset + self.geo.tile_stride,
-        );
+        // The bands start at the page holding the data's first byte (a numpy header need not
+        // end on a page), so every band starts on a page and ends where the next starts.
+        let data = self.geo.data_offset;
+        let (start, end) = (data - data % PAGE, data + self.geo.tile_stride);
         let pitch = self.geo.cols * self.geo.elem;
         let page_rows = PAGE / gcd(pitch, PAGE);
         let rows = ((BAND / pitch.max(1)).max(1)).div_ceil(page_rows) * page_rows;
         let stride = rows * pitch;
-        let first = (b.r0 * pitch) / stride;
-        let last = ((b.r0 + b.rows) * pitch - 1) / stride;
+        let lead = data - start;
+        let first = (lead + b.r0 * pitch) / stride;
+        let last = (lead + (b.r0 + b.rows) * pitch - 1) / stride;
         let spans = (first..=last)
             .map(|i| start + i * stride..(start + (i + 1) * stride).min(end))
             .collect();
@@ -510,6 +511,45 @@ mod tests {
     /// A row-major file read in k-blocks (A of A·B, whose blocks are narrower than its rows)
     /// is advised band by band, each band once: the bytes advised are the file's, not the
     /// file's times the blocks along a row (8× here; 6.7× at 53248² on an H200, issue 35).
+    /// The bands a `.npy`'s blocks are page-locked in start on a page and follow each other
+    /// without overlap (a numpy header of 128 bytes included), whatever the row pitch, and a
+    /// block's bands hold all of its rows.
+    #[test]
+    fn bands_are_whole_pages_and_cover_the_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        for (cols, offset) in [(1536u64, 128u64), (1000, 128), (53, 4096), (4096, 0)] {
+            let rows = 700u64;
+            let path = dir.path().join(format!("X{cols}.raw"));
+            std::fs::write(&path, vec![0u8; (offset + rows * cols * 4) as usize]).unwrap();
+            let spec = RowMajorSpec {
+                rows,
+                cols,
+                dtype: DType::F32,
+                data_offset: offset,
+                transposed: false,
+                kind: "raw".into(),
+                region: false,
+            };
+            let f = RowMajorFile::open(&path, spec, None).unwrap();
+            for (r0, n) in [(0u64, 1u64), (0, 700), (333, 100), (699, 1)] {
+                let b = Block {
+                    r0,
+                    c0: 0,
+                    rows: n,
+                    cols: 1,
+                };
+                let mb = f.mapped_block(&b, DType::F32).unwrap();
+                assert_eq!(mb.stride % PAGE, 0, "cols {cols}");
+                assert_eq!(mb.data.start % PAGE, 0);
+                for s in &mb.spans {
+                    assert_eq!((s.start - mb.data.start) % mb.stride, 0);
+                }
+                let (lo, hi) = (offset + r0 * cols * 4, offset + (r0 + n) * cols * 4);
+                assert!(mb.spans[0].start <= lo && hi <= mb.spans.last().unwrap().end);
+            }
+        }
+    }
+
     #[test]
     fn narrow_blocks_advise_each_band_of_rows_once() {
         let dir = tempfile::tempdir().unwrap();
