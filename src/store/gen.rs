@@ -212,26 +212,23 @@ pub fn generate_counted(
     Ok(hdr.file_len())
 }
 
-/// [`generate_counted`] for a name ending in `.npy`: a real `.npy` (C order, the engine's own
-/// layout: header padded to 4096 bytes, as its `.npy` outputs), so that numpy loads what `gen`
-/// and a plan's `generate` make under that name (it wrote the tiled format there before
-/// 2026-12-05, which numpy refused as pickled data). No checksum sidecar: a `.npy` input need
-/// not have one.
+/// [`generate_counted`] for a name ending in `.npy`: a real `.npy`, written by the engine's own
+/// `.npy` writer (`store::create_output_in`, as a step's output: data at byte 4096, the real
+/// header and the checksum sidecar at the end), so that numpy loads what `gen` and a plan's
+/// `generate` make under that name (it wrote the tiled format there before 2026-12-05, which
+/// numpy refused as pickled data).
 fn generate_npy(
     path: &Path,
     spec: &GenSpec,
     done: &AtomicU64,
     cancel: Option<&AtomicBool>,
 ) -> Result<u64> {
-    use std::os::unix::fs::FileExt;
-    let head = super::npy_sink::header(spec.dtype, spec.rows, spec.cols)?;
+    let hdr = spec.header();
     let es = spec.dtype.size() as u64;
-    let len = head.len() as u64 + spec.rows * spec.cols * es;
+    let len = super::output_main_len(path, &hdr);
     let tmp = TempOutput::new(path, len)?;
-    let f = tmp.file();
-    let werr = |e| super::blockio::write_error(tmp.dst(), len, e);
-    f.set_len(len).map_err(werr)?;
-    // Bands of whole rows, one pwrite each, in parallel.
+    let w = super::create_output_in(super::OutputFormat::Npy, &tmp, hdr, Default::default())?;
+    // Bands of whole rows of about 8 MiB, in parallel.
     let band = ((8u64 << 20) / (spec.cols * es).max(1)).clamp(1, spec.rows);
     (0..spec.rows.div_ceil(band))
         .into_par_iter()
@@ -245,21 +242,23 @@ fn generate_npy(
             let (r0, r1) = (b * band, ((b + 1) * band).min(spec.rows));
             let mut bytes = vec![0u8; ((r1 - r0) * spec.cols * es) as usize];
             let mut vals = vec![0f64; spec.cols as usize];
-            for r in r0..r1 {
+            for (r, row) in (r0..r1).zip(bytes.chunks_exact_mut((spec.cols * es) as usize)) {
                 row_values(spec.dist, spec.seed, r, spec.cols, &mut vals);
-                let row =
-                    &mut bytes[((r - r0) * spec.cols * es) as usize..][..(spec.cols * es) as usize];
                 for (v, out) in vals.iter().zip(row.chunks_exact_mut(es as usize)) {
                     dtype::put(spec.dtype, *v, out);
                 }
             }
-            f.write_all_at(&bytes, head.len() as u64 + r0 * spec.cols * es)
-                .map_err(werr)?;
+            let blk = super::Block {
+                r0,
+                c0: 0,
+                rows: r1 - r0,
+                cols: spec.cols,
+            };
+            w.write_block(&blk, spec.dtype, &bytes)?;
             done.fetch_add(bytes.len() as u64, Ordering::Relaxed);
             Ok(())
         })?;
-    f.write_all_at(&head, 0).map_err(werr)?;
-    f.sync_all().map_err(werr)?;
+    w.finish(true)?;
     tmp.commit()?;
     Ok(len)
 }
