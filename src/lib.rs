@@ -54,7 +54,7 @@ pub mod run;
 pub(crate) mod seam;
 pub mod store;
 pub(crate) mod trace;
-pub(crate) mod units;
+pub mod units;
 pub mod verify;
 
 pub use durable::journal;

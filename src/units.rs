@@ -3,7 +3,7 @@
 
 /// Parse "2GiB", "512 MiB", "1.5GB", "4096", "64k". Binary (KiB) and decimal (KB) suffixes;
 /// a bare `k`/`m`/`g`/`t` is binary.
-pub(crate) fn parse_size(s: &str) -> Option<u64> {
+pub fn parse_size(s: &str) -> Option<u64> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))

@@ -26,7 +26,9 @@ use pyo3::types::PyDict;
 
 use drive::{Queue, Watch};
 use errors::{bad_input, to_py};
-use sources::{BufferSink, BufferSource, RawFileSource, RawMatrix};
+use sources::{
+    BufferSink, BufferSource, DeviceMatrix, DeviceSink, DeviceSource, RawFileSource, RawMatrix,
+};
 
 const ORIGIN: &str = "matmul()";
 /// The name a plan given as a dict goes by (relative paths in it are the current directory's).
@@ -68,8 +70,16 @@ fn raw_matrix(d: &Bound<'_, PyDict>) -> PyResult<RawMatrix> {
     })
 }
 
+/// An array in GPU memory described by the Python layer (a `buffer` descriptor and `device`).
+fn device_matrix(d: &Bound<'_, PyDict>) -> PyResult<DeviceMatrix> {
+    Ok(DeviceMatrix {
+        m: raw_matrix(d)?,
+        device: get(d, "device")?,
+    })
+}
+
 /// Open an operand descriptor: `path` (.mgt, .npy, or whatever the engine opens), `raw` (a file
-/// region: an np.memmap), or `buffer` (an array in memory). Also whether the operand's
+/// region: an np.memmap), `buffer` (an array in memory) or `device` (an array in GPU memory). Also whether the operand's
 /// transpose flag must flip: a path to a Fortran-order `.npy` holds its matrix's transpose
 /// (the Python layer already flipped the flag of Fortran-order arrays and memmaps).
 fn open_operand(d: &Bound<'_, PyDict>, label: &str) -> PyResult<(Arc<dyn MatrixSource>, bool)> {
@@ -93,6 +103,13 @@ fn open_operand(d: &Bound<'_, PyDict>, label: &str) -> PyResult<(Arc<dyn MatrixS
             Arc::new(BufferSource {
                 label: PathBuf::from(label),
                 m: raw_matrix(d)?,
+            }),
+            false,
+        )),
+        "device" => Ok((
+            Arc::new(DeviceSource {
+                label: PathBuf::from(format!("{label} (GPU array)")),
+                d: device_matrix(d)?,
             }),
             false,
         )),
@@ -290,6 +307,26 @@ impl Job {
                         label: label.clone(),
                         m,
                         checksums: false,
+                    }) as Box<dyn store::MatrixSink>)
+                }))
+            }
+            "device" => {
+                let d = device_matrix(out)?;
+                if (d.m.rows, d.m.cols) != (step.m, step.n) || d.m.dtype != step.out_dtype {
+                    return Err(bad_input(
+                        py,
+                        format!(
+                            "out is {}×{} {} but the result is {}×{} {}",
+                            d.m.rows, d.m.cols, d.m.dtype, step.m, step.n, step.out_dtype
+                        ),
+                    ));
+                }
+                step.output = PathBuf::from("out (GPU array)");
+                let label = step.output.clone();
+                Output::Memory(Box::new(move || {
+                    Ok(Box::new(DeviceSink {
+                        label: label.clone(),
+                        d,
                     }) as Box<dyn store::MatrixSink>)
                 }))
             }
@@ -683,6 +720,33 @@ fn info<'py>(py: Python<'py>, path: String, check: bool) -> PyResult<Bound<'py, 
     to_py_value(py, &v)
 }
 
+/// The GPU whose memory holds `addr` (an array's data pointer).
+#[pyfunction]
+fn gpu_of(py: Python<'_>, addr: u64) -> PyResult<usize> {
+    mgmm_stream::backend::devmem::device_of(addr).map_err(|e| to_py(py, e))
+}
+
+/// Wait for the work queued on the caller's `stream` (a CUstream handle; None: the whole GPU)
+/// on GPU `device`, so that arrays it produces are complete before the engine reads them.
+#[pyfunction]
+#[pyo3(signature = (device, stream))]
+fn gpu_wait(py: Python<'_>, device: usize, stream: Option<usize>) -> PyResult<()> {
+    py.detach(|| mgmm_stream::backend::devmem::wait_for_stream(device, stream))
+        .map_err(|e| to_py(py, e))
+}
+
+/// A size as plans write it ("8GiB", "512 MiB", 4096) in bytes; None where it is not one.
+#[pyfunction]
+fn parse_size(s: &str) -> Option<u64> {
+    mgmm_stream::units::parse_size(s)
+}
+
+/// (free, total) bytes of GPU `device`'s memory.
+#[pyfunction]
+fn gpu_memory(py: Python<'_>, device: usize) -> PyResult<(u64, u64)> {
+    mgmm_stream::backend::devmem::memory(device).map_err(|e| to_py(py, e))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -695,5 +759,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(verify_plan, m)?)?;
     m.add_function(wrap_pyfunction!(info, m)?)?;
     m.add_function(wrap_pyfunction!(json_to_toml, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_of, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_wait, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_memory, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! Storage the Python package adds to the engine's [`MatrixSource`]/[`MatrixSink`] seam: a numpy
-//! buffer in memory read or written in place ([`BufferSource`], [`BufferSink`]), and a raw
+//! buffer in memory read or written in place ([`BufferSource`], [`BufferSink`]), an array in GPU
+//! memory read or written in place ([`DeviceSource`], [`DeviceSink`]), and a raw
 //! row-major file region — an `np.memmap`'s file or a `.npy` body — read with `pread`
 //! ([`RawFileSource`]). A `.npy` output file is the engine's own (`api::FileOutput`), as for
 //! `run`: the same header numpy refuses until the last tile is written, and the same sidecar.
@@ -13,10 +14,11 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use mgmm_stream::backend::devmem;
 use mgmm_stream::dtype::{self, DType};
 use mgmm_stream::error::{Error, Result};
 use mgmm_stream::store::par_crc32c;
-use mgmm_stream::store::{Block, MatrixSink, MatrixSource};
+use mgmm_stream::store::{Block, DeviceBlock, MatrixSink, MatrixSource};
 use rayon::prelude::*;
 
 /// A row-major matrix in memory: base address, shape, row stride (elements), dtype.
@@ -297,5 +299,180 @@ impl MatrixSource for RawFileSource {
             self.dtype,
             self.ld
         )
+    }
+}
+
+/// A row-major matrix in GPU memory (a CUDA torch tensor, a CuPy array): address (unified),
+/// shape, row stride (elements), dtype, and the GPU that holds it.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceMatrix {
+    pub m: RawMatrix,
+    pub device: usize,
+}
+
+impl DeviceMatrix {
+    /// Block `b` as a rectangle of this array's memory.
+    fn rect(&self, b: &Block) -> (u64, usize, usize) {
+        let es = self.m.dtype.size();
+        let addr = self.m.addr as u64 + ((b.r0 * self.m.ld + b.c0) as usize * es) as u64;
+        (addr, self.m.ld as usize * es, b.cols as usize * es)
+    }
+}
+
+/// An array in GPU memory read in place: a GPU lane copies its blocks device to device
+/// ([`MatrixSource::device_block`]); anything else (a CPU lane, another dtype, `verify`) reads
+/// them through the host with a synchronous copy.
+pub struct DeviceSource {
+    pub label: PathBuf,
+    pub d: DeviceMatrix,
+}
+
+// SAFETY: the memory is only read (by the GPUs, or copied to the host by the driver); the
+// Python layer holds a reference to the array for the whole call and waited for the caller's
+// stream before it began.
+unsafe impl Send for DeviceSource {}
+unsafe impl Sync for DeviceSource {}
+
+impl MatrixSource for DeviceSource {
+    fn path(&self) -> &Path {
+        &self.label
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.d.m.rows, self.d.m.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.d.m.dtype
+    }
+    fn read_block(&self, b: &Block, host: DType, dst: &mut [u8]) -> Result<()> {
+        check_block(&self.label, self.shape(), b)?;
+        let (addr, pitch, row_len) = self.d.rect(b);
+        let rows = b.rows as usize;
+        let same = host == self.d.m.dtype;
+        let mut tmp = if same {
+            Vec::new()
+        } else {
+            vec![0u8; rows * row_len]
+        };
+        let to: &mut [u8] = if same {
+            &mut dst[..rows * row_len]
+        } else {
+            &mut tmp
+        };
+        // SAFETY: the rectangle lies inside the array (checked by `check_block` and by the
+        // Python layer from the array's shape and strides), alive for the call; `to` holds
+        // `rows` dense rows of `row_len` bytes.
+        unsafe {
+            devmem::copy_2d(
+                self.d.device,
+                devmem::Side {
+                    addr,
+                    pitch,
+                    on_gpu: true,
+                },
+                devmem::Side {
+                    addr: to.as_mut_ptr() as u64,
+                    pitch: row_len,
+                    on_gpu: false,
+                },
+                row_len,
+                rows,
+            )?;
+        }
+        if !same && !dtype::convert(self.d.m.dtype, &tmp, host, dst) {
+            return Err(unsupported(&self.label, self.d.m.dtype, host));
+        }
+        Ok(())
+    }
+    fn device_block(&self, b: &Block, host: DType) -> Option<DeviceBlock> {
+        if host != self.d.m.dtype || b.check_inside(&self.label, self.shape()).is_err() {
+            return None;
+        }
+        let (addr, pitch, row_len) = self.d.rect(b);
+        Some(DeviceBlock {
+            addr,
+            pitch,
+            row_len,
+            rows: b.rows as usize,
+            device: self.d.device,
+        })
+    }
+    fn will_need(&self, _b: &Block) -> u64 {
+        0
+    }
+    fn verify_block(&self, _b: &Block) -> Result<()> {
+        Ok(())
+    }
+    /// Only the shape, dtype and address: a GPU array is never resumed (its result is never a
+    /// journaled file: the Python layer refuses that pairing) and reading it all to hash it
+    /// would cost a copy through the host.
+    fn identity(&self) -> String {
+        format!(
+            "array on GPU {} at {:#x}: {}×{} {}",
+            self.d.device, self.d.m.addr, self.d.m.rows, self.d.m.cols, self.d.m.dtype
+        )
+    }
+}
+
+/// An array in GPU memory written in place (`out=` a CUDA tensor or CuPy array): each block is
+/// copied from the host output buffer into it.
+pub struct DeviceSink {
+    pub label: PathBuf,
+    pub d: DeviceMatrix,
+}
+
+// SAFETY: as for `DeviceSource`; writers write disjoint blocks (the MatrixSink contract).
+unsafe impl Send for DeviceSink {}
+unsafe impl Sync for DeviceSink {}
+
+impl MatrixSink for DeviceSink {
+    fn path(&self) -> &Path {
+        &self.label
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.d.m.rows, self.d.m.cols)
+    }
+    fn dtype(&self) -> DType {
+        self.d.m.dtype
+    }
+    fn storage_tile(&self) -> (u64, u64) {
+        (self.d.m.rows, self.d.m.cols)
+    }
+    fn write_block(&self, b: &Block, host: DType, src: &[u8]) -> Result<u32> {
+        check_block(&self.label, self.shape(), b)?;
+        if host != self.d.m.dtype {
+            return Err(unsupported(&self.label, host, self.d.m.dtype));
+        }
+        let (addr, pitch, row_len) = self.d.rect(b);
+        // SAFETY: the rectangle lies inside the array (checked above and by the Python layer),
+        // writable and alive for the call; concurrent calls write disjoint blocks; `src` holds
+        // the block's dense rows.
+        unsafe {
+            devmem::copy_2d(
+                self.d.device,
+                devmem::Side {
+                    addr: src.as_ptr() as u64,
+                    pitch: row_len,
+                    on_gpu: false,
+                },
+                devmem::Side {
+                    addr,
+                    pitch,
+                    on_gpu: true,
+                },
+                row_len,
+                b.rows as usize,
+            )?;
+        }
+        Ok(0)
+    }
+    fn prefault(&self, _b: &Block) -> u64 {
+        0
+    }
+    fn flush_block(&self, _b: &Block) -> Result<()> {
+        Ok(())
+    }
+    fn forget_checksums(&self) {}
+    fn finish(self: Box<Self>, _durable: bool) -> Result<()> {
+        Ok(())
     }
 }

@@ -195,14 +195,31 @@ def test_gpus_asked_for_without_a_usable_gpu_warn():
 
 class _DeviceArray:
     """What CuPy arrays (and numba's, and CUDA torch tensors) show: device memory only."""
-    shape, dtype = (4, 4), np.float32
-    __cuda_array_interface__ = {"shape": (4, 4), "typestr": "<f4", "data": (1 << 40, False),
-                                "version": 3}
+
+    def __init__(self, shape=(4, 4), typestr="<f4", strides=None, addr=1 << 40):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (addr, False), "strides": strides,
+                                         "version": 3, "stream": None}
 
 
-def test_device_arrays_are_refused_with_the_way_on(tmp_path):
+def test_device_arrays_get_clear_errors_where_they_cannot_be_read(tmp_path):
+    """GPU arrays are read in place on a GPU machine (tests/test_gpu_arrays.py); what can be
+    told without one is told before the driver is asked, and without a driver the error
+    names the array and what is missing. Places that take no GPU arrays name the way on."""
     host = np.ones((4, 4), np.float32)
-    with pytest.raises(mg.BadInputError, match=r"a is a .*_DeviceArray in GPU memory.*\.get\(\)"):
-        mg.matmul(_DeviceArray(), host, progress=False, backend="cpu")
-    with pytest.raises(mg.BadInputError, match=r"out is a .* in GPU memory"):
-        mg.matmul(host, host, out=_DeviceArray(), progress=False, backend="cpu")
+    with pytest.raises(mg.BadInputError, match=r"a must be 2-D"):
+        mg.matmul(_DeviceArray(shape=(4, 4, 4)), host, progress=False)
+    with pytest.raises(mg.BadInputError, match=r"GPU array of <i4; use float32"):
+        mg.matmul(_DeviceArray(typestr="<i4"), host, progress=False)
+    with pytest.raises(mg.BadInputError, match=r"b is a strided view .* cupy.ascontiguousarray"):
+        mg.matmul(host, _DeviceArray(shape=(4, 4), strides=(32, 8)), progress=False)
+    with pytest.raises(mg.BadInputError, match=r"b is empty"):
+        mg.matmul(host, _DeviceArray(shape=(4, 0)), progress=False)
+    if not os.path.exists("/dev/nvidiactl"):
+        with pytest.raises(mg.DeviceError, match=r"a is a .*_DeviceArray in GPU memory, but .*libcuda"):
+            mg.matmul(_DeviceArray(), host, progress=False, backend="cpu")
+        with pytest.raises(mg.DeviceError, match=r"out is a .*_DeviceArray in GPU memory, but"):
+            mg.matmul(host, host, out=_DeviceArray(), progress=False, backend="cpu")
+    # Where GPU arrays are not taken (an operand of a dask product), the way on is named.
+    with pytest.raises(mg.BadInputError, match=r"in GPU memory, which is not taken here.*\.get\(\)"):
+        mg._as_array(_DeviceArray(), "a")

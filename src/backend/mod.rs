@@ -18,6 +18,8 @@
 pub(crate) mod check;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
+/// Arrays already in GPU memory (for the Python package): which GPU, the caller's stream, copies.
+pub use cuda::devmem;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub(crate) mod ozaki;
@@ -168,10 +170,13 @@ pub trait InputPinner: Send + Sync {
 
 /// One rectangle of an upload straight from a page-locked file map
 /// ([`Lane::upload_runs`]): `rows` rows of `row_len` bytes, `host_pitch` bytes apart at `host`,
-/// land `dst_pitch` bytes apart from byte `dst_off` of the destination.
+/// land `dst_pitch` bytes apart from byte `dst_off` of the destination. With `device`, `host`
+/// is an address in GPU memory instead (an array already on a GPU: a device-to-device copy, or
+/// peer to peer from another GPU), which only lanes that [`Lane::reads_device_memory`] get.
 #[derive(Clone, Copy, Debug)]
 pub struct HostRun {
     pub(crate) host: *const u8,
+    pub(crate) device: bool,
     pub(crate) host_pitch: usize,
     pub(crate) dst_off: usize,
     pub(crate) dst_pitch: usize,
@@ -235,6 +240,11 @@ pub trait Lane: Send {
         Err(crate::error::Error::Usage(
             "this lane cannot upload from file maps (a bug: staging asked it to)".into(),
         ))
+    }
+    /// Whether [`Self::upload_runs`] takes runs in GPU memory ([`HostRun::device`]): a GPU's
+    /// lane copies them device to device.
+    fn reads_device_memory(&self) -> bool {
+        false
     }
     /// Whether [`Self::check_upload`] can check blocks on the device ([`check`]).
     fn checks_uploads(&self) -> bool {

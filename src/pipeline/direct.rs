@@ -172,6 +172,26 @@ pub(crate) struct DirectUpload {
 pub(crate) type DeviceCheckTx = crossbeam_channel::Sender<Box<dyn DeviceCheck>>;
 
 impl DirectUpload {
+    /// A block of an array in GPU memory ([`MatrixSource::device_block`]): one rectangle the
+    /// lane copies device to device into its slot, nothing registered or checked on the host.
+    /// `token` is kept until the upload is done, as for a file's block.
+    pub(crate) fn from_device(d: &crate::store::DeviceBlock, token: Lease) -> DirectUpload {
+        DirectUpload {
+            runs: vec![HostRun {
+                host: d.addr as *const u8,
+                device: true,
+                host_pitch: d.pitch,
+                dst_off: 0,
+                dst_pitch: d.row_len,
+                row_len: d.row_len,
+                rows: d.rows,
+            }],
+            check: None,
+            device_check: Mutex::new(None),
+            pins: Vec::new(),
+            _token: token,
+        }
+    }
     /// The block's ranges kept registered for as long as the returned pins live (its check
     /// holds them, so that the pages it reads cannot be released and evicted meanwhile).
     pub(crate) fn pins(&self) -> Vec<Pin> {
@@ -396,6 +416,7 @@ impl DirectReads {
             .map(|r| HostRun {
                 // SAFETY: runs lie inside the file (checked by `mapped_block`), so inside the map.
                 host: unsafe { mb.map.as_ptr().add(r.file_off as usize) },
+                device: false,
                 host_pitch: r.file_pitch as usize,
                 dst_off: r.buf_off,
                 dst_pitch: r.buf_pitch,

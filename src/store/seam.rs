@@ -63,6 +63,14 @@ pub trait MatrixSource: Send + Sync {
     fn mapped_block(&self, _b: &Block, _host: DType) -> Option<MappedBlock<'_>> {
         None
     }
+    /// Block `b` as a rectangle of GPU memory, for a GPU lane to copy device to device (an
+    /// array already on a GPU, handed in by the Python package); `None` for files and host
+    /// memory, and where the stored dtype is not `host`. Such a block is not staged, checked or
+    /// counted on the host: [`Self::read_block`] stays the way for everything else (a CPU lane,
+    /// a conversion), through the host.
+    fn device_block(&self, _b: &Block, _host: DType) -> Option<DeviceBlock> {
+        None
+    }
     /// For a block a device copies from the map ([`Self::mapped_block`]): what
     /// [`Self::read_staged`] checks without its copy — the checksums when `verify`, and the
     /// count of NaN and Inf elements (returned). Formats without a map never get here; the
@@ -129,6 +137,23 @@ pub struct MappedBlock<'a> {
     pub(crate) stride: u64,
     /// The whole file's map (page-aligned; index = file offset).
     pub(crate) map: &'a [u8],
+}
+
+/// A block of a matrix in GPU memory ([`MatrixSource::device_block`]): `rows` rows of
+/// `row_len` bytes, `pitch` bytes apart from `addr`, a unified (UVA) address that every GPU of
+/// the process can copy from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceBlock {
+    /// The block's first element (a unified address).
+    pub addr: u64,
+    /// Bytes from one row of the block to the next.
+    pub pitch: usize,
+    /// Bytes of one row of the block.
+    pub row_len: usize,
+    /// Rows of the block.
+    pub rows: usize,
+    /// The GPU whose memory holds it.
+    pub device: usize,
 }
 
 /// [`MatrixSource::read_staged`] as three passes: checksums, the read (converting), the

@@ -1,8 +1,9 @@
 """mgmm_stream: multiply matrices too big for GPU memory or host RAM, from Python.
 
-``matmul(a, b)`` takes numpy arrays, ``np.memmap``s, CPU torch tensors, or paths to ``.npy`` /
-``.mgt`` files, streams tiles through every GPU (or the CPU), and returns a numpy array — or
-writes a file when you pass ``out=``. Arrays are read in place (never copied), memmaps are read
+``matmul(a, b)`` takes numpy arrays, ``np.memmap``s, torch tensors (CPU or CUDA), CuPy arrays,
+or paths to ``.npy`` / ``.mgt`` files, streams tiles through every GPU (or the CPU), and returns
+a numpy array (or, from GPU inputs, a GPU array when the result fits there) — or writes a file
+when you pass ``out=``. Arrays are read in place (never copied), memmaps are read
 from their file, the GIL is released while the engine works, and Ctrl-C stops the job promptly
 (a file output keeps a journal, so the same call resumes where it stopped).
 
@@ -71,15 +72,12 @@ def _as_array(x: Any, name: str) -> np.ndarray:
     """An ndarray view of ``x`` (ndarray, memmap, CPU torch tensor, array-interface object)."""
     if isinstance(x, np.ndarray):
         return x
-    if hasattr(x, "__cuda_array_interface__"):
-        # CuPy arrays, numba device arrays, and CUDA torch tensors through their interface:
-        # device memory, which this version does not read (it would be a copy through the host
-        # that the caller should see, not one made silently).
-        kind = f"{type(x).__module__.split('.')[0]}.{type(x).__name__}"
+    if _on_gpu(x):
+        # Only the places that take GPU arrays (matmul's operands and out=) look for them
+        # first; anywhere else one is a mistake to name, not numpy's TypeError.
         raise BadInputError(
-            f"{name} is a {kind} in GPU memory; mgmm_stream reads host memory and files in this "
-            f"version: pass {name}.get() (CuPy) or {name}.cpu() (torch), or save it to a .npy "
-            f"and pass the path (reading device arrays in place is planned, docs/PYTHON.md)"
+            f"{name} is a {_kind(x)} in GPU memory, which is not taken here: pass "
+            f"{name}.get() (CuPy) or {name}.cpu() (torch), or save it to a .npy and pass the path"
         )
     mod = type(x).__module__ or ""
     if mod.startswith("torch"):
@@ -120,9 +118,17 @@ def _layout(x: np.ndarray, name: str) -> Tuple[np.ndarray, bool]:
         )
     if x.size == 0:
         raise BadInputError(f"{name} is empty (shape {x.shape})")
-    it = x.itemsize
-    rows, cols = x.shape
-    s0, s1 = x.strides
+    flipped = _row_order(x.shape, x.strides, x.itemsize, name, "np.ascontiguousarray")
+    return (x.T, True) if flipped else (x, False)
+
+
+def _row_order(shape: Tuple[int, int], strides: Tuple[int, int], it: int, name: str,
+               contiguous: str) -> bool:
+    """Whether a 2-D array of ``shape`` and byte ``strides`` is read as the row-major
+    transpose (Fortran order) rather than as it is; BadInputError for layouts that cannot be
+    read in place (``contiguous`` names the call that makes a copy that can)."""
+    rows, cols = shape
+    s0, s1 = strides
 
     def row_major(s0: int, s1: int, rows: int, cols: int) -> bool:
         inner = cols == 1 or s1 == it
@@ -130,19 +136,19 @@ def _layout(x: np.ndarray, name: str) -> Tuple[np.ndarray, bool]:
         return inner and outer
 
     if row_major(s0, s1, rows, cols):
-        return x, False
+        return False
     if row_major(s1, s0, cols, rows):
-        return x.T, True
+        return True
     if (rows > 1 and s0 < 0) or (cols > 1 and s1 < 0):
         raise BadInputError(
-            f"{name} has a negative stride (a reversed view such as x[::-1]; shape {x.shape}, "
-            f"strides {x.strides}), which cannot be read in place; pass "
-            f"np.ascontiguousarray({name}) (a copy) or reverse the result instead"
+            f"{name} has a negative stride (a reversed view such as x[::-1]; shape {shape}, "
+            f"strides {strides}), which cannot be read in place; pass "
+            f"{contiguous}({name}) (a copy) or reverse the result instead"
         )
     raise BadInputError(
-        f"{name} is a strided view (shape {x.shape}, strides {x.strides}) whose rows and "
+        f"{name} is a strided view (shape {shape}, strides {strides}) whose rows and "
         f"columns are both non-contiguous, so it cannot be read in place; pass "
-        f"np.ascontiguousarray({name}) (a copy) or the array it is a view of"
+        f"{contiguous}({name}) (a copy) or the array it is a view of"
     )
 
 
@@ -208,10 +214,127 @@ def _backing_file(x: np.ndarray) -> Optional[Tuple[str, int]]:
     return m[4], m[2] + (addr - m[0])
 
 
+# ---------------------------------------------------------------- GPU arrays ---------------
+
+_TYPESTRS = {"<f4": "f32", "<f8": "f64", "<f2": "f16"}
+
+
+def _on_gpu(x: Any) -> bool:
+    """Whether ``x`` lives in GPU memory (``__cuda_array_interface__``: CuPy, numba, a CUDA
+    torch tensor)."""
+    mod = type(x).__module__ or ""
+    if mod.startswith("torch"):
+        return getattr(getattr(x, "device", None), "type", "cpu") == "cuda"
+    return hasattr(type(x), "__cuda_array_interface__") or hasattr(x, "__cuda_array_interface__")
+
+
+def _kind(x: Any) -> str:
+    return f"{(type(x).__module__ or '').split('.')[0]}.{type(x).__name__}"
+
+
+class _Gpu:
+    """An array in GPU memory read or written in place, seen through its
+    ``__cuda_array_interface__``: where it is, its layout, and the stream to wait for."""
+
+    def __init__(self, x: Any, name: str):
+        self.obj = x
+        self.framework = (type(x).__module__ or "").split(".")[0]
+        src = x.detach() if self.framework == "torch" else x
+        try:
+            cai = src.__cuda_array_interface__
+        except (AttributeError, RuntimeError, TypeError) as e:
+            raise BadInputError(f"{name} is a {_kind(x)} in GPU memory whose "
+                                f"__cuda_array_interface__ cannot be read ({e})") from None
+        shape = tuple(int(v) for v in cai["shape"])
+        if len(shape) != 2:
+            raise BadInputError(f"{name} must be 2-D; it has shape {shape}")
+        typestr = str(cai["typestr"]).replace("=", "<").replace("|", "<")
+        if typestr not in _TYPESTRS:
+            raise BadInputError(f"{name} is a GPU array of {cai['typestr']}; use float32, "
+                                f"float64 or float16 (e.g. {name}.float())")
+        self.dtype = _TYPESTRS[typestr]
+        self.itemsize = _ITEMSIZE[self.dtype]
+        if shape[0] * shape[1] == 0:
+            raise BadInputError(f"{name} is empty (shape {shape})")
+        self.addr, self.readonly = int(cai["data"][0]), bool(cai["data"][1])
+        strides = cai.get("strides")
+        if strides is None:
+            strides = (shape[1] * self.itemsize, self.itemsize)
+        contiguous = "x.contiguous" if self.framework == "torch" else "cupy.ascontiguousarray"
+        self.flipped = _row_order(shape, tuple(strides), self.itemsize, name, contiguous)
+        self.rows, self.cols = shape[::-1] if self.flipped else shape
+        s_row = strides[1] if self.flipped else strides[0]
+        self.ld = self.cols if self.rows == 1 else s_row // self.itemsize
+        try:
+            self.device = int(_native.gpu_of(self.addr))
+        except DeviceError as e:
+            raise DeviceError(f"{name} is a {_kind(x)} in GPU memory, but {e}") from None
+        self.nbytes = ((self.rows - 1) * self.ld + self.cols) * self.itemsize
+        # The stream the data is ready on: the framework's current stream; else what the
+        # interface says (v3: None means nothing to wait for); else the whole GPU.
+        self.sync: Optional[Tuple[Optional[int]]] = (None,)
+        if self.framework == "torch":
+            import torch  # type: ignore
+
+            self.sync = (int(torch.cuda.current_stream(x.device).cuda_stream),)
+        elif self.framework == "cupy":
+            import cupy  # type: ignore
+
+            with cupy.cuda.Device(self.device):
+                self.sync = (int(cupy.cuda.get_current_stream().ptr),)
+        elif "stream" in cai:
+            self.sync = None if cai["stream"] is None else (int(cai["stream"]),)
+
+    def descriptor(self) -> Dict[str, Any]:
+        return {"kind": "device", "addr": self.addr, "rows": self.rows, "cols": self.cols,
+                "ld": self.ld, "dtype": self.dtype, "device": self.device}
+
+    def wait(self) -> None:
+        """Wait for the work that produces this array (the caller's stream)."""
+        if self.sync is not None:
+            _native.gpu_wait(self.device, self.sync[0])
+
+    def overlaps(self, other: "_Gpu") -> bool:
+        return self.addr < other.addr + other.nbytes and other.addr < self.addr + self.nbytes
+
+    def empty(self, m: int, n: int, dtype: np.dtype) -> Any:
+        """A new m×n array on this array's GPU, of its framework (None: not one we make)."""
+        if self.framework == "torch":
+            import torch  # type: ignore
+
+            tdt = {np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64,
+                   np.dtype(np.float16): torch.float16}[dtype]
+            return torch.empty((m, n), dtype=tdt, device=self.obj.device)
+        if self.framework == "cupy":
+            import cupy  # type: ignore
+
+            with cupy.cuda.Device(self.device):
+                return cupy.empty((m, n), dtype=dtype)
+        return None
+
+
+def _result_on_gpu(first: "_Gpu", inputs: List["_Gpu"], need: int,
+                   device_memory: Any) -> bool:
+    """Whether ``matmul(out=None)`` keeps the result on the first GPU input's GPU: when it
+    takes at most half that GPU's free memory (the rest is the engine's tiles), and when
+    ``device_memory`` is given, when it fits there beside the inputs on that GPU."""
+    free, _total = _native.gpu_memory(first.device)
+    if need > free // 2:
+        return False
+    if device_memory is None or str(device_memory) == "auto":
+        return True
+    budget = _native.parse_size(_size(device_memory))
+    beside = sum(g.nbytes for g in inputs if g.device == first.device)
+    return budget is not None and need + beside <= budget
+
+
 def _operand(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:
     """(descriptor for the engine, transposed, object to keep alive during the call)."""
     if isinstance(x, (str, os.PathLike)):
         return {"kind": "path", "path": os.fspath(x)}, False, None
+    if _on_gpu(x):
+        g = _Gpu(x, name)
+        return g.descriptor(), g.flipped, g
     arr, flipped = _layout(_as_array(x, name), name)
     rows, cols = arr.shape
     d: Dict[str, Any] = {"rows": rows, "cols": cols, "ld": _ld(arr), "dtype": _DTYPES[arr.dtype]}
@@ -398,6 +521,8 @@ def _check_no_overlap(out: Any, inputs: list) -> None:
     arr = _as_array(out, "out")
     region = _backing_file(arr)
     for name, desc, kept in inputs:
+        if desc["kind"] == "device":
+            continue  # GPU memory: never the same as a host array's
         if kept is not None and np.may_share_memory(arr, kept):
             raise BadInputError(f"out shares memory with input {name}; the engine reads the "
                                 f"inputs while it writes the result: pass a new array (or none)")
@@ -423,10 +548,32 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def _output(job: Any, out: Any, result_memory: Optional[int]) -> Tuple[Dict[str, Any], Any]:
-    """(descriptor, what matmul returns) for ``out``."""
+def _output(job: Any, out: Any, result_memory: Optional[int],
+            gpus: Optional[List[_Gpu]] = None,
+            device_memory: Any = None) -> Tuple[Dict[str, Any], Any]:
+    """(descriptor, what matmul returns) for ``out``; ``gpus``: the operands in GPU memory
+    (an ``out`` there is appended, so that the caller waits for its stream too)."""
+    gpus = [] if gpus is None else gpus
     m, n = job.shape
     dt = np.dtype(job.dtype)
+    if out is None and gpus and _result_on_gpu(gpus[0], gpus, m * n * dt.itemsize,
+                                               device_memory):
+        out = gpus[0].empty(m, n, dt)
+    if out is not None and _on_gpu(out):
+        g = _Gpu(out, "out")
+        if (g.rows, g.cols) != (m, n) or g.flipped or _DTYPES.get(dt) != g.dtype:
+            raise BadInputError(f"out is a {'Fortran-order ' if g.flipped else ''}"
+                                f"{g.rows}×{g.cols} {g.dtype} GPU array but the result is "
+                                f"{m}×{n} {dt.name}; pass a C-contiguous one of that shape")
+        if g.readonly or g.ld != n:
+            raise BadInputError("out must be a writable C-contiguous GPU array "
+                                "(e.g. torch.empty((m, n), device='cuda'))")
+        for i in gpus:
+            if g.overlaps(i):
+                raise BadInputError("out shares GPU memory with an input; the engine reads "
+                                    "the inputs while it writes the result: pass a new array")
+        gpus.append(g)
+        return g.descriptor(), out
     if out is None:
         need = m * n * dt.itemsize
         limit = result_memory_limit() if result_memory is None else int(result_memory)
@@ -467,13 +614,18 @@ def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool
 
     a, b: paths (``.npy`` read in place, ``.mgt``), ``np.memmap``s (read from their file at
         their offset, C or Fortran order), numpy arrays in RAM (read from their buffer without a
-        copy; rows or columns must be contiguous), or CPU torch tensors. float32, float64 or
-        float16; both the same dtype.
+        copy; rows or columns must be contiguous), CPU torch tensors, or arrays in GPU memory
+        (CUDA torch tensors, CuPy arrays, anything with ``__cuda_array_interface__``: read in
+        place, device to device or peer to peer, after the caller's current stream is waited
+        for). float32, float64 or float16; both the same dtype.
     out: None → a new numpy array, if it fits ``result_memory`` (default: half the memory
-        available; otherwise BadInputError asks for ``out=``); a path ``.npy`` (returns a
-        read-only memmap of it) or ``.mgt`` (returns the path), written with a journal so an
-        interrupted call resumes; or a writable C-contiguous array / memmap / CPU tensor of the
-        result's shape and dtype (returned).
+        available; otherwise BadInputError asks for ``out=``) — or, when an input is on a GPU,
+        a new array of its kind on its GPU if the result takes at most half of that GPU's free
+        memory (and, with ``device_memory`` given, fits in it beside the inputs there), else
+        the numpy array; a path ``.npy`` (returns a read-only memmap of it) or ``.mgt``
+        (returns the path), written with a journal so an interrupted call resumes (computed
+        afresh when an input is on a GPU); or a writable C-contiguous array / memmap / CPU
+        tensor / CUDA tensor / CuPy array of the result's shape and dtype (returned).
     precision: "fp32", "tf32", "bf16", "fp16" or "fp64"; default fp64 for float64 inputs, else
         fp32. The result is float64 for fp64, float32 otherwise.
     devices: "all" or GPU ordinals ([0, 1]). host_memory / device_memory: byte counts or
@@ -497,9 +649,16 @@ def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool
     precision, engine = _precision(precision, engine)
     settings = _settings(backend, devices, host_memory, device_memory, threads, tile, engine)
     job, keep = _prepare(a, b, alpha, trans_a, trans_b, precision, settings)
-    desc, result = _output(job, out, result_memory)
+    gpus = [k for _n, _d, k in keep if isinstance(k, _Gpu)]
+    desc, result = _output(job, out, result_memory, gpus, device_memory)
     if desc["kind"] == "buffer" and out is not None:
         _check_no_overlap(out, keep)
+    if gpus and desc["kind"] == "path":
+        # A GPU array is not hashed for the journal (that would copy it through the host):
+        # a file output computed from one is computed afresh, never resumed.
+        restart = True
+    for g in gpus:
+        g.wait()
     display = _Display(progress)
     _run_with(display, lambda ev, every: job.run(desc, bool(restart), ev, cancel, every))
     del keep

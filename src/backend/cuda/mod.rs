@@ -21,9 +21,11 @@
 //! By concern: [`driver`] finds the GPUs and loads the libraries, [`early`] starts what a run
 //! can prepare before the driver is up, [`pinned`] makes page-locked host memory (and registers
 //! input files' maps) and [`alloc`] hands it to the pools, [`lane`] is one GPU's lane,
-//! [`kernels`] the GPU code it runs; this file is the backend over them.
+//! [`kernels`] the GPU code it runs, [`devmem`] what the Python package needs of the driver for
+//! arrays already on a GPU; this file is the backend over them.
 
 mod alloc;
+pub mod devmem;
 mod driver;
 mod early;
 mod emulate;

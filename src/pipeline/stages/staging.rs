@@ -36,6 +36,9 @@ pub(crate) struct Staging<'a> {
     pub(crate) checks_issued: std::cell::Cell<u64>,
     /// The lane checks directly uploaded blocks on its device ([`crate::backend::check`]).
     pub(crate) device_checks: bool,
+    /// The lane copies blocks of arrays in GPU memory device to device
+    /// ([`crate::backend::Lane::reads_device_memory`]).
+    pub(crate) reads_device: bool,
     pub(crate) pool: Pool,
     pub(crate) host_dt: DType,
     pub(crate) rx: Receiver<PlanOp>,
@@ -170,11 +173,36 @@ impl Staging<'_> {
         Ok(Some(Staged::Direct(Arc::new(up))))
     }
 
+    /// `block` of `src` as a rectangle of GPU memory, when the input is an array on a GPU and
+    /// this lane copies device to device ([`MatrixSource::device_block`]); `None`: read it
+    /// through the host. Nothing is checked or counted on the host (the data never is there).
+    ///
+    /// [`MatrixSource::device_block`]: crate::store::MatrixSource::device_block
+    fn fill_device(&self, ctl: &Control, src: Src, block: &Block) -> Result<Option<Staged>> {
+        if !self.reads_device {
+            return Ok(None);
+        }
+        let f = self.inputs.file(src);
+        let Some(d) = f.device_block(block, self.host_dt) else {
+            return Ok(None);
+        };
+        // A buffer as a token: as many blocks in flight as with copies.
+        let token = self.lease(ctl, true)?;
+        self.m.add_item((block.elems() * f.dtype().size()) as u64);
+        Ok(Some(Staged::Direct(Arc::new(
+            crate::pipeline::direct::DirectUpload::from_device(&d, token),
+        ))))
+    }
+
     pub(crate) fn run(self, ctl: &Control) -> Result<()> {
         while let Some(op) = ctl.recv_timed(&self.rx, &self.m) {
             let out = match op {
                 PlanOp::Load { slot, src, block } => {
-                    let (buf, elems) = match self.fill_direct(ctl, src, &block)? {
+                    let direct = match self.fill_device(ctl, src, &block)? {
+                        Some(up) => Some(up),
+                        None => self.fill_direct(ctl, src, &block)?,
+                    };
+                    let (buf, elems) = match direct {
                         Some(up) => (up, block.elems()),
                         None => {
                             let (buf, elems) = self.fill(ctl, src, &block)?;

@@ -233,6 +233,9 @@ impl Lane for CudaLane {
         self.uploaded(start, hbytes)
     }
 
+    fn reads_device_memory(&self) -> bool {
+        true
+    }
     fn uploads_runs(&self) -> bool {
         true
     }
@@ -357,12 +360,26 @@ impl Lane for CudaLane {
         let mut r = Ok(());
         for run in runs {
             debug_assert!(run.dst_off + (run.rows - 1) * run.dst_pitch + run.row_len <= hbytes);
+            // A run in GPU memory (an array already on a GPU) is given by its unified
+            // address: device to device on its own GPU, peer to peer from another.
+            let (src_type, src_host, src_device) = match run.device {
+                true => (
+                    CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+                    std::ptr::null(),
+                    run.host as u64,
+                ),
+                false => (
+                    CUmemorytype::CU_MEMORYTYPE_HOST,
+                    run.host as *const c_void,
+                    0,
+                ),
+            };
             let copy = CUDA_MEMCPY2D {
                 srcXInBytes: 0,
                 srcY: 0,
-                srcMemoryType: CUmemorytype::CU_MEMORYTYPE_HOST,
-                srcHost: run.host as *const c_void,
-                srcDevice: 0,
+                srcMemoryType: src_type,
+                srcHost: src_host,
+                srcDevice: src_device,
                 srcArray: std::ptr::null_mut(),
                 srcPitch: run.host_pitch,
                 dstXInBytes: 0,
@@ -377,8 +394,10 @@ impl Lane for CudaLane {
             };
             // SAFETY: the source rectangle lies in a page-locked file map that the upload
             // holding `runs` keeps registered until this copy is known to be done (the
-            // pipeline waits for the ticket); the destination rectangle lies inside the view
-            // (the runs tile the dense block of `elems` elements).
+            // pipeline waits for the ticket), or in a GPU array that the caller keeps alive
+            // for the whole call (the Python package holds a reference to it); the destination
+            // rectangle lies inside the view (the runs tile the dense block of `elems`
+            // elements).
             r = unsafe { cuMemcpy2DAsync_v2(&copy, stream) }.result();
             if r.is_err() {
                 break;
