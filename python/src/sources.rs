@@ -472,7 +472,8 @@ impl MatrixSink for DeviceSink {
         Ok(())
     }
     fn forget_checksums(&self) {}
+    /// Every block has landed in the array when this returns.
     fn finish(self: Box<Self>, _durable: bool) -> Result<()> {
-        Ok(())
+        devmem::finish(self.d.device)
     }
 }

@@ -216,7 +216,7 @@ def test_device_arrays_get_clear_errors_where_they_cannot_be_read(tmp_path):
     with pytest.raises(mg.BadInputError, match=r"b is empty"):
         mg.matmul(host, _DeviceArray(shape=(4, 0)), progress=False)
     if not os.path.exists("/dev/nvidiactl"):
-        with pytest.raises(mg.DeviceError, match=r"a is a .*_DeviceArray in GPU memory, but .*libcuda"):
+        with pytest.raises(mg.DeviceError, match=r"a is a .*_DeviceArray in GPU memory, but"):
             mg.matmul(_DeviceArray(), host, progress=False, backend="cpu")
         with pytest.raises(mg.DeviceError, match=r"out is a .*_DeviceArray in GPU memory, but"):
             mg.matmul(host, host, out=_DeviceArray(), progress=False, backend="cpu")

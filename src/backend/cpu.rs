@@ -352,6 +352,12 @@ impl Lane for CpuLane {
         let n = elems * self.dt.size();
         let d = &mut self.slots[slot].bytes_mut()[..n];
         for r in runs {
+            // Staging gives runs in GPU memory only to a GPU's lane (`Lane::gpu`).
+            if r.device {
+                return Err(crate::error::Error::Usage(
+                    "a CPU lane was given a block in GPU memory (a bug)".into(),
+                ));
+            }
             for i in 0..r.rows {
                 let at = r.dst_off + i * r.dst_pitch;
                 // SAFETY: the rectangle lies inside a file map that the upload holding `runs`

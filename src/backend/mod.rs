@@ -171,8 +171,8 @@ pub trait InputPinner: Send + Sync {
 /// One rectangle of an upload straight from a page-locked file map
 /// ([`Lane::upload_runs`]): `rows` rows of `row_len` bytes, `host_pitch` bytes apart at `host`,
 /// land `dst_pitch` bytes apart from byte `dst_off` of the destination. With `device`, `host`
-/// is an address in GPU memory instead (an array already on a GPU: a device-to-device copy, or
-/// peer to peer from another GPU), which only lanes that [`Lane::reads_device_memory`] get.
+/// is an address in GPU memory instead (an array already on a GPU), which only a lane on that
+/// GPU gets ([`Lane::gpu`]): a device-to-device copy.
 #[derive(Clone, Copy, Debug)]
 pub struct HostRun {
     pub(crate) host: *const u8,
@@ -241,10 +241,10 @@ pub trait Lane: Send {
             "this lane cannot upload from file maps (a bug: staging asked it to)".into(),
         ))
     }
-    /// Whether [`Self::upload_runs`] takes runs in GPU memory ([`HostRun::device`]): a GPU's
-    /// lane copies them device to device.
-    fn reads_device_memory(&self) -> bool {
-        false
+    /// The GPU this lane runs on: its [`Self::upload_runs`] takes runs in that GPU's memory
+    /// ([`HostRun::device`]) and copies them device to device. `None`: not a GPU's lane.
+    fn gpu(&self) -> Option<usize> {
+        None
     }
     /// Whether [`Self::check_upload`] can check blocks on the device ([`check`]).
     fn checks_uploads(&self) -> bool {

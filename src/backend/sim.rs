@@ -445,6 +445,12 @@ impl Lane for SimLane {
         true
     }
     fn upload_runs(&mut self, runs: &[HostRun], elems: usize, slot: usize) -> Result<Ticket> {
+        // Staging gives runs in GPU memory only to a GPU's lane (`Lane::gpu`).
+        if runs.iter().any(|r| r.device) {
+            return Err(Error::Usage(
+                "a simulated lane was given a block in GPU memory (a bug)".into(),
+            ));
+        }
         self.last_runs = Some((runs.to_vec(), elems));
         self.push(Op::UploadRuns(runs.to_vec(), elems, slot))
     }

@@ -791,7 +791,7 @@ impl<'p> LaneWiring<'p> {
             direct,
             checks_issued: std::cell::Cell::new(0),
             device_checks: lane.checks_uploads(),
-            reads_device: lane.reads_device_memory(),
+            gpu: lane.gpu(),
             pool,
             host_dt: l.host_dt,
             rx: pre_rx,

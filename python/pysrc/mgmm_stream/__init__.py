@@ -242,7 +242,7 @@ class _Gpu:
         src = x.detach() if self.framework == "torch" else x
         try:
             cai = src.__cuda_array_interface__
-        except (AttributeError, RuntimeError, TypeError) as e:
+        except (AttributeError, RuntimeError, TypeError, KeyError) as e:
             raise BadInputError(f"{name} is a {_kind(x)} in GPU memory whose "
                                 f"__cuda_array_interface__ cannot be read ({e})") from None
         shape = tuple(int(v) for v in cai["shape"])
@@ -266,7 +266,13 @@ class _Gpu:
         s_row = strides[1] if self.flipped else strides[0]
         self.ld = self.cols if self.rows == 1 else s_row // self.itemsize
         try:
-            self.device = int(_native.gpu_of(self.addr))
+            # The framework knows its array's GPU; asking the driver is for the others.
+            if self.framework == "torch":
+                self.device = int(x.device.index)
+            elif self.framework == "cupy":
+                self.device = int(x.device.id)
+            else:
+                self.device = int(_native.gpu_of(self.addr))
         except DeviceError as e:
             raise DeviceError(f"{name} is a {_kind(x)} in GPU memory, but {e}") from None
         self.nbytes = ((self.rows - 1) * self.ld + self.cols) * self.itemsize
@@ -316,16 +322,19 @@ class _Gpu:
 def _result_on_gpu(first: "_Gpu", inputs: List["_Gpu"], need: int,
                    device_memory: Any) -> bool:
     """Whether ``matmul(out=None)`` keeps the result on the first GPU input's GPU: when it
-    takes at most half that GPU's free memory (the rest is the engine's tiles), and when
-    ``device_memory`` is given, when it fits there beside the inputs on that GPU."""
+    takes at most half that GPU's free memory (the rest is the engine's tiles); with
+    ``device_memory`` given (the card size planned for), when it fits in it beside the inputs
+    on that GPU, and the engine's ``device_memory`` still fits beside it in what is free."""
     free, _total = _native.gpu_memory(first.device)
     if need > free // 2:
         return False
     if device_memory is None or str(device_memory) == "auto":
         return True
     budget = _native.parse_size(_size(device_memory))
+    if budget is None:
+        return False  # the engine will say what is wrong with it
     beside = sum(g.nbytes for g in inputs if g.device == first.device)
-    return budget is not None and need + beside <= budget
+    return need + beside <= budget and need + budget + (2 << 30) <= free
 
 
 def _operand(x: Any, name: str) -> Tuple[Dict[str, Any], bool, Any]:

@@ -7,8 +7,11 @@
 //! in [`super::lane`] (`HostRun::device`).
 //!
 //! Every function works on the GPU's primary context, the one torch, CuPy and the lanes use,
-//! so the caller's pointers are valid in it. None panics when the driver is missing.
+//! so the caller's pointers are valid in it, held open for the life of the process; the
+//! caller's current context is current again when a function returns. None panics when the
+//! driver is missing.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -18,9 +21,14 @@ use cudarc::driver::CudaContext;
 use super::derr;
 use crate::error::{Error, Result};
 
-/// GPU `device`'s primary context, current on this thread; an error (never a panic) where
-/// there is no driver or no such GPU.
-fn context(device: usize) -> Result<Arc<CudaContext>> {
+/// The primary contexts opened here, one per GPU, held for the life of the process (retaining
+/// and releasing one per copy would cost a driver round trip each, and releasing the last
+/// reference destroys the context).
+static CONTEXTS: std::sync::OnceLock<std::sync::Mutex<HashMap<usize, Arc<CudaContext>>>> =
+    std::sync::OnceLock::new();
+
+/// The driver, loaded and initialised; an error (never a panic) where there is none.
+fn driver() -> Result<()> {
     // SAFETY: only attempts to dlopen the driver library and reports success.
     if !unsafe { sys::is_culib_present() } {
         return Err(Error::backend(
@@ -28,18 +36,68 @@ fn context(device: usize) -> Result<Arc<CudaContext>> {
             "an array in GPU memory was given, but the CUDA driver library (libcuda.so.1) was not found",
         ));
     }
-    let ctx = std::panic::catch_unwind(|| CudaContext::new(device))
-        .map_err(|_| Error::backend("cuda", "the CUDA driver could not be initialised"))?
-        .map_err(|e| derr(&format!("cannot open GPU {device}"), e))?;
-    ctx.bind_to_thread()
+    match std::panic::catch_unwind(CudaContext::device_count) {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(derr("cuInit failed", e)),
+        Err(_) => Err(Error::backend(
+            "cuda",
+            "the CUDA driver could not be initialised",
+        )),
+    }
+}
+
+/// While it lives, GPU `device`'s primary context is current on this thread; dropping it makes
+/// the caller's context current again (torch and CuPy keep their current device in it).
+struct OnGpu {
+    ctx: Arc<CudaContext>,
+    before: sys::CUcontext,
+}
+
+impl Drop for OnGpu {
+    fn drop(&mut self) {
+        // SAFETY: restores the context that was current (possibly none) when this was made.
+        unsafe { sys::cuCtxSetCurrent(self.before) };
+    }
+}
+
+fn on_gpu(device: usize) -> Result<OnGpu> {
+    driver()?;
+    let ctx = {
+        let mut m = CONTEXTS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match m.get(&device) {
+            Some(c) => c.clone(),
+            None => {
+                let c = std::panic::catch_unwind(|| CudaContext::new(device))
+                    .map_err(|_| {
+                        Error::backend("cuda", "the CUDA driver could not be initialised")
+                    })?
+                    .map_err(|e| derr(&format!("cannot open GPU {device}"), e))?;
+                m.insert(device, c.clone());
+                c
+            }
+        }
+    };
+    let mut before: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes the current context handle (possibly null) into `before`.
+    unsafe { sys::cuCtxGetCurrent(&mut before) }
+        .result()
+        .map_err(|e| derr("cuCtxGetCurrent", e))?;
+    let guard = OnGpu { ctx, before };
+    guard
+        .ctx
+        .bind_to_thread()
         .map_err(|e| derr(&format!("cannot use GPU {device}"), e))?;
-    Ok(ctx)
+    Ok(guard)
 }
 
 /// The ordinal of the GPU whose memory holds `addr` (a unified address); an error for host
 /// memory or an address the driver does not know.
 pub fn device_of(addr: u64) -> Result<usize> {
-    context(0)?;
+    // With unified addressing the attributes of a pointer need no current context.
+    driver()?;
     let mut kind: u32 = 0;
     // SAFETY: the attribute is written into a u32 (CUmemorytype), as the driver documents.
     unsafe {
@@ -82,7 +140,7 @@ pub fn device_of(addr: u64) -> Result<usize> {
 /// arrays it produces are complete before a lane reads them. With `stream = None`, the whole
 /// GPU (its primary context) is waited for.
 pub fn wait_for_stream(device: usize, stream: Option<usize>) -> Result<()> {
-    let ctx = context(device)?;
+    let g = on_gpu(device)?;
     match stream {
         // SAFETY: the handle is one the caller's framework created in this process (or 0, 1,
         // 2: the default streams); synchronizing it only waits.
@@ -94,16 +152,26 @@ pub fn wait_for_stream(device: usize, stream: Option<usize>) -> Result<()> {
                     e,
                 )
             }),
-        None => ctx
+        None => g
+            .ctx
             .synchronize()
             .map_err(|e| derr(&format!("waiting for GPU {device}"), e)),
     }
 }
 
+/// Wait until every copy [`copy_2d`] issued to GPU `device` has landed (a copy from pageable
+/// host memory returns once its data is staged, before it reaches the GPU).
+pub fn finish(device: usize) -> Result<()> {
+    let g = on_gpu(device)?;
+    g.ctx
+        .synchronize()
+        .map_err(|e| derr(&format!("waiting for the copies to GPU {device}"), e))
+}
+
 /// (free, total) bytes of GPU `device`'s memory now.
 pub fn memory(device: usize) -> Result<(u64, u64)> {
-    let ctx = context(device)?;
-    let (free, total) = ctx.mem_get_info().map_err(|e| derr("cuMemGetInfo", e))?;
+    let g = on_gpu(device)?;
+    let (free, total) = g.ctx.mem_get_info().map_err(|e| derr("cuMemGetInfo", e))?;
     Ok((free as u64, total as u64))
 }
 
@@ -120,7 +188,8 @@ pub struct Side {
 }
 
 /// Copy `rows` rows of `row_len` bytes from `src` to `dst` (either side on a GPU or on the
-/// host), on GPU `device`'s context, and wait for it.
+/// host), on GPU `device`'s context. A copy from pageable host memory to the GPU may return
+/// before the data has landed ([`finish`] waits for it); every other copy is done on return.
 ///
 /// # Safety
 /// Both rectangles must be valid for the copy: `rows` rows of `row_len` bytes, `pitch` apart,
@@ -132,7 +201,7 @@ pub unsafe fn copy_2d(
     row_len: usize,
     rows: usize,
 ) -> Result<()> {
-    context(device)?;
+    let _on = on_gpu(device)?;
     let side = |s: Side| match s.on_gpu {
         true => (
             CUmemorytype::CU_MEMORYTYPE_UNIFIED,

@@ -36,9 +36,9 @@ pub(crate) struct Staging<'a> {
     pub(crate) checks_issued: std::cell::Cell<u64>,
     /// The lane checks directly uploaded blocks on its device ([`crate::backend::check`]).
     pub(crate) device_checks: bool,
-    /// The lane copies blocks of arrays in GPU memory device to device
-    /// ([`crate::backend::Lane::reads_device_memory`]).
-    pub(crate) reads_device: bool,
+    /// The GPU of this lane, which copies blocks of arrays in its memory device to device
+    /// ([`crate::backend::Lane::gpu`]).
+    pub(crate) gpu: Option<usize>,
     pub(crate) pool: Pool,
     pub(crate) host_dt: DType,
     pub(crate) rx: Receiver<PlanOp>,
@@ -173,17 +173,22 @@ impl Staging<'_> {
         Ok(Some(Staged::Direct(Arc::new(up))))
     }
 
-    /// `block` of `src` as a rectangle of GPU memory, when the input is an array on a GPU and
-    /// this lane copies device to device ([`MatrixSource::device_block`]); `None`: read it
-    /// through the host. Nothing is checked or counted on the host (the data never is there).
+    /// `block` of `src` as a rectangle of GPU memory, when the input is an array on this lane's
+    /// GPU ([`MatrixSource::device_block`]): copied device to device; `None`: read it through
+    /// the host (a CPU lane; an array on another GPU, whose memory may not be mapped for this
+    /// one — torch's and CuPy's pools are not, unless the owner grants access). Nothing is
+    /// checked or counted on the host (the data never is there).
     ///
     /// [`MatrixSource::device_block`]: crate::store::MatrixSource::device_block
     fn fill_device(&self, ctl: &Control, src: Src, block: &Block) -> Result<Option<Staged>> {
-        if !self.reads_device {
+        let Some(gpu) = self.gpu else {
             return Ok(None);
-        }
+        };
         let f = self.inputs.file(src);
-        let Some(d) = f.device_block(block, self.host_dt) else {
+        let Some(d) = f
+            .device_block(block, self.host_dt)
+            .filter(|d| d.device == gpu)
+        else {
             return Ok(None);
         };
         // A buffer as a token: as many blocks in flight as with copies.

@@ -233,8 +233,8 @@ impl Lane for CudaLane {
         self.uploaded(start, hbytes)
     }
 
-    fn reads_device_memory(&self) -> bool {
-        true
+    fn gpu(&self) -> Option<usize> {
+        Some(self.ordinal)
     }
     fn uploads_runs(&self) -> bool {
         true
@@ -360,8 +360,8 @@ impl Lane for CudaLane {
         let mut r = Ok(());
         for run in runs {
             debug_assert!(run.dst_off + (run.rows - 1) * run.dst_pitch + run.row_len <= hbytes);
-            // A run in GPU memory (an array already on a GPU) is given by its unified
-            // address: device to device on its own GPU, peer to peer from another.
+            // A run in GPU memory (an array already on this GPU) is given by its unified
+            // address: a device-to-device copy.
             let (src_type, src_host, src_device) = match run.device {
                 true => (
                     CUmemorytype::CU_MEMORYTYPE_UNIFIED,
