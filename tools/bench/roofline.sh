@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Issue 35's goals on one GPU, side by side in one call, every ratio against torch's in-core
+# GEMM measured in the same call: 32768² (N) fp32 from .mgt and from .npy (interleaved, REPEAT
+# runs each), fp64 from .npy, tf32 and bf16 from .mgt, each run's step wall and process wall
+# (start-up and exit: process − step), `verify` of the fp32 product, the driver's own start-up
+# floor (cuInit + a context, tools/probes/cuda_startup_costs.py), and torch's in-core SGEMM /
+# DGEMM / TF32 / BF16 rates. Inputs warm, outputs to files, durable = false.
+# GPU machine (one GPU is enough), repository root, .dev/bin carried (docs/GPU.md).
+# Disk: about 6·N²·4 + 3·N²·8 bytes (45 GB at 32768). Log: $OUT/roofline.log, reports
+# $OUT/roof_NAME_i.json, and the table at the end.
+set -uo pipefail
+. "$(dirname "$0")/../lib.sh"
+log_to roofline.log
+N=${N:-32768}; REPEAT=${REPEAT:-2}
+W=${W:-/tmp/roof}; mkdir -p "$W"; cd "$W"
+gen_matrix A.mgt "$N" "$N" 1; gen_matrix B.mgt "$N" "$N" 2
+export_npy A.mgt A.npy; export_npy B.mgt B.npy
+GEN_DTYPE=f64 gen_matrix A64.npy "$N" "$N" 3; GEN_DTYPE=f64 gen_matrix B64.npy "$N" "$N" 4
+cat A.mgt B.mgt A.npy B.npy A64.npy B64.npy > /dev/null
+E=("backend = \"${BACKEND:-cuda}\"" 'devices = [0]' 'host_memory = "16GiB"' 'durable = false')
+write_plan fp32_mgt.toml A.mgt B.mgt C_fp32_mgt.mgt "${E[@]}"
+write_plan fp32_npy.toml A.npy B.npy C_fp32_npy.npy "${E[@]}"
+write_plan fp64_npy.toml A64.npy B64.npy C_fp64_npy.npy "${E[@]}" 'precision = "fp64"'
+write_plan tf32_mgt.toml A.mgt B.mgt C_tf32_mgt.mgt "${E[@]}" 'precision = "tf32"'
+write_plan bf16_mgt.toml A.mgt B.mgt C_bf16_mgt.mgt "${E[@]}" 'precision = "bf16"'
+
+log "driver start-up floor and torch in-core rates"
+python3 "$TOOLS/probes/cuda_startup_costs.py" 2>&1 | tail -8 | tee -a "$LOG"
+python3 - "$N" <<'PY' 2>&1 | tee -a "$LOG"
+import sys, time, torch
+n = int(sys.argv[1])
+def rate(dt, tf32=False):
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    a = torch.randn(n, n, device="cuda", dtype=dt); b = torch.randn(n, n, device="cuda", dtype=dt)
+    for _ in range(2): a @ b
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(3): a @ b
+    torch.cuda.synchronize(); r = 3 * 2 * n**3 / (time.perf_counter() - t) / 1e12
+    del a, b; torch.cuda.empty_cache(); return r
+for name, dt, tf in (("fp32", torch.float32, False), ("fp64", torch.float64, False),
+                     ("tf32", torch.float32, True), ("bf16", torch.bfloat16, False)):
+    print(f"PEER {name} torch in-core {n}^2: {rate(dt, tf):.1f} TFLOP/s")
+PY
+
+run1() { # NAME I: run NAME.toml once, process wall in NAME_I.time
+  rm -rf "C_$1".* ; local s; s=$(date +%s%N)
+  "$MGMM" run "$1.toml" --quiet --report "$OUT/roof_$1_$2.json" 2>&1 | tail -2 | tee -a "$LOG"
+  echo $(( ($(date +%s%N) - s) / 1000000 )) > "$1_$2.ms"
+}
+for i in $(seq 1 "$REPEAT"); do
+  for j in fp32_mgt fp32_npy fp64_npy tf32_mgt bf16_mgt; do log "run $i $j"; run1 $j "$i"; done
+done
+log "verify of the fp32 product, twice"
+run1 fp32_mgt v
+for i in 1 2; do
+  s=$(date +%s%N); "$MGMM" verify fp32_mgt.toml 2>&1 | tail -3 | tee -a "$LOG"
+  echo $(( ($(date +%s%N) - s) / 1000000 )) > "verify_$i.ms"
+done
+python3 - "$N" "$REPEAT" "$OUT" <<'PY' 2>&1 | tee -a "$LOG"
+import json, re, statistics, sys
+n, reps, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+peer = {m[1]: float(m[2]) for m in re.finditer(r"PEER (\w+) torch in-core \d+\^2: ([\d.]+)", open(f"{out}/roofline.log").read())}
+def row(name):
+    st = [json.load(open(f"{out}/roof_{name}_{i}.json"))["steps"][0] for i in range(1, reps + 1)]
+    pw = [int(open(f"{name}_{i}.ms").read()) / 1e3 for i in range(1, reps + 1)]
+    return st, pw
+print(f"| {n}², 1 GPU | step (each run) | TFLOP/s | process − step | first GEMM | bottleneck | torch in-core | ratio |")
+walls = {}
+for name in ("fp32_mgt", "fp32_npy", "fp64_npy", "tf32_mgt", "bf16_mgt"):
+    st, pw = row(name)
+    w = [s["wall_s"] for s in st]; walls[name] = w
+    tf = [2 * n**3 / x / 1e12 for x in w]
+    p = peer.get(name.split("_")[0])
+    print(f"| {name} | {' / '.join(f'{x:.3f}' for x in w)} s | {' / '.join(f'{x:.1f}' for x in tf)} | "
+          f"{' / '.join(f'{b - a:.2f}' for a, b in zip(w, pw))} s | {' / '.join(str(round(s.get('first_gemm_s') or 0, 3)) for s in st)} s | "
+          f"{st[-1]['bottleneck']} | {p} | {' / '.join(f'{x / p:.2f}' for x in tf) if p else '-'} |")
+r = [a / b for a, b in zip(walls["fp32_npy"], walls["fp32_mgt"])]
+print("RESULT .npy / .mgt (fp32, interleaved):", " / ".join(f"{x:.3f}" for x in r), "(goal ≤ 1.05)")
+v = json.load(open(f"{out}/roof_fp32_mgt_v.json"))["steps"][0]["wall_s"]
+for i in (1, 2):
+    t = int(open(f"verify_{i}.ms").read()) / 1e3
+    print(f"RESULT verify {t:.2f} s (process) = {t / v:.2f} × the product's step {v:.3f} s (goal ≤ 0.25)")
+PY
+cd / && rm -rf "$W"
