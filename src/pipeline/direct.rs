@@ -53,6 +53,7 @@ use crate::backend::{HostRun, InputPinner};
 use crate::dtype::DType;
 use crate::plan::StagingMode;
 use crate::seam::DeviceCheckSpec;
+use crate::store::runs::Run;
 use crate::store::{Block, MappedBlock, MatrixSource};
 
 /// The registry of page-locked storage tiles of one step's inputs, shared by its lanes.
@@ -303,6 +304,56 @@ pub(crate) fn lock_budget(host_memory: u64, pools: u64, cap: u64) -> u64 {
 /// output tile), each source maps its blocks at `host` in ranges the budget can hold, and
 /// under `auto` its data looks in the page cache now (1024 pages sampled: a guess, and a wrong
 /// one only costs buffers made while the step runs).
+/// `runs` cut so that no piece crosses a boundary `data + c·per` (where one registered range ends
+/// and the next begins, [`DirectReads::ranges`]): rows wholly inside one range stay together,
+/// a row that crosses a boundary becomes two one-row pieces. The pieces cover exactly the bytes
+/// of `runs` and land where they did.
+fn split_at_ranges(runs: &[Run], data: u64, per: u64) -> Vec<Run> {
+    let range = |off: u64| (off - data) / per;
+    let mut out = Vec::with_capacity(runs.len());
+    for r in runs {
+        let last_byte = |i: usize| r.file_off + i as u64 * r.file_pitch + r.row_len as u64 - 1;
+        if range(r.file_off) == range(last_byte(r.rows - 1)) {
+            out.push(*r);
+            continue;
+        }
+        let mut i = 0;
+        while i < r.rows {
+            let (off, buf) = r.row(i);
+            let c = range(off);
+            if range(last_byte(i)) != c {
+                // This row crosses into the next range: cut it at the boundary.
+                let cut = (data + (c + 1) * per - off) as usize;
+                let one = |file_off: u64, buf_off: usize, row_len: usize| Run {
+                    file_off,
+                    file_pitch: r.file_pitch,
+                    buf_off,
+                    buf_pitch: r.buf_pitch,
+                    row_len,
+                    rows: 1,
+                };
+                out.push(one(off, buf, cut));
+                out.push(one(off + cut as u64, buf + cut, r.row_len - cut));
+                i += 1;
+                continue;
+            }
+            // Rows i.. while each lies wholly inside range c.
+            let mut n = 1;
+            while i + n < r.rows && range(r.row(i + n).0) == c && range(last_byte(i + n)) == c {
+                n += 1;
+            }
+            out.push(Run {
+                file_off: off,
+                buf_off: buf,
+                rows: n,
+                ..*r
+            });
+            i += n;
+        }
+    }
+    out
+}
+
 pub(crate) fn expected(
     mode: StagingMode,
     pinner: Option<(u64, u64)>,
@@ -410,9 +461,12 @@ impl DirectReads {
     ) -> Option<DirectUpload> {
         let Eligible { mb, ranges } = e;
         let pins = self.pin_all(f, &mb, &ranges)?;
-        let runs: Vec<HostRun> = mb
-            .runs
-            .iter()
+        // One copy may not span two registrations (the driver refuses it: CUDA_ERROR_INVALID_VALUE
+        // on an H200 for a `.npy` block over several bands of rows), so the runs are cut where
+        // one registered range ends and the next begins. A `.mgt`'s runs never cross one.
+        let per = self.per(&mb);
+        let runs: Vec<HostRun> = split_at_ranges(&mb.runs, mb.data.start, per)
+            .into_iter()
             .map(|r| HostRun {
                 // SAFETY: runs lie inside the file (checked by `mapped_block`), so inside the map.
                 host: unsafe { mb.map.as_ptr().add(r.file_off as usize) },
@@ -452,7 +506,7 @@ impl DirectReads {
     /// ([`CHUNK`]) that hold its tiles, each the same for every block that touches it, so
     /// registered once and never overlapping another.
     fn ranges(&self, mb: &MappedBlock<'_>) -> Vec<std::ops::Range<u64>> {
-        let per = (self.chunk / mb.stride).max(1) * mb.stride;
+        let per = self.per(mb);
         let mut idx: Vec<u64> = (mb.spans.iter())
             .map(|s| (s.start - mb.data.start) / per)
             .collect();
@@ -467,6 +521,11 @@ impl DirectReads {
                 start & !page..(start + per).min(mb.data.end)
             })
             .collect()
+    }
+
+    /// The bytes of one registered range of `mb`'s file: whole storage tiles, about [`CHUNK`].
+    fn per(&self, mb: &MappedBlock<'_>) -> u64 {
+        (self.chunk / mb.stride).max(1) * mb.stride
     }
 
     /// Pins on `ranges` of `mb`'s map; `None` (and direct uploads off for the rest of the step,
@@ -878,6 +937,72 @@ mod tests {
             p.wait_for(3, &ctl),
             Err(crate::error::Error::Cancelled)
         ));
+    }
+
+    #[test]
+    fn runs_are_cut_where_registered_ranges_meet() {
+        use crate::store::runs::Run;
+        // Rows of a row-major file (pitch 3000, a 128-byte header before the first) in ranges
+        // of 16 KiB from byte 0: rows cross range boundaries; the pieces must map exactly the
+        // same bytes to the same places, none crossing a boundary.
+        for (row_len, rows, file_off, buf_pitch) in [
+            (1200, 50, 128 + 700, 1200),
+            (3000, 40, 128, 3000),
+            (200, 3, 16000, 256),
+        ] {
+            let r = Run {
+                file_off,
+                file_pitch: 3000,
+                buf_off: 64,
+                buf_pitch,
+                row_len,
+                rows,
+            };
+            let per = 16384;
+            let pieces = super::split_at_ranges(&[r], 0, per);
+            let map = |runs: &[Run]| {
+                let mut m = std::collections::BTreeMap::new();
+                for p in runs {
+                    for i in 0..p.rows {
+                        let (f, b) = p.row(i);
+                        assert_eq!(
+                            f / per,
+                            (f + p.row_len as u64 - 1) / per,
+                            "a piece crosses a boundary: {p:?}"
+                        );
+                        for k in 0..p.row_len {
+                            assert!(m.insert(f + k as u64, b + k).is_none());
+                        }
+                    }
+                }
+                m
+            };
+            let whole = {
+                let mut m = std::collections::BTreeMap::new();
+                for i in 0..r.rows {
+                    let (f, b) = r.row(i);
+                    for k in 0..r.row_len {
+                        m.insert(f + k as u64, b + k);
+                    }
+                }
+                m
+            };
+            assert_eq!(map(&pieces), whole);
+            assert!(
+                pieces.len() < 3 * rows,
+                "rows inside one range stay together"
+            );
+        }
+        // A run inside one range is left as it is.
+        let r = Run {
+            file_off: 100,
+            file_pitch: 1000,
+            buf_off: 0,
+            buf_pitch: 500,
+            row_len: 500,
+            rows: 4,
+        };
+        assert_eq!(super::split_at_ranges(&[r], 0, 16384), vec![r]);
     }
 
     #[test]
