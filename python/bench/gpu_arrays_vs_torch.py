@@ -74,6 +74,21 @@ def main():
               f"{flop / m / 1e12:6.1f} TFLOP/s  torch-pinned/this {base / m:.2f}")
     print("mgmm (numpy out) / torch (pageable):",
           f"{statistics.median(rows['torch @ + .cpu() pageable']) / statistics.median(rows['mgmm out=numpy (pageable)']):.2f}× faster")
+    # Where the engine's time goes in one such call (the step report matmul does not return).
+    settings = mg._settings("auto", [0], None, args.device_memory, 0, None, {"precision": "fp32"})
+    job, keep = mg._prepare(a, b, 1.0, False, False, None, settings)
+    gpus = [k for _n, _d, k in keep if isinstance(k, mg._Gpu)]
+    desc, _res = mg._output(job, host_np, None, gpus, args.device_memory)
+    for g in gpus:
+        g.wait()
+    t = time.perf_counter()
+    rep = job.run(desc, False, None, None, 1.0)
+    call = time.perf_counter() - t
+    print(f"one call through job.run: {call:.3f} s; step wall {rep['wall_s']:.3f} s, first GEMM "
+          f"{rep.get('first_gemm_s')} s, bottleneck {rep['bottleneck']}, tile {rep.get('tile')}")
+    print("  setup:", rep.get("setup_s"), " busy:", [(k, round(v, 2)) for k, v in rep["busy_shares"]])
+    print("  pools:", [(p["name"], p.get("allocated"), p.get("buffers"), p.get("lazy")) for p in rep["pools"]],
+          " direct bytes", rep.get("direct_bytes"))
     # Element by element against torch's f64 product for 16 sampled rows.
     idx = torch.arange(0, n, max(1, n // 16), device="cuda")
     a64, b64 = a[idx].double(), b.double()

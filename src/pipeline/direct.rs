@@ -297,13 +297,6 @@ pub(crate) fn lock_budget(host_memory: u64, pools: u64, cap: u64) -> u64 {
     host_memory.saturating_sub(pools).min(cap)
 }
 
-/// Whether every block of `sources` (a step's A and B) is expected to go straight from the
-/// files' pages, so that the staging pool's leases need no memory unless a block is copied
-/// after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`, the backend uploads from
-/// maps (`pinner`: its [`limits`]), the step has no added matrix (`added`: staging always copies C0, once per
-/// output tile), each source maps its blocks at `host` in ranges the budget can hold, and
-/// under `auto` its data looks in the page cache now (1024 pages sampled: a guess, and a wrong
-/// one only costs buffers made while the step runs).
 /// `runs` cut so that no piece crosses a boundary `data + c·per` (where one registered range ends
 /// and the next begins, [`DirectReads::ranges`]): rows wholly inside one range stay together,
 /// a row that crosses a boundary becomes two one-row pieces. The pieces cover exactly the bytes
@@ -354,6 +347,15 @@ fn split_at_ranges(runs: &[Run], data: u64, per: u64) -> Vec<Run> {
     out
 }
 
+/// Whether every block of `sources` (a step's A and B) is expected to go straight from the
+/// files' pages, so that the staging pool's leases need no memory unless a block is copied
+/// after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`, the backend uploads from
+/// maps (`pinner`: its [`limits`]), the step has no added matrix (`added`: staging always copies C0, once per
+/// output tile), each source maps its blocks at `host` in ranges the budget can hold, and
+/// under `auto` its data looks in the page cache now (1024 pages sampled: a guess, and a wrong
+/// one only costs buffers made while the step runs). Arrays on a GPU
+/// ([`MatrixSource::device_block`]) go device to device whatever `staging` says (a lane on
+/// another GPU, or a CPU lane, reads them through a pool buffer made then).
 pub(crate) fn expected(
     mode: StagingMode,
     pinner: Option<(u64, u64)>,
@@ -361,16 +363,23 @@ pub(crate) fn expected(
     added: bool,
     host: DType,
 ) -> bool {
-    let Some((budget, chunk)) = pinner.filter(|_| mode != StagingMode::Copy && !added) else {
-        return false;
-    };
     let corner = Block {
         r0: 0,
         c0: 0,
         rows: 1,
         cols: 1,
     };
+    if added {
+        return false;
+    }
+    let pinner = pinner.filter(|_| mode != StagingMode::Copy);
     sources.iter().all(|f| {
+        if f.device_block(&corner, host).is_some() {
+            return true;
+        }
+        let Some((budget, chunk)) = pinner else {
+            return false;
+        };
         f.mapped_block(&corner, host).is_some_and(|mb| {
             // The range a block registers (`ranges`): whole tiles, about `chunk` bytes.
             (chunk / mb.stride).max(1) * mb.stride <= budget
