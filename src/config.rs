@@ -78,10 +78,3 @@ pub(crate) fn pinned_alloc() -> bool {
 pub(crate) fn cuda_visible_devices() -> Option<String> {
     std::env::var("CUDA_VISIBLE_DEVICES").ok()
 }
-
-/// `MGMM_CUDA_EMULATION=1`: let `precision = "fp64_emulated"` run on the GPUs before its CUDA
-/// lane (src/backend/cuda/emulate.rs, written without a GPU) has passed its CUDA tests on one;
-/// `tools/checks/cuda_tests.sh` sets it to run them. Read when a CUDA backend is chosen.
-pub(crate) fn cuda_emulation() -> bool {
-    std::env::var("MGMM_CUDA_EMULATION").is_ok_and(|v| v == "1")
-}

@@ -122,7 +122,7 @@ pub(crate) fn emulation_hint(name: &str, moduli: usize) -> Option<String> {
     let x = emulation_speedup(r, moduli);
     (x >= 1.2).then(|| {
         format!(
-            "this GPU ({name}) runs fp64 at {} TFLOP/s but int8 at {} TOP/s (published, dense): precision = \"fp64_emulated\" computes the same fp64 product on its int8 tensor cores, every element within native DGEMM's bound or that block computed natively, predicted about {x:.1}× as fast here ({moduli} moduli per block; docs/PLAN.md). Its GPU lane has not yet passed its tests on a GPU: MGMM_CUDA_EMULATION=1 turns it on",
+            "this GPU ({name}) runs fp64 at {} TFLOP/s but int8 at {} TOP/s (published, dense): precision = \"fp64_emulated\" computes the same fp64 product on its int8 tensor cores, every element within native DGEMM's bound or that block computed natively, predicted about {x:.1}× as fast here ({moduli} moduli per block; docs/PLAN.md).",
             r.fp64, r.int8
         )
     })

@@ -451,11 +451,6 @@ fn run_f64(
     Ok((Mat::load(&dir.join("C.mgt")).v, rep))
 }
 
-/// Whether the GPU lane of `fp64_emulated` is switched on for this run (`MGMM_CUDA_EMULATION=1`).
-fn cuda_emulation() -> bool {
-    std::env::var("MGMM_CUDA_EMULATION").is_ok_and(|v| v == "1")
-}
-
 /// The inputs of the emulation's accuracy tests, by name: A (m×k), B (k×n).
 fn emulation_inputs(
     kind: &str,
@@ -521,27 +516,10 @@ fn emulation_inputs(
 /// are subnormal) — and its median relative error at most twice the engine's native fp64 on
 /// the same files; NaN/Inf exactly where native fp64 puts them; the blocks left to native
 /// fp64 counted in the report. Shapes straddle every tile edge (tile 16, m, n, k not
-/// multiples of it). The CUDA backend refuses the mode in this version unless
-/// `MGMM_CUDA_EMULATION=1` (tools/checks/cuda_tests.sh sets it), saying so.
+/// multiples of it).
 fn fp64_emulated_accuracy(backend: &str) {
     let (m, n, k) = (37, 29, 45);
     let emulated = "precision = \"fp64_emulated\"";
-    if backend == "cuda" && !cuda_emulation() {
-        let (a, b) = emulation_inputs("normal", (m, n, k), 1);
-        let e = run_f64(
-            backend,
-            emulated,
-            (m, n, k),
-            &a,
-            &b,
-            &vec![0.0; m * n],
-            1.0,
-            0.0,
-        )
-        .expect_err("refused on the GPUs in this version");
-        assert!(e.to_string().contains("runs on backend = \"cpu\""), "{e}");
-        return;
-    }
     let u = 2f64.powi(-53);
     for (t, kind) in [
         "normal",
@@ -635,9 +613,6 @@ fn fp64_emulated_accuracy(backend: &str) {
 /// A forced count is used as given and reported: blocks it leaves outside the bound are
 /// counted, not silently fallen back (the summary's wording: `report`'s unit tests).
 fn fp64_emulated_forced_moduli(backend: &str) {
-    if backend == "cuda" && !cuda_emulation() {
-        return; // refused in this version (fp64_emulated_accuracy checks how)
-    }
     let (m, n, k) = (20, 18, 32);
     let (a, b) = emulation_inputs("normal", (m, n, k), 3);
     let z = vec![0.0; m * n];
@@ -655,9 +630,6 @@ fn fp64_emulated_forced_moduli(backend: &str) {
 /// `precision = "fp64_emulated"` through the engine's random shapes, tiles and transposes
 /// (the sweep's f64 reference and bound).
 fn sweep_f64_emulated(backend: &str) {
-    if backend == "cuda" && !cuda_emulation() {
-        return; // refused in this version (fp64_emulated_accuracy checks how)
-    }
     let mut g = Rng::new(2024, 4);
     for i in 0..8 {
         let c = random_case(

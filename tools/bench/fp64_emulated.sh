@@ -4,8 +4,8 @@
 # interleaved), beside torch's in-core DGEMM and int8 GEMM rates (NN, and TN: B given as the
 # transpose of an n×k array); then both outputs compared element by element (relative to
 # |A||B|, in row bands) and the emulated one verified (`verify`: Freivalds plus the
-# componentwise check). GPU machine, repository root, .dev/bin carried (docs/GPU.md); the
-# emulation's GPU lane is switched on here (MGMM_CUDA_EMULATION=1). Log: $OUT/fp64_emulated.log,
+# componentwise check). GPU machine, repository root, .dev/bin carried (docs/GPU.md).
+# Log: $OUT/fp64_emulated.log,
 # reports $OUT/{fp64,fp64_emulated}_i.json. Disk: 4·N²·8 bytes (32 GiB at 32768).
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"

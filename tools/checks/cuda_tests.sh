@@ -3,9 +3,6 @@
 # checkpoint and chain_memory, --ignored) on one GPU (CUDA_VISIBLE_DEVICES=0) and then on every
 # GPU (where there are several). GPU machine, repository root, .dev/bin carried (docs/GPU.md). Log: $OUT/gpu_tests.log.
 set -uo pipefail
-# The fp64_emulated GPU lane is off until these tests pass on a GPU (src/backend/cuda/emulate.rs):
-# switch it on for them.
-export MGMM_CUDA_EMULATION=1
 . "$(dirname "$0")/../lib.sh"
 log_to gpu_tests.log
 nvidia-smi --query-gpu=index,name --format=csv,noheader | tee -a "$LOG"

@@ -17,9 +17,8 @@
 //!
 //! The scratch this needs is in the layout's device budget
 //! ([`crate::plan::layout::emulation_scratch`]).
-//! Not yet run on a GPU (written in a session without one): `tools/checks/cuda_tests.sh` runs
-//! the CUDA twins of the emulation's accuracy tests, and until they pass the backend refuses
-//! the mode unless `MGMM_CUDA_EMULATION=1` is set (docs/GPU.md).
+//! Written in a session without a GPU and switched on once its CUDA twins (the emulation's
+//! accuracy tests, `tools/checks/cuda_tests.sh`) passed on an H200 on 2026-12-05 (docs/GPU.md).
 
 use std::sync::Arc;
 

@@ -141,14 +141,6 @@ impl CudaBackend {
         early: Option<EarlyStart>,
         pinned_alloc: bool,
     ) -> Result<CudaBackend> {
-        if let (Precision::Fp64Emulated(_), false) =
-            (engine.precision, crate::config::cuda_emulation())
-        {
-            // Refused before the driver starts; `backend = "auto"` then runs on the CPU.
-            return Err(crate::error::Error::Usage(
-                "precision = \"fp64_emulated\" runs on backend = \"cpu\" in this version: its GPU lane (int8 tensor cores, src/backend/cuda/emulate.rs) is built but has not yet passed its tests on a GPU, so it is off unless MGMM_CUDA_EMULATION=1 is set; set engine.backend = \"cpu\", or precision = \"fp64\" for native fp64 on the GPUs".into(),
-            ));
-        }
         let devs = probe_with(early.as_ref())?;
         let chosen = choose(engine, &devs)?;
         let prefill = early.and_then(|e| e.prefill);
