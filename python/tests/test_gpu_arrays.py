@@ -90,6 +90,22 @@ def test_the_callers_stream_is_waited_for():
     within_bound(c, src, b)
 
 
+def test_two_lanes_half_precision_arrays_and_bf16():
+    """Two lanes on the GPU (as two GPUs would take them: each copies its blocks device to
+    device); float16 arrays (read through the host, widened to f32); bf16 precision (the
+    lane's landing buffer and conversion on the device)."""
+    a, b = randn(301, 259, seed=20), randn(259, 177, seed=21)
+    c = mg.matmul(a, b, **dict(GPU, devices=[0, 0]))
+    within_bound(c, a, b)
+    a16, b16 = a.half(), b.half()
+    c16 = mg.matmul(a16, b16, **GPU)
+    assert c16.dtype == torch.float32
+    within_bound(c16, a16.float(), b16.float())
+    cb = mg.matmul(a, b, precision="bf16", **GPU)
+    ab, bb = a.bfloat16().float(), b.bfloat16().float()
+    within_bound(cb, ab, bb)
+
+
 def test_cpu_backend_reads_gpu_arrays_through_the_host():
     a, b = randn(130, 70, seed=10), randn(70, 90, seed=11)
     c = mg.matmul(a, b, backend="cpu", tile=64, progress=False)
