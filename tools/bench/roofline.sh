@@ -25,7 +25,7 @@ write_plan tf32_mgt.toml A.mgt B.mgt C_tf32_mgt.mgt "${E[@]}" 'precision = "tf32
 write_plan bf16_mgt.toml A.mgt B.mgt C_bf16_mgt.mgt "${E[@]}" 'precision = "bf16"'
 
 log "driver start-up floor and torch in-core rates"
-python3 "$TOOLS/probes/cuda_startup_costs.py" 2>&1 | tail -8 | tee -a "$LOG"
+python3 "$TOOLS/probes/cuda_startup_costs.py" 2>&1 | tee -a "$LOG"
 python3 - "$N" <<'PY' 2>&1 | tee -a "$LOG"
 import sys, time, torch
 n = int(sys.argv[1])
