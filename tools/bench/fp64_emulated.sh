@@ -11,7 +11,6 @@ set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to fp64_emulated.log
 N=${N:-32768}; REPS=${REPS:-2}
-export MGMM_CUDA_EMULATION=1
 W=${W:-/tmp/fp64e}; mkdir -p "$W"; cd "$W"
 GEN_DTYPE=f64 gen_matrix A.npy "$N" "$N" 1
 GEN_DTYPE=f64 gen_matrix B.npy "$N" "$N" 2

@@ -11,7 +11,7 @@
 #            the busy shares of every stage (what bounds a run that misses the goal), process −
 #            step; in-core cuBLAS SGEMM per GPU (torch) beside it. Inputs warm (read once first).
 #   f64      90 000² (N64) float64 from .npy on every GPU with device_memory = "20GiB" (the
-#            eight-24-GB-card request): native fp64, then fp64_emulated (MGMM_CUDA_EMULATION=1);
+#            eight-24-GB-card request): native fp64, then fp64_emulated;
 #            each checked independently: 4 random 256×256 blocks recomputed in numpy float64 from
 #            the .npy inputs, the error relative to (K+2)·u·|A||B|. Disk: 3 × 65 GB.
 #   startup  a small job (8192² fp32) on 1, 2, 4, 8 GPUs, REPEAT × 3 runs: process − step by GPU
@@ -90,7 +90,6 @@ PY
       write_plan "f64_$p.toml" A64.npy B64.npy "C_f64_$p.npy" 'backend = "cuda"' "precision = \"$p\"" \
         'devices = "all"' 'device_memory = "20GiB"' 'host_memory = "64GiB"' 'durable = false'
       log "f64: ${N64}² $p on every GPU, device_memory = 20GiB"
-      export MGMM_CUDA_EMULATION=1
       REPEAT=1 one "f64_$p" "$N64" "$NGPU"
       python3 - "C_f64_$p.npy" "$N64" <<'PY' | tee -a "$LOG"
 import sys, numpy as np
