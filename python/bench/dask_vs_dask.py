@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--backend", default="cpu", help="mgmm-stream backend: cpu, cuda, auto")
     ap.add_argument("--gpus", type=int, default=0, help="one worker per GPU; Dask side on CuPy")
     ap.add_argument("--dir", default="/tmp/mgmm_dask_bench")
+    ap.add_argument("--durable", action="store_true",
+                    help="mgmm-stream's default durable output (fsync per tile, journal); without "
+                         "it durable = false, the guarantee Dask's to_npy gives (no fsync)")
     args = ap.parse_args()
 
     import dask
@@ -72,7 +75,7 @@ def main() -> None:
     client = Client(cluster)
     nw = len(client.scheduler_info()["workers"])
     print(f"n={n} {dt} workers={nw} threads/worker={args.threads} chunk={args.chunk} "
-          f"backend={args.backend} gpus={args.gpus}", flush=True)
+          f"backend={args.backend} gpus={args.gpus} mgmm durable={args.durable}", flush=True)
     ch = (args.chunk, args.chunk)
     A, B = mgd.from_npy(d / "A.npy", chunks=ch), mgd.from_npy(d / "B.npy", chunks=ch)
 
@@ -84,7 +87,8 @@ def main() -> None:
                 q.rmdir()
             else:
                 q.unlink()
-        mgd.matmul(A, B, out=str(d / "C_mg.npy"), backend=args.backend)
+        mgd.matmul(A, B, out=str(d / "C_mg.npy"), backend=args.backend,
+                   engine=None if args.durable else {"durable": False})
 
     def theirs() -> None:
         a, b = A, B
