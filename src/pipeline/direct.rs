@@ -833,6 +833,16 @@ mod tests {
         }
     }
 
+    /// Whether the page at `addr` is in this process's page tables (`/proc/self/pagemap`, bit
+    /// 63: present; readable by the process itself without privileges).
+    fn mapped(addr: usize) -> bool {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open("/proc/self/pagemap").unwrap();
+        let mut e = [0u8; 8];
+        f.read_exact_at(&mut e, (addr / 4096 * 8) as u64).unwrap();
+        u64::from_le_bytes(e) >> 63 == 1
+    }
+
     #[test]
     fn tiles_are_registered_once_released_over_budget_and_at_the_end() {
         let fx = fixture();
@@ -865,11 +875,30 @@ mod tests {
         let up2 = fx.up(&reg, b, DType::F32).unwrap();
         assert_eq!(rec.registrations.load(Ordering::Relaxed), 4);
         drop((up, up2));
+        let first: Vec<(usize, usize)> = rec.held.lock().unwrap().clone();
+        // Read above, so mapped in this process (the page tables say so).
+        assert!(
+            first.iter().all(|&(p, _)| mapped(p)),
+            "pages read are mapped"
+        );
         // Two new tiles: the budget holds four, so the two oldest idle ones go first.
         let up3 = fx.up(&reg, block(0, 32, 16, 32), DType::F32).unwrap();
         assert_eq!(rec.registrations.load(Ordering::Relaxed), 6);
         assert_eq!(rec.held.lock().unwrap().len(), 4);
         assert_eq!(reg.stats().released_bytes, 2 * 4096);
+        // Released ranges leave the process's page tables (they would count in its RSS until
+        // the map goes: issue 33 item 12); those still registered stay.
+        let held = rec.held.lock().unwrap().clone();
+        let (kept, gone): (Vec<_>, Vec<_>) = first.iter().partition(|r| held.contains(r));
+        assert_eq!((kept.len(), gone.len()), (2, 2));
+        assert!(
+            gone.iter().all(|&&(p, _)| !mapped(p)),
+            "released pages unmapped"
+        );
+        assert!(
+            kept.iter().all(|&&(p, _)| mapped(p)),
+            "registered pages left"
+        );
         // Tiles in use are never released, and the budget is never passed: a block whose
         // ranges have no room beside them is copied instead (counted), taking nothing.
         assert!(fx.up(&reg, block(48, 0, 16, 64), DType::F32).is_none());
