@@ -319,6 +319,16 @@ class _Gpu:
         return None
 
 
+def _devices_for(a: Any, b: Any, devices: Any, backend: str) -> Any:
+    """``devices`` as asked, except that with the default ``"all"`` and every GPU operand on
+    one GPU the product runs on that GPU alone: a lane on another GPU would read those operands
+    through host memory, block by block, slower than the one GPU computing it all."""
+    if not (isinstance(devices, str) and devices == "all") or backend == "cpu":
+        return devices
+    on = {_Gpu(x, n).device for x, n in ((a, "a"), (b, "b")) if _on_gpu(x)}
+    return [on.pop()] if len(on) == 1 else devices
+
+
 def _result_on_gpu(first: "_Gpu", inputs: List["_Gpu"], need: int,
                    device_memory: Any) -> bool:
     """Whether ``matmul(out=None)`` keeps the result on the first GPU input's GPU: when it
@@ -656,6 +666,7 @@ def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool
     """
     _check_cancel(cancel)
     precision, engine = _precision(precision, engine)
+    devices = _devices_for(a, b, devices, backend)
     settings = _settings(backend, devices, host_memory, device_memory, threads, tile, engine)
     job, keep = _prepare(a, b, alpha, trans_a, trans_b, precision, settings)
     gpus = [k for _n, _d, k in keep if isinstance(k, _Gpu)]
