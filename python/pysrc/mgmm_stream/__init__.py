@@ -274,7 +274,9 @@ class _Gpu:
             else:
                 self.device = int(_native.gpu_of(self.addr))
         except DeviceError as e:
-            raise DeviceError(f"{name} is a {_kind(x)} in GPU memory, but {e}") from None
+            raise DeviceError(f"{name} is a {_kind(x)} in GPU memory, which needs the CUDA "
+                              f"driver to be read ({e}); to compute from host memory pass "
+                              f"{name}.cpu() (torch) or {name}.get() (CuPy)") from None
         self.nbytes = ((self.rows - 1) * self.ld + self.cols) * self.itemsize
         # The stream the data is ready on: the framework's current stream; else what the
         # interface says (v3: None means nothing to wait for); else the whole GPU.

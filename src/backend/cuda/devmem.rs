@@ -33,7 +33,7 @@ fn driver() -> Result<()> {
     if !unsafe { sys::is_culib_present() } {
         return Err(Error::backend(
             "cuda",
-            "an array in GPU memory was given, but the CUDA driver library (libcuda.so.1) was not found",
+            "the CUDA driver library (libcuda.so.1) was not found",
         ));
     }
     match std::panic::catch_unwind(CudaContext::device_count) {
