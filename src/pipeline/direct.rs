@@ -13,8 +13,9 @@
 //! compute dtype), staging hands the lane the block's rectangles in the map and the page-locked
 //! storage tiles behind them ([`DirectUpload`]); the lane copies each rectangle into the slot.
 //! A storage tile is registered the first time a block needs it and stays registered for later
-//! blocks until the registered total would pass the budget, when idle tiles are released oldest
-//! first; everything is released when the step ends. Locked pages are host memory the kernel
+//! blocks until the registered total would pass the budget, when idle tiles are released — the
+//! one needed again last first, where one lane's loads are known ahead ([`Foresight`]), else
+//! the one used longest ago; everything is released when the step ends. Locked pages are host memory the kernel
 //! cannot reclaim (under a cgroup limit — SLURM's `--mem`, a container — more than that is an OOM
 //! kill), so the budget is part of `engine.host_memory`: what the step's pools leave of it, and at
 //! most half the memory the host can spare when the step starts ([`limits`]). It is a bound, not
@@ -72,6 +73,9 @@ pub(crate) struct DirectReads {
     tick: AtomicU64,
     /// Why direct uploads stopped, if a registration failed.
     failed: OnceLock<String>,
+    /// The order of the step's loads, when known ([`Self::foresee`]): which range a full
+    /// budget lets go of.
+    foresight: OnceLock<Foresight>,
     stats: Counts,
     /// The sources whose maps the entries point into: dropped only after every range is
     /// released ([`Drop`]).
@@ -204,7 +208,50 @@ impl DirectUpload {
 /// ([`DirectReads::eligible`]).
 pub(crate) struct Eligible<'f> {
     mb: MappedBlock<'f>,
+    block: Block,
     ranges: Vec<std::ops::Range<u64>>,
+}
+
+/// The loads of a step's one lane in the order its planner issues them, worked out before the
+/// step starts by running the planner's model ahead ([`DirectReads::foresee`]), so that a full
+/// budget releases the idle range needed again last — none again first — instead of the one
+/// used longest ago. Least-recently-used is the worst choice for the cyclic reuse of a
+/// product's inputs: 32768² fp64 from `.npy` on one H200 with `host_memory = "16GiB"` (11.5 GiB
+/// to lock, 16 GiB of inputs, each block registering its whole band of rows) registered 23.6 GB
+/// to upload 17.2 — 11.3 GB released and registered again — and its staging thread, which
+/// registers, set the pace (2.70 s against 1.23 s of GEMMs; docs/measurements/2026-12-05b-h200-3-roofline-gpu-arrays-dask.log).
+/// Releasing by next use is Belady's rule, optimal for a known sequence.
+struct Foresight {
+    /// Positions in the load sequence of each block, by (its map's address, first row, first
+    /// column): where a load finds itself, so the clock follows loads copied instead or skipped.
+    blocks: HashMap<(usize, u64, u64), Vec<u32>>,
+    /// Positions of the loads that use each range, by the range's address.
+    uses: HashMap<usize, Vec<u32>>,
+    /// The position of the latest load taken.
+    clock: AtomicU64,
+}
+
+impl Foresight {
+    /// Move the clock to the first load of `key` at or after it (unchanged when none is left:
+    /// a load the model did not foresee).
+    fn advance(&self, key: (usize, u64, u64)) {
+        let Some(pos) = self.blocks.get(&key) else {
+            return;
+        };
+        let now = self.clock.load(Ordering::Relaxed) as u32;
+        if let Some(&p) = pos.get(pos.partition_point(|&p| p < now)) {
+            self.clock.fetch_max(p as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// The position of the next load after the clock that uses the range at `ptr`;
+    /// `u32::MAX` when none does.
+    fn next_use(&self, ptr: usize) -> u32 {
+        let now = self.clock.load(Ordering::Relaxed) as u32;
+        (self.uses.get(&ptr))
+            .and_then(|u| u.get(u.partition_point(|&p| p <= now)).copied())
+            .unwrap_or(u32::MAX)
+    }
 }
 
 /// How many of a lane's checks (CRC, NaN/Inf count) of directly uploaded blocks have passed, in
@@ -441,6 +488,7 @@ impl DirectReads {
             peak: AtomicU64::new(0),
             tick: AtomicU64::new(0),
             failed: OnceLock::new(),
+            foresight: OnceLock::new(),
             stats: Counts::default(),
             _sources: sources,
         }
@@ -475,7 +523,47 @@ impl DirectReads {
             self.stats.cold_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        Some(Eligible { mb, ranges })
+        Some(Eligible {
+            mb,
+            block: *block,
+            ranges,
+        })
+    }
+
+    /// Learn the order of the step's loads, `loads` (the source and block of each, as the one
+    /// lane's planner will issue them): from then on a full budget releases the idle range
+    /// whose next use is furthest away ([`Foresight`]). Only where registering locks memory
+    /// (nothing is ever released otherwise); blocks with no map of `host` are left out.
+    pub(crate) fn foresee<'s>(
+        &self,
+        loads: impl Iterator<Item = (&'s dyn MatrixSource, Block)>,
+        host: DType,
+    ) {
+        if !self.pinner.locks() {
+            return;
+        }
+        let mut f = Foresight {
+            blocks: HashMap::new(),
+            uses: HashMap::new(),
+            clock: AtomicU64::new(0),
+        };
+        for (i, (src, b)) in loads.enumerate() {
+            let Some(mb) = src.mapped_block(&b, host) else {
+                continue;
+            };
+            let base = mb.map.as_ptr() as usize;
+            f.blocks
+                .entry((base, b.r0, b.c0))
+                .or_default()
+                .push(i as u32);
+            for r in self.ranges(&mb) {
+                f.uses
+                    .entry(base + r.start as usize)
+                    .or_default()
+                    .push(i as u32);
+            }
+        }
+        let _ = self.foresight.set(f);
     }
 
     /// An eligible block of `f` as rectangles of its page-locked map; `None` when registering
@@ -488,7 +576,10 @@ impl DirectReads {
         e: Eligible<'_>,
         token: Lease,
     ) -> Option<DirectUpload> {
-        let Eligible { mb, ranges } = e;
+        let Eligible { mb, block, ranges } = e;
+        if let Some(fs) = self.foresight.get() {
+            fs.advance((mb.map.as_ptr() as usize, block.r0, block.c0));
+        }
         let pins = self.pin_all(f, &mb, &ranges)?;
         // One copy may not span two registrations (the driver refuses it: CUDA_ERROR_INVALID_VALUE
         // on an H200 for a `.npy` block over several bands of rows), so the runs are cut where
@@ -659,7 +750,7 @@ impl DirectReads {
         }
     }
 
-    /// Release idle ranges, oldest first, until `len` more bytes fit in the budget (or
+    /// Release idle ranges (the one needed again last first, [`Self::release_idle_except`]) until `len` more bytes fit in the budget (or
     /// nothing idle is left: ranges in use are never released). `except`: the range being
     /// registered (its lock is held by the caller).
     fn make_room(&self, len: u64, except: usize) {
@@ -674,19 +765,24 @@ impl DirectReads {
         self.release_idle_except(len, 0);
     }
 
+    /// Idle ranges go in the order [`Foresight`] says (the one needed again last first), else —
+    /// the order unknown, or between ranges needed next at the same load — used longest ago first.
     fn release_idle_except(&self, len: u64, except: usize) {
-        let mut idle: Vec<(u64, Arc<Entry>)> = {
+        let fs = self.foresight.get();
+        let mut idle: Vec<(std::cmp::Reverse<u32>, u64, Arc<Entry>)> = {
             let m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
             m.values()
                 .filter(|e| e.ptr != except)
                 .filter_map(|e| {
                     let st = e.st.try_lock().ok()?;
-                    (st.registered && st.users == 0).then(|| (st.last, e.clone()))
+                    let next = fs.map_or(0, |f| f.next_use(e.ptr));
+                    (st.registered && st.users == 0)
+                        .then(|| (std::cmp::Reverse(next), st.last, e.clone()))
                 })
                 .collect()
         };
-        idle.sort_unstable_by_key(|(last, _)| *last);
-        for (_, e) in idle {
+        idle.sort_unstable_by_key(|(next, last, _)| (*next, *last));
+        for (_, _, e) in idle {
             if len != u64::MAX && self.registered.load(Ordering::Relaxed) + len <= self.budget {
                 break;
             }

@@ -649,6 +649,7 @@ impl<'a> Pipeline<'a> {
             lanes: nlanes,
             depth,
         };
+        per_lane.foresee();
         for (i, lane) in lanes.iter_mut().enumerate() {
             let pool = staging_pools[i].clone();
             stages.extend(per_lane.stages(i, lane.as_mut(), pool, c, t0, metrics));
@@ -676,6 +677,10 @@ impl<'a> Pipeline<'a> {
 /// stages to write and record them before it is cancelled outright (SLURM's `KillWait` is 30 s
 /// by default; a save is one download and one checkpoint file per tile in flight).
 const STOP_GRACE: Duration = Duration::from_secs(15);
+
+/// The most GEMMs of a step whose loads are worked out ahead for the direct-upload registry
+/// ([`LaneWiring::foresee`]): about a second of the planner's model, and tens of MB.
+const FORESEE_MAX: u64 = 1 << 20;
 
 /// Writeback threads for `threads` worker threads (`engine.threads`): one per eight, 1 to 4.
 /// One thread copied finished tiles into the output and checksummed them at 3.5–3.9 GB/s on
@@ -725,6 +730,68 @@ struct LaneWiring<'p> {
 }
 
 impl<'p> LaneWiring<'p> {
+    /// Lane `lane`'s planner, taking its tiles from `queue`.
+    fn planner<'q>(
+        &self,
+        lane: usize,
+        queue: &'q TileQueue,
+        outprep: crossbeam_channel::Sender<crate::store::Block>,
+        out: crossbeam_channel::Sender<PlanOp>,
+        m: Arc<StageMetrics>,
+    ) -> Planner<'q>
+    where
+        'p: 'q,
+    {
+        let (step, l) = (self.step, self.layout);
+        Planner {
+            lane,
+            outprep,
+            sched: self.sched,
+            queue,
+            slots: l.slots,
+            accs: l.accs,
+            start_group: l.start_group,
+            alpha: step.alpha,
+            beta: step.beta,
+            has_c0: step.c0.is_some(),
+            ckpt: self.ckpt,
+            out,
+            m,
+        }
+    }
+
+    /// Tell the direct-upload registry the order of the loads to come
+    /// ([`direct::DirectReads::foresee`]): the planner's model run ahead on a copy of the
+    /// queue, exact when one lane runs the step (several lanes share out tiles as they go, and
+    /// then the registry releases the range used longest ago). Skipped past [`FORESEE_MAX`]
+    /// GEMMs (a step of small tiles, whose ranges a GPU's budget holds anyway).
+    fn foresee(&self) {
+        let Some(d) = self.direct else {
+            return;
+        };
+        if self.lanes != 1 || self.queue.len() as u64 * self.sched.gk > FORESEE_MAX {
+            return;
+        }
+        let t = Instant::now();
+        let queue = TileQueue::new(
+            self.sched,
+            self.queue.order().to_vec(),
+            1,
+            self.queue.grows(),
+        );
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (prep, _prep) = crossbeam_channel::unbounded();
+        let m = StageMetrics::new(StageKind::Planner, 0, 1);
+        if (self.planner(0, &queue, prep, tx, m).run(&Control::new())).is_ok() {
+            let loads = rx.try_iter().filter_map(|op| match op {
+                PlanOp::Load { src, block, .. } => Some((self.inputs.file(src), block)),
+                _ => None,
+            });
+            d.foresee(loads, self.layout.host_dt);
+        }
+        crate::trace::span("start-up", "foresee loads", t, Instant::now());
+    }
+
     /// The stages of lane `i`, which runs on `lane` and stages into `pool`, in display order.
     fn stages(
         &self,
@@ -735,8 +802,7 @@ impl<'p> LaneWiring<'p> {
         t0: Instant,
         metrics: &mut Vec<Arc<StageMetrics>>,
     ) -> Vec<Box<dyn StageRun + 'p>> {
-        let (step, l, inputs, ckpt, depth) =
-            (self.step, self.layout, self.inputs, self.ckpt, self.depth);
+        let (l, inputs, ckpt, depth) = (self.layout, self.inputs, self.ckpt, self.depth);
         let mut stages: Vec<Box<dyn StageRun + 'p>> = Vec::new();
         let (plan_tx, plan_rx) = crossbeam_channel::bounded::<PlanOp>(16);
         let (pre_tx, pre_rx) = crossbeam_channel::bounded::<PlanOp>(4 * depth);
@@ -746,21 +812,13 @@ impl<'p> LaneWiring<'p> {
             metrics.push(m.clone());
             m
         };
-        stages.push(Box::new(Planner {
-            lane: i,
-            outprep: self.outprep.clone(),
-            sched: self.sched,
-            queue: self.queue,
-            slots: l.slots,
-            accs: l.accs,
-            start_group: l.start_group,
-            alpha: step.alpha,
-            beta: step.beta,
-            has_c0: step.c0.is_some(),
-            ckpt,
-            out: plan_tx,
-            m: m(StageKind::Planner),
-        }));
+        stages.push(Box::new(self.planner(
+            i,
+            self.queue,
+            self.outprep.clone(),
+            plan_tx,
+            m(StageKind::Planner),
+        )));
         stages.push(Box::new(Prefetch {
             inputs,
             rx: plan_rx,
