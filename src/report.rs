@@ -61,6 +61,9 @@ pub struct StepReport {
     pub read_bytes: u64,
     /// Of `read_bytes`, those read from intermediates held in host memory.
     pub memory_read_bytes: u64,
+    /// Where the inputs came from: "files", "arrays" (the Python package's) or "files and
+    /// arrays".
+    pub inputs_from: String,
     /// What `plan`'s traffic model predicted for `read_bytes` (for the whole step: compare only
     /// when `tiles_computed == tiles_total`).
     pub predicted_read_bytes: u64,
@@ -398,6 +401,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         predicted_read_bytes: predicted.read_bytes,
         shared_read_bytes: st.shared_read_bytes,
         memory_read_bytes: st.memory_read_bytes,
+        inputs_from: st.inputs_from.into(),
         min_read_bytes: predicted.min_read_bytes,
         direct_bytes: st.direct.as_ref().map_or(0, |d| d.bytes),
         direct_device_checked_bytes: st.device_checked_bytes,
@@ -662,9 +666,9 @@ fn inputs_line(r: &StepReport) -> String {
         "  inputs: read {}{} ({}){}; first GEMM after {}\n",
         fmt_bytes(r.read_bytes),
         if r.memory_read_bytes > 0 {
-            ""
+            String::new()
         } else {
-            " from files"
+            format!(" from {}", r.inputs_from)
         },
         about.join("; "),
         if r.shared_read_bytes > 0 {

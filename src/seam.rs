@@ -180,7 +180,7 @@ pub struct Caps {
     pub(crate) link_rate: Option<f64>,
     /// Peak FLOP rate per lane by precision for `plan`'s lower bound, and where that rate
     /// comes from, by precision too (`plan` once called the CPU's f64 rate "faer's f32 rate").
-    pub(crate) peak_flops: fn(Precision, usize) -> f64,
+    pub(crate) peak_flops: fn(Precision, usize, u64) -> f64,
     pub(crate) peak_source: fn(Precision) -> &'static str,
 }
 

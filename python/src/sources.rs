@@ -78,6 +78,9 @@ impl MatrixSource for BufferSource {
     fn path(&self) -> &Path {
         &self.label
     }
+    fn is_file(&self) -> bool {
+        false
+    }
     fn shape(&self) -> (u64, u64) {
         (self.m.rows, self.m.cols)
     }
@@ -334,6 +337,9 @@ unsafe impl Send for DeviceSource {}
 unsafe impl Sync for DeviceSource {}
 
 impl MatrixSource for DeviceSource {
+    fn is_file(&self) -> bool {
+        false
+    }
     fn path(&self) -> &Path {
         &self.label
     }

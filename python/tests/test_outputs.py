@@ -185,3 +185,26 @@ def test_restart_keeps_a_finished_output_when_an_input_is_now_corrupt(tmp_path):
         f.write(x)
     mg.matmul(a, b, out=d, restart=True, **CPU)
     assert open(d, "rb").read() == kept
+
+
+def test_a_quick_call_prints_one_progress_line(monkeypatch, capfd):
+    """Plain progress lines (no tqdm): a call of milliseconds prints its finished line only,
+    not a 0 % line right before it (a new user saw two lines for a 5 ms call)."""
+    import sys
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    a, b = rand((70, 50)), rand((50, 90), seed=1)
+    mg.matmul(a, b, backend="cpu", tile=64, progress=True)
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if " tiles (" in ln]
+    assert len(lines) == 1, lines
+    assert lines[0].split(": ")[1].startswith("4/4 tiles (100.0%)"), lines
+
+
+def test_the_summary_says_arrays_were_read_not_files(caplog):
+    """Arrays handed in are not files: the summary's inputs line says so."""
+    import logging
+    a, b = rand((70, 50)), rand((50, 90), seed=1)
+    with caplog.at_level(logging.INFO, logger="mgmm_stream"):
+        mg.matmul(a, b, **CPU)
+    text = " ".join(caplog.text.split())
+    assert "from arrays" in text and "from files" not in text, text

@@ -34,13 +34,13 @@ const CPU_TILES: &[u64] = &[
 /// BENCHMARKS.md; f64 is half. A core without AVX-512 has half the vector width (AVX2 and
 /// FMA: half the rate), one without those a quarter of that: the lower bound `plan` prints must
 /// not assume a machine faster than this one.
-fn cpu_peak(p: Precision, threads: usize) -> f64 {
+fn cpu_peak(p: Precision, threads: usize, depth: u64) -> f64 {
     let f32_per_core = simd_f32_per_core();
     let per_core = match p {
         Precision::Fp64 => f32_per_core / 2.0,
-        // N + 1 f64 GEMMs per block, N as `auto` picks it for normal data at k = 1024.
+        // N + 1 f64 GEMMs per block, N as `auto` picks it for normal data `depth` deep.
         Precision::Fp64Emulated(m) => {
-            f32_per_core / 2.0 / (ozaki::expected_moduli(m, 1024) + 1) as f64
+            f32_per_core / 2.0 / (ozaki::expected_moduli(m, depth) + 1) as f64
         }
         _ => f32_per_core,
     };
@@ -52,7 +52,7 @@ fn cpu_peak_source(p: Precision) -> &'static str {
     if p == Precision::Fp64 {
         "faer's f64 rate per core: half its f32 rate with AVX-512, a quarter without, BENCHMARKS.md"
     } else if p.is_f64() {
-        "faer's f64 rate per core over the N + 1 f64 GEMMs an emulated block takes, N as auto picks it for normal data at k = 1024"
+        "faer's f64 rate per core over the N + 1 f64 GEMMs an emulated block takes, N as auto picks it for normal data as deep as this step's blocks"
     } else {
         "faer's f32 rate per core with AVX-512, half without, BENCHMARKS.md"
     }

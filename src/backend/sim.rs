@@ -113,7 +113,7 @@ impl InputPinner for SimPinner {
     }
 }
 
-fn sim_peak(_p: Precision, lanes: usize) -> f64 {
+fn sim_peak(_p: Precision, lanes: usize, _depth: u64) -> f64 {
     1e9 * lanes as f64
 }
 

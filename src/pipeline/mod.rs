@@ -128,6 +128,8 @@ pub(crate) struct RunStats {
     pub(crate) shared_read_bytes: u64,
     /// Of the bytes staged, those from sources held in memory.
     pub(crate) memory_read_bytes: u64,
+    /// Where the inputs came from, for the summary: "files", "arrays" or "files and arrays".
+    pub(crate) inputs_from: &'static str,
     /// Of the directly uploaded bytes, those checked on the devices ([`crate::backend::check`]).
     pub(crate) device_checked_bytes: u64,
     /// Seconds from the start of the stages to the first GEMM issued on any lane.
@@ -494,6 +496,7 @@ impl<'a> Pipeline<'a> {
             nonfinite_outputs: self.out_nonfinite.get(),
             shared_read_bytes: self.shared.shared_bytes.load(Ordering::Relaxed),
             memory_read_bytes: self.inputs.memory_bytes.load(Ordering::Relaxed),
+            inputs_from: self.inputs.origin(),
             device_checked_bytes: self.inputs.device_checked.load(Ordering::Relaxed),
             first_gemm_s: match c.first_gemm_ns.load(Ordering::Relaxed) {
                 u64::MAX => None,

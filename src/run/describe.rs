@@ -512,7 +512,8 @@ fn describe_bounds(
         fmt_bytes(t.h2d_bytes + t.d2h_bytes),
         fmt_bytes(t.read_bytes)
     );
-    let rate = (caps.peak_flops)(e.precision, if device { caps.lanes } else { sel.threads() });
+    let lanes = if device { caps.lanes } else { sel.threads() };
+    let rate = (caps.peak_flops)(e.precision, lanes, l.tk.min(step.k));
     let why = (caps.peak_source)(e.precision);
     let tc = step.flops() / rate;
     let td = (t.min_read_bytes + t.write_bytes) as f64 / DISK_READ;
@@ -521,9 +522,9 @@ fn describe_bounds(
         .map(|r| t.h2d_bytes.max(t.d2h_bytes) as f64 / r / caps.lanes as f64)
         .unwrap_or(0.0);
     s += &format!(
-        "  lower bound: {:.3e} FLOP at {:.1} TFLOP/s ({why}) = {:.3} s; cold disk at {:.1} GB/s = {:.3} s{} => at least {:.3} s\n",
+        "  lower bound: {:.3e} FLOP at {} ({why}) = {:.3} s; cold disk at {:.1} GB/s = {:.3} s{} => at least {:.3} s\n",
         step.flops(),
-        rate / 1e12,
+        crate::progress::fmt_flops(Some(rate)),
         tc,
         DISK_READ / 1e9,
         td,

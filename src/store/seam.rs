@@ -57,6 +57,11 @@ pub trait MatrixSource: Send + Sync {
     fn in_memory(&self) -> bool {
         false
     }
+    /// False for an array the caller hands in (the Python package's host and GPU arrays): the
+    /// summary then says it read arrays, not files.
+    fn is_file(&self) -> bool {
+        true
+    }
     /// Block `b` as rectangles of the file's read-only map, for a device to copy straight from
     /// the page cache (`engine.staging`, [`crate::pipeline::direct`]); `None` where the format
     /// cannot give them (another dtype than `host`, a source without a map of its own).

@@ -917,6 +917,24 @@ fn plan_text_names_rates_operands_intermediates_and_paths_as_they_are() {
             && !flat.contains("faer's f32 rate"),
         "{s}"
     );
+    // fp64_emulated on a small step: a rate in the unit that shows it (it printed "0.0
+    // TFLOP/s"), from the moduli of this step's block depth (it assumed k = 1024).
+    let emu = "[matrices.A]\npath = \"A64.mgt\"\n\
+               generate = { rows = 300, cols = 10, dtype = \"f64\" }\n\
+               [matrices.B]\npath = \"B64.mgt\"\n\
+               generate = { rows = 10, cols = 10, dtype = \"f64\" }\n\
+               [[step]]\noutput = \"E.mgt\"\nexpr = \"A @ B\"\n\
+               [engine]\nbackend = \"cpu\"\nprecision = \"fp64_emulated\"\n";
+    std::fs::write(dir.join("emu.toml"), emu).unwrap();
+    let s = ok(&mg(dir, &["plan", "emu.toml"]));
+    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        !flat.contains(" 0.0 TFLOP/s")
+            && flat.contains("GFLOP/s (faer's f64 rate")
+            && flat.contains("as deep as this step's blocks")
+            && !flat.contains("k = 1024"),
+        "{s}"
+    );
     // A plan in the current folder whose paths climb out of it.
     let up = "[matrices.A]\npath = \"../../A.mgt\"\n[[step]]\noutput = \"../../x.npy\"\n\
               expr = \"A @ A.T\"\n[engine]\nbackend = \"cpu\"\n";

@@ -378,7 +378,9 @@ class _Display:
         self.bar = None
         self.tqdm = None
         self.every = 0.2
-        self.last_line = 0.0
+        # Plain lines: the first one `every` seconds in (a call of a few milliseconds prints
+        # only its finished line, not a 0 % line right before it).
+        self.last_line = time.monotonic()
         if progress is True:
             try:
                 from tqdm.auto import tqdm  # type: ignore

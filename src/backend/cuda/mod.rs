@@ -77,14 +77,15 @@ const GPU_TILES: &[u64] = &[
 ];
 
 /// H200 cuBLAS rates measured in docs/GPU.md, per GPU.
-fn h200_peak(p: Precision, lanes: usize) -> f64 {
+fn h200_peak(p: Precision, lanes: usize, _depth: u64) -> f64 {
     let per = match p {
         Precision::Fp32 => 54e12,
         Precision::Tf32 => 350e12,
         Precision::Bf16 | Precision::Fp16 => 700e12,
         Precision::Fp64 => 60e12,
-        // Not run on the GPUs yet (CudaBackend::select refuses it): no rate measured.
-        Precision::Fp64Emulated(_) => 60e12,
+        // 32768² from `.npy` on one H200, 8192-deep blocks: 16.6 TFLOP/s
+        // (docs/measurements/2026-12-05b-h200-2-npy-cut-fp64e-locked.log).
+        Precision::Fp64Emulated(_) => 16.6e12,
     };
     per * lanes as f64
 }
@@ -104,7 +105,12 @@ pub(crate) fn cuda_caps(lanes: usize, device_memory: u64) -> Caps {
         link_names: ("H2D", "D2H"),
         link_rate: Some(55e9),
         peak_flops: h200_peak,
-        peak_source: |_| "H200 cuBLAS rates measured in docs/GPU.md",
+        peak_source: |p| match p {
+            Precision::Fp64Emulated(_) => {
+                "fp64_emulated measured on one H200 at 32768², BENCHMARKS.md"
+            }
+            _ => "H200 cuBLAS rates measured in docs/GPU.md",
+        },
     }
 }
 

@@ -37,6 +37,18 @@ impl Inputs {
             device_checked: AtomicU64::new(0),
         }
     }
+    /// Where the inputs come from, as the summary says it: "files" (a chain's intermediate
+    /// held in memory counts as one: its bytes are told apart on their own), "arrays" (handed
+    /// in by the caller) or "files and arrays".
+    pub(crate) fn origin(&self) -> &'static str {
+        let all = [Some(&self.a), Some(&self.b), self.c0.as_ref()];
+        let arrays = all.iter().flatten().filter(|s| !s.is_file()).count();
+        match arrays {
+            0 => "files",
+            n if n == all.iter().flatten().count() => "arrays",
+            _ => "files and arrays",
+        }
+    }
     pub(crate) fn file(&self, s: Src) -> &dyn MatrixSource {
         match s {
             Src::A => &*self.a,

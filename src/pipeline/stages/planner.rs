@@ -225,7 +225,7 @@ pub(super) mod tests {
             narrow_slots: false,
             link_names: ("H2D", "D2H"),
             link_rate: None,
-            peak_flops: |_, _| 1e12,
+            peak_flops: |_, _, _| 1e12,
             peak_source: |_| "test",
         };
         let step = &plan.steps[0];
