@@ -15,13 +15,6 @@ typedef unsigned __int128 u128;
 #define OZ_MAX 16
 __constant__ u32 OZ_MODULI[OZ_MAX] = {256, 255, 253, 251, 247, 241, 239, 233,
                                       229, 227, 223, 217, 211, 199, 197, 193};
-// The same moduli as literals, X(l, m_l) for each: a `%` by a literal compiles to a multiply
-// and shifts, by a value read from OZ_MODULI to a division routine (tens of instructions) —
-// which made the residues, the reductions and Garner's reconstruction, not the int8 GEMMs, most
-// of an emulated block's time on an H200 (docs/measurements/2026-12-05b-h200-2-npy-cut-fp64e-locked.log).
-#define OZ_EACH_MODULUS(X) \
-    X(0, 256) X(1, 255) X(2, 253) X(3, 251) X(4, 247) X(5, 241) X(6, 239) X(7, 233) \
-    X(8, 229) X(9, 227) X(10, 223) X(11, 217) X(12, 211) X(13, 199) X(14, 197) X(15, 193)
 __constant__ int OZ_T[OZ_MAX + 1] = {OZ_T_TABLE};
 #define OZ_NONE (-2147483647 - 1)
 
@@ -62,49 +55,6 @@ __device__ int oz_ilogb(double x) {
         return -1023 - (__clzll((i64)frac) - 12);
     }
     return e - 1023;
-}
-
-// A grid-stride walk over the elements e of an m×n row-major matrix with its row i and column j
-// kept by additions: a 64-bit division per element (e / n, e % n) cost more than the work on
-// the element in oz_reduce. Two divisions per thread instead.
-struct OzWalk {
-    u64 e, step;
-    u64 i, j, si, sj, n;
-    __device__ explicit OzWalk(u64 cols) {
-        n = cols ? cols : 1;  // an empty matrix: no element, and no division by zero
-        e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-        step = (u64)gridDim.x * blockDim.x;
-        i = e / n;
-        j = e % n;
-        si = step / n;
-        sj = step % n;
-    }
-    __device__ void next() {
-        e += step;
-        i += si;
-        j += sj;
-        if (j >= n) {
-            j -= n;
-            i++;
-        }
-    }
-};
-
-// m_l as a compile-time constant: OzM<l>::v.
-template <int L> struct OzM;
-#define OZ_M_TYPE(l, m) \
-    template <> struct OzM<l> { static constexpr u32 v = m; };
-OZ_EACH_MODULUS(OZ_M_TYPE)
-#undef OZ_M_TYPE
-
-// |a| mod M of a = ±ua (ua < 2^63), symmetric in [−M/2, M/2), as int8. M a literal: the
-// 64-bit remainder is a multiply-high and shifts.
-template <u32 M>
-__device__ __forceinline__ signed char oz_sym(u64 ua, bool neg) {
-    int r = (int)(ua % M);
-    int sr = neg ? (r == 0 ? 0 : (int)M - r) : r;
-    if (2 * sr >= (int)M) sr -= (int)M;
-    return (signed char)sr;
 }
 
 // Per vector: q (2^q above its 2-norm; OZ_NONE for a zero vector), s = Σ|v|·2^-q, x = the
@@ -182,23 +132,27 @@ extern "C" __global__ void oz_info(const double* __restrict__ X, int count, int 
     }
 }
 
-// Coarse copies of the vectors for the lower bound of |A||B|: |v|·2^(6−x_v) truncated (int8,
-// largest in [64, 127]) in the TN layout the int8 GEMMs read, out[v·kp + p], zero for p ≥ k and
-// for zero vectors. Tiles of 32 vectors × 32 elements through shared memory, so that reads
-// follow the stored order (along p when ks = 1, along v when rs = 1) and writes run along p.
-// Vectors on grid x (up to 2^31 − 1 blocks), elements on grid y (kp/32 ≤ 2048).
-extern "C" __global__ void oz_coarse(const double* __restrict__ X, int count, int k, int kp,
-                                     i64 rs, i64 ks, const int* __restrict__ q,
-                                     const int* __restrict__ xo, signed char* __restrict__ out) {
-    __shared__ signed char tile[32][33];
+// The vectors in the TN layout the int8 GEMMs read: out[v·kp + p], zero for p ≥ k and for zero
+// vectors. Tiles of 32 vectors × 32 elements through shared memory, so that reads follow the
+// stored order (along p when ks = 1, along v when rs = 1) and writes run along p. Vectors
+// on grid x (up to 2^31 − 1 blocks), elements on grid y (kp/32 ≤ 2048).
+// mode 0: coarse |v|·2^(6−x_v) truncated (int8, largest in [64, 127]) for the lower bound of
+// |A||B|; mode 1: trunc(v·2^(t−q_v)) (int64, below 2^t in magnitude).
+template <typename T, int MODE>
+__device__ void oz_tn(const double* __restrict__ X, int count, int k, int kp, i64 rs, i64 ks,
+                      const int* __restrict__ q, const int* __restrict__ xo, int t, T* out) {
+    __shared__ T tile[32][33];
     int v0 = blockIdx.x * 32, p0 = blockIdx.y * 32;
     bool along_p = ks == 1;
     for (int r = threadIdx.y; r < 32; r += blockDim.y) {
         int v = v0 + (along_p ? r : threadIdx.x);
         int p = p0 + (along_p ? threadIdx.x : r);
-        signed char val = 0;
-        if (v < count && p < k && q[v] != OZ_NONE)
-            val = (signed char)trunc(oz_scalbn(fabs(X[(i64)v * rs + (i64)p * ks]), 6 - xo[v]));
+        T val = 0;
+        if (v < count && p < k && q[v] != OZ_NONE) {
+            double e = X[(i64)v * rs + (i64)p * ks];
+            if (MODE == 0) val = (T)trunc(oz_scalbn(fabs(e), 6 - xo[v]));
+            else val = (T)trunc(oz_scalbn(e, t - q[v]));
+        }
         if (along_p) tile[r][threadIdx.x] = val;
         else tile[threadIdx.x][r] = val;
     }
@@ -209,39 +163,14 @@ extern "C" __global__ void oz_coarse(const double* __restrict__ X, int count, in
     }
 }
 
-// The scaled integers x = trunc(v·2^(t−q_v)) (below 2^t in magnitude) of every vector, never
-// stored: their residues mod each of the first nm moduli, symmetric in [−m/2, m/2), as int8 in
-// the TN layout, plane l at out[l·plane + v·kp + p] (zero for p ≥ k and for zero vectors). One
-// pass over the operand for all moduli (it was a pass over an int64 copy per modulus), the
-// transposing tile of oz_tn holding the integers.
-extern "C" __global__ void oz_split(const double* __restrict__ X, int count, int k, int kp, i64 rs,
-                                    i64 ks, const int* __restrict__ q, int t, int nm, u64 plane,
-                                    signed char* __restrict__ out) {
-    __shared__ i64 tile[32][33];
-    int v0 = blockIdx.x * 32, p0 = blockIdx.y * 32;
-    bool along_p = ks == 1;
-    for (int r = threadIdx.y; r < 32; r += blockDim.y) {
-        int v = v0 + (along_p ? r : threadIdx.x);
-        int p = p0 + (along_p ? threadIdx.x : r);
-        i64 val = 0;
-        if (v < count && p < k && q[v] != OZ_NONE)
-            val = (i64)trunc(oz_scalbn(X[(i64)v * rs + (i64)p * ks], t - q[v]));
-        if (along_p) tile[r][threadIdx.x] = val;
-        else tile[threadIdx.x][r] = val;
-    }
-    __syncthreads();
-    for (int r = threadIdx.y; r < 32; r += blockDim.y) {
-        int v = v0 + r, p = p0 + threadIdx.x;
-        if (v >= count || p >= kp) continue;
-        i64 a = tile[r][threadIdx.x];
-        bool neg = a < 0;
-        u64 ua = neg ? (u64)(-a) : (u64)a;
-        u64 at = (u64)v * kp + p;
-#define OZ_SPLIT_ONE(l, m) \
-        if (l < nm) out[(u64)l * plane + at] = oz_sym<m>(ua, neg);
-        OZ_EACH_MODULUS(OZ_SPLIT_ONE)
-#undef OZ_SPLIT_ONE
-    }
+extern "C" __global__ void oz_coarse(const double* X, int count, int k, int kp, i64 rs, i64 ks,
+                                     const int* q, const int* xo, signed char* out) {
+    oz_tn<signed char, 0>(X, count, k, kp, rs, ks, q, xo, 0, out);
+}
+
+extern "C" __global__ void oz_scaled(const double* X, int count, int k, int kp, i64 rs, i64 ks,
+                                     const int* q, int t, i64* out) {
+    oz_tn<i64, 1>(X, count, k, kp, rs, ks, q, q, t, out);
 }
 
 // The accuracy contract per element (i, j) from the coarse product g = (ÃB̃)_ij: the fewest
@@ -261,8 +190,9 @@ extern "C" __global__ void oz_select(const int* __restrict__ g, int m, int n, in
     double rk = sqrt((double)k);
     double margin = 1.0 + oz_p2(-20);
     u32 need_max = 1, least_max = 1;
-    for (OzWalk w(n); w.e < total; w.next()) {
-        int i = (int)w.i, j = (int)w.j;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (u64)gridDim.x * blockDim.x) {
+        int i = (int)(e / n), j = (int)(e % n);
         int qi = qa[i], rj = qb[j];
         if (qi == OZ_NONE || rj == OZ_NONE) continue;
         double gp = oz_scalbn((double)g[(u64)i * ldc + j], xa[i] - 6 - qi + xb[j] - 6 - rj);
@@ -291,26 +221,34 @@ extern "C" __global__ void oz_select(const int* __restrict__ g, int m, int n, in
     }
 }
 
-// plane[i·n + j] = c[i·ldc + j] mod m_l in [0, m_l): the residue of modulus l's integer product
-// (c's rows padded to ldc for cuBLAS, the plane dense).
-template <u32 M>
-__device__ void oz_reduce_by(const int* __restrict__ c, int m_rows, int n, int ldc,
-                             unsigned char* __restrict__ plane) {
-    u64 len = (u64)m_rows * n;
-    for (OzWalk w(n); w.e < len; w.next()) {
-        int x = c[w.i * ldc + w.j];
-        u32 r = (u32)(x < 0 ? -(i64)x : (i64)x) % M;
-        plane[w.e] = (unsigned char)(x < 0 && r != 0 ? M - r : r);
-    }
+// a mod m for |a| < 2^63: in two 32-bit halves (32-bit division is cheap on the GPU, 64-bit is
+// not), the result symmetric in [−m/2, m/2) as int8.
+__device__ __forceinline__ signed char oz_sym(i64 a, u32 m) {
+    u64 ua = a < 0 ? (u64)(-a) : (u64)a;
+    u32 hi = (u32)(ua >> 32), lo = (u32)ua;
+    u32 r32 = (u32)(((u64)1 << 32) % m);
+    u32 r = (u32)((((u64)(hi % m) * r32) % m + lo % m) % m);
+    int sr = a < 0 ? (r == 0 ? 0 : (int)(m - r)) : (int)r;
+    if (2 * sr >= (int)m) sr -= (int)m;
+    return (signed char)sr;
 }
 
-extern "C" __global__ void oz_reduce(const int* __restrict__ c, int m_rows, int n, int ldc, int l,
+extern "C" __global__ void oz_residue(const i64* __restrict__ x, u64 len, u32 m, signed char* out) {
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < len;
+         e += (u64)gridDim.x * blockDim.x)
+        out[e] = oz_sym(x[e], m);
+}
+
+// plane[i·n + j] = c[i·ldc + j] mod m in [0, m): the residue of one modulus's integer product
+// (c's rows padded to ldc for cuBLAS, the plane dense).
+extern "C" __global__ void oz_reduce(const int* __restrict__ c, int m_rows, int n, int ldc, u32 m,
                                      unsigned char* plane) {
-    switch (l) {
-#define OZ_REDUCE_ONE(L, m) \
-    case L: oz_reduce_by<m>(c, m_rows, n, ldc, plane); break;
-        OZ_EACH_MODULUS(OZ_REDUCE_ONE)
-#undef OZ_REDUCE_ONE
+    u64 len = (u64)m_rows * n;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < len;
+         e += (u64)gridDim.x * blockDim.x) {
+        u64 i = e / n, j = e % n;
+        int r = c[i * ldc + j] % (int)m;
+        plane[e] = (unsigned char)(r < 0 ? r + (int)m : r);
     }
 }
 
@@ -343,37 +281,6 @@ __device__ double oz_i128_ldexp(u128 ux, bool neg, int s) {
     return neg ? -r : r;
 }
 
-// Garner's digit l's running sum: acc = (acc·m_J + d[J]) mod m_L for J = L−2 … 0, every
-// modulus a literal.
-template <int L, int J>
-__device__ __forceinline__ u32 oz_garner_sum(const u32* d, u32 acc) {
-    if constexpr (J < 0) {
-        return acc;
-    } else {
-        constexpr u32 ml = OzM<L>::v;
-        return oz_garner_sum<L, J - 1>(d, (acc * (OzM<J>::v % ml) + d[J]) % ml);
-    }
-}
-
-// Garner's mixed-radix digits d[L..nm) of an element from its residues c_l (planes[l·total + e]),
-// d[0..L) known: d_L = (c_L − Σ) · inv_L mod m_L, added into x = Σ d_l·w_l as they come (w the
-// product of the moduli before L), so that every index is a constant and d stays in registers.
-template <int L>
-__device__ __forceinline__ void oz_digits(u32* d, int nm, const unsigned char* __restrict__ planes,
-                                          u64 total, u64 e, u64 inv_lo, u64 inv_hi, u128& x,
-                                          u128 w) {
-    if constexpr (L < OZ_MAX) {
-        if (L >= nm) return;
-        constexpr u32 ml = OzM<L>::v;
-        u32 acc = oz_garner_sum<L, L - 2>(d, d[L - 1]);
-        u32 inv = (u32)(((L < 8 ? inv_lo : inv_hi) >> (8 * (L % 8))) & 0xff);
-        u32 c = planes[(u64)L * total + e];
-        d[L] = (c + 2 * ml - acc) % ml * inv % ml;
-        x += (u128)d[L] * w;
-        oz_digits<L + 1>(d, nm, planes, total, e, inv_lo, inv_hi, x, w * ml);
-    }
-}
-
 // C = alpha·P + beta·C with P the exact product rebuilt from its nm residues (Garner's
 // mixed-radix digits, Horner in 128 bits, the symmetric adjustment) and rounded once:
 // planes[l·m·n + e] holds residue l of element e; C row-major m×n; nm = 0: the product is
@@ -387,15 +294,23 @@ extern "C" __global__ void oz_rebuild(const unsigned char* __restrict__ planes, 
     // inv: Garner's inverses, 8 bits each packed into two u64 (moduli 1..15); mod: M.
     u64 total = (u64)m * n;
     u128 M = ((u128)mod_hi << 64) | mod_lo;
-    for (OzWalk w(n); w.e < total; w.next()) {
-        u64 e = w.e;
-        int i = (int)w.i, j = (int)w.j;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+         e += (u64)gridDim.x * blockDim.x) {
+        int i = (int)(e / n), j = (int)(e % n);
         double p = 0.0;
         if (nm > 0 && qa[i] != OZ_NONE && qb[j] != OZ_NONE) {
-            u32 d[OZ_MAX];
-            d[0] = planes[e];
-            u128 x = d[0];
-            oz_digits<1>(d, nm, planes, total, e, inv_lo, inv_hi, x, (u128)OzM<0>::v);
+            u32 v[OZ_MAX];
+            v[0] = planes[e];
+            for (int l = 1; l < nm; l++) {
+                u32 ml = OZ_MODULI[l];
+                u32 sacc = v[l - 1];
+                for (int jj = l - 2; jj >= 0; jj--) sacc = (sacc * (OZ_MODULI[jj] % ml) + v[jj]) % ml;
+                u32 inv = (u32)(((l < 8 ? inv_lo >> (8 * l) : inv_hi >> (8 * (l - 8)))) & 0xff);
+                u32 c = planes[(u64)l * total + e];
+                v[l] = (c + 2 * ml - sacc) % ml * inv % ml;
+            }
+            u128 x = v[nm - 1];
+            for (int jj = nm - 2; jj >= 0; jj--) x = x * OZ_MODULI[jj] + v[jj];
             bool neg = 2 * x >= M;
             u128 ax = neg ? M - x : x;
             p = oz_i128_ldexp(ax, neg, qa[i] + qb[j] - 2 * t);

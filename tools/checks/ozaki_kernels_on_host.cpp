@@ -1,6 +1,6 @@
 // kernels/ozaki.cu run on the CPU, each CUDA thread a std::thread and __syncthreads a barrier,
 // driven as src/backend/cuda/emulate.rs drives them (info, coarse, an int8 GEMM in the TN
-// layout, select, split, per modulus GEMM + reduce, rebuild), and every element
+// layout, select, scaled, per modulus residue + GEMM + reduce, rebuild), and every element
 // checked against a double-double reference and native DGEMM's bound (K+2)·u·(|α||A||B| +
 // |β||C0|). What it checks is the kernels' arithmetic and indexing — strides of transposed
 // operands, the TN layout, padding, Garner, the 128-bit rounding — without a GPU; cuBLAS and
@@ -79,16 +79,13 @@ static void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
 static const unsigned MODULI[16] = {256, 255, 253, 251, 247, 241, 239, 233,
                                     229, 227, 223, 217, 211, 199, 197, 193};
 
-// c (row-major m×n, int32) = a8 (m×kp) · b8ᵀ (n×kp), plane l of each (a8 planes m·kp apart,
-// b8's n·kp): what the int8 GEMM computes.
+// c (row-major m×n, int32) = a8 (m×kp) · b8ᵀ (n×kp): what the int8 GEMM computes.
 static void int_gemm(const std::vector<signed char>& a8, const std::vector<signed char>& b8,
-                     std::vector<int>& c, int m, int n, int kp, int l = 0) {
-    const signed char* a = a8.data() + (size_t)l * m * kp;
-    const signed char* b = b8.data() + (size_t)l * n * kp;
+                     std::vector<int>& c, int m, int n, int kp) {
     for (int i = 0; i < m; i++)
         for (int j = 0; j < n; j++) {
             long long s = 0;
-            for (int p = 0; p < kp; p++) s += (long long)a[(size_t)i * kp + p] * b[(size_t)j * kp + p];
+            for (int p = 0; p < kp; p++) s += (long long)a8[(size_t)i * kp + p] * b8[(size_t)j * kp + p];
             c[(size_t)i * n + j] = (int)s;
         }
 }
@@ -120,8 +117,7 @@ static Result emulated(const std::vector<double>& A, bool at, const std::vector<
     int np = (n + 15) / 16 * 16;  // the int8 GEMM's n and ldc, padded as emulate.rs pads them
     launch({(unsigned)m, 1, 1}, {256, 1, 1}, [&] { oz_info(A.data(), m, k, ars, aks, qa.data(), sa.data(), xa.data(), flags.data(), 1u); });
     launch({(unsigned)n, 1, 1}, {256, 1, 1}, [&] { oz_info(B.data(), n, k, brs, bks, qb.data(), sb.data(), xb.data(), flags.data(), 2u); });
-    // A plane per modulus; b8's padding rows: garbage.
-    std::vector<signed char> a8(16 * (size_t)m * kp), b8(16 * (size_t)np * kp, 0x55);
+    std::vector<signed char> a8((size_t)m * kp), b8((size_t)np * kp, 0x55);  // padding rows: garbage
     auto tiles = [&](int count) { return dim3{(unsigned)((count + 31) / 32), (unsigned)((kp + 31) / 32), 1}; };
     launch(tiles(m), {32, 8, 1}, [&] { oz_coarse(A.data(), m, k, kp, ars, aks, qa.data(), xa.data(), a8.data()); });
     launch(tiles(n), {32, 8, 1}, [&] { oz_coarse(B.data(), n, k, kp, brs, bks, qb.data(), xb.data(), b8.data()); });
@@ -141,15 +137,15 @@ static Result emulated(const std::vector<double>& A, bool at, const std::vector<
     int nm = fixed ? fixed : need;
     if (!fixed && least > need) return {0, true};
     int t = OZ_T[nm];
-    launch(tiles(m), {32, 8, 1}, [&] {
-        oz_split(A.data(), m, k, kp, ars, aks, qa.data(), t, nm, (unsigned long long)m * kp, a8.data());
-    });
-    launch(tiles(n), {32, 8, 1}, [&] {
-        oz_split(B.data(), n, k, kp, brs, bks, qb.data(), t, nm, (unsigned long long)np * kp, b8.data());
-    });
+    std::vector<long long> ai((size_t)m * kp), bi((size_t)n * kp);
+    launch(tiles(m), {32, 8, 1}, [&] { oz_scaled(A.data(), m, k, kp, ars, aks, qa.data(), t, ai.data()); });
+    launch(tiles(n), {32, 8, 1}, [&] { oz_scaled(B.data(), n, k, kp, brs, bks, qb.data(), t, bi.data()); });
     for (int l = 0; l < nm; l++) {
-        int_gemm(a8, b8, c32, m, np, kp, l);
-        launch({8, 1, 1}, {64, 1, 1}, [&] { oz_reduce(c32.data(), m, n, np, l, planes.data() + l * mn); });
+        unsigned ml = MODULI[l];
+        launch({8, 1, 1}, {64, 1, 1}, [&] { oz_residue(ai.data(), ai.size(), ml, a8.data()); });
+        launch({8, 1, 1}, {64, 1, 1}, [&] { oz_residue(bi.data(), bi.size(), ml, b8.data()); });
+        int_gemm(a8, b8, c32, m, np, kp);
+        launch({8, 1, 1}, {64, 1, 1}, [&] { oz_reduce(c32.data(), m, n, np, ml, planes.data() + l * mn); });
     }
     unsigned long long inv_lo = 0, inv_hi = 0;
     for (int l = 0; l < 16; l++) {

@@ -9,14 +9,11 @@
 //! ran at 1,284 TOP/s on an H200 against 130 in NN) bounds |A||B| from below; `oz_select` finds
 //! the fewest moduli that keep every element within the contract, which the host reads (the
 //! one synchronisation of a block). NaN/Inf, or no count up to 16 that meets the bound under
-//! `auto`, leave the block to DGEMM. Otherwise `oz_split` scales each operand to integers and
-//! writes their int8 residues for every modulus in one pass (TN, a plane per modulus), and per
-//! modulus one int8 GEMM multiplies two planes and `oz_reduce` keeps the product mod the modulus
-//! as one byte per element; `oz_rebuild` recovers each element exactly (Garner's digits summed in
-//! 128 bits), rounds it once and applies alpha and beta with the native path's roundings. Every
-//! `%` in them is by a literal modulus (a multiply and shifts; by a modulus read from memory each
-//! was a division routine, and those kernels took about twice the int8 GEMMs' time on an H200).
-//! The depth is padded with zeros to a multiple of 16.
+//! `auto`, leave the block to DGEMM. Otherwise `oz_scaled` writes the scaled integers once
+//! (int64, TN), and per modulus `oz_residue` makes their int8 residues, one int8 GEMM multiplies
+//! them and `oz_reduce` keeps the product mod the modulus as one byte per element; `oz_rebuild`
+//! recovers each element exactly (Garner, 128-bit Horner), rounds it once and applies alpha and
+//! beta with the native path's roundings. The depth is padded with zeros to a multiple of 16.
 //!
 //! The scratch this needs is in the layout's device budget
 //! ([`crate::plan::layout::emulation_scratch`]).
@@ -31,7 +28,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
-use crate::backend::ozaki::{self, Done, Fallback, MAX_MODULI};
+use crate::backend::ozaki::{self, Done, Fallback, MAX_MODULI, MODULI};
 use crate::backend::GemmDesc;
 use crate::plan::layout::{emulation_depth, Layout};
 use crate::seam::EmulationModuli;
@@ -69,8 +66,9 @@ fn source() -> String {
 struct Kernels {
     info: CudaFunction,
     coarse: CudaFunction,
-    split: CudaFunction,
+    scaled: CudaFunction,
     select: CudaFunction,
+    residue: CudaFunction,
     reduce: CudaFunction,
     rebuild: CudaFunction,
 }
@@ -88,10 +86,10 @@ pub(super) struct Emulator {
     xb: CudaSlice<i32>,
     /// `[NaN/Inf seen, need, least]`.
     flags: CudaSlice<u32>,
-    /// The int8 operands in the TN layout, a plane per modulus ([`MAX_MODULI`]; the coarse
-    /// copies in plane 0): `tm·kp` and `tnp·kp` bytes each.
     a8: CudaSlice<u8>,
     b8: CudaSlice<u8>,
+    ai: CudaSlice<i64>,
+    bi: CudaSlice<i64>,
     c32: CudaSlice<i32>,
     planes: CudaSlice<u8>,
 }
@@ -122,8 +120,9 @@ impl Emulator {
         let k = Kernels {
             info: f("oz_info")?,
             coarse: f("oz_coarse")?,
-            split: f("oz_split")?,
+            scaled: f("oz_scaled")?,
             select: f("oz_select")?,
+            residue: f("oz_residue")?,
             reduce: f("oz_reduce")?,
             rebuild: f("oz_rebuild")?,
         };
@@ -143,8 +142,10 @@ impl Emulator {
                 sb: stream.alloc(tn).map_err(fail(e))?,
                 xb: stream.alloc(tn).map_err(fail(e))?,
                 flags: stream.alloc(4).map_err(fail(e))?,
-                a8: stream.alloc(MAX_MODULI * tm * kp).map_err(fail(e))?,
-                b8: stream.alloc(MAX_MODULI * tnp * kp).map_err(fail(e))?,
+                a8: stream.alloc(tm * kp).map_err(fail(e))?,
+                b8: stream.alloc(tnp * kp).map_err(fail(e))?,
+                ai: stream.alloc(tm * kp).map_err(fail(e))?,
+                bi: stream.alloc(tn * kp).map_err(fail(e))?,
                 c32: stream.alloc(tm * tnp).map_err(fail(e))?,
                 planes: stream.alloc(MAX_MODULI * tm * tn).map_err(fail(e))?,
             })
@@ -267,7 +268,7 @@ impl Emulator {
                     .arg(out);
                 lb.launch(cfg).map_err(fail("oz_coarse launch"))?;
             }
-            if !self.product(stream, handle, (m, np, kp), 0)? {
+            if !self.product(stream, handle, (m, np, kp))? {
                 return Ok(Err(Fallback::Bound));
             }
             let (mut lb, cfg) = launch(stream, &self.k.select, flat(m * n), (256, 1, 1));
@@ -317,15 +318,14 @@ impl Emulator {
         };
         let t = ozaki::t_of(nm);
         let mn = m * n;
-        let nmi = nm as i32;
         // SAFETY: as above.
         unsafe {
-            for (count, x, rs, ks, q, plane, out) in [
-                (mi, a, ars, aks, &self.qa, (m * kp) as u64, &mut self.a8),
-                (ni, b, brs, bks, &self.qb, (np * kp) as u64, &mut self.b8),
+            for (count, x, rs, ks, q, out) in [
+                (mi, a, ars, aks, &self.qa, &mut self.ai),
+                (ni, b, brs, bks, &self.qb, &mut self.bi),
             ] {
                 let (mut lb, cfg) =
-                    launch(stream, &self.k.split, tiles(count as usize), (32, 8, 1));
+                    launch(stream, &self.k.scaled, tiles(count as usize), (32, 8, 1));
                 lb.arg(&x)
                     .arg(&count)
                     .arg(&ki)
@@ -334,23 +334,33 @@ impl Emulator {
                     .arg(&ks)
                     .arg(q)
                     .arg(&t)
-                    .arg(&nmi)
-                    .arg(&plane)
                     .arg(out);
-                lb.launch(cfg).map_err(fail("oz_split launch"))?;
+                lb.launch(cfg).map_err(fail("oz_scaled launch"))?;
             }
-            for l in 0..nm {
-                if !self.product(stream, handle, (m, np, kp), l)? {
+            for (l, &ml) in MODULI[..nm].iter().enumerate() {
+                {
+                    let Emulator {
+                        k, ai, bi, a8, b8, ..
+                    } = &mut *self;
+                    for (src, len, out) in
+                        [(&*ai, (m * kp) as u64, a8), (&*bi, (n * kp) as u64, b8)]
+                    {
+                        let (mut lb, cfg) =
+                            launch(stream, &k.residue, flat(len as usize), (256, 1, 1));
+                        lb.arg(src).arg(&len).arg(&ml).arg(out);
+                        lb.launch(cfg).map_err(fail("oz_residue launch"))?;
+                    }
+                }
+                if !self.product(stream, handle, (m, np, kp))? {
                     return Ok(Err(Fallback::Bound));
                 }
-                let li = l as i32;
                 let mut plane = self.planes.slice_mut(l * mn..(l + 1) * mn);
                 let (mut lb, cfg) = launch(stream, &self.k.reduce, flat(mn), (256, 1, 1));
                 lb.arg(&self.c32)
                     .arg(&mi)
                     .arg(&ni)
                     .arg(&npi)
-                    .arg(&li)
+                    .arg(&ml)
                     .arg(&mut plane);
                 lb.launch(cfg).map_err(fail("oz_reduce launch"))?;
             }
@@ -362,21 +372,19 @@ impl Emulator {
         }))
     }
 
-    /// The int8 GEMM of plane `l` of `a8` and of `b8` into `c32` ([`int_gemm`]); `false`:
-    /// cuBLAS has no int8 kernel for this shape, and the block is left to DGEMM (`c` is
-    /// untouched until the rebuild, so that is always safe).
+    /// The int8 GEMM of `a8` and `b8` into `c32` ([`int_gemm`]); `false`: cuBLAS has no int8
+    /// kernel for this shape, and the block is left to DGEMM (`c` is untouched until the
+    /// rebuild, so that is always safe).
     fn product(
         &mut self,
         stream: &Arc<CudaStream>,
         handle: blas_sys::cublasHandle_t,
         (m, np, kp): (usize, usize, usize),
-        l: usize,
     ) -> Result<bool, EmuError> {
         int_gemm(
             stream,
             handle,
             (&self.a8, &self.b8, &mut self.c32),
-            (l * m * kp, l * np * kp),
             m,
             np,
             kp,
@@ -427,15 +435,13 @@ impl Emulator {
     }
 }
 
-/// `c32` (row-major m×n, n a multiple of 16) = a8 (m×kp) · b8ᵀ (b8: n×kp), both k-contiguous
-/// and starting `offsets` bytes into their buffers (a modulus's plane), exactly in int32: the
-/// column-major Cᵀ = b8·a8ᵀ, cuBLAS's TN. `Ok(false)`: cuBLAS has no kernel for the shape
-/// (CUBLAS_STATUS_NOT_SUPPORTED).
+/// `c32` (row-major m×n, n a multiple of 16) = a8 (m×kp) · b8ᵀ (b8: n×kp), both k-contiguous,
+/// exactly in int32: the column-major Cᵀ = b8·a8ᵀ, cuBLAS's TN. `Ok(false)`: cuBLAS has no
+/// kernel for the shape (CUBLAS_STATUS_NOT_SUPPORTED).
 fn int_gemm(
     stream: &Arc<CudaStream>,
     handle: blas_sys::cublasHandle_t,
     (a8, b8, c32): (&CudaSlice<u8>, &CudaSlice<u8>, &mut CudaSlice<i32>),
-    (a_off, b_off): (usize, usize),
     m: usize,
     n: usize,
     kp: usize,
@@ -443,15 +449,12 @@ fn int_gemm(
     use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
     use blas_sys::cudaDataType::{CUDA_R_32I, CUDA_R_8I};
     let (one, zero) = (1i32, 0i32);
-    debug_assert!(a_off + m * kp <= a8.len() && b_off + n * kp <= b8.len());
     let (pa, _ga) = a8.device_ptr(stream);
     let (pb, _gb) = b8.device_ptr(stream);
-    let (pa, pb) = (pa + a_off as u64, pb + b_off as u64);
     let (pc, _gc) = c32.device_ptr_mut(stream);
-    // SAFETY: a8/b8/c32 are this emulator's buffers holding m·kp and n·kp bytes past the
-    // offsets (the planes are sized for the tile: `Emulator::new`) and m·n elements, on
-    // `stream`, the handle's stream; alpha/beta point to live i32 locals, the type
-    // CUBLAS_COMPUTE_32I reads.
+    // SAFETY: a8/b8/c32 are this emulator's buffers of at least m·kp, n·kp and m·n
+    // elements on `stream`, the handle's stream; alpha/beta point to live i32 locals, the
+    // type CUBLAS_COMPUTE_32I reads.
     let r = unsafe {
         blas_result::gemm_ex(
             handle,
@@ -502,7 +505,6 @@ fn launch<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::ozaki::MODULI;
 
     /// The kernels' moduli are the CPU's, and their table of t is filled from its `t_of`.
     #[test]
