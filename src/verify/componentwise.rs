@@ -226,12 +226,7 @@ pub(crate) fn check(
                     continue;
                 }
                 let bcol = &bc[ci * k..(ci + 1) * k];
-                let mut d = Dd::default();
-                let mut abs = 0.0f64;
-                for (x, y) in a.iter().zip(bcol) {
-                    d.add_prod(*x, *y);
-                    abs += (x * y).abs();
-                }
+                let (d, abs) = super::kernel::dot_prod_dd(a, bcol);
                 let mut r = Dd::default();
                 r.add_scaled(alpha, d);
                 if beta != 0.0 {
