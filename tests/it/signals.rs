@@ -74,14 +74,25 @@ fn signal_when_under_way(
     extra: &[&str],
     signal: &str,
 ) -> (std::process::ExitStatus, String, Duration) {
-    let mut child = Command::new(bin())
-        .args(["run", "p.toml", "--log-every", "0.2"])
+    let mut cmd = Command::new(bin());
+    cmd.args(["run", "p.toml", "--log-every", "0.2"])
         .args(extra)
         .current_dir(dir)
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    // The run starts with every signal at its default even when the tests run under `nohup`,
+    // which leaves SIGHUP ignored — and a signal the engine was started with ignored stays so
+    // (src/interrupt.rs), so the SIGHUP case would run to the end.
+    // SAFETY: only `signal`, which is async-signal-safe, runs between fork and exec.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            for s in [libc::SIGHUP, libc::SIGTERM, libc::SIGINT] {
+                libc::signal(s, libc::SIG_DFL);
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
     let mut err = BufReader::new(child.stderr.take().unwrap());
     let mut seen = String::new();
     while !seen
