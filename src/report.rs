@@ -635,8 +635,9 @@ fn inputs_line(r: &StepReport) -> String {
     let mut about = Vec::new();
     if r.memory_read_bytes > 0 {
         about.push(format!(
-            "{} from files, {} from memory",
+            "{} from {}, {} from memory",
             fmt_bytes(r.read_bytes - r.memory_read_bytes),
+            r.inputs_from,
             fmt_bytes(r.memory_read_bytes)
         ));
     }

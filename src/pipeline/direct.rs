@@ -76,6 +76,10 @@ pub(crate) struct DirectReads {
     /// The order of the step's loads, when known ([`Self::foresee`]): which range a full
     /// budget lets go of.
     foresight: OnceLock<Foresight>,
+    /// Loads staged so far (every kind: direct, copied, from a GPU array), counted by the
+    /// staging stage ([`Self::count_load`]): with one lane, the position in [`Foresight`]'s
+    /// sequence of the load being staged, plus one.
+    loads: AtomicU64,
     stats: Counts,
     /// The sources whose maps the entries point into: dropped only after every range is
     /// released ([`Drop`]).
@@ -208,7 +212,6 @@ impl DirectUpload {
 /// ([`DirectReads::eligible`]).
 pub(crate) struct Eligible<'f> {
     mb: MappedBlock<'f>,
-    block: Block,
     ranges: Vec<std::ops::Range<u64>>,
 }
 
@@ -222,34 +225,18 @@ pub(crate) struct Eligible<'f> {
 /// registers, set the pace (2.70 s against 1.23 s of GEMMs; docs/measurements/2026-12-05b-h200-3-roofline-gpu-arrays-dask.log).
 /// Releasing by next use is Belady's rule, optimal for a known sequence.
 struct Foresight {
-    /// Positions in the load sequence of each block, by (its map's address, first row, first
-    /// column): where a load finds itself, so the clock follows loads copied instead or skipped.
-    blocks: HashMap<(usize, u64, u64), Vec<u32>>,
     /// Positions of the loads that use each range, by the range's address.
     uses: HashMap<usize, Vec<u32>>,
-    /// The position of the latest load taken.
-    clock: AtomicU64,
 }
 
 impl Foresight {
-    /// Move the clock to the first load of `key` at or after it (unchanged when none is left:
-    /// a load the model did not foresee).
-    fn advance(&self, key: (usize, u64, u64)) {
-        let Some(pos) = self.blocks.get(&key) else {
-            return;
-        };
-        let now = self.clock.load(Ordering::Relaxed) as u32;
-        if let Some(&p) = pos.get(pos.partition_point(|&p| p < now)) {
-            self.clock.fetch_max(p as u64, Ordering::Relaxed);
-        }
-    }
-
-    /// The position of the next load after the clock that uses the range at `ptr`;
+    /// The position of the next load from `now` on (the load being staged included: a block
+    /// pinning its ranges one by one must not let go of its own) that uses the range at `ptr`;
     /// `u32::MAX` when none does.
-    fn next_use(&self, ptr: usize) -> u32 {
-        let now = self.clock.load(Ordering::Relaxed) as u32;
+    fn next_use(&self, ptr: usize, now: u64) -> u32 {
+        let now = now.min(u32::MAX as u64) as u32;
         (self.uses.get(&ptr))
-            .and_then(|u| u.get(u.partition_point(|&p| p <= now)).copied())
+            .and_then(|u| u.get(u.partition_point(|&p| p < now)).copied())
             .unwrap_or(u32::MAX)
     }
 }
@@ -489,6 +476,7 @@ impl DirectReads {
             tick: AtomicU64::new(0),
             failed: OnceLock::new(),
             foresight: OnceLock::new(),
+            loads: AtomicU64::new(0),
             stats: Counts::default(),
             _sources: sources,
         }
@@ -523,39 +511,36 @@ impl DirectReads {
             self.stats.cold_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        Some(Eligible {
-            mb,
-            block: *block,
-            ranges,
-        })
+        Some(Eligible { mb, ranges })
+    }
+
+    /// Whether knowing the loads ahead can matter: registering locks memory (the CPU's lanes
+    /// read the maps as they are, and nothing is ever released) and the inputs do not all fit
+    /// the budget at once.
+    pub(crate) fn may_release(&self) -> bool {
+        let bytes: u64 = (self._sources.iter())
+            .map(|f| f.shape().0 * f.shape().1 * f.dtype().size() as u64)
+            .sum();
+        self.pinner.locks() && bytes > self.budget
     }
 
     /// Learn the order of the step's loads, `loads` (the source and block of each, as the one
-    /// lane's planner will issue them): from then on a full budget releases the idle range
-    /// whose next use is furthest away ([`Foresight`]). Only where registering locks memory
-    /// (nothing is ever released otherwise); blocks with no map of `host` are left out.
+    /// lane's planner will issue them, which the staging stage counts: [`Self::count_load`]):
+    /// from then on a full budget releases the idle range whose next use is furthest away
+    /// ([`Foresight`]). Blocks with no map of `host` are left out.
     pub(crate) fn foresee<'s>(
         &self,
         loads: impl Iterator<Item = (&'s dyn MatrixSource, Block)>,
         host: DType,
     ) {
-        if !self.pinner.locks() {
-            return;
-        }
         let mut f = Foresight {
-            blocks: HashMap::new(),
             uses: HashMap::new(),
-            clock: AtomicU64::new(0),
         };
         for (i, (src, b)) in loads.enumerate() {
             let Some(mb) = src.mapped_block(&b, host) else {
                 continue;
             };
             let base = mb.map.as_ptr() as usize;
-            f.blocks
-                .entry((base, b.r0, b.c0))
-                .or_default()
-                .push(i as u32);
             for r in self.ranges(&mb) {
                 f.uses
                     .entry(base + r.start as usize)
@@ -564,6 +549,12 @@ impl DirectReads {
             }
         }
         let _ = self.foresight.set(f);
+    }
+
+    /// A load is being staged (called by the staging stage for each, before it is taken,
+    /// copied or read from a GPU): the clock of [`Foresight`].
+    pub(crate) fn count_load(&self) {
+        self.loads.fetch_add(1, Ordering::Relaxed);
     }
 
     /// An eligible block of `f` as rectangles of its page-locked map; `None` when registering
@@ -576,10 +567,7 @@ impl DirectReads {
         e: Eligible<'_>,
         token: Lease,
     ) -> Option<DirectUpload> {
-        let Eligible { mb, block, ranges } = e;
-        if let Some(fs) = self.foresight.get() {
-            fs.advance((mb.map.as_ptr() as usize, block.r0, block.c0));
-        }
+        let Eligible { mb, ranges } = e;
         let pins = self.pin_all(f, &mb, &ranges)?;
         // One copy may not span two registrations (the driver refuses it: CUDA_ERROR_INVALID_VALUE
         // on an H200 for a `.npy` block over several bands of rows), so the runs are cut where
@@ -769,13 +757,15 @@ impl DirectReads {
     /// the order unknown, or between ranges needed next at the same load — used longest ago first.
     fn release_idle_except(&self, len: u64, except: usize) {
         let fs = self.foresight.get();
+        // The load being staged: the count less one (it counted itself).
+        let now = self.loads.load(Ordering::Relaxed).saturating_sub(1);
         let mut idle: Vec<(std::cmp::Reverse<u32>, u64, Arc<Entry>)> = {
             let m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
             m.values()
                 .filter(|e| e.ptr != except)
                 .filter_map(|e| {
                     let st = e.st.try_lock().ok()?;
-                    let next = fs.map_or(0, |f| f.next_use(e.ptr));
+                    let next = fs.map_or(0, |f| f.next_use(e.ptr, now));
                     (st.registered && st.users == 0)
                         .then(|| (std::cmp::Reverse(next), st.last, e.clone()))
                 })
@@ -937,6 +927,36 @@ mod tests {
         let mut e = [0u8; 8];
         f.read_exact_at(&mut e, (addr / 4096 * 8) as u64).unwrap();
         u64::from_le_bytes(e) >> 63 == 1
+    }
+
+    /// Knowing the loads ahead, a full budget lets go of the idle range needed again last —
+    /// never one of the block being pinned: storage tiles 0, 1 and 5 (4 KiB each, one range
+    /// each), room for two, loads {1, 5}, {0, 1}, {5}. Belady's four registrations (tile 0
+    /// pushes out 5, not 1, which the same load is about to pin); a load copied instead still
+    /// moves the clock. Five without counting the load being staged, as the first version did.
+    #[test]
+    fn a_full_budget_releases_the_range_needed_again_last() {
+        let fx = fixture();
+        let reg = fx.reg(StagingMode::Direct, 2 * 4096, 4096);
+        let (l0, l1, l2) = (
+            block(0, 16, 32, 16),
+            block(0, 0, 16, 32),
+            block(16, 16, 16, 16),
+        );
+        reg.foresee([l0, l1, l2].into_iter().map(|b| (&*fx.f, b)), DType::F32);
+        for b in [l0, l1, l2] {
+            reg.count_load();
+            drop(fx.up(&reg, b, DType::F32).expect("fits the budget"));
+        }
+        assert_eq!(fx.rec.registrations.load(Ordering::Relaxed), 4);
+        // Without the order: the range used longest ago goes first (tile 1, which {0, 1} then
+        // registers again), five registrations.
+        let fx = fixture();
+        let reg = fx.reg(StagingMode::Direct, 2 * 4096, 4096);
+        for b in [l0, l1, l2] {
+            drop(fx.up(&reg, b, DType::F32).expect("fits the budget"));
+        }
+        assert_eq!(fx.rec.registrations.load(Ordering::Relaxed), 5);
     }
 
     #[test]

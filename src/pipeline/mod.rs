@@ -682,8 +682,10 @@ impl<'a> Pipeline<'a> {
 const STOP_GRACE: Duration = Duration::from_secs(15);
 
 /// The most GEMMs of a step whose loads are worked out ahead for the direct-upload registry
-/// ([`LaneWiring::foresee`]): about a second of the planner's model, and tens of MB.
-const FORESEE_MAX: u64 = 1 << 20;
+/// ([`LaneWiring::foresee`]): the planner's model took 1.38 s for 2^20 GEMMs on the 2-core VM,
+/// so about 0.1 s at this bound (a GPU step of 8192² tiles has a few thousand; past it, the
+/// range used longest ago goes first).
+const FORESEE_MAX: u64 = 1 << 16;
 
 /// Writeback threads for `threads` worker threads (`engine.threads`): one per eight, 1 to 4.
 /// One thread copied finished tiles into the output and checksummed them at 3.5–3.9 GB/s on
@@ -772,7 +774,10 @@ impl<'p> LaneWiring<'p> {
         let Some(d) = self.direct else {
             return;
         };
-        if self.lanes != 1 || self.queue.len() as u64 * self.sched.gk > FORESEE_MAX {
+        if self.lanes != 1
+            || self.queue.len() as u64 * self.sched.gk > FORESEE_MAX
+            || !d.may_release()
+        {
             return;
         }
         let t = Instant::now();
@@ -782,14 +787,24 @@ impl<'p> LaneWiring<'p> {
             1,
             self.queue.grows(),
         );
-        let (tx, rx) = crossbeam_channel::unbounded();
+        let (tx, rx) = crossbeam_channel::bounded(256);
         let (prep, _prep) = crossbeam_channel::unbounded();
         let m = StageMetrics::new(StageKind::Planner, 0, 1);
-        if (self.planner(0, &queue, prep, tx, m).run(&Control::new())).is_ok() {
-            let loads = rx.try_iter().filter_map(|op| match op {
-                PlanOp::Load { src, block, .. } => Some((self.inputs.file(src), block)),
-                _ => None,
-            });
+        let planner = self.planner(0, &queue, prep, tx, m);
+        // The planner's ops drained as they come: only the loads are kept.
+        let (ok, loads) = std::thread::scope(|s| {
+            let run = s.spawn(move || planner.run(&Control::new()).is_ok());
+            let loads: Vec<(crate::plan::schedule::Src, crate::store::Block)> = rx
+                .iter()
+                .filter_map(|op| match op {
+                    PlanOp::Load { src, block, .. } => Some((src, block)),
+                    _ => None,
+                })
+                .collect();
+            (run.join().unwrap_or(false), loads)
+        });
+        if ok {
+            let loads = loads.into_iter().map(|(src, b)| (self.inputs.file(src), b));
             d.foresee(loads, self.layout.host_dt);
         }
         crate::trace::span("start-up", "foresee loads", t, Instant::now());

@@ -584,7 +584,7 @@ fn a_device_failing_while_its_lanes_are_made_stops_the_step() {
 /// choose which idle range to let go. Knowing the lane's loads ahead (one lane), it releases
 /// the one needed again last: about one of B's bands registered again per output tile, at most
 /// two. Releasing the one used longest ago instead (what it did before) registers every band
-/// of B again for every tile — 520 MiB here against 113 (measured with the foresight off), and
+/// of B again for every tile — 515 MiB here against 101–109 (measured with the foresight off), and
 /// 1.4× the inputs at 32768² fp64 on one H200. The bytes are the CPU's and no copy found its
 /// range released.
 #[test]

@@ -203,6 +203,9 @@ impl Staging<'_> {
         while let Some(op) = ctl.recv_timed(&self.rx, &self.m) {
             let out = match op {
                 PlanOp::Load { slot, src, block } => {
+                    if let Some((d, ..)) = &self.direct {
+                        d.count_load();
+                    }
                     let direct = match self.fill_device(ctl, src, &block)? {
                         Some(up) => Some(up),
                         None => self.fill_direct(ctl, src, &block)?,
