@@ -59,3 +59,4 @@ pub mod verify;
 
 pub use durable::journal;
 pub use error::{Error, Result};
+pub use trace::{library_begin as trace_begin, library_write as trace_write};

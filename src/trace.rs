@@ -116,6 +116,20 @@ pub(crate) fn init(path: Option<&Path>) -> crate::error::Result<()> {
     Ok(())
 }
 
+/// For a library caller (the Python package's calls): start the timeline when `MGMM_TRACE`
+/// is set — once per process; later calls add to the same timeline, whose clock starts at the
+/// process's start, so the time before the first call (the interpreter, imports) shows as the
+/// gap before the first span. [`library_write`] after each call.
+pub fn library_begin() -> crate::error::Result<()> {
+    init(crate::config::Settings::from_env().trace.as_deref())
+}
+
+/// Write the timeline recorded so far (each call rewrites it whole); the number of events
+/// dropped past [`MAX_EVENTS`]. Nothing when `MGMM_TRACE` is unset.
+pub fn library_write() -> crate::error::Result<u64> {
+    write()
+}
+
 /// Write what was recorded to the `MGMM_TRACE` path (Chrome trace-event JSON). Called when the
 /// command ends; a later call writes everything recorded until then again.
 /// Returns how many events were dropped (the buffer keeps the first [`MAX_EVENTS`]).

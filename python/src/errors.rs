@@ -45,3 +45,14 @@ pub fn bad_input(py: Python<'_>, msg: impl Into<String>) -> PyErr {
 pub fn internal(py: Python<'_>, msg: &str) -> PyErr {
     raise(py, "MgmmError", msg.to_string())
 }
+
+/// A `RuntimeWarning` with `msg` (what does not stop a call: a timeline that could not be
+/// written).
+pub fn warn(py: Python<'_>, msg: &str) {
+    let _ = PyErr::warn(
+        py,
+        &py.get_type::<pyo3::exceptions::PyRuntimeWarning>(),
+        &std::ffi::CString::new(msg.replace('\0', " ")).unwrap_or_default(),
+        1,
+    );
+}

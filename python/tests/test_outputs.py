@@ -208,3 +208,23 @@ def test_the_summary_says_arrays_were_read_not_files(caplog):
         mg.matmul(a, b, **CPU)
     text = " ".join(caplog.text.split())
     assert "from arrays" in text and "from files" not in text, text
+
+
+def test_mgmm_trace_writes_the_calls_timeline(tmp_path):
+    """MGMM_TRACE=PATH records a call's timeline as the command line does (stages, start-up),
+    written when the call returns; in a process of its own (the timeline is the process's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    trace = tmp_path / "t.json"
+    code = ("import numpy as np, mgmm_stream as mg\n"
+            "a = np.ones((300, 200), np.float32); b = np.ones((200, 100), np.float32)\n"
+            "c = mg.matmul(a, b, backend='cpu', tile=64, progress=False)\n"
+            "assert float(c[0, 0]) == 200.0\n")
+    env = dict(os.environ, MGMM_TRACE=str(trace))
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert spans and "planner" in tracks, sorted(tracks)
