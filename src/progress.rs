@@ -599,7 +599,17 @@ impl Progress {
                     flops_done: (v.frac * live.flops_total as f64) as u64,
                     flops_total: live.flops_total,
                     elapsed_s: v.elapsed,
-                    gflops_per_s: v.rate.unwrap_or(0.0) / 1e9,
+                    // The last update of a call too short for the windowed rate: the
+                    // step's average (a 26 ms call reported 0.0 GFLOP/s).
+                    gflops_per_s: v
+                        .rate
+                        .filter(|r| *r > 0.0)
+                        .or_else(|| {
+                            let done = v.frac * live.flops_total as f64 - live.flops_before as f64;
+                            (finished && v.elapsed > 0.0).then(|| done.max(0.0) / v.elapsed)
+                        })
+                        .unwrap_or(0.0)
+                        / 1e9,
                     read_bytes: kind_bytes(stages, StageKind::Staging),
                     write_bytes: kind_bytes(stages, StageKind::Writeback),
                     eta_s: v.eta.unwrap_or(f64::NAN),

@@ -118,8 +118,8 @@ pub(crate) fn init(path: Option<&Path>) -> crate::error::Result<()> {
 
 /// For a library caller (the Python package's calls): start the timeline when `MGMM_TRACE`
 /// is set — once per process; later calls add to the same timeline, whose clock starts at the
-/// process's start, so the time before the first call (the interpreter, imports) shows as the
-/// gap before the first span. [`library_write`] after each call.
+/// first call (a library caller's process start is not the job's: [`process_start`] is the
+/// command line's). [`library_write`] after each call.
 pub fn library_begin() -> crate::error::Result<()> {
     init(crate::config::Settings::from_env().trace.as_deref())
 }

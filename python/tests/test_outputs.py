@@ -228,3 +228,14 @@ def test_mgmm_trace_writes_the_calls_timeline(tmp_path):
     tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     spans = [e for e in events if e.get("ph") == "X"]
     assert spans and "planner" in tracks, sorted(tracks)
+
+
+def test_the_last_progress_update_of_a_quick_call_has_its_rate():
+    """A call too short for the windowed rate still ends with the step's average rate (it
+    reported 0.0 GFLOP/s)."""
+    seen = []
+    a, b = rand((70, 50)), rand((50, 90), seed=1)
+    mg.matmul(a, b, backend="cpu", tile=64, progress=seen.append)
+    last = seen[-1]
+    assert last["finished"] and last["tiles_done"] == last["tiles_total"], last
+    assert last["gflops_per_s"] > 0.0, last

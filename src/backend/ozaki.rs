@@ -514,8 +514,11 @@ pub(crate) fn gemm(
 
 /// The number of moduli a block of depth `k` is expected to use (for `plan`'s cost and the
 /// CPU's rate): the count asked for, or under `auto` what its aim picks for normally
-/// distributed data (`Σ|A_i|·2^{−q} ≈ Σ|B_j|·2^{−r} ≈ 0.55·√k`, `G·2^{−q−r} ≈ 0.28`); the run
-/// picks per block from the data.
+/// distributed data — for a typical element (`Σ|A_i|·2^{−q} ≈ Σ|B_j|·2^{−r} ≈ 0.55·√k`,
+/// `G·2^{−q−r} ≈ 0.28`), plus one: a block's count is its neediest element's, and blocks of a
+/// few dozen rows or more picked one more than a typical element needs (16 where this said 15:
+/// [`tests::the_estimate_is_what_auto_picks_on_normal_blocks`]; every 8192² block at 32768² on
+/// an H200 used 16). The run picks per block from the data.
 pub(crate) fn expected_moduli(want: EmulationModuli, k: u64) -> usize {
     match want {
         EmulationModuli::Fixed(n) => n as usize,
@@ -523,9 +526,10 @@ pub(crate) fn expected_moduli(want: EmulationModuli, k: u64) -> usize {
             let k = (k.clamp(2, MAX_K as u64)) as f64;
             let sp = 1.1 * k.sqrt();
             let rhs = k.sqrt() / 4.0 * 2f64.powi(-53) * 0.28;
-            (1..=MAX_MODULI)
+            let typical = (1..=MAX_MODULI)
                 .find(|&n| 2f64.powi(-t_of(n)) * sp <= rhs)
-                .unwrap_or(MAX_MODULI)
+                .unwrap_or(MAX_MODULI);
+            (typical + 1).min(MAX_MODULI)
         }
     }
 }
@@ -881,5 +885,43 @@ mod tests {
             expected_moduli(EmulationModuli::Auto, 4096),
         );
         assert!((14..=16).contains(&a) && (14..=16).contains(&b), "{a} {b}");
+    }
+
+    /// `plan`'s estimate is what `auto` picks on normal data: the count of a block is its
+    /// neediest element's, not a typical one's (a new user saw "about 15" and 16 used). Blocks
+    /// of a few dozen rows and columns and more (a 16×16 block at k = 2000 picked 15).
+    #[test]
+    fn the_estimate_is_what_auto_picks_on_normal_blocks() {
+        let mut seen = Vec::new();
+        for (m, n, k) in [
+            (40usize, 36usize, 8usize),
+            (48, 40, 64),
+            (32, 48, 300),
+            (40, 40, 1500),
+        ] {
+            let mut g = crate::store::gen::Rng::new(11, k as u64);
+            let (mut a, mut b) = (vec![0.0; m * k], vec![0.0; k * n]);
+            g.normals(&mut a);
+            g.normals(&mut b);
+            let mut c = vec![0.0; m * n];
+            let done = gemm(
+                (m, n, k),
+                &a,
+                false,
+                &b,
+                false,
+                EmulationModuli::Auto,
+                &mut Naive,
+                &mut Workspace::default(),
+                &mut c,
+            )
+            .expect("normal data meets the bound");
+            seen.push((
+                k,
+                done.moduli as usize,
+                expected_moduli(EmulationModuli::Auto, k as u64),
+            ));
+        }
+        assert!(seen.iter().all(|&(_, got, want)| got == want), "{seen:?}");
     }
 }

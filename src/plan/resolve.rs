@@ -17,8 +17,8 @@ use super::{same_file, Engine, MatrixDecl, Operand, Precision, Step};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::store::gen::{Dist, GenSpec};
+use crate::store::open_source;
 use crate::store::raw::{Order as RawOrder, RawSpec};
-use crate::store::{open_source, OutputFormat};
 
 /// What resolution needs to know about an input file: its stored shape and element type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -212,11 +212,6 @@ fn file_decl(
     {
         return Err(cx.err(format!(
             "{key}: rows, cols, dtype, order and offset describe a raw binary file; add format = \"raw\", or drop them (.mgt and .npy files carry their shape)"
-        )));
-    }
-    if m.generate.is_some() && OutputFormat::of(&path) == OutputFormat::Npy {
-        return Err(cx.err(format!(
-            "{key}: `generate` writes .mgt files; give the path a .mgt name, or create the .npy yourself"
         )));
     }
     let spec = match &m.generate {
