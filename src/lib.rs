@@ -53,10 +53,9 @@ pub(crate) mod report;
 pub mod run;
 pub(crate) mod seam;
 pub mod store;
-pub(crate) mod trace;
+pub mod trace;
 pub mod units;
 pub mod verify;
 
 pub use durable::journal;
 pub use error::{Error, Result};
-pub use trace::{library_begin as trace_begin, library_write as trace_write};

@@ -82,7 +82,7 @@ impl Watch<'_> {
         work: impl FnOnce() -> T + Send,
     ) -> PyResult<T> {
         // `MGMM_TRACE`: the call's timeline, as the command line records it (written below).
-        mgmm_stream::trace_begin().map_err(|e| crate::errors::to_py(py, e))?;
+        mgmm_stream::trace::library_begin().map_err(|e| crate::errors::to_py(py, e))?;
         let (tx, rx) = crossbeam_channel::bounded::<()>(1);
         let mut interrupt: Option<PyErr> = None;
         let out = std::thread::scope(|s| {
@@ -128,7 +128,7 @@ impl Watch<'_> {
             self.deliver(py, queue)?;
             Ok::<_, PyErr>(r)
         })?;
-        if let Err(e) = mgmm_stream::trace_write() {
+        if let Err(e) = mgmm_stream::trace::library_write() {
             crate::errors::warn(py, &format!("{e}"));
         }
         if let Some(e) = interrupt {
