@@ -178,7 +178,7 @@ impl StepRun<'_> {
                 "{p}{out} is already complete (its journal says so); skipping. Use --restart to recompute it."
             ),
             (None, Voice::Library) => format!(
-                "{p}{out} is already complete (its journal says so); nothing to do. Pass restart to recompute it."
+                "{p}{out} is already complete (its journal says so); nothing to do. Pass restart=True to recompute it."
             ),
         }
     }

@@ -326,8 +326,9 @@ fn journal_check(
                 .is_some_and(|w| journal::same_value(w, v))
         })
         .map(|(k, v)| {
-            let was = j.fingerprint.get(k).map(String::as_str).unwrap_or("(none)");
-            format!("{k}: was {was}, now {v}")
+            let was =
+                (j.fingerprint.get(k)).map_or("(none)".into(), |w| journal::readable_mtime(w));
+            format!("{k}: was {was}, now {}", journal::readable_mtime(v))
         })
         .collect();
     let jp = journal::journal_path(&step.output);

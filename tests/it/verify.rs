@@ -920,3 +920,59 @@ fn emulated_outputs_are_checked_element_by_element() {
     );
     assert!(!rep.failing_tiles.is_empty());
 }
+
+/// `verify` after an input changed names what changed in words a reader can compare: a
+/// `.npy`'s modification time as a date, as `run` does (it printed `mtime 1796453179397845420
+/// ns`).
+#[test]
+fn verify_names_a_changed_inputs_time_as_a_date() {
+    let d = tmp();
+    let dir = d.path();
+    let mk = |seed| {
+        gen(
+            &dir.join("A.npy"),
+            90,
+            60,
+            DType::F32,
+            (64, 64),
+            Dist::Normal,
+            seed,
+        )
+    };
+    mk(1);
+    gen(
+        &dir.join("B.mgt"),
+        60,
+        70,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let o = Command::new(bin())
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    run(&["run", "plan.toml", "--quiet"]);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::remove_file(dir.join("A.npy")).unwrap();
+    let _ = std::fs::remove_file(dir.join("A.npy.crc32c"));
+    mk(5);
+    let out = run(&["verify", "plan.toml"]);
+    assert!(out.contains("other inputs") && out.contains("UTC"), "{out}");
+    assert!(!out.contains(" ns,"), "{out}");
+}
