@@ -74,6 +74,14 @@ pub fn describe(plan: &Plan) -> Result<String> {
     for step in &plan.steps {
         s += &describe_step(plan, step, sel.as_ref())?;
     }
+    // What `run` checks before any work (space, writable folders), said here too: a new user
+    // learnt only from `run` that a 100000² plan needed 112 GiB more than the disk had.
+    let layouts = (plan.steps.iter())
+        .map(|st| crate::run::layout_for(&plan.path, st, e, caps, false))
+        .collect::<Result<Vec<_>>>()?;
+    if let Err(why) = crate::run::space::check_space(plan, &layouts, true) {
+        s += &format!("warning: `run` will refuse to start: {why}\n");
+    }
     Ok(crate::progress::wrap(&s))
 }
 
@@ -504,7 +512,8 @@ fn describe_bounds(
         2.0 * step.m as f64 * step.n as f64 * step.k as f64 / (words.max(1) as f64).sqrt();
     let hs = l.host_dt.size() as f64;
     s += &format!(
-        "  communication bound: a cache of {} words per lane moves at least {} in and out (2·m·n·k/√M); this schedule moves {} in and {} out ({} in all) and reads {} from files\n",
+        "  communication bound: a cache of {} ({} elements) per lane moves at least {} in and out (2·m·n·k/√M); this schedule moves {} in and {} out ({} in all) and reads {} from files\n",
+        fmt_bytes(words * l.dev_dt.size() as u64),
         words,
         fmt_bytes((bound_words * hs) as u64),
         fmt_bytes(t.h2d_bytes),

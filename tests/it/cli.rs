@@ -1041,3 +1041,29 @@ fn fp64_emulated_in_plan_and_summary() {
         "{s}"
     );
 }
+
+/// `plan` says what `run` would refuse before any work (here, disk space for a 40 TB input it
+/// would generate), and the sizes as sizes; it writes nothing.
+#[test]
+fn plan_warns_of_what_run_would_refuse() {
+    let d = tmp();
+    let dir = d.path();
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 10000000, cols = 1000000 }\n\
+                [[step]]\noutput = \"C.mgt\"\nexpr = \"A.T @ A\"\n[engine]\nbackend = \"cpu\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    let s = ok(&mg(dir, &["plan", "p.toml"]));
+    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains("warning: `run` will refuse to start: not enough disk space"),
+        "{s}"
+    );
+    assert!(
+        flat.contains("elements) per lane") && !flat.contains(" words per lane"),
+        "{s}"
+    );
+    let left: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["p.toml"], "plan wrote nothing");
+}
