@@ -384,7 +384,17 @@ pub(crate) fn select_with(
     let early = opts.early.map(|s| cuda::EarlyStart::new(s, pinned));
     match engine.backend {
         BackendKind::Cpu => Ok(Box::new(cpu::CpuBackend::new(engine.threads, None))),
-        BackendKind::Cuda => Ok(Box::new(cuda::CudaBackend::select(engine, early, pinned)?)),
+        BackendKind::Cuda => match cuda::CudaBackend::select(engine, early, pinned) {
+            Ok(b) => Ok(Box::new(b)),
+            // Say which setting asked for it, and the way out (a new user's error named neither).
+            Err(crate::error::Error::Backend { backend, msg }) => Err(crate::error::Error::Backend {
+                backend,
+                msg: format!(
+                    "{msg}; engine.backend = \"cuda\" asks for the GPUs: set backend = \"auto\" (which computes on the CPU where no GPU can be used) or \"cpu\""
+                ),
+            }),
+            Err(e) => Err(e),
+        },
         #[cfg(feature = "fault-injection")]
         BackendKind::Sim => Ok(Box::new(sim::SimBackend::new(engine))),
         #[cfg(not(feature = "fault-injection"))]

@@ -1067,3 +1067,23 @@ fn plan_warns_of_what_run_would_refuse() {
         .collect();
     assert_eq!(left, ["p.toml"], "plan wrote nothing");
 }
+
+/// `backend = "cuda"` where no GPU can be used: the error names the setting and the way out
+/// (a new user's named neither). On a machine with a GPU the plan simply resolves.
+#[test]
+fn backend_cuda_without_a_gpu_names_the_setting_and_the_way_out() {
+    let d = tmp();
+    let dir = d.path();
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 40, cols = 30 }\n\
+                [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ A.T\"\n[engine]\nbackend = \"cuda\"\n";
+    std::fs::write(dir.join("p.toml"), text).unwrap();
+    let o = mg(dir, &["plan", "p.toml"]);
+    if o.status.success() {
+        return; // a GPU here
+    }
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("engine.backend = \"cuda\"") && e.contains("backend = \"auto\""),
+        "{e}"
+    );
+}
