@@ -441,7 +441,7 @@ pub(crate) fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> Strin
 /// An identity's `mtime N ns` (how the journal stores it) as a UTC date a reader can compare:
 /// `modified 2026-12-04 11:22:33.123456789 UTC`. Only for messages; the journal keeps the
 /// nanoseconds.
-pub(crate) fn readable_mtime(v: &str) -> String {
+fn readable_mtime(v: &str) -> String {
     let Some(i) = v.find("mtime ") else {
         return v.to_string();
     };

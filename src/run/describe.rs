@@ -71,14 +71,14 @@ pub fn describe(plan: &Plan) -> Result<String> {
             }
         );
     }
-    for step in &plan.steps {
-        s += &describe_step(plan, step, sel.as_ref())?;
-    }
-    // What `run` checks before any work (space, writable folders), said here too: a new user
-    // learnt only from `run` that a 100000² plan needed 112 GiB more than the disk had.
     let layouts = (plan.steps.iter())
         .map(|st| crate::run::layout_for(&plan.path, st, e, caps, false))
         .collect::<Result<Vec<_>>>()?;
+    for (step, l) in plan.steps.iter().zip(&layouts) {
+        s += &describe_step(plan, step, l, sel.as_ref())?;
+    }
+    // What `run` checks before any work (space, writable folders), said here too: a new user
+    // learnt only from `run` that a 100000² plan needed 112 GiB more than the disk had.
     if let Err(why) = crate::run::space::check_space(plan, &layouts, true) {
         s += &format!("warning: `run` will refuse to start: {why}\n");
     }
@@ -86,16 +86,20 @@ pub fn describe(plan: &Plan) -> Result<String> {
 }
 
 /// `plan`'s lines for one step: shapes, tiles, pools, traffic model and bounds.
-fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Result<String> {
+fn describe_step(
+    plan: &Plan,
+    step: &crate::plan::Step,
+    l: &Layout,
+    sel: &dyn Backend,
+) -> Result<String> {
     let caps = sel.caps();
     let device = caps.memory == MemorySpace::Device;
     let e = &plan.engine;
-    let l = crate::run::layout_for(&plan.path, step, e, caps, false)?;
-    let t = traffic(step, &l);
-    let mut s = describe_shape(step, &l, &t);
+    let t = traffic(step, l);
+    let mut s = describe_shape(step, l, &t);
     s += &describe_emulation(e.precision, l.tk, t.gemms);
-    s += &describe_memory(&l, e, device);
-    s += describe_order(step, &l);
+    s += &describe_memory(l, e, device);
+    s += describe_order(step, l);
     s += &format!(
         "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
         fmt_bytes(t.read_bytes),
@@ -108,17 +112,17 @@ fn describe_step(plan: &Plan, step: &crate::plan::Step, sel: &dyn Backend) -> Re
         fmt_bytes(t.write_bytes)
     );
     if !step.output_in_memory() {
-        s += &describe_write(step, &l, e);
+        s += &describe_write(step, l, e);
     }
     s += &describe_staging(
         step,
-        &l,
+        l,
         e,
         caps.staging(e.staging),
         caps.memory == MemorySpace::Device,
     );
-    s += &describe_bounds(step, &l, &t, sel, e);
-    s += &describe_status(plan, step, &l, caps.kind, e.precision)?;
+    s += &describe_bounds(step, l, &t, sel, e);
+    s += &describe_status(plan, step, l, caps.kind, e.precision)?;
     Ok(s)
 }
 

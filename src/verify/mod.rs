@@ -318,19 +318,14 @@ fn journal_check(
         ("precision".into(), precision.name().to_string()),
     ];
     now.extend(crate::run::input_ids(step)?);
-    let changes: Vec<String> = now
-        .iter()
-        .filter(|(k, v)| {
-            !j.fingerprint
-                .get(k)
-                .is_some_and(|w| journal::same_value(w, v))
-        })
-        .map(|(k, v)| {
-            let was =
-                (j.fingerprint.get(k)).map_or("(none)".into(), |w| journal::readable_mtime(w));
-            format!("{k}: was {was}, now {}", journal::readable_mtime(v))
-        })
+    // The keys verify can know (the journal's fingerprint has more: the layout, the backend),
+    // compared and worded as `run` does ([`journal::fingerprint_changes`]).
+    let now: journal::Fingerprint = now.into_iter().collect();
+    let was: journal::Fingerprint = (j.fingerprint.iter())
+        .filter(|(k, _)| now.contains_key(*k))
+        .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
+    let changes = journal::fingerprint_changes(&was, &now);
     let jp = journal::journal_path(&step.output);
     if !changes.is_empty() {
         if let Some((path, e)) = crate::run::damaged_input(step, &j.fingerprint) {
@@ -340,7 +335,7 @@ fn journal_check(
         return Ok(Some(format!(
             "the output was computed from other inputs or another plan than now (journal {}): {}; rerun this step with `run --restart`",
             jp.display(),
-            changes.join("; ")
+            changes
         )));
     }
     if !j.complete {

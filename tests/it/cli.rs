@@ -591,6 +591,20 @@ fn plan_of_a_million_squared_answers_in_under_a_second() {
             s.contains("1000000×1000000") && s.contains("lower bound"),
             "{s}"
         );
+        // What `run` would refuse before any work (disk space for the 4 TB input it would
+        // generate), said by `plan`, which writes nothing; sizes as sizes.
+        let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            flat.contains("warning: `run` will refuse to start: not enough disk space")
+                && flat.contains("elements) per lane")
+                && !flat.contains(" words per lane"),
+            "{s}"
+        );
+        let left: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(left, ["p.toml"], "plan wrote nothing");
     }
 }
 
@@ -1040,32 +1054,6 @@ fn fp64_emulated_in_plan_and_summary() {
         s.contains("emulation (moduli auto): ") && s.contains("fallback_tiles 0 (native fp64)"),
         "{s}"
     );
-}
-
-/// `plan` says what `run` would refuse before any work (here, disk space for a 40 TB input it
-/// would generate), and the sizes as sizes; it writes nothing.
-#[test]
-fn plan_warns_of_what_run_would_refuse() {
-    let d = tmp();
-    let dir = d.path();
-    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 10000000, cols = 1000000 }\n\
-                [[step]]\noutput = \"C.mgt\"\nexpr = \"A.T @ A\"\n[engine]\nbackend = \"cpu\"\n";
-    std::fs::write(dir.join("p.toml"), text).unwrap();
-    let s = ok(&mg(dir, &["plan", "p.toml"]));
-    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
-    assert!(
-        flat.contains("warning: `run` will refuse to start: not enough disk space"),
-        "{s}"
-    );
-    assert!(
-        flat.contains("elements) per lane") && !flat.contains(" words per lane"),
-        "{s}"
-    );
-    let left: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert_eq!(left, ["p.toml"], "plan wrote nothing");
 }
 
 /// `backend = "cuda"` where no GPU can be used: the error names the setting and the way out

@@ -668,19 +668,7 @@ fn repair_of_an_output_a_later_step_reads_computes_that_step_again() {
          [engine]\nbackend = \"cpu\"\ntile = 64\ndurable = false\n",
     )
     .unwrap();
-    let cli = |args: &[&str]| {
-        let o = Command::new(bin())
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}\n{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        (o.status.success(), text)
-    };
+    let cli = |args: &[&str]| cli_in(dir, args);
     assert!(cli(&["run", "plan.toml", "-q"]).0);
     let y = std::fs::read(dir.join("Y.mgt")).unwrap();
     // A byte of X.npy's data flipped in place (its sidecar untouched).
@@ -955,18 +943,7 @@ fn verify_names_a_changed_inputs_time_as_a_date() {
          [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n[engine]\nbackend = \"cpu\"\n",
     )
     .unwrap();
-    let run = |args: &[&str]| {
-        let o = Command::new(bin())
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        )
-    };
+    let run = |args: &[&str]| cli_in(dir, args).1;
     run(&["run", "plan.toml", "--quiet"]);
     std::thread::sleep(std::time::Duration::from_millis(20));
     std::fs::remove_file(dir.join("A.npy")).unwrap();

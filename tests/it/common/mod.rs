@@ -162,6 +162,21 @@ pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_mgmm-stream"))
 }
 
+/// Run the binary with `args` in `dir`: whether it succeeded, and its stdout then stderr.
+pub fn cli_in(dir: &Path, args: &[&str]) -> (bool, String) {
+    let o = std::process::Command::new(bin())
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    (o.status.success(), text)
+}
+
 /// Hash of a file's bytes (to prove inputs are unchanged).
 pub fn digest(p: &Path) -> u32 {
     crc32c::crc32c(&std::fs::read(p).unwrap())
