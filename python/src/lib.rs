@@ -598,7 +598,7 @@ fn finalize_plan(
     let plan = &plan;
     py.detach(move || {
         let mut lines = Vec::new();
-        cluster::finalize::finalize_plan(plan, None, false, &mut |l| lines.push(l)).map(|()| lines)
+        cluster::finalize::finalize_plan(plan, None, &mut |l| lines.push(l)).map(|()| lines)
     })
     .map_err(|e| to_py(py, e))
 }
@@ -664,9 +664,10 @@ fn verify_plan<'py>(
     run::init_threads(plan.engine.threads);
     let plan = &plan;
     let reps = py.detach(move || {
+        let v = mgmm_stream::verify::Verifier::new(&plan.engine, rounds, seed);
         plan.steps
             .iter()
-            .map(|s| mgmm_stream::verify::verify_step(s, plan.engine.precision, rounds, seed))
+            .map(|s| v.step(s))
             .collect::<mgmm_stream::Result<Vec<_>>>()
     });
     // An output nothing could be checked in (every row non-finite) is no pass: `pass` is

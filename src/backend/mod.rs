@@ -22,6 +22,7 @@ pub(crate) mod cuda;
 pub use cuda::devmem;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub(crate) mod fold;
 pub(crate) mod ozaki;
 pub(crate) mod rates;
 #[cfg(feature = "fault-injection")]

@@ -30,9 +30,8 @@ impl FinalizeArgs {
     pub(super) fn execute(self, settings: &Settings) -> Result<()> {
         let p = Plan::load_with(&self.plan, &self.set)?;
         run::init_threads(p.engine.threads);
-        let verify = (self.verify).then_some((p.engine.precision, 2, 1));
-        finalize::finalize_plan(&p, verify, settings.verify_times, &mut |l| {
-            crate::outln!("{l}")
-        })
+        let verify = (self.verify)
+            .then(|| crate::verify::Verifier::with_times(&p.engine, 2, 1, settings.verify_times));
+        finalize::finalize_plan(&p, verify.as_ref(), &mut |l| crate::outln!("{l}"))
     }
 }

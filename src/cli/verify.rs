@@ -98,9 +98,9 @@ pub(super) fn verify_plan(
 ) -> Result<()> {
     let mut failed = Vec::new();
     let mut unchecked = Vec::new();
+    let v = crate::verify::Verifier::with_times(&p.engine, rounds, seed, times);
     for step in &p.steps {
-        let mut rep =
-            crate::verify::verify_step_with(step, p.engine.precision, rounds, seed, times)?;
+        let mut rep = v.step(step)?;
         if !quiet || !rep.pass || rep.nothing_checked() {
             outln!("{}", crate::verify::format(&rep));
         }
@@ -137,7 +137,7 @@ pub(super) fn verify_plan(
             if step.index + 1 < p.steps.len() {
                 run::run_plan(p, &RunOptions::default(), &progress)?;
             }
-            rep = crate::verify::verify_step_with(step, p.engine.precision, rounds, seed, times)?;
+            rep = v.step(step)?;
             outln!("after repair:\n{}", crate::verify::format(&rep));
         }
         if !rep.pass {

@@ -23,7 +23,7 @@ use super::{claim, recorded, shard_files, shard_range, state_dir, ShardOptions};
 use crate::dtype::DType;
 use crate::durable::journal;
 use crate::error::{Error, Result};
-use crate::plan::{Plan, Precision, Step};
+use crate::plan::{Plan, Step};
 use crate::progress::Progress;
 use crate::store::{open_as_written, reopen_output, Header, OutputFormat, TiledFile, WriteMode};
 
@@ -228,12 +228,11 @@ fn output_header_of(out: &Path, m: &Manifest, dt: DType) -> Result<Header> {
 }
 
 /// `finalize PLAN`: finalize every split step that is not yet, in order; with `verify`, run
-/// Freivalds' test on each after (`times`: each pass's time on stderr, `MGMM_VERIFY_TIMES`).
-/// Each line of what it did goes to `say` (the CLI prints them; Python returns them).
+/// Freivalds' test on each after. Each line of what it did goes to `say` (the CLI prints them;
+/// Python returns them).
 pub fn finalize_plan(
     plan: &Plan,
-    verify: Option<(Precision, usize, u64)>,
-    times: bool,
+    verify: Option<&crate::verify::Verifier>,
     say: &mut dyn FnMut(String),
 ) -> Result<()> {
     let mut any = false;
@@ -282,8 +281,8 @@ pub fn finalize_plan(
                 step.output.display()
             ));
         }
-        if let Some((p, rounds, seed)) = verify {
-            let rep = crate::verify::verify_step_with(step, p, rounds, seed, times)?;
+        if let Some(v) = verify {
+            let rep = v.step(step)?;
             say(crate::verify::format(&rep));
             if !rep.pass {
                 return Err(Error::Usage(format!(

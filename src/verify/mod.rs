@@ -14,6 +14,7 @@
 //! just those through the journal.
 
 pub mod componentwise;
+mod device;
 mod kernel;
 pub(crate) mod model;
 pub(crate) mod pass;
@@ -31,6 +32,7 @@ use crate::error::{Error, Result};
 use crate::plan::{Operand, Plan, Precision, Step};
 use crate::store::gen::Rng;
 use crate::store::{open_source, MatrixSource};
+pub(crate) use device::Device;
 use model::{Cell, Model};
 use pass::{Dd, Groups, Op, Sums};
 
@@ -94,6 +96,11 @@ pub struct VerifyReport {
     /// Under `precision = "fp64_emulated"`: sampled elements compared one by one with native
     /// DGEMM's bound `(K+2)·u·|A||B|` ([`componentwise`]); `None` for other precisions.
     pub componentwise: Option<componentwise::Componentwise>,
+    /// What computed the dense pass (op(A) times the sums of op(B)): "cpu", or the GPU
+    /// ("cuda:0 NVIDIA H200") where `engine.backend` allows one and the data is not f64.
+    pub device: String,
+    /// Why a GPU that was asked for did not compute it (none, or it failed and the CPU did).
+    pub device_note: Option<String>,
     /// Seconds the check took.
     pub seconds: f64,
 }
@@ -117,6 +124,7 @@ struct Side<'a> {
     beta: f64,
     model: Model,
     exact: bool,
+    dev: &'a Device,
 }
 
 #[derive(Default)]
@@ -143,8 +151,9 @@ fn signs(n: usize, rounds: usize, seed: u64, stream: u64) -> Vec<Vec<f64>> {
 }
 
 impl Side<'_> {
-    /// op(A)·(op(B)·X) sums, or `None` for α = 0 (A and B are not read).
-    fn product(&self, groups: &Groups, x: &mut [Vec<f64>]) -> Result<Option<(Sums, Vec<bool>)>> {
+    /// The sums of op(B)·X, or `None` for α = 0 (A and B are not read); columns of op(B)
+    /// holding NaN/Inf are dropped from `x` (set to 0).
+    fn scatter_b(&self, groups: &Groups, x: &mut [Vec<f64>]) -> Result<Option<Sums>> {
         if self.alpha == 0.0 {
             return Ok(None);
         }
@@ -162,18 +171,34 @@ impl Side<'_> {
             }
             z = pass::scatter(&self.b, groups, x, self.exact)?;
         }
-        Ok(Some((pass::dense(&self.a, &z, self.exact)?, bad_col)))
+        Ok(Some(z))
     }
 
     fn run(&self, groups: &Groups, rounds: usize, seed: u64, stream: u64) -> Result<Outcome> {
         let (m, n) = self.c.shape();
         let mut x = signs(n, rounds, seed, stream);
-        let ab = self.product(groups, &mut x)?;
-        let cs = pass::scatter(&self.c, groups, &x, self.exact)?;
-        let c0s = match (&self.c0, self.beta != 0.0) {
-            (Some(op), true) => Some(pass::scatter(op, groups, &x, self.exact)?),
-            _ => None,
+        let zb = self.scatter_b(groups, &mut x)?;
+        let x = &x;
+        let dense = || match &zb {
+            Some(z) => pass::dense(&self.a, z, self.exact, self.dev).map(Some),
+            None => Ok(None),
         };
+        let scatters = || {
+            let cs = pass::scatter(&self.c, groups, x, self.exact);
+            let c0s = match (&self.c0, self.beta != 0.0) {
+                (Some(op), true) => pass::scatter(op, groups, x, self.exact).map(Some),
+                _ => Ok(None),
+            };
+            (cs, c0s)
+        };
+        // With the products on a device, the host folds the output (and C0) against the same
+        // X meanwhile (the passes are independent once X is fixed); on the CPU alone, one
+        // after the other (at once they only compete for the same cores: 8 % slower on two).
+        let (ab, (cs, c0s)) = match self.dev.present() {
+            true => rayon::join(dense, scatters),
+            false => (dense(), scatters()),
+        };
+        let (ab, cs, c0s) = (ab?, cs?, c0s?);
         let g = groups.count();
         let out_max = if self.c.file.dtype() == DType::F64 {
             f64::MAX
@@ -182,17 +207,7 @@ impl Side<'_> {
         };
         let rows: Vec<Outcome> = (0..m)
             .into_par_iter()
-            .map(|i| {
-                self.row(
-                    i,
-                    g,
-                    n,
-                    out_max,
-                    ab.as_ref().map(|p| &p.0),
-                    &cs,
-                    c0s.as_ref(),
-                )
-            })
+            .map(|i| self.row(i, g, n, out_max, ab.as_ref(), &cs, c0s.as_ref()))
             .collect();
         let mut o = Outcome::default();
         for r in rows {
@@ -348,113 +363,157 @@ fn journal_check(
     Ok(None)
 }
 
-/// Check the output of `step` with Freivalds' test (`rounds` random vectors from `seed`) against error bounds for `precision`, after checking its journal.
-///
-/// A library entry point: `MGMM_VERIFY_TIMES` is read here ([`crate::config::Settings`]);
-/// the command line reads it once and calls [`verify_step_with`].
-pub fn verify_step(
-    step: &Step,
-    precision: Precision,
-    rounds: usize,
-    seed: u64,
-) -> Result<VerifyReport> {
-    let times = crate::config::Settings::from_env().verify_times;
-    verify_step_with(step, precision, rounds, seed, times)
-}
-
-/// [`verify_step`], with `times` (`MGMM_VERIFY_TIMES`) given: report each pass's time and
-/// input rate on stderr.
-pub(crate) fn verify_step_with(
-    step: &Step,
+/// Checks the steps of one plan: the check's settings, and the device its dense passes run on
+/// ([`crate::backend::fold`]: a GPU where `engine.backend` allows one), opened once, in the
+/// background, when the verifier is made.
+pub struct Verifier {
     precision: Precision,
     rounds: usize,
     seed: u64,
     times: bool,
-) -> Result<VerifyReport> {
-    let t0 = Instant::now();
-    let r = rounds.max(1);
-    // An intermediate of a chain has no file once the chain completed (none at all when it
-    // was held in memory): the chain is checked at its last part.
-    if let Some(why) = intermediate_part(step) {
-        let mut rep = blank_report(step, r, (step.m, step.n));
-        rep.reason = Some(why);
-        rep.seconds = t0.elapsed().as_secs_f64();
-        return Ok(rep);
+    dev: Device,
+}
+
+impl Verifier {
+    /// A verifier for the steps of a plan with `engine` (its precision; its backend and
+    /// devices for where the dense passes run), `rounds` rounds of the randomized test from
+    /// `seed`. `MGMM_VERIFY_TIMES` (set) reports each pass's time on stderr.
+    pub fn new(engine: &crate::plan::Engine, rounds: usize, seed: u64) -> Verifier {
+        let times = crate::config::Settings::from_env().verify_times;
+        Verifier::with_times(engine, rounds, seed, times)
     }
-    // A run writing the output holds its journal: the file is then neither finished nor
-    // wrong. Held (shared) while the output is read, so no run starts writing it meanwhile.
-    let _reading = journal::read_lock(&step.output)?;
-    let (m, n) = (step.m as usize, step.n as usize);
-    if !step.output.exists() {
-        return Err(Error::format(
-            &step.output,
-            format!(
-                "step {}'s output does not exist yet: `run` the plan first, then verify",
-                step.index + 1
-            ),
-        ));
+
+    /// [`Verifier::new`] with `times` given (read once where the command started).
+    pub(crate) fn with_times(
+        engine: &crate::plan::Engine,
+        rounds: usize,
+        seed: u64,
+        times: bool,
+    ) -> Verifier {
+        Verifier {
+            precision: engine.precision,
+            rounds,
+            seed,
+            times,
+            dev: Device::open(engine),
+        }
     }
-    let complete = journal::peek(&step.output)
-        .ok()
-        .flatten()
-        .is_some_and(|j| j.complete);
-    let out = match open_source(&step.output) {
-        Ok(out) => out,
-        Err(e @ Error::Format { .. }) if complete => {
-            let why = format!("its header is damaged ({e})");
+
+    /// A verifier whose dense passes run on `dev` (tests).
+    #[cfg(test)]
+    pub(crate) fn on(precision: Precision, rounds: usize, seed: u64, dev: Device) -> Verifier {
+        Verifier {
+            precision,
+            rounds,
+            seed,
+            times: false,
+            dev,
+        }
+    }
+
+    /// Check `step`'s output.
+    pub fn step(&self, step: &Step) -> Result<VerifyReport> {
+        self.dev.new_step();
+        let mut rep = self.step_inner(step)?;
+        (rep.device, rep.device_note) = self.dev.used();
+        Ok(rep)
+    }
+
+    fn step_inner(&self, step: &Step) -> Result<VerifyReport> {
+        let (precision, rounds, seed, times) = (self.precision, self.rounds, self.seed, self.times);
+        let t0 = Instant::now();
+        let r = rounds.max(1);
+        // An intermediate of a chain has no file once the chain completed (none at all when it
+        // was held in memory): the chain is checked at its last part.
+        if let Some(why) = intermediate_part(step) {
+            let mut rep = blank_report(step, r, (step.m, step.n));
+            rep.reason = Some(why);
+            rep.seconds = t0.elapsed().as_secs_f64();
+            return Ok(rep);
+        }
+        // A run writing the output holds its journal: the file is then neither finished nor
+        // wrong. Held (shared) while the output is read, so no run starts writing it meanwhile.
+        let _reading = journal::read_lock(&step.output)?;
+        let (m, n) = (step.m as usize, step.n as usize);
+        if !step.output.exists() {
+            return Err(Error::format(
+                &step.output,
+                format!(
+                    "step {}'s output does not exist yet: `run` the plan first, then verify",
+                    step.index + 1
+                ),
+            ));
+        }
+        let complete = journal::peek(&step.output)
+            .ok()
+            .flatten()
+            .is_some_and(|j| j.complete);
+        let out = match open_source(&step.output) {
+            Ok(out) => out,
+            Err(e @ Error::Format { .. }) if complete => {
+                let why = format!("its header is damaged ({e})");
+                return Ok(damaged_output(step, r, why, t0));
+            }
+            Err(e) => return Err(e),
+        };
+        if complete
+            && crate::store::OutputFormat::of(&step.output) == crate::store::OutputFormat::Npy
+            && out.checksum_tile().is_none()
+        {
+            let why = match out.checksum_note() {
+                Some(note) => format!("its checksum {note}"),
+                None => format!(
+                    "its checksum sidecar {} is missing",
+                    crate::store::sidecar::sidecar_path(&step.output).display()
+                ),
+            };
             return Ok(damaged_output(step, r, why, t0));
         }
-        Err(e) => return Err(e),
-    };
-    if complete
-        && crate::store::OutputFormat::of(&step.output) == crate::store::OutputFormat::Npy
-        && out.checksum_tile().is_none()
-    {
-        let why = match out.checksum_note() {
-            Some(note) => format!("its checksum {note}"),
-            None => format!(
-                "its checksum sidecar {} is missing",
-                crate::store::sidecar::sidecar_path(&step.output).display()
-            ),
-        };
-        return Ok(damaged_output(step, r, why, t0));
-    }
-    if out.shape() != (step.m, step.n) || out.transposed() {
-        return Err(Error::format(
-            &step.output,
-            format!(
-                "is {}×{} but step {} produces {m}×{n}",
-                out.shape().0,
-                out.shape().1,
-                step.index + 1
-            ),
-        ));
-    }
-    let tile = out.checksum_tile().unwrap_or((step.m, step.n));
-    let mut rep = blank_report(step, r, tile);
-    match no_residuals(step, precision, &mut rep)? {
-        Some((false, why)) => {
-            rep.pass = false;
-            rep.reason = Some(why);
+        if out.shape() != (step.m, step.n) || out.transposed() {
+            return Err(Error::format(
+                &step.output,
+                format!(
+                    "is {}×{} but step {} produces {m}×{n}",
+                    out.shape().0,
+                    out.shape().1,
+                    step.index + 1
+                ),
+            ));
         }
-        other => {
-            // The checksums `run` stored first (cheap, exact): a flipped low bit can hide in
-            // the rounding the residual test must allow, never in a CRC.
-            let bad = corrupt_tiles(out.as_ref())?;
-            if !bad.is_empty() {
+        let tile = out.checksum_tile().unwrap_or((step.m, step.n));
+        let mut rep = blank_report(step, r, tile);
+        match no_residuals(step, precision, &mut rep)? {
+            Some((false, why)) => {
                 rep.pass = false;
-                rep.corrupt_tiles = bad.len();
-                rep.failing_tiles = bad;
-            } else if let Some((pass, why)) = other {
-                rep.pass = pass;
                 rep.reason = Some(why);
-            } else {
-                residuals(step, precision, out.as_ref(), seed, times, &mut rep)?;
+            }
+            other => {
+                // The checksums `run` stored first (cheap, exact): a flipped low bit can hide in
+                // the rounding the residual test must allow, never in a CRC.
+                let bad = corrupt_tiles(out.as_ref())?;
+                if !bad.is_empty() {
+                    rep.pass = false;
+                    rep.corrupt_tiles = bad.len();
+                    rep.failing_tiles = bad;
+                } else if let Some((pass, why)) = other {
+                    rep.pass = pass;
+                    rep.reason = Some(why);
+                } else {
+                    residuals(
+                        step,
+                        precision,
+                        out.as_ref(),
+                        seed,
+                        times,
+                        &self.dev,
+                        &mut rep,
+                    )?;
+                }
             }
         }
+        rep.seconds = t0.elapsed().as_secs_f64();
+        Ok(rep)
     }
-    rep.seconds = t0.elapsed().as_secs_f64();
-    Ok(rep)
 }
 
 /// The failing report of `step` whose output, complete by its journal, has a damaged header or
@@ -521,6 +580,8 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         skipped_cells: 0,
         cells: 0,
         componentwise: None,
+        device: "cpu".into(),
+        device_note: None,
         seconds: 0.0,
     }
 }
@@ -562,6 +623,7 @@ fn residuals(
     out: &dyn MatrixSource,
     seed: u64,
     times: bool,
+    dev: &Device,
     rep: &mut VerifyReport,
 ) -> Result<()> {
     let (m, n, k) = (step.m as usize, step.n as usize, step.k);
@@ -608,6 +670,7 @@ fn residuals(
         beta: step.beta,
         model,
         exact,
+        dev,
     };
     let cg = Groups::new(n, tile.1 as usize, groups_for(m.max(n), r));
     let o = match rows.run(&cg, r, seed, 0x5EED) {
@@ -793,8 +856,12 @@ pub fn format(rep: &VerifyReport) -> String {
         }
         return crate::progress::wrap(&s);
     }
+    let on = match rep.device.as_str() {
+        "cpu" => String::new(),
+        d => format!(" (products on {d})"),
+    };
     let mut s = format!(
-        "verify step {} ({}): {verdict} — {} round(s) in {:.2} s\n",
+        "verify step {} ({}): {verdict} — {} round(s) in {:.2} s{on}\n",
         rep.step, rep.output, rep.rounds, rep.seconds
     );
     s += &format!(
@@ -826,6 +893,9 @@ pub fn format(rep: &VerifyReport) -> String {
                 (f, None) => format!("; {f} exceed it: the emulation missed its accuracy contract there (a bug to report, with the inputs if you can; `verify --repair` recomputes those tiles)"),
             }
         );
+    }
+    if let Some(note) = &rep.device_note {
+        s += &format!("\n  note: {note}");
     }
     if !rep.inputs_unchecked.is_empty() {
         s += &format!(
@@ -901,4 +971,113 @@ pub(crate) fn forget_failing(plan: &Plan, step: &Step, rep: &VerifyReport) -> Re
         .map(|t| t.seq)
         .collect();
     journal::forget(&step.output, &seqs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::fold::{Fault, HostFold};
+
+    /// `expr` of a generated A (70×90, or 90×70 for `A.T`) and B (90×50), run on the CPU in
+    /// tiles of 32.
+    fn product(dir: &Path, expr: &str) -> Plan {
+        let (ar, ac) = if expr.contains("A.T") {
+            (90, 70)
+        } else {
+            (70, 90)
+        };
+        let text = format!(
+            "[matrices.A]\npath = \"A.mgt\"\ngenerate = {{ rows = {ar}, cols = {ac}, dist = \"normal\", seed = 1 }}\n\
+             [matrices.B]\npath = \"B.mgt\"\ngenerate = {{ rows = 90, cols = 50, dist = \"normal\", seed = 2 }}\n\
+             [[step]]\noutput = \"C.mgt\"\nexpr = \"{expr}\"\n\
+             [engine]\nbackend = \"cpu\"\ntile = 32\ndurable = false\n"
+        );
+        std::fs::write(dir.join("plan.toml"), text).unwrap();
+        let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+        crate::run::run_plan(
+            &plan,
+            &Default::default(),
+            &crate::progress::Progress::quiet(),
+        )
+        .unwrap();
+        plan
+    }
+
+    fn check(plan: &Plan, dev: Device) -> VerifyReport {
+        Verifier::on(plan.engine.precision, 2, 3, dev)
+            .step(&plan.steps[0])
+            .unwrap()
+    }
+
+    /// The dense pass on a device (the host's stand-in for a GPU, band by band: A is read in
+    /// 7 bands here) gives the CPU's verdict and residuals up to f64 rounding, for op(A) = A
+    /// and Aᵀ.
+    #[test]
+    fn the_dense_pass_on_a_device_gives_the_cpus_verdict() {
+        for expr in ["A @ B", "A.T @ B"] {
+            let d = tempfile::tempdir().unwrap();
+            let plan = product(d.path(), expr);
+            let cpu = check(&plan, Device::cpu());
+            let dev = check(&plan, Device::with(Box::new(HostFold::new(Fault::None))));
+            assert!(
+                cpu.pass && dev.pass,
+                "{expr}: {}\n{}",
+                format(&cpu),
+                format(&dev)
+            );
+            assert_eq!(
+                (cpu.device.as_str(), dev.device.as_str()),
+                ("cpu", "sim:0 (host fold)")
+            );
+            assert!(dev.device_note.is_none(), "{:?}", dev.device_note);
+            let rel = (dev.max_ratio - cpu.max_ratio).abs() / cpu.max_ratio;
+            assert!(
+                rel < 1e-9 && dev.cells == cpu.cells,
+                "{expr}: {} against {}",
+                dev.max_ratio,
+                cpu.max_ratio
+            );
+            assert!(
+                format(&dev).contains("(products on sim:0 (host fold))"),
+                "{}",
+                format(&dev)
+            );
+        }
+    }
+
+    /// A device whose sums of the first band are not the CPU's, or that fails in the first or
+    /// a later band, is let go: the CPU computes the pass again, the verdict and residuals are
+    /// the CPU's to the bit, and the report says why the device was not used.
+    #[test]
+    fn a_device_that_errs_is_let_go_and_the_cpu_checks() {
+        let d = tempfile::tempdir().unwrap();
+        let plan = product(d.path(), "A @ B");
+        let cpu = check(&plan, Device::cpu());
+        for (fault, says) in [
+            (Fault::WrongSums, "differ from the CPU's"),
+            (Fault::FailAt(1), "injected failure"),
+            (Fault::FailAt(4), "injected failure"),
+        ] {
+            let rep = check(&plan, Device::with(Box::new(HostFold::new(fault))));
+            let note = rep.device_note.clone().unwrap_or_default();
+            assert!(
+                rep.pass
+                    && rep.device == "cpu"
+                    && note.contains(says)
+                    && note.contains("the check ran on the CPU"),
+                "{fault:?}: {}",
+                format(&rep)
+            );
+            assert_eq!(
+                rep.max_ratio.to_bits(),
+                cpu.max_ratio.to_bits(),
+                "{fault:?}"
+            );
+            assert!(
+                format(&rep).contains("note: sim:0 (host fold) was not used"),
+                "{}",
+                format(&rep)
+            );
+        }
+    }
 }

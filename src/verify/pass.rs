@@ -20,11 +20,13 @@ use faer::{Accum, MatMut, MatRef, Par};
 use rayon::prelude::*;
 use zerocopy::IntoBytes;
 
+use crate::backend::fold::{FoldDevice, FoldSpec, FoldSums};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::plan::Precision;
 use crate::store::{Block, MatrixSource};
 
+use super::device::Device;
 /// Double-double sums are part of what a pass returns ([`Sums`]); named here for its callers.
 pub(crate) use super::kernel::Dd;
 use super::kernel::{self, Elem};
@@ -118,8 +120,9 @@ pub(crate) struct Sums {
 }
 
 /// Stored bytes of one band of rows; two bands are in memory at once (the next one is read
-/// while the current one is folded).
-const BAND_BYTES: usize = 32 << 20;
+/// while the current one is folded). The unit tests use small bands, so that their small
+/// matrices are read in several.
+const BAND_BYTES: usize = if cfg!(test) { 4 << 10 } else { 32 << 20 };
 
 /// Read stored rows `r0..r0 + h` (all columns) into `buf`, in parallel pieces, once the stored
 /// checksums of the storage tiles they touch have been checked.
@@ -159,26 +162,43 @@ fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut Vec<T>) -> Result<
         })
 }
 
+/// Stored rows per band of `op` read as `T` (the whole file when smaller).
+fn band_rows<T>(op: &Op) -> usize {
+    let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
+    (BAND_BYTES / (cols.max(1) * std::mem::size_of::<T>())).clamp(1, rows.max(1))
+}
+
 /// Call `f(r0, h, band)` for consecutive bands of stored rows of `op`, reading the next band
 /// while `f` works on the current one.
-fn bands<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &[T]) + Send) -> Result<()> {
+fn bands<T: Elem>(op: &Op, f: impl FnMut(usize, usize, &[T]) + Send) -> Result<()> {
+    bands_in(op, &mut [Vec::new(), Vec::new()], f)
+}
+
+/// [`bands`] into the caller's two buffers (each grown to a band once, then never moved: a
+/// device may have page-locked them).
+fn bands_in<T: Elem>(
+    op: &Op,
+    bufs: &mut [Vec<T>; 2],
+    mut f: impl FnMut(usize, usize, &[T]) + Send,
+) -> Result<()> {
     let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
     if rows == 0 || cols == 0 {
         return Ok(());
     }
-    let band = (BAND_BYTES / (cols * std::mem::size_of::<T>())).clamp(1, rows);
+    let band = band_rows::<T>(op);
     let h_at = |r0: usize| band.min(rows - r0);
-    let (mut cur, mut next) = (Vec::new(), Vec::new());
-    read_band(op, 0, h_at(0), &mut cur)?;
+    let [cur, next] = bufs;
+    let (mut cur, mut next) = (cur, next);
+    read_band(op, 0, h_at(0), cur)?;
     let mut r0 = 0;
     loop {
         let n0 = r0 + h_at(r0);
         let (read, ()) = rayon::join(
             || match n0 < rows {
-                true => read_band(op, n0, h_at(n0), &mut next),
+                true => read_band(op, n0, h_at(n0), next),
                 false => Ok(()),
             },
-            || f(r0, h_at(r0), &cur),
+            || f(r0, h_at(r0), cur),
         );
         read?;
         if n0 >= rows {
@@ -344,19 +364,25 @@ pub(crate) fn scatter(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
 fn timed<R>(what: &str, op: &Op, f: impl FnOnce() -> R) -> R {
     let t0 = std::time::Instant::now();
     let r = f();
+    report_time(what, op, t0, None);
+    r
+}
+
+/// With `op.times`, the line of [`timed`] for a pass begun at `t0` (on device `on`).
+fn report_time(what: &str, op: &Op, t0: std::time::Instant, on: Option<&str>) {
     if op.times {
         let (rows, cols) = op.file.shape();
         let bytes = (rows * cols) as f64 * op.file.dtype().size() as f64;
         let s = t0.elapsed().as_secs_f64();
         eprintln!(
-            "verify: {what} {}{} {rows}×{cols} {}: {s:.3} s, {:.2} GB/s",
+            "verify: {what} {}{} {rows}×{cols} {}{}: {s:.3} s, {:.2} GB/s",
             op.file.path().display(),
             if op.trans { " (transposed)" } else { "" },
             op.file.dtype(),
+            on.map(|d| format!(" on {d}")).unwrap_or_default(),
             bytes / s / 1e9
         );
     }
-    r
 }
 
 fn scatter_t<T: Elem>(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> Result<Sums> {
@@ -552,6 +578,26 @@ struct Rhs<'a> {
     abs: &'a [f64],
 }
 
+impl<'a> Rhs<'a> {
+    /// The right-hand side of a dense pass keeping its signed sums as `S`.
+    fn new<S: Signed>(z: &'a Sums) -> Rhs<'a> {
+        let plain = std::any::TypeId::of::<S>() == std::any::TypeId::of::<f64>();
+        let part = |f: fn(&Dd) -> f64, want: bool| match want {
+            true => z.signed.iter().map(f).collect(),
+            false => Vec::new(),
+        };
+        Rhs {
+            rg: z.rounds * z.groups,
+            g: z.groups,
+            signed: part(|d| d.value(), plain),
+            dd_hi: part(|d| d.hi, !plain),
+            dd_lo: part(|d| d.lo, !plain),
+            sq: &z.sq,
+            abs: &z.abs,
+        }
+    }
+}
+
 /// How a dense pass keeps its signed sums: f64 through faer, or double-double.
 trait Signed: Send + Sync + Copy + Default + 'static {
     /// `dst (a.nrows() × rg) += a · Z[k0..k0 + a.ncols()]`, over the whole pool.
@@ -617,11 +663,36 @@ impl Signed for Dd {
 }
 
 /// op(A)·Z for the sums `z` of a scatter pass over op(B) (K rows): signed sums in
-/// double-double when `exact` (f64 data), in f64 through faer otherwise (f32 products are exact
-/// in f64 and the f64 sums' own error is counted by the model); `sq` columns are multiplied by
-/// op(A)∘op(A), `abs` by |op(A)|. Rows of op(A) holding NaN/Inf are marked in `bad_row` (their
-/// values count as 0, so they spoil no other row).
-pub(crate) fn dense(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
+/// double-double when `exact` (f64 data), in f64 otherwise (f32 products are exact in f64 and
+/// the f64 sums' own error is counted by the model) — through faer on the CPU, or on `dev`
+/// ([`crate::backend::fold`]) where the data is not f64 and a device is open; `sq` columns are
+/// multiplied by op(A)∘op(A), `abs` by |op(A)|. Rows of op(A) holding NaN/Inf are marked in
+/// `bad_row` (their values count as 0, so they spoil no other row).
+///
+/// A device's sums of the first band are checked against the CPU's before the pass goes on
+/// (their difference bounded by the f64 rounding of either order of addition); on a
+/// difference, or any error of the device, the pass is done on the CPU and the device is not
+/// used again ([`Device`]'s note says why).
+pub(crate) fn dense(op: &Op, z: &Sums, exact: bool, dev: &Device) -> Result<Sums> {
+    if op.file.dtype() != DType::F64 && !exact {
+        if let Some(mut d) = dev.take() {
+            let name = d.name();
+            let t0 = std::time::Instant::now();
+            match dense_on(d.as_mut(), op, z) {
+                Ok(sums) => {
+                    report_time("dense", op, t0, Some(&name));
+                    dev.give_back(d);
+                    return Ok(sums);
+                }
+                // An input that changed since the run is the verdict, not a device failure.
+                Err(e @ crate::error::Error::Checksum { .. }) => {
+                    dev.give_back(d);
+                    return Err(e);
+                }
+                Err(e) => dev.fail(&name, e.to_string()),
+            }
+        }
+    }
     timed("dense", op, || match (op.file.dtype(), exact) {
         (DType::F64, true) => dense_t::<f64, Dd>(op, z),
         (DType::F64, false) => dense_t::<f64, f64>(op, z),
@@ -630,58 +701,162 @@ pub(crate) fn dense(op: &Op, z: &Sums, exact: bool) -> Result<Sums> {
     })
 }
 
-fn dense_t<T: Elem, S: Signed>(op: &Op, z: &Sums) -> Result<Sums> {
+/// [`dense`] on a device, for data read as f32.
+fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> Result<Sums> {
     let (m_rows, k) = op.shape();
     let (rg, g) = (z.rounds * z.groups, z.groups);
-    let plain = std::any::TypeId::of::<S>() == std::any::TypeId::of::<f64>();
-    let rhs = Rhs {
+    let rhs = Rhs::new::<f64>(z);
+    let spec = FoldSpec {
+        m: m_rows,
+        k,
         rg,
         g,
-        signed: match plain {
-            true => z.signed.iter().map(|d| d.value()).collect(),
-            false => Vec::new(),
-        },
-        dd_hi: match plain {
-            true => Vec::new(),
-            false => z.signed.iter().map(|d| d.hi).collect(),
-        },
-        dd_lo: match plain {
-            true => Vec::new(),
-            false => z.signed.iter().map(|d| d.lo).collect(),
-        },
-        sq: &z.sq,
+        trans: op.trans,
+        signed: &rhs.signed,
         abs: &z.abs,
+        sq: &z.sq,
     };
+    let cols = op.file.shape().1 as usize;
+    let band = band_rows::<f32>(op) * cols;
+    dev.begin(&spec, band)?;
+    let mut bufs = [vec![0f32; band], vec![0f32; band]];
+    dev.pin(&[&bufs[0], &bufs[1]]);
+    let mut failed = None;
+    let r = bands_in::<f32>(op, &mut bufs, |r0, h, m| {
+        if failed.is_some() {
+            return;
+        }
+        let mut step = || -> Result<()> {
+            dev.fold(r0, h, m)?;
+            if r0 == 0 {
+                // The device's first band against the CPU's, before its sums are trusted.
+                let mut cpu = Sums::new(m_rows, k, z.rounds, g);
+                let mut signed = vec![0f64; m_rows * rg];
+                fold_band::<f32, f64>(op, &rhs, r0, h, m, &mut Vec::new(), &mut cpu, &mut signed);
+                let kk = if op.trans { h } else { k };
+                agree(&dev.sums()?, &signed, &cpu, kk).map_err(|why| {
+                    crate::error::Error::backend(
+                        "verify",
+                        format!(
+                            "its sums of the first band of {} differ from the CPU's: {why}",
+                            op.file.path().display()
+                        ),
+                    )
+                })?;
+            }
+            Ok(())
+        };
+        if let Err(e) = step() {
+            failed = Some(e);
+        }
+    });
+    dev.unpin();
+    r?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let d = dev.sums()?;
     let mut out = Sums::new(m_rows, k, z.rounds, g);
-    let mut signed = vec![S::default(); m_rows * rg];
+    out.signed = d.signed.into_iter().map(|hi| Dd { hi, lo: 0.0 }).collect();
+    (out.abs, out.sq, out.bad_row) = (d.abs, d.sq, d.bad);
+    Ok(out)
+}
+
+/// Whether a device's sums of one band (`d`) are the CPU's (`signed`, `cpu`) up to the f64
+/// rounding of `kk` terms added in any order: |error| ≤ kk·u·Σ|terms| for each sum, and the
+/// signed sums' terms are bounded by the abs sums' (|Σ±b| ≤ Σ|b|).
+fn agree(d: &FoldSums, signed: &[f64], cpu: &Sums, kk: usize) -> std::result::Result<(), String> {
+    let g = cpu.groups;
+    let rg = cpu.rounds * g;
+    let shape = |v: &[f64], n: usize| v.len() == n;
+    let m = cpu.bad_row.len();
+    if !(shape(&d.signed, m * rg)
+        && shape(&d.abs, m * g)
+        && shape(&d.sq, m * g)
+        && d.bad.len() == m)
+    {
+        return Err("the device returned sums of the wrong shape".into());
+    }
+    let rel = 4.0 * (kk as f64 + 2.0) * f64::EPSILON;
+    let close = |x: f64, y: f64, scale: f64| (x - y).abs() <= rel * scale + f64::MIN_POSITIVE;
+    for i in 0..m {
+        if d.bad[i] != cpu.bad_row[i] {
+            return Err(format!("row {i}'s NaN/Inf mark"));
+        }
+        for gr in 0..g {
+            let at = i * g + gr;
+            let scale = cpu.abs[at];
+            if !close(d.abs[at], cpu.abs[at], scale) || !close(d.sq[at], cpu.sq[at], cpu.sq[at]) {
+                return Err(format!(
+                    "row {i}, group {gr}: tolerance sums {:e}, {:e} against {:e}, {:e}",
+                    d.abs[at], d.sq[at], cpu.abs[at], cpu.sq[at]
+                ));
+            }
+            for rho in 0..cpu.rounds {
+                let s = i * rg + rho * g + gr;
+                if !close(d.signed[s], signed[s], scale) {
+                    return Err(format!(
+                        "row {i}, group {gr}, round {rho}: {:e} against {:e}",
+                        d.signed[s], signed[s]
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn dense_t<T: Elem, S: Signed>(op: &Op, z: &Sums) -> Result<Sums> {
+    let (m_rows, k) = op.shape();
+    let rhs = Rhs::new::<S>(z);
+    let mut out = Sums::new(m_rows, k, z.rounds, z.groups);
+    let mut signed = vec![S::default(); m_rows * rhs.rg];
     let mut a = Vec::new();
     bands::<T>(op, |r0, h, m| {
-        let band = Band {
-            m,
-            r0,
-            cols: m.len() / h,
-        };
-        let lay = widen_band(&band, h, op.trans, &mut a, &mut out.bad_row);
-        // op(A) = A: the band is op rows r0..r0 + h over all of K. op(A) = Aᵀ: it is all op
-        // rows over k = r0..r0 + h.
-        let (rows, k0) = match op.trans {
-            true => (0..m_rows, r0),
-            false => (r0..r0 + h, 0),
-        };
-        S::add(
-            &mut signed[rows.start * rg..rows.end * rg],
-            lay.of(&a),
-            &rhs,
-            k0,
-        );
-        let (sq, abs) = (
-            &mut out.sq[rows.start * g..rows.end * g],
-            &mut out.abs[rows.start * g..rows.end * g],
-        );
-        tolerance(&mut a, lay, &rhs, k0, sq, abs);
+        fold_band(op, &rhs, r0, h, m, &mut a, &mut out, &mut signed)
     })?;
     out.signed = S::into_dd(signed);
     Ok(out)
+}
+
+/// Fold stored rows `r0..r0 + h` of op's file (`m`) into `out`'s tolerance sums and row marks
+/// and into `signed`, widened through `a` (reused from band to band).
+#[allow(clippy::too_many_arguments)]
+fn fold_band<T: Elem, S: Signed>(
+    op: &Op,
+    rhs: &Rhs,
+    r0: usize,
+    h: usize,
+    m: &[T],
+    a: &mut Vec<f64>,
+    out: &mut Sums,
+    signed: &mut [S],
+) {
+    let (m_rows, _) = op.shape();
+    let (rg, g) = (rhs.rg, rhs.g);
+    let band = Band {
+        m,
+        r0,
+        cols: m.len() / h,
+    };
+    let lay = widen_band(&band, h, op.trans, a, &mut out.bad_row);
+    // op(A) = A: the band is op rows r0..r0 + h over all of K. op(A) = Aᵀ: it is all op
+    // rows over k = r0..r0 + h.
+    let (rows, k0) = match op.trans {
+        true => (0..m_rows, r0),
+        false => (r0..r0 + h, 0),
+    };
+    S::add(
+        &mut signed[rows.start * rg..rows.end * rg],
+        lay.of(a),
+        rhs,
+        k0,
+    );
+    let (sq, abs) = (
+        &mut out.sq[rows.start * g..rows.end * g],
+        &mut out.abs[rows.start * g..rows.end * g],
+    );
+    tolerance(a, lay, rhs, k0, sq, abs);
 }
 
 /// `dst (a.nrows() × w) += a · Z[k0..k0 + a.ncols()]` for a K × w row-major `z`, over the

@@ -734,6 +734,8 @@ fn end_of_command_text_fits_80_columns() {
         skipped_cells: 3,
         cells: 40,
         componentwise: None,
+        device: "cuda:0 NVIDIA H200".into(),
+        device_note: Some("cuda:1 NVIDIA H200 was not used after an error (verify: its sums of the first band of in/A.mgt differ from the CPU's: row 17, group 3, round 1: 1.5e3 against 1.2e3); the check ran on the CPU".into()),
         seconds: 12.5,
     };
     let text = mgmm_stream::verify::format(&fail);

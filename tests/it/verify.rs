@@ -11,10 +11,10 @@ use std::path::Path;
 use std::process::Command;
 
 use mgmm_stream::dtype::DType;
-use mgmm_stream::plan::Plan;
+use mgmm_stream::plan::{BackendKind, Plan};
 use mgmm_stream::store::gen::{Dist, Rng};
 use mgmm_stream::store::{Block, TiledFile};
-use mgmm_stream::verify::{format, verify_step, VerifyReport};
+use mgmm_stream::verify::{format, Verifier, VerifyReport};
 
 struct Case {
     expr: &'static str,
@@ -95,6 +95,14 @@ fn rewrite_journal(out: &Path, old: u32, new: u32) {
 }
 
 fn run_case(dir: &Path, c: &Case, seed: u64) -> VerifyReport {
+    let plan = computed_case(dir, c, seed);
+    Verifier::new(&plan.engine, 2, seed)
+        .step(&plan.steps[0])
+        .unwrap()
+}
+
+/// The plan of case `c`, its output computed (on the CPU).
+fn computed_case(dir: &Path, c: &Case, seed: u64) -> Plan {
     let (m, n, k) = c.mnk;
     let t = |e: &str, side: char| e.split('@').any(|s| s.trim() == format!("{side}.T"));
     let (ar, ac) = if t(c.expr, 'A') { (k, m) } else { (m, k) };
@@ -132,7 +140,7 @@ fn run_case(dir: &Path, c: &Case, seed: u64) -> VerifyReport {
         &mgmm_stream::progress::Progress::quiet(),
     )
     .unwrap();
-    verify_step(&plan.steps[0], plan.engine.precision, 2, seed).unwrap()
+    plan
 }
 
 const NAN: f64 = f64::NAN;
@@ -276,9 +284,84 @@ fn no_false_alarms_over_the_test_matrix() {
     );
 }
 
+/// `verify` with its dense pass on a device (`backend = "sim"`: the device contract computed
+/// on the host, band by band, checked against the CPU's first band) gives the CPU's verdict
+/// over the whole test matrix, with the same cells set aside and residuals equal up to f64
+/// rounding; f64 data (double-double sums) and α = 0 stay on the CPU.
+#[test]
+fn the_dense_pass_on_a_device_gives_the_cpus_verdicts_over_the_test_matrix() {
+    dense_pass_on(BackendKind::Sim, "sim:0 (host fold)");
+}
+
+/// The GPU twins of the device tests: the same verdicts with the products on the GPU, and a
+/// changed element caught in a product whose A is read in two bands.
+mod cuda {
+    use super::*;
+
+    #[test]
+    #[ignore = "needs a GPU: run on the GPU machine with --ignored"]
+    fn the_dense_pass_on_a_gpu_gives_the_cpus_verdicts_over_the_test_matrix() {
+        dense_pass_on(BackendKind::Cuda, "cuda:");
+    }
+
+    #[test]
+    #[ignore = "needs a GPU: run on the GPU machine with --ignored"]
+    fn one_element_off_by_1e_3_rms_is_caught_with_the_products_on_a_gpu() {
+        let (caught, trials, named, _) = detection_on(4096, 6, Some(BackendKind::Cuda));
+        assert!(
+            caught == trials && named == caught,
+            "{caught}/{trials}, named {named}"
+        );
+    }
+}
+
+/// Every case of the test matrix checked on the CPU and with the dense pass on `backend`'s
+/// device (named `name`…), one seed each.
+fn dense_pass_on(backend: BackendKind, name: &str) {
+    for (i, c) in matrix().iter().enumerate() {
+        let d = tmp();
+        let mut plan = computed_case(d.path(), c, 7 * i as u64);
+        let cpu = Verifier::new(&plan.engine, 2, 5)
+            .step(&plan.steps[0])
+            .unwrap();
+        plan.engine.backend = backend;
+        let dev = Verifier::new(&plan.engine, 2, 5)
+            .step(&plan.steps[0])
+            .unwrap();
+        let on_device = c.dtype != DType::F64 && !c.extra.contains("alpha = 0.0");
+        let what = format!(
+            "case {i} ({} {} {:?} {})",
+            c.expr, c.precision, c.mnk, c.extra
+        );
+        match on_device {
+            true => assert!(dev.device.starts_with(name), "{what}: {}", format(&dev)),
+            false => assert_eq!(dev.device, "cpu", "{what}"),
+        }
+        assert!(dev.device_note.is_none(), "{what}: {:?}", dev.device_note);
+        assert!(cpu.pass && dev.pass, "{what}: {}", format(&dev));
+        assert_eq!(
+            (dev.skipped_cells, dev.cells, dev.unexpected_nonfinite),
+            (cpu.skipped_cells, cpu.cells, cpu.unexpected_nonfinite),
+            "{what}"
+        );
+        let rel = (dev.max_ratio - cpu.max_ratio).abs() / cpu.max_ratio.max(1e-300);
+        assert!(
+            rel < 1e-6,
+            "{what}: {} against {}",
+            dev.max_ratio,
+            cpu.max_ratio
+        );
+    }
+}
+
 /// Detection rate for one element changed by ±1e-3·RMS (at an element with |c| ≥ RMS), with
 /// the tile's CRC and journal record rewritten: (caught, trials, tile named, smallest margin).
 fn detection(n: u64, trials: usize) -> (usize, usize, usize, f64) {
+    detection_on(n, trials, None)
+}
+
+/// [`detection`], with `verify`'s dense pass on `device`'s device when given.
+fn detection_on(n: u64, trials: usize, device: Option<BackendKind>) -> (usize, usize, usize, f64) {
     let d = tmp();
     let dir = d.path();
     gen(
@@ -336,7 +419,14 @@ fn detection(n: u64, trials: usize) -> (usize, usize, usize, f64) {
             .unwrap()
             .verify_tile(i / 256, j / 256)
             .expect("CRC rewritten");
-        let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 1000 + t as u64).unwrap();
+        let mut engine = plan.engine.clone();
+        if let Some(b) = device {
+            engine.backend = b;
+        }
+        let rep = Verifier::new(&engine, 2, 1000 + t as u64)
+            .step(&plan.steps[0])
+            .unwrap();
+        assert_eq!(rep.device != "cpu", device.is_some(), "{}", format(&rep));
         if !rep.pass {
             caught += 1;
             margin = margin.min(rep.max_ratio);
@@ -354,6 +444,17 @@ fn one_element_off_by_1e_3_rms_is_caught_and_its_tile_named() {
     eprintln!("n=512: caught {caught}/{trials}, tile named {named}, smallest residual/threshold {margin:.1}");
     assert!(
         caught >= 99 && named == caught,
+        "{caught}/{trials}, named {named}"
+    );
+}
+
+/// The same with the products on a (simulated) device.
+#[test]
+fn one_element_off_by_1e_3_rms_is_caught_with_the_products_on_a_device() {
+    let (caught, trials, named, margin) = detection_on(512, 30, Some(BackendKind::Sim));
+    eprintln!("n=512, on a device: caught {caught}/{trials}, tile named {named}, smallest residual/threshold {margin:.1}");
+    assert!(
+        caught == trials && named == caught,
         "{caught}/{trials}, named {named}"
     );
 }
@@ -402,7 +503,9 @@ fn run_then(
     .unwrap();
     write_plan(dir, "A @ B", precision, "[64, 64, 64]", verify_extra, false);
     let plan = Plan::load(&dir.join("plan.toml")).unwrap();
-    verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap()
+    Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap()
 }
 
 #[test]
@@ -420,7 +523,9 @@ fn alpha_off_by_1e_4_is_caught_by_the_journal_and_by_the_residual() {
     );
     std::fs::remove_file(d.path().join("C.mgt.journal")).unwrap();
     let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
-    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
+    let rep = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
     assert!(
         !rep.pass && rep.reason.is_none() && rep.max_ratio > 3.0,
         "{}",
@@ -435,7 +540,9 @@ fn gross_errors_in_bf16_are_certainly_wrong() {
         run_then(d.path(), run, ver, "bf16", DType::BF16);
         std::fs::remove_file(d.path().join("C.mgt.journal")).unwrap();
         let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
-        let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
+        let rep = Verifier::new(&plan.engine, 2, 3)
+            .step(&plan.steps[0])
+            .unwrap();
         assert!(!rep.pass, "{run}: {}", format(&rep));
         if run.contains("-1.0") {
             assert!(rep.certainly_wrong, "{}", format(&rep));
@@ -460,7 +567,9 @@ fn a_changed_input_is_named_from_the_journal() {
         99,
     );
     let plan = Plan::load(&dir.join("plan.toml")).unwrap();
-    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
+    let rep = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
     let why = rep.reason.clone().unwrap_or_default();
     assert!(
         !rep.pass && why.contains("input B: was") && why.contains("run --restart"),
@@ -496,7 +605,9 @@ fn an_input_changed_in_place_after_the_run_is_named_by_its_checksums() {
     };
     flip(&b);
     let plan = Plan::load(&dir.join("plan.toml")).unwrap();
-    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
+    let rep = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
     let why = rep.reason.clone().unwrap_or_default();
     assert!(
         !rep.pass
@@ -539,7 +650,9 @@ fn an_input_changed_in_place_after_the_run_is_named_by_its_checksums() {
         "verify --repair changed the output"
     );
     flip(&b);
-    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
+    let rep = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
     assert!(rep.pass && rep.corrupt_input.is_none(), "{}", format(&rep));
 }
 
@@ -738,7 +851,9 @@ fn an_output_that_overflows_everywhere_is_reported_as_nothing_checked() {
     let s = &run.steps[0];
     assert_eq!((s.nonfinite_outputs, s.nonfinite_inputs), (m * n, 0));
     let plan = Plan::load(&dir.join("plan.toml")).unwrap();
-    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 3).unwrap();
+    let rep = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
     let text = format(&rep)
         .split_whitespace()
         .collect::<Vec<_>>()
@@ -852,7 +967,9 @@ fn emulated_outputs_are_checked_element_by_element() {
         let _ = std::fs::remove_file(dir.join("C.mgt.journal"));
         run_text(dir, &text).unwrap();
         let plan = Plan::load(&dir.join("plan.toml")).unwrap();
-        let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 5).unwrap();
+        let rep = Verifier::new(&plan.engine, 2, 5)
+            .step(&plan.steps[0])
+            .unwrap();
         (plan, rep)
     };
     let (plan, rep) = run_verify("\"auto\"");
@@ -885,7 +1002,9 @@ fn emulated_outputs_are_checked_element_by_element() {
     let before = block_crc(&out, &tile);
     poke(&out, i as u64, j as u64, c[i * n + j] + 1e3 * bound);
     rewrite_journal(&out, before, block_crc(&out, &tile));
-    let rep = verify_step(&plan.steps[0], plan.engine.precision, 2, 5).unwrap();
+    let rep = Verifier::new(&plan.engine, 2, 5)
+        .step(&plan.steps[0])
+        .unwrap();
     let cw = rep.componentwise.clone().unwrap();
     assert!(!rep.pass, "{}", format(&rep));
     assert_eq!((cw.failing, cw.worst), (1, (i as u64, j as u64)), "{cw:?}");

@@ -1,5 +1,5 @@
 //! The GPU code the lanes run besides copies: kernels/convert.cu and kernels/check.cu compiled
-//! by NVRTC once per process, the GEMM through `cublasGemmEx` for every precision, and the
+//! by NVRTC once per process (kernels/verify.cu, `verify`'s, with [`compiled_once`] too), the GEMM through `cublasGemmEx` for every precision, and the
 //! page-locked ring where the device checks of directly uploaded blocks
 //! ([`crate::backend::check`]) leave their results.
 
@@ -31,7 +31,7 @@ pub(super) fn convert_ptx() -> std::result::Result<cudarc::nvrtc::Ptx, cudarc::n
 }
 
 /// `src` compiled by NVRTC the first time, its PTX kept in `cell` for every later call.
-fn compiled_once(
+pub(super) fn compiled_once(
     cell: &std::sync::OnceLock<String>,
     src: &str,
 ) -> std::result::Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {

@@ -21,7 +21,7 @@
 //! By concern: [`driver`] finds the GPUs and loads the libraries, [`early`] starts what a run
 //! can prepare before the driver is up, [`pinned`] makes page-locked host memory (and registers
 //! input files' maps) and [`alloc`] hands it to the pools, [`lane`] is one GPU's lane,
-//! [`kernels`] the GPU code it runs, [`devmem`] what the Python package needs of the driver for
+//! [`kernels`] the GPU code it runs, [`fold`] `verify`'s dense pass, [`devmem`] what the Python package needs of the driver for
 //! arrays already on a GPU; this file is the backend over them.
 
 mod alloc;
@@ -29,6 +29,7 @@ pub mod devmem;
 mod driver;
 mod early;
 mod emulate;
+mod fold;
 mod kernels;
 mod lane;
 mod pinned;
@@ -47,6 +48,7 @@ use driver::{auto_margin, probe_with, DeviceInfo, HeldPool};
 pub(crate) use early::EarlySpec;
 pub(crate) use early::EarlyStart;
 use early::Prefill;
+pub(crate) use fold::open_fold;
 use lane::CudaLane;
 pub(crate) use pinned::pinned_len;
 use pinned::FilePinner;

@@ -1,0 +1,403 @@
+//! `verify`'s dense pass on a GPU ([`crate::backend::fold`] says what and why): one context
+//! stream, one cuBLAS handle, kernels/verify.cu.
+//!
+//! Per band, in stream order: the f32 band is copied up (from the host buffer the pass read it
+//! into, page-locked by [`FoldDevice::pin`] where the driver allows, so the copy is DMA at
+//! PCIe speed; 7–8 GB/s from pageable memory on the H200 host), `vf_widen` writes it as f64
+//! with NaN/Inf as 0 and marks their op rows, one DGEMM adds it times the signed sums, then
+//! `vf_abs` and `vf_square` turn it into |a| and a·a in place for the two tolerance DGEMMs.
+//! `fold` returns once the copy is done (the host may then reuse the band's buffer); the rest
+//! runs while the host reads the next band.
+//!
+//! Written in a session without a GPU (2026-12-05, the twenty-first): `verify` checks this
+//! device's sums of the first band against the CPU's before trusting it, and falls back to the
+//! CPU on any difference or error (src/verify/pass.rs), so a mistake here costs time, not a
+//! wrong verdict. Its twin tests (`verify::cuda::`, tools/checks/cuda_tests.sh) are owed.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+
+use super::kernels::{compiled_once, gemm_ex, let_go_of_blas};
+use crate::backend::fold::{FoldDevice, FoldSpec, FoldSums};
+use crate::backend::GemmDesc;
+use crate::error::{Error, Result};
+use crate::seam::Precision;
+
+const SRC: &str = include_str!("../../../kernels/verify.cu");
+
+/// kernels/verify.cu compiled once per process.
+fn ptx() -> std::result::Result<cudarc::nvrtc::Ptx, cudarc::nvrtc::CompileError> {
+    static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    compiled_once(&PTX, SRC)
+}
+
+/// The dense pass on GPU `ordinal` (as CUDA_VISIBLE_DEVICES numbers them).
+pub(crate) fn open_fold(ordinal: usize) -> Result<Box<dyn FoldDevice>> {
+    let devices = super::probe()?;
+    let d = devices
+        .iter()
+        .find(|d| d.ordinal == ordinal)
+        .ok_or_else(|| {
+            Error::backend(
+                "cuda",
+                format!(
+                    "GPU {ordinal} (engine.devices) is not among the {} visible",
+                    devices.len()
+                ),
+            )
+        })?;
+    Ok(Box::new(CudaFold::new(d.ordinal, &d.name, &d.ctx)?))
+}
+
+/// The kernels of kernels/verify.cu.
+struct Kernels {
+    widen: CudaFunction,
+    abs: CudaFunction,
+    square: CudaFunction,
+}
+
+/// Device buffers of one pass, (re)allocated by `begin` when a pass needs more.
+#[derive(Default)]
+struct Bufs {
+    z: Option<CudaSlice<f64>>,
+    zabs: Option<CudaSlice<f64>>,
+    zsq: Option<CudaSlice<f64>>,
+    out: Option<CudaSlice<f64>>,
+    oabs: Option<CudaSlice<f64>>,
+    osq: Option<CudaSlice<f64>>,
+    bad: Option<CudaSlice<u8>>,
+    band: Option<CudaSlice<f32>>,
+    wide: Option<CudaSlice<f64>>,
+}
+
+struct CudaFold {
+    name: String,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: Option<CudaBlas>,
+    k: Kernels,
+    b: Bufs,
+    /// The pass's shape: (m, k, rg, g, trans).
+    shape: (usize, usize, usize, usize, bool),
+    /// Host ranges page-locked by `pin`.
+    pinned: Vec<usize>,
+}
+
+// SAFETY: the raw handles inside (cuBLAS handle, functions) belong to `ctx`, which every call
+// binds to its thread first; calls come one at a time (`&mut self`).
+unsafe impl Send for CudaFold {}
+
+fn err(name: &str, what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    let (name, what) = (name.to_string(), what.to_string());
+    move |e| Error::device(0, name.clone(), what.clone(), e)
+}
+
+impl CudaFold {
+    fn new(ordinal: usize, model: &str, ctx: &Arc<CudaContext>) -> Result<CudaFold> {
+        let name = format!("cuda:{ordinal} {model}");
+        let e = |what: &str| err(&name, what);
+        ctx.bind_to_thread().map_err(e("cannot use context"))?;
+        let stream = ctx.new_stream().map_err(e("cannot create stream"))?;
+        let ptx = ptx()
+            .map_err(|x| Error::device(0, name.clone(), "NVRTC failed on kernels/verify.cu", x))?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(e("cannot load kernels/verify.cu"))?;
+        let f = |n: &str| {
+            module
+                .load_function(n)
+                .map_err(e("cannot find a kernel of kernels/verify.cu"))
+        };
+        let k = Kernels {
+            widen: f("vf_widen")?,
+            abs: f("vf_abs")?,
+            square: f("vf_square")?,
+        };
+        let blas = CudaBlas::new(stream.clone())
+            .map_err(|x| Error::device(0, name.clone(), "cuBLAS handle", x))?;
+        Ok(CudaFold {
+            name,
+            ctx: ctx.clone(),
+            stream,
+            blas: Some(blas),
+            k,
+            b: Bufs::default(),
+            shape: (0, 0, 0, 0, false),
+            pinned: Vec::new(),
+        })
+    }
+
+    fn e(&self, what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+        err(&self.name, what)
+    }
+
+    /// `slot` holding at least `len` elements (allocated anew when smaller), zeroed if `zero`.
+    fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        stream: &Arc<CudaStream>,
+        slot: &mut Option<CudaSlice<T>>,
+        len: usize,
+        zero: bool,
+    ) -> std::result::Result<(), cudarc::driver::DriverError> {
+        if slot.as_ref().is_none_or(|s| s.len() < len.max(1)) {
+            // The smaller one is freed before the larger one is allocated.
+            *slot = None;
+            // SAFETY: written (zeroed below, or copied into) before it is read.
+            *slot = Some(unsafe { stream.alloc::<T>(len.max(1)) }?);
+        }
+        if zero {
+            stream.memset_zeros(slot.as_mut().expect("allocated above"))?;
+        }
+        Ok(())
+    }
+}
+
+/// A DGEMM `c[c_off..] += op(a) · b[b_off..]` as `g` describes it (row-major), on `stream`.
+fn dgemm(
+    blas: &CudaBlas,
+    stream: &Arc<CudaStream>,
+    (g, b_off, c_off): (GemmDesc, usize, usize),
+    a: &CudaSlice<f64>,
+    b: &CudaSlice<f64>,
+    c: &mut CudaSlice<f64>,
+) -> std::result::Result<(), cudarc::cublas::result::CublasError> {
+    let (pa, _ga) = a.device_ptr(stream);
+    let (pb, _gb) = b.device_ptr(stream);
+    let (pc, _gc) = c.device_ptr_mut(stream);
+    // SAFETY: `a` holds g.m·g.k elements (the widened band), `b` from b_off g.k·g.n (the
+    // right-hand side's rows of this band), `c` from c_off g.m·g.n (the sums' rows): `fold`
+    // checked the band against the pass's shape and `begin` sized the buffers for it; all on
+    // `stream`, whose handle `blas` is, with the context bound by the caller.
+    unsafe {
+        gemm_ex(
+            *blas.handle(),
+            Precision::Fp64,
+            &g,
+            pa,
+            pb + (b_off * 8) as u64,
+            pc + (c_off * 8) as u64,
+        )
+    }
+}
+
+/// The DGEMM of a band against a right-hand side of `w` columns: rows r0..r0 + h of the sums
+/// against all of it (op(A) = A), or every op row against its rows r0..r0 + h (op(A) = Aᵀ:
+/// the band, h × cols row-major, is then op(A)'s columns r0.. stored transposed).
+fn band_gemm(trans: bool, r0: usize, h: usize, cols: usize, w: usize) -> (GemmDesc, usize, usize) {
+    let (m, k, b_off, c_off) = match trans {
+        false => (h, cols, 0, r0 * w),
+        true => (cols, h, r0 * w, 0),
+    };
+    let g = GemmDesc {
+        m,
+        n: w,
+        k,
+        a_trans: trans,
+        b_trans: false,
+        alpha: 1.0,
+        beta: 1.0,
+    };
+    (g, b_off, c_off)
+}
+
+/// The launch of `f` over `n` elements (grid-stride), its arguments still to push.
+fn launch<'a>(
+    stream: &'a Arc<CudaStream>,
+    f: &'a CudaFunction,
+    n: usize,
+) -> (cudarc::driver::LaunchArgs<'a>, LaunchConfig) {
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (stream.launch_builder(f), cfg)
+}
+
+impl FoldDevice for CudaFold {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn begin(&mut self, spec: &FoldSpec, band_elems: usize) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.e("cannot use context"))?;
+        let (m, k, rg, g) = (spec.m, spec.k, spec.rg, spec.g);
+        let s = self.stream.clone();
+        let fail = |what: &'static str| {
+            let name = self.name.clone();
+            move |x| {
+                Error::device(
+                    0,
+                    name.clone(),
+                    format!("cannot allocate {what} for verify's dense pass"),
+                    x,
+                )
+            }
+        };
+        let b = &mut self.b;
+        Self::ensure(&s, &mut b.z, k * rg, false).map_err(fail("the signed sums"))?;
+        Self::ensure(&s, &mut b.zabs, k * g, false).map_err(fail("the tolerance sums"))?;
+        Self::ensure(&s, &mut b.zsq, k * g, false).map_err(fail("the tolerance sums"))?;
+        Self::ensure(&s, &mut b.out, m * rg, true).map_err(fail("the results"))?;
+        Self::ensure(&s, &mut b.oabs, m * g, true).map_err(fail("the results"))?;
+        Self::ensure(&s, &mut b.osq, m * g, true).map_err(fail("the results"))?;
+        Self::ensure(&s, &mut b.bad, m, true).map_err(fail("the row flags"))?;
+        Self::ensure(&s, &mut b.band, band_elems, false).map_err(fail("a band"))?;
+        Self::ensure(&s, &mut b.wide, band_elems, false).map_err(fail("a band"))?;
+        let up = |src: &[f64], dst: &mut Option<CudaSlice<f64>>| {
+            s.memcpy_htod(src, dst.as_mut().expect("allocated above"))
+        };
+        let name = &self.name;
+        up(spec.signed, &mut b.z).map_err(err(name, "copy of the signed sums"))?;
+        up(spec.abs, &mut b.zabs).map_err(err(name, "copy of the tolerance sums"))?;
+        up(spec.sq, &mut b.zsq).map_err(err(name, "copy of the tolerance sums"))?;
+        self.shape = (m, k, rg, g, spec.trans);
+        Ok(())
+    }
+
+    fn pin(&mut self, bufs: &[&[f32]]) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        for b in bufs {
+            let (p, len) = (b.as_ptr() as usize, std::mem::size_of_val(*b));
+            // SAFETY: registers the caller's live buffer, which it keeps alive and in place
+            // until `unpin` (the pass's contract); a refusal only leaves it pageable.
+            let r = unsafe {
+                cudarc::driver::sys::cuMemHostRegister_v2(
+                    p as *mut c_void,
+                    len,
+                    cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+                )
+            };
+            if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+                self.pinned.push(p);
+            }
+        }
+    }
+
+    fn unpin(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // Copies from the buffers finished before `fold` returned.
+        for p in self.pinned.drain(..) {
+            // SAFETY: a range this fold registered and has not unregistered.
+            unsafe { cudarc::driver::sys::cuMemHostUnregister(p as *mut c_void) };
+        }
+    }
+
+    fn fold(&mut self, r0: usize, h: usize, band: &[f32]) -> Result<()> {
+        let (m, k, rg, g, trans) = self.shape;
+        let n = band.len();
+        let cols = n / h.max(1);
+        let fits = h > 0
+            && n == h * cols
+            && n <= self.b.band.as_ref().map_or(0, |b| b.len())
+            && match trans {
+                false => r0 + h <= m && cols == k,
+                true => r0 + h <= k && cols == m,
+            };
+        if !fits {
+            return Err(Error::backend(
+                "cuda",
+                format!("verify's dense pass: a band of {h}×{cols} at row {r0} does not fit a pass of {m}×{k}{}", if trans { " (transposed)" } else { "" }),
+            ));
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.e("cannot use context"))?;
+        let (s, name) = (&self.stream, &self.name);
+        let blas = self.blas.as_ref().expect("held until drop");
+        let e = |what: &str| err(name, what);
+        let be = |what: &'static str| move |x| Error::device(0, name.clone(), what, x);
+        let b = &mut self.b;
+        let dband = b.band.as_mut().expect("allocated by begin");
+        s.memcpy_htod(band, dband).map_err(e("copy of a band"))?;
+        let copied = s
+            .record_event(None)
+            .map_err(e("event after a band's copy"))?;
+        let wide = b.wide.as_mut().expect("allocated by begin");
+        let bad = b.bad.as_mut().expect("allocated by begin");
+        let (n64, cols64, row0, tr) = (n as u64, cols as u64, r0 as u64, trans as u32);
+        // SAFETY (the three launches): the kernels of kernels/verify.cu touch the first n
+        // elements of the band buffers (`begin` sized them for the largest band; `fits`
+        // above) and, for `vf_widen`, entries of `bad` below m (op rows: row0 + i / cols < m,
+        // or i % cols < m, by the shape check above); all on this fold's stream.
+        unsafe {
+            let (mut l, cfg) = launch(s, &self.k.widen, n);
+            l.arg(&*dband)
+                .arg(&mut *wide)
+                .arg(&n64)
+                .arg(&cols64)
+                .arg(&mut *bad)
+                .arg(&tr)
+                .arg(&row0);
+            l.launch(cfg).map_err(e("vf_widen launch"))?;
+        }
+        let (z, out) = (b.z.as_ref().expect("begin"), b.out.as_mut().expect("begin"));
+        dgemm(blas, s, band_gemm(trans, r0, h, cols, rg), wide, z, out).map_err(be("DGEMM"))?;
+        unsafe {
+            let (mut l, cfg) = launch(s, &self.k.abs, n);
+            l.arg(&mut *wide).arg(&n64);
+            l.launch(cfg).map_err(e("vf_abs launch"))?;
+        }
+        let (za, oa) = (
+            b.zabs.as_ref().expect("begin"),
+            b.oabs.as_mut().expect("begin"),
+        );
+        dgemm(blas, s, band_gemm(trans, r0, h, cols, g), wide, za, oa).map_err(be("DGEMM"))?;
+        unsafe {
+            let (mut l, cfg) = launch(s, &self.k.square, n);
+            l.arg(&mut *wide).arg(&n64);
+            l.launch(cfg).map_err(e("vf_square launch"))?;
+        }
+        let (zq, oq) = (
+            b.zsq.as_ref().expect("begin"),
+            b.osq.as_mut().expect("begin"),
+        );
+        dgemm(blas, s, band_gemm(trans, r0, h, cols, g), wide, zq, oq).map_err(be("DGEMM"))?;
+        // The host may reuse `band` once its copy is done; the kernels and DGEMMs run on.
+        copied.synchronize().map_err(e("waiting for a band's copy"))
+    }
+
+    fn sums(&mut self) -> Result<FoldSums> {
+        let (m, _, rg, g, _) = self.shape;
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.e("cannot use context"))?;
+        let s = &self.stream;
+        let e = |what: &str| err(&self.name, what);
+        let b = &self.b;
+        let take = |v: &Option<CudaSlice<f64>>, len: usize| {
+            s.clone_dtoh(&v.as_ref().expect("begin").slice(0..len))
+        };
+        let signed = take(&b.out, m * rg).map_err(e("copy of the sums"))?;
+        let abs = take(&b.oabs, m * g).map_err(e("copy of the sums"))?;
+        let sq = take(&b.osq, m * g).map_err(e("copy of the sums"))?;
+        let bad = s
+            .clone_dtoh(&b.bad.as_ref().expect("begin").slice(0..m))
+            .map_err(e("copy of the row flags"))?;
+        s.synchronize().map_err(e("waiting for the sums"))?;
+        Ok(FoldSums {
+            signed,
+            abs,
+            sq,
+            bad: bad.into_iter().map(|v| v != 0).collect(),
+        })
+    }
+}
+
+impl Drop for CudaFold {
+    fn drop(&mut self) {
+        self.unpin();
+        if let Some(blas) = self.blas.take() {
+            let_go_of_blas(&self.ctx, blas);
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! Where `verify`'s dense pass runs: a device opened once per command
+//! ([`crate::backend::fold`]), on a thread of its own so that the driver's start (0.3–0.5 s of
+//! `cuInit` on the H200 machines, docs/GPU.md) overlaps the first scatter pass, which needs
+//! no device.
+//!
+//! A device that fails — an error, or sums of its first band that are not the CPU's — is let go
+//! and the passes run on the CPU from then on; [`Device::used`] names what computed them and
+//! why the device stopped, for the report.
+
+use std::sync::{Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use crate::backend::fold::{self, FoldDevice};
+use crate::plan::Engine;
+
+type Opened = crate::error::Result<Option<Box<dyn FoldDevice>>>;
+
+enum Slot {
+    /// No device: the CPU computes.
+    Cpu,
+    /// Being opened.
+    Opening(JoinHandle<Opened>),
+    Ready(Box<dyn FoldDevice>),
+    /// In use by a pass.
+    Busy,
+}
+
+/// The device of one `verify` command (every step, every pass).
+pub(crate) struct Device {
+    slot: Mutex<Slot>,
+    /// Devices that computed a pass, and why a device stopped being used.
+    used: Mutex<(Vec<String>, Option<String>)>,
+}
+
+impl Device {
+    /// No device: every pass on the CPU.
+    pub(crate) fn cpu() -> Device {
+        Device {
+            slot: Mutex::new(Slot::Cpu),
+            used: Mutex::new((Vec::new(), None)),
+        }
+    }
+
+    /// The device `engine.backend` names, opening in the background (nothing for `cpu`).
+    pub(crate) fn open(engine: &Engine) -> Device {
+        let d = Device::cpu();
+        if engine.backend != crate::plan::BackendKind::Cpu {
+            let engine = engine.clone();
+            let h = std::thread::Builder::new()
+                .name("mgmm-verify-device".into())
+                .spawn(move || fold::open(&engine));
+            match h {
+                Ok(h) => *lock(&d.slot) = Slot::Opening(h),
+                Err(e) => d.note(format!("no thread to open a device: {e}")),
+            }
+        }
+        d
+    }
+
+    /// Whether a device computes the passes (waiting for it to open).
+    pub(crate) fn present(&self) -> bool {
+        let mut s = lock(&self.slot);
+        self.opened(&mut s);
+        matches!(&*s, Slot::Ready(_) | Slot::Busy)
+    }
+
+    /// The device for a pass (waiting for it to open), to be handed back with
+    /// [`Device::give_back`] or let go with [`Device::fail`]; `None` when passes run on the CPU.
+    pub(crate) fn take(&self) -> Option<Box<dyn FoldDevice>> {
+        let mut s = lock(&self.slot);
+        self.opened(&mut s);
+        match std::mem::replace(&mut *s, Slot::Busy) {
+            Slot::Ready(d) => {
+                let mut u = lock(&self.used);
+                let name = d.name();
+                if !u.0.contains(&name) {
+                    u.0.push(name);
+                }
+                Some(d)
+            }
+            other => {
+                *s = other;
+                None
+            }
+        }
+    }
+
+    /// Wait for a device being opened, then `s` says what there is.
+    fn opened(&self, s: &mut Slot) {
+        if let Slot::Opening(_) = &*s {
+            let Slot::Opening(h) = std::mem::replace(s, Slot::Cpu) else {
+                unreachable!()
+            };
+            match h.join() {
+                Ok(Ok(Some(d))) => *s = Slot::Ready(d),
+                Ok(Ok(None)) => {}
+                Ok(Err(e)) => self.note(format!("no GPU for the check ({e}); checked on the CPU")),
+                Err(_) => self.note("opening the GPU panicked; checked on the CPU".into()),
+            }
+        }
+    }
+
+    /// A device back after a pass it computed.
+    pub(crate) fn give_back(&self, d: Box<dyn FoldDevice>) {
+        *lock(&self.slot) = Slot::Ready(d);
+    }
+
+    /// Device `name` failed (`why`): passes run on the CPU from now on.
+    pub(crate) fn fail(&self, name: &str, why: String) {
+        *lock(&self.slot) = Slot::Cpu;
+        let mut u = lock(&self.used);
+        u.0.retain(|n| n != name);
+        u.1 = Some(format!(
+            "{name} was not used after an error ({why}); the check ran on the CPU"
+        ));
+    }
+
+    fn note(&self, why: String) {
+        lock(&self.used).1.get_or_insert(why);
+    }
+
+    /// What computed the dense passes so far ("cpu" when no device did), and why a device
+    /// was not used, if one was asked for and failed.
+    pub(crate) fn used(&self) -> (String, Option<String>) {
+        let u = lock(&self.used);
+        let on = match u.0.is_empty() {
+            true => "cpu".to_string(),
+            false => u.0.join(", "),
+        };
+        (on, u.1.clone())
+    }
+
+    /// Start counting what computes the passes afresh (a new step).
+    pub(crate) fn new_step(&self) {
+        lock(&self.used).0.clear();
+    }
+
+    /// A device given directly (tests: a device that fails on purpose).
+    #[cfg(test)]
+    pub(crate) fn with(d: Box<dyn FoldDevice>) -> Device {
+        let dev = Device::cpu();
+        *lock(&dev.slot) = Slot::Ready(d);
+        dev
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
