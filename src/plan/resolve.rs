@@ -403,10 +403,6 @@ pub(crate) fn steps(
     Ok(steps)
 }
 
-fn show(o: &Operand) -> String {
-    format!("{}{}", o.name, if o.trans { ".T" } else { "" })
-}
-
 /// One `[[step]]`: its expression reduced to `alpha·op(F₁)·…·op(Fₙ) + beta·c0`, operands looked
 /// up, shapes and dtypes checked; a chain (n > 2) ordered and cut into sub-product steps.
 fn step(
@@ -428,7 +424,7 @@ fn step(
         .iter()
         .map(operand)
         .collect::<Result<Vec<_>>>()?;
-    check_chain(cx, &at, text, &leaves)?;
+    check_chain(cx, &at, text, &form.factors, &leaves)?;
     let m = leaves[0].op_shape().0;
     let n = leaves[leaves.len() - 1].op_shape().1;
     let (c0, beta) = addend(cx, &at, s, &form, &operand, (m, n), leaves[0].dtype)?;
@@ -525,14 +521,29 @@ fn factor_operand(
     })
 }
 
-/// Neighbouring factors of a product must agree in inner dimension and dtype.
-fn check_chain(cx: &Ctx, at: &str, text: &str, leaves: &[Operand]) -> Result<()> {
-    for w in leaves.windows(2) {
+/// Neighbouring factors of a product must agree in inner dimension and dtype. A mismatch is
+/// named as the expression is written: a transposed product's factors come in reverse order
+/// and transposed (`(X @ Y).T` is `Y.T @ X.T`), and are turned back for the message.
+fn check_chain(
+    cx: &Ctx,
+    at: &str,
+    text: &str,
+    factors: &[Factor],
+    leaves: &[Operand],
+) -> Result<()> {
+    for (i, w) in leaves.windows(2).enumerate() {
         let ((m, k), (k2, n)) = (w[0].op_shape(), w[1].op_shape());
         if k != k2 {
+            let (f0, f1) = (&factors[i], &factors[i + 1]);
+            let written = |f: &Factor, flip: bool| {
+                format!("{}{}", f.name, if f.trans != flip { ".T" } else { "" })
+            };
+            let (x, (xr, xc), y, (yr, yc)) = match f0.col > f1.col && f1.col > 0 {
+                false => (written(f0, false), (m, k), written(f1, false), (k2, n)),
+                true => (written(f1, true), (n, k2), written(f0, true), (k, m)),
+            };
             return Err(cx.err(format!(
-                "{at}: shape mismatch in \"{text}\": {} is {m}×{k} but {} is {k2}×{n} (inner dimensions {k} ≠ {k2})",
-                show(&w[0]), show(&w[1])
+                "{at}: shape mismatch in \"{text}\": {x} is {xr}×{xc} but {y} is {yr}×{yc} (inner dimensions {xc} ≠ {yr})"
             )));
         }
         if w[0].dtype != w[1].dtype {

@@ -103,6 +103,8 @@ fn catalogue_of_bad_input() {
         plan_case("unknown matrix", step("A @ Z"), &["p.toml", "step 1", "unknown matrix `Z`"]),
         plan_case("bad expression", step("A * B"), &["p.toml", "step 1", "X @ Y"]),
         plan_case("shape mismatch", step("A @ A"), &["p.toml", "step 1", "20×30", "inner dimensions"]),
+        // Named as written, not as the transposed product is computed (B.T @ A @ A.T).
+        plan_case("shape mismatch in a transposed product", step("(A @ A.T @ B).T"), &["p.toml", "A.T is 30×20 but B is 30×10 (inner dimensions 20 ≠ 30)"]),
         plan_case("dtype mismatch", step("A @ D"), &["p.toml", "`D` is f64", "same dtype"]),
         plan_case("accumulate shape", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\naccumulate = \"A\"\n"), &["p.toml", "accumulate", "20×10"]),
         plan_case("beta without accumulate", format!("{GOOD}[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\nbeta = 2.0\n"), &["p.toml", "beta", "accumulate"]),
