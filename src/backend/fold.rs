@@ -93,8 +93,13 @@ pub(crate) enum Fault {
     None,
     /// Every signed sum of the first band off by one part in 10⁶.
     WrongSums,
+    /// The bands after the first marked on the wrong rows (as a wrong offset would): the
+    /// first band is right.
+    LaterRowsWrong,
     /// The n-th call to `fold` fails.
     FailAt(usize),
+    /// The n-th call to `fold` panics.
+    PanicAt(usize),
 }
 
 /// The device contract computed on the host, element by element in f64 and in band order
@@ -152,6 +157,9 @@ impl FoldDevice for HostFold {
     }
     fn fold(&mut self, r0: usize, h: usize, band: &[f32]) -> Result<()> {
         self.folds += 1;
+        if self.fault == Fault::PanicAt(self.folds) {
+            panic!("injected panic of the dense pass");
+        }
         if self.fault == Fault::FailAt(self.folds) {
             return Err(crate::error::Error::backend(
                 "sim",
@@ -168,10 +176,13 @@ impl FoldDevice for HostFold {
             for c in 0..cols {
                 let v = band[l * cols + c] as f64;
                 // op row i, depth kk of this element.
-                let (i, kk) = match self.trans {
+                let (mut i, kk) = match self.trans {
                     false => (r0 + l, c),
                     true => (c, r0 + l),
                 };
+                if self.fault == Fault::LaterRowsWrong && self.folds > 1 {
+                    i = (i + 1) % self.m;
+                }
                 debug_assert!(i < self.m && kk < self.k);
                 if !v.is_finite() {
                     self.out.bad[i] = true;

@@ -7,19 +7,24 @@
 //! and the passes run on the CPU from then on; [`Device::used`] names what computed them and
 //! why the device stopped, for the report.
 
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Mutex, MutexGuard};
-use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crate::backend::fold::{self, FoldDevice};
 use crate::plan::Engine;
 
 type Opened = crate::error::Result<Option<Box<dyn FoldDevice>>>;
 
+/// How long a check waits for its GPU to open before it goes on without it (`cuInit` and a
+/// context take 0.3–0.7 s on the H200 machines; a driver that hangs would hang `verify`).
+const OPEN_WAIT: Duration = Duration::from_secs(60);
+
 enum Slot {
     /// No device: the CPU computes.
     Cpu,
-    /// Being opened.
-    Opening(JoinHandle<Opened>),
+    /// Being opened, on a thread of its own.
+    Opening(Receiver<Opened>),
     Ready(Box<dyn FoldDevice>),
     /// In use by a pass.
     Busy,
@@ -41,17 +46,21 @@ impl Device {
         }
     }
 
-    /// The device `engine.backend` names, opening in the background (nothing for `cpu`).
+    /// The device `engine.backend` names, opening in the background: nothing for `cpu`, nor
+    /// for f64 precisions, whose checks sum f64 data in double-double on the CPU.
     pub(crate) fn open(engine: &Engine) -> Device {
         let d = Device::cpu();
-        if engine.backend != crate::plan::BackendKind::Cpu {
+        if engine.backend != crate::plan::BackendKind::Cpu && !engine.precision.is_f64() {
             let engine = engine.clone();
+            let (tx, rx) = std::sync::mpsc::channel();
             let h = std::thread::Builder::new()
                 .name("mgmm-verify-device".into())
-                .spawn(move || fold::open(&engine));
+                .spawn(move || {
+                    let _ = tx.send(fold::open(&engine));
+                });
             match h {
-                Ok(h) => *lock(&d.slot) = Slot::Opening(h),
-                Err(e) => d.note(format!("no thread to open a device: {e}")),
+                Ok(_) => *lock(&d.slot) = Slot::Opening(rx),
+                Err(e) => d.note(format!("no thread to open a GPU ({e}); checked on the CPU")),
             }
         }
         d
@@ -70,14 +79,7 @@ impl Device {
         let mut s = lock(&self.slot);
         self.opened(&mut s);
         match std::mem::replace(&mut *s, Slot::Busy) {
-            Slot::Ready(d) => {
-                let mut u = lock(&self.used);
-                let name = d.name();
-                if !u.0.contains(&name) {
-                    u.0.push(name);
-                }
-                Some(d)
-            }
+            Slot::Ready(d) => Some(d),
             other => {
                 *s = other;
                 None
@@ -85,23 +87,38 @@ impl Device {
         }
     }
 
-    /// Wait for a device being opened, then `s` says what there is.
+    /// Wait for a device being opened (at most [`OPEN_WAIT`]), then `s` says what there is.
     fn opened(&self, s: &mut Slot) {
         if let Slot::Opening(_) = &*s {
-            let Slot::Opening(h) = std::mem::replace(s, Slot::Cpu) else {
+            let Slot::Opening(rx) = std::mem::replace(s, Slot::Cpu) else {
                 unreachable!()
             };
-            match h.join() {
+            match rx.recv_timeout(OPEN_WAIT) {
                 Ok(Ok(Some(d))) => *s = Slot::Ready(d),
                 Ok(Ok(None)) => {}
                 Ok(Err(e)) => self.note(format!("no GPU for the check ({e}); checked on the CPU")),
-                Err(_) => self.note("opening the GPU panicked; checked on the CPU".into()),
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.note("opening the GPU panicked; checked on the CPU".into())
+                }
+                // A driver that hangs: the check does not wait for it (its thread is left).
+                Err(RecvTimeoutError::Timeout) => self.note(format!(
+                    "the GPU did not open within {} s; checked on the CPU",
+                    OPEN_WAIT.as_secs()
+                )),
             }
         }
     }
 
-    /// A device back after a pass it computed.
-    pub(crate) fn give_back(&self, d: Box<dyn FoldDevice>) {
+    /// A device back after a pass it computed (`computed`: the pass is its, and the step's
+    /// report names it).
+    pub(crate) fn give_back(&self, d: Box<dyn FoldDevice>, computed: bool) {
+        if computed {
+            let mut u = lock(&self.used);
+            let name = d.name();
+            if !u.0.contains(&name) {
+                u.0.push(name);
+            }
+        }
         *lock(&self.slot) = Slot::Ready(d);
     }
 
@@ -109,7 +126,6 @@ impl Device {
     pub(crate) fn fail(&self, name: &str, why: String) {
         *lock(&self.slot) = Slot::Cpu;
         let mut u = lock(&self.used);
-        u.0.retain(|n| n != name);
         u.1 = Some(format!(
             "{name} was not used after an error ({why}); the check ran on the CPU"
         ));

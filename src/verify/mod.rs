@@ -194,7 +194,9 @@ impl Side<'_> {
         // With the products on a device, the host folds the output (and C0) against the same
         // X meanwhile (the passes are independent once X is fixed); on the CPU alone, one
         // after the other (at once they only compete for the same cores: 8 % slower on two).
-        let (ab, (cs, c0s)) = match self.dev.present() {
+        let on_device =
+            zb.is_some() && !self.exact && self.a.file.dtype() != DType::F64 && self.dev.present();
+        let (ab, (cs, c0s)) = match on_device {
             true => rayon::join(dense, scatters),
             false => (dense(), scatters()),
         };
@@ -1051,18 +1053,21 @@ mod tests {
         }
     }
 
-    /// A device whose sums of the first band are not the CPU's, or that fails in the first or
-    /// a later band, is let go: the CPU computes the pass again, the verdict and residuals are
-    /// the CPU's to the bit, and the report says why the device was not used.
+    /// A device whose sums of the first band are not the CPU's, one that places later bands
+    /// wrongly (caught at the last band), or one that fails or panics in the first or a later
+    /// band, is let go: the CPU computes the pass again, the verdict and residuals are the
+    /// CPU's to the bit, and the report says why the device was not used.
     #[test]
     fn a_device_that_errs_is_let_go_and_the_cpu_checks() {
         let d = tempfile::tempdir().unwrap();
         let plan = product(d.path(), "A @ B");
         let cpu = check(&plan, Device::cpu());
         for (fault, says) in [
-            (Fault::WrongSums, "differ from the CPU's"),
+            (Fault::WrongSums, "sums of rows 0..11 of"),
+            (Fault::LaterRowsWrong, "sums of rows 66..70 of"),
             (Fault::FailAt(1), "injected failure"),
             (Fault::FailAt(4), "injected failure"),
+            (Fault::PanicAt(3), "it panicked"),
         ] {
             let rep = check(&plan, Device::with(Box::new(HostFold::new(fault))));
             let note = rep.device_note.clone().unwrap_or_default();

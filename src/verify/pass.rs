@@ -133,7 +133,7 @@ const BAND_BYTES: usize = if cfg!(test) { 4 << 10 } else { 32 << 20 };
 /// own reads then find those pages cached. So an input changed in place after `run` computed
 /// the output is named as such — its file and tile — instead of being blamed on the output's
 /// tiles by the residuals (or passing them, for a flip in a low bit).
-fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut Vec<T>) -> Result<()> {
+fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<()> {
     let cols = op.file.shape().1 as usize;
     if op.check {
         op.file.verify_block(&Block {
@@ -143,9 +143,9 @@ fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut Vec<T>) -> Result<
             cols: cols as u64,
         })?;
     }
-    buf.resize(h * cols, T::default());
     let sub = h.div_ceil(rayon::current_num_threads().max(1) * 2).max(1);
-    buf.par_chunks_mut(sub * cols)
+    buf[..h * cols]
+        .par_chunks_mut(sub * cols)
         .enumerate()
         .try_for_each(|(i, part)| {
             let b = Block {
@@ -170,16 +170,22 @@ fn band_rows<T>(op: &Op) -> usize {
 
 /// Call `f(r0, h, band)` for consecutive bands of stored rows of `op`, reading the next band
 /// while `f` works on the current one.
-fn bands<T: Elem>(op: &Op, f: impl FnMut(usize, usize, &[T]) + Send) -> Result<()> {
-    bands_in(op, &mut [Vec::new(), Vec::new()], f)
+fn bands<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &[T]) + Send) -> Result<()> {
+    let len = band_rows::<T>(op) * op.file.shape().1 as usize;
+    let (mut a, mut b) = (vec![T::default(); len], vec![T::default(); len]);
+    bands_in(op, [&mut a, &mut b], |r0, h, m| {
+        f(r0, h, m);
+        true
+    })
 }
 
-/// [`bands`] into the caller's two buffers (each grown to a band once, then never moved: a
-/// device may have page-locked them).
+/// [`bands`] into the caller's two buffers (a device may have page-locked them), each at least
+/// [`band_rows`] rows; `f` returns whether to go on (false: no band is read after the one being
+/// read).
 fn bands_in<T: Elem>(
     op: &Op,
-    bufs: &mut [Vec<T>; 2],
-    mut f: impl FnMut(usize, usize, &[T]) + Send,
+    bufs: [&mut [T]; 2],
+    mut f: impl FnMut(usize, usize, &[T]) -> bool + Send,
 ) -> Result<()> {
     let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
     if rows == 0 || cols == 0 {
@@ -187,21 +193,20 @@ fn bands_in<T: Elem>(
     }
     let band = band_rows::<T>(op);
     let h_at = |r0: usize| band.min(rows - r0);
-    let [cur, next] = bufs;
-    let (mut cur, mut next) = (cur, next);
+    let [mut cur, mut next] = bufs;
     read_band(op, 0, h_at(0), cur)?;
     let mut r0 = 0;
     loop {
         let n0 = r0 + h_at(r0);
-        let (read, ()) = rayon::join(
+        let (read, go_on) = rayon::join(
             || match n0 < rows {
                 true => read_band(op, n0, h_at(n0), next),
                 false => Ok(()),
             },
-            || f(r0, h_at(r0), cur),
+            || f(r0, h_at(r0), &cur[..h_at(r0) * cols]),
         );
         read?;
-        if n0 >= rows {
+        if n0 >= rows || !go_on {
             return Ok(());
         }
         std::mem::swap(&mut cur, &mut next);
@@ -669,10 +674,12 @@ impl Signed for Dd {
 /// multiplied by op(A)∘op(A), `abs` by |op(A)|. Rows of op(A) holding NaN/Inf are marked in
 /// `bad_row` (their values count as 0, so they spoil no other row).
 ///
-/// A device's sums of the first band are checked against the CPU's before the pass goes on
-/// (their difference bounded by the f64 rounding of either order of addition); on a
-/// difference, or any error of the device, the pass is done on the CPU and the device is not
-/// used again ([`Device`]'s note says why).
+/// A device's sums of the first and of the last band are checked against the CPU's sums of the
+/// same bands before the pass is trusted (equal up to the f64 rounding of either order of
+/// addition): the first catches a device that computes wrongly, the last one that places a
+/// band wrongly (its offsets into the sums, its rows' NaN/Inf marks). On a difference, or any
+/// error or panic of the device, the pass is done on the CPU and the device is not used again
+/// ([`Device`]'s note says why). An error reading the file is the pass's, not the device's.
 pub(crate) fn dense(op: &Op, z: &Sums, exact: bool, dev: &Device) -> Result<Sums> {
     if op.file.dtype() != DType::F64 && !exact {
         if let Some(mut d) = dev.take() {
@@ -681,15 +688,14 @@ pub(crate) fn dense(op: &Op, z: &Sums, exact: bool, dev: &Device) -> Result<Sums
             match dense_on(d.as_mut(), op, z) {
                 Ok(sums) => {
                     report_time("dense", op, t0, Some(&name));
-                    dev.give_back(d);
+                    dev.give_back(d, true);
                     return Ok(sums);
                 }
-                // An input that changed since the run is the verdict, not a device failure.
-                Err(e @ crate::error::Error::Checksum { .. }) => {
-                    dev.give_back(d);
+                Err(Fail::Read(e)) => {
+                    dev.give_back(d, false);
                     return Err(e);
                 }
-                Err(e) => dev.fail(&name, e.to_string()),
+                Err(Fail::Device(why)) => dev.fail(&name, why),
             }
         }
     }
@@ -701,8 +707,14 @@ pub(crate) fn dense(op: &Op, z: &Sums, exact: bool, dev: &Device) -> Result<Sums
     })
 }
 
+/// Why a pass on a device stopped: reading the file (the pass's error), or the device.
+enum Fail {
+    Read(crate::error::Error),
+    Device(String),
+}
+
 /// [`dense`] on a device, for data read as f32.
-fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> Result<Sums> {
+fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<Sums, Fail> {
     let (m_rows, k) = op.shape();
     let (rg, g) = (z.rounds * z.groups, z.groups);
     let rhs = Rhs::new::<f64>(z);
@@ -716,88 +728,142 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> Result<Sums> {
         abs: &z.abs,
         sq: &z.sq,
     };
-    let cols = op.file.shape().1 as usize;
-    let band = band_rows::<f32>(op) * cols;
-    dev.begin(&spec, band)?;
-    let mut bufs = [vec![0f32; band], vec![0f32; band]];
-    dev.pin(&[&bufs[0], &bufs[1]]);
+    let rows = op.file.shape().0 as usize;
+    let band = band_rows::<f32>(op) * op.file.shape().1 as usize;
+    let device = |e: crate::error::Error| Fail::Device(e.to_string());
+    dev.begin(&spec, band).map_err(device)?;
+    // Page-aligned and of whole pages (the device may page-lock them: no page shared with
+    // other memory), freed only after the device let go of them (`unpin`, below).
+    let alloc = || crate::backend::HostBuf::heap(band * 4);
+    let (mut b0, mut b1) = (alloc().map_err(Fail::Read)?, alloc().map_err(Fail::Read)?);
+    let (s0, s1) = (as_f32(&mut b0, band), as_f32(&mut b1, band));
+    dev.pin(&[&*s0, &*s1]);
     let mut failed = None;
-    let r = bands_in::<f32>(op, &mut bufs, |r0, h, m| {
-        if failed.is_some() {
-            return;
-        }
-        let mut step = || -> Result<()> {
-            dev.fold(r0, h, m)?;
-            if r0 == 0 {
-                // The device's first band against the CPU's, before its sums are trusted.
-                let mut cpu = Sums::new(m_rows, k, z.rounds, g);
-                let mut signed = vec![0f64; m_rows * rg];
-                fold_band::<f32, f64>(op, &rhs, r0, h, m, &mut Vec::new(), &mut cpu, &mut signed);
-                let kk = if op.trans { h } else { k };
-                agree(&dev.sums()?, &signed, &cpu, kk).map_err(|why| {
-                    crate::error::Error::backend(
-                        "verify",
+    let looped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        bands_in::<f32>(op, [s0, s1], |r0, h, m| {
+            let mut step = || -> std::result::Result<(), String> {
+                let e = |e: crate::error::Error| e.to_string();
+                // The first band, and the last, are checked against the CPU's sums of them.
+                let checked = r0 == 0 || r0 + h == rows;
+                let before = match checked && r0 > 0 {
+                    true => Some(dev.sums().map_err(e)?),
+                    false => None,
+                };
+                dev.fold(r0, h, m).map_err(e)?;
+                if checked {
+                    let mut cpu = Sums::new(m_rows, k, z.rounds, g);
+                    let mut signed = vec![0f64; m_rows * rg];
+                    fold_band::<f32, f64>(
+                        op,
+                        &rhs,
+                        r0,
+                        h,
+                        m,
+                        &mut Vec::new(),
+                        &mut cpu,
+                        &mut signed,
+                    );
+                    let kk = if op.trans { h } else { k };
+                    let after = dev.sums().map_err(e)?;
+                    agree(&after, before.as_ref(), &signed, &cpu, kk).map_err(|why| {
                         format!(
-                            "its sums of the first band of {} differ from the CPU's: {why}",
+                            "its sums of rows {r0}..{} of {} differ from the CPU's: {why}",
+                            r0 + h,
                             op.file.path().display()
-                        ),
-                    )
-                })?;
+                        )
+                    })?;
+                }
+                Ok(())
+            };
+            match step() {
+                Ok(()) => true,
+                Err(e) => {
+                    failed = Some(e);
+                    false
+                }
             }
-            Ok(())
-        };
-        if let Err(e) = step() {
-            failed = Some(e);
-        }
-    });
+        })
+    }));
+    // Before the buffers go: the device waits for its copies from them and lets go of them.
     dev.unpin();
-    r?;
-    if let Some(e) = failed {
-        return Err(e);
+    drop((b0, b1));
+    match looped {
+        Err(_) => return Err(Fail::Device("it panicked".into())),
+        Ok(r) => {
+            if let Some(why) = failed {
+                return Err(Fail::Device(why));
+            }
+            r.map_err(Fail::Read)?;
+        }
     }
-    let d = dev.sums()?;
+    let d = dev.sums().map_err(device)?;
     let mut out = Sums::new(m_rows, k, z.rounds, g);
     out.signed = d.signed.into_iter().map(|hi| Dd { hi, lo: 0.0 }).collect();
     (out.abs, out.sq, out.bad_row) = (d.abs, d.sq, d.bad);
     Ok(out)
 }
 
-/// Whether a device's sums of one band (`d`) are the CPU's (`signed`, `cpu`) up to the f64
-/// rounding of `kk` terms added in any order: |error| ≤ kk·u·Σ|terms| for each sum, and the
-/// signed sums' terms are bounded by the abs sums' (|Σ±b| ≤ Σ|b|).
-fn agree(d: &FoldSums, signed: &[f64], cpu: &Sums, kk: usize) -> std::result::Result<(), String> {
+/// The first `len` f32 of a page-aligned host buffer.
+fn as_f32(b: &mut crate::backend::HostBuf, len: usize) -> &mut [f32] {
+    let bytes = &mut b.bytes_mut()[..len * 4];
+    <[f32] as zerocopy::FromBytes>::mut_from_bytes(bytes).expect("4096-aligned, 4·len bytes")
+}
+
+/// Whether a device's sums after one band (`d`; `before` it, or zero) are those before plus
+/// the CPU's sums of the band (`signed`, `cpu`), up to the f64 rounding of `kk` terms added in
+/// any order onto what was there: |error| ≤ (kk + 1)·u·(Σ|terms| + |before|) for each sum, and
+/// the signed sums' terms are bounded by the abs sums' (|Σ±b| ≤ Σ|b|). Here 4·(kk + 2)·ε.
+fn agree(
+    d: &FoldSums,
+    before: Option<&FoldSums>,
+    signed: &[f64],
+    cpu: &Sums,
+    kk: usize,
+) -> std::result::Result<(), String> {
     let g = cpu.groups;
     let rg = cpu.rounds * g;
-    let shape = |v: &[f64], n: usize| v.len() == n;
     let m = cpu.bad_row.len();
-    if !(shape(&d.signed, m * rg)
-        && shape(&d.abs, m * g)
-        && shape(&d.sq, m * g)
-        && d.bad.len() == m)
-    {
+    let shaped = |f: &FoldSums| {
+        f.signed.len() == m * rg && f.abs.len() == m * g && f.sq.len() == m * g && f.bad.len() == m
+    };
+    if !shaped(d) || before.is_some_and(|b| !shaped(b)) {
         return Err("the device returned sums of the wrong shape".into());
     }
+    let at0 = |v: fn(&FoldSums) -> &Vec<f64>, i: usize| before.map_or(0.0, |b| v(b)[i]);
     let rel = 4.0 * (kk as f64 + 2.0) * f64::EPSILON;
-    let close = |x: f64, y: f64, scale: f64| (x - y).abs() <= rel * scale + f64::MIN_POSITIVE;
+    // `x` against `was + y`, whose terms' magnitudes add up to `scale`.
+    let close = |x: f64, was: f64, y: f64, scale: f64| {
+        let want = was + y;
+        x == want || (x - want).abs() <= rel * (scale + was.abs()) + f64::MIN_POSITIVE
+    };
     for i in 0..m {
-        if d.bad[i] != cpu.bad_row[i] {
+        let was_bad = before.is_some_and(|b| b.bad[i]);
+        if d.bad[i] != (was_bad || cpu.bad_row[i]) {
             return Err(format!("row {i}'s NaN/Inf mark"));
         }
         for gr in 0..g {
             let at = i * g + gr;
             let scale = cpu.abs[at];
-            if !close(d.abs[at], cpu.abs[at], scale) || !close(d.sq[at], cpu.sq[at], cpu.sq[at]) {
+            let (wa, wq) = (at0(|f| &f.abs, at), at0(|f| &f.sq, at));
+            if !close(d.abs[at], wa, cpu.abs[at], scale)
+                || !close(d.sq[at], wq, cpu.sq[at], cpu.sq[at])
+            {
                 return Err(format!(
                     "row {i}, group {gr}: tolerance sums {:e}, {:e} against {:e}, {:e}",
-                    d.abs[at], d.sq[at], cpu.abs[at], cpu.sq[at]
+                    d.abs[at],
+                    d.sq[at],
+                    wa + cpu.abs[at],
+                    wq + cpu.sq[at]
                 ));
             }
             for rho in 0..cpu.rounds {
                 let s = i * rg + rho * g + gr;
-                if !close(d.signed[s], signed[s], scale) {
+                let ws = at0(|f| &f.signed, s);
+                if !close(d.signed[s], ws, signed[s], scale) {
                     return Err(format!(
                         "row {i}, group {gr}, round {rho}: {:e} against {:e}",
-                        d.signed[s], signed[s]
+                        d.signed[s],
+                        ws + signed[s]
                     ));
                 }
             }

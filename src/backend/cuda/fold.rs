@@ -10,9 +10,10 @@
 //! runs while the host reads the next band.
 //!
 //! Written in a session without a GPU (2026-12-05, the twenty-first): `verify` checks this
-//! device's sums of the first band against the CPU's before trusting it, and falls back to the
-//! CPU on any difference or error (src/verify/pass.rs), so a mistake here costs time, not a
-//! wrong verdict. Its twin tests (`verify::cuda::`, tools/checks/cuda_tests.sh) are owed.
+//! device's sums of the first and the last band against the CPU's before trusting them, and
+//! falls back to the CPU on any difference, error or panic (src/verify/pass.rs); the DGEMMs'
+//! layouts are checked on the host against cuBLAS's column-major definition (tests below). Its
+//! twin tests (`verify::cuda::`, tools/checks/cuda_tests.sh) are owed.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 
-use super::kernels::{compiled_once, gemm_ex, let_go_of_blas};
+use super::kernels::{compiled_once, gemm_ex};
 use crate::backend::fold::{FoldDevice, FoldSpec, FoldSums};
 use crate::backend::GemmDesc;
 use crate::error::{Error, Result};
@@ -285,7 +286,8 @@ impl FoldDevice for CudaFold {
 
     fn unpin(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        // Copies from the buffers finished before `fold` returned.
+        // A `fold` that failed may have left its copy from a buffer running.
+        let _ = self.stream.synchronize();
         for p in self.pinned.drain(..) {
             // SAFETY: a range this fold registered and has not unregistered.
             unsafe { cudarc::driver::sys::cuMemHostUnregister(p as *mut c_void) };
@@ -396,8 +398,87 @@ impl FoldDevice for CudaFold {
 impl Drop for CudaFold {
     fn drop(&mut self) {
         self.unpin();
+        // As `let_go_of_blas`, but waiting for this fold's stream only, not for the whole
+        // context (which a Python caller's own work may share).
         if let Some(blas) = self.blas.take() {
-            let_go_of_blas(&self.ctx, blas);
+            if self.stream.synchronize().is_ok() {
+                drop(blas);
+            } else {
+                std::mem::forget(blas);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::kernels::ColMajor;
+    use super::*;
+
+    /// cuBLAS's GEMM by its definition, column-major: `C[i + j·ldc] += Σ_l op(X)(i, l)·op(Y)(l,
+    /// j)` with X the first operand and Y the second, each at its leading dimension.
+    fn cublas(cm: ColMajor, x: &[f64], y: &[f64], c: &mut [f64]) {
+        let (m, n, k) = (cm.m as usize, cm.n as usize, cm.k as usize);
+        let (lx, ly, lc) = (cm.ld_first as usize, cm.ld_second as usize, cm.ldc as usize);
+        for j in 0..n {
+            for i in 0..m {
+                let mut s = 0.0;
+                for l in 0..k {
+                    let a = if cm.trans_first {
+                        x[l + i * lx]
+                    } else {
+                        x[i + l * lx]
+                    };
+                    let b = if cm.trans_second {
+                        y[j + l * ly]
+                    } else {
+                        y[l + j * ly]
+                    };
+                    s += a * b;
+                }
+                c[i + j * lc] += s;
+            }
+        }
+    }
+
+    /// The DGEMMs of a dense pass, band by band with their offsets into Z and the sums, as
+    /// cuBLAS computes them, give op(A)·Z for op(A) = A and Aᵀ: what `band_gemm` and
+    /// [`ColMajor`] (the arguments `gemm_ex` passes) say, checked without a GPU.
+    #[test]
+    fn the_band_gemms_add_up_to_op_a_times_z() {
+        let (rows, cols, w, band) = (11usize, 7usize, 3usize, 4usize);
+        let a: Vec<f64> = (0..rows * cols).map(|i| (i as f64 * 0.37).sin()).collect();
+        for trans in [false, true] {
+            // op(A): M × K.
+            let (m, k) = if trans { (cols, rows) } else { (rows, cols) };
+            let z: Vec<f64> = (0..k * w).map(|i| (i as f64 * 0.71).cos()).collect();
+            let mut out = vec![0.0; m * w];
+            for r0 in (0..rows).step_by(band) {
+                let h = band.min(rows - r0);
+                let wide = &a[r0 * cols..(r0 + h) * cols];
+                let (g, b_off, c_off) = band_gemm(trans, r0, h, cols, w);
+                // Row-major C = op(A)·op(B): B (Z from b_off) first, A (the band) second.
+                cublas(ColMajor::of(&g), &z[b_off..], wide, &mut out[c_off..]);
+            }
+            for i in 0..m {
+                for j in 0..w {
+                    let want: f64 = (0..k)
+                        .map(|l| {
+                            let av = if trans {
+                                a[l * cols + i]
+                            } else {
+                                a[i * cols + l]
+                            };
+                            av * z[l * w + j]
+                        })
+                        .sum();
+                    let got = out[i * w + j];
+                    assert!(
+                        (got - want).abs() < 1e-12,
+                        "trans {trans}: ({i}, {j}) {got} against {want}"
+                    );
+                }
+            }
         }
     }
 }

@@ -53,6 +53,40 @@ pub(super) fn gemm_sizes(p: Precision) -> (usize, usize) {
     }
 }
 
+/// The column-major GEMM cuBLAS is asked for to compute row-major `C = op(A)·op(B)` of `g`:
+/// row-major C is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, so B is passed first. Kept apart from
+/// [`gemm_ex`] so that the tests can check it against cuBLAS's definition on the host.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ColMajor {
+    /// cuBLAS's m, n, k (the rows and columns of column-major Cᵀ, the depth).
+    pub(super) m: i32,
+    pub(super) n: i32,
+    pub(super) k: i32,
+    /// The first operand (B) and the second (A): transposed, and their leading dimensions.
+    pub(super) trans_first: bool,
+    pub(super) ld_first: i32,
+    pub(super) trans_second: bool,
+    pub(super) ld_second: i32,
+    /// C's leading dimension.
+    pub(super) ldc: i32,
+}
+
+impl ColMajor {
+    pub(super) fn of(g: &GemmDesc) -> ColMajor {
+        let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
+        ColMajor {
+            m: n,
+            n: m,
+            k,
+            trans_first: g.b_trans,
+            ld_first: if g.b_trans { k } else { n },
+            trans_second: g.a_trans,
+            ld_second: if g.a_trans { m } else { k },
+            ldc: n,
+        }
+    }
+}
+
 /// Row-major `C = alpha·op(A)·op(B) + beta·C` for `g` in precision `p`, through
 /// `cublasGemmEx` (SGEMM, TF32, bf16/fp16 inputs with fp32 accumulate, DGEMM).
 ///
@@ -70,12 +104,14 @@ pub(super) unsafe fn gemm_ex(
 ) -> std::result::Result<(), blas_result::CublasError> {
     use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
     use blas_sys::cudaDataType::*;
-    let (m, n, k) = (g.m as i32, g.n as i32, g.k as i32);
-    // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: pass B first.
-    let transa = if g.b_trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
-    let lda = if g.b_trans { k } else { n };
-    let transb = if g.a_trans { CUBLAS_OP_T } else { CUBLAS_OP_N };
-    let ldb = if g.a_trans { m } else { k };
+    let cm = ColMajor::of(g);
+    let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+    let (transa, transb, lda, ldb) = (
+        op(cm.trans_first),
+        op(cm.trans_second),
+        cm.ld_first,
+        cm.ld_second,
+    );
     let (in_t, out_t, compute) = match p {
         Precision::Fp32 => (
             CUDA_R_32F,
@@ -123,9 +159,9 @@ pub(super) unsafe fn gemm_ex(
             handle,
             transa,
             transb,
-            n,
-            m,
-            k,
+            cm.m,
+            cm.n,
+            cm.k,
             pa,
             b as *const c_void,
             in_t,
@@ -136,7 +172,7 @@ pub(super) unsafe fn gemm_ex(
             pb,
             c as *mut c_void,
             out_t,
-            n,
+            cm.ldc,
             compute,
             blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
