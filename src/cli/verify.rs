@@ -54,16 +54,14 @@ impl VerifyArgs {
     }
 }
 
-/// The steps after `step` that read its output and whose journals no longer match it (a repair
+/// The steps after the one at `pos` in the plan's list that read its output and whose journals no longer match it (a repair
 /// rewrote tiles they were computed from): they must be computed again. A step whose journal
 /// still matches (the repaired tiles came out as they were when it ran) is left alone.
-fn stale_after_repair<'p>(
-    p: &'p Plan,
-    step: &crate::plan::Step,
-) -> Result<Vec<&'p crate::plan::Step>> {
+fn stale_after_repair(p: &Plan, pos: usize) -> Result<Vec<&crate::plan::Step>> {
+    let step = &p.steps[pos];
     let mut backend = None;
     let mut stale = Vec::new();
-    for later in p.steps.iter().skip(step.index + 1) {
+    for later in p.steps.iter().skip(pos + 1) {
         let ops = [Some(&later.a), Some(&later.b), later.c0.as_ref()];
         if !ops.into_iter().flatten().any(|o| o.path == step.output)
             || crate::durable::journal::peek(&later.output)?.is_none()
@@ -99,12 +97,11 @@ pub(super) fn verify_plan(
     let mut failed = Vec::new();
     let mut unchecked = Vec::new();
     let v = crate::verify::Verifier::with_times(&p.engine, rounds, seed, times);
-    // A chain's intermediates are checked with its last part, under the user's step.
-    for step in p
-        .steps
-        .iter()
-        .filter(|s| !crate::verify::is_intermediate(s))
-    {
+    // A chain's intermediates are checked with its last part, under the user's step. `pos`:
+    // the step's place in the plan's list, where a chain's parts are steps of their own (they
+    // share their user step's `index`).
+    let steps = p.steps.iter().enumerate();
+    for (pos, step) in steps.filter(|(_, s)| !crate::verify::is_intermediate(s)) {
         let mut rep = v.step(step)?;
         if !quiet || !rep.pass || rep.nothing_checked() {
             outln!("{}", crate::verify::format(&rep));
@@ -128,9 +125,9 @@ pub(super) fn verify_plan(
             // computed from the tiles now redone, and is computed again below if their bytes
             // changed what its journal recorded of them.
             let mut upto = p.clone();
-            upto.steps.truncate(step.index + 1);
+            upto.steps.truncate(pos + 1);
             run::run_plan(&upto, &RunOptions::default(), &progress)?;
-            for later in stale_after_repair(p, step)? {
+            for later in stale_after_repair(p, pos)? {
                 diagln!(
                     "repair: step {} ({}) reads {}, which the repair rewrote, and its journal no longer matches it (a .npy's modification time, or a changed tile's checksum): computing it again",
                     later.index + 1,
@@ -139,7 +136,7 @@ pub(super) fn verify_plan(
                 );
                 crate::cluster::prepare::reset(&later.output)?;
             }
-            if step.index + 1 < p.steps.len() {
+            if pos + 1 < p.steps.len() {
                 run::run_plan(p, &RunOptions::default(), &progress)?;
             }
             rep = v.step(step)?;

@@ -48,6 +48,20 @@ fn write_plan(dir: &Path, expr: &str, precision: &str, tile: &str, extra: &str, 
 /// Write `v` at (i, j) of a tiled file and rewrite that tile's CRC in the checksum table, so
 /// only arithmetic can tell. Returns the old value.
 fn poke(path: &Path, i: u64, j: u64, v: f64) -> f64 {
+    let old = poke_data(path, i, j, v);
+    let f = TiledFile::open(path).unwrap();
+    let h = f.hdr;
+    let (ti, tj) = (i / h.tile_rows, j / h.tile_cols);
+    let crc = crc32c::crc32c(f.tile_bytes(ti, tj));
+    let at = h.checksum_table_offset + 4 * (ti * h.grid_cols() + tj);
+    let w = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    w.write_all_at(&crc.to_le_bytes(), at).unwrap();
+    old
+}
+
+/// Write `v` at (i, j) of a tiled file and nothing else (its tile's stored CRC no longer
+/// matches: damage after the run). Returns the old value.
+fn poke_data(path: &Path, i: u64, j: u64, v: f64) -> f64 {
     let f = TiledFile::open(path).unwrap();
     let h = f.hdr;
     let (ti, tj) = (i / h.tile_rows, j / h.tile_cols);
@@ -59,11 +73,6 @@ fn poke(path: &Path, i: u64, j: u64, v: f64) -> f64 {
     mgmm_stream::dtype::put(h.dtype, v, &mut b);
     let w = std::fs::OpenOptions::new().write(true).open(path).unwrap();
     w.write_all_at(&b, off).unwrap();
-    drop(f);
-    let f = TiledFile::open(path).unwrap();
-    let crc = crc32c::crc32c(f.tile_bytes(ti, tj));
-    let at = h.checksum_table_offset + 4 * (ti * h.grid_cols() + tj);
-    w.write_all_at(&crc.to_le_bytes(), at).unwrap();
     mgmm_stream::dtype::get(h.dtype, &old)
 }
 
@@ -742,6 +751,47 @@ fn cli_reports_on_stdout_and_repair_restores_clean_bytes() {
 /// array (its identity, size and modification time, changes with it), so the later step, whose
 /// journal no longer matches, is computed again instead of stopping the repair run with "its
 /// journal is from other inputs"; afterwards every step passes.
+/// `verify --repair` of a whole-expression chain's output (its plan's step is two steps of the
+/// run: the intermediate part, then the last), damaged after the run, followed by a step that
+/// reads it: the tile is recomputed to the bytes of a clean run, and the later step, its input unchanged, is left as
+/// it was. (It panicked: the repair took the user's step number for a place in the plan's list
+/// of parts.)
+#[test]
+fn repair_of_a_chains_output_restores_clean_bytes() {
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 300, cols = 200, seed = 1 }\n\
+         [matrices.A2]\npath = \"A2.mgt\"\ngenerate = { rows = 250, cols = 200, seed = 2 }\n\
+         [[step]]\nname = \"X\"\noutput = \"X.mgt\"\nexpr = \"(A2 @ A.T @ A).T\"\n\
+         [[step]]\noutput = \"D.mgt\"\nexpr = \"X.T @ A.T\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 64\ndurable = false\n",
+    )
+    .unwrap();
+    let cli = |args: &[&str]| cli_in(dir, args);
+    let (ok, text) = cli(&["run", "plan.toml", "-q"]);
+    assert!(ok, "{text}");
+    let (x, dd) = (dir.join("X.mgt"), dir.join("D.mgt"));
+    let (clean, clean_d) = (std::fs::read(&x).unwrap(), std::fs::read(&dd).unwrap());
+    let (_, cols, c) = load(&x);
+    poke_data(&x, 70, 130, c[70 * cols + 130] + 0.5);
+    let (ok, text) = cli(&["verify", "plan.toml", "--repair"]);
+    assert!(
+        ok && text.contains("after repair") && text.contains("recomputing 1 tile"),
+        "{text}"
+    );
+    assert!(
+        std::fs::read(&x).unwrap() == clean,
+        "repaired bytes differ from a clean run"
+    );
+    assert!(
+        std::fs::read(&dd).unwrap() == clean_d,
+        "the later step was rewritten"
+    );
+    assert!(!text.contains("computing it again"), "{text}");
+}
+
 #[test]
 fn repair_of_an_output_a_later_step_reads_computes_that_step_again() {
     let d = tmp();
