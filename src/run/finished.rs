@@ -213,6 +213,17 @@ pub(crate) fn damaged_input(step: &Step, old: &Fingerprint) -> Option<(PathBuf, 
         }
         if let Err(e @ Error::Checksum { .. }) = check_whole(src.as_ref()) {
             let p = op.path.display();
+            // The output of an earlier step (its journal beside it): the plan can compute it
+            // again, and `verify --repair` does so for just the damaged tiles.
+            if matches!(journal::peek(&op.path), Ok(Some(_))) {
+                let e = Error::Usage(format!(
+                    "input {} is damaged, not changed: {e}. It is the output of an earlier step (its journal {} is beside it), and its stored checksums no longer match its own data, which is why the journal {} no longer recognises it. `mgmm-stream verify PLAN --repair` recomputes just its damaged tiles, and then this step if it must; `run --restart` recomputes every step",
+                    op.name,
+                    journal::journal_path(&op.path).display(),
+                    journal::journal_path(&step.output).display()
+                ));
+                return Some((op.path.clone(), e));
+            }
             let e = Error::Usage(format!(
                 "input {} is damaged, not changed: {e}. Its stored checksums no longer match its own data, which is why the journal {} no longer recognises it (`info {p} --check` lists every bad tile). The finished output {} is kept: restore {p} (copy it back, regenerate or re-import it) and run again; --restart would stop on the same damage",
                 op.name,

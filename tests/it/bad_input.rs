@@ -833,6 +833,67 @@ fn info_check_without_a_checksum_table_says_how_to_add_one() {
     assert!(String::from_utf8_lossy(&o.stdout).contains("tiles OK"));
 }
 
+/// An earlier step's `.npy` output damaged in place after the run: the step that reads it says
+/// so and points to `verify --repair` (the plan computes that input; "restore it, --restart
+/// would stop on the same damage" was wrong advice there), and `verify --repair` mends both
+/// steps, after which `run` finds the plan complete.
+#[test]
+fn a_damaged_output_of_an_earlier_step_points_to_repair() {
+    use std::os::unix::fs::FileExt;
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(
+        dir.join("p.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 90, cols = 70, seed = 1 }\n\
+         [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 70, cols = 80, seed = 2 }\n\
+         [[step]]\nname = \"X\"\noutput = \"X.npy\"\nexpr = \"A @ B\"\n\
+         [[step]]\noutput = \"W.npy\"\nexpr = \"X @ X.T\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 32\ndurable = false\n",
+    )
+    .unwrap();
+    assert!(mg(dir, &["run", "p.toml", "-q"]).status.success());
+    let (x, w) = (
+        std::fs::read(dir.join("X.npy")).unwrap(),
+        std::fs::read(dir.join("W.npy")).unwrap(),
+    );
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("X.npy"))
+        .unwrap();
+    f.write_all_at(&7.5f32.to_le_bytes(), (x.len() - 40) as u64)
+        .unwrap();
+    drop(f);
+    let o = mg(dir, &["run", "p.toml"]);
+    let err = failed_with(
+        &o,
+        &[
+            "X.npy",
+            "damaged",
+            "output of an earlier step",
+            "verify PLAN --repair",
+        ],
+    );
+    assert!(!err.contains("would stop on the same damage"), "{err}");
+    let o = mg(dir, &["verify", "p.toml", "--repair"]);
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        std::fs::read(dir.join("X.npy")).unwrap() == x,
+        "X.npy not restored"
+    );
+    assert!(
+        std::fs::read(dir.join("W.npy")).unwrap() == w,
+        "W.npy differs"
+    );
+    let o = mg(dir, &["run", "p.toml"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
 /// One flipped bit in an input's checksum table after a finished run (issue 33, item 7): every
 /// command names the input as damaged — its table no longer matches its own data — instead of
 /// "different inputs, rerun with --restart"; and `run --restart` (and `prepare --restart`) stop
