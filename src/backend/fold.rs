@@ -81,7 +81,9 @@ pub(crate) fn open(engine: &Engine) -> Result<Option<Box<dyn FoldDevice>>> {
         #[cfg(feature = "fault-injection")]
         BackendKind::Sim => Ok(Some(Box::new(HostFold::new(Fault::None)))),
         #[cfg(not(feature = "fault-injection"))]
-        BackendKind::Sim => Ok(None),
+        BackendKind::Sim => Err(crate::error::Error::Usage(
+            "engine.backend = \"sim\" (simulated devices) exists only in test builds".into(),
+        )),
     }
 }
 

@@ -161,6 +161,14 @@ pub(crate) fn left_to_right(n: usize) -> Tree {
     })
 }
 
+/// The right-to-left order `A @ (B @ (C @ …))`: a transposed product's naive order as
+/// written, its factors reversed.
+pub(crate) fn right_to_left(n: usize) -> Tree {
+    (0..n - 1).rev().fold(Tree::Leaf(n - 1), |t, i| {
+        Tree::Node(Box::new(Tree::Leaf(i)), Box::new(t))
+    })
+}
+
 /// The cheapest order of the chain with shapes `dims` (the matrix-chain dynamic program, with
 /// ties going to the left-to-right split so that equal costs keep the order as written).
 pub(crate) fn best_order(dims: &[u64], mem: u64, elem: u64) -> Tree {

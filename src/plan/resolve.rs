@@ -476,7 +476,13 @@ fn step(
         .iter()
         .map(|f| format!("{}{}", f.name, if f.trans { ".T" } else { "" }))
         .collect();
-    Ok(chain_steps(&leaves, &names, &output, mem, text, one))
+    // A transposed product's factors come reversed (`(X @ Y).T` is `Y.T @ X.T`): its naive
+    // order as written is then right to left here.
+    let (first, last) = (&form.factors[0], &form.factors[form.factors.len() - 1]);
+    let reversed = first.col > last.col && last.col > 0;
+    Ok(chain_steps(
+        &leaves, &names, reversed, &output, mem, text, one,
+    ))
 }
 
 /// The operand a factor of step `i`'s expression names (transposed as the factor says), or the
@@ -582,9 +588,11 @@ fn check_scalars(cx: &Ctx, at: &str, scalars: &[(&str, f64)], dtype: DType) -> R
 
 /// The steps of a chain: the cheapest order, its sub-products as steps, each knowing the chain
 /// and which intermediates stay in memory (within [`chain::memory_budget`] of `host_memory`).
+#[allow(clippy::too_many_arguments)]
 fn chain_steps(
     leaves: &[Operand],
     names: &[String],
+    reversed: bool,
     output: &Path,
     host_memory: u64,
     text: &str,
@@ -595,7 +603,24 @@ fn chain_steps(
     dims.push(leaves[leaves.len() - 1].op_shape().1);
     let elem = leaves[0].dtype.compute().size() as u64;
     let best = chain::best_order(&dims, mem, elem);
-    let naive = chain::left_to_right(leaves.len());
+    // The naive order is left to right as the user wrote the expression: of the factors as
+    // written (reversed and transposed back) when the product is a transposed one.
+    let n = leaves.len();
+    let (naive, naive_text) = match reversed {
+        false => (chain::left_to_right(n), chain::left_to_right(n).show(names)),
+        true => {
+            let written: Vec<String> = (names.iter().rev())
+                .map(|x| match x.strip_suffix(".T") {
+                    Some(base) => base.to_string(),
+                    None => format!("{x}.T"),
+                })
+                .collect();
+            (
+                chain::right_to_left(n),
+                chain::left_to_right(n).show(&written),
+            )
+        }
+    };
     let mut subs = chain::sub_products(&best, leaves, output, mem, elem);
     // Intermediates are stored as the steps' output dtype, f32 (`Step::out_dtype`).
     chain::place_in_memory(&mut subs, mem, DType::F32.size() as u64);
@@ -626,7 +651,7 @@ fn chain_steps(
                 cost: p.cost,
                 order: best.show(names),
                 order_cost: chain::tree_cost(&best, &dims, mem, elem),
-                naive: naive.show(names),
+                naive: naive_text.clone(),
                 naive_cost: chain::tree_cost(&naive, &dims, mem, elem),
             });
             st
@@ -858,6 +883,11 @@ mod tests {
         .unwrap();
         let first = &p.steps[0];
         assert!(!first.a.trans && !first.b.trans, "{:?}", first.expr);
+        // Its naive order is left to right as written, ((A @ B) @ B.T): 2·20·30·10 +
+        // 2·20·10·30, not the rewritten (B @ B.T) @ A.T's 2·30·10·30 + 2·30·30·20.
+        let c = first.chain.as_ref().unwrap();
+        assert_eq!(c.naive, "((A @ B) @ B.T)");
+        assert_eq!(c.naive_cost, 24_000.0);
     }
 
     fn plan(text: &str) -> Result<Plan> {

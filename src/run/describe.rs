@@ -333,8 +333,24 @@ fn describe_status(
         .map(|&(seq, _)| seq)
         .filter(|&seq| u64::from(seq) < total)
         .collect();
+    let rewritten = match crate::store::OutputFormat::of(&step.output) {
+        crate::store::OutputFormat::Npy => crate::store::npy_sink::not_as_written_at(
+            &step.output,
+            (step.out_dtype, step.m, step.n),
+        ),
+        crate::store::OutputFormat::Mgt => None,
+    };
     line(if !step.output.exists() {
         format!("the journal is there but {out} is not: `run` starts the step afresh")
+    } else if let Some(why) = rewritten {
+        format!(
+            "{}{out}: {why}, so `run` cannot resume it; `run --restart` computes it again",
+            if j.complete {
+                "complete by its journal, but "
+            } else {
+                ""
+            }
+        )
     } else if j.complete && have < want {
         format!("complete by its journal, but {out} is {have} bytes, shorter than the {want} its header needs (truncated?): `run` skips it; `verify` checks it, `run --restart` computes it again")
     } else if let (true, Some(why)) = (j.complete, damaged_output(&step.output)) {

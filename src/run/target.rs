@@ -256,9 +256,14 @@ impl<'a> FileTarget<'a> {
         let writer = self.file.reopen(header, mode).map_err(|e| match e {
             Error::Format { path, msg } => Error::Format {
                 path,
-                msg: format!(
-                    "{msg}; it cannot be resumed — rerun with --restart to compute the step again"
-                ),
+                msg: match msg.strip_suffix("; rerun with --restart") {
+                    Some(m) => format!(
+                        "{m}; it cannot be resumed — rerun with --restart to compute the step again"
+                    ),
+                    None => format!(
+                        "{msg}; it cannot be resumed — rerun with --restart to compute the step again"
+                    ),
+                },
             },
             e => e,
         })?;

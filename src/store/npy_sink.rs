@@ -100,6 +100,37 @@ pub(crate) struct NpyWriter {
     head: Vec<u8>,
 }
 
+/// Why an existing `.npy` whose header is `found` is not the output `run` writes for an array
+/// `want` = (dtype, rows, cols) (another shape or dtype, Fortran order, or its data elsewhere
+/// than at [`DATA_OFFSET`]: a file rewritten by another program, such as numpy's `np.save` of
+/// the array), or `None`.
+pub(crate) fn not_as_written(found: &NpyHeader, want: (DType, u64, u64)) -> Option<String> {
+    let (dtype, rows, cols) = want;
+    let shape = |d: DType, r: u64, c: u64, f: bool| {
+        format!("{r}×{c} {d}{}", if f { " in Fortran order" } else { "" })
+    };
+    if (found.dtype, found.rows, found.cols, found.fortran) != (dtype, rows, cols, false) {
+        return Some(format!(
+            "its header says {}, where this step writes {}",
+            shape(found.dtype, found.rows, found.cols, found.fortran),
+            shape(dtype, rows, cols, false)
+        ));
+    }
+    (found.data_offset != DATA_OFFSET).then(|| {
+        format!(
+            "its data start at byte {}, not at {DATA_OFFSET} where `run` writes them: the file was rewritten by another program (numpy's `np.save`, say)",
+            found.data_offset
+        )
+    })
+}
+
+/// [`not_as_written`] for the `.npy` at `path` (`None` also when it cannot be read: the
+/// commands that open it say why).
+pub(crate) fn not_as_written_at(path: &Path, want: (DType, u64, u64)) -> Option<String> {
+    let f = std::fs::File::open(path).ok()?;
+    not_as_written(&read_header(path, &mut &f).ok()?, want)
+}
+
 impl NpyWriter {
     /// Create `path` (replacing it and removing a stale sidecar) for the matrix `hdr` describes,
     /// with the header numpy refuses ([`unfinished_header`]) until `finish`. The header, the
@@ -141,17 +172,10 @@ impl NpyWriter {
     pub(crate) fn reopen(path: &Path, hdr: &Header, mode: WriteMode) -> Result<NpyWriter> {
         let file = fsutil::open_in_place(path, fsutil::InPlace::Existing)?;
         let found: NpyHeader = read_header(path, &mut &file)?;
-        if (
-            found.dtype,
-            found.rows,
-            found.cols,
-            found.fortran,
-            found.data_offset,
-        ) != (hdr.dtype, hdr.rows, hdr.cols, false, DATA_OFFSET)
-        {
+        if let Some(why) = not_as_written(&found, (hdr.dtype, hdr.rows, hdr.cols)) {
             return Err(Error::format(
                 path,
-                "existing output has a different header than this plan produces; rerun with --restart",
+                format!("existing output: {why}; rerun with --restart"),
             ));
         }
         // Accepted for writing: the sidecar describes the array as it was, not as it will be.

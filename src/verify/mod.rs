@@ -458,10 +458,26 @@ impl Verifier {
             }
             Err(e) => return Err(e),
         };
-        if complete
-            && crate::store::OutputFormat::of(&step.output) == crate::store::OutputFormat::Npy
-            && out.checksum_tile().is_none()
-        {
+        let npy = crate::store::OutputFormat::of(&step.output) == crate::store::OutputFormat::Npy;
+        let rewritten = npy
+            .then(|| {
+                crate::store::npy_sink::not_as_written_at(
+                    &step.output,
+                    (step.out_dtype, step.m, step.n),
+                )
+            })
+            .flatten();
+        if let (true, Some(why)) = (complete, rewritten) {
+            // Not what `run` wrote, so neither `run` nor `--repair` can mend it in place.
+            let mut rep = blank_report(step, r, (step.m, step.n));
+            rep.pass = false;
+            rep.reason = Some(format!(
+                "{why}, though its journal says the step is complete: `run` cannot resume or mend such a file; `run --restart` computes the step again"
+            ));
+            rep.seconds = t0.elapsed().as_secs_f64();
+            return Ok(rep);
+        }
+        if complete && npy && out.checksum_tile().is_none() {
             let why = match out.checksum_note() {
                 Some(note) => format!("its checksum {note}"),
                 None => format!(

@@ -374,6 +374,68 @@ fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
     );
 }
 
+/// A finished `.npy` output saved again by another program (numpy's `np.save` of it: the same
+/// array, its data at byte 128, not 4096): `plan`, `verify` and `run` say the same — not what
+/// `run` wrote, so it cannot be resumed or mended; `run --restart` computes it again — where
+/// `verify` promised `--repair` would mend it, `run` gave its advice twice, and `plan` called
+/// the file truncated.
+#[test]
+fn a_npy_output_saved_again_by_another_program_is_named_as_such() {
+    let d = tmp();
+    let (a, b) = (mat(3, 40, 30), mat(4, 30, 50));
+    write_npy(&d.path().join("A.npy"), &a, DType::F32, false, 1);
+    write_npy(&d.path().join("B.npy"), &b, DType::F32, false, 1);
+    let text = format!(
+        "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
+         [[step]]\noutput = \"C.npy\"\nexpr = \"A @ B\"\n{ENGINE}"
+    );
+    run_text(d.path(), &text).unwrap();
+    let c = d.path().join("C.npy");
+    let want = product(&a, &b, 1.0);
+    write_npy(
+        &c,
+        &Mat {
+            rows: 40,
+            cols: 50,
+            v: want.clone(),
+        },
+        DType::F32,
+        false,
+        1,
+    );
+    let plan = d.path().join("plan.toml");
+    let p = plan.to_str().unwrap();
+    let says = "data start at byte 128, not at 4096 where `run` writes them";
+    // Lines are wrapped at 80 columns: compare with the spaces evened out.
+    let flat = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let (ok, out, err) = cli(&["plan", p]);
+    let out = flat(&out);
+    assert!(
+        ok && out.contains(says) && out.contains("`run --restart` computes it again"),
+        "{out}{err}"
+    );
+    assert!(!out.contains("truncated"), "{out}");
+    let (ok, out, err) = cli(&["verify", p, "--repair"]);
+    let out = flat(&out);
+    assert!(
+        !ok && out.contains(says) && out.contains("`run --restart` computes the step again"),
+        "{out}{err}"
+    );
+    assert!(
+        !err.contains("repair:") && !out.contains("--repair` (or `run`)"),
+        "{out}{err}"
+    );
+    let (ok, _, err) = cli(&["run", p]);
+    let err = flat(&err);
+    assert!(
+        !ok && err.contains(says) && err.matches("--restart").count() == 1,
+        "{err}"
+    );
+    let (ok, _, err) = cli(&["run", p, "--restart"]);
+    assert!(ok, "{err}");
+    assert_eq!(read_all(&c).v, want);
+}
+
 #[test]
 fn info_import_export_accept_npy_and_raw() {
     let d = tmp();
