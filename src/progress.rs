@@ -115,11 +115,15 @@ impl Rate {
 /// `n` and the noun that goes with it ([`crate::units`], where every layer can reach it).
 pub use crate::units::count;
 
-/// A duration for people: "42s", "3m05s", "1h02m", "2d03h"; `--` for none.
+/// A duration for people: "0.4s", "9.8s", "42s", "3m05s", "1h02m", "2d03h"; `--` for none.
 pub fn fmt_duration(s: Option<f64>) -> String {
     let Some(s) = s.filter(|s| s.is_finite() && *s >= 0.0) else {
         return "--".into();
     };
+    // Short runs to a tenth ("done in 0s" said nothing of a 0.14 s run).
+    if s < 9.95 {
+        return format!("{s:.1}s");
+    }
     let s = s.round() as u64;
     match s {
         0..=59 => format!("{s}s"),
@@ -848,6 +852,9 @@ mod tests {
         assert_eq!(fmt_duration(None), "--");
         assert_eq!(fmt_duration(Some(f64::NAN)), "--");
         assert_eq!(fmt_duration(Some(-1.0)), "--");
+        assert_eq!(fmt_duration(Some(0.14)), "0.1s");
+        assert_eq!(fmt_duration(Some(9.94)), "9.9s");
+        assert_eq!(fmt_duration(Some(9.96)), "10s");
         assert_eq!(fmt_duration(Some(42.4)), "42s");
         assert_eq!(fmt_duration(Some(185.0)), "3m05s");
         assert_eq!(fmt_duration(Some(3720.0)), "1h02m");

@@ -153,6 +153,11 @@ pub(super) fn verify_plan(
                 (None, Some(_)) => 1,
                 (None, None) => 2,
             };
+            // Tiles to redo, but no journal to redo single tiles through.
+            let kind = match (kind, crate::durable::journal::peek(&step.output)) {
+                (2, Ok(None)) => 3,
+                (k, _) => k,
+            };
             failed.push((format!("step {} ({})", rep.step, rep.output), kind));
         } else if rep.nothing_checked() {
             unchecked.push(format!("step {} ({})", rep.step, rep.output));
@@ -176,6 +181,8 @@ pub(super) fn verify_plan(
         "an input does not match its stored checksums (see above): restore it, then verify again"
     } else if failed.iter().all(|(_, kind)| *kind == 1) {
         "see the reason above: `run` resumes an unfinished step; `run --restart` recomputes one whose plan or inputs changed"
+    } else if failed.iter().all(|(_, kind)| *kind == 3) {
+        "the output does not match the inputs or its stored checksums, and no journal is beside it, so single tiles cannot be redone: `run --restart` recomputes the whole step"
     } else {
         "the output does not match the inputs or its stored checksums, or its header or checksums are damaged; `verify --repair` recomputes the failing tiles (or mends the header or checksums), `run --restart` the whole step"
     };

@@ -792,6 +792,45 @@ fn repair_of_a_chains_output_restores_clean_bytes() {
     assert!(!text.contains("computing it again"), "{text}");
 }
 
+/// A damaged output with no journal beside it: `verify` does not offer `--repair` (which needs
+/// the journal to redo single tiles) but `run --restart`.
+#[test]
+fn without_a_journal_verify_points_to_restart_not_repair() {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        100,
+        80,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        80,
+        90,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        2,
+    );
+    write_plan(dir, "A @ B", "fp32", "32", "", false);
+    let (ok, text) = cli_in(dir, &["run", "plan.toml", "-q"]);
+    assert!(ok, "{text}");
+    std::fs::remove_file(dir.join("C.mgt.journal")).unwrap();
+    poke_data(&dir.join("C.mgt"), 40, 50, 1e3);
+    let (ok, text) = cli_in(dir, &["verify", "plan.toml"]);
+    let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        !ok && flat.contains("no journal is beside it")
+            && flat.contains("`run --restart` recomputes the whole step"),
+        "{text}"
+    );
+    assert!(!flat.contains("`verify --repair` recomputes"), "{text}");
+}
+
 #[test]
 fn repair_of_an_output_a_later_step_reads_computes_that_step_again() {
     let d = tmp();
