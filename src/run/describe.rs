@@ -131,7 +131,22 @@ fn describe_step(
 fn describe_shape(step: &crate::plan::Step, l: &Layout, t: &Traffic) -> String {
     let mut s = String::new();
     let (gm, gn, gk) = l.grid(step);
-    s += &format!("{}: {} = {}\n", step.at(), step.output_label(), step.expr);
+    s += &match &step.chain {
+        // "step 1 (line 9), part 1/2 of (A2 @ A.T @ A).T: T1 (held in memory) = A.T @ A": the
+        // part's own product, not the whole expression under the intermediate's name.
+        Some(c) => {
+            let whole = (step.expr.rsplit_once(" [part ")).map_or(step.expr.as_str(), |(w, _)| w);
+            let sub = c.text.split_once(" = ").map_or(c.text.as_str(), |(_, r)| r);
+            format!(
+                "{}, part {}/{} of {whole}: {} = {sub}\n",
+                step.at(),
+                c.part,
+                c.parts,
+                step.output_label()
+            )
+        }
+        None => format!("{}: {} = {}\n", step.at(), step.output_label(), step.expr),
+    };
     if let Some(c) = &step.chain {
         let h = crate::pipeline::output_header(step, l);
         let mem_bytes = step.m * step.n * step.out_dtype.size() as u64;

@@ -906,7 +906,7 @@ fn plan_text_names_rates_operands_intermediates_and_paths_as_they_are() {
         "{s}"
     );
     assert!(
-        flat.contains("step 1 (line 12): T1 (held in memory) = A @ B @ C")
+        flat.contains("step 1 (line 12), part 1/2 of A @ B @ C: T1 (held in memory) = B @ C")
             && !flat.contains("D.mgt.part1.mgt ="),
         "{s}"
     );
