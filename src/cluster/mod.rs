@@ -299,7 +299,10 @@ fn run_step_shards(
 ) -> Result<Vec<StepReport>> {
     let (plan, step, layout, progress) = (cx.plan, cx.step, cx.layout, cx.progress);
     let n = step.index + 1;
-    for prev in &plan.steps[..step.index] {
+    // Every step before this one in the plan's list: a whole-expression chain's parts are
+    // steps of their own that share their user step's `index` (waiting on `..index` let a
+    // chain's second part start before its first was finalized, and read it unwritten).
+    for prev in plan.steps.iter().take_while(|s| s.output != step.output) {
         finalize::wait_finalized(plan, prev, sh, progress)?;
     }
     let fp = crate::run::fingerprint(step, layout, backend.caps().kind, plan.engine.precision)?;

@@ -179,6 +179,48 @@ fn n_processes_by_shard_flag_and_by_each_launcher_match_one_process() {
     }
 }
 
+/// A whole-expression chain split between processes: its second part waits for its first to
+/// be finalized (it started at once, read the first part's unwritten file and, with the inputs'
+/// checks off, finished a wrong output silently), and two processes give one process's bytes.
+#[test]
+fn a_split_chains_second_part_waits_for_its_first() {
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 200, cols = 150, seed = 1 }\n\
+                [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 150, cols = 160, seed = 2 }\n\
+                [matrices.C]\npath = \"C.mgt\"\ngenerate = { rows = 160, cols = 10, seed = 3 }\n\
+                [[step]]\noutput = \"W.mgt\"\nexpr = \"A @ B @ C\"\n\
+                [engine]\nbackend = \"cpu\"\nthreads = 1\ntile = 32\nverify_inputs = false\n";
+    let one = tmp();
+    std::fs::write(one.path().join("plan.toml"), text).unwrap();
+    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
+        .output()
+        .unwrap());
+    let reference = std::fs::read(one.path().join("W.mgt")).unwrap();
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    // Alone, shard 1 of 2 cannot finish the first part, so the second must not start.
+    let o = cmd(
+        dir,
+        &["run", "plan.toml", "--shard", "1/2", "--wait-timeout", "2"],
+        &[],
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("part1"), "{err}");
+    assert!(
+        !err.contains("checksum mismatch") && !dir.join("W.mgt").exists(),
+        "{err}"
+    );
+    ok(cmd(dir, &["run", "plan.toml", "--shard", "0/2"], &[])
+        .output()
+        .unwrap());
+    ok(cmd(dir, &["run", "plan.toml", "--shard", "1/2"], &[])
+        .output()
+        .unwrap());
+    assert!(std::fs::read(dir.join("W.mgt")).unwrap() == reference);
+}
+
 #[test]
 fn finalize_refuses_and_names_missing_shards_then_status_and_rerun_complete() {
     let reference = single(SMALL, 64);
