@@ -62,8 +62,15 @@ fn stale_after_repair(p: &Plan, pos: usize) -> Result<Vec<&crate::plan::Step>> {
     let mut backend = None;
     let mut stale = Vec::new();
     for later in p.steps.iter().skip(pos + 1) {
+        // Its operands, and a chain's inputs (its last part's journal records every one, also
+        // those an intermediate part read).
         let ops = [Some(&later.a), Some(&later.b), later.c0.as_ref()];
-        if !ops.into_iter().flatten().any(|o| o.path == step.output)
+        let leaves = later.chain.iter().flat_map(|c| c.leaves.iter());
+        if !ops
+            .into_iter()
+            .flatten()
+            .chain(leaves)
+            .any(|o| o.path == step.output)
             || crate::durable::journal::peek(&later.output)?.is_none()
         {
             continue;

@@ -747,10 +747,6 @@ fn cli_reports_on_stdout_and_repair_restores_clean_bytes() {
     );
 }
 
-/// `verify --repair` of a step whose `.npy` output a later step reads: the repair rewrites the
-/// array (its identity, size and modification time, changes with it), so the later step, whose
-/// journal no longer matches, is computed again instead of stopping the repair run with "its
-/// journal is from other inputs"; afterwards every step passes.
 /// `verify --repair` of a whole-expression chain's output (its plan's step is two steps of the
 /// run: the intermediate part, then the last), damaged after the run, followed by a step that
 /// reads it: the tile is recomputed to the bytes of a clean run, and the later step, its input unchanged, is left as
@@ -831,6 +827,51 @@ fn without_a_journal_verify_points_to_restart_not_repair() {
     assert!(!flat.contains("`verify --repair` recomputes"), "{text}");
 }
 
+/// `verify --repair` of a step whose output a later whole-expression chain reads in its first,
+/// intermediate part only (no journal of its own: the chain's last part records every input):
+/// the chain is computed again with the repaired input, and both outputs are a clean run's
+/// bytes (the repair stopped on "the journal is from a different plan or different inputs").
+#[test]
+fn repair_of_an_output_a_later_chain_reads_through_its_intermediate() {
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 60, cols = 40, seed = 1 }\n\
+         [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 40, cols = 30, seed = 2 }\n\
+         [matrices.C]\npath = \"C.mgt\"\ngenerate = { rows = 40, cols = 500, seed = 3 }\n\
+         [[step]]\nname = \"X\"\noutput = \"X.npy\"\nexpr = \"A @ B\"\n\
+         [[step]]\noutput = \"W.npy\"\nexpr = \"X.T @ A @ C\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 32\ndurable = false\n",
+    )
+    .unwrap();
+    let (ok, text) = cli_in(dir, &["run", "plan.toml", "-q"]);
+    assert!(ok, "{text}");
+    let (ok, text) = cli_in(dir, &["plan", "plan.toml"]);
+    assert!(
+        ok && text.contains("T1 = X.T @ A"),
+        "X must be read by the intermediate: {text}"
+    );
+    let (x, w) = (dir.join("X.npy"), dir.join("W.npy"));
+    let (clean_x, clean_w) = (std::fs::read(&x).unwrap(), std::fs::read(&w).unwrap());
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let f = std::fs::OpenOptions::new().write(true).open(&x).unwrap();
+    f.write_all_at(&9.5f32.to_le_bytes(), 4096 + 4 * 100)
+        .unwrap();
+    drop(f);
+    let (ok, text) = cli_in(dir, &["verify", "plan.toml", "--repair"]);
+    assert!(ok && text.contains("after repair"), "{text}");
+    assert!(std::fs::read(&x).unwrap() == clean_x, "X.npy not restored");
+    assert!(
+        std::fs::read(&w).unwrap() == clean_w,
+        "W.npy differs from a clean run"
+    );
+}
+
+/// `verify --repair` of a step whose `.npy` output a later step reads: the repair rewrites the
+/// array (its identity, size and modification time, changes with it), so the later step, whose
+/// journal no longer matches, is computed again instead of stopping the repair run with "its
+/// journal is from other inputs"; afterwards every step passes.
 #[test]
 fn repair_of_an_output_a_later_step_reads_computes_that_step_again() {
     let d = tmp();
