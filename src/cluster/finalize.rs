@@ -281,12 +281,17 @@ pub fn finalize_plan(
                 step.output.display()
             ));
         }
-        if let Some(v) = verify {
+        // A chain's intermediate is checked with its last part, as `verify` does.
+        if let Some(v) = verify.filter(|_| !crate::verify::is_intermediate(step)) {
             let rep = v.step(step)?;
             say(crate::verify::format(&rep));
             if !rep.pass {
+                let next = match rep.failing_tiles.is_empty() {
+                    false => "`mgmm-stream verify PLAN --repair` recomputes the failing tiles",
+                    true => "see the reason above",
+                };
                 return Err(Error::Usage(format!(
-                    "step {n}: verification failed for {}; `mgmm-stream verify PLAN --repair` recomputes the failing tiles",
+                    "step {n}: verification failed for {}; {next}",
                     step.output.display()
                 )));
             }

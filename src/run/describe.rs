@@ -136,7 +136,9 @@ fn describe_shape(step: &crate::plan::Step, l: &Layout, t: &Traffic) -> String {
         // part's own product, not the whole expression under the intermediate's name.
         Some(c) => {
             let whole = (step.expr.rsplit_once(" [part ")).map_or(step.expr.as_str(), |(w, _)| w);
-            let sub = c.text.split_once(" = ").map_or(c.text.as_str(), |(_, r)| r);
+            let sub = (c.text.strip_prefix(c.result_name()))
+                .and_then(|r| r.strip_prefix(" = "))
+                .unwrap_or(&c.text);
             format!(
                 "{}, part {}/{} of {whole}: {} = {sub}\n",
                 step.at(),

@@ -213,11 +213,12 @@ pub(crate) fn damaged_input(step: &Step, old: &Fingerprint) -> Option<(PathBuf, 
         }
         if let Err(e @ Error::Checksum { .. }) = check_whole(src.as_ref()) {
             let p = op.path.display();
-            // The output of an earlier step (its journal beside it): the plan can compute it
-            // again, and `verify --repair` does so for just the damaged tiles.
+            // A run's output (its journal beside it): the plan that computed it — an earlier
+            // step of this one, or another plan — can mend it, `verify --repair` just the
+            // damaged tiles.
             if matches!(journal::peek(&op.path), Ok(Some(_))) {
                 let e = Error::Usage(format!(
-                    "input {} is damaged, not changed: {e}. It is the output of an earlier step (its journal {} is beside it), and its stored checksums no longer match its own data, which is why the journal {} no longer recognises it. `mgmm-stream verify PLAN --repair` recomputes just its damaged tiles, and then this step if it must; `run --restart` recomputes every step",
+                    "input {} is damaged, not changed: {e}. It is a run's output (its journal {} is beside it), and its stored checksums no longer match its own data, which is why the journal {} no longer recognises it. `mgmm-stream verify PLAN --repair` with the plan that computed it (this one, when an earlier step of it writes the file) recomputes just its damaged tiles, and then this step if it must; that plan's `run --restart` recomputes it whole",
                     op.name,
                     journal::journal_path(&op.path).display(),
                     journal::journal_path(&step.output).display()

@@ -117,6 +117,13 @@ pub(crate) fn mend_finished(path: &Path, hdr: &Header) -> Result<Option<String>>
         OutputFormat::Mgt => hdr.to_block(),
         OutputFormat::Npy => npy_sink::header(hdr.dtype, hdr.rows, hdr.cols)?,
     };
+    // A `.npy` saved again by another program (its data moved, Fortran order): not what `run`
+    // wrote, whatever its length, and nothing here can mend it.
+    if format == OutputFormat::Npy {
+        if let Some(why) = npy_sink::not_as_written_at(path, (hdr.dtype, hdr.rows, hdr.cols)) {
+            return Err(replaced(path, why));
+        }
+    }
     let file = std::fs::File::open(path).map_err(|e| {
         Error::io(
             path,
@@ -183,11 +190,11 @@ fn header_as_found(
     len: u64,
     hdr: &Header,
 ) -> Result<Found> {
-    let replaced = |what: String| {
-        Error::Usage(format!(
-            "{}: its header describes another matrix ({what}) than the plan writes, so the file was replaced since the run finished it; restore it, or rerun with --restart to compute it again",
-            path.display()
-        ))
+    let other = |what: String| {
+        replaced(
+            path,
+            format!("its header describes another matrix ({what}) than the plan writes"),
+        )
     };
     Ok(match format {
         OutputFormat::Mgt => match Header::parse(path, have, len) {
@@ -196,7 +203,7 @@ fn header_as_found(
                 if (h.dtype, h.rows, h.cols, h.tile_rows, h.tile_cols)
                     != (hdr.dtype, hdr.rows, hdr.cols, hdr.tile_rows, hdr.tile_cols) =>
             {
-                return Err(replaced(format!(
+                return Err(other(format!(
                     "{}×{} {} in {}×{} tiles",
                     h.rows, h.cols, h.dtype, h.tile_rows, h.tile_cols
                 )))
@@ -205,14 +212,20 @@ fn header_as_found(
         },
         OutputFormat::Npy => match npy_header::read_header(path, &mut &have[..]) {
             Err(e) => Found::Damaged(e),
-            Ok(h)
-                if (h.dtype, h.rows, h.cols, h.fortran, h.data_offset)
-                    != (hdr.dtype, hdr.rows, hdr.cols, false, npy_sink::DATA_OFFSET) =>
-            {
-                return Err(replaced(format!("{}×{} {}", h.rows, h.cols, h.dtype)))
-            }
-            Ok(h) if h.unfinished => Found::Unfinished,
-            Ok(_) => Found::Reserved,
+            Ok(h) => match npy_sink::not_as_written(&h, (hdr.dtype, hdr.rows, hdr.cols)) {
+                Some(why) => return Err(replaced(path, why)),
+                None if h.unfinished => Found::Unfinished,
+                None => Found::Reserved,
+            },
         },
     })
+}
+
+/// The error for a finished output that is not the file `run` wrote (`why`): replaced, or
+/// saved again by another program, since the run finished it.
+fn replaced(path: &Path, why: String) -> Error {
+    Error::Usage(format!(
+        "{}: {why}, so the file was replaced or rewritten since the run finished it; restore it, or rerun with --restart to compute it again",
+        path.display()
+    ))
 }

@@ -604,14 +604,14 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
     }
 }
 
-/// Why an intermediate part of a whole-expression chain is not checked on its own; `None` for
-/// any other step.
 /// Whether `step` is an intermediate part of a whole-expression chain: it has no output of its
 /// own to check (the chain is checked at its last part), so `verify` shows no line for it.
 pub fn is_intermediate(step: &Step) -> bool {
     intermediate_part(step).is_some()
 }
 
+/// Why an intermediate part of a whole-expression chain is not checked on its own; `None` for
+/// any other step.
 fn intermediate_part(step: &Step) -> Option<String> {
     let c = step.chain.as_ref().filter(|c| c.part < c.parts)?;
     let kept = if c.memory.contains(&step.output) {

@@ -870,8 +870,8 @@ fn a_damaged_output_of_an_earlier_step_points_to_repair() {
         &[
             "X.npy",
             "damaged",
-            "output of an earlier step",
-            "verify PLAN --repair",
+            "a run's output",
+            "verify PLAN --repair` with the plan that computed it",
         ],
     );
     assert!(!err.contains("would stop on the same damage"), "{err}");

@@ -431,6 +431,10 @@ fn a_npy_output_saved_again_by_another_program_is_named_as_such() {
         !ok && err.contains(says) && err.matches("--restart").count() == 1,
         "{err}"
     );
+    // A split run's shard says the same (it said "N bytes, not the M its header needs").
+    let (ok, _, err) = cli(&["run", p, "--shard", "0/1"]);
+    let err = flat(&err);
+    assert!(!ok && err.contains(says), "{err}");
     let (ok, _, err) = cli(&["run", p, "--restart"]);
     assert!(ok, "{err}");
     assert_eq!(read_all(&c).v, want);
