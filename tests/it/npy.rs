@@ -306,17 +306,24 @@ fn cli(args: &[&str]) -> (bool, String, String) {
     )
 }
 
-#[test]
-fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
-    let d = tmp();
-    let (a, b) = (mat(7, 50, 45), mat(8, 45, 70));
-    write_npy(&d.path().join("A.npy"), &a, DType::F32, false, 1);
-    write_npy(&d.path().join("B.npy"), &b, DType::F32, false, 1);
+/// `C.npy = A @ B` in `dir` from f32 `.npy` inputs A (matrix `a.0`, `a.1`×`a.2`) and B (matrix
+/// `b.0`, `a.2`×`b.1`), run: the inputs and the plan's text.
+fn npy_product(dir: &Path, a: (u64, usize, usize), b: (u64, usize)) -> (Mat, Mat, String) {
+    let (a, b) = (mat(a.0, a.1, a.2), mat(b.0, a.2, b.1));
+    write_npy(&dir.join("A.npy"), &a, DType::F32, false, 1);
+    write_npy(&dir.join("B.npy"), &b, DType::F32, false, 1);
     let text = format!(
         "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
          [[step]]\noutput = \"C.npy\"\nexpr = \"A @ B\"\n{ENGINE}"
     );
-    run_text(d.path(), &text).unwrap();
+    run_text(dir, &text).unwrap();
+    (a, b, text)
+}
+
+#[test]
+fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
+    let d = tmp();
+    let (a, b, text) = npy_product(d.path(), (7, 50, 45), (8, 70));
     let c = d.path().join("C.npy");
     let bytes = std::fs::read(&c).unwrap();
     assert_eq!(bytes.len(), 4096 + 50 * 70 * 4);
@@ -382,14 +389,7 @@ fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
 #[test]
 fn a_npy_output_saved_again_by_another_program_is_named_as_such() {
     let d = tmp();
-    let (a, b) = (mat(3, 40, 30), mat(4, 30, 50));
-    write_npy(&d.path().join("A.npy"), &a, DType::F32, false, 1);
-    write_npy(&d.path().join("B.npy"), &b, DType::F32, false, 1);
-    let text = format!(
-        "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
-         [[step]]\noutput = \"C.npy\"\nexpr = \"A @ B\"\n{ENGINE}"
-    );
-    run_text(d.path(), &text).unwrap();
+    let (a, b, _) = npy_product(d.path(), (3, 40, 30), (4, 50));
     let c = d.path().join("C.npy");
     let want = product(&a, &b, 1.0);
     write_npy(
