@@ -117,11 +117,11 @@ pub(crate) fn mend_finished(path: &Path, hdr: &Header) -> Result<Option<String>>
         OutputFormat::Mgt => hdr.to_block(),
         OutputFormat::Npy => npy_sink::header(hdr.dtype, hdr.rows, hdr.cols)?,
     };
-    // A `.npy` saved again by another program (its data moved, Fortran order): not what `run`
-    // wrote, whatever its length, and nothing here can mend it.
+    // A `.npy` saved again by another program (its data moved): not what `run` wrote, whatever
+    // its length; said as such (`prepare` then computes it again, a resume refuses it).
     if format == OutputFormat::Npy {
         if let Some(why) = npy_sink::not_as_written_at(path, (hdr.dtype, hdr.rows, hdr.cols)) {
-            return Err(replaced(path, why));
+            return Ok(Some(why));
         }
     }
     let file = std::fs::File::open(path).map_err(|e| {
