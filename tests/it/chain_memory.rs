@@ -65,7 +65,7 @@ fn run_file(
     let progress = Progress::log_into(Duration::from_secs(3600), lines.clone());
     let r = run_plan(&plan, &opts, &progress);
     let text = lines.lock().unwrap().join("\n");
-    (r, text.split_whitespace().collect::<Vec<_>>().join(" "))
+    (r, one_line(&text))
 }
 
 /// Files in `dir` whose name holds `.partN` (a chain's temporary files and their journals;

@@ -98,7 +98,7 @@ fn run_file(
     let r = run_plan(&plan, &opts, &progress);
     // Notes wrap at 80 columns: compare their words, not their line breaks.
     let lines = (lines.lock().unwrap().iter())
-        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .map(|l| one_line(l))
         .collect();
     (r, lines)
 }
@@ -214,7 +214,7 @@ fn single_long_tile_resumes(backend: &str) {
     // `plan` tells what `run` will do: resume the tile from its checkpoint, not start afresh.
     let plan = Plan::load(&dir.join("plan.toml")).unwrap();
     let said = mgmm_stream::run::describe(&plan).unwrap();
-    let said = said.split_whitespace().collect::<Vec<_>>().join(" ");
+    let said = one_line(&said);
     assert!(
         said.contains("no output tile finished yet; 1 partial tile checkpointed (")
             && said.contains("`run` resumes it from its checkpoint"),

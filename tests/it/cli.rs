@@ -364,7 +364,7 @@ fn plan_then_run_then_export() {
     let n = bytes.len();
     bytes[n - 48 + 5] ^= 1;
     std::fs::write(&j, &bytes).unwrap();
-    let s = plan(dir).split_whitespace().collect::<Vec<_>>().join(" ");
+    let s = one_line(&plan(dir));
     assert!(
         s.contains("status: 4 of 6 output tiles done")
             && s.contains(
@@ -593,7 +593,7 @@ fn plan_of_a_million_squared_answers_in_under_a_second() {
         );
         // What `run` would refuse before any work (disk space for the 4 TB input it would
         // generate), said by `plan`, which writes nothing; sizes as sizes.
-        let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+        let flat = one_line(&s);
         assert!(
             flat.contains("warning: `run` will refuse to start: not enough disk space")
                 && flat.contains("elements) per lane")
@@ -842,7 +842,7 @@ fn an_overflowing_output_is_counted_and_verify_exits_3() {
     let (_, _, c) = load(&dir.join("C.mgt"));
     let inf = c.iter().filter(|v| !v.is_finite()).count() as u64;
     assert!(inf > 3000, "most of the 7000 elements overflow: {inf}");
-    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let flat = one_line(&s);
     assert!(
         flat.contains(&format!("{inf} of the 7000 output elements are NaN/Inf"))
             && flat.contains("the inputs are all finite")
@@ -898,7 +898,7 @@ fn plan_text_names_rates_operands_intermediates_and_paths_as_they_are() {
                 [engine]\nbackend = \"cpu\"\n";
     std::fs::write(dir.join("p.toml"), text).unwrap();
     let s = ok(&mg(dir, &["plan", "p.toml"]));
-    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let flat = one_line(&s);
     assert!(!flat.contains("op(A)") && !flat.contains("op(B)"), "{s}");
     assert!(
         flat.contains("shapes: B 10×10 @ C 10×200 → T1 10×200")
@@ -926,7 +926,7 @@ fn plan_text_names_rates_operands_intermediates_and_paths_as_they_are() {
         .replace("D.mgt", "D64.mgt");
     std::fs::write(dir.join("p64.toml"), f64_plan).unwrap();
     let s = ok(&mg(dir, &["plan", "p64.toml"]));
-    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let flat = one_line(&s);
     assert!(
         flat.contains("fp64")
             && flat.contains("faer's f64 rate")
@@ -943,7 +943,7 @@ fn plan_text_names_rates_operands_intermediates_and_paths_as_they_are() {
                [engine]\nbackend = \"cpu\"\nprecision = \"fp64_emulated\"\n";
     std::fs::write(dir.join("emu.toml"), emu).unwrap();
     let s = ok(&mg(dir, &["plan", "emu.toml"]));
-    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let flat = one_line(&s);
     assert!(
         !flat.contains(" 0.0 TFLOP/s")
             && flat.contains("GFLOP/s (faer's f64 rate")
@@ -1033,7 +1033,7 @@ fn fp64_emulated_in_plan_and_summary() {
         );
     std::fs::write(dir.join("plan.toml"), text).unwrap();
     // The output wrapped at 80 columns, read as one line.
-    let flat = |s: String| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let flat = |s: String| one_line(&s);
     let s = flat(ok(&mg(dir, &["plan", "plan.toml"])));
     for want in [
         "fp64 emulated with exact integer GEMMs",

@@ -590,7 +590,7 @@ fn status_shows_no_eta_for_a_shard_no_process_works_on() {
             .output()
             .unwrap(),
     );
-    let flat = st.split_whitespace().collect::<Vec<_>>().join(" ");
+    let flat = crate::common::one_line(&st);
     let shard0 = flat
         .split("shard 0/2:")
         .nth(1)

@@ -407,7 +407,7 @@ fn a_npy_output_saved_again_by_another_program_is_named_as_such() {
     let p = plan.to_str().unwrap();
     let says = "data start at byte 128, not at 4096 where `run` writes them";
     // Lines are wrapped at 80 columns: compare with the spaces evened out.
-    let flat = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let flat = one_line;
     let (ok, out, err) = cli(&["plan", p]);
     let out = flat(&out);
     assert!(

@@ -464,10 +464,7 @@ fn chain_parts_are_labelled_as_parts_of_their_step() {
     run_plan_on(&plan, backend, &RunOptions::default(), &progress).unwrap();
     let lines = lines.lock().unwrap().clone();
     // Each note as one line (a long temporary path may wrap it).
-    let notes: Vec<String> = lines
-        .iter()
-        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
-        .collect();
+    let notes: Vec<String> = lines.iter().map(|l| one_line(l)).collect();
     let has = |s: &str, end: &str| notes.iter().any(|l| l.contains(s) && l.ends_with(end));
     assert!(has("step 1/2: ", "/F.mgt"), "{lines:#?}");
     // The intermediate is held in memory: named so, not by a file that never exists.

@@ -445,9 +445,7 @@ fn a_library_calls_resume_notes_name_no_step() {
     .unwrap();
     assert!(rep.is_some(), "the damaged record's tile is computed again");
     let lines = lines.lock().unwrap();
-    let notes: Vec<String> = (lines.iter())
-        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
-        .collect();
+    let notes: Vec<String> = (lines.iter()).map(|l| one_line(l)).collect();
     let damaged = notes.iter().find(|n| n.contains("damaged and skipped"));
     assert!(
         damaged.is_some_and(

@@ -440,7 +440,7 @@ fn auto_tiles_deal_rows_evenly_to_lanes_and_the_product_verifies() {
         let text =
             String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
         assert!(o.status.success(), "{args:?}: {text}");
-        text.split_whitespace().collect::<Vec<_>>().join(" ")
+        one_line(&text)
     };
     let plan = cli(&["plan", "plan.toml"]);
     assert!(plan.contains("compute tile 384×200×100"), "{plan}");

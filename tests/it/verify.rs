@@ -818,7 +818,7 @@ fn without_a_journal_verify_points_to_restart_not_repair() {
     std::fs::remove_file(dir.join("C.mgt.journal")).unwrap();
     poke_data(&dir.join("C.mgt"), 40, 50, 1e3);
     let (ok, text) = cli_in(dir, &["verify", "plan.toml"]);
-    let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let flat = one_line(&text);
     assert!(
         !ok && flat.contains("no journal is beside it")
             && flat.contains("`run --restart` recomputes the whole step"),

@@ -228,3 +228,9 @@ pub fn write_npy(path: &std::path::Path, rows: usize, cols: usize, v: &[f64], dt
     }
     std::fs::write(path, h).unwrap();
 }
+
+/// `s` with every run of whitespace made one space: the CLI wraps its lines at 80 columns, so
+/// tests compare what it says with the wrapping undone.
+pub fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
