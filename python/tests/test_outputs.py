@@ -118,6 +118,9 @@ def test_run_plan_file_with_set(tmp_path):
                     '[[step]]\noutput = "C.mgt"\nexpr = "A @ A.T"\n')
     rep = mg.run(plan, set={"backend": "cpu", "host_memory": "64MiB"}, progress=False)
     assert rep["backend"].startswith("cpu") and rep["steps"][0]["host_budget_bytes"] == 64 << 20
+    # The CLI's `--set` strings are not what Python takes: said, not an AttributeError.
+    with pytest.raises(mg.BadInputError, match="set= is a dict"):
+        mg.verify(plan, set=["engine.backend=cpu"])
 
 
 def test_plan_of_a_matmul():

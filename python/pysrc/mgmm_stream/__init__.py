@@ -703,6 +703,10 @@ def _plan_source(plan_: Union[PathLike, Dict[str, Any]]) -> Tuple[Optional[str],
 
 
 def _sets(set: Optional[Dict[str, Any]]) -> List[str]:
+    if set is not None and not isinstance(set, dict):
+        # The CLI's `--set engine.KEY=VALUE` strings are not what Python takes.
+        raise BadInputError(
+            f"set= is a dict of [engine] keys, e.g. set={{'backend': 'cpu'}}; got {type(set).__name__} {set!r}")
     return [f"engine.{k}={json.dumps(v) if isinstance(v, (bool, list)) else v}"
             for k, v in (set or {}).items()]
 
