@@ -72,18 +72,13 @@ pub(crate) fn emulation_depth(tk: u64) -> u64 {
 }
 
 /// Device scratch of one GPU lane computing `precision = "fp64_emulated"` blocks of tm×tn×tk
-/// (src/backend/cuda/emulate.rs): the scaled integers of op(A) and op(B) in the TN layout
-/// (int64) and their residues (int8), the int32 product, 16 residue planes of the output (u8),
-/// and per-vector figures. 2.4 GiB for 8192³ tiles.
+/// (src/backend/cuda/emulate.rs): the int8 residues of op(A) and op(B) in the TN layout, one
+/// plane per modulus (16), the int32 product, 16 residue planes of the output (u8), and
+/// per-vector figures. 3.3 GiB for 8192³ tiles.
 pub(crate) fn emulation_scratch(tm: u64, tn: u64, tk: u64) -> u64 {
     // The int8 GEMM's n (our columns) is padded to 16 as well (b8 and the int32 product).
     let (kp, tnp) = (emulation_depth(tk), emulation_depth(tn));
-    (tm + tn) * kp * 8
-        + (tm + tnp) * kp
-        + tm * tnp * 4
-        + 16 * tm * tn
-        + (tm + tn) * (4 + 8 + 4)
-        + 64
+    16 * (tm + tnp) * kp + tm * tnp * 4 + 16 * tm * tn + (tm + tn) * (4 + 8 + 4) + 64
 }
 
 /// The most output tiles a lane's first group computes together ([`Layout::start_group`]).

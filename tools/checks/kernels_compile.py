@@ -9,7 +9,8 @@ GPU machine. NVRTC comes as a pip wheel:
 
 With `PTXAS=/path/to/ptxas` (the `nvidia-cuda-nvcc` wheel has one, nvidia/cu13/bin/ptxas) the
 PTX is also assembled for sm_90, as the driver does when it loads it, and the registers and
-spills of every kernel are printed.
+spills of every kernel are printed. With `PTX_DIR=DIR` each kernel file's PTX is also written
+there (DIR/NAME.ptx), to read what the compiler made of a loop.
 
 The ozaki kernels' OZ_T_TABLE is filled as src/backend/cuda/emulate.rs fills it (any numbers
 compile). Exit status 1 when a kernel does not compile; the log is printed.
@@ -53,9 +54,14 @@ def main() -> int:
             print(text)
         bad |= rc != 0
         ptxas = os.environ.get("PTXAS")
-        if rc == 0 and ptxas:
-            ptx = ctypes.create_string_buffer(size.value)
+        ptx = ctypes.create_string_buffer(size.value)
+        if rc == 0:
             lib.nvrtcGetPTX(prog, ptx)
+        if rc == 0 and os.environ.get("PTX_DIR"):
+            name = os.path.basename(path).replace(".cu", ".ptx")
+            with open(os.path.join(os.environ["PTX_DIR"], name), "wb") as f:
+                f.write(ptx.value)
+        if rc == 0 and ptxas:
             with tempfile.NamedTemporaryFile("wb", suffix=".ptx") as f:
                 f.write(ptx.value)
                 f.flush()

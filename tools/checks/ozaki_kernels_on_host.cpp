@@ -1,6 +1,7 @@
 // kernels/ozaki.cu run on the CPU, each CUDA thread a std::thread and __syncthreads a barrier,
 // driven as src/backend/cuda/emulate.rs drives them (info, coarse, an int8 GEMM in the TN
-// layout, select, scaled, per modulus residue + GEMM + reduce, rebuild), and every element
+// layout, select, split into one residue plane per modulus, per modulus GEMM + reduce,
+// rebuild), and every element
 // checked against a double-double reference and native DGEMM's bound (K+2)·u·(|α||A||B| +
 // |β||C0|). What it checks is the kernels' arithmetic and indexing — strides of transposed
 // operands, the TN layout, padding, Garner, the 128-bit rounding — without a GPU; cuBLAS and
@@ -80,8 +81,8 @@ static const unsigned MODULI[16] = {256, 255, 253, 251, 247, 241, 239, 233,
                                     229, 227, 223, 217, 211, 199, 197, 193};
 
 // c (row-major m×n, int32) = a8 (m×kp) · b8ᵀ (n×kp): what the int8 GEMM computes.
-static void int_gemm(const std::vector<signed char>& a8, const std::vector<signed char>& b8,
-                     std::vector<int>& c, int m, int n, int kp) {
+static void int_gemm(const signed char* a8, const signed char* b8, std::vector<int>& c, int m,
+                     int n, int kp) {
     for (int i = 0; i < m; i++)
         for (int j = 0; j < n; j++) {
             long long s = 0;
@@ -94,13 +95,6 @@ static unsigned __int128 modulus_product(int nm) {
     unsigned __int128 p = 1;
     for (int l = 0; l < nm; l++) p *= MODULI[l];
     return p;
-}
-static unsigned garner_inv(int l) {
-    unsigned ml = MODULI[l], p = 1;
-    for (int j = 0; j < l; j++) p = p * (MODULI[j] % ml) % ml;
-    for (unsigned x = 1; x < ml; x++)
-        if (x * p % ml == 1) return x;
-    return 0;
 }
 
 struct Result { int moduli; bool fallback; };
@@ -117,19 +111,23 @@ static Result emulated(const std::vector<double>& A, bool at, const std::vector<
     int np = (n + 15) / 16 * 16;  // the int8 GEMM's n and ldc, padded as emulate.rs pads them
     launch({(unsigned)m, 1, 1}, {256, 1, 1}, [&] { oz_info(A.data(), m, k, ars, aks, qa.data(), sa.data(), xa.data(), flags.data(), 1u); });
     launch({(unsigned)n, 1, 1}, {256, 1, 1}, [&] { oz_info(B.data(), n, k, brs, bks, qb.data(), sb.data(), xb.data(), flags.data(), 2u); });
-    std::vector<signed char> a8((size_t)m * kp), b8((size_t)np * kp, 0x55);  // padding rows: garbage
+    // One plane per modulus (the coarse copies in plane 0); padding rows of b8: garbage.
+    size_t ap = (size_t)m * kp + 48, bp = (size_t)np * kp + 16;  // planes apart, as the tile's
+    std::vector<signed char> a8(16 * ap), b8(16 * bp, 0x55);
     auto tiles = [&](int count) { return dim3{(unsigned)((count + 31) / 32), (unsigned)((kp + 31) / 32), 1}; };
     launch(tiles(m), {32, 8, 1}, [&] { oz_coarse(A.data(), m, k, kp, ars, aks, qa.data(), xa.data(), a8.data()); });
     launch(tiles(n), {32, 8, 1}, [&] { oz_coarse(B.data(), n, k, kp, brs, bks, qb.data(), xb.data(), b8.data()); });
     std::vector<int> c32((size_t)m * np);
-    int_gemm(a8, b8, c32, m, np, kp);
-    launch({4, 1, 1}, {64, 1, 1}, [&] { oz_select(c32.data(), m, n, np, k, qa.data(), sa.data(), xa.data(), qb.data(), sb.data(), xb.data(), flags.data() + 1); });
+    int_gemm(a8.data(), b8.data(), c32, m, np, kp);
+    // Columns on grid x, rows on grid y strided (3 row blocks: the stride is exercised).
+    dim3 g2{(unsigned)((n + 63) / 64), 3, 1};
+    launch(g2, {64, 1, 1}, [&] { oz_select(c32.data(), m, n, np, k, qa.data(), sa.data(), xa.data(), qb.data(), sb.data(), xb.data(), flags.data() + 1); });
     if (flags[0]) return {0, true};
     size_t mn = (size_t)m * n;
     std::vector<unsigned char> planes(16 * mn);
     if (flags[3] != 3) {  // a side all zero: C = beta·C, 0 moduli
-        launch({8, 1, 1}, {64, 1, 1}, [&] {
-            oz_rebuild(planes.data(), 0, m, n, qa.data(), qb.data(), 0, 0, 0, 256, 0, alpha, beta, C.data());
+        launch(g2, {64, 1, 1}, [&] {
+            oz_rebuild(planes.data(), 0, m, n, qa.data(), qb.data(), 0, 256, 0, alpha, beta, C.data());
         });
         return {0, false};
     }
@@ -137,24 +135,15 @@ static Result emulated(const std::vector<double>& A, bool at, const std::vector<
     int nm = fixed ? fixed : need;
     if (!fixed && least > need) return {0, true};
     int t = OZ_T[nm];
-    std::vector<long long> ai((size_t)m * kp), bi((size_t)n * kp);
-    launch(tiles(m), {32, 8, 1}, [&] { oz_scaled(A.data(), m, k, kp, ars, aks, qa.data(), t, ai.data()); });
-    launch(tiles(n), {32, 8, 1}, [&] { oz_scaled(B.data(), n, k, kp, brs, bks, qb.data(), t, bi.data()); });
+    launch(tiles(m), {32, 8, 1}, [&] { oz_split(A.data(), m, k, kp, ars, aks, qa.data(), t, nm, (long long)ap, a8.data()); });
+    launch(tiles(n), {32, 8, 1}, [&] { oz_split(B.data(), n, k, kp, brs, bks, qb.data(), t, nm, (long long)bp, b8.data()); });
     for (int l = 0; l < nm; l++) {
-        unsigned ml = MODULI[l];
-        launch({8, 1, 1}, {64, 1, 1}, [&] { oz_residue(ai.data(), ai.size(), ml, a8.data()); });
-        launch({8, 1, 1}, {64, 1, 1}, [&] { oz_residue(bi.data(), bi.size(), ml, b8.data()); });
-        int_gemm(a8, b8, c32, m, np, kp);
-        launch({8, 1, 1}, {64, 1, 1}, [&] { oz_reduce(c32.data(), m, n, np, ml, planes.data() + l * mn); });
-    }
-    unsigned long long inv_lo = 0, inv_hi = 0;
-    for (int l = 0; l < 16; l++) {
-        unsigned long long v = l < nm ? garner_inv(l) & 0xff : 0;
-        if (l < 8) inv_lo |= v << (8 * l); else inv_hi |= v << (8 * (l - 8));
+        int_gemm(a8.data() + l * ap, b8.data() + l * bp, c32, m, np, kp);
+        launch(g2, {64, 1, 1}, [&] { oz_reduce(c32.data(), m, n, np, l, planes.data() + l * mn); });
     }
     unsigned __int128 M = modulus_product(nm);
-    launch({8, 1, 1}, {64, 1, 1}, [&] {
-        oz_rebuild(planes.data(), nm, m, n, qa.data(), qb.data(), t, inv_lo, inv_hi,
+    launch(g2, {64, 1, 1}, [&] {
+        oz_rebuild(planes.data(), nm, m, n, qa.data(), qb.data(), t,
                    (unsigned long long)M, (unsigned long long)(M >> 64), alpha, beta, C.data());
     });
     return {nm, false};
@@ -175,10 +164,47 @@ static double dot2(const double* a, long long as, const double* b, long long bs,
     return hi + lo;
 }
 
+// oz_rebuild's reconstruction alone, for every count of moduli 1..16: integers X drawn over
+// [−M/2, M/2) (the ends and 0 included), their residues as oz_reduce leaves them, rebuilt with
+// scale 2^0 (q_a + q_b = 2t) and alpha = 1, beta = 0; each must come back as X rounded once.
+static int rebuild_every_count(std::mt19937_64& g) {
+    int fails = 0;
+    for (int nm = 1; nm <= 16; nm++) {
+        unsigned __int128 M = modulus_product(nm);
+        int m = 7, n = 9, t = OZ_T[nm];
+        size_t mn = (size_t)m * n;
+        std::vector<unsigned __int128> ax(mn);
+        std::vector<bool> neg(mn);
+        std::vector<unsigned char> planes(16 * mn);
+        for (size_t e = 0; e < mn; e++) {
+            unsigned __int128 r = ((unsigned __int128)g() << 64 | g()) % M;  // in [0, M)
+            if (e == 0) r = 0;
+            if (e == 1) r = M / 2 - 1;  // the largest positive
+            if (e == 2) r = (M + 1) / 2;  // the most negative: M − r = M/2 rounded down
+            if (e == 3) r = M - 1;        // −1
+            for (int l = 0; l < nm; l++) planes[l * mn + e] = (unsigned char)(r % MODULI[l]);
+            neg[e] = 2 * r >= M;
+            ax[e] = neg[e] ? M - r : r;
+        }
+        std::vector<int> qa(m, t), qb(n, t);
+        std::vector<double> C(mn, 0.0);
+        launch({1, 2, 1}, {16, 1, 1}, [&] {
+            oz_rebuild(planes.data(), nm, m, n, qa.data(), qb.data(), t, (unsigned long long)M,
+                       (unsigned long long)(M >> 64), 1.0, 0.0, C.data());
+        });
+        int bad = 0;
+        for (size_t e = 0; e < mn; e++)
+            if (C[e] != oz_i128_ldexp(ax[e], neg[e], 0)) bad++;
+        if (bad) { printf("FAIL rebuild with %d moduli: %d of %zu integers wrong\n", nm, bad, mn); fails++; }
+    }
+    if (!fails) printf("ok   rebuild      every count 1..16: integers over [-M/2, M/2) come back exactly\n");
+    return fails;
+}
+
 int main() {
     std::mt19937_64 g(7);
     std::normal_distribution<double> N(0, 1);
-    int fails = 0, cases = 0;
+    int fails = rebuild_every_count(g), cases = 1;
     struct Case { int m, n, k; bool at, bt; double alpha, beta; const char* kind; int fixed; };
     std::vector<Case> cs = {
         {37, 29, 45, false, false, 1.0, 0.0, "normal", 0},

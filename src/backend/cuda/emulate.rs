@@ -9,11 +9,15 @@
 //! ran at 1,284 TOP/s on an H200 against 130 in NN) bounds |A||B| from below; `oz_select` finds
 //! the fewest moduli that keep every element within the contract, which the host reads (the
 //! one synchronisation of a block). NaN/Inf, or no count up to 16 that meets the bound under
-//! `auto`, leave the block to DGEMM. Otherwise `oz_scaled` writes the scaled integers once
-//! (int64, TN), and per modulus `oz_residue` makes their int8 residues, one int8 GEMM multiplies
-//! them and `oz_reduce` keeps the product mod the modulus as one byte per element; `oz_rebuild`
-//! recovers each element exactly (Garner, 128-bit Horner), rounds it once and applies alpha and
-//! beta with the native path's roundings. The depth is padded with zeros to a multiple of 16.
+//! `auto`, leave the block to DGEMM. Otherwise `oz_split` scales each element once and writes
+//! its int8 residues for every modulus used (TN, one plane per modulus; the integers never
+//! reach memory), and per modulus one int8 GEMM multiplies the planes and `oz_reduce` keeps the
+//! product mod the modulus as one byte per element; `oz_rebuild` recovers each element exactly
+//! (Garner, 128-bit), rounds it once and applies alpha and beta with the native path's
+//! roundings. The moduli are literals in the kernels (a division by a constant is a multiply).
+//! The first H200 run (2026-12-05) spent 2.6 s of a 3.8 s GEMM stage in the element-wise kernels
+//! of the first version (a 64-bit division per element for its flat indices, per-modulus
+//! passes over int64 copies of the operands, runtime moduli in Garner's O(N²) loop). The depth is padded with zeros to a multiple of 16.
 //!
 //! The scratch this needs is in the layout's device budget
 //! ([`crate::plan::layout::emulation_scratch`]).
@@ -24,11 +28,11 @@ use std::sync::Arc;
 
 use cudarc::cublas::{result as blas_result, sys as blas_sys};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
 };
 
-use crate::backend::ozaki::{self, Done, Fallback, MAX_MODULI, MODULI};
+use crate::backend::ozaki::{self, Done, Fallback, MAX_MODULI};
 use crate::backend::GemmDesc;
 use crate::plan::layout::{emulation_depth, Layout};
 use crate::seam::EmulationModuli;
@@ -66,9 +70,8 @@ fn source() -> String {
 struct Kernels {
     info: CudaFunction,
     coarse: CudaFunction,
-    scaled: CudaFunction,
+    split: CudaFunction,
     select: CudaFunction,
-    residue: CudaFunction,
     reduce: CudaFunction,
     rebuild: CudaFunction,
 }
@@ -86,10 +89,12 @@ pub(super) struct Emulator {
     xb: CudaSlice<i32>,
     /// `[NaN/Inf seen, need, least]`.
     flags: CudaSlice<u32>,
+    /// The int8 operands in the TN layout, one plane per modulus (plane 0 also holds the
+    /// coarse copies): `a_plane` and `b_plane` elements apart.
     a8: CudaSlice<u8>,
     b8: CudaSlice<u8>,
-    ai: CudaSlice<i64>,
-    bi: CudaSlice<i64>,
+    a_plane: usize,
+    b_plane: usize,
     c32: CudaSlice<i32>,
     planes: CudaSlice<u8>,
 }
@@ -120,9 +125,8 @@ impl Emulator {
         let k = Kernels {
             info: f("oz_info")?,
             coarse: f("oz_coarse")?,
-            scaled: f("oz_scaled")?,
+            split: f("oz_split")?,
             select: f("oz_select")?,
-            residue: f("oz_residue")?,
             reduce: f("oz_reduce")?,
             rebuild: f("oz_rebuild")?,
         };
@@ -142,10 +146,10 @@ impl Emulator {
                 sb: stream.alloc(tn).map_err(fail(e))?,
                 xb: stream.alloc(tn).map_err(fail(e))?,
                 flags: stream.alloc(4).map_err(fail(e))?,
-                a8: stream.alloc(tm * kp).map_err(fail(e))?,
-                b8: stream.alloc(tnp * kp).map_err(fail(e))?,
-                ai: stream.alloc(tm * kp).map_err(fail(e))?,
-                bi: stream.alloc(tn * kp).map_err(fail(e))?,
+                a8: stream.alloc(MAX_MODULI * tm * kp).map_err(fail(e))?,
+                b8: stream.alloc(MAX_MODULI * tnp * kp).map_err(fail(e))?,
+                a_plane: tm * kp,
+                b_plane: tnp * kp,
                 c32: stream.alloc(tm * tnp).map_err(fail(e))?,
                 planes: stream.alloc(MAX_MODULI * tm * tn).map_err(fail(e))?,
             })
@@ -194,7 +198,10 @@ impl Emulator {
             .map_err(fail("memset"))?;
         // Vectors on grid x, elements on grid y (kernels/ozaki.cu's oz_tn).
         let tiles = |count: usize| ((count.div_ceil(32)) as u32, (kp.div_ceil(32)) as u32, 1);
-        let flat = |len: usize| ((len.div_ceil(256)).clamp(1, 65535 * 8) as u32, 1, 1);
+        // Columns on grid x, rows on grid y (strided past `rows`): the element-wise kernels.
+        let grid2 = |rows: usize, cols: usize, ymax: usize| {
+            (cols.div_ceil(256) as u32, rows.clamp(1, ymax) as u32, 1)
+        };
         // SAFETY (every launch below): the kernels read the block's operands within m·k and
         // k·n elements (the layout sizes the slots for the tile) and write only this
         // emulator's scratch (sized for the tile: m ≤ tm, n ≤ tn, kp ≤ the tile's padded depth)
@@ -268,10 +275,11 @@ impl Emulator {
                     .arg(out);
                 lb.launch(cfg).map_err(fail("oz_coarse launch"))?;
             }
-            if !self.product(stream, handle, (m, np, kp))? {
+            if !self.product(stream, handle, 0, (m, np, kp))? {
                 return Ok(Err(Fallback::Bound));
             }
-            let (mut lb, cfg) = launch(stream, &self.k.select, flat(m * n), (256, 1, 1));
+            // At most 256 row blocks: one atomic per block.
+            let (mut lb, cfg) = launch(stream, &self.k.select, grid2(m, n, 256), (256, 1, 1));
             let mut sel = self.flags.slice_mut(1..3);
             lb.arg(&self.c32)
                 .arg(&mi)
@@ -318,14 +326,16 @@ impl Emulator {
         };
         let t = ozaki::t_of(nm);
         let mn = m * n;
-        // SAFETY: as above.
+        let (nmi, (ap, bp)) = (nm as i32, (self.a_plane as i64, self.b_plane as i64));
+        // SAFETY: as above; plane l of a8/b8 starts l·a_plane/b_plane elements in, nm ≤ 16
+        // planes allocated.
         unsafe {
-            for (count, x, rs, ks, q, out) in [
-                (mi, a, ars, aks, &self.qa, &mut self.ai),
-                (ni, b, brs, bks, &self.qb, &mut self.bi),
+            for (count, x, rs, ks, q, plane, out) in [
+                (mi, a, ars, aks, &self.qa, ap, &mut self.a8),
+                (ni, b, brs, bks, &self.qb, bp, &mut self.b8),
             ] {
                 let (mut lb, cfg) =
-                    launch(stream, &self.k.scaled, tiles(count as usize), (32, 8, 1));
+                    launch(stream, &self.k.split, tiles(count as usize), (32, 8, 1));
                 lb.arg(&x)
                     .arg(&count)
                     .arg(&ki)
@@ -334,33 +344,23 @@ impl Emulator {
                     .arg(&ks)
                     .arg(q)
                     .arg(&t)
+                    .arg(&nmi)
+                    .arg(&plane)
                     .arg(out);
-                lb.launch(cfg).map_err(fail("oz_scaled launch"))?;
+                lb.launch(cfg).map_err(fail("oz_split launch"))?;
             }
-            for (l, &ml) in MODULI[..nm].iter().enumerate() {
-                {
-                    let Emulator {
-                        k, ai, bi, a8, b8, ..
-                    } = &mut *self;
-                    for (src, len, out) in
-                        [(&*ai, (m * kp) as u64, a8), (&*bi, (n * kp) as u64, b8)]
-                    {
-                        let (mut lb, cfg) =
-                            launch(stream, &k.residue, flat(len as usize), (256, 1, 1));
-                        lb.arg(src).arg(&len).arg(&ml).arg(out);
-                        lb.launch(cfg).map_err(fail("oz_residue launch"))?;
-                    }
-                }
-                if !self.product(stream, handle, (m, np, kp))? {
+            for l in 0..nm {
+                if !self.product(stream, handle, l, (m, np, kp))? {
                     return Ok(Err(Fallback::Bound));
                 }
+                let li = l as i32;
                 let mut plane = self.planes.slice_mut(l * mn..(l + 1) * mn);
-                let (mut lb, cfg) = launch(stream, &self.k.reduce, flat(mn), (256, 1, 1));
+                let (mut lb, cfg) = launch(stream, &self.k.reduce, grid2(m, n, 65535), (256, 1, 1));
                 lb.arg(&self.c32)
                     .arg(&mi)
                     .arg(&ni)
                     .arg(&npi)
-                    .arg(&ml)
+                    .arg(&li)
                     .arg(&mut plane);
                 lb.launch(cfg).map_err(fail("oz_reduce launch"))?;
             }
@@ -372,23 +372,19 @@ impl Emulator {
         }))
     }
 
-    /// The int8 GEMM of `a8` and `b8` into `c32` ([`int_gemm`]); `false`: cuBLAS has no int8
-    /// kernel for this shape, and the block is left to DGEMM (`c` is untouched until the
-    /// rebuild, so that is always safe).
+    /// The int8 GEMM of plane `l` of `a8` and of `b8` into `c32` ([`int_gemm`]); `false`:
+    /// cuBLAS has no int8 kernel for this shape, and the block is left to DGEMM (`c` is
+    /// untouched until the rebuild, so that is always safe).
     fn product(
         &mut self,
         stream: &Arc<CudaStream>,
         handle: blas_sys::cublasHandle_t,
+        l: usize,
         (m, np, kp): (usize, usize, usize),
     ) -> Result<bool, EmuError> {
-        int_gemm(
-            stream,
-            handle,
-            (&self.a8, &self.b8, &mut self.c32),
-            m,
-            np,
-            kp,
-        )
+        let a8 = self.a8.slice(l * self.a_plane..l * self.a_plane + m * kp);
+        let b8 = self.b8.slice(l * self.b_plane..l * self.b_plane + np * kp);
+        int_gemm(stream, handle, (&a8, &b8, &mut self.c32), m, np, kp)
     }
 
     /// `c = alpha·P + beta·c` with P rebuilt from the first `nm` residue planes (`nm = 0`: P = 0).
@@ -401,19 +397,12 @@ impl Emulator {
         g: &GemmDesc,
         c: u64,
     ) -> Result<(), EmuError> {
-        let inv = ozaki::garner_inverses(nm.max(1));
-        let pack = |r: std::ops::Range<usize>| -> u64 {
-            r.enumerate()
-                .map(|(s, l)| (inv[l] as u64 & 0xff) << (8 * s))
-                .fold(0, |x, y| x | y)
-        };
-        let (inv_lo, inv_hi) = (pack(0..8), pack(8..16));
         let mm = ozaki::modulus_product(nm.max(1));
         let (mod_lo, mod_hi) = (mm as u64, (mm >> 64) as u64);
         let (nmi, mi, ni) = (nm as i32, m as i32, n as i32);
         let (alpha, beta) = (g.alpha, g.beta);
-        let flat = ((m * n).div_ceil(256).clamp(1, 65535 * 8) as u32, 1, 1);
-        let (mut lb, cfg) = launch(stream, &self.k.rebuild, flat, (256, 1, 1));
+        let grid = (n.div_ceil(256) as u32, m.clamp(1, 65535) as u32, 1);
+        let (mut lb, cfg) = launch(stream, &self.k.rebuild, grid, (256, 1, 1));
         lb.arg(&self.planes)
             .arg(&nmi)
             .arg(&mi)
@@ -421,8 +410,6 @@ impl Emulator {
             .arg(&self.qa)
             .arg(&self.qb)
             .arg(&t)
-            .arg(&inv_lo)
-            .arg(&inv_hi)
             .arg(&mod_lo)
             .arg(&mod_hi)
             .arg(&alpha)
@@ -441,7 +428,7 @@ impl Emulator {
 fn int_gemm(
     stream: &Arc<CudaStream>,
     handle: blas_sys::cublasHandle_t,
-    (a8, b8, c32): (&CudaSlice<u8>, &CudaSlice<u8>, &mut CudaSlice<i32>),
+    (a8, b8, c32): (&CudaView<u8>, &CudaView<u8>, &mut CudaSlice<i32>),
     m: usize,
     n: usize,
     kp: usize,
@@ -505,17 +492,41 @@ fn launch<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::ozaki::MODULI;
 
-    /// The kernels' moduli are the CPU's, and their table of t is filled from its `t_of`.
+    /// The literal `case l: return x;` list of the kernel function `name` (kernels/ozaki.cu's
+    /// switches), in order; `default:` is the last one.
+    fn switch_of(src: &str, name: &str) -> Vec<u32> {
+        let body = &src[src.find(&format!("u32 {name}(int l)")).expect(name)..];
+        let body = &body[..body.find("\n}").expect("end of function")];
+        body.split("return ")
+            .skip(1)
+            .map(|r| r[..r.find(';').unwrap()].trim().parse().unwrap())
+            .collect()
+    }
+
+    /// The kernels' literal moduli and Garner inverses are the CPU's, and their table of t is
+    /// filled from its `t_of`.
     #[test]
-    fn the_kernels_use_the_cpus_moduli_and_t() {
+    fn the_kernels_use_the_cpus_moduli_inverses_and_t() {
         let src = source();
-        let list: Vec<String> = MODULI.iter().map(|m| m.to_string()).collect();
-        let flat: String = src.split_whitespace().collect::<Vec<_>>().join(" ");
-        assert!(
-            flat.contains(&list.join(", ")),
-            "OZ_MODULI differs from ozaki::MODULI"
+        assert_eq!(
+            switch_of(&src, "oz_m"),
+            MODULI.to_vec(),
+            "oz_m differs from ozaki::MODULI"
         );
+        assert_eq!(
+            switch_of(&src, "oz_inv"),
+            ozaki::garner_inverses(MAX_MODULI).to_vec(),
+            "oz_inv differs from ozaki::garner_inverses"
+        );
+        // Every launch's case list reaches every modulus.
+        for l in 0..MAX_MODULI {
+            assert!(
+                src.contains(&format!("OZ_R({l})")),
+                "oz_reduce lacks modulus {l}"
+            );
+        }
         let t: Vec<String> = (0..=MAX_MODULI)
             .map(|n| ozaki::t_of(n.max(1)).to_string())
             .collect();
