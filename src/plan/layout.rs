@@ -74,7 +74,7 @@ pub(crate) fn emulation_depth(tk: u64) -> u64 {
 /// Device scratch of one GPU lane computing `precision = "fp64_emulated"` blocks of tm×tn×tk
 /// (src/backend/cuda/emulate.rs): the int8 residues of op(A) and op(B) in the TN layout, one
 /// plane per modulus (16), the int32 product, 16 residue planes of the output (u8), and
-/// per-vector figures. 3.3 GiB for 8192³ tiles.
+/// per-vector figures. 3.25 GiB for 8192³ tiles.
 pub(crate) fn emulation_scratch(tm: u64, tn: u64, tk: u64) -> u64 {
     // The int8 GEMM's n (our columns) is padded to 16 as well (b8 and the int32 product).
     let (kp, tnp) = (emulation_depth(tk), emulation_depth(tn));

@@ -17,7 +17,8 @@
 //! roundings. The moduli are literals in the kernels (a division by a constant is a multiply).
 //! The first H200 run (2026-12-05) spent 2.6 s of a 3.8 s GEMM stage in the element-wise kernels
 //! of the first version (a 64-bit division per element for its flat indices, per-modulus
-//! passes over int64 copies of the operands, runtime moduli in Garner's O(N²) loop). The depth is padded with zeros to a multiple of 16.
+//! passes over int64 copies of the operands, runtime moduli in Garner's O(N²) loop). The depth
+//! is padded with zeros to a multiple of 16.
 //!
 //! The scratch this needs is in the layout's device budget
 //! ([`crate::plan::layout::emulation_scratch`]).
@@ -147,7 +148,9 @@ impl Emulator {
                 xb: stream.alloc(tn).map_err(fail(e))?,
                 flags: stream.alloc(4).map_err(fail(e))?,
                 a8: stream.alloc(MAX_MODULI * tm * kp).map_err(fail(e))?,
-                b8: stream.alloc(MAX_MODULI * tnp * kp).map_err(fail(e))?,
+                // Zeroed once: its padding rows (n..np of a plane) are never written, only
+                // multiplied into c32 columns nothing reads.
+                b8: stream.alloc_zeros(MAX_MODULI * tnp * kp).map_err(fail(e))?,
                 a_plane: tm * kp,
                 b_plane: tnp * kp,
                 c32: stream.alloc(tm * tnp).map_err(fail(e))?,

@@ -576,7 +576,7 @@ impl Lane for CudaLane {
         self.slots.clear();
         self.accs.clear();
         self.landing.clear();
-        // fp64_emulated's scratch (3.3 GiB at 8192³ tiles) with the rest.
+        // fp64_emulated's scratch (3.25 GiB at 8192³ tiles) with the rest.
         self.emulator = None;
         // The frees are stream-ordered and go to the pool the backend holds (`HeldPool`):
         // waiting for them is quick.
