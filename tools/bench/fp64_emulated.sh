@@ -6,7 +6,7 @@
 # |A||B|, in row bands) and the emulated one verified (`verify`: Freivalds plus the
 # componentwise check; VERIFY=0 leaves it out). GPU machine, repository root, .dev/bin carried (docs/GPU.md).
 # Log: $OUT/fp64_emulated.log,
-# reports $OUT/{fp64,fp64_emulated}_i.json. Disk: 4·N²·8 bytes (32 GiB at 32768).
+# reports $OUT/{fp64,fp64_emulated}_i.json. TILES: see below; KEEP=1 leaves the work folder. Disk: 4·N²·8 bytes (32 GiB at 32768).
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to fp64_emulated.log
@@ -70,4 +70,11 @@ if [ "${VERIFY:-1}" = 1 ]; then
   log "verify (Freivalds + componentwise) of the emulated output"
   "$MGMM" verify fp64_emulated.toml 2>&1 | tee -a "$LOG" | tail -6
 fi
-cd / && rm -rf "$W"
+# TILES="16384 [8192,8192,32768]": the emulated step again with each of these engine.tile values
+# (the int8 GEMM's rate grows with its size: 940–960 TOP/s at 8192², 1,284 at 16384² on an H200).
+for tl in ${TILES:-}; do
+  rm -rf C_fp64_emulated.npy C_fp64_emulated.npy.*
+  log "fp64_emulated with engine.tile = $tl"
+  timed "$MGMM" run fp64_emulated.toml --set "engine.tile=$tl" --report "$OUT/fp64_emulated_tile$(echo "$tl" | tr -dc 0-9).json" 2>&1 | tee -a "$LOG" | grep -E "wall|bottleneck|emulation|error|tile"
+done
+cd / && { [ -n "${KEEP:-}" ] || rm -rf "$W"; }  # KEEP=1: the inputs stay (a trace of the same files next)
