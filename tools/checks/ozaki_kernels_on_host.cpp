@@ -1,7 +1,7 @@
 // kernels/ozaki.cu run on the CPU, each CUDA thread a std::thread and __syncthreads a barrier,
 // driven as src/backend/cuda/emulate.rs drives them (info, coarse, an int8 GEMM in the TN
 // layout, select, split into one residue plane per modulus, per modulus GEMM + reduce,
-// rebuild), and every element
+// rebuild; one case with emulate.rs's own launch shapes), and every element
 // checked against a double-double reference and native DGEMM's bound (K+2)·u·(|α||A||B| +
 // |β||C0|). What it checks is the kernels' arithmetic and indexing — strides of transposed
 // operands, the TN layout, padding, Garner, the 128-bit rounding — without a GPU; cuBLAS and
@@ -99,6 +99,10 @@ static unsigned __int128 modulus_product(int nm) {
 
 struct Result { int moduli; bool fallback; };
 
+// Launch the element-wise kernels with emulate.rs's own shapes (256-thread blocks, its grids)
+// instead of the small ones that keep the other cases quick.
+static bool g_gpu_shapes = false;
+
 // The block as emulate.rs computes it: C = alpha·op(A)·op(B) + beta·C (auto moduli, or fixed).
 static Result emulated(const std::vector<double>& A, bool at, const std::vector<double>& B, bool bt,
                        int m, int n, int k, double alpha, double beta, std::vector<double>& C,
@@ -119,14 +123,19 @@ static Result emulated(const std::vector<double>& A, bool at, const std::vector<
     launch(tiles(n), {32, 8, 1}, [&] { oz_coarse(B.data(), n, k, kp, brs, bks, qb.data(), xb.data(), b8.data()); });
     std::vector<int> c32((size_t)m * np);
     int_gemm(a8.data(), b8.data(), c32, m, np, kp);
-    // Columns on grid x, rows on grid y strided (3 row blocks: the stride is exercised).
-    dim3 g2{(unsigned)((n + 63) / 64), 3, 1};
-    launch(g2, {64, 1, 1}, [&] { oz_select(c32.data(), m, n, np, k, qa.data(), sa.data(), xa.data(), qb.data(), sb.data(), xb.data(), flags.data() + 1); });
+    // Columns on grid x, rows on grid y strided (3 row blocks: the stride is exercised); with
+    // g_gpu_shapes as emulate.rs launches them: grid2(m, n, 256) for select, grid2(m, n, 65535)
+    // for reduce and rebuild, 256 threads.
+    unsigned bx = g_gpu_shapes ? 256 : 64;
+    dim3 g2{(unsigned)((n + bx - 1) / bx), g_gpu_shapes ? (unsigned)std::clamp(m, 1, 256) : 3, 1};
+    dim3 g2r = g_gpu_shapes ? dim3{g2.x, (unsigned)std::clamp(m, 1, 65535), 1} : g2;
+    dim3 blk{bx, 1, 1};
+    launch(g2, blk, [&] { oz_select(c32.data(), m, n, np, k, qa.data(), sa.data(), xa.data(), qb.data(), sb.data(), xb.data(), flags.data() + 1); });
     if (flags[0]) return {0, true};
     size_t mn = (size_t)m * n;
     std::vector<unsigned char> planes(16 * mn);
     if (flags[3] != 3) {  // a side all zero: C = beta·C, 0 moduli
-        launch(g2, {64, 1, 1}, [&] {
+        launch(g2r, blk, [&] {
             oz_rebuild(planes.data(), 0, m, n, qa.data(), qb.data(), 0, 256, 0, alpha, beta, C.data());
         });
         return {0, false};
@@ -139,10 +148,10 @@ static Result emulated(const std::vector<double>& A, bool at, const std::vector<
     launch(tiles(n), {32, 8, 1}, [&] { oz_split(B.data(), n, k, kp, brs, bks, qb.data(), t, nm, (long long)bp, b8.data()); });
     for (int l = 0; l < nm; l++) {
         int_gemm(a8.data() + l * ap, b8.data() + l * bp, c32, m, np, kp);
-        launch(g2, {64, 1, 1}, [&] { oz_reduce(c32.data(), m, n, np, l, planes.data() + l * mn); });
+        launch(g2r, blk, [&] { oz_reduce(c32.data(), m, n, np, l, planes.data() + l * mn); });
     }
     unsigned __int128 M = modulus_product(nm);
-    launch(g2, {64, 1, 1}, [&] {
+    launch(g2r, blk, [&] {
         oz_rebuild(planes.data(), nm, m, n, qa.data(), qb.data(), t,
                    (unsigned long long)M, (unsigned long long)(M >> 64), alpha, beta, C.data());
     });
@@ -198,7 +207,7 @@ static int rebuild_every_count(std::mt19937_64& g) {
         if (bad) { printf("FAIL rebuild with %d moduli: %d of %zu integers wrong\n", nm, bad, mn); fails++; }
     }
     if (!fails) printf("ok   rebuild      every count 1..16: integers over [-M/2, M/2) come back exactly\n");
-    return fails;
+    return fails ? 1 : 0;  // one case
 }
 
 int main() {
@@ -216,6 +225,7 @@ int main() {
         {21, 22, 23, false, false, 1.0, 0.0, "normal", 4},
         {10, 10, 10, false, false, 1.0, 0.0, "nonfinite", 0},
         {12, 7, 20, false, false, 2.0, 0.5, "zero A", 0},
+        {40, 300, 50, true, false, 1.5, -1.0, "GPU shapes", 0},  // normal data, n > 256
     };
     for (auto c : cs) {
         int m = c.m, n = c.n, k = c.k;
@@ -234,6 +244,7 @@ int main() {
         if (kind == "zero A") for (auto& x : A) x = 0.0;
         for (auto& x : C) x = N(g);
         C0 = C;
+        g_gpu_shapes = kind == "GPU shapes";
         Result r = emulated(A, c.at, B, c.bt, m, n, k, c.alpha, c.beta, C, c.fixed);
         cases++;
         if (kind == "nonfinite") {
