@@ -17,11 +17,17 @@ import math
 import os
 import statistics
 
+import re
+
 import cupy as cp
 import numpy as np
 import torch
 
-MODULI = [256, 255, 253, 251, 247, 241, 239, 233, 229, 227, 223, 217, 211, 199, 197, 193]
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+SRC = open(os.path.join(ROOT, "kernels", "ozaki.cu")).read()
+# The moduli as the kernels hold them (oz_m's `return` literals, in order), not a copy.
+_body = SRC[SRC.index("u32 oz_m(int l)"):]
+MODULI = [int(x) for x in re.findall(r"return (\d+);", _body[:_body.index("\n}")])]
 
 
 def t_of(n):
@@ -36,9 +42,7 @@ def main():
     args = ap.parse_args()
     m = n = k = args.n
     kp, np_ = -(-k // 16) * 16, -(-n // 16) * 16
-    root = os.path.join(os.path.dirname(__file__), "..", "..")
-    src = open(os.path.join(root, "kernels", "ozaki.cu")).read()
-    src = src.replace("OZ_T_TABLE", ", ".join(str(t_of(i)) for i in range(17)))
+    src = SRC.replace("OZ_T_TABLE", ", ".join(str(t_of(i)) for i in range(17)))
     mod = cp.RawModule(code=src, options=("--device-int128", "--fmad=false"))
     f = mod.get_function
     I, L = np.int32, np.int64
