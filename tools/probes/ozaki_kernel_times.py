@@ -15,9 +15,8 @@ reps), the element-wise total against the int8 GEMMs' total, and the accuracy ch
 import argparse
 import math
 import os
-import statistics
-
 import re
+import statistics
 
 import cupy as cp
 import numpy as np
