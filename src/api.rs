@@ -60,6 +60,10 @@ pub struct StepJob<'a> {
     pub output: Output,
     /// Discard the journal and recompute every tile.
     pub restart: bool,
+    /// Take the backend an earlier call of this process kept when its settings are the same,
+    /// and keep this call's for the next ([`crate::backend::kept`]; the report's
+    /// `backend_reused`). The Python package does; [`crate::backend::kept::release`] lets it go.
+    pub keep_backend: bool,
     /// Progress display, cancellation and listener.
     pub progress: &'a Progress,
 }
@@ -80,7 +84,10 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
         job.step,
         [&*job.sources.a, &*job.sources.b],
     );
-    let mut backend = backend::select_with(e, opts)?;
+    let t = std::time::Instant::now();
+    let (mut backend, lease) = backend::kept::obtain(e, opts, job.keep_backend)?;
+    let backend_s = t.elapsed().as_secs_f64();
+    let reused = lease.reused;
     if let Some(n) = backend.note() {
         job.progress.note(&n);
     }
@@ -110,8 +117,12 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
         #[cfg(feature = "fault-injection")]
         faults: None,
     };
-    let rep = run.run(&mut backend, job.progress)?;
-    if let Some(r) = &rep {
+    let rep = run.run(&mut backend, job.progress);
+    lease.finish(backend, rep.is_ok());
+    let mut rep = rep?;
+    if let Some(r) = &mut rep {
+        r.setup_s.insert(0, ("backend".into(), backend_s));
+        r.backend_reused = reused;
         job.progress.note(&report::format_summary(r));
     }
     Ok(rep)

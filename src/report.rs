@@ -159,6 +159,11 @@ pub struct StepReport {
     /// state, making the lanes (contexts, device memory, kernels), building the pipeline
     /// (opening files, allocating pinned pools) and dropping it afterwards.
     pub setup_s: Vec<(String, f64)>,
+    /// The run's backend was kept from an earlier library call of the process (its GPUs'
+    /// contexts, libraries and page-locked pools ready: `mgmm_stream.empty_cache()` lets them
+    /// go); always `false` on the command line, which keeps none (docs/PYTHON.md).
+    #[serde(default)]
+    pub backend_reused: bool,
     /// What `precision = "fp64_emulated"` did, all lanes together; `None` under the other
     /// precisions.
     pub emulation: Option<EmulationReport>,
@@ -435,6 +440,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
             .filter(|_| st.dirty_paced)
             .map(|d| (d.background + d.limit) / 2),
         setup_s: Vec::new(),
+        backend_reused: false,
     }
 }
 

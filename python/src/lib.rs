@@ -380,6 +380,7 @@ impl Job {
             },
             output,
             restart,
+            keep_backend: true,
             progress: &progress,
         };
         let rep = watch.run(py, &queue, &flag, move || api::run_step(job))?;
@@ -533,6 +534,7 @@ fn run_plan<'py>(
     let progress = watch.progress(&queue, &flag);
     let opts = RunOptions {
         restart,
+        keep_backend: true,
         ..Default::default()
     };
     let (plan, progress, opts, split) = (&plan, &progress, &opts, &split);
@@ -743,6 +745,13 @@ fn parse_size(s: &str) -> Option<u64> {
     mgmm_stream::units::parse_size(s)
 }
 
+/// Drop the backend kept between calls (its GPUs' contexts and page-locked memory);
+/// `True` if one was kept.
+#[pyfunction]
+fn release_backend(py: Python<'_>) -> bool {
+    py.detach(mgmm_stream::backend::kept::release)
+}
+
 /// (free, total) bytes of GPU `device`'s memory.
 #[pyfunction]
 fn gpu_memory(py: Python<'_>, device: usize) -> PyResult<(u64, u64)> {
@@ -765,5 +774,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu_wait, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_memory, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(release_backend, m)?)?;
     Ok(())
 }

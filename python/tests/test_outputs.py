@@ -242,3 +242,33 @@ def test_the_last_progress_update_of_a_quick_call_has_its_rate():
     last = seen[-1]
     assert last["finished"] and last["tiles_done"] == last["tiles_total"], last
     assert last["gflops_per_s"] > 0.0, last
+
+
+def test_calls_with_the_same_settings_reuse_the_backend_until_empty_cache(tmp_path, monkeypatch):
+    """The backend one call leaves (on GPUs: contexts, cuBLAS, page-locked pools) serves the
+    next call with the same backend settings; the report says so, and the bytes are the same.
+    Other settings start their own; empty_cache() lets it go."""
+    monkeypatch.chdir(tmp_path)
+    p = {
+        "matrices": {
+            "A": {"path": "A.mgt", "generate": {"rows": 150, "cols": 80, "seed": 1}},
+            "B": {"path": "B.mgt", "generate": {"rows": 80, "cols": 120, "seed": 2}},
+        },
+        "step": [{"output": "C.mgt", "expr": "A @ B"}],
+        "engine": {"backend": "cpu", "tile": 64, "durable": False},
+    }
+    mg.empty_cache()
+    assert mg.empty_cache() is False, "nothing kept after empty_cache()"
+    first = mg.run(p, progress=False)["steps"][0]
+    assert first["backend_reused"] is False
+    again = mg.run(p, restart=True, progress=False)["steps"][0]
+    assert again["backend_reused"] is True
+    c1 = mg.matmul("A.mgt", "B.mgt", **CPU)
+    c2 = mg.matmul("A.mgt", "B.mgt", **CPU)
+    assert np.array_equal(c1, c2)
+    other = mg.run(p, restart=True, set={"threads": 1}, progress=False)["steps"][0]
+    assert other["backend_reused"] is False, "other settings, another backend"
+    assert mg.empty_cache() is True
+    after = mg.run(p, restart=True, set={"threads": 1}, progress=False)["steps"][0]
+    assert after["backend_reused"] is False
+    mg.empty_cache()

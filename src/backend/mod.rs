@@ -23,6 +23,7 @@ pub use cuda::devmem;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub(crate) mod fold;
+pub mod kept;
 pub(crate) mod ozaki;
 pub(crate) mod rates;
 #[cfg(feature = "fault-injection")]
@@ -339,6 +340,16 @@ pub trait Backend: HostAlloc {
     /// The same backend without lane `lane` (index into [`Backend::lanes`]' result), for
     /// failover; `None` when nothing would be left.
     fn without(&self, lane: usize) -> Option<Result<Box<dyn Backend>>>;
+    /// Before a run of a backend kept since an earlier call ([`kept`]): measure again what may
+    /// have changed meanwhile (the GPUs' free memory, which the `auto` device budget in
+    /// [`Backend::caps`] comes from) and take back what [`Backend::idle`] gave up. An error
+    /// means it cannot run again; it is dropped and a new one made.
+    fn refresh(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// After a run, before the backend waits for another call ([`kept`]): give back what only
+    /// a running step needs (the GPUs' memory pools, trimmed, their release threshold restored).
+    fn idle(&mut self) {}
 }
 
 /// Number of worker threads `threads = 0` means.

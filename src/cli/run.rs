@@ -121,6 +121,8 @@ impl RunArgs {
             report: report.clone(),
             restart,
             cancel: Some(interrupt::flag()),
+            // One plan per process: nothing to keep a backend for.
+            keep_backend: false,
             #[cfg(feature = "fault-injection")]
             faults: crate::backend::fault::FaultConfig::from_env(),
         };

@@ -22,7 +22,7 @@ pub(crate) mod target;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use crate::backend::{self, Backend};
+use crate::backend::{self, kept, Backend};
 use crate::error::{Error, Result};
 use crate::pipeline::StepSources;
 use crate::plan::layout::Layout;
@@ -51,6 +51,10 @@ pub struct RunOptions {
     /// A flag that cancels the run when set (the binary's Ctrl-C handler); finished tiles stay
     /// in the journal, so the same command resumes.
     pub cancel: Option<&'static std::sync::atomic::AtomicBool>,
+    /// Take the backend kept by an earlier run of this process when its settings are the same,
+    /// and keep this run's for the next one ([`crate::backend::kept`]): the library's callers
+    /// (Python, Dask tasks) that run plan after plan. The command line keeps none.
+    pub keep_backend: bool,
     /// Faults to inject (tests and the GPU resilience scripts only).
     #[cfg(feature = "fault-injection")]
     pub faults: Option<crate::backend::fault::FaultConfig>,
@@ -124,17 +128,20 @@ pub fn init_threads(threads: usize) -> usize {
     n
 }
 
-/// The backend a run uses: the plan's, wrapped with injected faults when asked (tests only).
-fn choose_backend(plan: &Plan, _opts: &RunOptions) -> Result<Box<dyn Backend>> {
-    let b = backend::select_with(&plan.engine, prefill::backend_options(plan))?;
+/// The backend a run uses: the plan's (kept from an earlier run with `keep_backend`), wrapped
+/// with injected faults when asked (tests only; such a backend is never kept).
+fn choose_backend(plan: &Plan, opts: &RunOptions) -> Result<(Box<dyn Backend>, kept::Lease)> {
     #[cfg(feature = "fault-injection")]
-    if let Some(f) = &_opts.faults {
-        return Ok(Box::new(crate::backend::fault::FaultyBackend::new(
-            b,
-            f.clone(),
-        )));
+    if let Some(f) = &opts.faults {
+        let (b, lease) = kept::obtain(&plan.engine, prefill::backend_options(plan), false)?;
+        let b = crate::backend::fault::FaultyBackend::new(b, f.clone());
+        return Ok((Box::new(b), lease));
     }
-    Ok(b)
+    kept::obtain(
+        &plan.engine,
+        prefill::backend_options(plan),
+        opts.keep_backend,
+    )
 }
 
 /// The layout of `step` for a run that may resume it: [`Layout::new`], except that with
@@ -197,10 +204,10 @@ pub(crate) fn run_plan_split(
 ) -> Result<RunReport> {
     init_threads(plan.engine.threads);
     let t = Instant::now();
-    let backend = choose_backend(plan, opts)?;
+    let (backend, lease) = choose_backend(plan, opts)?;
     crate::trace::span("start-up", "backend", t, Instant::now());
     let backend_s = t.elapsed().as_secs_f64();
-    run_plan_timed(plan, backend, opts, progress, backend_s, split)
+    run_plan_timed(plan, backend, Some(lease), opts, progress, backend_s, split)
 }
 
 /// Run every step of `plan` on `backend` (tests pass simulated or faulty backends here).
@@ -210,13 +217,15 @@ pub fn run_plan_on(
     opts: &RunOptions,
     progress: &Progress,
 ) -> Result<RunReport> {
-    run_plan_timed(plan, backend, opts, progress, 0.0, None)
+    run_plan_timed(plan, backend, None, opts, progress, 0.0, None)
 }
 
-/// [`run_plan_on`], with the seconds it took to start `backend` for the report.
+/// [`run_plan_on`], with the seconds it took to start `backend` for the report; `lease` (how
+/// `backend` was obtained) keeps it for the next run when it asked to and the run succeeds.
 fn run_plan_timed(
     plan: &Plan,
     mut backend: Box<dyn Backend>,
+    lease: Option<kept::Lease>,
     opts: &RunOptions,
     progress: &Progress,
     backend_s: f64,
@@ -247,7 +256,11 @@ fn run_plan_timed(
     if split.is_none() {
         guard_outputs(plan, &layouts, backend.caps(), opts, progress)?;
     }
-    let steps = run_steps(plan, &layouts, &mut backend, opts, progress, split)?;
+    let mut steps = run_steps(plan, &layouts, &mut backend, opts, progress, split)?;
+    let reused = lease.as_ref().is_some_and(|l| l.reused);
+    for s in &mut steps {
+        s.backend_reused = reused;
+    }
     let report = RunReport {
         plan: plan.path.display().to_string(),
         backend: backend_name,
@@ -263,7 +276,10 @@ fn run_plan_timed(
     // Freeing the backend here or leaving it to the process exit measured the same
     // (32768² on one H200: process − step 1.34 s against 1.36 s, docs/decisions/0015-what-a-step-leaves-behind.md).
     let t = Instant::now();
-    drop(backend);
+    match lease {
+        Some(l) => l.finish(backend, true),
+        None => drop(backend),
+    }
     crate::trace::span("start-up", "backend teardown", t, Instant::now());
     Ok(report)
 }

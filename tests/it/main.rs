@@ -18,6 +18,7 @@ mod cli;
 mod cluster;
 mod correctness;
 mod integrity;
+mod kept;
 mod links;
 mod npy;
 mod ooc;

@@ -424,6 +424,7 @@ fn a_library_calls_resume_notes_name_no_step() {
             },
             output: Output::File(Box::new(FileOutput(step.output.clone()))),
             restart: false,
+            keep_backend: false,
             progress,
         })
     };

@@ -49,6 +49,7 @@ __all__ = [
     "verify",
     "info",
     "result_memory_limit",
+    "empty_cache",
     "MgmmError",
     "BadInputError",
     "DeviceError",
@@ -452,6 +453,17 @@ def _run_with(display: _Display, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 # ---------------------------------------------------------------- matmul -------------------
+
+
+def empty_cache() -> bool:
+    """Let go of what the package keeps between calls: the backend of the last ``matmul`` or
+    ``run`` (on GPUs their contexts, cuBLAS, and the page-locked host buffers of its pools, at
+    most what one call's ``host_memory`` allowed). A later call with the same ``backend``,
+    ``devices``, ``threads`` and ``device_memory`` takes it instead of starting one, and its
+    report says ``backend_reused``; GPU memory is not held between calls. Returns whether
+    something was kept. Like ``torch.cuda.empty_cache()``, only needed to give the memory back
+    while the process goes on."""
+    return bool(_native.release_backend())
 
 
 def result_memory_limit() -> int:

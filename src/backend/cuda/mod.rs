@@ -170,31 +170,7 @@ impl CudaBackend {
                 d.held = HeldPool::shared(&d.ctx);
             }
         }
-        // A GPU listed twice runs two lanes, each with `device_memory` of its own: the free
-        // memory is shared between them.
-        let share = (chosen.iter())
-            .map(|d| chosen.iter().filter(|e| e.ordinal == d.ordinal).count() as u64)
-            .max()
-            .unwrap_or(1);
-        let min_free = chosen.iter().map(|d| d.free).min().unwrap_or(0);
-        let device_memory = match (device_memory, engine.device_memory) {
-            (Some(fixed), _) => fixed,
-            (None, Some(b)) => {
-                if b.saturating_mul(share) > min_free {
-                    let per = if share > 1 {
-                        format!(" for each of the {share} lanes of a GPU listed {share} times")
-                    } else {
-                        String::new()
-                    };
-                    return Err(Error::backend(
-                        "cuda",
-                        format!("engine.device_memory = {}{per} but GPU(s) have only {} free; lower it or use \"auto\"", fmt_bytes(b), fmt_bytes(min_free)),
-                    ));
-                }
-                b
-            }
-            (None, None) => min_free.saturating_sub(auto_margin(min_free)) / share,
-        };
+        let device_memory = device_budget(engine, &chosen, device_memory)?;
         let ctx0 = chosen[0].ctx.clone();
         let alloc = CudaAlloc::new(ctx0, prefill, pinned_alloc);
         Ok(CudaBackend {
@@ -205,6 +181,37 @@ impl CudaBackend {
             devices: chosen,
         })
     }
+}
+
+/// The device budget per lane over `chosen`: `fixed` when the steps' layouts were already sized
+/// from it (a failover), else `engine.device_memory` (an error when a GPU has less free), else
+/// the least free memory less a margin (`auto`).
+fn device_budget(engine: &Engine, chosen: &[DeviceInfo], fixed: Option<u64>) -> Result<u64> {
+    // A GPU listed twice runs two lanes, each with `device_memory` of its own: the free
+    // memory is shared between them.
+    let share = (chosen.iter())
+        .map(|d| chosen.iter().filter(|e| e.ordinal == d.ordinal).count() as u64)
+        .max()
+        .unwrap_or(1);
+    let min_free = chosen.iter().map(|d| d.free).min().unwrap_or(0);
+    Ok(match (fixed, engine.device_memory) {
+        (Some(fixed), _) => fixed,
+        (None, Some(b)) => {
+            if b.saturating_mul(share) > min_free {
+                let per = if share > 1 {
+                    format!(" for each of the {share} lanes of a GPU listed {share} times")
+                } else {
+                    String::new()
+                };
+                return Err(Error::backend(
+                    "cuda",
+                    format!("engine.device_memory = {}{per} but GPU(s) have only {} free; lower it or use \"auto\"", fmt_bytes(b), fmt_bytes(min_free)),
+                ));
+            }
+            b
+        }
+        (None, None) => min_free.saturating_sub(auto_margin(min_free)) / share,
+    })
 }
 
 impl HostAlloc for CudaBackend {
@@ -264,6 +271,33 @@ impl Backend for CudaBackend {
                 })
                 .collect()
         })
+    }
+    /// The GPUs' free memory measured again (with what the held pools kept given back first)
+    /// and the device budget worked out from it as [`CudaBackend::select`] does; the pools
+    /// held again.
+    fn refresh(&mut self) -> Result<()> {
+        for d in &mut self.devices {
+            if let Some(h) = &d.held {
+                h.trim();
+            }
+            let (free, _) = d.ctx.mem_get_info().map_err(|e| derr("free memory", e))?;
+            d.free = free as u64;
+        }
+        let budget = device_budget(&self.engine, &self.devices, None)?;
+        for d in &mut self.devices {
+            if d.held.is_none() {
+                d.held = HeldPool::shared(&d.ctx);
+            }
+        }
+        self.caps = cuda_caps(self.devices.len(), budget);
+        Ok(())
+    }
+    /// The held pools let go (trimmed, their thresholds restored once no other backend holds
+    /// them: [`HeldPool`]); contexts and the page-locked cache stay.
+    fn idle(&mut self) {
+        for d in &mut self.devices {
+            d.held = None;
+        }
     }
     fn without(&self, lane: usize) -> Option<Result<Box<dyn Backend>>> {
         if self.devices.len() <= 1 || lane >= self.devices.len() {
