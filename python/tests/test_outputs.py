@@ -70,16 +70,21 @@ def test_changed_input_is_not_resumed(tmp_path):
           reference(a, b), np.float32)
 
 
-def test_run_plan_dict_plan_and_verify(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    p = {
+def _ab_plan(**engine):
+    """A 150×80 @ 80×120 plan generating its inputs, on the CPU in 64-tiles (plus `engine`)."""
+    return {
         "matrices": {
             "A": {"path": "A.mgt", "generate": {"rows": 150, "cols": 80, "seed": 1}},
             "B": {"path": "B.mgt", "generate": {"rows": 80, "cols": 120, "seed": 2}},
         },
         "step": [{"output": "C.mgt", "expr": "A @ B"}],
-        "engine": {"backend": "cpu", "tile": 64},
+        "engine": {"backend": "cpu", "tile": 64, **engine},
     }
+
+
+def test_run_plan_dict_plan_and_verify(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = _ab_plan()
     desc = mg.plan(p)
     assert "step 1" in desc["text"] and desc["steps"][0]["m"] == 150
     assert desc["steps"][0]["tile"] == [64, 64, 64]
@@ -249,14 +254,7 @@ def test_calls_with_the_same_settings_reuse_the_backend_until_empty_cache(tmp_pa
     next call with the same backend settings; the report says so, and the bytes are the same.
     Other settings start their own; empty_cache() lets it go."""
     monkeypatch.chdir(tmp_path)
-    p = {
-        "matrices": {
-            "A": {"path": "A.mgt", "generate": {"rows": 150, "cols": 80, "seed": 1}},
-            "B": {"path": "B.mgt", "generate": {"rows": 80, "cols": 120, "seed": 2}},
-        },
-        "step": [{"output": "C.mgt", "expr": "A @ B"}],
-        "engine": {"backend": "cpu", "tile": 64, "durable": False},
-    }
+    p = _ab_plan(durable=False)
     mg.empty_cache()
     assert mg.empty_cache() is False, "nothing kept after empty_cache()"
     first = mg.run(p, progress=False)["steps"][0]

@@ -9,13 +9,11 @@ use std::sync::Mutex;
 
 use mgmm_stream::api::{self, FileOutput, Output, StepJob, StepSources};
 use mgmm_stream::backend::kept;
-use mgmm_stream::dtype::DType;
 use mgmm_stream::plan::{Engine, Plan};
 use mgmm_stream::progress::Progress;
 use mgmm_stream::run::{run_plan, RunOptions, StepReport};
-use mgmm_stream::store::gen::Dist;
 
-use crate::common::{digest, gen, tmp};
+use crate::common::{digest, small_inputs, tmp};
 
 static TURN: Mutex<()> = Mutex::new(());
 
@@ -47,30 +45,13 @@ fn kept_backend_serves_calls_with_the_same_settings(backend: &str) {
     kept::release();
     let d = tmp();
     let dir = d.path();
-    gen(
-        &dir.join("A.mgt"),
-        200,
-        150,
-        DType::F32,
-        (50, 50),
-        Dist::Normal,
-        1,
-    );
-    gen(
-        &dir.join("B.mgt"),
-        150,
-        180,
-        DType::F32,
-        (50, 50),
-        Dist::Normal,
-        2,
-    );
+    small_inputs(dir);
     std::fs::write(
         dir.join("plan.toml"),
         format!(
             "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
              [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
-             [engine]\nbackend = \"{backend}\"\ntile = 64\ndurable = false\n"
+             [engine]\nbackend = \"{backend}\"\ntile = 8\ndurable = false\n"
         ),
     )
     .unwrap();
