@@ -91,6 +91,21 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
     if let Some(n) = backend.note() {
         job.progress.note(&n);
     }
+    let progress = job.progress;
+    let rep = run_on(job, &mut backend);
+    lease.finish(backend, rep.as_ref().err());
+    let mut rep = rep?;
+    if let Some(r) = &mut rep {
+        r.setup_s.insert(0, ("backend".into(), backend_s));
+        r.backend_reused = reused;
+        progress.note(&report::format_summary(r));
+    }
+    Ok(rep)
+}
+
+/// [`run_step`] on `backend`: the step's layout, its target and its [`StepRun`].
+fn run_on(job: StepJob<'_>, backend: &mut Box<dyn backend::Backend>) -> Result<Option<StepReport>> {
+    let e = job.engine;
     let layout = crate::run::layout_for(job.origin, job.step, e, backend.caps(), job.restart)?;
     let target: Box<dyn Target> = match job.output {
         Output::Memory(make) => Box::new(MemoryTarget::new(job.step, &layout, make)),
@@ -117,15 +132,7 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
         #[cfg(feature = "fault-injection")]
         faults: None,
     };
-    let rep = run.run(&mut backend, job.progress);
-    lease.finish(backend, rep.is_ok());
-    let mut rep = rep?;
-    if let Some(r) = &mut rep {
-        r.setup_s.insert(0, ("backend".into(), backend_s));
-        r.backend_reused = reused;
-        job.progress.note(&report::format_summary(r));
-    }
-    Ok(rep)
+    run.run(backend, job.progress)
 }
 
 /// As `run --restart`: a finished output is not thrown away for inputs found corrupt only

@@ -93,6 +93,12 @@ impl Backend for FaultyBackend {
         }
         Some(rest.map(|b| Box::new(FaultyBackend::new(b, cfg)) as Box<dyn Backend>))
     }
+    fn refresh(&mut self) -> Result<()> {
+        self.inner.refresh()
+    }
+    fn idle(&mut self) {
+        self.inner.idle()
+    }
 }
 
 /// A lane whose GEMM fails after a number of calls, as a device that falls off the bus.

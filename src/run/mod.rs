@@ -221,11 +221,36 @@ pub fn run_plan_on(
 }
 
 /// [`run_plan_on`], with the seconds it took to start `backend` for the report; `lease` (how
-/// `backend` was obtained) keeps it for the next run when it asked to and the run succeeds.
+/// `backend` was obtained) keeps it for the next run when it asked to and the run did not fail
+/// on a device.
 fn run_plan_timed(
     plan: &Plan,
     mut backend: Box<dyn Backend>,
     lease: Option<kept::Lease>,
+    opts: &RunOptions,
+    progress: &Progress,
+    backend_s: f64,
+    split: Option<&dyn Split>,
+) -> Result<RunReport> {
+    let reused = lease.as_ref().is_some_and(|l| l.reused);
+    let out = run_plan_with(plan, &mut backend, reused, opts, progress, backend_s, split);
+    // Freeing the backend here or leaving it to the process exit measured the same
+    // (32768² on one H200: process − step 1.34 s against 1.36 s, docs/decisions/0015-what-a-step-leaves-behind.md).
+    let t = Instant::now();
+    match lease {
+        Some(l) => l.finish(backend, out.as_ref().err()),
+        None => drop(backend),
+    }
+    crate::trace::span("start-up", "backend teardown", t, Instant::now());
+    out
+}
+
+/// The body of [`run_plan_timed`]: every step of `plan` on `backend` (`reused`: kept from an
+/// earlier run, for the steps' reports), the report written.
+fn run_plan_with(
+    plan: &Plan,
+    backend: &mut Box<dyn Backend>,
+    reused: bool,
     opts: &RunOptions,
     progress: &Progress,
     backend_s: f64,
@@ -256,8 +281,7 @@ fn run_plan_timed(
     if split.is_none() {
         guard_outputs(plan, &layouts, backend.caps(), opts, progress)?;
     }
-    let mut steps = run_steps(plan, &layouts, &mut backend, opts, progress, split)?;
-    let reused = lease.as_ref().is_some_and(|l| l.reused);
+    let mut steps = run_steps(plan, &layouts, backend, opts, progress, split)?;
     for s in &mut steps {
         s.backend_reused = reused;
     }
@@ -273,14 +297,6 @@ fn run_plan_timed(
     if let Some(p) = &opts.report {
         write_report(p, &report)?;
     }
-    // Freeing the backend here or leaving it to the process exit measured the same
-    // (32768² on one H200: process − step 1.34 s against 1.36 s, docs/decisions/0015-what-a-step-leaves-behind.md).
-    let t = Instant::now();
-    match lease {
-        Some(l) => l.finish(backend, true),
-        None => drop(backend),
-    }
-    crate::trace::span("start-up", "backend teardown", t, Instant::now());
     Ok(report)
 }
 

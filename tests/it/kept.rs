@@ -1,6 +1,7 @@
 //! A backend kept between library calls (src/backend/kept.rs): the Python package's calls take
 //! the backend the previous call left when their settings are the same, and compute the same
-//! bytes with it; other settings, a failed run or `release` leave nothing behind to be taken.
+//! bytes with it; other settings or `release` leave nothing behind to be taken (a device's
+//! failure neither: src/backend/kept.rs's unit tests).
 //! The kept backend is the process's, so these tests take turns (`TURN`); the other modules'
 //! library calls do not ask to keep one.
 
@@ -96,19 +97,15 @@ fn kept_backend_serves_calls_with_the_same_settings(backend: &str) {
             .backend_reused
     );
 
-    // A run that fails leaves no backend: the next call starts one.
+    // A run that fails for its input or output (here an output folder that is a file) keeps
+    // the backend: the next call takes it (a device failure drops it: backend::kept's tests).
     let bad = dir.join("no such folder").join("C.mgt");
     std::fs::write(dir.join("no such folder"), b"a file, not a folder").unwrap();
     assert!(call(&plan, &e, &bad, true).is_err());
-    assert!(
-        kept::kept_name().is_none(),
-        "a failed run's backend is dropped"
-    );
-    assert!(
-        !call(&plan, &e, &dir.join("C8.mgt"), true)
-            .unwrap()
-            .backend_reused
-    );
+    assert!(kept::kept_name().is_some(), "kept after an output's error");
+    assert!(call(&plan, &e, &dir.join("C8.mgt"), true)
+        .unwrap()
+        .backend_reused);
 
     // `run` through the library keeps one the same way (Dask tasks run plans).
     let opts = RunOptions {

@@ -460,8 +460,8 @@ def empty_cache() -> bool:
     ``run`` (on GPUs their contexts, cuBLAS, and the page-locked host buffers of its pools, at
     most what one call's ``host_memory`` allowed). A later call with the same ``backend``,
     ``devices``, ``threads`` and ``device_memory`` takes it instead of starting one, and its
-    report says ``backend_reused``; GPU memory is not held between calls. Returns whether
-    something was kept. Like ``torch.cuda.empty_cache()``, only needed to give the memory back
+    report says ``backend_reused``; the engine's GPU buffers are not held between calls (the
+    CUDA contexts are). Returns whether something was kept. Like ``torch.cuda.empty_cache()``, only needed to give the memory back
     while the process goes on."""
     return bool(_native.release_backend())
 

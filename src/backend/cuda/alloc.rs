@@ -98,6 +98,13 @@ impl CudaAlloc {
         }
     }
 
+    /// Let go of the prefill if no pipeline took it (its threads joined, its buffers freed): a
+    /// backend kept idle must have no thread of its own left running.
+    pub(super) fn drop_prefill(&self) {
+        let p = lock(&self.prefill).take();
+        drop(p);
+    }
+
     /// A prefilled buffer of exactly `len` bytes, once the prefill's buffers are registered.
     fn prefilled(&self, len: usize) -> Option<PinnedMem> {
         let p = lock(&self.prefill);

@@ -293,9 +293,16 @@ impl Backend for CudaBackend {
         Ok(())
     }
     /// The held pools let go (trimmed, their thresholds restored once no other backend holds
-    /// them: [`HeldPool`]); contexts and the page-locked cache stay.
+    /// them: [`HeldPool`]); contexts and the page-locked cache stay. A backend that ran no
+    /// pipeline (every step already complete) still has its early start going: the prefill is
+    /// let go and the warm-ups waited for, so that no thread of its own is inside the driver
+    /// while it waits (the process may end meanwhile, and a kept backend is never dropped).
     fn idle(&mut self) {
+        self.alloc.drop_prefill();
         for d in &mut self.devices {
+            if let Some(w) = &d.warming {
+                w.wait();
+            }
             d.held = None;
         }
     }
