@@ -233,7 +233,11 @@ mod tests {
         let (b, lease) = obtain_kept(&engine("auto"));
         let cpu = b.caps().kind == "cpu";
         lease.finish(b, None);
-        assert_eq!(kept_name().is_none(), cpu, "kept exactly when the GPUs were found");
+        assert_eq!(
+            kept_name().is_none(),
+            cpu,
+            "kept exactly when the GPUs were found"
+        );
         release();
     }
 }

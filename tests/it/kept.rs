@@ -103,9 +103,11 @@ fn kept_backend_serves_calls_with_the_same_settings(backend: &str) {
     std::fs::write(dir.join("no such folder"), b"a file, not a folder").unwrap();
     assert!(call(&plan, &e, &bad, true).is_err());
     assert!(kept::kept_name().is_some(), "kept after an output's error");
-    assert!(call(&plan, &e, &dir.join("C8.mgt"), true)
-        .unwrap()
-        .backend_reused);
+    assert!(
+        call(&plan, &e, &dir.join("C8.mgt"), true)
+            .unwrap()
+            .backend_reused
+    );
 
     // `run` through the library keeps one the same way (Dask tasks run plans).
     let opts = RunOptions {
