@@ -550,8 +550,20 @@ fn device_lines(r: &StepReport) -> String {
 pub(crate) fn format_summary(r: &StepReport) -> String {
     let mut s = format!("step {}: {} = {}\n", r.step, r.output, r.expr);
     s += &format!(
-        "  {}×{}×{}, {}, {}, tile {}×{}×{}\n",
-        r.m, r.n, r.k, r.precision, r.backend, r.tile[0], r.tile[1], r.tile[2]
+        "  {}×{}×{}, {}, {}{}, tile {}×{}×{}\n",
+        r.m,
+        r.n,
+        r.k,
+        r.precision,
+        r.backend,
+        if r.backend_reused {
+            " (kept from an earlier call)"
+        } else {
+            ""
+        },
+        r.tile[0],
+        r.tile[1],
+        r.tile[2]
     );
     s += &format!(
         "  wall {:.3} s, {:.2} GFLOP/s, written {} ({}), flush {:.3} s\n",

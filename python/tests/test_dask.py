@@ -122,6 +122,13 @@ def test_arrays_not_backed_by_files_are_refused(client, tmp_path):
         os.remove(out)
     with pytest.raises(mg.BadInputError, match=r"\.npy or \.mgt"):
         mgd.matmul(pa, pa, out=str(tmp_path / "C.bin"), **SETTINGS)
+    # Shapes that do not chain are said with the operands as written (a new user's try named
+    # b "A" and showed two equal shapes).
+    wide = save(tmp_path, "W.npy", rand((64, 40)))
+    with pytest.raises(mg.BadInputError, match=r"a is 64×40 but b is 64×40 \(inner dimensions 40 ≠ 64\)"):
+        mgd.matmul(wide, wide, out=out, **SETTINGS)
+    with pytest.raises(mg.BadInputError, match=r"a\.T is 40×64 but b\.T is 40×64"):
+        mgd.matmul(mgd.from_npy(wide, chunks=32), wide, out=out, trans_a=True, trans_b=True, **SETTINGS)
     assert not os.path.exists(out)
     # What the message says to do works: to_npy from the workers, then the product.
     saved = mgd.to_npy(computed, str(tmp_path / "B.npy"))

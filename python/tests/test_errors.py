@@ -48,8 +48,12 @@ def test_bad_outputs(tmp_path):
     a, b = rand((10, 5)), rand((5, 4))
     with pytest.raises(mg.BadInputError, match="out is"):
         mg.matmul(a, b, out=np.empty((4, 10), np.float32), **CPU)
-    with pytest.raises(mg.BadInputError, match="C-contiguous"):
+    with pytest.raises(mg.BadInputError, match="out is not C-contiguous"):
         mg.matmul(a, b, out=np.empty((4, 10), np.float32).T, **CPU)
+    ro = np.empty((10, 4), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(mg.BadInputError, match="out is read-only"):
+        mg.matmul(a, b, out=ro, **CPU)
     with pytest.raises(mg.BadInputError, match="out=.*mgt"):
         mg.matmul(a, b, out=tmp_path / "c.txt", **CPU)
     with pytest.raises(mg.BadInputError, match="pass out="):
@@ -173,8 +177,10 @@ def test_gpus_asked_for_without_a_usable_gpu_warn():
     if os.path.exists("/dev/nvidia0"):
         pytest.skip("a GPU is present: nothing falls back")
     a, b = rand((20, 30)), rand((30, 10), seed=1)
-    with pytest.warns(RuntimeWarning, match=r"using the CPU.*devices = \[0, 1\] asked for GPUs"):
+    with pytest.warns(RuntimeWarning, match=r"using the CPU.*devices = \[0, 1\] asked for GPUs") as rec:
         c = mg.matmul(a, b, devices=[0, 1], tile=64, progress=False)
+    # The warning names the caller's line, not the package's.
+    assert rec[0].filename == __file__, rec[0].filename
     close(c, reference(a, b), np.float32)
     # A plan's engine.devices through run(): the same warning (it only reached logging before).
     with tempfile.TemporaryDirectory() as d:

@@ -281,10 +281,7 @@ fn run_plan_with(
     if split.is_none() {
         guard_outputs(plan, &layouts, backend.caps(), opts, progress)?;
     }
-    let mut steps = run_steps(plan, &layouts, backend, opts, progress, split)?;
-    for s in &mut steps {
-        s.backend_reused = reused;
-    }
+    let steps = run_steps(plan, &layouts, backend, reused, opts, progress, split)?;
     let report = RunReport {
         plan: plan.path.display().to_string(),
         backend: backend_name,
@@ -351,6 +348,7 @@ fn run_steps(
     plan: &Plan,
     layouts: &[Layout],
     backend: &mut Box<dyn Backend>,
+    reused: bool,
     opts: &RunOptions,
     progress: &Progress,
     split: Option<&dyn Split>,
@@ -392,7 +390,8 @@ fn run_steps(
             }
         };
         held.release(step);
-        for rep in reps {
+        for mut rep in reps {
+            rep.backend_reused = reused;
             progress.result(&report::format_summary(&rep));
             steps.push(rep);
         }

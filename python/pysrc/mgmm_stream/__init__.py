@@ -396,7 +396,7 @@ class _Display:
             # GPUs named (matmul's devices=[...], a plan's engine.devices) under backend "auto"
             # and none usable: the engine's note says so and how to make it an error.
             if str(data).startswith("backend auto: using the CPU") and "devices = [" in str(data):
-                warnings.warn(str(data), RuntimeWarning, stacklevel=2)
+                warnings.warn(str(data), RuntimeWarning, stacklevel=_caller_level())
             if self.callback is not None or not self.enabled:
                 log.info("%s", data)
             elif self.tqdm is not None:
@@ -443,6 +443,16 @@ def _check_cancel(cancel: Any) -> None:
         raise CancelledError("the cancel event was already set; nothing was computed")
 
 
+def _caller_level() -> int:
+    """The `stacklevel` of the first frame outside this package: a warning names the user's
+    line that called it, not the package's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    f, level = sys._getframe(1), 1
+    while f is not None and os.path.dirname(os.path.abspath(f.f_code.co_filename)) == here:
+        f, level = f.f_back, level + 1
+    return level
+
+
 def _run_with(display: _Display, fn: Callable[..., Any], *args: Any) -> Any:
     # Always listen: with progress=False the notes (resuming, summary) still reach `logging`.
     every = display.every if (display.enabled or display.callback) else 1.0
@@ -459,8 +469,9 @@ def empty_cache() -> bool:
     """Let go of what the package keeps between calls: the backend of the last ``matmul`` or
     ``run`` (on GPUs their contexts, cuBLAS, and the page-locked host buffers of its pools, at
     most what one call's ``host_memory`` allowed). A later call with the same ``backend``,
-    ``devices``, ``threads`` and ``device_memory`` takes it instead of starting one, and its
-    report says ``backend_reused``; the engine's GPU buffers are not held between calls (the
+    ``devices``, ``threads`` and ``device_memory`` takes it instead of starting one (its
+    summary names the backend "kept from an earlier call"; ``run``'s step reports say
+    ``backend_reused``); the engine's GPU buffers are not held between calls (the
     CUDA contexts are). Returns whether something was kept. Like ``torch.cuda.empty_cache()``, only needed to give the memory back
     while the process goes on."""
     return bool(_native.release_backend())
@@ -630,8 +641,10 @@ def _output(job: Any, out: Any, result_memory: Optional[int],
     arr = _as_array(out, "out")
     if arr.ndim != 2 or arr.shape != (m, n) or arr.dtype != dt:
         raise BadInputError(f"out is {arr.shape} {arr.dtype} but the result is ({m}, {n}) {dt.name}")
-    if not arr.flags.c_contiguous or not arr.flags.writeable:
-        raise BadInputError("out must be a writable C-contiguous array "
+    if not arr.flags.writeable or not arr.flags.c_contiguous:
+        why = ("is read-only" if not arr.flags.writeable else
+               "is not C-contiguous (Fortran order, or a strided view)")
+        raise BadInputError(f"out {why}: it must be a writable C-contiguous array "
                             "(e.g. np.empty((m, n), dtype) or an np.memmap opened 'r+'/'w+')")
     d = {"kind": "buffer", "addr": arr.__array_interface__["data"][0], "rows": m, "cols": n,
          "ld": n, "dtype": _DTYPES[dt]}

@@ -252,6 +252,24 @@ def _backing_file_of(x: np.ndarray) -> Optional[Tuple[str, int]]:
     return _backing_file(x)
 
 
+def _op_shape(x: Any, entry: Dict[str, Any], trans: bool) -> Optional[Tuple[int, int]]:
+    """The shape of op(x) as matmul's caller wrote it (an array's own shape, a path's file's),
+    or None where it is not known here (the plan's check then says it)."""
+    if hasattr(x, "shape") and len(x.shape) == 2:
+        s: Optional[Tuple[int, ...]] = tuple(int(v) for v in x.shape)
+    elif entry.get("path", "").endswith(".npy"):
+        h = _npy_header(entry["path"])
+        s = tuple(h[0]) if h is not None and len(h[0]) == 2 else None
+    elif entry.get("path", "").endswith(".mgt"):
+        i = _native.info(entry["path"], False)
+        s = (int(i["rows"]), int(i["cols"]))
+    else:
+        s = None
+    if s is None:
+        return None
+    return (s[1], s[0]) if trans else (s[0], s[1])
+
+
 def _refuse(name: str, why: str, memory: bool = False) -> BadInputError:
     save = (f"np.save(\"{name.upper()}.npy\", np.ascontiguousarray({name})) writes it" if memory
             else f"mgmm_stream.dask.to_npy({name}, \"{name.upper()}.npy\") writes one .npy from "
@@ -436,9 +454,14 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
     _dask()
     if shards is not None and int(shards) < 1:
         raise BadInputError(f"shards={shards}: give at least 1 (or None for the default)")
-    c = _client(client)
     ea, ta, ca = _source(a, "a")
     eb, tb, cb = _source(b, "b")
+    sa, sb = _op_shape(a, ea, bool(trans_a)), _op_shape(b, eb, bool(trans_b))
+    if sa is not None and sb is not None and sa[1] != sb[0]:
+        t = (".T" if trans_a else "", ".T" if trans_b else "")
+        raise BadInputError(f"shape mismatch: a{t[0]} is {sa[0]}×{sa[1]} but b{t[1]} is "
+                            f"{sb[0]}×{sb[1]} (inner dimensions {sa[1]} ≠ {sb[0]})")
+    c = _client(client)
     # The result's chunks follow the operands as given (a dask `.T` already has its chunks).
     out_chunks = chunks if chunks is not None else _out_chunks(ca, bool(trans_a), cb, bool(trans_b))
     ta, tb = ta != bool(trans_a), tb != bool(trans_b)
