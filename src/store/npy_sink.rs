@@ -306,6 +306,7 @@ impl MatrixSink for NpyWriter {
         self.crcs.lock().unwrap().iter_mut().for_each(|c| *c = None);
     }
     fn finish(self: Box<Self>, durable: bool) -> Result<()> {
+        let t = std::time::Instant::now();
         let known = std::mem::take(&mut *self.crcs.lock().unwrap());
         let gc = self.geo.cols.div_ceil(self.tile.1);
         let crcs: Vec<u32> = known
@@ -313,6 +314,12 @@ impl MatrixSink for NpyWriter {
             .enumerate()
             .map(|(i, c)| c.unwrap_or_else(|| self.tile_crc(i as u64 / gc, i as u64 % gc)))
             .collect();
+        crate::trace::span(
+            "start-up",
+            "finish: checksums",
+            t,
+            std::time::Instant::now(),
+        );
         if durable {
             self.map
                 .flush()
@@ -338,27 +345,32 @@ impl MatrixSink for NpyWriter {
             ..
         } = *self;
         super::fsutil::unmap_in_background(map);
-        write_sidecar(&path, &side)?;
+        let t = std::time::Instant::now();
+        write_sidecar(&path, &side, durable)?;
+        crate::trace::span("start-up", "finish: sidecar", t, std::time::Instant::now());
         // Last, once every tile (and, when durable, the data) is on disk: the real header,
         // which makes the file an array numpy loads.
+        let t = std::time::Instant::now();
         file.write_all_at(&head, 0)
             .map_err(|e| Error::io(&path, "cannot write .npy header", e))?;
         if durable {
             fsutil::sync_file(&file, &path)?;
         }
+        crate::trace::span("start-up", "finish: header", t, std::time::Instant::now());
         Ok(())
     }
 }
 
-/// Write the sidecar of `npy` atomically (temporary file, then rename: [`TempOutput`]).
-pub(crate) fn write_sidecar(npy: &Path, side: &Sidecar) -> Result<()> {
+/// Write the sidecar of `npy` atomically (temporary file, then rename: [`TempOutput`]); synced
+/// to disk only when `durable` (`engine.durable`).
+pub(crate) fn write_sidecar(npy: &Path, side: &Sidecar, durable: bool) -> Result<()> {
     let sp = sidecar_path(npy);
     let bytes = side.encode();
     let tmp = TempOutput::new(&sp, bytes.len() as u64)?;
     tmp.file()
         .write_all_at(&bytes, 0)
         .map_err(|e| Error::io(&sp, "cannot write sidecar", e))?;
-    tmp.commit()
+    tmp.commit_with(durable)
 }
 
 #[cfg(test)]
