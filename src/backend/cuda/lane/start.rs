@@ -279,13 +279,24 @@ impl CudaLane {
             k: l.tk as usize,
             precision: self.precision,
         };
+        let done_before = d
+            .warmed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&shape);
         match &d.warming {
             // The probe is loading this shape's kernel: the first GEMM waits for it.
             Some(w) if w.spec == shape => self.warming = Some(w.clone()),
+            // An earlier lane of this backend on this GPU loaded it.
+            _ if done_before => {}
             _ => {
                 let t = std::time::Instant::now();
                 self.warm_up(l)?;
                 crate::trace::span(track, "warm-up GEMM", t, std::time::Instant::now());
+                d.warmed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(shape);
             }
         }
         if crate::trace::enabled() {
