@@ -65,7 +65,7 @@ pub(crate) fn try_auto(
         let r = if is_finalized(&step.output, Some(&m.fingerprint))? {
             Ok(())
         } else {
-            finalize_step(step, &m).map(|f| {
+            finalize_step(step, &m, plan.engine.durable).map(|f| {
                 progress.note(&format!(
                     "step {}: finalized {} ({} checked, checksum table written) in {:.2} s",
                     step.index + 1,
@@ -153,7 +153,7 @@ fn list(t: &[u32]) -> String {
 
 /// Finalize a split step whose manifest is `m`. Needs no backend: the manifest holds the
 /// fingerprint and tile grid.
-pub(crate) fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
+pub(crate) fn finalize_step(step: &Step, m: &Manifest, durable: bool) -> Result<Finalized> {
     let t0 = std::time::Instant::now();
     let out = &step.output;
     let rec: BTreeMap<u32, Vec<u32>> = recorded(&state_dir(out), &m.fingerprint)?;
@@ -201,8 +201,8 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest) -> Result<Finalized> {
     }
     drop(file);
     // The checksums of every tile (a `.mgt`'s table; a `.npy`'s sidecar, then its real
-    // header, last), synced.
-    reopen_output(out, output_header_of(out, m, dt)?, WriteMode::Pwrite)?.finish(true)?;
+    // header, last), synced with the data when `durable` (`engine.durable`).
+    reopen_output(out, output_header_of(out, m, dt)?, WriteMode::Pwrite)?.finish(durable)?;
     journal::write_complete(out, &m.fingerprint, &good)?;
     Ok(Finalized {
         tiles: m.tiles,
@@ -261,7 +261,7 @@ pub fn finalize_plan(
             if let claim::Try::Got(c) = claim::try_claim(&cp, Duration::from_secs(120))? {
                 let r = match is_finalized(&step.output, Some(&m.fingerprint))? {
                     true => Ok(None),
-                    false => finalize_step(step, &m).map(Some),
+                    false => finalize_step(step, &m, plan.engine.durable).map(Some),
                 };
                 c.release();
                 done = r?;
