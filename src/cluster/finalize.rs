@@ -201,8 +201,11 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest, durable: bool) -> Result<
     }
     drop(file);
     // The checksums of every tile (a `.mgt`'s table; a `.npy`'s sidecar, then its real
-    // header, last), synced with the data when `durable` (`engine.durable`).
-    reopen_output(out, output_header_of(out, m, dt)?, WriteMode::Pwrite)?.finish(durable)?;
+    // header, last), synced with the data when `durable` (`engine.durable`) or the output is
+    // not on a local disk (as the shards' writes, `ShardWriter::finish`).
+    let sync =
+        durable || !std::fs::File::open(out).is_ok_and(|f| crate::store::fsutil::on_local_disk(&f));
+    reopen_output(out, output_header_of(out, m, dt)?, WriteMode::Pwrite)?.finish(sync)?;
     journal::write_complete(out, &m.fingerprint, &good)?;
     Ok(Finalized {
         tiles: m.tiles,

@@ -62,17 +62,19 @@ impl MatrixSink for ShardWriter {
     }
     fn finish(self: Box<Self>, durable: bool) -> Result<()> {
         // The inner writer is dropped unfinished: its checksums and a `.npy`'s real header are
-        // `finalize`'s. Synced only with `durable = true`: the next reader of these tiles is
-        // another process, and for that the page cache is enough on one node, and closing the
-        // file (the drop) is what sends the writes to an NFS server (close-to-open coherence;
-        // Lustre and GPFS are coherent anyway). A tile that never reached the file — a node that
-        // died first — does not hold the bytes its journal records, and `finalize` says so. The
-        // sync wrote the whole output to disk inside the step (4 GiB at the GPU machine's
-        // 1.3 GB/s is about 3 s; a Dask task's 32768² f32 product took 6.5 s against the
-        // command line's 2.5 s on one H100 with `durable = false`).
-        if durable {
-            File::open(&self.path)
-                .and_then(|f| f.sync_all())
+        // `finalize`'s. Synced with `durable = true`, and on any filesystem not known to be
+        // local (NFS, Lustre, GPFS, …): there a lost write (a full server, a quota, EIO) shows
+        // only at `fsync` or at a close whose result a drop ignores, and closing an NFS file
+        // waits for the server anyway. On a local disk with `durable = false` the next reader
+        // (another process of the node: `finalize`) reads the page cache, and a tile that never
+        // reached the file does not hold the bytes its journal records, which `finalize` says.
+        // The sync wrote the whole output to disk inside the step there (4 GiB at the GPU
+        // machine's 1.3 GB/s is about 3 s; a Dask task's 32768² f32 product took 6.5 s against
+        // the command line's 2.5 s on one H100 with `durable = false`).
+        let f = File::open(&self.path)
+            .map_err(|e| Error::io(&self.path, "cannot open output to sync it", e))?;
+        if durable || !crate::store::fsutil::on_local_disk(&f) {
+            f.sync_all()
                 .map_err(|e| Error::io(&self.path, "cannot sync output to disk", e))?;
         }
         Ok(())

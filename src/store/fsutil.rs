@@ -372,6 +372,30 @@ pub(crate) fn counts_dirty_pages(file: &File) -> bool {
     }
 }
 
+/// Whether `file` lies on a filesystem known to be local to this node (ext4, XFS, btrfs, ZFS,
+/// F2FS, overlayfs, tmpfs, ramfs), whose page cache every process of the node shares and whose
+/// write errors a later `fsync` would not be the only place to hear of. False for anything
+/// else — NFS, SMB, Lustre, GPFS, CephFS, FUSE, an unknown type, a failed `fstatfs` — where a
+/// writer that must report a lost write (a full server, a quota) syncs before it says done.
+pub(crate) fn on_local_disk(file: &File) -> bool {
+    const LOCAL: [u32; 8] = [
+        0xEF53,      // ext2/3/4
+        0x5846_5342, // XFS
+        0x9123_683E, // btrfs
+        0x2FC1_2FC1, // ZFS
+        0xF2F5_2010, // F2FS
+        0x794C_7630, // overlayfs
+        0x0102_1994, // tmpfs
+        0x8584_58f6, // ramfs
+    ];
+    match rustix::fs::fstatfs(file) {
+        // The magic numbers are 32-bit; `f_type` is signed, 32 or 64 bits by target.
+        #[allow(clippy::unnecessary_cast)]
+        Ok(st) => LOCAL.contains(&(st.f_type as u32)),
+        Err(_) => false,
+    }
+}
+
 /// Whether at least `fraction` of the pages of bytes `span` of `map` (a live map of a file,
 /// page-aligned at its start) are in the page cache, by `mincore(2)`. Where `mincore` fails,
 /// false: callers then take the path that works without the pages.
@@ -476,6 +500,32 @@ fn cgroup_headroom(cgroups: &str, root: &std::path::Path) -> u64 {
 
 #[cfg(test)]
 mod tests {
+    /// A file in the system's temporary folder and one in `/dev/shm` are on local filesystems
+    /// (the machines this runs on: ext4 and tmpfs); `/proc` (procfs) is not in the list, so a
+    /// writer there would sync, as on NFS.
+    #[test]
+    fn local_filesystems_are_told_apart_from_unknown_ones() {
+        let t = tempfile::NamedTempFile::new().unwrap();
+        let tmp_type = rustix::fs::fstatfs(t.as_file()).unwrap().f_type;
+        // Only asserted where the folder is one of the listed kinds (a CI box may differ).
+        #[allow(clippy::unnecessary_cast)]
+        if [
+            0xEF53u32,
+            0x5846_5342,
+            0x9123_683E,
+            0x794C_7630,
+            0x0102_1994,
+        ]
+        .contains(&(tmp_type as u32))
+        {
+            assert!(on_local_disk(t.as_file()));
+        }
+        if let Ok(f) = File::open("/dev/shm") {
+            assert!(on_local_disk(&f), "tmpfs is local");
+        }
+        let proc = File::open("/proc/self/stat").unwrap();
+        assert!(!on_local_disk(&proc), "procfs is not a known local disk");
+    }
     /// The cgroup limit that binds is the smallest headroom of the process's cgroup and its
     /// ancestors, in either cgroup version; "max" and a missing controller mean no limit.
     #[test]

@@ -480,14 +480,12 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
     // residual test (a one-bit flip may hide in the rounding it allows) and names the tile;
     // `verify --repair` recomputes it.
     let o = mg(dir, &["export", "C.mgt", "C2.npy"]);
-    let err = failed_with(
-        &o,
-        &[
-            "C.mgt",
-            "checksum mismatch",
-            "tile (0, 0)",
-            "verify PLAN --repair",
-        ],
+    // Either bad tile may be the one found first (tiles are checked in parallel: under load CI
+    // once named the last one).
+    let err = failed_with(&o, &["C.mgt", "checksum mismatch", "verify PLAN --repair"]);
+    assert!(
+        err.contains("tile (0, 0)") || err.contains(&format!("tile ({last}, 0)")),
+        "{err}"
     );
     // One remedy, the one that applies: an output is recomputed, not regenerated.
     assert!(!err.contains("regenerate"), "{err}");

@@ -198,8 +198,12 @@ fn an_output_larger_than_host_memory_keeps_resident_memory_bounded() {
     let rss = rep["steps"][0]["peak_rss_bytes"].as_u64().unwrap();
     eprintln!("peak RSS {} MiB", rss >> 20);
     assert!(rss > 0);
-    // Budget + the binary, its threads' GEMM workspace and bookkeeping: far below the output.
-    assert!(rss < (32 << 20) + (160 << 20), "peak RSS {rss} B");
+    // Budget + the binary, its threads' GEMM workspace and bookkeeping, and the tiles between
+    // their prefault and their drop: 110 MiB alone on the 2-core machine, 212 MiB once with a
+    // build running beside it (CI, 2026-12-06: prefault runs further ahead of a slowed
+    // writeback). An output kept mapped whole would be the 256 MiB output plus the ~100 MiB
+    // the process has anyway: the bound is the output's size.
+    assert!(rss < 256 << 20, "peak RSS {rss} B");
     assert_eq!(rep["steps"][0]["write_mode"], "mmap");
     // Every element is there: a sample of them against an f64 reference, edges included.
     let c = Mat::load(&d.path().join("C.mgt"));

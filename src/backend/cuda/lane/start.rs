@@ -291,12 +291,13 @@ impl CudaLane {
             _ if done_before => {}
             _ => {
                 let t = std::time::Instant::now();
-                self.warm_up(l)?;
+                if self.warm_up(l)? {
+                    d.warmed
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(shape);
+                }
                 crate::trace::span(track, "warm-up GEMM", t, std::time::Instant::now());
-                d.warmed
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(shape);
             }
         }
         if crate::trace::enabled() {
@@ -318,13 +319,14 @@ impl CudaLane {
     /// still load a kernel on first use. Skipped when the probe already ran this tile shape
     /// ([`warm_up_early`](super::super::early::warm_up_early)), which moves the load off the
     /// lanes' creation.
-    fn warm_up(&mut self, l: &Layout) -> Result<()> {
+    /// `true` when it ran the GEMM (a layout whose tile does not fit its buffers runs none).
+    fn warm_up(&mut self, l: &Layout) -> Result<bool> {
         let (dev, host) = (self.dev_dt.size() as u64, self.host_dt.size() as u64);
         let fits = l.tm * l.tk * dev <= l.slot_bytes
             && l.tk * l.tn * dev <= l.slot_bytes
             && l.tm * l.tn * host <= l.acc_bytes;
         if !fits || self.slots.is_empty() || self.accs.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let b_slot = 1.min(self.slots.len() - 1);
         for i in [0, b_slot] {
@@ -350,6 +352,6 @@ impl CudaLane {
             .map_err(|e| self.err("synchronize after warm-up GEMM", e))?;
         self.gemm_events.clear();
         self.stats = DeviceStats::default();
-        Ok(())
+        Ok(true)
     }
 }
