@@ -14,8 +14,6 @@ use std::path::Path;
 use crate::backend;
 use crate::error::Result;
 pub use crate::pipeline::StepSources;
-use crate::plan::engine::{EngineSet, EngineSource};
-use crate::plan::raw::RawEngine;
 use crate::plan::{Engine, Step};
 use crate::progress::Progress;
 use crate::report::{self, StepReport};
@@ -28,13 +26,7 @@ use crate::store::MatrixSink;
 /// `--set engine.KEY=`), with the same checks and messages as a plan's `[engine]` table;
 /// unset keys keep their defaults. `origin` names the caller in messages.
 pub fn engine_with(origin: &Path, settings: &[(&str, &str)]) -> Result<Engine> {
-    let sets = settings
-        .iter()
-        .map(|(k, v)| EngineSet::parse(&format!("engine.{k}={v}")))
-        .collect::<Result<Vec<_>>>()?;
-    let mut raw = RawEngine::default();
-    let from = EngineSource::apply(origin, "", &mut raw, sets);
-    crate::plan::engine::resolve_engine(&raw, &from)
+    crate::plan::engine::with_settings(origin, settings)
 }
 
 /// Where a step's result goes.

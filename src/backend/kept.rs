@@ -183,7 +183,8 @@ mod tests {
     static TURN: Mutex<()> = Mutex::new(());
 
     fn engine(backend: &str) -> Engine {
-        crate::api::engine_with(std::path::Path::new("test"), &[("backend", backend)]).unwrap()
+        crate::plan::engine::with_settings(std::path::Path::new("test"), &[("backend", backend)])
+            .unwrap()
     }
 
     fn obtain_kept(e: &Engine) -> (Box<dyn Backend>, Lease) {

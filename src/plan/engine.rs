@@ -124,6 +124,19 @@ impl<'a> EngineSource<'a> {
     }
 }
 
+/// `[engine]` from `(key, value)` pairs (value as it would follow `--set engine.KEY=`), with the
+/// same checks and messages as a plan's table; unset keys keep their defaults. `origin` names
+/// the caller in messages. What [`crate::api::engine_with`] offers the library's callers.
+pub(crate) fn with_settings(origin: &std::path::Path, settings: &[(&str, &str)]) -> Result<Engine> {
+    let sets = settings
+        .iter()
+        .map(|(k, v)| EngineSet::parse(&format!("engine.{k}={v}")))
+        .collect::<Result<Vec<_>>>()?;
+    let mut raw = RawEngine::default();
+    let from = EngineSource::apply(origin, "", &mut raw, sets);
+    resolve_engine(&raw, &from)
+}
+
 /// Resolve the (overlaid) `[engine]` table.
 pub(crate) fn resolve_engine(e: &RawEngine, from: &EngineSource) -> Result<Engine> {
     let bad = |key: &str, at: String, msg: String| from.err(key, format!("{at}: {msg}"));

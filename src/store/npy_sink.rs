@@ -306,7 +306,6 @@ impl MatrixSink for NpyWriter {
         self.crcs.lock().unwrap().iter_mut().for_each(|c| *c = None);
     }
     fn finish(self: Box<Self>, durable: bool) -> Result<()> {
-        let t = std::time::Instant::now();
         let known = std::mem::take(&mut *self.crcs.lock().unwrap());
         let gc = self.geo.cols.div_ceil(self.tile.1);
         let crcs: Vec<u32> = known
@@ -314,12 +313,6 @@ impl MatrixSink for NpyWriter {
             .enumerate()
             .map(|(i, c)| c.unwrap_or_else(|| self.tile_crc(i as u64 / gc, i as u64 % gc)))
             .collect();
-        crate::trace::span(
-            "start-up",
-            "finish: checksums",
-            t,
-            std::time::Instant::now(),
-        );
         if durable {
             self.map
                 .flush()
@@ -345,18 +338,14 @@ impl MatrixSink for NpyWriter {
             ..
         } = *self;
         super::fsutil::unmap_in_background(map);
-        let t = std::time::Instant::now();
         write_sidecar(&path, &side, durable)?;
-        crate::trace::span("start-up", "finish: sidecar", t, std::time::Instant::now());
         // Last, once every tile (and, when durable, the data) is on disk: the real header,
         // which makes the file an array numpy loads.
-        let t = std::time::Instant::now();
         file.write_all_at(&head, 0)
             .map_err(|e| Error::io(&path, "cannot write .npy header", e))?;
         if durable {
             fsutil::sync_file(&file, &path)?;
         }
-        crate::trace::span("start-up", "finish: header", t, std::time::Instant::now());
         Ok(())
     }
 }
