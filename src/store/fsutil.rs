@@ -355,12 +355,14 @@ pub(crate) fn dir_counts_dirty_pages(path: &Path) -> bool {
     }
 }
 
+/// `statfs` type numbers of the memory filesystems (`f_type`, linux/magic.h).
+const TMPFS_MAGIC: u32 = 0x0102_1994;
+const RAMFS_MAGIC: u32 = 0x8584_58f6;
+
 /// Whether writes to `file` become dirty pages that the kernel limits (a disk-backed file), as
 /// opposed to memory filesystems (tmpfs such as `/dev/shm`, ramfs), whose pages never go to a
 /// disk and are not held back. True when it cannot be asked.
 pub(crate) fn counts_dirty_pages(file: &File) -> bool {
-    const TMPFS_MAGIC: u32 = 0x0102_1994;
-    const RAMFS_MAGIC: u32 = 0x8584_58f6;
     match rustix::fs::fstatfs(file) {
         Ok(st) => {
             // The magic numbers are 32-bit; `f_type` is signed, 32 or 64 bits by target.
@@ -372,26 +374,28 @@ pub(crate) fn counts_dirty_pages(file: &File) -> bool {
     }
 }
 
+/// `statfs` type numbers of the filesystems [`on_local_disk`] knows to be local.
+const LOCAL_FS: [u32; 8] = [
+    0xEF53,      // ext2/3/4
+    0x5846_5342, // XFS
+    0x9123_683E, // btrfs
+    0x2FC1_2FC1, // ZFS
+    0xF2F5_2010, // F2FS
+    0x794C_7630, // overlayfs
+    TMPFS_MAGIC,
+    RAMFS_MAGIC,
+];
+
 /// Whether `file` lies on a filesystem known to be local to this node (ext4, XFS, btrfs, ZFS,
 /// F2FS, overlayfs, tmpfs, ramfs), whose page cache every process of the node shares and whose
 /// write errors a later `fsync` would not be the only place to hear of. False for anything
 /// else — NFS, SMB, Lustre, GPFS, CephFS, FUSE, an unknown type, a failed `fstatfs` — where a
 /// writer that must report a lost write (a full server, a quota) syncs before it says done.
 pub(crate) fn on_local_disk(file: &File) -> bool {
-    const LOCAL: [u32; 8] = [
-        0xEF53,      // ext2/3/4
-        0x5846_5342, // XFS
-        0x9123_683E, // btrfs
-        0x2FC1_2FC1, // ZFS
-        0xF2F5_2010, // F2FS
-        0x794C_7630, // overlayfs
-        0x0102_1994, // tmpfs
-        0x8584_58f6, // ramfs
-    ];
     match rustix::fs::fstatfs(file) {
         // The magic numbers are 32-bit; `f_type` is signed, 32 or 64 bits by target.
         #[allow(clippy::unnecessary_cast)]
-        Ok(st) => LOCAL.contains(&(st.f_type as u32)),
+        Ok(st) => LOCAL_FS.contains(&(st.f_type as u32)),
         Err(_) => false,
     }
 }
@@ -509,15 +513,7 @@ mod tests {
         let tmp_type = rustix::fs::fstatfs(t.as_file()).unwrap().f_type;
         // Only asserted where the folder is one of the listed kinds (a CI box may differ).
         #[allow(clippy::unnecessary_cast)]
-        if [
-            0xEF53u32,
-            0x5846_5342,
-            0x9123_683E,
-            0x794C_7630,
-            0x0102_1994,
-        ]
-        .contains(&(tmp_type as u32))
-        {
+        if LOCAL_FS.contains(&(tmp_type as u32)) {
             assert!(on_local_disk(t.as_file()));
         }
         if let Ok(f) = File::open("/dev/shm") {
@@ -653,7 +649,7 @@ mod tests {
         let f = File::create(d.path().join("f")).unwrap();
         if let Ok(st) = rustix::fs::fstatfs(&f) {
             #[allow(clippy::unnecessary_cast)]
-            let tmpfs = st.f_type as u32 == 0x0102_1994;
+            let tmpfs = st.f_type as u32 == TMPFS_MAGIC;
             assert_eq!(counts_dirty_pages(&f), !tmpfs);
         }
         if let Ok(shm) = tempfile::tempfile_in("/dev/shm") {
