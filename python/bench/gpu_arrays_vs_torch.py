@@ -9,6 +9,7 @@ the outputs are compared element by element with torch's, relative to (|A||B|).
 """
 
 import argparse
+import json
 import statistics
 import time
 
@@ -31,6 +32,11 @@ def main():
     ap.add_argument("--n", type=int, default=30000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device-memory", default=None, help="mgmm's device_memory (e.g. 8GiB)")
+    ap.add_argument("--tile", action="append", default=None, metavar="JSON",
+                    help="more compute tiles to time beside `auto`, interleaved (repeatable): "
+                         "'[8192, 8192, 30000]'")
+    ap.add_argument("--trace", default=None, metavar="PATH",
+                    help="MGMM_TRACE for the last call only (the one broken down at the end)")
     args = ap.parse_args()
     n = args.n
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -65,6 +71,10 @@ def main():
         t, c = timed(lambda: mg.matmul(a, b, **kw)); rows["mgmm out=None (on GPU)"].append(t)
         where = "GPU" if torch.is_tensor(c) and c.is_cuda else "host"
         del c
+        for tile in args.tile or []:
+            tk = dict(kw, tile=json.loads(tile))
+            rows.setdefault(f"mgmm out=pinned tile={tile}", []).append(
+                timed(lambda: mg.matmul(a, b, out=pinned, **tk))[0])
     print(f"n = {n} f32, {args.reps} interleaved runs each; torch {torch.__version__}, "
           f"{torch.cuda.get_device_name(0)}; mgmm out=None result went to the {where}")
     base = statistics.median(rows["torch @ + .cpu() pinned"])
@@ -81,6 +91,9 @@ def main():
     desc, _res = mg._output(job, host_np, None, gpus, args.device_memory)
     for g in gpus:
         g.wait()
+    if args.trace:
+        import os
+        os.environ["MGMM_TRACE"] = args.trace  # read at the engine's next call, this one
     t = time.perf_counter()
     rep = job.run(desc, False, None, None, 1.0)
     call = time.perf_counter() - t

@@ -397,7 +397,14 @@ fn run_step_shards(
             busy.len()
         ));
     }
+    let t = std::time::Instant::now();
     finalize::try_auto(plan, step, sh, progress)?;
+    crate::trace::span(
+        "start-up",
+        &format!("step {n}: finalize"),
+        t,
+        std::time::Instant::now(),
+    );
     Ok(reports)
 }
 

@@ -531,8 +531,15 @@ impl Journal {
 
 /// Write the complete journal of `output` in one piece — every finished tile and the
 /// completion mark — through a temporary file renamed over the old one (`finalize` of a split
-/// step, so that `run` sees the step complete and `verify` finds its fingerprint).
-pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)]) -> Result<()> {
+/// step, so that `run` sees the step complete and `verify` finds its fingerprint). With `sync`
+/// the file and its folder are synced (`durable`, or an output not on a local disk); without,
+/// only renamed: an `fsync` there waited for the disk's queue behind the output's writeback.
+pub(crate) fn write_complete(
+    output: &Path,
+    fp: &Fingerprint,
+    done: &[(u32, u32)],
+    sync: bool,
+) -> Result<()> {
     let path = journal_path(output);
     let mut bytes = header_line(fp).into_bytes();
     for &(seq, crc) in done {
@@ -542,7 +549,7 @@ pub(crate) fn write_complete(output: &Path, fp: &Fingerprint, done: &[(u32, u32)
     let tmp = TempOutput::new(&path, bytes.len() as u64)?;
     let mut f = tmp.file();
     (f.write_all(&bytes)).map_err(|e| Error::io(&path, "cannot write the merged journal", e))?;
-    tmp.commit()
+    tmp.commit_with(sync)
 }
 
 /// Read the journal at `path` (any journal file, e.g. a shard's) without locking it; `None`
@@ -683,7 +690,7 @@ mod tests {
             std::os::unix::fs::symlink(&victim, d.path().join(name)).unwrap();
         }
         let fp: Fingerprint = [("expr".to_string(), "A @ B".to_string())].into();
-        write_complete(&out, &fp, &[(0, 7)]).unwrap();
+        write_complete(&out, &fp, &[(0, 7)], true).unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
         assert!(std::fs::symlink_metadata(&path).unwrap().is_file());
         let backup = d.path().join("backup");

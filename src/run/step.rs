@@ -149,8 +149,10 @@ impl StepRun<'_> {
             Err(e) => return Ok(Err(e)),
         };
         let drop_s = (trun.elapsed().as_secs_f64() - stats.wall_s).max(0.0);
+        let tf = Instant::now();
         record.complete()?;
         self.target.finished()?;
+        crate::trace::span("start-up", &format!("step {n}: finish"), tf, Instant::now());
         let cx = StepContext::of(step, layout, backend, e);
         let mut rep = report::step_report(&cx, stats);
         rep.setup_s = std::iter::once(("resume".into(), resume_s))

@@ -448,14 +448,11 @@ pub(crate) fn check_recorded(
 ) -> Result<(Vec<bool>, u64)> {
     let mut finished = vec![false; sched.tiles.len()];
     let mut bad = 0;
-    let mut buf = Vec::new();
     for &(seq, crc) in done {
         let Some(t) = sched.tiles.get(seq as usize) else {
             continue;
         };
-        buf.resize(t.block.elems() * step.out_dtype.size(), 0u8);
-        out.read_block(&t.block, step.out_dtype, &mut buf)?;
-        if crate::store::tiled::par_crc32c(&buf) == crc {
+        if crate::store::block_crc(out, &t.block, step.out_dtype)? == crc {
             finished[seq as usize] = true;
         } else {
             bad += 1;

@@ -303,4 +303,39 @@ mod tests {
         let err = m.read_block(&out, DType::F32, &mut [0u8; 16]).unwrap_err();
         assert!(err.to_string().contains("T.mgt"), "{err}");
     }
+
+    /// `block_crc` reads a block in bands of at most 8 MiB and combines their CRCs: the same
+    /// CRC as the whole block read at once, for a block of several bands with a short last one
+    /// that straddles storage tiles.
+    #[test]
+    fn a_block_crc_read_in_bands_is_the_whole_block_crc() {
+        let shape = (4200, 1030);
+        let m = MemoryMatrix::new(Path::new("T.mgt"), shape, DType::F32, (1000, 600)).unwrap();
+        let w = MemoryWriter(Arc::new(m));
+        let all = Block {
+            r0: 0,
+            c0: 0,
+            rows: shape.0,
+            cols: shape.1,
+        };
+        w.write_block(&all, DType::F32, &dense(&all, shape.1))
+            .unwrap();
+        // 1024 f32 columns: 2048 rows per 8 MiB band, so three bands (2048, 2048, 5 rows).
+        let b = Block {
+            r0: 7,
+            c0: 3,
+            rows: 4101,
+            cols: 1024,
+        };
+        let want = crc32c::crc32c(&dense(&b, shape.1));
+        assert_eq!(
+            crate::store::block_crc(&*w.0, &b, DType::F32).unwrap(),
+            want
+        );
+        let one = Block { rows: 1, ..b };
+        assert_eq!(
+            crate::store::block_crc(&*w.0, &one, DType::F32).unwrap(),
+            crc32c::crc32c(&dense(&one, shape.1))
+        );
+    }
 }

@@ -48,6 +48,7 @@ pub(crate) use output::{
     create_output, create_output_in, mend_finished, output_file_len, output_main_len,
     reopen_output, OutputFormat,
 };
+pub(crate) use seam::block_crc;
 pub use seam::{DeviceBlock, MappedBlock, MatrixSink, MatrixSource, WriteMode};
 pub(crate) use source::open_as_written;
 pub use source::{open_region, open_source};

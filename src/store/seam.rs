@@ -161,6 +161,37 @@ pub struct DeviceBlock {
     pub device: usize,
 }
 
+/// CRC-32C of block `b` of `src` read as `dt` — the block's bytes row by row, what a journal
+/// records for a written tile — read in bands of whole rows (at most 8 MiB each) on the rayon
+/// pool, each into a buffer its thread keeps, and combined in order. A block is checked without
+/// being held whole in memory: `finalize` checks every tile of an output at once, and one
+/// buffer per tile (4 GiB for a 32768² f32 output) cost a page fault per 4 KiB before the read.
+pub(crate) fn block_crc<S: MatrixSource + ?Sized>(src: &S, b: &Block, dt: DType) -> Result<u32> {
+    use rayon::prelude::*;
+    const BAND: u64 = 8 << 20;
+    let rows = (BAND / (b.cols * dt.size() as u64).max(1)).max(1);
+    let bands: Vec<Block> = (0..b.rows.div_ceil(rows))
+        .map(|i| Block {
+            r0: b.r0 + i * rows,
+            c0: b.c0,
+            rows: rows.min(b.rows - i * rows),
+            cols: b.cols,
+        })
+        .collect();
+    let parts: Vec<Result<(u32, usize)>> = bands
+        .par_iter()
+        .map_init(Vec::new, |buf: &mut Vec<u8>, band| {
+            buf.resize(band.elems() * dt.size(), 0);
+            src.read_block(band, dt, buf)?;
+            Ok((crc32c::crc32c(buf), buf.len()))
+        })
+        .collect();
+    parts.into_iter().try_fold(0u32, |acc, p| {
+        let (crc, len) = p?;
+        Ok(crc32c::crc32c_combine(acc, crc, len))
+    })
+}
+
 /// [`MatrixSource::read_staged`] as three passes: checksums, the read (converting), the
 /// NaN/Inf count over what was read. The default, and what one-pass readers fall back to when
 /// the block is converted to another dtype.
@@ -221,6 +252,12 @@ pub trait MatrixSink: Send + Sync {
     /// Forget what the sink learnt about blocks written so far (after a resume reopened a
     /// partially written output whose earlier contents it did not see being written).
     fn forget_checksums(&self);
+    /// Tell the sink the CRC-32C of block `b`'s bytes as they lie in the file (in the stored
+    /// dtype, row by row, as [`Self::write_block`] returns it), which the caller has just read
+    /// and checked (`finalize`, against the shards' journals): `finish` then takes a storage
+    /// tile that is exactly `b` from it instead of reading the tile again. A hint: a sink
+    /// without a checksum table ignores it.
+    fn know_checksum(&self, _b: &Block, _crc: u32) {}
     /// Complete the file (checksum table, trailer) and, if `durable`, sync it to disk.
     fn finish(self: Box<Self>, durable: bool) -> Result<()>;
 }

@@ -438,6 +438,10 @@ impl MatrixSink for TiledWriter {
     fn forget_checksums(&self) {
         TiledWriter::forget_checksums(self)
     }
+    fn know_checksum(&self, b: &Block, crc: u32) {
+        let len = b.elems() * self.hdr.dtype.size();
+        self.note_checksums(b, Some((crc, len)));
+    }
     fn finish(self: Box<Self>, durable: bool) -> Result<()> {
         TiledWriter::finish(*self, durable)
     }
