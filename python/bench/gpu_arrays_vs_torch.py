@@ -72,7 +72,7 @@ def main():
         where = "GPU" if torch.is_tensor(c) and c.is_cuda else "host"
         del c
         for tile in args.tile or []:
-            tk = dict(kw, tile=json.loads(tile))
+            tk = dict(kw, tile=json.loads(tile), host_memory="16GiB")
             rows.setdefault(f"mgmm out=pinned tile={tile}", []).append(
                 timed(lambda: mg.matmul(a, b, out=pinned, **tk))[0])
     print(f"n = {n} f32, {args.reps} interleaved runs each; torch {torch.__version__}, "

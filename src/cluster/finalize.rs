@@ -63,7 +63,10 @@ pub(crate) fn try_auto(
         return Ok(());
     }
     let cp = state_dir(&step.output).join("finalize.claim");
-    if let claim::Try::Got(c) = claim::try_claim(&cp, sh.claim_timeout)? {
+    let t = std::time::Instant::now();
+    let got = claim::try_claim(&cp, sh.claim_timeout)?;
+    crate::trace::span("start-up", "finalize: claim", t, std::time::Instant::now());
+    if let claim::Try::Got(c) = got {
         let r = if is_finalized(&step.output, Some(&m.fingerprint))? {
             Ok(())
         } else {
@@ -171,6 +174,7 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest, durable: bool) -> Result<
         )));
     }
     // Any output format: `.mgt`, or a `.npy` whose unfinished header the engine reads.
+    let tc = std::time::Instant::now();
     let file = open_as_written(out)?;
     let dt = file.dtype();
     let blocks = m.blocks();
@@ -200,6 +204,8 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest, durable: bool) -> Result<
         )));
     }
     drop(file);
+    crate::trace::span("start-up", "finalize: check", tc, std::time::Instant::now());
+    let tt = std::time::Instant::now();
     // The checksums of every tile (a `.mgt`'s table; a `.npy`'s sidecar, then its real
     // header, last), synced with the data when `durable` (`engine.durable`) or the output is
     // not on a local disk (as the shards' writes, `ShardWriter::finish`).
@@ -212,7 +218,15 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest, durable: bool) -> Result<
         sink.know_checksum(&blocks[i as usize], crc);
     }
     sink.finish(sync)?;
+    let tj = std::time::Instant::now();
+    crate::trace::span("start-up", "finalize: table", tt, tj);
     journal::write_complete(out, &m.fingerprint, &good, sync)?;
+    crate::trace::span(
+        "start-up",
+        "finalize: journal",
+        tj,
+        std::time::Instant::now(),
+    );
     Ok(Finalized {
         tiles: m.tiles,
         secs: t0.elapsed().as_secs_f64(),

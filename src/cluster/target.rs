@@ -15,8 +15,8 @@ use crate::pipeline::{output_header, Work};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::Schedule;
 use crate::plan::{Engine, Step};
-use crate::run::target::{check_recorded, JournalRecord, Opened, Resume, Target};
-use crate::store::open_as_written;
+use crate::run::target::{check_recorded, resolve_write, JournalRecord, Opened, Resume, Target};
+use crate::store::{open_as_written, MatrixSink, WriteMode};
 
 /// The tiles `tiles` of `step`, worked by this process under the shard's claim.
 pub(crate) struct ShardTarget<'a> {
@@ -31,6 +31,10 @@ pub(crate) struct ShardTarget<'a> {
     /// "shard K/S", for messages.
     pub(crate) label: String,
     pub(crate) durable: bool,
+    /// `engine.write` and `engine.host_memory`: how the output is written, resolved as one
+    /// process resolves it ([`resolve_write`]).
+    pub(crate) write: WriteMode,
+    pub(crate) host_memory: u64,
     pub(crate) ckpt: Checkpoints,
 }
 
@@ -55,6 +59,8 @@ impl<'a> ShardTarget<'a> {
             tiles,
             label,
             durable: engine.durable,
+            write: engine.write,
+            host_memory: engine.host_memory,
             ckpt,
         }
     }
@@ -63,8 +69,8 @@ impl<'a> ShardTarget<'a> {
 impl Target for ShardTarget<'_> {
     /// Open the shard's journal and decide what is left of its tiles: those no shard journal
     /// records with a CRC that the output's bytes still match. The output must exist
-    /// (prepared); it is written with `pwrite` through a sink that leaves the checksum table to
-    /// `finalize`.
+    /// (prepared); it is written as one process writes it on a local disk, else with `pwrite`
+    /// ([`ShardWriter`]), through a sink that leaves the checksum table to `finalize`.
     fn open(&mut self) -> Result<Resume> {
         let (step, layout) = (self.step, self.layout);
         let (journal, _) = Journal::open_shard(&self.journal, &self.fp, self.durable)?;
@@ -88,7 +94,16 @@ impl Target for ShardTarget<'_> {
         if todo.is_empty() {
             return Ok(Resume::Complete);
         }
-        let writer = ShardWriter::open(&step.output, output_header(step, layout))?;
+        let header = output_header(step, layout);
+        let plan = resolve_write(
+            &step.output,
+            &header,
+            self.durable,
+            self.write,
+            self.host_memory,
+        );
+        let writer = ShardWriter::open(&step.output, header, plan.mode)?;
+        writer.release_written(plan.drop_written);
         let done_before = total - todo.len() as u64;
         Ok(Resume::Work(Opened {
             work: Work {
