@@ -198,3 +198,17 @@ def test_from_npy_names_each_chunking_apart_and_to_npy_keeps_its_input(client, t
     assert np.array_equal(np.load(pa), a), "the input was changed"
     with pytest.raises(mg.BadInputError, match="np.save"):
         mgd.matmul(np.load(pa, mmap_mode="r")[:100], pa, out=str(tmp_path / "X.npy"), **SETTINGS)
+
+
+def test_host_memory_defaults_to_a_quarter_of_the_workers_memory_limit(client, tmp_path):
+    a, b = rand((130, 70), seed=5), rand((70, 90), seed=6)
+    pa, pb = save(tmp_path, "A.npy", a), save(tmp_path, "B.npy", b)
+    limits = [w["memory_limit"] for w in client.scheduler_info()["workers"].values()]
+    want = max(2 << 30, min(limits) // 4)
+    rep = mgd.matmul(pa, pb, out=str(tmp_path / "C.npy"), report=True, **SETTINGS)
+    budgets = {s["host_budget_bytes"] for r in rep["reports"] for s in r["steps"]}
+    assert budgets == {want}, (budgets, limits)
+    # Given, it is what the caller said.
+    rep = mgd.matmul(pa, pb, out=str(tmp_path / "D.npy"), report=True, host_memory="1GiB",
+                     **SETTINGS)
+    assert {s["host_budget_bytes"] for r in rep["reports"] for s in r["steps"]} == {1 << 30}
