@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--backend", default="cpu", help="mgmm-stream backend: cpu, cuda, auto")
     ap.add_argument("--gpus", type=int, default=0, help="one worker per GPU; Dask side on CuPy")
     ap.add_argument("--dir", default="/tmp/mgmm_dask_bench")
+    ap.add_argument("--host-memory", action="append", default=None, metavar="SIZE",
+                    help="time mgmm_stream.dask.matmul with this host_memory too, interleaved "
+                         "with the default (repeatable: --host-memory 2GiB)")
     ap.add_argument("--durable", action="store_true",
                     help="mgmm-stream's default durable output (fsync per tile, journal); without "
                          "it durable = false, the guarantee Dask's to_npy gives (no fsync)")
@@ -89,9 +92,10 @@ def main() -> None:
             else:
                 q.unlink()
 
-    def ours() -> None:
+    def ours(host_memory=None) -> None:
         t0 = time.perf_counter()
         r = mgd.matmul(A, B, out=str(d / "C_mg.npy"), backend=args.backend, report=True,
+                       host_memory=host_memory,
                        engine=None if args.durable else {"durable": False})
         total = time.perf_counter() - t0
         # Where the time went: each shard task's run (start-up, the step, what follows it in
@@ -100,7 +104,8 @@ def main() -> None:
             st = rep["steps"][0] if rep.get("steps") else {}
             start = sum(v for _n, v in rep.get("startup_s", []))
             after = rep["wall_s"] - start - st.get("wall_s", 0.0)
-            print(f"  shard {k}/{r['shards']}: task run {rep['wall_s']:.3f} s = start-up "
+            print(f"  shard {k}/{r['shards']} (host_memory {st.get('host_budget_bytes', 0) / 2**30:.1f} "
+                  f"GiB, {st.get('write_mode')}): task run {rep['wall_s']:.3f} s = start-up "
                   f"{start:.3f} + step {st.get('wall_s', 0.0):.3f} (first GEMM "
                   f"{st.get('first_gemm_s')}, flush {st.get('flush_s', 0.0):.3f}, "
                   f"{st.get('bottleneck')}, backend kept: {st.get('backend_reused')}) + after "
@@ -122,9 +127,14 @@ def main() -> None:
             mgd.to_npy(prod, str(d / "C_dask.npy"))
 
     times: dict = {"mgmm_stream.dask.matmul": [], "dask a @ b (to_npy)": []}
+    runs = [("mgmm_stream.dask.matmul", ours), ("dask a @ b (to_npy)", theirs)]
+    for hm in args.host_memory or []:
+        times[f"mgmm_stream.dask.matmul host_memory={hm}"] = []
+        runs.append((f"mgmm_stream.dask.matmul host_memory={hm}",
+                     lambda hm=hm: ours(host_memory=hm)))
     for rep in range(args.reps):
-        for label, fn in (("mgmm_stream.dask.matmul", ours), ("dask a @ b (to_npy)", theirs)):
-            clear("C_mg.npy" if fn is ours else "C_dask.npy")
+        for label, fn in runs:
+            clear("C_dask.npy" if fn is theirs else "C_mg.npy")
             t0 = time.perf_counter()
             fn()
             dtm = time.perf_counter() - t0
@@ -143,6 +153,10 @@ def main() -> None:
     print(f"median: mgmm_stream.dask {ours_m:.2f} s, dask a @ b {theirs_m:.2f} s, "
           f"ratio (dask / ours) {theirs_m / ours_m:.2f}x; max |diff|/(|c|+1) {worst:.2e}",
           flush=True)
+    for hm in args.host_memory or []:
+        m = statistics.median(times[f"mgmm_stream.dask.matmul host_memory={hm}"])
+        print(f"median with host_memory={hm}: {m:.2f} s, ratio (dask / ours) {theirs_m / m:.2f}x",
+              flush=True)
     client.close()
     cluster.close()
 

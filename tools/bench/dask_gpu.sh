@@ -11,7 +11,7 @@
 #   /tmp/v/bin/maturin build --release -m python/Cargo.toml -o .whl
 # Then:  run(command="tools/bench/dask_gpu.sh", carry=[".dev/wheels-dask", ".whl"])
 # Env: N (default 32768), GPUS (default: every GPU), CHUNK (Dask chunk edge, default 8192),
-# REPS (default 2). Log: $OUT/dask_gpu.log.
+# REPS (default 2), HOST_MEMORY (also time ours with that host_memory, interleaved). Log: $OUT/dask_gpu.log.
 set -uo pipefail
 ROOT=$PWD
 OUT=${OUT:-/tmp/out}
@@ -28,5 +28,5 @@ python3 -c "import dask, distributed, cupy, mgmm_stream; print('dask', dask.__ve
 nvidia-smi --query-gpu=index,name --format=csv,noheader | tee -a "$LOG"
 DIR=${DIR:-/tmp/dask_gpu}
 python3 "$ROOT/python/bench/dask_vs_dask.py" --n "$N" --gpus "$GPUS" --threads 1 --chunk "$CHUNK" \
-  --reps "$REPS" --backend cuda --dir "$DIR" 2>&1 | grep -v "distributed\.\(nanny\|scheduler\|core\|worker\|http\)" | tee -a "$LOG"
+  --reps "$REPS" --backend cuda --dir "$DIR" ${HOST_MEMORY:+--host-memory "$HOST_MEMORY"} 2>&1 | grep -v "distributed\.\(nanny\|scheduler\|core\|worker\|http\)" | tee -a "$LOG"
 rm -rf "$DIR"
