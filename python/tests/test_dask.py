@@ -204,7 +204,7 @@ def test_host_memory_defaults_to_a_quarter_of_the_workers_memory_limit(client, t
     a, b = rand((130, 70), seed=5), rand((70, 90), seed=6)
     pa, pb = save(tmp_path, "A.npy", a), save(tmp_path, "B.npy", b)
     limits = [w["memory_limit"] for w in client.scheduler_info()["workers"].values()]
-    want = max(2 << 30, min(limits) // 4)
+    want = max(64 << 20, min(limits) // 4)
     rep = mgd.matmul(pa, pb, out=str(tmp_path / "C.npy"), report=True, **SETTINGS)
     budgets = {s["host_budget_bytes"] for r in rep["reports"] for s in r["steps"]}
     assert budgets == {want}, (budgets, limits)

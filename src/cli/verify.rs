@@ -187,7 +187,7 @@ pub(super) fn verify_plan(
     let advice = if failed.iter().any(|(_, kind)| *kind == 0) {
         "an input does not match its stored checksums (see above): restore it, then verify again"
     } else if failed.iter().all(|(_, kind)| *kind == 1) {
-        "see the reason above: `run` resumes an unfinished step; `run --restart` recomputes one whose plan or inputs changed"
+        "see the reason above: `run` resumes an unfinished step (a split one: `run PLAN --shard K/S` for the shards left, as the reason says); `run --restart` recomputes one whose plan or inputs changed"
     } else if failed.iter().all(|(_, kind)| *kind == 3) {
         "the output does not match the inputs or its stored checksums, and no journal is beside it, so single tiles cannot be redone: `run --restart` recomputes the whole step"
     } else {

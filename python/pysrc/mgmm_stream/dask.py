@@ -439,7 +439,7 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
         ``chunks``) or ``"C.mgt"`` (returns the report).
     shards: how many shard tasks (default: the workers times the engine's shards per process,
         docs/CLUSTER.md). host_memory: default a quarter of the smallest worker memory limit
-        (Dask's ``memory_limit``), at least the engine's 2 GiB. threads: engine threads per task (default: the worker's threads on
+        (Dask's ``memory_limit``); the engine's 2 GiB where a worker has no limit. threads: engine threads per task (default: the worker's threads on
         the CPU, every core with a GPU). devices: GPU ordinals as the worker sees them
         (default: its first GPU when CUDA_VISIBLE_DEVICES lists several, as under dask-cuda,
         else every GPU it sees).
@@ -535,8 +535,10 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
 
 def _worker_host_memory(workers: Dict[str, Any]) -> Optional[int]:
     """``host_memory`` for the shard tasks when the caller gave none: a quarter of the smallest
-    worker memory limit Dask knows (its ``memory_limit``), at least the engine's default of
-    2 GiB; ``None`` (the engine's default) when a worker has no limit. One value for every task,
+    worker memory limit Dask knows (its ``memory_limit``; at least 64 MiB) — below the engine's
+    2 GiB default for workers of less than 8 GiB, which that default would take past their limit
+    (a 300 MiB worker was restarted four times and the call failed with KilledWorker); ``None``
+    (the engine's default) when a worker has no limit. One value for every task,
     so that ``prepare`` and every shard lay the step out alike.
 
     The engine's default is sized for a process that shares its host; a Dask worker has been
@@ -549,7 +551,7 @@ def _worker_host_memory(workers: Dict[str, Any]) -> Optional[int]:
     limits = [int(w.get("memory_limit") or 0) for w in workers.values()]
     if not limits or min(limits) <= 0:
         return None
-    return max(2 << 30, min(limits) // 4)
+    return max(64 << 20, min(limits) // 4)
 
 
 def _pythonic(msg: str, ea: Dict[str, Any], eb: Dict[str, Any]) -> str:
