@@ -212,3 +212,18 @@ def test_host_memory_defaults_to_a_quarter_of_the_workers_memory_limit(client, t
     rep = mgd.matmul(pa, pb, out=str(tmp_path / "D.npy"), report=True, host_memory="1GiB",
                      **SETTINGS)
     assert {s["host_budget_bytes"] for r in rep["reports"] for s in r["steps"]} == {1 << 30}
+
+
+def test_the_default_host_memory_is_a_quarter_of_the_smallest_limit_and_none_without_one():
+    from mgmm_stream.dask import _worker_host_memory
+
+    gib = 1 << 30
+    workers = {f"w{i}": {"memory_limit": (40 + i) * gib} for i in range(7)}
+    assert _worker_host_memory(workers) == 10 * gib
+    workers["small"] = {"memory_limit": 300 << 20}
+    assert _worker_host_memory(workers) == 75 << 20
+    workers["tiny"] = {"memory_limit": 1 << 20}
+    assert _worker_host_memory(workers) == 64 << 20
+    workers["unlimited"] = {"memory_limit": 0}
+    assert _worker_host_memory(workers) is None
+    assert _worker_host_memory({}) is None

@@ -16,9 +16,10 @@
 //!
 //! A process works shard after shard ([`run_step_shards`]): its own first, then any unclaimed
 //! one, so a fast node takes more. The output is created once (temporary name + `link`, see
-//! [`prepare`]) and written with `pwrite` only, never through a shared mapping (not coherent
-//! across NFS clients). The process that sees every tile done finalizes ([`finalize`]): it
-//! checks every journal record against the bytes, writes the checksum table and the step's
+//! [`prepare`]) and written through a shared map on a local disk (the node's processes share its
+//! page cache) and with `pwrite` elsewhere (a mapping is not coherent across NFS clients;
+//! [`writer`]). The process that sees every tile done finalizes ([`finalize`]): it checks
+//! every journal record against the bytes (one read), writes the checksum table and the step's
 //! merged journal. Journals record tiles, not shard ids, so a rerun with another S or process
 //! count resumes from whatever is done.
 

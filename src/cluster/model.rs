@@ -7,7 +7,7 @@
 //! filesystem, since nothing is shared between processes. The predicted time is the largest
 //! of: FLOPs over the GPUs' sustained rate; the shared filesystem's read plus write traffic
 //! over its aggregate bandwidth; each node's share of that traffic over its link; each GPU's
-//! PCIe share over the link rate — plus `finalize`, which reads the output twice on one node.
+//! PCIe share over the link rate — plus `finalize`, which reads the output once on one node.
 //! Every rate is an assumption printed beside its result (docs/CLUSTER.md).
 
 use super::shard_range;
@@ -108,7 +108,7 @@ fn predict_step(step: &Step, mc: &Machine, procs: u64) -> (String, f64) {
     let t_node = (read + write) as f64 / mc.nodes as f64 / mc.node_bandwidth;
     let h2d_gpu = read as f64 / procs as f64;
     let t_pcie = h2d_gpu / mc.pcie;
-    let t_fin = 2.0 * write as f64 / mc.node_bandwidth.min(mc.fs_bandwidth);
+    let t_fin = write as f64 / mc.node_bandwidth.min(mc.fs_bandwidth);
     let bound = t_gemm.max(t_fs).max(t_node).max(t_pcie);
     let f = |b: u128| fmt_bytes(b.min(u64::MAX as u128) as u64);
     let mut s = format!(
@@ -142,7 +142,7 @@ fn predict_step(step: &Step, mc: &Machine, procs: u64) -> (String, f64) {
         secs(t_pcie)
     );
     s += &format!(
-        "  finalize (one node reads the output twice): {}\n  => step at least {} ({}-bound) + finalize\n",
+        "  finalize (one node reads the output once): {}\n  => step at least {} ({}-bound) + finalize\n",
         secs(t_fin),
         secs(bound),
         if bound == t_gemm { "compute" } else if bound == t_pcie { "PCIe" } else if bound == t_node { "node-link" } else { "filesystem" }

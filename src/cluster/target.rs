@@ -1,5 +1,6 @@
-//! One shard of a split step as a [`Target`]: the prepared output reopened for `pwrite`
-//! ([`ShardWriter`]), the shard's own journal, and the checkpoints of its tiles. What is done is
+//! One shard of a split step as a [`Target`]: the prepared output reopened for writing
+//! ([`ShardWriter`]: as one process writes it on a local disk, with `pwrite` elsewhere), the
+//! shard's own journal, and the checkpoints of its tiles. What is done is
 //! what any shard journal (under any earlier split) records with a CRC that the output's bytes
 //! still match, so a rerun with another shard count resumes from whatever is done.
 
@@ -104,6 +105,15 @@ impl Target for ShardTarget<'_> {
         );
         let writer = ShardWriter::open(&step.output, header, plan.mode)?;
         writer.release_written(plan.drop_written);
+        if plan.drop_written {
+            // Tiles other shards (or an earlier run) write count toward their storage tiles'
+            // completion, as in one process's resume: a storage tile this shard writes in part
+            // leaves its map once its part is written. Dropping only this process's mappings,
+            // so safe while another process writes the rest.
+            for t in sched.tiles.iter().filter(|t| !todo_set.contains(&t.seq)) {
+                writer.release(&t.block);
+            }
+        }
         let done_before = total - todo.len() as u64;
         Ok(Resume::Work(Opened {
             work: Work {

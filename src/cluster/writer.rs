@@ -107,8 +107,12 @@ impl MatrixSink for ShardWriter {
         // Tearing down a populated map's page tables takes a while (0.12 s for 4 GiB): not on
         // the way to `finalize`, which reads the file through the page cache anyway.
         let inner = self.inner;
-        if self.mode == WriteMode::Mmap {
-            std::thread::spawn(move || drop(inner));
+        if inner.write_mode() == WriteMode::Mmap.name() {
+            let spawned = std::thread::Builder::new()
+                .name("mgmm-unmap".into())
+                .spawn(move || drop(inner));
+            // Without a thread, the writer was dropped with the closure: here, as before.
+            drop(spawned);
         }
         Ok(())
     }

@@ -162,12 +162,17 @@ pub struct DeviceBlock {
 }
 
 /// CRC-32C of block `b` of `src` read as `dt` — the block's bytes row by row, what a journal
-/// records for a written tile — read in bands of whole rows (at most 8 MiB each) on the rayon
-/// pool, each into a buffer its thread keeps, and combined in order. A block is checked without
-/// being held whole in memory: `finalize` checks every tile of an output at once, and one
-/// buffer per tile (4 GiB for a 32768² f32 output) cost a page fault per 4 KiB before the read.
+/// records for a written tile — read in bands of whole rows (8 MiB, or one row where a row is
+/// longer) on the rayon pool, each into a buffer its thread keeps from band to band and block to
+/// block, and combined in order. A block is checked without being held whole in memory:
+/// `finalize` checks every tile of an output at once, and one buffer per tile (4 GiB for a
+/// 32768² f32 output) cost a page fault per 4 KiB before the read.
 pub(crate) fn block_crc<S: MatrixSource + ?Sized>(src: &S, b: &Block, dt: DType) -> Result<u32> {
     use rayon::prelude::*;
+    use std::cell::RefCell;
+    thread_local! {
+        static BAND_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    }
     const BAND: u64 = 8 << 20;
     let rows = (BAND / (b.cols * dt.size() as u64).max(1)).max(1);
     let bands: Vec<Block> = (0..b.rows.div_ceil(rows))
@@ -180,10 +185,15 @@ pub(crate) fn block_crc<S: MatrixSource + ?Sized>(src: &S, b: &Block, dt: DType)
         .collect();
     let parts: Vec<Result<(u32, usize)>> = bands
         .par_iter()
-        .map_init(Vec::new, |buf: &mut Vec<u8>, band| {
+        .map(|band| {
+            // Taken out of the cell for the read, not borrowed through it: the read may run
+            // rayon work of its own, and this thread may take another band meanwhile.
+            let mut buf = BAND_BUF.take();
             buf.resize(band.elems() * dt.size(), 0);
-            src.read_block(band, dt, buf)?;
-            Ok((crc32c::crc32c(buf), buf.len()))
+            let r = src.read_block(band, dt, &mut buf);
+            let out = r.map(|()| (crc32c::crc32c(&buf), buf.len()));
+            BAND_BUF.set(buf);
+            out
         })
         .collect();
     parts.into_iter().try_fold(0u32, |acc, p| {

@@ -519,9 +519,20 @@ fn a_split_npy_output_is_the_npy_one_process_writes() {
     let reference = std::fs::read(one.path().join("C.npy")).unwrap();
     assert_eq!(&reference[..6], b"\x93NUMPY");
 
-    let d = tmp();
-    let dir = d.path();
-    npy_plan(dir);
+    // A shard on a local disk writes as one process does (through the map: `write = "auto"`),
+    // and with `pwrite` when told to (what it always does off a local disk): the same bytes.
+    for (write, want) in [("auto", "mmap"), ("pwrite", "pwrite")] {
+        let d = tmp();
+        let dir = d.path();
+        npy_plan(dir);
+        let p = dir.join("plan.toml");
+        let text = std::fs::read_to_string(&p).unwrap();
+        std::fs::write(&p, format!("{text}write = \"{write}\"\n")).unwrap();
+        split_npy_matches(dir, one.path(), &reference, want);
+    }
+}
+
+fn split_npy_matches(dir: &Path, one: &Path, reference: &[u8], want_mode: &str) {
     ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
     let head = std::fs::read(dir.join("C.npy")).unwrap();
     assert_eq!(
@@ -535,13 +546,25 @@ fn a_split_npy_output_is_the_npy_one_process_writes() {
         "a prepared output's header is one numpy refuses"
     );
     for k in 0..2 {
+        let rep = format!("r{k}.json");
         ok(cmd(
             dir,
-            &["run", "plan.toml", "-q", "--shard", &format!("{k}/2")],
+            &[
+                "run",
+                "plan.toml",
+                "-q",
+                "--shard",
+                &format!("{k}/2"),
+                "--report",
+                &rep,
+            ],
             &[],
         )
         .output()
         .unwrap());
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(&rep)).unwrap()).unwrap();
+        assert_eq!(r["steps"][0]["write_mode"], want_mode, "shard {k}/2");
     }
     // The last shard finalizes the step; an explicit finalize says so.
     ok(cmd(dir, &["finalize", "plan.toml"], &[]).output().unwrap());
@@ -555,7 +578,7 @@ fn a_split_npy_output_is_the_npy_one_process_writes() {
     let side = std::fs::read(dir.join("C.npy.crc32c")).expect("finalize writes the sidecar");
     assert_eq!(
         side,
-        std::fs::read(one.path().join("C.npy.crc32c")).unwrap(),
+        std::fs::read(one.join("C.npy.crc32c")).unwrap(),
         "the same checksum sidecar as one process's"
     );
     let o = ok(cmd(dir, &["info", "C.npy", "--check"], &[])

@@ -4,8 +4,7 @@ chosen by measured rate rather than guessed (issue 35: the engine's 8192³ fp32 
 ≈ 46 TFLOP/s in a step where torch's one 32768² GEMM ran at 53). No engine, no files: torch's
 `mm` (cuBLAS) on device buffers of each shape, `beta = 0` (`mm`) and accumulating into the
 output (`addmm_`, the engine's k-blocks after the first), timed with CUDA events over a few
-reps after one untimed call, and a run of GEMMs back to back over a panel as the engine issues
-a tile's k-blocks.
+reps after one untimed call.
 
     python3 tools/probes/gemm_shape_rates.py [--dtype f32 f64] [--reps 5]
 

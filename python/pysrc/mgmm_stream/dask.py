@@ -482,7 +482,7 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
     text = _native.json_to_toml(json.dumps(plan))
     precision, engine = _merge_precision(precision, engine)
     nthreads = 0 if threads is None else int(threads)
-    workers = c.scheduler_info().get("workers", {})
+    workers = _workers(c)
     if host_memory is None and "host_memory" not in (engine or {}):
         host_memory = _worker_host_memory(workers)
     settings = _settings(backend, "all" if devices is None else devices, host_memory,
@@ -531,6 +531,17 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
     if report or o.endswith(".mgt"):
         return {"output": o, "shards": s, "reports": reports}
     return from_npy(o, chunks=out_chunks)
+
+
+def _workers(c: Any) -> Dict[str, Any]:
+    """Every worker the scheduler knows (``scheduler_info`` lists only five by default in some
+    versions of distributed; the count sets the default number of shards and the smallest
+    memory limit the default ``host_memory``)."""
+    try:
+        info = c.scheduler_info(n_workers=-1)
+    except TypeError:  # a distributed without the argument lists every worker
+        info = c.scheduler_info()
+    return info.get("workers", {})
 
 
 def _worker_host_memory(workers: Dict[str, Any]) -> Optional[int]:
