@@ -141,6 +141,13 @@ def main() -> None:
             times[label].append(dtm)
             print(f"rep {rep + 1}: {label}: {dtm:.2f} s = {2 * n**3 / dtm / 1e9:.1f} GFLOP/s",
                   flush=True)
+    def cores() -> str:
+        import os as _os
+        th = [ln for ln in open("/proc/self/status") if ln.startswith("Threads:")]
+        return (f"pid {_os.getpid()}: {len(_os.sched_getaffinity(0))} CPUs in its affinity of "
+                f"{_os.cpu_count()}, {th[0].split()[1] if th else '?'} threads")
+    for w, info in client.run(cores).items():
+        print(f"  worker {w}: {info}", flush=True)
     x = np.load(d / "C_mg.npy", mmap_mode="r")
     y = np.load(d / "C_dask.npy", mmap_mode="r")
     worst = 0.0
