@@ -103,14 +103,18 @@ def main() -> None:
         for k, rep in enumerate(r["reports"]):
             st = rep["steps"][0] if rep.get("steps") else {}
             start = sum(v for _n, v in rep.get("startup_s", []))
-            after = rep["wall_s"] - start - st.get("wall_s", 0.0)
+            # `wall_s` starts after the backend's start (the first entry of `startup_s`).
+            backend = dict(rep.get("startup_s", [])).get("backend", 0.0)
+            run = rep["wall_s"] + backend
+            after = run - start - st.get("wall_s", 0.0)
             print(f"  shard {k}/{r['shards']} (host_memory {st.get('host_budget_bytes', 0) / 2**30:.1f} "
-                  f"GiB, {st.get('write_mode')}): task run {rep['wall_s']:.3f} s = start-up "
+                  f"GiB, {st.get('write_mode')}): task run {run:.3f} s = start-up "
                   f"{start:.3f} + step {st.get('wall_s', 0.0):.3f} (first GEMM "
                   f"{st.get('first_gemm_s')}, flush {st.get('flush_s', 0.0):.3f}, "
                   f"{st.get('bottleneck')}, backend kept: {st.get('backend_reused')}) + after "
-                  f"the step {after:.3f}", flush=True)
-        runs = sum(rep["wall_s"] for rep in r["reports"])
+                  f"the step {after:.3f} (the step's set-up, the split step's finalize)", flush=True)
+        runs = sum(rep["wall_s"] + dict(rep.get("startup_s", [])).get("backend", 0.0)
+                   for rep in r["reports"])
         print(f"  outside the shards' runs (prepare, finalize task, Dask): {total - runs:.3f} s",
               flush=True)
 
