@@ -9,8 +9,10 @@
 //! such processes do not both do it). It refuses while tiles are missing and names the shards;
 //! a tile whose bytes do not match any record (a node died before its writes reached the
 //! filesystem) is named too, and its shard's `.done` marker removed so that a rerun redoes it.
-//! It reads the whole output once, whatever the shards' page caches held: each tile is checked
-//! against its journal records, and the checksum table is made of the CRCs so checked.
+//! It reads the output once, whatever the shards' page caches held: each tile is checked against
+//! its journal records, and the checksum table is made of the CRCs so checked — except the
+//! tiles the finalizing process itself wrote and recorded in this run, on a local disk
+//! ([`Own`]): their bytes are in the page cache every reader of the node sees.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -32,16 +34,40 @@ use crate::store::{
 /// What finalize found and did.
 pub(crate) struct Finalized {
     pub(crate) tiles: u32,
+    /// Of `tiles`, those read back to be checked (the rest this process wrote, [`Own`]).
+    pub(crate) read: u32,
     pub(crate) secs: f64,
 }
 
+/// The tiles of a step this process wrote and recorded in this run (seq → CRC): `finalize`
+/// need not read them back when the output is on a local disk. Their bytes went into the page
+/// cache, which is the file for every reader of the node, before their records — unlike a
+/// record found in a journal, which may have outlived its tile's bytes (a machine that went
+/// down with `durable = false`) or come from another node (NFS: a write that never reached the
+/// server).
+#[derive(Clone, Default)]
+pub(crate) struct Own(std::sync::Arc<std::sync::Mutex<BTreeMap<u32, u32>>>);
+
+impl Own {
+    pub(crate) fn note(&self, seq: u32, crc: u32) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(seq, crc);
+    }
+    fn get(&self) -> BTreeMap<u32, u32> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
 /// Finalize `step` now if every tile is recorded and nobody else is at it; quietly nothing
-/// otherwise.
+/// otherwise. `own`: the tiles this process wrote in this run ([`Own`]).
 pub(crate) fn try_auto(
     plan: &Plan,
     step: &Step,
     sh: &ShardOptions,
     progress: &Progress,
+    own: &Own,
 ) -> Result<()> {
     let Some(m) = read_manifest(&step.output)? else {
         return Ok(());
@@ -70,12 +96,13 @@ pub(crate) fn try_auto(
         let r = if is_finalized(&step.output, Some(&m.fingerprint))? {
             Ok(())
         } else {
-            finalize_step(step, &m, plan.engine.durable).map(|f| {
+            finalize_step(step, &m, plan.engine.durable, &own.get()).map(|f| {
                 progress.note(&format!(
-                    "step {}: finalized {} ({} checked, checksum table written) in {:.2} s",
+                    "step {}: finalized {} ({} checked, {} read back — the rest this process wrote — checksum table written) in {:.2} s",
                     step.index + 1,
                     step.output.display(),
                     crate::progress::count(f.tiles as u64, "tile", "tiles"),
+                    f.read,
                     f.secs
                 ))
             })
@@ -104,7 +131,7 @@ pub(crate) fn wait_finalized(
         if is_finalized(&prev.output, None)? {
             return Ok(true);
         }
-        try_auto(plan, prev, sh, progress)?;
+        try_auto(plan, prev, sh, progress, &Own::default())?;
         is_finalized(&prev.output, None)
     })
 }
@@ -157,8 +184,14 @@ fn list(t: &[u32]) -> String {
 }
 
 /// Finalize a split step whose manifest is `m`. Needs no backend: the manifest holds the
-/// fingerprint and tile grid.
-pub(crate) fn finalize_step(step: &Step, m: &Manifest, durable: bool) -> Result<Finalized> {
+/// fingerprint and tile grid. `own`: tiles this process wrote and recorded in this run, with
+/// their CRCs ([`Own`]), taken as checked when the output is on a local disk.
+pub(crate) fn finalize_step(
+    step: &Step,
+    m: &Manifest,
+    durable: bool,
+    own: &BTreeMap<u32, u32>,
+) -> Result<Finalized> {
     let t0 = std::time::Instant::now();
     let out = &step.output;
     let rec: BTreeMap<u32, Vec<u32>> = recorded(&state_dir(out), &m.fingerprint)?;
@@ -176,22 +209,33 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest, durable: bool) -> Result<
     // Any output format: `.mgt`, or a `.npy` whose unfinished header the engine reads.
     let tc = std::time::Instant::now();
     let file = open_as_written(out)?;
+    let local = std::fs::File::open(out).is_ok_and(|f| crate::store::fsutil::on_local_disk(&f));
+    let empty = BTreeMap::new();
+    let own = if local { own } else { &empty };
     let dt = file.dtype();
     let blocks = m.blocks();
-    let checked: Vec<Result<(u32, Option<u32>)>> = blocks
+    let checked: Vec<Result<(u32, Option<u32>, bool)>> = blocks
         .par_iter()
         .enumerate()
         .map(|(i, b)| {
+            let recs = &rec[&(i as u32)];
+            // Written and recorded by this process in this run, on a local disk: in the file.
+            if let Some(&crc) = own.get(&(i as u32)).filter(|c| recs.contains(c)) {
+                return Ok((i as u32, Some(crc), false));
+            }
             let crc = block_crc(&*file, b, dt)?;
-            Ok((i as u32, rec[&(i as u32)].contains(&crc).then_some(crc)))
+            Ok((i as u32, recs.contains(&crc).then_some(crc), true))
         })
         .collect();
     let mut good = Vec::with_capacity(blocks.len());
     let mut bad = Vec::new();
+    let mut read = 0;
     for r in checked {
-        match r? {
-            (i, Some(c)) => good.push((i, c)),
-            (i, None) => bad.push(i),
+        let (i, crc, was_read) = r?;
+        read += u32::from(was_read);
+        match crc {
+            Some(c) => good.push((i, c)),
+            None => bad.push(i),
         }
     }
     if !bad.is_empty() {
@@ -209,8 +253,7 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest, durable: bool) -> Result<
     // The checksums of every tile (a `.mgt`'s table; a `.npy`'s sidecar, then its real
     // header, last), synced with the data when `durable` (`engine.durable`) or the output is
     // not on a local disk (as the shards' writes, `ShardWriter::finish`).
-    let sync =
-        durable || !std::fs::File::open(out).is_ok_and(|f| crate::store::fsutil::on_local_disk(&f));
+    let sync = durable || !local;
     // The table is made of the CRCs just checked (a tile that is one storage tile is not read a
     // second time; on one H100 a Dask task's 4 GiB output was read twice here).
     let sink = reopen_output(out, output_header_of(out, m, dt)?, WriteMode::Pwrite)?;
@@ -229,6 +272,7 @@ pub(crate) fn finalize_step(step: &Step, m: &Manifest, durable: bool) -> Result<
     );
     Ok(Finalized {
         tiles: m.tiles,
+        read,
         secs: t0.elapsed().as_secs_f64(),
     })
 }
@@ -284,7 +328,9 @@ pub fn finalize_plan(
             if let claim::Try::Got(c) = claim::try_claim(&cp, Duration::from_secs(120))? {
                 let r = match is_finalized(&step.output, Some(&m.fingerprint))? {
                     true => Ok(None),
-                    false => finalize_step(step, &m, plan.engine.durable).map(Some),
+                    false => {
+                        finalize_step(step, &m, plan.engine.durable, &BTreeMap::new()).map(Some)
+                    }
                 };
                 c.release();
                 done = r?;

@@ -328,6 +328,7 @@ fn run_step_shards(
     let mut reports = Vec::new();
     let mut busy = Vec::new();
     let sources = || crate::run::open_sources(step);
+    let own = finalize::Own::default();
     for k in sh.spec.order(s) {
         if shard_file(&dir, k, s, "done").exists() {
             continue;
@@ -365,8 +366,11 @@ fn run_step_shards(
             &plan.engine,
             fp.clone(),
             (dir.clone(), shard_file(&dir, k, s, "journal")),
-            shard_range(manifest.tiles, manifest.gn as u32, s, k),
-            format!("shard {k}/{s}"),
+            (
+                shard_range(manifest.tiles, manifest.gn as u32, s, k),
+                format!("shard {k}/{s}"),
+            ),
+            own.clone(),
         );
         let rep = match cx
             .step_run(Box::new(target), &sources)
@@ -399,7 +403,7 @@ fn run_step_shards(
         ));
     }
     let t = std::time::Instant::now();
-    finalize::try_auto(plan, step, sh, progress)?;
+    finalize::try_auto(plan, step, sh, progress, &own)?;
     crate::trace::span(
         "start-up",
         &format!("step {n}: finalize"),

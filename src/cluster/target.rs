@@ -11,12 +11,16 @@ use std::path::PathBuf;
 use super::writer::ShardWriter;
 use crate::durable::checkpoint::Checkpoints;
 use crate::durable::journal::{Fingerprint, Journal};
+use crate::durable::sink::TileSink;
 use crate::error::Result;
 use crate::pipeline::{output_header, Work};
 use crate::plan::layout::Layout;
+use crate::plan::schedule::OutTile;
 use crate::plan::schedule::Schedule;
 use crate::plan::{Engine, Step};
-use crate::run::target::{check_recorded, resolve_write, JournalRecord, Opened, Resume, Target};
+use crate::run::target::{
+    check_recorded, resolve_write, JournalRecord, Opened, Record, Resume, Target,
+};
 use crate::store::{open_as_written, MatrixSink, WriteMode};
 
 /// The tiles `tiles` of `step`, worked by this process under the shard's claim.
@@ -37,18 +41,42 @@ pub(crate) struct ShardTarget<'a> {
     pub(crate) write: WriteMode,
     pub(crate) host_memory: u64,
     pub(crate) ckpt: Checkpoints,
+    /// The tiles this process wrote and recorded in this run (seq → CRC), for `finalize`
+    /// ([`super::finalize::Own`]), shared by the shards it works.
+    pub(crate) own: super::finalize::Own,
+}
+
+/// A shard's journal as its [`Record`], noting each tile it records in [`ShardTarget::own`].
+struct ShardRecord {
+    journal: JournalRecord,
+    own: super::finalize::Own,
+}
+
+impl TileSink for ShardRecord {
+    fn tile_written(&self, tile: &OutTile, crc: u32) -> Result<()> {
+        self.journal.tile_written(tile, crc)?;
+        self.own.note(tile.seq, crc);
+        Ok(())
+    }
+}
+
+impl Record for ShardRecord {
+    fn complete(&self) -> Result<()> {
+        self.journal.complete()
+    }
 }
 
 impl<'a> ShardTarget<'a> {
-    /// The target of shard `label` (tiles `tiles`) of `step`, its journal at `journal` in `dir`.
+    /// The target of shard `label` (tiles `tiles`) of `step`, its journal at `journal` in `dir`;
+    /// the tiles it records are noted in `own` for this process's `finalize`.
     pub(crate) fn new(
         step: &'a Step,
         layout: &'a Layout,
         engine: &Engine,
         fp: Fingerprint,
         (dir, journal): (PathBuf, PathBuf),
-        tiles: Range<u32>,
-        label: String,
+        (tiles, label): (Range<u32>, String),
+        own: super::finalize::Own,
     ) -> ShardTarget<'a> {
         let ckpt = Checkpoints::for_step(step, layout, engine, &fp);
         ShardTarget {
@@ -63,6 +91,7 @@ impl<'a> ShardTarget<'a> {
             write: engine.write,
             host_memory: engine.host_memory,
             ckpt,
+            own,
         }
     }
 }
@@ -124,7 +153,10 @@ impl Target for ShardTarget<'_> {
             total,
             bad,
             notes,
-            record: Box::new(JournalRecord(journal)),
+            record: Box::new(ShardRecord {
+                journal: JournalRecord(journal),
+                own: self.own.clone(),
+            }),
         }))
     }
 

@@ -717,3 +717,75 @@ fn a_finished_split_output_that_is_gone_is_prepared_again() {
     assert!(std::fs::read(dir.join("C.mgt")).unwrap() == clean);
     assert!(std::fs::read(dir.join("C.mgt")).unwrap() == single(SMALL, 64));
 }
+
+/// `finalize` takes the tiles its own process wrote in this run as they are (on a local disk
+/// the page cache is the file) and reads back every other: a tile of another process whose
+/// bytes no longer match its record is named, its shard's `.done` removed, and a rerun of that
+/// shard ends in one process's bytes.
+#[test]
+fn finalize_reads_back_other_processes_tiles_and_names_one_that_changed() {
+    let npy_plan = |dir: &Path| {
+        plan(dir, SMALL, 64);
+        let p = dir.join("plan.toml");
+        let text = std::fs::read_to_string(&p).unwrap();
+        std::fs::write(&p, text.replace("output = \"C.mgt\"", "output = \"C.npy\"")).unwrap();
+    };
+    let one = tmp();
+    npy_plan(one.path());
+    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
+        .output()
+        .unwrap());
+    let reference = std::fs::read(one.path().join("C.npy")).unwrap();
+
+    // One process doing every shard reads nothing back.
+    let d = tmp();
+    npy_plan(d.path());
+    let o = ok(cmd(d.path(), &["run", "plan.toml", "--shard", "0/1"], &[])
+        .output()
+        .unwrap());
+    assert!(o.contains("0 read back"), "{o}");
+    assert!(std::fs::read(d.path().join("C.npy")).unwrap() == reference);
+
+    // Two processes: the second finalizes, reading the first one's tiles.
+    let d = tmp();
+    let dir = d.path();
+    npy_plan(dir);
+    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    ok(cmd(dir, &["run", "plan.toml", "-q", "--shard", "0/2"], &[])
+        .output()
+        .unwrap());
+    // Shard 0 holds the first rows of tiles: change one byte of the output's first row.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("C.npy"))
+        .unwrap();
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 1];
+    std::fs::File::open(dir.join("C.npy"))
+        .unwrap()
+        .read_exact_at(&mut b, 4096 + 8)
+        .unwrap();
+    f.write_all_at(&[b[0] ^ 0x40], 4096 + 8).unwrap();
+    drop(f);
+    let o = cmd(dir, &["run", "plan.toml", "--shard", "1/2"], &[])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "a changed tile must stop finalize: {err}"
+    );
+    assert!(
+        err.contains("do not hold the bytes") && err.contains("shard 0/2"),
+        "{err}"
+    );
+    // The rerun of shard 0 redoes its changed tile, and the last shard finalizes.
+    let o = ok(cmd(dir, &["run", "plan.toml", "--shard", "0/2"], &[])
+        .output()
+        .unwrap());
+    assert!(o.contains("finalized"), "{o}");
+    assert!(
+        std::fs::read(dir.join("C.npy")).unwrap() == reference,
+        "after the rerun the split output is one process's"
+    );
+}
