@@ -6,7 +6,8 @@
 //! mtime is older than `timeout` (a node that died or lost the filesystem). A stale claim is
 //! taken over by renaming it aside — `rename` is atomic, so of two processes that both judged it
 //! stale exactly one wins — and creating a fresh one. Correctness of the output never rests on
-//! claims: every journal record is checked against the tile's bytes before it is believed, and
+//! claims: every journal record is checked against the tile's bytes before it is believed
+//! (at finalize, all but the finalizing process's own when no other record disagrees), and
 //! tiles are computed bit-identically by any process, so even two writers of one shard (a
 //! heartbeat stalled longer than the timeout) would write the same bytes.
 

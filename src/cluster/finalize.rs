@@ -40,11 +40,15 @@ pub(crate) struct Finalized {
 }
 
 /// The tiles of a step this process wrote and recorded in this run (seq → CRC): `finalize`
-/// need not read them back when the output is on a local disk. Their bytes went into the page
-/// cache, which is the file for every reader of the node, before their records — unlike a
-/// record found in a journal, which may have outlived its tile's bytes (a machine that went
-/// down with `durable = false`) or come from another node (NFS: a write that never reached the
-/// server).
+/// need not read them back when the output is on a local disk and no other record of the tile
+/// disagrees. Their bytes went into the page cache, which is the file for every reader of the
+/// node, before their records — unlike a record found in a journal, which may have outlived its
+/// tile's bytes (a machine that went down with `durable = false`) or come from another node
+/// (NFS: a write that never reached the server). What this trusts: data written before its
+/// record, and no other writer of the tile since. What it no longer catches for these tiles
+/// (as for the checksum table of an unsplit run): a stray write of this process elsewhere in
+/// the file, memory corrupted after the copy, a writeback error the kernel never reported.
+/// One per [`super::run_step_shards`] call: a Dask shard task's own tiles only.
 #[derive(Clone, Default)]
 pub(crate) struct Own(std::sync::Arc<std::sync::Mutex<BTreeMap<u32, u32>>>);
 
@@ -219,8 +223,11 @@ pub(crate) fn finalize_step(
         .enumerate()
         .map(|(i, b)| {
             let recs = &rec[&(i as u32)];
-            // Written and recorded by this process in this run, on a local disk: in the file.
-            if let Some(&crc) = own.get(&(i as u32)).filter(|c| recs.contains(c)) {
+            // Written and recorded by this process in this run, on a local disk: in the file —
+            // unless another writer recorded other bytes for it (a shard taken over from a
+            // stalled owner that went on writing): then the file decides.
+            let agreed = |c: &&u32| recs.iter().all(|r| r == *c);
+            if let Some(&crc) = own.get(&(i as u32)).filter(agreed) {
                 return Ok((i as u32, Some(crc), false));
             }
             let crc = block_crc(&*file, b, dt)?;

@@ -19,7 +19,8 @@
 //! [`prepare`]) and written through a shared map on a local disk (the node's processes share its
 //! page cache) and with `pwrite` elsewhere (a mapping is not coherent across NFS clients;
 //! [`writer`]). The process that sees every tile done finalizes ([`finalize`]): it checks
-//! every journal record against the bytes (one read), writes the checksum table and the step's
+//! every journal record against the bytes (one read; on a local disk not its own records of
+//! this run, [`finalize::Own`]), writes the checksum table and the step's
 //! merged journal. Journals record tiles, not shard ids, so a rerun with another S or process
 //! count resumes from whatever is done.
 
