@@ -503,20 +503,28 @@ fn prepare_on_all_lanes_and_shards_on_one_each_agree_on_the_auto_tile() {
 /// A split step with a `.npy` output writes a real `.npy`: `prepare`, two shards and
 /// `finalize` give the bytes one process gives (data at its 4096-byte offset, the real header),
 /// and `finalize` writes the checksum sidecar; until then the header is one numpy refuses.
-#[test]
-fn a_split_npy_output_is_the_npy_one_process_writes() {
-    let npy_plan = |dir: &Path| {
-        plan(dir, SMALL, 64);
-        let p = dir.join("plan.toml");
-        let text = std::fs::read_to_string(&p).unwrap();
-        std::fs::write(&p, text.replace("output = \"C.mgt\"", "output = \"C.npy\"")).unwrap();
-    };
+/// [`plan`] with a `.npy` output (SMALL, tile 64).
+fn npy_plan(dir: &Path) {
+    plan(dir, SMALL, 64);
+    let p = dir.join("plan.toml");
+    let text = std::fs::read_to_string(&p).unwrap();
+    std::fs::write(&p, text.replace("output = \"C.mgt\"", "output = \"C.npy\"")).unwrap();
+}
+
+/// One process's `.npy` output of [`npy_plan`]: its folder and its bytes.
+fn one_npy() -> (tempfile::TempDir, Vec<u8>) {
     let one = tmp();
     npy_plan(one.path());
     ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
         .output()
         .unwrap());
     let reference = std::fs::read(one.path().join("C.npy")).unwrap();
+    (one, reference)
+}
+
+#[test]
+fn a_split_npy_output_is_the_npy_one_process_writes() {
+    let (one, reference) = one_npy();
     assert_eq!(&reference[..6], b"\x93NUMPY");
 
     // A shard on a local disk writes as one process does (through the map: `write = "auto"`),
@@ -724,18 +732,7 @@ fn a_finished_split_output_that_is_gone_is_prepared_again() {
 /// shard ends in one process's bytes.
 #[test]
 fn finalize_reads_back_other_processes_tiles_and_names_one_that_changed() {
-    let npy_plan = |dir: &Path| {
-        plan(dir, SMALL, 64);
-        let p = dir.join("plan.toml");
-        let text = std::fs::read_to_string(&p).unwrap();
-        std::fs::write(&p, text.replace("output = \"C.mgt\"", "output = \"C.npy\"")).unwrap();
-    };
-    let one = tmp();
-    npy_plan(one.path());
-    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
-        .output()
-        .unwrap());
-    let reference = std::fs::read(one.path().join("C.npy")).unwrap();
+    let (_one, reference) = one_npy();
 
     // One process doing every shard reads nothing back.
     let d = tmp();
