@@ -179,20 +179,29 @@ impl Claim {
         }
     }
 
-    /// Stop the heartbeat and rename the claim to `to` (a shard's `.done` marker).
+    /// Whether the claim file still names this process: the heartbeat looks only every
+    /// `timeout / 4`, and a takeover since its last look must not be renamed or removed under
+    /// the process that now holds it (whose shard would then read as done while it writes).
+    fn still_mine(&self) -> bool {
+        let mine = format!("{} {} ", host(), std::process::id());
+        !self.lost() && std::fs::read_to_string(&self.path).is_ok_and(|t| t.starts_with(&mine))
+    }
+
+    /// Stop the heartbeat and rename the claim to `to` (a shard's `.done` marker); nothing when
+    /// another process has taken it over (its holder marks the shard done).
     pub(crate) fn finish_as(mut self, to: &Path) -> Result<()> {
         self.stop();
-        if self.lost() {
+        if !self.still_mine() {
             return Ok(());
         }
         std::fs::rename(&self.path, to)
             .map_err(|e| Error::io(&self.path, "cannot mark the shard done", e))
     }
 
-    /// Stop the heartbeat and remove the claim.
+    /// Stop the heartbeat and remove the claim (not one another process has taken over).
     pub(crate) fn release(mut self) {
         self.stop();
-        if !self.lost() {
+        if self.still_mine() {
             let _ = std::fs::remove_file(&self.path);
         }
     }
@@ -227,5 +236,42 @@ mod tests {
         // A claim by a process of this host that no longer exists is stale at once.
         std::fs::write(&p, format!("{} 4000000000 0\n", host())).unwrap();
         assert!(matches!(try_claim(&p, t).unwrap(), Try::Got(_)));
+    }
+
+    /// A claim another process took over since the heartbeat last looked is left to it: not
+    /// renamed to `.done` (its shard would read as done while the new holder writes it), not
+    /// removed.
+    #[test]
+    fn a_claim_taken_over_is_neither_marked_done_nor_removed() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("s.claim");
+        let done = d.path().join("s.done");
+        let t = Duration::from_secs(60);
+        let Try::Got(c) = try_claim(&p, t).unwrap() else {
+            panic!("first claim must succeed")
+        };
+        let other = "other-host 4242 0\n";
+        std::fs::write(&p, other).unwrap();
+        c.finish_as(&done).unwrap();
+        assert!(!done.exists(), "a taken-over claim was marked done");
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), other);
+        std::fs::remove_file(&p).unwrap();
+        let Try::Got(c) = try_claim(&p, t).unwrap() else {
+            panic!("claim after removal must succeed")
+        };
+        std::fs::write(&p, other).unwrap();
+        c.release();
+        assert_eq!(
+            std::fs::read_to_string(&p).unwrap(),
+            other,
+            "removed another's claim"
+        );
+        // Its own claim is marked done.
+        std::fs::remove_file(&p).unwrap();
+        let Try::Got(c) = try_claim(&p, t).unwrap() else {
+            panic!("claim after removal must succeed")
+        };
+        c.finish_as(&done).unwrap();
+        assert!(done.exists() && !p.exists());
     }
 }
