@@ -102,11 +102,15 @@ pub(crate) fn try_auto(
         } else {
             finalize_step(step, &m, plan.engine.durable, &own.get()).map(|f| {
                 progress.note(&format!(
-                    "step {}: finalized {} ({} checked, {} read back — the rest this process wrote — checksum table written) in {:.2} s",
+                    "step {}: finalized {} ({} checked{}, checksum table written) in {:.2} s",
                     step.index + 1,
                     step.output.display(),
                     crate::progress::count(f.tiles as u64, "tile", "tiles"),
-                    f.read,
+                    if f.read < f.tiles {
+                        format!(", {} read back: the rest this process wrote", f.read)
+                    } else {
+                        String::new()
+                    },
                     f.secs
                 ))
             })
@@ -213,7 +217,7 @@ pub(crate) fn finalize_step(
     // Any output format: `.mgt`, or a `.npy` whose unfinished header the engine reads.
     let tc = std::time::Instant::now();
     let file = open_as_written(out)?;
-    let local = std::fs::File::open(out).is_ok_and(|f| crate::store::fsutil::on_local_disk(&f));
+    let local = crate::store::fsutil::path_on_local_disk(out);
     let empty = BTreeMap::new();
     let own = if local { own } else { &empty };
     let dt = file.dtype();

@@ -21,7 +21,6 @@ use crate::store::{reopen_output, Block, Header, MatrixSink, WriteMode};
 pub(crate) struct ShardWriter {
     inner: Box<dyn MatrixSink>,
     path: PathBuf,
-    mode: WriteMode,
 }
 
 impl ShardWriter {
@@ -29,16 +28,20 @@ impl ShardWriter {
     /// when `mode` (resolved as one process would) says so and the file is on a local disk,
     /// else with `pwrite`s.
     pub(crate) fn open(path: &Path, hdr: Header, mode: WriteMode) -> Result<ShardWriter> {
-        let local = File::open(path).is_ok_and(|f| crate::store::fsutil::on_local_disk(&f));
         let mode = match mode {
-            WriteMode::Mmap if local => WriteMode::Mmap,
+            WriteMode::Mmap if crate::store::fsutil::path_on_local_disk(path) => WriteMode::Mmap,
             _ => WriteMode::Pwrite,
         };
         Ok(ShardWriter {
             inner: reopen_output(path, hdr, mode)?,
             path: path.to_path_buf(),
-            mode,
         })
+    }
+
+    /// Whether the writer writes through its map (it falls back to `pwrite` where the file
+    /// cannot be preallocated).
+    fn mapped(&self) -> bool {
+        self.inner.write_mode() == WriteMode::Mmap.name()
     }
 }
 
@@ -74,7 +77,7 @@ impl MatrixSink for ShardWriter {
         self.inner.write_mode()
     }
     fn flush_block(&self, b: &Block) -> Result<()> {
-        if self.mode == WriteMode::Mmap {
+        if self.mapped() {
             // A local disk: the block's range of the map, as one process flushes it.
             return self.inner.flush_block(b);
         }
@@ -106,8 +109,9 @@ impl MatrixSink for ShardWriter {
         }
         // Tearing down a populated map's page tables takes a while (0.12 s for 4 GiB): not on
         // the way to `finalize`, which reads the file through the page cache anyway.
+        let mapped = self.mapped();
         let inner = self.inner;
-        if inner.write_mode() == WriteMode::Mmap.name() {
+        if mapped {
             let spawned = std::thread::Builder::new()
                 .name("mgmm-unmap".into())
                 .spawn(move || drop(inner));

@@ -400,6 +400,11 @@ pub(crate) fn on_local_disk(file: &File) -> bool {
     }
 }
 
+/// [`on_local_disk`] of the file at `path` (false when it cannot be opened).
+pub(crate) fn path_on_local_disk(path: &Path) -> bool {
+    File::open(path).is_ok_and(|f| on_local_disk(&f))
+}
+
 /// Whether at least `fraction` of the pages of bytes `span` of `map` (a live map of a file,
 /// page-aligned at its start) are in the page cache, by `mincore(2)`. Where `mincore` fails,
 /// false: callers then take the path that works without the pages.

@@ -439,8 +439,9 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
         ``chunks``) or ``"C.mgt"`` (returns the report).
     shards: how many shard tasks (default: the workers times the engine's shards per process,
         docs/CLUSTER.md). host_memory: default a quarter of the smallest worker memory limit
-        (Dask's ``memory_limit``); the engine's 2 GiB where a worker has no limit. threads: engine threads per task (default: the worker's threads on
-        the CPU, every core with a GPU). devices: GPU ordinals as the worker sees them
+        (Dask's ``memory_limit``); the engine's 2 GiB where a worker has no limit. threads:
+        engine threads per task (default: the worker's threads on the CPU, every core with a
+        GPU). devices: GPU ordinals as the worker sees them
         (default: its first GPU when CUDA_VISIBLE_DEVICES lists several, as under dask-cuda,
         else every GPU it sees).
     retries: Dask's retries of a shard task that raised (a worker that dies is retried by
