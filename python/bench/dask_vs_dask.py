@@ -64,11 +64,16 @@ def main() -> None:
 
             cluster = LocalCUDACluster(n_workers=args.gpus, threads_per_worker=args.threads)
         except ImportError:
-            # One Nanny per GPU, each with its own CUDA_VISIBLE_DEVICES (what dask-cuda does).
+            # One Nanny per GPU, each with its own CUDA_VISIBLE_DEVICES and the host's memory
+            # shared among the GPUs' workers (what dask-cuda does: its LocalCUDACluster parses
+            # memory_limit="auto" with nthreads=1, total_cores=n_workers; a bare Nanny's "auto"
+            # would give a one-thread worker 1/cores of the host).
             from distributed import Nanny, Scheduler, SpecCluster
+            from distributed.system import MEMORY_LIMIT
 
             workers = {f"gpu{g}": {"cls": Nanny, "options": {
-                "nthreads": args.threads, "env": {"CUDA_VISIBLE_DEVICES": str(g)}}}
+                "nthreads": args.threads, "memory_limit": MEMORY_LIMIT // args.gpus,
+                "env": {"CUDA_VISIBLE_DEVICES": str(g)}}}
                 for g in range(args.gpus)}
             cluster = SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
                 "dashboard_address": None}})
