@@ -196,6 +196,63 @@ impl Caps {
     pub(crate) fn staging(&self, asked: StagingMode) -> StagingMode {
         asked.on_lanes(self.lanes, self.auto_copies_from)
     }
+
+    /// Whether this backend's lanes download finished tiles straight into `r`
+    /// ([`Lane::download_into`](crate::backend::Lane::download_into)) rather than into an
+    /// output buffer that writeback then copies from: the CPU's lanes write any host memory;
+    /// a device's only page-locked memory, which its copy engine writes at the link's rate
+    /// (pageable memory the driver would stage through a buffer of its own, one copy at a time
+    /// on the lane's stream — slower than the pipeline's own staging, which writeback threads
+    /// copy out of in parallel) and GPU memory, device to device (or peer to peer).
+    pub(crate) fn writes_directly(&self, r: &OutRect) -> bool {
+        match self.memory {
+            MemorySpace::Host => r.gpu.is_none(),
+            MemorySpace::Device => r.page_locked || r.gpu.is_some(),
+        }
+    }
+}
+
+/// A block of an output that a lane may write straight into
+/// ([`MatrixSink::direct_rect`](crate::store::MatrixSink::direct_rect), [`Caps::writes_directly`]):
+/// `rows` rows of `row_len` bytes, `pitch` bytes apart, from `addr`, in host memory or (`gpu`)
+/// a GPU's. An array the caller handed in as `out=` (a numpy array, a pinned torch tensor, a
+/// CUDA tensor), which is written in place anyway, so the output buffer and writeback's copy out
+/// of it are one copy too many (and for a GPU array, the trip through the host two):
+/// docs/decisions/0021-downloads-into-the-caller-s-array.md.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutRect {
+    /// Address of the block's first element.
+    pub addr: u64,
+    /// Bytes from one row's start to the next's.
+    pub pitch: usize,
+    /// Bytes of one row of the block.
+    pub row_len: usize,
+    /// Rows of the block.
+    pub rows: usize,
+    /// Whether the host memory is page-locked (registered with or allocated by the CUDA driver).
+    pub page_locked: bool,
+    /// The GPU whose memory holds it (`addr` a unified address); `None`: host memory.
+    pub gpu: Option<usize>,
+}
+
+impl OutRect {
+    /// The block's rows, as slices of the memory.
+    ///
+    /// # Safety
+    /// The rectangle must be in host memory (`gpu` is `None`) that is alive, and not written by anyone else, for as
+    /// long as the slices are used (the sink that gave it guarantees both for the step; the
+    /// lane's copy into it must be known to be done).
+    pub unsafe fn rows(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        (0..self.rows).map(move |i| {
+            // SAFETY: as the caller promised.
+            unsafe {
+                std::slice::from_raw_parts(
+                    (self.addr as usize + i * self.pitch) as *const u8,
+                    self.row_len,
+                )
+            }
+        })
+    }
 }
 
 /// Device-side time and traffic, as the device measured it.

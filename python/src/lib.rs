@@ -302,11 +302,16 @@ impl Job {
                 }
                 step.output = PathBuf::from("out (array)");
                 let label = step.output.clone();
+                // Asked of the driver only where a GPU may run the step (the CPU's lanes write
+                // any memory, and asking would start the driver for nothing).
+                let page_locked = self.engine.backend != mgmm_stream::plan::BackendKind::Cpu
+                    && mgmm_stream::backend::devmem::page_locked(m.addr as u64, m.byte_len());
                 Output::Memory(Box::new(move || {
                     Ok(Box::new(BufferSink {
                         label: label.clone(),
                         m,
                         checksums: false,
+                        page_locked,
                     }) as Box<dyn store::MatrixSink>)
                 }))
             }

@@ -18,7 +18,7 @@ use mgmm_stream::backend::devmem;
 use mgmm_stream::dtype::{self, DType};
 use mgmm_stream::error::{Error, Result};
 use mgmm_stream::store::par_crc32c;
-use mgmm_stream::store::{Block, DeviceBlock, MatrixSink, MatrixSource};
+use mgmm_stream::store::{Block, DeviceBlock, MatrixSink, MatrixSource, OutRect};
 use rayon::prelude::*;
 
 /// A row-major matrix in memory: base address, shape, row stride (elements), dtype.
@@ -34,6 +34,13 @@ pub struct RawMatrix {
 impl RawMatrix {
     fn row_offset(&self, r: u64, c: u64) -> usize {
         ((r * self.ld + c) as usize) * self.dtype.size()
+    }
+    /// Bytes from the first element to the end of the last row.
+    pub fn byte_len(&self) -> usize {
+        if self.rows == 0 || self.cols == 0 {
+            return 0;
+        }
+        self.row_offset(self.rows - 1, self.cols)
     }
 }
 
@@ -131,6 +138,9 @@ pub struct BufferSink {
     pub m: RawMatrix,
     /// Compute each block's CRC (only a journal needs it; memory outputs have none).
     pub checksums: bool,
+    /// The array's memory is page-locked ([`mgmm_stream::backend::devmem::page_locked`]): a
+    /// GPU's lanes download tiles straight into it ([`MatrixSink::direct_rect`]).
+    pub page_locked: bool,
 }
 
 // SAFETY: as for `BufferSource`; writers write disjoint blocks (the MatrixSink contract), so
@@ -167,6 +177,34 @@ impl MatrixSink for BufferSink {
             }
         });
         Ok(if self.checksums { par_crc32c(src) } else { 0 })
+    }
+    /// Every block of the array, as it lies in memory, where no conversion is needed: the
+    /// lanes then write the array themselves (the CPU's any memory, a GPU's when it is
+    /// page-locked) and the copy out of an output buffer is saved.
+    fn direct_rect(&self, b: &Block, host: DType) -> Option<OutRect> {
+        if host != self.m.dtype || check_block(&self.label, self.shape(), b).is_err() {
+            return None;
+        }
+        let es = host.size();
+        Some(OutRect {
+            addr: (self.m.addr + self.m.row_offset(b.r0, b.c0)) as u64,
+            pitch: self.m.ld as usize * es,
+            row_len: b.cols as usize * es,
+            rows: b.rows as usize,
+            page_locked: self.page_locked,
+            gpu: None,
+        })
+    }
+    fn wrote_in_place(&self, b: &Block) -> Result<u32> {
+        if !self.checksums {
+            return Ok(0);
+        }
+        let r = self
+            .direct_rect(b, self.m.dtype)
+            .ok_or_else(|| Error::Usage("a block outside the array was written (a bug)".into()))?;
+        // SAFETY: the block's rows in the array, which outlives the sink; the lane's copy into
+        // them is done and no one else writes them.
+        Ok(unsafe { r.rows() }.fold(0, crc32c::crc32c_append))
     }
     fn prefault(&self, _b: &Block) -> u64 {
         0
@@ -469,6 +507,26 @@ impl MatrixSink for DeviceSink {
                 b.rows as usize,
             )?;
         }
+        Ok(0)
+    }
+    /// Every block, where no conversion is needed: a GPU's lanes copy tiles into the array
+    /// device to device (peer to peer from another GPU) instead of through the host twice.
+    fn direct_rect(&self, b: &Block, host: DType) -> Option<OutRect> {
+        if host != self.d.m.dtype || check_block(&self.label, self.shape(), b).is_err() {
+            return None;
+        }
+        let (addr, pitch, row_len) = self.d.rect(b);
+        Some(OutRect {
+            addr,
+            pitch,
+            row_len,
+            rows: b.rows as usize,
+            page_locked: false,
+            gpu: Some(self.d.device),
+        })
+    }
+    /// No checksum: a GPU array is never journaled.
+    fn wrote_in_place(&self, _b: &Block) -> Result<u32> {
         Ok(0)
     }
     fn prefault(&self, _b: &Block) -> u64 {

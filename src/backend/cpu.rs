@@ -16,7 +16,7 @@ use super::{Backend, Dst, GemmDesc, HostAlloc, HostBuf, InputPinner, Lane, Ticke
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
-use crate::seam::{Caps, DeviceStats, EmulationModuli, MemorySpace, Precision};
+use crate::seam::{Caps, DeviceStats, EmulationModuli, MemorySpace, OutRect, Precision};
 
 /// The CPU backend: one lane computing on `threads` rayon workers; slots and accumulators
 /// live in host memory and count against `engine.host_memory`.
@@ -415,6 +415,31 @@ impl Lane for CpuLane {
         let t0 = Instant::now();
         let n = elems * self.dt.size();
         dst.bytes_mut()[..n].copy_from_slice(&self.accs[acc].bytes()[..n]);
+        self.stats.d2h_s += t0.elapsed().as_secs_f64();
+        self.stats.d2h_bytes += n as u64;
+        Ok(Ticket(0))
+    }
+
+    fn download_into(&mut self, acc: usize, r: &OutRect) -> Result<Ticket> {
+        use rayon::prelude::*;
+        let t0 = Instant::now();
+        let n = r.rows * r.row_len;
+        let (addr, pitch) = (r.addr as usize, r.pitch);
+        self.accs[acc].bytes()[..n]
+            .par_chunks(r.row_len.max(1))
+            .enumerate()
+            .for_each(|(i, row)| {
+                // SAFETY: row `i` of the rectangle lies in the output's memory, alive and
+                // written by this call alone (the sink that gave `r` and the pipeline, which
+                // hands each block to one lane, guarantee both); `row` is `row_len` bytes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        row.as_ptr(),
+                        (addr + i * pitch) as *mut u8,
+                        row.len(),
+                    )
+                };
+            });
         self.stats.d2h_s += t0.elapsed().as_secs_f64();
         self.stats.d2h_bytes += n as u64;
         Ok(Ticket(0))

@@ -136,6 +136,9 @@ impl Lane for FaultyLane {
     fn download(&mut self, acc: usize, elems: usize, dst: &mut HostBuf) -> Result<Ticket> {
         self.inner.download(acc, elems, dst)
     }
+    fn download_into(&mut self, acc: usize, r: &crate::seam::OutRect) -> Result<Ticket> {
+        self.inner.download_into(acc, r)
+    }
     fn done(&mut self, t: Ticket) -> Result<bool> {
         self.inner.done(t)
     }

@@ -35,7 +35,7 @@ use crate::error::Result;
 use crate::plan::layout::Layout;
 pub(crate) use crate::seam::MemorySpace;
 pub use crate::seam::{Caps, DeviceStats, MAX_THREADS};
-use crate::seam::{DeviceCheckSpec, Precision};
+use crate::seam::{DeviceCheckSpec, OutRect, Precision};
 pub(crate) use cuda::EarlySpec;
 
 /// Host memory owned by a backend (plain on the CPU, page-locked on a GPU), 4096-byte aligned.
@@ -261,6 +261,16 @@ pub trait Lane: Send {
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()>;
     /// Copy the first `elems` elements of accumulator `acc` into `dst`.
     fn download(&mut self, acc: usize, elems: usize, dst: &mut HostBuf) -> Result<Ticket>;
+    /// Copy accumulator `acc`'s block (`r.rows` rows of `r.row_len` bytes, dense) straight into
+    /// the output's memory at `r`, which [`Caps::writes_directly`] said this lane writes, instead
+    /// of into an output buffer ([`Self::download`]). The memory must stay alive and untouched
+    /// until the ticket is done.
+    fn download_into(&mut self, _acc: usize, _r: &OutRect) -> Result<Ticket> {
+        Err(crate::error::Error::Usage(
+            "this lane cannot write into the output in place (a bug: the pipeline asked it to)"
+                .into(),
+        ))
+    }
     /// Whether the transfer `t` has finished (never blocks).
     fn done(&mut self, t: Ticket) -> Result<bool>;
     /// Block until the transfer `t` has finished.
@@ -278,7 +288,8 @@ pub trait Lane: Send {
     fn release(&mut self) {}
     /// Work queued on the device and not yet known to be finished (GEMMs; a simulated device
     /// counts every op), so that the pipeline can keep a lane from running too far ahead of
-    /// its device. 0 where the work is done when called (the CPU).
+    /// its device. 0 where the work is done when called (the CPU), and once the device has
+    /// failed (the next op reports it).
     fn in_flight(&mut self) -> usize {
         0
     }

@@ -25,7 +25,7 @@ use super::{Backend, Dst, GemmDesc, HostAlloc, HostBuf, HostRun, InputPinner, La
 use crate::error::{Error, Result};
 use crate::plan::layout::Layout;
 use crate::plan::{Devices, Engine};
-use crate::seam::{Caps, DeviceCheckSpec, DeviceStats, MemorySpace, Precision};
+use crate::seam::{Caps, DeviceCheckSpec, DeviceStats, MemorySpace, OutRect, Precision};
 
 const SIM_TILES: &[u64] = &[512, 256, 128, 64, 32, 16, 8, 4, 2, 1];
 
@@ -250,6 +250,8 @@ enum Op {
     UploadRuns(Vec<HostRun>, usize, usize),
     Gemm(GemmDesc, usize, usize, usize),
     Download(usize, usize, RawBuf),
+    /// A download straight into the output's (page-locked) memory.
+    DownloadInto(usize, OutRect),
     /// The check of the block an `UploadRuns` copied ([`super::check`]): the kernel's
     /// arithmetic ([`super::check::mirror`]) on the bytes that copy wrote, before any
     /// rounding, sent to the check stage.
@@ -419,6 +421,7 @@ fn worker(
             Op::Download(acc, elems, b) => cpu
                 .download(acc, elems, &mut unsafe { b.host_buf() })
                 .map(drop),
+            Op::DownloadInto(acc, r) => cpu.download_into(acc, &r).map(drop),
         };
         let mut s = m.lock().unwrap();
         if let Err(e) = r {
@@ -481,8 +484,14 @@ impl Lane for SimLane {
             RawBuf(dst.as_ptr() as *mut u8, dst.len()),
         ))
     }
+    fn download_into(&mut self, acc: usize, r: &OutRect) -> Result<Ticket> {
+        self.push(Op::DownloadInto(acc, *r))
+    }
     fn in_flight(&mut self) -> usize {
         let s = self.shared.0.lock().unwrap();
+        if s.error.is_some() {
+            return 0; // a failed device: nothing to wait for (the next op reports it)
+        }
         (self.next - s.done_below.min(self.next)) as usize
     }
     fn wait_in_flight_below(&mut self, n: usize) -> Result<()> {

@@ -183,6 +183,7 @@ impl Engines {
         e: &crate::plan::Engine,
         step: (usize, usize),
         sources: &StepSources,
+        out_in_place: bool,
     ) -> Result<Engines> {
         let t = Instant::now();
         let n = backend.caps().lanes.max(1);
@@ -197,11 +198,14 @@ impl Engines {
         )
         .then(|| backend.shared())
         .flatten();
+        // Tiles downloaded into the output itself need no output buffers: made only for a
+        // checkpoint or a resumed tile.
+        let out_lazy = out_in_place.then(|| backend.shared()).flatten();
         let (lanes, pools) = std::thread::scope(|s| {
-            let lazy = lazy.clone();
+            let (lazy, out_lazy) = (lazy.clone(), out_lazy.clone());
             let pools = s.spawn(move || {
                 let t = Instant::now();
-                let r = Self::pools(backend, layout, n, lazy);
+                let r = Self::pools(backend, layout, n, lazy, out_lazy);
                 crate::trace::span("start-up", "pools", t, Instant::now());
                 r.map(|p| (p, t.elapsed().as_secs_f64()))
             });
@@ -221,7 +225,7 @@ impl Engines {
         if lanes.len() != n {
             // A backend whose lane count differs from what its caps said: size the pools again.
             let t = Instant::now();
-            (staging_pools, out_pool) = Self::pools(backend, layout, lanes.len(), lazy)?;
+            (staging_pools, out_pool) = Self::pools(backend, layout, lanes.len(), lazy, out_lazy)?;
             pools_s += t.elapsed().as_secs_f64();
         }
         backend.pools_made(step);
@@ -238,12 +242,13 @@ impl Engines {
     }
 
     /// One staging pool per lane (lazy when `lazy` gives the allocator) and the output pool
-    /// they share.
+    /// they share (lazy when `out_lazy` does).
     fn pools(
         alloc: &dyn Backend,
         l: &Layout,
         nlanes: usize,
         lazy: Option<Arc<dyn crate::backend::HostAlloc>>,
+        out_lazy: Option<Arc<dyn crate::backend::HostAlloc>>,
     ) -> Result<(Vec<Pool>, Pool)> {
         let (count, bytes) = (l.staging_bufs, l.staging_buf_bytes as usize);
         let staging = (0..nlanes)
@@ -252,12 +257,11 @@ impl Engines {
                 None => Pool::new("staging", alloc, count, bytes),
             })
             .collect::<Result<Vec<_>>>()?;
-        let out = Pool::new(
-            "output",
-            alloc,
-            l.out_bufs * nlanes,
-            l.out_buf_bytes as usize,
-        )?;
+        let (count, bytes) = (l.out_bufs * nlanes, l.out_buf_bytes as usize);
+        let out = match out_lazy {
+            Some(a) => Pool::lazy("output", a, count, bytes),
+            None => Pool::new("output", alloc, count, bytes)?,
+        };
         Ok((staging, out))
     }
 }
@@ -293,6 +297,26 @@ pub(crate) struct Pipeline<'a> {
     dirty: Option<DirtyLimits>,
     /// NaN/Inf in the output tiles written, counted by writeback.
     out_nonfinite: OutputNonfinite,
+    /// The lanes download finished tiles straight into the output ([`writes_in_place`]).
+    out_in_place: bool,
+}
+
+/// Whether the lanes of a backend with `caps` will download finished tiles (computed in
+/// `host`) straight into `writer`'s memory ([`MatrixSink::direct_rect`],
+/// [`Caps::writes_directly`](crate::seam::Caps::writes_directly)) — and so need output
+/// buffers only for checkpoints and resumed tiles ([`Engines::make`]).
+pub(crate) fn writes_in_place(
+    writer: &dyn MatrixSink,
+    caps: &crate::seam::Caps,
+    host: crate::dtype::DType,
+) -> bool {
+    let corner = crate::store::Block {
+        r0: 0,
+        c0: 0,
+        rows: 1,
+        cols: 1,
+    };
+    (writer.direct_rect(&corner, host)).is_some_and(|r| caps.writes_directly(&r))
 }
 
 /// Counters shared by the stages and the progress display.
@@ -350,7 +374,9 @@ impl<'a> Pipeline<'a> {
         let dirty = (work.writer.counts_dirty_pages())
             .then(crate::store::fsutil::dirty_limits)
             .flatten();
+        let out_in_place = writes_in_place(&*work.writer, backend.caps(), l.host_dt);
         Ok(Pipeline {
+            out_in_place,
             step,
             layout,
             sched,
@@ -623,6 +649,7 @@ impl<'a> Pipeline<'a> {
             sink,
             ckpt,
             out_nonfinite,
+            out_in_place,
             ..
         } = self;
         let (step, l, sink, ckpt) = (*step, *l, *sink, *ckpt);
@@ -649,6 +676,7 @@ impl<'a> Pipeline<'a> {
             out_pool,
             outprep: outprep_tx,
             done: done_tx,
+            direct_out: out_in_place.then_some(writer),
             lanes: nlanes,
             depth,
         };
@@ -729,6 +757,8 @@ struct LaneWiring<'p> {
     outprep: crossbeam_channel::Sender<crate::store::Block>,
     /// Finished tiles and checkpoints, to the writeback threads.
     done: ToWriteback,
+    /// The output, where the lanes download finished tiles straight into it.
+    direct_out: Option<&'p dyn MatrixSink>,
     lanes: usize,
     /// Capacity of the staging → lane channel (prefetch → staging holds four times that).
     depth: usize,
@@ -887,6 +917,7 @@ impl<'p> LaneWiring<'p> {
             live: &c.lane_live[i],
             ckpt,
             checks: None,
+            direct_out: self.direct_out,
         }));
         stages
     }

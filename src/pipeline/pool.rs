@@ -144,11 +144,6 @@ impl Pool {
         }
     }
 
-    /// [`Self::lease_as`] for a holder that needs the memory.
-    pub(crate) fn lease(&self, ctl: &Control) -> Result<Lease> {
-        self.lease_as(ctl, false)
-    }
-
     /// Take a free lease if one is available now (with a buffer first, unless `token`).
     pub(crate) fn try_lease_as(&self, token: bool) -> Option<Lease> {
         let full = || self.0.free_rx.try_recv().ok().map(|b| self.wrap(Some(b)));
@@ -160,6 +155,7 @@ impl Pool {
     }
 
     /// [`Self::try_lease_as`] for a holder that needs the memory.
+    #[cfg(test)]
     pub(crate) fn try_lease(&self) -> Option<Lease> {
         self.try_lease_as(false)
     }

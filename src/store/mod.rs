@@ -41,6 +41,7 @@ pub(crate) mod sidecar;
 pub(crate) mod source;
 pub(crate) mod tiled;
 
+pub use crate::seam::OutRect;
 pub use block::Block;
 pub use blockio::par_crc32c;
 pub use header::Header;

@@ -18,7 +18,7 @@ use std::path::Path;
 use super::block::Block;
 use super::runs::Run;
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// A matrix the engine reads blocks of.
 pub trait MatrixSource: Send + Sync {
@@ -268,6 +268,25 @@ pub trait MatrixSink: Send + Sync {
     /// tile that is exactly `b` from it instead of reading the tile again. A hint: a sink
     /// without a checksum table ignores it.
     fn know_checksum(&self, _b: &Block, _crc: u32) {}
+    /// Where a lane may write block `b`, computed in `host`, itself: the block's rectangle in
+    /// memory the sink writes in place anyway (an array handed in as `out=`), when it is stored
+    /// as `host` (no conversion). `None` (the default: files, which checksum, convert and
+    /// prefault what they write): the block goes through an output buffer and
+    /// [`Self::write_block`]. A block written there is then announced with
+    /// [`Self::wrote_in_place`] instead of written.
+    fn direct_rect(&self, _b: &Block, _host: DType) -> Option<crate::seam::OutRect> {
+        None
+    }
+    /// Block `b` was written straight into [`Self::direct_rect`]'s rectangle (the copy is
+    /// done): return its CRC-32C as [`Self::write_block`] would.
+    fn wrote_in_place(&self, b: &Block) -> Result<u32> {
+        Err(Error::Usage(format!(
+            "{}: block at ({}, {}) was written in place, which this output never offered (a bug)",
+            self.path().display(),
+            b.r0,
+            b.c0
+        )))
+    }
     /// Complete the file (checksum table, trailer) and, if `durable`, sync it to disk.
     fn finish(self: Box<Self>, durable: bool) -> Result<()>;
 }

@@ -433,6 +433,196 @@ fn npy_inputs_over_several_registrations(backend: &str) {
     assert!(outs[0] == outs[1], "direct and copied outputs differ");
 }
 
+/// An f32 array in memory as a caller's `out=` (the Python package's `BufferSink`): rows `ld`
+/// elements apart (wider than the matrix, as a slice of a larger array is), which offers its
+/// blocks to the lanes ([`MatrixSink::direct_rect`]) as page-locked or not, and counts how
+/// blocks arrived: copied in by writeback, or written by a lane itself.
+struct ArrayOut {
+    rows: u64,
+    cols: u64,
+    ld: u64,
+    data: std::sync::Mutex<Vec<f32>>,
+    /// The vector's buffer (never reallocated: only written through this address).
+    addr: usize,
+    page_locked: bool,
+    copied: std::sync::atomic::AtomicU64,
+    in_place: std::sync::atomic::AtomicU64,
+}
+
+struct ArraySink(std::sync::Arc<ArrayOut>, std::path::PathBuf);
+
+impl mgmm_stream::store::MatrixSink for ArraySink {
+    fn path(&self) -> &std::path::Path {
+        &self.1
+    }
+    fn shape(&self) -> (u64, u64) {
+        (self.0.rows, self.0.cols)
+    }
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+    fn storage_tile(&self) -> (u64, u64) {
+        (self.0.rows, self.0.cols)
+    }
+    fn write_block(&self, b: &Block, host: DType, src: &[u8]) -> mgmm_stream::Result<u32> {
+        assert_eq!(host, DType::F32);
+        for (i, row) in src.chunks(b.cols as usize * 4).enumerate() {
+            let at = self.0.addr + (((b.r0 + i as u64) * self.0.ld + b.c0) * 4) as usize;
+            // SAFETY: inside the vector (the block is inside the matrix); blocks are disjoint.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), at as *mut u8, row.len()) };
+        }
+        self.0
+            .copied
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(0)
+    }
+    fn direct_rect(&self, b: &Block, host: DType) -> Option<mgmm_stream::store::OutRect> {
+        (host == DType::F32 && b.r0 + b.rows <= self.0.rows && b.c0 + b.cols <= self.0.cols).then(
+            || mgmm_stream::store::OutRect {
+                addr: (self.0.addr + ((b.r0 * self.0.ld + b.c0) * 4) as usize) as u64,
+                pitch: self.0.ld as usize * 4,
+                row_len: b.cols as usize * 4,
+                rows: b.rows as usize,
+                page_locked: self.0.page_locked,
+                gpu: None,
+            },
+        )
+    }
+    fn wrote_in_place(&self, _b: &Block) -> mgmm_stream::Result<u32> {
+        self.0
+            .in_place
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(0)
+    }
+    fn prefault(&self, _b: &Block) -> u64 {
+        0
+    }
+    fn flush_block(&self, _b: &Block) -> mgmm_stream::Result<()> {
+        Ok(())
+    }
+    fn forget_checksums(&self) {}
+    fn finish(self: Box<Self>, _durable: bool) -> mgmm_stream::Result<()> {
+        Ok(())
+    }
+}
+
+/// A product into an array in memory that offers its blocks: the CPU's lanes write every tile
+/// into it themselves, a GPU's (simulated) lanes when it says it is page-locked, else writeback
+/// copies them in; either way every element matches an f64 reference, nothing beside the
+/// matrix (the row pitch's padding) is touched, a NaN in A is counted in the output as it is
+/// when tiles are copied, and tiles written in place take no output buffer.
+fn output_array_written_in_place(backend: &str) {
+    use mgmm_stream::api::{self, Output, StepJob, StepSources};
+    use std::sync::atomic::Ordering::SeqCst;
+    let d = tmp();
+    let dir = d.path();
+    let (m, k, n) = (37usize, 23usize, 29usize);
+    let mut g = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        g ^= g << 13;
+        g ^= g >> 7;
+        g ^= g << 17;
+        (g >> 40) as f64 / 16777216.0 - 0.5
+    };
+    let mut a: Vec<f64> = (0..m * k).map(|_| next()).collect();
+    let b: Vec<f64> = (0..k * n).map(|_| next()).collect();
+    a[3 * k + 5] = f64::NAN; // row 3 of the product is NaN
+    write_npy(&dir.join("A.npy"), m, k, &a, DType::F32);
+    write_npy(&dir.join("B.npy"), k, n, &b, DType::F32);
+    std::fs::write(
+        dir.join("plan.toml"),
+        format!(
+            "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
+             [[step]]\noutput = \"C.npy\"\nexpr = \"A @ B\"\n\
+             [engine]\nbackend = \"{backend}\"\ntile = 8\ndurable = false\n"
+        ),
+    )
+    .unwrap();
+    let plan = mgmm_stream::plan::Plan::load(&dir.join("plan.toml")).unwrap();
+    // The inputs as stored (f32), in f64.
+    let f32s = |v: &[f64]| v.iter().map(|&x| x as f32 as f64).collect::<Vec<f64>>();
+    let am = Mat {
+        rows: m,
+        cols: k,
+        v: f32s(&a),
+    };
+    let bm = Mat {
+        rows: k,
+        cols: n,
+        v: f32s(&b),
+    };
+    let (want, mag) = reference(&am, false, &bm, false, None, 1.0, 0.0, m, n, k);
+    for page_locked in [false, true] {
+        let ld = n as u64 + 3;
+        let mut v = vec![7777.0f32; m * ld as usize];
+        let addr = v.as_mut_ptr() as usize;
+        let out = std::sync::Arc::new(ArrayOut {
+            rows: m as u64,
+            cols: n as u64,
+            ld,
+            data: std::sync::Mutex::new(v),
+            addr,
+            page_locked,
+            copied: Default::default(),
+            in_place: Default::default(),
+        });
+        let sink = out.clone();
+        let open = |p: &str| mgmm_stream::store::open_source(&dir.join(p)).unwrap();
+        let rep = api::run_step(StepJob {
+            origin: std::path::Path::new("test"),
+            engine: &plan.engine,
+            step: &plan.steps[0],
+            sources: StepSources {
+                a: open("A.npy"),
+                b: open("B.npy"),
+                c0: None,
+            },
+            output: Output::Memory(Box::new(move || {
+                Ok(Box::new(ArraySink(sink.clone(), "out (array)".into())))
+            })),
+            restart: false,
+            keep_backend: false,
+            progress: &mgmm_stream::progress::Progress::quiet(),
+        })
+        .unwrap()
+        .expect("computed");
+        let tiles = (m.div_ceil(8) * n.div_ceil(8)) as u64;
+        let direct = backend == "cpu" || page_locked;
+        let (copied, in_place) = (out.copied.load(SeqCst), out.in_place.load(SeqCst));
+        assert_eq!(
+            (copied, in_place),
+            if direct { (0, tiles) } else { (tiles, 0) },
+            "{backend}, page_locked {page_locked}: tiles copied / written in place"
+        );
+        let pool = rep.pools.iter().find(|p| p.name == "output").unwrap();
+        assert_eq!(
+            pool.allocated == 0,
+            direct,
+            "{backend}, page_locked {page_locked}: {pool:?}"
+        );
+        assert_eq!(rep.nonfinite_outputs, n as u64, "row 3 is NaN");
+        assert_eq!(rep.first_nonfinite_tile, Some([0, 0]));
+        let v = out.data.lock().unwrap();
+        for i in 0..m {
+            for j in 0..ld as usize {
+                let got = v[i * ld as usize + j] as f64;
+                if j >= n {
+                    assert_eq!(got, 7777.0, "padding at ({i}, {j}) was written");
+                } else if i == 3 {
+                    assert!(got.is_nan(), "C[3, {j}] = {got}, want NaN");
+                } else {
+                    let (r, g) = (want[i * n + j], mag[i * n + j]);
+                    let allowed = (k as f64 + 2.0) * f32::EPSILON as f64 / 2.0 * g;
+                    assert!(
+                        (got - r).abs() <= allowed,
+                        "{backend}, page_locked {page_locked}: C[{i}, {j}] = {got}, reference {r}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 per_backend! {
     npy_inputs_over_several_registrations_go_direct => super::npy_inputs_over_several_registrations;
     staging_modes_agree_and_check_inputs => super::staging_modes;
@@ -440,4 +630,5 @@ per_backend! {
     two_runs_are_bitwise_identical => super::reproducible;
     corrupt_input_stops_the_run => super::corrupt_input_fails_fast;
     small_memory_budget_forces_many_tiles => super::small_memory_forces_many_tiles;
+    output_array_written_in_place_or_copied => super::output_array_written_in_place;
 }

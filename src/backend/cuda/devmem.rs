@@ -135,6 +135,31 @@ pub fn device_of(addr: u64) -> Result<usize> {
         .map_err(|_| Error::backend("cuda", "the driver gave no device ordinal"))
 }
 
+/// Whether the `len` bytes of host memory at `addr` are page-locked for the CUDA driver
+/// (allocated by it — a pinned torch tensor, `cupyx.empty_pinned` — or registered with it), so
+/// that a GPU's copy engine writes them directly ([`crate::seam::OutRect`]). Both ends are
+/// asked (one array's buffer is one allocation). False without a driver, for pageable memory,
+/// and for GPU memory.
+pub fn page_locked(addr: u64, len: usize) -> bool {
+    if len == 0 || driver().is_err() {
+        return false;
+    }
+    let host = |a: u64| {
+        let mut kind: u32 = 0;
+        // SAFETY: the attribute is written into a u32 (CUmemorytype), as the driver documents;
+        // with unified addressing a pointer's attributes need no current context.
+        let r = unsafe {
+            sys::cuPointerGetAttribute(
+                &mut kind as *mut u32 as *mut c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                a,
+            )
+        };
+        r.result().is_ok() && kind == CUmemorytype::CU_MEMORYTYPE_HOST as u32
+    };
+    host(addr) && host(addr + len as u64 - 1)
+}
+
 /// Wait until the work queued so far on `stream` (a `CUstream` handle of the caller's: torch's
 /// or CuPy's current stream; 0 the legacy default stream) on GPU `device` is done, so that the
 /// arrays it produces are complete before a lane reads them. With `stream = None`, the whole

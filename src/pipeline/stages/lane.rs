@@ -22,6 +22,7 @@ use crate::pipeline::control::Control;
 use crate::pipeline::direct::CheckProgress;
 use crate::pipeline::pool::{Lease, Pool};
 use crate::plan::schedule::OutTile;
+use crate::store::MatrixSink;
 
 pub(crate) struct DeviceLane<'a> {
     pub(crate) lane: &'a mut dyn Lane,
@@ -41,6 +42,10 @@ pub(crate) struct DeviceLane<'a> {
     pub(crate) ckpt: Option<&'a Checkpoints>,
     /// The checks of every directly uploaded block so far, which results wait for.
     pub(crate) checks: Option<(Arc<CheckProgress>, u64)>,
+    /// The output, when this lane downloads finished tiles straight into its memory
+    /// ([`MatrixSink::direct_rect`], [`crate::seam::Caps::writes_directly`]); `None`: through
+    /// output buffers.
+    pub(crate) direct_out: Option<&'a dyn MatrixSink>,
 }
 
 /// GEMMs a lane may have queued on its device ([`DeviceLane::hold_back`]).
@@ -52,18 +57,40 @@ const LANE_POLL: std::time::Duration = std::time::Duration::from_micros(500);
 struct Pending {
     ups: Vec<(Ticket, Staged)>,
     downs: Vec<(Ticket, Done)>,
+    /// Tiles whose last GEMM is issued and whose download waits for room (an output lease,
+    /// fewer than `max_downs` in flight), with their accumulators, oldest first
+    /// ([`DeviceLane::issue_ends`]).
+    ends: std::collections::VecDeque<(OutTile, usize)>,
+}
+
+/// How long [`DeviceLane::issue_ends`] may block for room.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// Not at all: issue what there is room for now.
+    Room,
+    /// Until the tile on this accumulator is issued (the accumulator is about to be reused).
+    Acc(usize),
+    /// Until every ended tile is issued.
+    All,
 }
 
 impl DeviceLane<'_> {
     /// An output buffer: a free one, or (after letting go of everything finished) the next one
     /// writeback returns.
     fn lease_out(&mut self, p: &mut Pending, ctl: &Control) -> Result<Lease> {
-        if let Some(b) = self.out_pool.try_lease() {
+        self.lease_as(p, ctl, false)
+    }
+
+    /// A lease of the output pool, waiting for one as [`Self::lease_out`] does; with `token`,
+    /// one without a buffer first where the pool is lazy ([`Pool::lazy`]): for a download into
+    /// the output itself.
+    fn lease_as(&mut self, p: &mut Pending, ctl: &Control, token: bool) -> Result<Lease> {
+        if let Some(b) = self.out_pool.try_lease_as(token) {
             return Ok(b);
         }
         self.settle(p, ctl, true)?;
         let t = Instant::now();
-        let b = self.out_pool.lease(ctl)?;
+        let b = self.out_pool.lease_as(ctl, token)?;
         self.m.add_wait_out(t.elapsed());
         Ok(b)
     }
@@ -74,7 +101,7 @@ impl DeviceLane<'_> {
     fn resume(&mut self, tile: &OutTile, acc: usize, p: &mut Pending, ctl: &Control) -> Result<()> {
         let ckpt = self.ckpt.expect("resumed tiles come from checkpoints");
         let mut buf = self.lease_out(p, ctl)?;
-        ckpt.read_into(tile, buf.buf_mut().bytes_mut())?;
+        ckpt.read_into(tile, buf.materialize()?.bytes_mut())?;
         let tk = self
             .lane
             .upload(buf.buf(), tile.block.elems(), Dst::Acc(acc))?;
@@ -95,11 +122,14 @@ impl DeviceLane<'_> {
         ctl: &Control,
     ) -> Result<()> {
         let mut buf = self.lease_out(p, ctl)?;
-        let tk = self.lane.download(acc, tile.block.elems(), buf.buf_mut())?;
+        let tk = self
+            .lane
+            .download(acc, tile.block.elems(), buf.materialize()?)?;
         self.lane.wait(tk)?;
         let done = Done {
             tile: *tile,
             buf,
+            into: None,
             partial: Some(k_done),
             checks: self.checks.clone(),
         };
@@ -151,9 +181,10 @@ impl DeviceLane<'_> {
         let mut waited = std::time::Duration::ZERO;
         let op = loop {
             self.settle(p, ctl, false)?;
+            self.issue_ends(p, ctl, Until::Room)?;
             let t = Instant::now();
-            // Nothing in flight: block until an op comes (or a stop is asked).
-            let idle = p.ups.is_empty() && p.downs.is_empty();
+            // Nothing in flight or waiting: block until an op comes (or a stop is asked).
+            let idle = p.ups.is_empty() && p.downs.is_empty() && p.ends.is_empty();
             let r = ctl.recv_lane(&self.rx, (!idle).then_some(LANE_POLL));
             waited += t.elapsed();
             match r {
@@ -181,7 +212,17 @@ impl DeviceLane<'_> {
         // Hand on what is finished first: the wait below is for the oldest GEMM only.
         self.settle(p, ctl, false)?;
         let t = Instant::now();
-        self.lane.wait_in_flight_below(MAX_AHEAD)?;
+        if p.ends.is_empty() {
+            self.lane.wait_in_flight_below(MAX_AHEAD)?;
+        } else {
+            // Tiles wait for room to download: poll, so that each goes as soon as writeback
+            // hands a lease back rather than a GEMM (21 ms of 8192³ fp32) later.
+            while self.lane.in_flight() >= MAX_AHEAD && !ctl.is_stopping() {
+                std::thread::sleep(LANE_POLL);
+                self.settle(p, ctl, false)?;
+                self.issue_ends(p, ctl, Until::Room)?;
+            }
+        }
         self.m.add_wait_out(t.elapsed());
         Ok(())
     }
@@ -191,6 +232,7 @@ impl DeviceLane<'_> {
         let mut p = Pending {
             ups: Vec::new(),
             downs: Vec::new(),
+            ends: Default::default(),
         };
         let mut active = BTreeMap::new();
         let mut r = self.work(ctl, &mut p, &mut active);
@@ -241,6 +283,7 @@ impl DeviceLane<'_> {
                     p.ups.push((tk, buf));
                 }
                 LaneOp::Begin { acc, c0, resume } => {
+                    self.issue_ends(p, ctl, Until::Acc(acc))?;
                     self.begin_tile(acc, c0, resume, &mut marks, p, ctl)?;
                 }
                 LaneOp::Gemm {
@@ -251,6 +294,7 @@ impl DeviceLane<'_> {
                     tile,
                     kk,
                 } => {
+                    self.issue_ends(p, ctl, Until::Acc(acc))?;
                     self.hold_back(p, ctl)?;
                     self.lane.gemm(&desc, a_slot, b_slot, acc)?;
                     active.insert(acc, (tile, kk as u32 + 1));
@@ -264,12 +308,14 @@ impl DeviceLane<'_> {
             }
             self.m.add_busy_since(t, waited);
             self.settle(p, ctl, false)?;
+            self.issue_ends(p, ctl, Until::Room)?;
             ops += 1;
             if ops.is_multiple_of(16) {
                 *self.live.lock().unwrap() = self.lane.live_stats();
             }
         }
         if !ctl.is_cancelled() && !ctl.is_stopping() {
+            self.issue_ends(p, ctl, Until::All)?;
             self.settle(p, ctl, true)?;
             *self.live.lock().unwrap() = self.lane.live_stats();
             self.lane.release();
@@ -288,6 +334,7 @@ impl DeviceLane<'_> {
         p: &mut Pending,
         active: &BTreeMap<usize, (OutTile, u32)>,
     ) -> Result<()> {
+        self.issue_ends(p, ctl, Until::All)?;
         self.settle(p, ctl, true)?;
         if let Some(c) = self.ckpt.filter(|c| c.saving()) {
             for (&acc, &(tile, k_done)) in active {
@@ -391,8 +438,9 @@ impl DeviceLane<'_> {
         Ok(())
     }
 
-    /// End `tile` on `acc`: issue its download into an output buffer, to be handed to
-    /// writeback once done ([`Self::settle`]).
+    /// End `tile` on `acc`: its download, into an output buffer or the output itself, is
+    /// issued as soon as there is room, to be handed to writeback once done
+    /// ([`Self::settle`]); meanwhile the lane goes on issuing later ops ([`Self::issue_ends`]).
     fn end_tile(
         &mut self,
         tile: OutTile,
@@ -400,31 +448,68 @@ impl DeviceLane<'_> {
         p: &mut Pending,
         ctl: &Control,
     ) -> Result<()> {
-        // At most `max_downs` downloads in flight: a lane whose device is slower
-        // than its input (every input tile cached, or a slow GPU) would otherwise
-        // run ahead through its ops and hold every buffer of the shared output pool
-        // while its device catches up, starving the other lanes.
-        while p.downs.len() >= self.max_downs.max(1) {
-            let t = Instant::now();
-            self.lane.wait(p.downs[0].0)?;
-            self.m.add_wait_out(t.elapsed());
-            let (_, d) = p.downs.remove(0);
-            ctl.send_timed(self.out.to(d.tile.seq), d, &self.m)?;
+        p.ends.push_back((tile, acc));
+        self.issue_ends(p, ctl, Until::Room)
+    }
+
+    /// Issue the downloads of ended tiles, oldest first, while there is room: a lease of the
+    /// output pool and fewer than `max_downs` downloads in flight (a lane whose device is
+    /// slower than its input — every input tile cached, or a slow GPU — would otherwise run
+    /// ahead through its ops and hold every buffer of the shared output pool while its device
+    /// catches up, starving the other lanes). Block for room only as `until` says. The lane
+    /// used to block at every end without room: when a start group's tiles ended together
+    /// (four 8192² tiles of one row, two output buffers), it waited for writeback to hand a
+    /// buffer back while the device ran out of queued GEMMs — 27 ms of idle GPU in a 1.13 s
+    /// step of two 30000² CUDA tensors on one H200 (`MGMM_TRACE`, trace_gaps.py:
+    /// docs/measurements/2026-12-06c-h200-3-gpu-arrays-in-place.log).
+    fn issue_ends(&mut self, p: &mut Pending, ctl: &Control, until: Until) -> Result<()> {
+        while let Some(&(tile, acc)) = p.ends.front() {
+            let must = match until {
+                Until::Room => false,
+                Until::Acc(a) => p.ends.iter().any(|&(_, x)| x == a),
+                Until::All => true,
+            };
+            let elems = tile.block.elems();
+            // Straight into the output's memory where it takes it ([`Self::direct_out`]):
+            // the lease is then a token that bounds the downloads in flight, without a
+            // buffer.
+            let into = (self.direct_out)
+                .and_then(|w| w.direct_rect(&tile.block, self.host_dt))
+                .filter(|r| r.rows * r.row_len == elems * self.host_dt.size());
+            let room = p.downs.len() < self.max_downs.max(1);
+            let buf = match room.then(|| self.out_pool.try_lease_as(into.is_some())) {
+                Some(Some(b)) => b,
+                _ if !must => return Ok(()),
+                _ => {
+                    while p.downs.len() >= self.max_downs.max(1) {
+                        let t = Instant::now();
+                        self.lane.wait(p.downs[0].0)?;
+                        self.m.add_wait_out(t.elapsed());
+                        let (_, d) = p.downs.remove(0);
+                        ctl.send_timed(self.out.to(d.tile.seq), d, &self.m)?;
+                    }
+                    self.lease_as(p, ctl, into.is_some())?
+                }
+            };
+            p.ends.pop_front();
+            let mut buf = buf;
+            let tk = match into {
+                Some(r) => self.lane.download_into(acc, &r)?,
+                None => self.lane.download(acc, elems, buf.materialize()?)?,
+            };
+            let (partial, checks) = (None, self.checks.clone());
+            p.downs.push((
+                tk,
+                Done {
+                    tile,
+                    buf,
+                    into,
+                    partial,
+                    checks,
+                },
+            ));
+            self.m.add_item((elems * self.host_dt.size()) as u64);
         }
-        let mut buf = self.lease_out(p, ctl)?;
-        let elems = tile.block.elems();
-        let tk = self.lane.download(acc, elems, buf.buf_mut())?;
-        let (partial, checks) = (None, self.checks.clone());
-        p.downs.push((
-            tk,
-            Done {
-                tile,
-                buf,
-                partial,
-                checks,
-            },
-        ));
-        self.m.add_item((elems * self.host_dt.size()) as u64);
         Ok(())
     }
 }

@@ -79,7 +79,11 @@ pub(crate) enum LaneOp {
 /// accumulator of a tile after that many k-chunks (a checkpoint).
 pub(crate) struct Done {
     pub(crate) tile: OutTile,
+    /// The output buffer holding the tile, or (`into`) a lease without one.
     pub(crate) buf: Lease,
+    /// Where the lane wrote the tile itself: the output's own memory
+    /// ([`crate::store::MatrixSink::direct_rect`]); `None`: it is in `buf`.
+    pub(crate) into: Option<crate::seam::OutRect>,
     pub(crate) partial: Option<u32>,
     /// The checks of directly uploaded inputs that must pass before it is written: those of
     /// every block the lane uploaded so far.

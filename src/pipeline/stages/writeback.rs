@@ -71,6 +71,33 @@ impl Writeback<'_> {
             }
             let t = Instant::now();
             let b = d.tile.block;
+            if let Some(r) = d.into {
+                // The lane wrote it into the output itself (its download is done): count
+                // what it holds, and let the sink say it is there.
+                // SAFETY: the sink's rectangle for this block, alive for the step; the lane's
+                // copy into it has ended and nothing else writes it.
+                // On every core: for the last tile of a step this is all that is left to do.
+                // (A GPU's memory is not read from here: its NaN/Inf go uncounted.)
+                use rayon::prelude::*;
+                let rows: Vec<&[u8]> = match r.gpu {
+                    None => unsafe { r.rows() }.collect(),
+                    Some(_) => Vec::new(),
+                };
+                let (from, to) = (self.host_dt, self.writer.dtype());
+                let n: u64 = (rows.par_iter())
+                    .map(|row| crate::dtype::count_nonfinite_as(from, to, row))
+                    .sum();
+                if n > 0 {
+                    self.nonfinite.add(&b, n);
+                }
+                let crc = self.writer.wrote_in_place(&b)?;
+                drop(d.buf);
+                self.m.add_busy(t.elapsed());
+                self.m
+                    .add_item(b.elems() as u64 * self.writer.dtype().size() as u64);
+                ctl.send_timed(&self.out, (d.tile, crc), &self.m)?;
+                continue;
+            }
             let bytes = b.elems() * self.host_dt.size();
             let data = &d.buf.buf().bytes()[..bytes];
             if let Some(k_done) = d.partial {

@@ -41,6 +41,9 @@ pub(crate) struct CudaLane {
     warming: Option<Arc<Warming>>,
     slots: Vec<CudaSlice<u8>>,
     accs: Vec<CudaSlice<u8>>,
+    /// Per accumulator, an event after the last op on `comp` that wrote it: its download waits
+    /// for that alone, not for every GEMM queued since ([`Self::after_acc`]).
+    acc_done: Vec<Option<CudaEvent>>,
     landing: Vec<CudaSlice<u8>>,
     next_landing: usize,
     convert: Option<CudaFunction>,
@@ -147,6 +150,32 @@ impl CudaLane {
 impl CudaLane {
     /// `acc[..elems] *= beta` on the compute stream, in the accumulator's type (f32, or f64
     /// for fp64): nothing for beta = 1, zeros for beta = 0 (C is not read), else cuBLAS scal.
+    /// Note the last op on `comp` that wrote accumulator `acc` (just queued).
+    fn mark_acc(&mut self, acc: usize) -> Result<()> {
+        let e = self
+            .comp
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| self.err("event", e))?;
+        if self.acc_done.len() <= acc {
+            self.acc_done.resize_with(acc + 1, || None);
+        }
+        self.acc_done[acc] = Some(e);
+        Ok(())
+    }
+
+    /// Make the D2H stream wait for accumulator `acc`'s last write before a download — for
+    /// that op only, where [`Self::mark_acc`] noted it, else for all of `comp` — and before the
+    /// download's timing event, so that D2H time is copy time only. A download issued while
+    /// later GEMMs are queued (a tile that waited for an output lease) then starts as soon as
+    /// its own tile is done, not after them.
+    fn after_acc(&self, acc: usize) -> Result<()> {
+        match self.acc_done.get(acc).and_then(|e| e.as_ref()) {
+            Some(e) => self.d2h.wait(e),
+            None => self.d2h.join(&self.comp),
+        }
+        .map_err(|e| self.err("stream wait", e))
+    }
+
     fn scale_acc(&mut self, acc: usize, elems: usize, beta: f64) -> Result<()> {
         if beta == 1.0 {
             return Ok(());
@@ -433,7 +462,8 @@ impl Lane for CudaLane {
         if g.alpha == 0.0 {
             // Reference xGEMM: with alpha = 0, A and B are not read (NaN/Inf there, or values
             // that overflow fp16, never reach C) and C = beta·C exactly.
-            return self.scale_acc(acc, g.m * g.n, g.beta);
+            self.scale_acc(acc, g.m * g.n, g.beta)?;
+            return self.mark_acc(acc);
         }
         let (ordinal, lane) = (self.ordinal, self.lane);
         let start;
@@ -485,6 +515,7 @@ impl Lane for CudaLane {
             .record_event(timing())
             .map_err(|e| self.err("event", e))?;
         self.gemm_events.push_back((start, end));
+        self.mark_acc(acc)?;
         self.stats.gemms += 1;
         if self.gemm_events.len() > 64 {
             self.harvest_gemms(false)?;
@@ -494,11 +525,7 @@ impl Lane for CudaLane {
 
     fn download(&mut self, acc: usize, elems: usize, dst: &mut HostBuf) -> Result<Ticket> {
         let bytes = elems * self.host_dt.size();
-        // The download needs every GEMM issued so far on this accumulator; wait before the
-        // timing event so that D2H time is copy time only.
-        self.d2h
-            .join(&self.comp)
-            .map_err(|e| self.err("stream wait", e))?;
+        self.after_acc(acc)?;
         let start = self
             .d2h
             .record_event(timing())
@@ -510,6 +537,61 @@ impl Lane for CudaLane {
                 .memcpy_dtoh(&view, host)
                 .map_err(|e| self.err("D2H copy", e))?;
         }
+        let end = self
+            .d2h
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        Ok(self.ticket(start, end, Kind::D2h, bytes as u64))
+    }
+
+    fn download_into(&mut self, acc: usize, r: &crate::seam::OutRect) -> Result<Ticket> {
+        use cudarc::driver::sys::{cuMemcpy2DAsync_v2, CUmemorytype, CUDA_MEMCPY2D};
+        let bytes = r.rows * r.row_len;
+        self.after_acc(acc)?;
+        let start = self
+            .d2h
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        let r2 = {
+            let view = self.accs[acc].slice(..bytes);
+            let (sptr, guard) = view.device_ptr(&self.d2h);
+            // A GPU array by its unified address (device to device, or peer to peer).
+            let (dst_type, dst_host, dst_device) = match r.gpu {
+                Some(_) => (
+                    CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+                    std::ptr::null_mut(),
+                    r.addr,
+                ),
+                None => (CUmemorytype::CU_MEMORYTYPE_HOST, r.addr as *mut c_void, 0),
+            };
+            let copy = CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
+                srcDevice: sptr,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: r.row_len,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: dst_type,
+                dstHost: dst_host,
+                dstDevice: dst_device,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: r.pitch,
+                WidthInBytes: r.row_len,
+                Height: r.rows,
+            };
+            // SAFETY: the source is the first `bytes` of this lane's accumulator (dense rows
+            // of `row_len`); the destination rectangle lies in page-locked host memory or GPU
+            // memory that the output's sink keeps alive and that no one else writes until this
+            // copy's ticket is done (the pipeline hands each block to one lane and waits for the
+            // ticket before writeback reads it).
+            let r2 = unsafe { cuMemcpy2DAsync_v2(&copy, self.d2h.cu_stream()) }.result();
+            drop(guard);
+            r2
+        };
+        r2.map_err(|e| self.err("D2H copy into the output", e))?;
         let end = self
             .d2h
             .record_event(timing())
@@ -543,8 +625,11 @@ impl Lane for CudaLane {
     }
 
     fn in_flight(&mut self) -> usize {
-        let _ = self.harvest_gemms(false);
-        self.gemm_events.len()
+        // A failed device: nothing to wait for (the next op reports the error).
+        match self.harvest_gemms(false) {
+            Ok(()) => self.gemm_events.len(),
+            Err(_) => 0,
+        }
     }
 
     fn wait_in_flight_below(&mut self, n: usize) -> Result<()> {
@@ -575,6 +660,7 @@ impl Lane for CudaLane {
         }
         self.slots.clear();
         self.accs.clear();
+        self.acc_done.clear();
         self.landing.clear();
         // fp64_emulated's scratch (3.25 GiB at 8192³ tiles) with the rest.
         self.emulator = None;

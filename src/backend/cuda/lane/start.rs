@@ -241,6 +241,7 @@ impl CudaLane {
             warming: None,
             slots,
             accs,
+            acc_done: Vec::new(),
             landing,
             next_landing: 0,
             convert,
