@@ -2,8 +2,12 @@
 //! [`ToWriteback`]): uploads, GEMMs and downloads issued on the backend's [`Lane`] (on CUDA
 //! three streams and events), checkpoints of accumulators taken and resumed. One thread per
 //! lane, bound to its device. It blocks on its input channel (polling for finished copies
-//! meanwhile), on a free output buffer, on the device when it is [`MAX_AHEAD`] GEMMs or
-//! `max_downs` downloads ahead, and on its output channels.
+//! meanwhile), on the device when it is [`MAX_AHEAD`] GEMMs ahead, on its output channels, and
+//! for room to download (an output lease, fewer than `max_downs` downloads in flight) only
+//! before it reuses the accumulator of a tile still waiting for that room: ended tiles queue
+//! meanwhile ([`DeviceLane::issue_ends`], docs/decisions/0022-ended-tiles-wait-without-holding-up-the-lane.md).
+//! A finished tile goes into an output buffer, or straight into the output's memory where the
+//! output offers it ([`DeviceLane::direct_out`]).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
