@@ -70,11 +70,25 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
     crate::run::ignore_sigxfsz();
     // As `run` starts a plan's backend: the pinned pools and cuBLAS's first kernel prepared
     // while the driver comes up.
+    // An array written in place (decision 0021) needs no output buffers made early.
+    let out = match &job.output {
+        Output::Memory(make) => make().ok().and_then(|w| {
+            let corner = crate::store::Block {
+                r0: 0,
+                c0: 0,
+                rows: 1,
+                cols: 1,
+            };
+            w.direct_rect(&corner, e.precision.host_dtype())
+        }),
+        Output::File(_) => None,
+    };
     let opts = crate::run::prefill::backend_options_for_step(
         job.origin,
         e,
         job.step,
         [&*job.sources.a, &*job.sources.b],
+        out,
     );
     let t = std::time::Instant::now();
     let (mut backend, lease) = backend::kept::obtain(e, opts, job.keep_backend)?;

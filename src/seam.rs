@@ -219,23 +219,52 @@ impl Caps {
 /// CUDA tensor), which is written in place anyway, so the output buffer and writeback's copy out
 /// of it are one copy too many (and for a GPU array, the trip through the host two):
 /// docs/decisions/0021-downloads-into-the-caller-s-array.md.
+///
+/// A lane writes it without further question, so it is made only with [`OutRect::new`], whose
+/// caller vouches for the memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OutRect {
     /// Address of the block's first element.
-    pub addr: u64,
+    pub(crate) addr: u64,
     /// Bytes from one row's start to the next's.
-    pub pitch: usize,
+    pub(crate) pitch: usize,
     /// Bytes of one row of the block.
-    pub row_len: usize,
+    pub(crate) row_len: usize,
     /// Rows of the block.
-    pub rows: usize,
+    pub(crate) rows: usize,
     /// Whether the host memory is page-locked (registered with or allocated by the CUDA driver).
-    pub page_locked: bool,
+    pub(crate) page_locked: bool,
     /// The GPU whose memory holds it (`addr` a unified address); `None`: host memory.
-    pub gpu: Option<usize>,
+    pub(crate) gpu: Option<usize>,
 }
 
 impl OutRect {
+    /// `rows` rows of `row_len` bytes, `pitch` bytes apart, from `addr`: in host memory
+    /// (`gpu` `None`; `page_locked` as the CUDA driver knows it) or in GPU `gpu`'s memory.
+    ///
+    /// # Safety
+    /// The whole rectangle must be writable memory of that kind, alive and written by no one
+    /// else for as long as the step that is given it runs (a sink hands it out for a block it
+    /// would otherwise write itself), with `pitch ≥ row_len`; `page_locked` must be true only
+    /// for memory the driver has page-locked.
+    pub unsafe fn new(
+        addr: u64,
+        pitch: usize,
+        row_len: usize,
+        rows: usize,
+        page_locked: bool,
+        gpu: Option<usize>,
+    ) -> OutRect {
+        OutRect {
+            addr,
+            pitch,
+            row_len,
+            rows,
+            page_locked,
+            gpu,
+        }
+    }
+
     /// The block's rows, as slices of the memory.
     ///
     /// # Safety

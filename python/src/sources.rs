@@ -186,13 +186,19 @@ impl MatrixSink for BufferSink {
             return None;
         }
         let es = host.size();
-        Some(OutRect {
-            addr: (self.m.addr + self.m.row_offset(b.r0, b.c0)) as u64,
-            pitch: self.m.ld as usize * es,
-            row_len: b.cols as usize * es,
-            rows: b.rows as usize,
-            page_locked: self.page_locked,
-            gpu: None,
+        // SAFETY: the block lies inside the array (checked above; ld ≥ cols by the Python
+        // layer), which is writable, outlives the call, and is written by nothing else while
+        // it runs (the Python layer refuses an `out` that overlaps an input); `page_locked`
+        // is what the driver said of this very memory.
+        Some(unsafe {
+            OutRect::new(
+                (self.m.addr + self.m.row_offset(b.r0, b.c0)) as u64,
+                self.m.ld as usize * es,
+                b.cols as usize * es,
+                b.rows as usize,
+                self.page_locked,
+                None,
+            )
         })
     }
     fn wrote_in_place(&self, b: &Block) -> Result<u32> {
@@ -516,13 +522,17 @@ impl MatrixSink for DeviceSink {
             return None;
         }
         let (addr, pitch, row_len) = self.d.rect(b);
-        Some(OutRect {
-            addr,
-            pitch,
-            row_len,
-            rows: b.rows as usize,
-            page_locked: false,
-            gpu: Some(self.d.device),
+        // SAFETY: as for `BufferSink::direct_rect`, in the memory of GPU `device`, which holds
+        // the array (asked of the driver when the descriptor was made).
+        Some(unsafe {
+            OutRect::new(
+                addr,
+                pitch,
+                row_len,
+                b.rows as usize,
+                false,
+                Some(self.d.device),
+            )
         })
     }
     /// No checksum: a GPU array is never journaled.

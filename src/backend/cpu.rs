@@ -422,6 +422,11 @@ impl Lane for CpuLane {
 
     fn download_into(&mut self, acc: usize, r: &OutRect) -> Result<Ticket> {
         use rayon::prelude::*;
+        if r.gpu.is_some() || r.pitch < r.row_len {
+            return Err(crate::error::Error::Usage(format!(
+                "the CPU cannot write {r:?} in place (a bug: the pipeline asked it to)"
+            )));
+        }
         let t0 = Instant::now();
         let n = r.rows * r.row_len;
         let (addr, pitch) = (r.addr as usize, r.pitch);

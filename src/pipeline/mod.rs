@@ -298,25 +298,43 @@ pub(crate) struct Pipeline<'a> {
     /// NaN/Inf in the output tiles written, counted by writeback.
     out_nonfinite: OutputNonfinite,
     /// The lanes download finished tiles straight into the output ([`writes_in_place`]).
-    out_in_place: bool,
+    out_in_place: Option<crate::seam::OutRect>,
 }
 
 /// Whether the lanes of a backend with `caps` will download finished tiles (computed in
 /// `host`) straight into `writer`'s memory ([`MatrixSink::direct_rect`],
 /// [`Caps::writes_directly`](crate::seam::Caps::writes_directly)) — and so need output
-/// buffers only for checkpoints and resumed tiles ([`Engines::make`]).
+/// buffers only for checkpoints and resumed tiles ([`Engines::make`]): the rectangle of the
+/// output's first element when they will (every block's must be of the same kind, see
+/// [`same_kind`]).
 pub(crate) fn writes_in_place(
     writer: &dyn MatrixSink,
     caps: &crate::seam::Caps,
     host: crate::dtype::DType,
-) -> bool {
+) -> Option<crate::seam::OutRect> {
     let corner = crate::store::Block {
         r0: 0,
         c0: 0,
         rows: 1,
         cols: 1,
     };
-    (writer.direct_rect(&corner, host)).is_some_and(|r| caps.writes_directly(&r))
+    (writer.direct_rect(&corner, host)).filter(|r| caps.writes_directly(r))
+}
+
+/// Whether `r`, offered for block `b` of `host` elements, is a rectangle of the same kind of
+/// memory as `kind` (the one [`writes_in_place`] approved) and of `b`'s shape: a lane writes
+/// nothing else in place.
+pub(crate) fn same_kind(
+    r: &crate::seam::OutRect,
+    kind: &crate::seam::OutRect,
+    b: &crate::store::Block,
+    host: crate::dtype::DType,
+) -> bool {
+    r.page_locked == kind.page_locked
+        && r.gpu == kind.gpu
+        && r.rows as u64 == b.rows
+        && r.row_len as u64 == b.cols * host.size() as u64
+        && r.pitch >= r.row_len
 }
 
 /// Counters shared by the stages and the progress display.
@@ -676,7 +694,7 @@ impl<'a> Pipeline<'a> {
             out_pool,
             outprep: outprep_tx,
             done: done_tx,
-            direct_out: out_in_place.then_some(writer),
+            direct_out: out_in_place.map(|kind| (writer, kind)),
             lanes: nlanes,
             depth,
         };
@@ -757,8 +775,9 @@ struct LaneWiring<'p> {
     outprep: crossbeam_channel::Sender<crate::store::Block>,
     /// Finished tiles and checkpoints, to the writeback threads.
     done: ToWriteback,
-    /// The output, where the lanes download finished tiles straight into it.
-    direct_out: Option<&'p dyn MatrixSink>,
+    /// The output, where the lanes download finished tiles straight into it, and the kind of
+    /// rectangle approved ([`writes_in_place`]).
+    direct_out: Option<(&'p dyn MatrixSink, crate::seam::OutRect)>,
     lanes: usize,
     /// Capacity of the staging → lane channel (prefetch → staging holds four times that).
     depth: usize,

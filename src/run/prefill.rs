@@ -28,12 +28,15 @@ pub(crate) fn backend_options(plan: &Plan) -> BackendOptions {
 /// The options of the backend that runs one step over operands its caller opened
 /// ([`crate::api::run_step`], the Python package): the same early start as `run` gives a
 /// one-step plan ([`early_spec_for_step`]), so a library call does not wait for the driver,
-/// the pinned pools and cuBLAS's first kernel one after the other.
+/// the pinned pools and cuBLAS's first kernel one after the other. `out`: the output's first
+/// block as the output offers it to be written in place ([`crate::store::MatrixSink::direct_rect`]):
+/// where a GPU's lanes will write it so, no output buffers are prepared.
 pub(crate) fn backend_options_for_step(
     origin: &Path,
     engine: &Engine,
     step: &Step,
     inputs: [&dyn MatrixSource; 2],
+    out: Option<crate::seam::OutRect>,
 ) -> BackendOptions {
     let visible = crate::config::cuda_visible_devices();
     options(early_spec_for_step(
@@ -42,6 +45,7 @@ pub(crate) fn backend_options_for_step(
         step,
         inputs,
         gpus(engine, visible.as_deref()),
+        out,
     ))
 }
 
@@ -76,7 +80,7 @@ fn early_spec_with(plan: &Plan, lanes: usize) -> Option<EarlySpec> {
         (Some(a), Some(b)) => staging_lazy(&plan.engine, step, &l, [&*a, &*b]),
         _ => false,
     };
-    Some(spec(&plan.engine, order, &l, lanes, lazy))
+    Some(spec(&plan.engine, order, &l, lanes, lazy, false))
 }
 
 /// [`early_spec`] for one step over opened operands, on `lanes` GPUs.
@@ -86,6 +90,7 @@ fn early_spec_for_step(
     step: &Step,
     inputs: [&dyn MatrixSource; 2],
     lanes: usize,
+    out: Option<crate::seam::OutRect>,
 ) -> Option<EarlySpec> {
     if lanes == 0 {
         return None;
@@ -93,13 +98,26 @@ fn early_spec_for_step(
     let caps = cuda_caps(lanes, engine.device_memory.unwrap_or(64 << 30));
     let l = Layout::new(origin, step, engine, &caps).ok()?;
     let lazy = staging_lazy(engine, step, &l, inputs);
-    Some(spec(engine, step.order(), &l, lanes, lazy))
+    let in_place = out.is_some_and(|r| caps.writes_directly(&r));
+    Some(spec(engine, step.order(), &l, lanes, lazy, in_place))
 }
 
 /// The early start of plan step `order` laid out as `l` on `lanes` GPUs; `lazy`: its staging
-/// pools will be leases without memory ([`staging_lazy`]), so only the output's are prefilled.
-fn spec(e: &Engine, order: (usize, usize), l: &Layout, lanes: usize, lazy: bool) -> EarlySpec {
+/// pools will be leases without memory ([`staging_lazy`]); `in_place`: its tiles go straight
+/// into the output (decision 0021), whose pool will be leases without memory too. Only the
+/// pools that will have memory are prefilled.
+fn spec(
+    e: &Engine,
+    order: (usize, usize),
+    l: &Layout,
+    lanes: usize,
+    lazy: bool,
+    in_place: bool,
+) -> EarlySpec {
     let mut lens = pool_lens(l, lanes);
+    if in_place {
+        lens.truncate(l.staging_bufs * lanes);
+    }
     if lazy {
         lens.drain(..l.staging_bufs * lanes);
     }
@@ -231,14 +249,28 @@ mod tests {
         let plan = plan_with("auto", "B.mgt");
         let step = &plan.steps[0];
         let (a, b) = (step.a.open().unwrap(), step.b.open().unwrap());
-        let one = early_spec_for_step(&plan.path, &plan.engine, step, [&*a, &*b], 1).unwrap();
+        let one = early_spec_for_step(&plan.path, &plan.engine, step, [&*a, &*b], 1, None).unwrap();
         let (order, l) = guess_layout(&plan, 1).unwrap();
         let lazy = staging_lazy(&plan.engine, step, &l, [&*a, &*b]);
-        assert_eq!(one, spec(&plan.engine, order, &l, 1, lazy));
+        assert_eq!(one, spec(&plan.engine, order, &l, 1, lazy, false));
         assert!(
             one.pool_lens.len() == l.out_bufs,
             "staging left out: {one:?}"
         );
+        // An output the GPU writes in place (a pinned array, a GPU array): no output buffers;
+        // a pageable one: the same as a file.
+        // SAFETY: never written: only its kind is asked of.
+        let rect = |page_locked, gpu| unsafe {
+            crate::seam::OutRect::new(4096, 4, 4, 1, page_locked, gpu)
+        };
+        for (out, buffers) in [
+            (rect(true, None), 0),
+            (rect(false, Some(0)), 0),
+            (rect(false, None), l.out_bufs),
+        ] {
+            let s = early_spec_for_step(&plan.path, &plan.engine, step, [&*a, &*b], 1, Some(out));
+            assert_eq!(s.unwrap().pool_lens.len(), buffers, "{out:?}");
+        }
         // An input not there yet (to be generated, say): the pools are made up front.
         let mut plan = plan_with("auto", "B.mgt");
         std::fs::remove_file(dir.path().join("B.mgt")).unwrap();

@@ -99,7 +99,8 @@ impl StepRun<'_> {
         let (step, layout, e) = (self.step, self.layout, self.engine);
         let sources = (self.sources)()?;
         let in_place =
-            crate::pipeline::writes_in_place(&*opened.work.writer, backend.caps(), layout.host_dt);
+            crate::pipeline::writes_in_place(&*opened.work.writer, backend.caps(), layout.host_dt)
+                .is_some();
         let engines = Engines::make(backend, layout, e, self.order, &sources, in_place)?;
         let engine_times = engines.times;
         let record = opened.record;

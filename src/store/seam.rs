@@ -273,7 +273,9 @@ pub trait MatrixSink: Send + Sync {
     /// as `host` (no conversion). `None` (the default: files, which checksum, convert and
     /// prefault what they write): the block goes through an output buffer and
     /// [`Self::write_block`]. A block written there is then announced with
-    /// [`Self::wrote_in_place`] instead of written.
+    /// [`Self::wrote_in_place`] instead of written. The rectangle is made with the unsafe
+    /// [`OutRect::new`](crate::seam::OutRect::new): the sink vouches that the memory is its
+    /// block's, alive and written by no one else while the step runs.
     fn direct_rect(&self, _b: &Block, _host: DType) -> Option<crate::seam::OutRect> {
         None
     }

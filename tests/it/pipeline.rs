@@ -445,6 +445,8 @@ struct ArrayOut {
     /// The vector's buffer (never reallocated: only written through this address).
     addr: usize,
     page_locked: bool,
+    /// Milliseconds each tile's write or announcement takes (a slow consumer).
+    slow_ms: u64,
     copied: std::sync::atomic::AtomicU64,
     in_place: std::sync::atomic::AtomicU64,
 }
@@ -471,24 +473,42 @@ impl mgmm_stream::store::MatrixSink for ArraySink {
             // SAFETY: inside the vector (the block is inside the matrix); blocks are disjoint.
             unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), at as *mut u8, row.len()) };
         }
+        std::thread::sleep(std::time::Duration::from_millis(self.0.slow_ms));
         self.0
             .copied
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(0)
     }
     fn direct_rect(&self, b: &Block, host: DType) -> Option<mgmm_stream::store::OutRect> {
-        (host == DType::F32 && b.r0 + b.rows <= self.0.rows && b.c0 + b.cols <= self.0.cols).then(
-            || mgmm_stream::store::OutRect {
-                addr: (self.0.addr + ((b.r0 * self.0.ld + b.c0) * 4) as usize) as u64,
-                pitch: self.0.ld as usize * 4,
-                row_len: b.cols as usize * 4,
-                rows: b.rows as usize,
-                page_locked: self.0.page_locked,
-                gpu: None,
-            },
-        )
+        let inside =
+            host == DType::F32 && b.r0 + b.rows <= self.0.rows && b.c0 + b.cols <= self.0.cols;
+        // SAFETY: the block lies inside the vector, which outlives the step and is written by
+        // nothing else meanwhile; "page-locked" is a claim only the simulated lanes rely on
+        // (they copy on the host), and the CUDA twin's driver copies pageable memory too.
+        inside.then(|| unsafe {
+            mgmm_stream::store::OutRect::new(
+                (self.0.addr + ((b.r0 * self.0.ld + b.c0) * 4) as usize) as u64,
+                self.0.ld as usize * 4,
+                b.cols as usize * 4,
+                b.rows as usize,
+                self.0.page_locked,
+                None,
+            )
+        })
     }
-    fn wrote_in_place(&self, _b: &Block) -> mgmm_stream::Result<u32> {
+    fn wrote_in_place(&self, b: &Block) -> mgmm_stream::Result<u32> {
+        // Announced only once the lane's copy has landed: no element of the block still holds
+        // the sentinel the array was filled with.
+        for i in b.r0..b.r0 + b.rows {
+            for j in b.c0..b.c0 + b.cols {
+                let at = self.0.addr + ((i * self.0.ld + j) * 4) as usize;
+                // SAFETY: inside the vector; the lane's copy into this block is done.
+                let v = unsafe { std::ptr::read_volatile(at as *const f32) };
+                assert!(v != 7777.0, "({i}, {j}) announced before it was written");
+            }
+        }
+        // A slow consumer: ended tiles then wait for output leases in the lanes.
+        std::thread::sleep(std::time::Duration::from_millis(self.0.slow_ms));
         self.0
             .in_place
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -510,7 +530,9 @@ impl mgmm_stream::store::MatrixSink for ArraySink {
 /// into it themselves, a GPU's (simulated) lanes when it says it is page-locked, else writeback
 /// copies them in; either way every element matches an f64 reference, nothing beside the
 /// matrix (the row pitch's padding) is touched, a NaN in A is counted in the output as it is
-/// when tiles are copied, and tiles written in place take no output buffer.
+/// when tiles are copied, tiles written in place take no output buffer and are announced only
+/// once they have landed — also when the output is slow to take them, so that ended tiles
+/// wait for room in the lanes while later GEMMs go on.
 fn output_array_written_in_place(backend: &str) {
     use mgmm_stream::api::{self, Output, StepJob, StepSources};
     use std::sync::atomic::Ordering::SeqCst;
@@ -552,7 +574,7 @@ fn output_array_written_in_place(backend: &str) {
         v: f32s(&b),
     };
     let (want, mag) = reference(&am, false, &bm, false, None, 1.0, 0.0, m, n, k);
-    for page_locked in [false, true] {
+    for (page_locked, slow_ms) in [(false, 0), (true, 0), (true, 5), (false, 5)] {
         let ld = n as u64 + 3;
         let mut v = vec![7777.0f32; m * ld as usize];
         let addr = v.as_mut_ptr() as usize;
@@ -563,6 +585,7 @@ fn output_array_written_in_place(backend: &str) {
             data: std::sync::Mutex::new(v),
             addr,
             page_locked,
+            slow_ms,
             copied: Default::default(),
             in_place: Default::default(),
         });

@@ -47,9 +47,10 @@ pub(crate) struct DeviceLane<'a> {
     /// The checks of every directly uploaded block so far, which results wait for.
     pub(crate) checks: Option<(Arc<CheckProgress>, u64)>,
     /// The output, when this lane downloads finished tiles straight into its memory
-    /// ([`MatrixSink::direct_rect`], [`crate::seam::Caps::writes_directly`]); `None`: through
+    /// ([`MatrixSink::direct_rect`], [`crate::seam::Caps::writes_directly`]), with the kind of
+    /// rectangle approved for it ([`crate::pipeline::writes_in_place`]); `None`: through
     /// output buffers.
-    pub(crate) direct_out: Option<&'a dyn MatrixSink>,
+    pub(crate) direct_out: Option<(&'a dyn MatrixSink, crate::seam::OutRect)>,
 }
 
 /// GEMMs a lane may have queued on its device ([`DeviceLane::hold_back`]).
@@ -62,10 +63,13 @@ struct Pending {
     ups: Vec<(Ticket, Staged)>,
     downs: Vec<(Ticket, Done)>,
     /// Tiles whose last GEMM is issued and whose download waits for room (an output lease,
-    /// fewer than `max_downs` in flight), with their accumulators, oldest first
-    /// ([`DeviceLane::issue_ends`]).
-    ends: std::collections::VecDeque<(OutTile, usize)>,
+    /// fewer than `max_downs` in flight), with their accumulators and the input checks they
+    /// wait for (those issued when they ended), oldest first ([`DeviceLane::issue_ends`]).
+    ends: std::collections::VecDeque<(OutTile, usize, Checks)>,
 }
+
+/// The checks of directly uploaded inputs a result waits for ([`Done::checks`]).
+type Checks = Option<(Arc<CheckProgress>, u64)>;
 
 /// How long [`DeviceLane::issue_ends`] may block for room.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -220,8 +224,13 @@ impl DeviceLane<'_> {
             self.lane.wait_in_flight_below(MAX_AHEAD)?;
         } else {
             // Tiles wait for room to download: poll, so that each goes as soon as writeback
-            // hands a lease back rather than a GEMM (21 ms of 8192³ fp32) later.
+            // hands a lease back rather than a GEMM (21 ms of 8192³ fp32) later; once none
+            // waits, wait for the device as above.
             while self.lane.in_flight() >= MAX_AHEAD && !ctl.is_stopping() {
+                if p.ends.is_empty() {
+                    self.lane.wait_in_flight_below(MAX_AHEAD)?;
+                    break;
+                }
                 std::thread::sleep(LANE_POLL);
                 self.settle(p, ctl, false)?;
                 self.issue_ends(p, ctl, Until::Room)?;
@@ -452,7 +461,7 @@ impl DeviceLane<'_> {
         p: &mut Pending,
         ctl: &Control,
     ) -> Result<()> {
-        p.ends.push_back((tile, acc));
+        p.ends.push_back((tile, acc, self.checks.clone()));
         self.issue_ends(p, ctl, Until::Room)
     }
 
@@ -467,19 +476,21 @@ impl DeviceLane<'_> {
     /// step of two 30000² CUDA tensors on one H200 (`MGMM_TRACE`, trace_gaps.py:
     /// docs/measurements/2026-12-06c-h200-3-gpu-arrays-in-place.log).
     fn issue_ends(&mut self, p: &mut Pending, ctl: &Control, until: Until) -> Result<()> {
-        while let Some(&(tile, acc)) = p.ends.front() {
+        while let Some((tile, acc)) = p.ends.front().map(|e| (e.0, e.1)) {
             let must = match until {
                 Until::Room => false,
-                Until::Acc(a) => p.ends.iter().any(|&(_, x)| x == a),
+                Until::Acc(a) => p.ends.iter().any(|e| e.1 == a),
                 Until::All => true,
             };
             let elems = tile.block.elems();
             // Straight into the output's memory where it takes it ([`Self::direct_out`]):
             // the lease is then a token that bounds the downloads in flight, without a
             // buffer.
-            let into = (self.direct_out)
-                .and_then(|w| w.direct_rect(&tile.block, self.host_dt))
-                .filter(|r| r.rows * r.row_len == elems * self.host_dt.size());
+            let host = self.host_dt;
+            let into = (self.direct_out).and_then(|(w, kind)| {
+                (w.direct_rect(&tile.block, host))
+                    .filter(|r| crate::pipeline::same_kind(r, &kind, &tile.block, host))
+            });
             let room = p.downs.len() < self.max_downs.max(1);
             let buf = match room.then(|| self.out_pool.try_lease_as(into.is_some())) {
                 Some(Some(b)) => b,
@@ -495,13 +506,13 @@ impl DeviceLane<'_> {
                     self.lease_as(p, ctl, into.is_some())?
                 }
             };
-            p.ends.pop_front();
+            let checks = p.ends.pop_front().and_then(|e| e.2);
             let mut buf = buf;
             let tk = match into {
                 Some(r) => self.lane.download_into(acc, &r)?,
                 None => self.lane.download(acc, elems, buf.materialize()?)?,
             };
-            let (partial, checks) = (None, self.checks.clone());
+            let partial = None;
             p.downs.push((
                 tk,
                 Done {

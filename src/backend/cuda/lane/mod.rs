@@ -148,8 +148,6 @@ impl CudaLane {
 }
 
 impl CudaLane {
-    /// `acc[..elems] *= beta` on the compute stream, in the accumulator's type (f32, or f64
-    /// for fp64): nothing for beta = 1, zeros for beta = 0 (C is not read), else cuBLAS scal.
     /// Note the last op on `comp` that wrote accumulator `acc` (just queued).
     fn mark_acc(&mut self, acc: usize) -> Result<()> {
         let e = self
@@ -176,6 +174,8 @@ impl CudaLane {
         .map_err(|e| self.err("stream wait", e))
     }
 
+    /// `acc[..elems] *= beta` on the compute stream, in the accumulator's type (f32, or f64
+    /// for fp64): nothing for beta = 1, zeros for beta = 0 (C is not read), else cuBLAS scal.
     fn scale_acc(&mut self, acc: usize, elems: usize, beta: f64) -> Result<()> {
         if beta == 1.0 {
             return Ok(());
