@@ -704,26 +704,41 @@ fn inputs_line(r: &StepReport) -> String {
     )
 }
 
+/// Why a lazy pool made no buffer: what went around it.
+fn lazy_why(pool: &str) -> &'static str {
+    match pool {
+        "output" => "finished tiles went straight into the output",
+        _ => "blocks went straight from the files' pages",
+    }
+}
+
 /// The `host pools:` line: each pool's buffers and how many were in use at most.
 fn pools_line(r: &StepReport) -> String {
     let pools: Vec<String> = r
         .pools
         .iter()
         .map(|p| match p.lazy {
-            // Leases without memory: the blocks went straight from the files' pages.
+            // Leases without memory: the input blocks went straight from the files' pages
+            // (staging), the finished tiles straight into the output (decision 0021).
             true if p.allocated == 0 => format!(
-                "{} none of {}×{} allocated (the blocks went straight from the files' pages; peak {} in flight)",
+                "{} none of {}×{} allocated (the {}; peak {} in flight)",
                 p.name,
                 p.buffers,
                 fmt_bytes(p.buffer_bytes),
+                lazy_why(&p.name),
                 p.high_water
             ),
             true => format!(
-                "{} {}×{} as needed ({} allocated for copied blocks, peak {} in flight)",
+                "{} {}×{} as needed ({} allocated for {}, peak {} in flight)",
                 p.name,
                 p.buffers,
                 fmt_bytes(p.buffer_bytes),
                 p.allocated,
+                if p.name == "output" {
+                    "checkpoints and resumed tiles"
+                } else {
+                    "copied blocks"
+                },
                 p.high_water
             ),
             false => format!(
