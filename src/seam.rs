@@ -203,11 +203,13 @@ impl Caps {
     /// a device's only page-locked memory, which its copy engine writes at the link's rate
     /// (pageable memory the driver would stage through a buffer of its own, one copy at a time
     /// on the lane's stream — slower than the pipeline's own staging, which writeback threads
-    /// copy out of in parallel) and GPU memory, device to device (or peer to peer).
+    /// copy out of in parallel) and GPU memory, device to device (the pipeline gives a GPU
+    /// rectangle only to lanes on that GPU).
     pub(crate) fn writes_directly(&self, r: &OutRect) -> bool {
         match self.memory {
             MemorySpace::Host => r.gpu.is_none(),
-            MemorySpace::Device => r.page_locked || r.gpu.is_some(),
+            // (A simulated device's lanes copy on the host: no GPU memory.)
+            MemorySpace::Device => r.page_locked || (r.gpu.is_some() && self.kind == "cuda"),
         }
     }
 }

@@ -303,10 +303,13 @@ impl Job {
                 step.output = PathBuf::from("out (array)");
                 let label = step.output.clone();
                 // Asked of the driver only where a GPU may run the step (the CPU's lanes write
-                // any memory, and asking would start the driver for nothing).
-                let page_locked = self.engine.backend != mgmm_stream::plan::BackendKind::Cpu
-                    && mgmm_stream::backend::devmem::page_locked(m.addr as u64, m.byte_len());
+                // any memory, and asking would start the driver for nothing), and inside the
+                // sink's maker, which runs without the GIL (the driver's start can take
+                // seconds).
+                let gpu_may_run = self.engine.backend != mgmm_stream::plan::BackendKind::Cpu;
                 Output::Memory(Box::new(move || {
+                    let page_locked = gpu_may_run
+                        && mgmm_stream::backend::devmem::page_locked(m.addr as u64, m.byte_len());
                     Ok(Box::new(BufferSink {
                         label: label.clone(),
                         m,

@@ -463,8 +463,10 @@ impl MatrixSource for DeviceSource {
     }
 }
 
-/// An array in GPU memory written in place (`out=` a CUDA tensor or CuPy array): each block is
-/// copied from the host output buffer into it.
+/// An array in GPU memory written in place (`out=` a CUDA tensor or CuPy array): a lane on its
+/// GPU copies each finished tile into it device to device ([`MatrixSink::direct_rect`]);
+/// anything else (a lane on another GPU, the CPU, another dtype) hands blocks to
+/// [`MatrixSink::write_block`], which copies them up from the host.
 pub struct DeviceSink {
     pub label: PathBuf,
     pub d: DeviceMatrix,
@@ -516,14 +518,15 @@ impl MatrixSink for DeviceSink {
         Ok(0)
     }
     /// Every block, where no conversion is needed: a GPU's lanes copy tiles into the array
-    /// device to device (peer to peer from another GPU) instead of through the host twice.
+    /// device to device instead of through the host twice (lanes on that GPU only).
     fn direct_rect(&self, b: &Block, host: DType) -> Option<OutRect> {
         if host != self.d.m.dtype || check_block(&self.label, self.shape(), b).is_err() {
             return None;
         }
         let (addr, pitch, row_len) = self.d.rect(b);
         // SAFETY: as for `BufferSink::direct_rect`, in the memory of GPU `device`, which holds
-        // the array (asked of the driver when the descriptor was made).
+        // the array (asked of the driver when the descriptor was made). Only lanes on that GPU
+        // take it (`pipeline`'s lane wiring): another GPU may not have it mapped.
         Some(unsafe {
             OutRect::new(
                 addr,

@@ -464,4 +464,25 @@ mod tests {
         let b = HostBuf::heap(5000).unwrap();
         assert!(b.bytes().len() == 5000 && b.bytes().iter().all(|&x| x == 0));
     }
+
+    /// Which outputs' memory each backend's lanes write themselves (decision 0021): the CPU any
+    /// host memory, a GPU page-locked host memory and GPU memory, a simulated GPU page-locked
+    /// host memory only (its lanes copy on the host).
+    #[test]
+    fn which_rectangles_each_backend_writes_in_place() {
+        use super::{Backend, Caps, OutRect};
+        // SAFETY: never written: only their kind is asked of.
+        let rect = |page_locked, gpu| unsafe { OutRect::new(4096, 8, 8, 2, page_locked, gpu) };
+        let (pageable, pinned, gpu) = (rect(false, None), rect(true, None), rect(false, Some(0)));
+        let cpu = super::cpu::CpuBackend::new(1, None);
+        let cuda = super::cuda::cuda_caps(1, 1 << 30);
+        let engine =
+            crate::plan::engine::with_settings(std::path::Path::new("t"), &[("backend", "sim")])
+                .unwrap();
+        let sim = super::sim::SimBackend::new(&engine);
+        let said = |c: &Caps| [&pageable, &pinned, &gpu].map(|r| c.writes_directly(r));
+        assert_eq!(said(cpu.caps()), [true, true, false], "cpu");
+        assert_eq!(said(&cuda), [false, true, true], "cuda");
+        assert_eq!(said(sim.caps()), [false, true, false], "sim");
+    }
 }

@@ -923,6 +923,7 @@ impl<'p> LaneWiring<'p> {
             out: lane_tx,
             m: m(StageKind::Staging),
         }));
+        let lane_gpu = lane.gpu();
         stages.push(Box::new(DeviceLane {
             lane,
             out_pool: self.out_pool.clone(),
@@ -936,7 +937,10 @@ impl<'p> LaneWiring<'p> {
             live: &c.lane_live[i],
             ckpt,
             checks: None,
-            direct_out: self.direct_out,
+            // An output in GPU memory only from a lane on that GPU: another may not have the
+            // caller's memory mapped (torch's and CuPy's pools are not, unless granted); its
+            // tiles go through output buffers and the sink's own copy.
+            direct_out: (self.direct_out).filter(|(_, k)| k.gpu.is_none() || k.gpu == lane_gpu),
         }));
         stages
     }

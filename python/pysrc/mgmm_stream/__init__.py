@@ -322,13 +322,15 @@ class _Gpu:
         return None
 
 
-def _devices_for(a: Any, b: Any, devices: Any, backend: str) -> Any:
-    """``devices`` as asked, except that with the default ``"all"`` and every GPU operand on
-    one GPU the product runs on that GPU alone: a lane on another GPU would read those operands
-    through host memory, block by block, slower than the one GPU computing it all."""
+def _devices_for(a: Any, b: Any, devices: Any, backend: str, out: Any = None) -> Any:
+    """``devices`` as asked, except that with the default ``"all"`` and every GPU operand (and
+    a GPU ``out``) on one GPU the product runs on that GPU alone: a lane on another GPU would
+    read those operands, and write the result, through host memory, block by block, slower
+    than the one GPU computing it all."""
     if not (isinstance(devices, str) and devices == "all") or backend == "cpu":
         return devices
-    on = {_Gpu(x, n).device for x, n in ((a, "a"), (b, "b")) if _on_gpu(x)}
+    on = {_Gpu(x, n).device for x, n in ((a, "a"), (b, "b"), (out, "out"))
+          if x is not None and not isinstance(x, (str, os.PathLike)) and _on_gpu(x)}
     return [on.pop()] if len(on) == 1 else devices
 
 
@@ -664,8 +666,8 @@ def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool
         their offset, C or Fortran order), numpy arrays in RAM (read from their buffer without a
         copy; rows or columns must be contiguous), CPU torch tensors, or arrays in GPU memory
         (CUDA torch tensors, CuPy arrays, anything with ``__cuda_array_interface__``: read in
-        place, device to device or peer to peer, after the caller's current stream is waited
-        for). float32, float64 or float16; both the same dtype.
+        place, device to device by a lane on their GPU — through the host by any other — after
+        the caller's current stream is waited for). float32, float64 or float16; both the same dtype.
     out: None → a new numpy array, if it fits ``result_memory`` (default: half the memory
         available; otherwise BadInputError asks for ``out=``) — or, when an input is on a GPU,
         a new array of its kind on its GPU if the result takes at most half of that GPU's free
@@ -695,7 +697,7 @@ def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool
     """
     _check_cancel(cancel)
     precision, engine = _precision(precision, engine)
-    devices = _devices_for(a, b, devices, backend)
+    devices = _devices_for(a, b, devices, backend, out)
     settings = _settings(backend, devices, host_memory, device_memory, threads, tile, engine)
     job, keep = _prepare(a, b, alpha, trans_a, trans_b, precision, settings)
     gpus = [k for _n, _d, k in keep if isinstance(k, _Gpu)]
