@@ -40,6 +40,21 @@ pub struct SimBackend {
     max_delay_us: Vec<u64>,
     caps: Caps,
     pinner: Arc<SimPinner>,
+    log: Arc<OpLog>,
+}
+
+/// The order in which the simulated lanes were asked to do things: per op, the lane's index,
+/// what (`'G'` a GEMM, `'D'` a download, `'A'` an upload into an accumulator) and the
+/// accumulator — for tests of the order the pipeline issues them in
+/// (docs/decisions/0022-ended-tiles-wait-without-holding-up-the-lane.md).
+#[derive(Default)]
+pub struct OpLog(Mutex<Vec<(usize, char, usize)>>);
+
+impl OpLog {
+    /// Everything logged so far, in the order it was issued.
+    pub fn ops(&self) -> Vec<(usize, char, usize)> {
+        self.0.lock().unwrap().clone()
+    }
 }
 
 /// The simulated devices' page-locking: the ranges registered now, which every copy straight
@@ -153,7 +168,19 @@ impl SimBackend {
             ids,
             max_delay_us,
             pinner: Arc::default(),
+            log: Arc::default(),
         }
+    }
+
+    /// The same devices, logging into `log` (the backend a failover leaves keeps the log).
+    fn with_log(mut self, log: Arc<OpLog>) -> SimBackend {
+        self.log = log;
+        self
+    }
+
+    /// The log of the ops this backend's lanes are asked for ([`OpLog`]).
+    pub fn op_log(&self) -> Arc<OpLog> {
+        self.log.clone()
     }
 
     /// The same devices, registering at most `budget` bytes of the input files at once, in
@@ -201,13 +228,7 @@ impl Backend for SimBackend {
             .iter()
             .enumerate()
             .map(|(index, &id)| {
-                let seed = id as u64 + 1;
-                let delay = self.max_delay_us[id];
-                let pinner = self.pinner.clone();
-                Ok(
-                    Box::new(SimLane::new(index, id, layout, p, delay, seed, pinner)?)
-                        as Box<dyn Lane>,
-                )
+                Ok(Box::new(SimLane::new(self, index, id, layout, p)?) as Box<dyn Lane>)
             })
             .collect()
     }
@@ -217,11 +238,10 @@ impl Backend for SimBackend {
         }
         let mut ids = self.ids.clone();
         ids.remove(lane);
-        Some(Ok(Box::new(Self::with_ids(
-            ids,
-            self.caps.device_memory,
-            self.max_delay_us.clone(),
-        ))))
+        Some(Ok(Box::new(
+            Self::with_ids(ids, self.caps.device_memory, self.max_delay_us.clone())
+                .with_log(self.log.clone()),
+        )))
     }
 }
 
@@ -292,18 +312,22 @@ pub(crate) struct SimLane {
     worker: Option<std::thread::JoinHandle<()>>,
     /// The last `upload_runs`, for its check ([`Lane::check_upload`]).
     last_runs: Option<(Vec<HostRun>, usize)>,
+    /// Where the ops asked for are logged ([`OpLog`]).
+    log: Arc<OpLog>,
 }
 
 impl SimLane {
+    /// Lane `index` of `backend`, simulating its device `id` (its delays, seeded by the id;
+    /// the backend's page-locking and op log).
     fn new(
+        backend: &SimBackend,
         index: usize,
         id: usize,
         layout: &Layout,
         p: Precision,
-        max_delay_us: u64,
-        seed: u64,
-        pinner: Arc<SimPinner>,
     ) -> Result<SimLane> {
+        let (max_delay_us, seed) = (backend.max_delay_us[id], id as u64 + 1);
+        let (pinner, log) = (backend.pinner.clone(), backend.log.clone());
         let shared = Arc::new((
             Mutex::new(Shared {
                 queue: VecDeque::new(),
@@ -327,6 +351,7 @@ impl SimLane {
             next: 0,
             worker: Some(worker),
             last_runs: None,
+            log,
         })
     }
 
@@ -343,6 +368,15 @@ impl SimLane {
         }
         let t = self.next;
         self.next += 1;
+        let logged = match &op {
+            Op::Gemm(_, _, _, acc) => Some(('G', *acc)),
+            Op::Download(acc, _, _) | Op::DownloadInto(acc, _) => Some(('D', *acc)),
+            Op::Upload(_, _, Dst::Acc(acc)) => Some(('A', *acc)),
+            _ => None,
+        };
+        if let Some((what, acc)) = logged {
+            self.log.0.lock().unwrap().push((self.index, what, acc));
+        }
         s.queue.push_back((t, op));
         cv.notify_all();
         Ok(Ticket(t))

@@ -660,3 +660,65 @@ fn row_major_inputs_over_the_lock_budget_release_the_range_needed_last() {
         input_bytes >> 20
     );
 }
+
+/// A tile that ends while there is no room to download it (every output buffer taken by a slow
+/// writeback) waits in its lane while the lane goes on issuing later tiles' GEMMs, and its
+/// download is still issued before anything is written into its accumulator again
+/// (docs/decisions/0022-ended-tiles-wait-without-holding-up-the-lane.md): in the order the
+/// simulated lane was asked for things, some download comes after a GEMM on another
+/// accumulator issued after the tile's last GEMM; on every accumulator the ops run
+/// `(GEMM × k-chunks, download)` over and over; and the bytes are the CPU's.
+#[test]
+fn an_ended_tile_waits_for_room_while_later_gemms_go_on() {
+    let d = tmp();
+    let dir = d.path();
+    // 48³ in 8³ tiles: 36 tiles of 6 k-chunks; a row of 6 tiles starts as a group of 4.
+    setup(dir, 48, 48, 48, 8, "64MiB");
+    let (gk, mut waited) = (6, 0);
+    for attempt in 0..3 {
+        let backend = SimBackend::with_delays(vec![20], 1 << 30);
+        let log = backend.op_log();
+        let faults = FaultConfig {
+            write_delay_ms: 15,
+            ..FaultConfig::default()
+        };
+        let backend = Box::new(FaultyBackend::new(Box::new(backend), faults.clone()));
+        std::fs::remove_file(dir.join("C.mgt")).ok();
+        std::fs::remove_file(dir.join("C.mgt.journal")).ok();
+        run_faulty(dir, backend, Some(faults)).unwrap();
+        assert!(same_output(dir), "attempt {attempt}: not the CPU's bytes");
+        let ops = log.ops();
+        // Per accumulator: k-chunk GEMMs, then the tile's download, tile after tile.
+        let mut accs: std::collections::BTreeMap<usize, Vec<char>> = Default::default();
+        for &(_, what, acc) in &ops {
+            accs.entry(acc).or_default().push(what);
+        }
+        for (acc, seq) in &accs {
+            let text: String = seq.iter().collect();
+            let tile = "G".repeat(gk) + "D";
+            assert!(
+                text.len().is_multiple_of(tile.len())
+                    && text
+                        .as_bytes()
+                        .chunks(tile.len())
+                        .all(|c| c == tile.as_bytes()),
+                "accumulator {acc}: {text}"
+            );
+        }
+        // A download issued after a GEMM on another accumulator: its tile waited.
+        waited += (1..ops.len())
+            .filter(|&i| ops[i].1 == 'D')
+            .filter(|&i| {
+                let last_gemm = ops[..i].iter().rev().find(|o| o.1 == 'G');
+                last_gemm.is_some_and(|g| g.2 != ops[i].2)
+            })
+            .count();
+        if waited > 0 {
+            break;
+        }
+    }
+    assert!(
+        waited > 0,
+        "no ended tile ever waited for room in three runs"
+    );
+}
