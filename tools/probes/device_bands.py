@@ -8,7 +8,13 @@ the one GEMM's rate. This probe times, in one process on one GPU, interleaved:
     compute stream and copied to the pinned `out` rows on a copy stream as soon as it is done,
     a band's device buffer reused once its copy ended (two buffers);
   * tiles: the same with square output tiles of full depth (an 8192² grid), zero-copy views.
-Reports the median of --reps for each; every schedule's result is compared with torch's.
+    (Torch copies a device tile into a strided, non-contiguous host view slowly — 3.99 s on one
+    H100 — so these rows bound torch's copy, not what tiles could do; the bands' host rows are
+    contiguous.)
+Reports the median of --reps for each; every schedule's result is compared with torch's
+(within fp32 rounding: another GEMM shape may take another cuBLAS kernel). One H100,
+2026-12-06: torch GEMM + pinned copy 1.108 s, 4 bands of n/4 rows 1.064 s, 8 bands 1.078 s,
+2 bands 1.156 s (docs/measurements/2026-12-06c-h100-5-parked-ends.log).
 
   python3 tools/probes/device_bands.py --n 30000 --reps 3
 """
