@@ -69,18 +69,12 @@ pub fn run_step(job: StepJob<'_>) -> Result<Option<StepReport>> {
     crate::run::init_threads(e.threads);
     crate::run::ignore_sigxfsz();
     // As `run` starts a plan's backend: the pinned pools and cuBLAS's first kernel prepared
-    // while the driver comes up.
-    // An array written in place (decision 0021) needs no output buffers made early.
+    // while the driver comes up — no output buffers for an array the lanes will write in place
+    // (decision 0021), which the sink's maker (a struct, no I/O) says.
     let out = match &job.output {
-        Output::Memory(make) => make().ok().and_then(|w| {
-            let corner = crate::store::Block {
-                r0: 0,
-                c0: 0,
-                rows: 1,
-                cols: 1,
-            };
-            w.direct_rect(&corner, e.precision.host_dtype())
-        }),
+        Output::Memory(make) => {
+            (make().ok()).and_then(|w| crate::pipeline::first_rect(&*w, e.precision.host_dtype()))
+        }
         Output::File(_) => None,
     };
     let opts = crate::run::prefill::backend_options_for_step(

@@ -417,12 +417,7 @@ pub(crate) fn expected(
     added: bool,
     host: DType,
 ) -> bool {
-    let corner = Block {
-        r0: 0,
-        c0: 0,
-        rows: 1,
-        cols: 1,
-    };
+    let corner = Block::FIRST;
     if added {
         return false;
     }

@@ -167,6 +167,9 @@ pub(crate) struct Engines {
     lanes: Vec<Box<dyn Lane>>,
     staging_pools: Vec<Pool>,
     out_pool: Pool,
+    /// The kind of rectangle the lanes download finished tiles into, when they write the
+    /// output in place ([`writes_in_place`]).
+    out_in_place: Option<crate::seam::OutRect>,
     /// Seconds taken: both together, the lanes alone, the pools alone.
     pub(crate) times: [(&'static str, f64); 3],
 }
@@ -176,14 +179,15 @@ impl Engines {
     /// for the plan step at `step` (`Step::order`; `(0, 0)` for a lone product) reading
     /// `sources`: when their blocks are all expected to go straight from the files' pages
     /// ([`direct::expected`], by `e.staging`), the staging pools' buffers are made only if a
-    /// block is copied after all ([`Pool::lazy`]).
+    /// block is copied after all ([`Pool::lazy`]); writing into `writer`, whose tiles need no
+    /// output buffers when the lanes write it in place ([`writes_in_place`]).
     pub(crate) fn make(
         backend: &dyn Backend,
         layout: &Layout,
         e: &crate::plan::Engine,
         step: (usize, usize),
         sources: &StepSources,
-        out_in_place: bool,
+        writer: &dyn MatrixSink,
     ) -> Result<Engines> {
         let t = Instant::now();
         let n = backend.caps().lanes.max(1);
@@ -200,7 +204,8 @@ impl Engines {
         .flatten();
         // Tiles downloaded into the output itself need no output buffers: made only for a
         // checkpoint or a resumed tile.
-        let out_lazy = out_in_place.then(|| backend.shared()).flatten();
+        let out_in_place = writes_in_place(writer, backend.caps(), layout.host_dt);
+        let out_lazy = out_in_place.and_then(|_| backend.shared());
         let (lanes, pools) = std::thread::scope(|s| {
             let (lazy, out_lazy) = (lazy.clone(), out_lazy.clone());
             let pools = s.spawn(move || {
@@ -233,6 +238,7 @@ impl Engines {
             lanes,
             staging_pools,
             out_pool,
+            out_in_place,
             times: [
                 ("engines", t.elapsed().as_secs_f64()),
                 ("lanes", lanes_s),
@@ -301,8 +307,18 @@ pub(crate) struct Pipeline<'a> {
     out_in_place: Option<crate::seam::OutRect>,
 }
 
+/// The rectangle `writer` offers for its first element computed in `host`
+/// ([`MatrixSink::direct_rect`]): of what kind its memory is, when it offers to be written in
+/// place at all.
+pub(crate) fn first_rect(
+    writer: &dyn MatrixSink,
+    host: crate::dtype::DType,
+) -> Option<crate::seam::OutRect> {
+    writer.direct_rect(&crate::store::Block::FIRST, host)
+}
+
 /// Whether the lanes of a backend with `caps` will download finished tiles (computed in
-/// `host`) straight into `writer`'s memory ([`MatrixSink::direct_rect`],
+/// `host`) straight into `writer`'s memory ([`first_rect`],
 /// [`Caps::writes_directly`](crate::seam::Caps::writes_directly)) — and so need output
 /// buffers only for checkpoints and resumed tiles ([`Engines::make`]): the rectangle of the
 /// output's first element when they will (every block's must be of the same kind, see
@@ -312,13 +328,7 @@ pub(crate) fn writes_in_place(
     caps: &crate::seam::Caps,
     host: crate::dtype::DType,
 ) -> Option<crate::seam::OutRect> {
-    let corner = crate::store::Block {
-        r0: 0,
-        c0: 0,
-        rows: 1,
-        cols: 1,
-    };
-    (writer.direct_rect(&corner, host)).filter(|r| caps.writes_directly(r))
+    first_rect(writer, host).filter(|r| caps.writes_directly(r))
 }
 
 /// Whether `r`, offered for block `b` of `host` elements, is a rectangle of the same kind of
@@ -372,6 +382,7 @@ impl<'a> Pipeline<'a> {
             lanes,
             staging_pools,
             out_pool,
+            out_in_place,
             ..
         } = engines;
         let nlanes = lanes.len();
@@ -392,7 +403,6 @@ impl<'a> Pipeline<'a> {
         let dirty = (work.writer.counts_dirty_pages())
             .then(crate::store::fsutil::dirty_limits)
             .flatten();
-        let out_in_place = writes_in_place(&*work.writer, backend.caps(), l.host_dt);
         Ok(Pipeline {
             out_in_place,
             step,

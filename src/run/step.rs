@@ -98,10 +98,8 @@ impl StepRun<'_> {
     ) -> Result<Result<StepReport>> {
         let (step, layout, e) = (self.step, self.layout, self.engine);
         let sources = (self.sources)()?;
-        let in_place =
-            crate::pipeline::writes_in_place(&*opened.work.writer, backend.caps(), layout.host_dt)
-                .is_some();
-        let engines = Engines::make(backend, layout, e, self.order, &sources, in_place)?;
+        let writer = &*opened.work.writer;
+        let engines = Engines::make(backend, layout, e, self.order, &sources, writer)?;
         let engine_times = engines.times;
         let record = opened.record;
         let sink: &dyn TileSink = record.as_ref();

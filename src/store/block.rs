@@ -21,6 +21,16 @@ pub struct Block {
 }
 
 impl Block {
+    /// The matrix's first element: what a source or sink is asked about when the question is how
+    /// it keeps its blocks (in a file map, in GPU memory, in the caller's array), before any
+    /// block is read or written.
+    pub const FIRST: Block = Block {
+        r0: 0,
+        c0: 0,
+        rows: 1,
+        cols: 1,
+    };
+
     /// Elements in the block.
     pub fn elems(&self) -> usize {
         (self.rows * self.cols) as usize

@@ -71,37 +71,9 @@ impl Writeback<'_> {
             }
             let t = Instant::now();
             let b = d.tile.block;
-            if let Some(r) = d.into {
-                // The lane wrote it into the output itself (its download is done): count
-                // what it holds, and let the sink say it is there.
-                // SAFETY: the sink's rectangle for this block, alive for the step; the lane's
-                // copy into it has ended and nothing else writes it.
-                // On every core: for the last tile of a step this is all that is left to do.
-                // (A GPU's memory is not read from here: its NaN/Inf go uncounted.)
-                use rayon::prelude::*;
-                let rows: Vec<&[u8]> = match r.gpu {
-                    None => unsafe { r.rows() }.collect(),
-                    Some(_) => Vec::new(),
-                };
-                let (from, to) = (self.host_dt, self.writer.dtype());
-                let n: u64 = (rows.par_iter())
-                    .map(|row| crate::dtype::count_nonfinite_as(from, to, row))
-                    .sum();
-                if n > 0 {
-                    self.nonfinite.add(&b, n);
-                }
-                let crc = self.writer.wrote_in_place(&b)?;
-                drop(d.buf);
-                self.m.add_busy(t.elapsed());
-                self.m
-                    .add_item(b.elems() as u64 * self.writer.dtype().size() as u64);
-                ctl.send_timed(&self.out, (d.tile, crc), &self.m)?;
-                continue;
-            }
-            let bytes = b.elems() * self.host_dt.size();
-            let data = &d.buf.buf().bytes()[..bytes];
             if let Some(k_done) = d.partial {
                 let c = self.ckpt.expect("only a run with checkpoints takes them");
+                let data = &d.buf.buf().bytes()[..b.elems() * self.host_dt.size()];
                 // A checkpoint that cannot be saved (disk full, read-only directory) only
                 // means a kill would lose more: the run goes on without further checkpoints.
                 if let Err(e) = c.save(&d.tile, k_done, data) {
@@ -111,17 +83,34 @@ impl Writeback<'_> {
                 self.m.add_busy(t.elapsed());
                 continue;
             }
-            // Populate the block's pages here too: when output is all the work (the 43 GB
-            // chain) writeback overtakes outprep, and copying into unpopulated pages takes a
-            // fault per 4 KiB while outprep populates the same tiles beside it. On two H200s
-            // the chain took 3.55–3.69 s so against 6.87–7.24 s (docs/decisions/0005-writeback-threads-populate.md); pages
-            // outprep already made cost a walk of their page table.
-            self.writer.prefault(&b);
-            let n = crate::dtype::count_nonfinite_as(self.host_dt, self.writer.dtype(), data);
-            if n > 0 {
-                self.nonfinite.add(&b, n);
-            }
-            let crc = self.writer.write_block(&b, self.host_dt, data)?;
+            let crc = match d.into {
+                // The lane wrote it into the output itself and its download is done: count
+                // what it holds where it lies — on every core, since for the last tile of a
+                // step this is all that is left to do; a GPU's memory is not read from here,
+                // its NaN/Inf go uncounted — and let the sink say it is there.
+                Some(r) => {
+                    let rows: Vec<&[u8]> = match r.gpu {
+                        // SAFETY: the sink's rectangle for this block, alive for the step; the
+                        // lane's copy into it has ended and nothing else writes it.
+                        None => unsafe { r.rows() }.collect(),
+                        Some(_) => Vec::new(),
+                    };
+                    self.count_nonfinite(&b, &rows);
+                    self.writer.wrote_in_place(&b)?
+                }
+                None => {
+                    let data = &d.buf.buf().bytes()[..b.elems() * self.host_dt.size()];
+                    // Populate the block's pages here too: when output is all the work (the
+                    // 43 GB chain) writeback overtakes outprep, and copying into unpopulated
+                    // pages takes a fault per 4 KiB while outprep populates the same tiles
+                    // beside it. On two H200s the chain took 3.55–3.69 s so against 6.87–7.24
+                    // s (docs/decisions/0005-writeback-threads-populate.md); pages outprep
+                    // already made cost a walk of their page table.
+                    self.writer.prefault(&b);
+                    self.count_nonfinite(&b, &[data]);
+                    self.writer.write_block(&b, self.host_dt, data)?
+                }
+            };
             drop(d.buf);
             // Out of this process's map now that it is written (still in the page cache):
             // resident memory holds the tiles in flight, not the output.
@@ -132,5 +121,18 @@ impl Writeback<'_> {
             ctl.send_timed(&self.out, (d.tile, crc), &self.m)?;
         }
         Ok(())
+    }
+
+    /// Count the NaN/Inf of block `b`, given as `parts` of its bytes in the host dtype, as the
+    /// output stores them.
+    fn count_nonfinite(&self, b: &Block, parts: &[&[u8]]) {
+        use rayon::prelude::*;
+        let (from, to) = (self.host_dt, self.writer.dtype());
+        let n: u64 = (parts.par_iter())
+            .map(|p| crate::dtype::count_nonfinite_as(from, to, p))
+            .sum();
+        if n > 0 {
+            self.nonfinite.add(b, n);
+        }
     }
 }

@@ -12,7 +12,7 @@ use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    LaunchConfig, PushKernelArg,
+    DriverError, LaunchConfig, PushKernelArg,
 };
 
 use super::early::Warming;
@@ -172,6 +172,30 @@ impl CudaLane {
             None => self.d2h.join(&self.comp),
         }
         .map_err(|e| self.err("stream wait", e))
+    }
+
+    /// Queue `copy` of accumulator `acc` (`bytes` of it) on the D2H stream, after the
+    /// accumulator's last write ([`Self::after_acc`]) and between timing events: the one shape
+    /// of [`Lane::download`] and [`Lane::download_into`], which differ only in where the bytes
+    /// go. `what` names the copy in its error.
+    fn copy_out(
+        &mut self,
+        acc: usize,
+        bytes: usize,
+        what: &str,
+        copy: impl FnOnce(&CudaSlice<u8>, &Arc<CudaStream>) -> std::result::Result<(), DriverError>,
+    ) -> Result<Ticket> {
+        self.after_acc(acc)?;
+        let start = self
+            .d2h
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        copy(&self.accs[acc], &self.d2h).map_err(|e| self.err(what, e))?;
+        let end = self
+            .d2h
+            .record_event(timing())
+            .map_err(|e| self.err("event", e))?;
+        Ok(self.ticket(start, end, Kind::D2h, bytes as u64))
     }
 
     /// `acc[..elems] *= beta` on the compute stream, in the accumulator's type (f32, or f64
@@ -525,78 +549,58 @@ impl Lane for CudaLane {
 
     fn download(&mut self, acc: usize, elems: usize, dst: &mut HostBuf) -> Result<Ticket> {
         let bytes = elems * self.host_dt.size();
-        self.after_acc(acc)?;
-        let start = self
-            .d2h
-            .record_event(timing())
-            .map_err(|e| self.err("event", e))?;
-        {
-            let view = self.accs[acc].slice(..bytes);
-            let host = &mut dst.bytes_mut()[..bytes];
-            self.d2h
-                .memcpy_dtoh(&view, host)
-                .map_err(|e| self.err("D2H copy", e))?;
-        }
-        let end = self
-            .d2h
-            .record_event(timing())
-            .map_err(|e| self.err("event", e))?;
-        Ok(self.ticket(start, end, Kind::D2h, bytes as u64))
+        self.copy_out(acc, bytes, "D2H copy", |a, d2h| {
+            d2h.memcpy_dtoh(&a.slice(..bytes), &mut dst.bytes_mut()[..bytes])
+        })
     }
 
     fn download_into(&mut self, acc: usize, r: &crate::seam::OutRect) -> Result<Ticket> {
         use cudarc::driver::sys::{cuMemcpy2DAsync_v2, CUmemorytype, CUDA_MEMCPY2D};
-        let bytes = r.rows * r.row_len;
-        self.after_acc(acc)?;
-        let start = self
-            .d2h
-            .record_event(timing())
-            .map_err(|e| self.err("event", e))?;
-        let r2 = {
-            let view = self.accs[acc].slice(..bytes);
-            let (sptr, guard) = view.device_ptr(&self.d2h);
-            // A GPU array by its unified address (device to device, or peer to peer).
-            let (dst_type, dst_host, dst_device) = match r.gpu {
-                Some(_) => (
-                    CUmemorytype::CU_MEMORYTYPE_UNIFIED,
-                    std::ptr::null_mut(),
-                    r.addr,
-                ),
-                None => (CUmemorytype::CU_MEMORYTYPE_HOST, r.addr as *mut c_void, 0),
-            };
-            let copy = CUDA_MEMCPY2D {
-                srcXInBytes: 0,
-                srcY: 0,
-                srcMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
-                srcHost: std::ptr::null(),
-                srcDevice: sptr,
-                srcArray: std::ptr::null_mut(),
-                srcPitch: r.row_len,
-                dstXInBytes: 0,
-                dstY: 0,
-                dstMemoryType: dst_type,
-                dstHost: dst_host,
-                dstDevice: dst_device,
-                dstArray: std::ptr::null_mut(),
-                dstPitch: r.pitch,
-                WidthInBytes: r.row_len,
-                Height: r.rows,
-            };
-            // SAFETY: the source is the first `bytes` of this lane's accumulator (dense rows
-            // of `row_len`); the destination rectangle lies in page-locked host memory or GPU
-            // memory that the output's sink keeps alive and that no one else writes until this
-            // copy's ticket is done (the pipeline hands each block to one lane and waits for the
-            // ticket before writeback reads it).
-            let r2 = unsafe { cuMemcpy2DAsync_v2(&copy, self.d2h.cu_stream()) }.result();
-            drop(guard);
-            r2
-        };
-        r2.map_err(|e| self.err("D2H copy into the output", e))?;
-        let end = self
-            .d2h
-            .record_event(timing())
-            .map_err(|e| self.err("event", e))?;
-        Ok(self.ticket(start, end, Kind::D2h, bytes as u64))
+        let r = *r;
+        self.copy_out(
+            acc,
+            r.rows * r.row_len,
+            "D2H copy into the output",
+            |a, d2h| {
+                let view = a.slice(..r.rows * r.row_len);
+                let (sptr, guard) = view.device_ptr(d2h);
+                // A GPU array (on this lane's GPU) by its unified address: device to device.
+                let (dst_type, dst_host, dst_device) = match r.gpu {
+                    Some(_) => (
+                        CUmemorytype::CU_MEMORYTYPE_UNIFIED,
+                        std::ptr::null_mut(),
+                        r.addr,
+                    ),
+                    None => (CUmemorytype::CU_MEMORYTYPE_HOST, r.addr as *mut c_void, 0),
+                };
+                let copy = CUDA_MEMCPY2D {
+                    srcXInBytes: 0,
+                    srcY: 0,
+                    srcMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                    srcHost: std::ptr::null(),
+                    srcDevice: sptr,
+                    srcArray: std::ptr::null_mut(),
+                    srcPitch: r.row_len,
+                    dstXInBytes: 0,
+                    dstY: 0,
+                    dstMemoryType: dst_type,
+                    dstHost: dst_host,
+                    dstDevice: dst_device,
+                    dstArray: std::ptr::null_mut(),
+                    dstPitch: r.pitch,
+                    WidthInBytes: r.row_len,
+                    Height: r.rows,
+                };
+                // SAFETY: the source is the first `rows · row_len` bytes of this lane's accumulator
+                // (dense rows of `row_len`); the destination rectangle lies in page-locked host
+                // memory or GPU memory that the output's sink keeps alive and that no one else
+                // writes until this copy's ticket is done (the pipeline hands each block to one
+                // lane and waits for the ticket before writeback reads it).
+                let done = unsafe { cuMemcpy2DAsync_v2(&copy, d2h.cu_stream()) }.result();
+                drop(guard);
+                done
+            },
+        )
     }
 
     fn done(&mut self, t: Ticket) -> Result<bool> {
