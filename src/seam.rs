@@ -270,9 +270,9 @@ impl OutRect {
     /// The block's rows, as slices of the memory.
     ///
     /// # Safety
-    /// The rectangle must be in host memory (`gpu` is `None`) that is alive, and not written by anyone else, for as
-    /// long as the slices are used (the sink that gave it guarantees both for the step; the
-    /// lane's copy into it must be known to be done).
+    /// The rectangle must be in host memory (`gpu` is `None`) that is alive, and not written by
+    /// anyone else, for as long as the slices are used (the sink that gave it guarantees both
+    /// for the step; the lane's copy into it must be known to be done).
     pub unsafe fn rows(&self) -> impl Iterator<Item = &[u8]> + '_ {
         (0..self.rows).map(move |i| {
             // SAFETY: as the caller promised.
