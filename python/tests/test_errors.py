@@ -142,6 +142,12 @@ def test_other_bad_calls():
         mg.matmul(a[::-1], b, **CPU)
     with pytest.raises(mg.BadInputError, match=r"= 160 B, more than the 100 B"):
         mg.matmul(a, b, result_memory=100, **CPU)
+    # A size as host_memory takes it; the refusal names the ways out, an array among them.
+    with pytest.raises(mg.BadInputError, match=r"more than the 100 B .*an array to write into"):
+        mg.matmul(a, b, result_memory="100B", **CPU)
+    assert mg.matmul(a, b, result_memory="1KiB", **CPU).shape == (10, 4)
+    with pytest.raises(mg.BadInputError, match=r"result_memory='lots' is not a size"):
+        mg.matmul(a, b, result_memory="lots", **CPU)
     with pytest.raises(mg.BadInputError, match="directory .*nodir does not exist"):
         mg.matmul(a, b, out="nodir/C.npy", **CPU)
     with pytest.raises(mg.BadInputError, match="disagree"):

@@ -596,7 +596,7 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def _output(job: Any, out: Any, result_memory: Optional[int],
+def _output(job: Any, out: Any, result_memory: Union[int, str, None],
             gpus: Optional[List[_Gpu]] = None,
             device_memory: Any = None) -> Tuple[Dict[str, Any], Any]:
     """(descriptor, what matmul returns) for ``out``; ``gpus``: the operands in GPU memory
@@ -624,14 +624,23 @@ def _output(job: Any, out: Any, result_memory: Optional[int],
         return g.descriptor(), out
     if out is None:
         need = m * n * dt.itemsize
-        limit = result_memory_limit() if result_memory is None else int(result_memory)
+        if result_memory is None:
+            limit = result_memory_limit()
+        else:
+            # Bytes, or a size as host_memory takes it ("8GiB").
+            parsed = _native.parse_size(_size(result_memory))
+            if parsed is None:
+                raise BadInputError(f"result_memory={result_memory!r} is not a size: give bytes "
+                                    f"or a string such as '8GiB'")
+            limit = parsed
         if need > limit:
             raise BadInputError(
                 f"the result is {m}×{n} {dt.name} = {_human(need)}, more than the "
                 f"{_human(limit)} allowed for returning an array "
                 f"({'result_memory' if result_memory is not None else 'half the memory available now'}); "
-                f"pass out='C.npy' (then np.load('C.npy', mmap_mode='r') reads it lazily) or "
-                f"out='C.mgt', or raise result_memory="
+                f"pass out='C.npy' (then np.load('C.npy', mmap_mode='r') reads it lazily), "
+                f"out='C.mgt', or an array to write into (np.lib.format.open_memmap('C.npy', "
+                f"'w+', ...) for one larger than RAM) — or a larger result_memory"
             )
         out = np.empty((m, n), dtype=dt)
     if isinstance(out, (str, os.PathLike)):
@@ -658,7 +667,7 @@ def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool
            devices: Union[str, Sequence[int]] = "all", host_memory: Union[int, str, None] = None,
            device_memory: Union[int, str, None] = None, progress: Progress = True,
            backend: str = "auto", threads: int = 0, tile: Any = None,
-           engine: Optional[Dict[str, Any]] = None, result_memory: Optional[int] = None,
+           engine: Optional[Dict[str, Any]] = None, result_memory: Union[int, str, None] = None,
            restart: bool = False, cancel: Any = None) -> Any:
     """Compute ``alpha · op(a) · op(b)`` out of core, where op(x) is x or x.T.
 
