@@ -48,6 +48,9 @@ impl OutputNonfinite {
     }
 }
 
+/// Bytes of a tile one thread counts NaN/Inf in at a time ([`count_in_pieces`]).
+const COUNT_PIECE: usize = 1 << 20;
+
 pub(crate) struct Writeback<'a> {
     pub(crate) writer: &'a dyn MatrixSink,
     /// Where checkpoints (partial accumulators) are saved.
@@ -124,15 +127,57 @@ impl Writeback<'_> {
     }
 
     /// Count the NaN/Inf of block `b`, given as `parts` of its bytes in the host dtype, as the
-    /// output stores them.
+    /// output stores them ([`count_in_pieces`]).
     fn count_nonfinite(&self, b: &Block, parts: &[&[u8]]) {
-        use rayon::prelude::*;
-        let (from, to) = (self.host_dt, self.writer.dtype());
-        let n: u64 = (parts.par_iter())
-            .map(|p| crate::dtype::count_nonfinite_as(from, to, p))
-            .sum();
+        let n = count_in_pieces(self.host_dt, self.writer.dtype(), parts);
         if n > 0 {
             self.nonfinite.add(b, n);
         }
+    }
+}
+
+/// The NaN/Inf among `parts` (elements of `from`, as `to` stores them), counted on every core
+/// in pieces of [`COUNT_PIECE`] bytes, also when there is one part. One thread reads at memory
+/// speed only: a 256 MiB f32 tile took 31 ms on the development VM, most of the 48 ms the last
+/// tile of 32768² fp32 spent in writeback after the GPU's last GEMM on one H100 (`MGMM_TRACE`,
+/// docs/measurements/2026-12-06d-h100-1-traces-head.log); counted in pieces, the step took
+/// 1.422–1.425 s against 1.463–1.467 s, tf32 0.70–0.78 s against 1.00–1.01 s (…-2-ab-count-rows.log).
+fn count_in_pieces(from: DType, to: DType, parts: &[&[u8]]) -> u64 {
+    use rayon::prelude::*;
+    let piece = COUNT_PIECE / from.size() * from.size();
+    (parts.par_iter())
+        .map(|p| {
+            (p.par_chunks(piece))
+                .map(|c| crate::dtype::count_nonfinite_as(from, to, c))
+                .sum::<u64>()
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zerocopy::IntoBytes;
+
+    /// Counted in pieces, a tile's NaN/Inf are all found: at a piece's first and last element,
+    /// in a part shorter than a piece, and a value finite in f32 but beyond bf16's range.
+    #[test]
+    fn nonfinite_counted_in_pieces_across_their_edges() {
+        let per = COUNT_PIECE / 4;
+        let mut big = vec![1.0f32; 3 * per + 5];
+        for i in [0, per - 1, per, 2 * per + 7, 3 * per + 4] {
+            big[i] = if i % 2 == 0 {
+                f32::NAN
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+        let mut small = vec![2.0f32; 9];
+        small[8] = f32::INFINITY;
+        small[3] = 3.4e38;
+        let (b, s) = (big.as_slice().as_bytes(), small.as_slice().as_bytes());
+        assert_eq!(count_in_pieces(DType::F32, DType::F32, &[b, s]), 6);
+        assert_eq!(count_in_pieces(DType::F32, DType::BF16, &[b, s]), 7);
+        assert_eq!(count_in_pieces(DType::F32, DType::F32, &[b]), 5);
     }
 }
