@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 35's goals on one GPU, side by side in one call, every ratio against torch's in-core
 # GEMM measured in the same call: 32768² (N) fp32 from .mgt and from .npy (interleaved, REPEAT
-# runs each), fp64 from .npy, tf32 and bf16 from .mgt, each run's step wall and process wall
-# (start-up and exit: process − step), `verify` of the fp32 product, the driver's own start-up
-# floor (cuInit + a context, tools/probes/cuda_startup_costs.py), and torch's in-core SGEMM /
-# DGEMM / TF32 / BF16 rates. Inputs warm, outputs to files, durable = false.
-# GPU machine (one GPU is enough), repository root, .dev/bin carried (docs/GPU.md).
-# Disk: about 6·N²·4 + 3·N²·8 bytes (45 GB at 32768). Log: $OUT/roofline.log, reports
-# $OUT/roof_NAME_i.json, and the table at the end.
+# runs each), fp64 from .npy (host_memory 16 and 32 GiB), tf32 and bf16 from .mgt, each run's
+# step wall and process wall (start-up and exit: process − step), `verify` of the fp32 product,
+# the driver's own start-up floor (cuInit + a context, tools/probes/cuda_startup_costs.py), and
+# torch's in-core SGEMM / DGEMM / TF32 / BF16 rates. Inputs warm, outputs to files, durable =
+# false. GPU machine (one GPU is enough), repository root, .dev/bin carried (docs/GPU.md).
+# Disk: the inputs, 4·N²·4 + 2·N²·8 bytes, and one output at a time (43 GB at 32768). Log:
+# $OUT/roofline.log, reports $OUT/roof_NAME_i.json, and the table at the end.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to roofline.log
@@ -21,6 +21,9 @@ E=("backend = \"${BACKEND:-cuda}\"" 'devices = [0]' 'host_memory = "16GiB"' 'dur
 write_plan fp32_mgt.toml A.mgt B.mgt C_fp32_mgt.mgt "${E[@]}"
 write_plan fp32_npy.toml A.npy B.npy C_fp32_npy.npy "${E[@]}"
 write_plan fp64_npy.toml A64.npy B64.npy C_fp64_npy.npy "${E[@]}" 'precision = "fp64"'
+# The same with room to page-lock both 8 GiB inputs at once: at 16 GiB the pools leave 11.5 GiB,
+# and the ranges released to make room cost staging's thread (2026-12-06d: 2.0 s against 2.3-2.4).
+write_plan fp64_npy32.toml A64.npy B64.npy C_fp64_npy32.npy "${E[@]/16GiB/32GiB}" 'precision = "fp64"'
 write_plan tf32_mgt.toml A.mgt B.mgt C_tf32_mgt.mgt "${E[@]}" 'precision = "tf32"'
 write_plan bf16_mgt.toml A.mgt B.mgt C_bf16_mgt.mgt "${E[@]}" 'precision = "bf16"'
 
@@ -46,9 +49,10 @@ run1() { # NAME I: run NAME.toml once, process wall in NAME_I.time
   rm -rf "C_$1".* ; local s; s=$(date +%s%N)
   "$MGMM" run "$1.toml" --quiet --report "$OUT/roof_$1_$2.json" 2>&1 | tail -2 | tee -a "$LOG"
   echo $(( ($(date +%s%N) - s) / 1000000 )) > "$1_$2.ms"
+  [ "$2" = v ] || rm -rf "C_$1".*   # the disk holds the inputs and one output at a time
 }
 for i in $(seq 1 "$REPEAT"); do
-  for j in fp32_mgt fp32_npy fp64_npy tf32_mgt bf16_mgt; do log "run $i $j"; run1 $j "$i"; done
+  for j in fp32_mgt fp32_npy fp64_npy fp64_npy32 tf32_mgt bf16_mgt; do log "run $i $j"; run1 $j "$i"; done
 done
 log "verify of the fp32 product, twice"
 run1 fp32_mgt v
@@ -66,7 +70,7 @@ def row(name):
     return st, pw
 print(f"| {n}², 1 GPU | step (each run) | TFLOP/s | process − step | first GEMM | bottleneck | torch in-core | ratio |")
 walls = {}
-for name in ("fp32_mgt", "fp32_npy", "fp64_npy", "tf32_mgt", "bf16_mgt"):
+for name in ("fp32_mgt", "fp32_npy", "fp64_npy", "fp64_npy32", "tf32_mgt", "bf16_mgt"):
     st, pw = row(name)
     w = [s["wall_s"] for s in st]; walls[name] = w
     tf = [2 * n**3 / x / 1e12 for x in w]
