@@ -7,7 +7,7 @@
 # torch's in-core SGEMM / DGEMM / TF32 / BF16 rates. Inputs warm, outputs to files, durable =
 # false. GPU machine (one GPU is enough), repository root, .dev/bin carried (docs/GPU.md).
 # Disk: the inputs, 4·N²·4 + 2·N²·8 bytes, and one output at a time (43 GB at 32768). Log:
-# $OUT/roofline.log, reports $OUT/roof_NAME_i.json, and the table at the end.
+# $OUT/roofline.log, reports (roof_NAME_i.json) in $OUT/roofline_reports.tgz, and the table at the end.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to roofline.log
@@ -85,4 +85,6 @@ for i in (1, 2):
     t = int(open(f"verify_{i}.ms").read()) / 1e3
     print(f"RESULT verify {t:.2f} s (process) = {t / v:.2f} × the product's step {v:.3f} s (goal ≤ 0.25)")
 PY
+# At most a few files come back from the GPU machine: the reports in one archive.
+(cd "$OUT" && tar czf roofline_reports.tgz roof_*.json && rm -f roof_*.json)
 cd / && rm -rf "$W"
