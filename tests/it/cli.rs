@@ -353,6 +353,33 @@ fn registering_ahead_changes_no_byte_and_fails_nothing() {
             "{x}"
         );
     }
+    // A corrupt storage tile of A stops the run with lock-ahead on too, naming the tile, and
+    // the thread ends with it (a hang would fail here after 60 s).
+    let f = mgmm_stream::store::TiledFile::open(&dir.join("A.mgt")).unwrap();
+    let at = f.hdr.tile_offset(5, 3) as usize + 100;
+    drop(f);
+    let mut bytes = std::fs::read(dir.join("A.mgt")).unwrap();
+    bytes[at] ^= 0x40;
+    std::fs::write(dir.join("A.mgt"), bytes).unwrap();
+    let mut child = Command::new(bin())
+        .args(["run", "mgt_ahead.toml", "--quiet", "--restart"])
+        .current_dir(dir)
+        .env("MGMM_LOCK_AHEAD", "1")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn mgmm-stream");
+    let t = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t.elapsed().as_secs() > 60 {
+            let _ = child.kill();
+            panic!("a run with a corrupt input and lock-ahead did not end");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    fails(
+        &child.wait_with_output().unwrap(),
+        &["A.mgt", "checksum", "(5, 3)"],
+    );
 }
 
 #[test]
