@@ -548,7 +548,10 @@ fn device_lines(r: &StepReport) -> String {
 /// ([`crate::progress::wrap`]): what ran, time and rate, input traffic, host memory, devices,
 /// busy shares and the bottleneck.
 pub(crate) fn format_summary(r: &StepReport) -> String {
-    let mut s = format!("step {}: {} = {}\n", r.step, r.output, r.expr);
+    // The Python package writes its products as `alpha * a @ b` (the text its resume checks
+    // against, so kept); a factor of 1 is left out where people read it.
+    let expr = r.expr.strip_prefix("1 * ").unwrap_or(&r.expr);
+    let mut s = format!("step {}: {} = {}\n", r.step, r.output, expr);
     s += &format!(
         "  {}×{}×{}, {}, {}{}, tile {}×{}×{}\n",
         r.m,
@@ -565,13 +568,18 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         r.tile[1],
         r.tile[2]
     );
+    // Flush (making a file durable, README) is said of files only: an output in memory has
+    // none.
+    let flush = match r.write_mode.as_str() {
+        "memory" => String::new(),
+        _ => format!(", flush {:.3} s", r.flush_s),
+    };
     s += &format!(
-        "  wall {:.3} s, {:.2} GFLOP/s, written {} ({}), flush {:.3} s\n",
+        "  wall {:.3} s, {:.2} GFLOP/s, written {} ({}){flush}\n",
         r.wall_s,
         r.gflops_per_s,
         fmt_bytes(r.write_bytes),
         r.write_mode,
-        r.flush_s
     );
     s += &inputs_line(r);
     s += &direct_line(r);

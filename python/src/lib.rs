@@ -550,7 +550,19 @@ fn run_plan<'py>(
         Some(sh) => cluster::run_plan(plan, opts, sh, progress),
         None => run::run_plan(plan, opts, progress),
     })?;
-    to_py_value(py, &rep.map_err(|e| to_py(py, e))?)
+    let mut rep = rep.map_err(|e| to_py(py, e))?;
+    rep.plan = plan_name(plan);
+    to_py_value(py, &rep)
+}
+
+/// How a report names the plan: its path, or for a plan given as a dict `<plan dict>` (its path
+/// is the current directory's, for the relative paths in it; no such file exists).
+fn plan_name(plan: &Plan) -> String {
+    if plan.path.ends_with(DICT) {
+        DICT.into()
+    } else {
+        plan.path.display().to_string()
+    }
 }
 
 /// `mgmm-stream prepare`: generate missing inputs and create each split step's output once;
@@ -636,7 +648,7 @@ fn describe_data<'py>(py: Python<'py>, plan: &Plan) -> PyResult<Bound<'py, PyAny
         }));
     }
     let v = serde_json::json!({
-        "plan": plan.path.display().to_string(),
+        "plan": plan_name(&plan),
         "backend": backend.name(),
         "precision": plan.engine.precision.name(),
         "host_memory": plan.engine.host_memory,

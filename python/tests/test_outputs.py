@@ -90,6 +90,7 @@ def test_run_plan_dict_plan_and_verify(tmp_path, monkeypatch):
     assert desc["steps"][0]["tile"] == [64, 64, 64]
     rep = mg.run(p, progress=False)
     assert rep["steps"][0]["tiles_computed"] == rep["steps"][0]["tiles_total"] == 6
+    assert rep["plan"] == "<plan dict>" and desc["plan"] == "<plan dict>", (rep["plan"], desc["plan"])
     assert sorted(rep["generated"]) == sorted([str(tmp_path / "A.mgt"), str(tmp_path / "B.mgt")]) \
         or len(rep["generated"]) == 2
     (r,) = mg.verify(p)
@@ -216,6 +217,22 @@ def test_the_summary_says_arrays_were_read_not_files(caplog):
         mg.matmul(a, b, **CPU)
     text = " ".join(caplog.text.split())
     assert "from arrays" in text and "from files" not in text, text
+
+
+def test_the_summary_of_an_array_output_names_no_factor_of_one_and_no_flush(caplog):
+    """An array output's summary reads `out (array) = a @ b` (the factor written only when it
+    is not 1) and has no flush time (flush is said of files); a plan dict's report names it
+    `<plan dict>`, not a file in the current directory (a new user's trial)."""
+    import logging
+    a, b = rand((70, 50)), rand((50, 90), seed=1)
+    for alpha, head in ((1.0, "out (array) = a @ b"), (2.0, "out (array) = 2 * a @ b")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mgmm_stream"):
+            mg.matmul(a, b, alpha=alpha, **CPU)
+        text = caplog.text
+        assert head in text, text
+        wall = [ln for ln in text.splitlines() if " wall " in ln]
+        assert wall and "(memory)" in wall[0] and "flush" not in wall[0], wall
 
 
 def test_mgmm_trace_writes_the_calls_timeline(tmp_path):
