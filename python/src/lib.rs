@@ -648,7 +648,7 @@ fn describe_data<'py>(py: Python<'py>, plan: &Plan) -> PyResult<Bound<'py, PyAny
         }));
     }
     let v = serde_json::json!({
-        "plan": plan_name(&plan),
+        "plan": plan_name(plan),
         "backend": backend.name(),
         "precision": plan.engine.precision.name(),
         "host_memory": plan.engine.host_memory,
