@@ -29,7 +29,7 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Cancelled => "CancelledError",
         Error::Unverified(_) => "MgmmError",
     };
-    let mut msg = e.to_string();
+    let mut msg = plain_dict_text(&e.to_string());
     if msg.contains("--restart") {
         msg += " (from Python: pass restart=True)";
     }
@@ -55,4 +55,42 @@ pub fn warn(py: Python<'_>, msg: &str) {
         &std::ffi::CString::new(msg.replace('\0', " ")).unwrap_or_default(),
         1,
     );
+}
+
+/// A message or text about a plan given as a dict, as its caller can read it: the plan's name
+/// `<plan dict>` instead of the current directory joined to it (no such file exists), and no
+/// line numbers, which are those of the TOML the dict was written as (a new user's trial found
+/// `/tmp/t/<plan dict>: matrices.B (line 15): …` and `at line 2, column 1`). Other texts are
+/// returned as they are.
+pub fn plain_dict_text(msg: &str) -> String {
+    if !msg.contains(crate::DICT) {
+        return msg.to_string();
+    }
+    let mut out = msg.to_string();
+    if let Ok(cwd) = std::env::current_dir() {
+        out = out.replace(&cwd.join(crate::DICT).display().to_string(), crate::DICT);
+    }
+    for (open, close) in [(" (line ", ")"), (" at line ", "")] {
+        while let Some(i) = out.find(open) {
+            let rest = &out[i + open.len()..];
+            let digits = rest.chars().take_while(|c| c.is_ascii_digit()).count();
+            if digits == 0 {
+                break;
+            }
+            let mut end = i + open.len() + digits;
+            if close.is_empty() {
+                // `at line N, column M`
+                let tail = &out[end..];
+                if let Some(t) = tail.strip_prefix(", column ") {
+                    end += ", column ".len() + t.chars().take_while(|c| c.is_ascii_digit()).count();
+                }
+            } else if out[end..].starts_with(close) {
+                end += close.len();
+            } else {
+                break;
+            }
+            out.replace_range(i..end, "");
+        }
+    }
+    out
 }

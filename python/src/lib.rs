@@ -32,7 +32,7 @@ use sources::{
 
 const ORIGIN: &str = "matmul()";
 /// The name a plan given as a dict goes by (relative paths in it are the current directory's).
-const DICT: &str = "<plan dict>";
+pub(crate) const DICT: &str = "<plan dict>";
 
 /// JSON text to Python objects (dicts, lists, numbers, strings).
 pub(crate) fn json_to_py<'py>(py: Python<'py>, json: &str) -> PyResult<Bound<'py, PyAny>> {
@@ -627,7 +627,10 @@ fn finalize_plan(
 
 /// What `plan` prints, as data: the text and, per step, tiles, memory and traffic.
 fn describe_data<'py>(py: Python<'py>, plan: &Plan) -> PyResult<Bound<'py, PyAny>> {
-    let text = run::describe(plan).map_err(|e| to_py(py, e))?;
+    // Said as the Python call would (a plan dict by its name; `restart=True` for the command
+    // line's `--restart`).
+    let text = errors::plain_dict_text(&run::describe(plan).map_err(|e| to_py(py, e))?)
+        .replace("`run --restart`", "`restart=True`");
     let backend = mgmm_stream::backend::select(&plan.engine).map_err(|e| to_py(py, e))?;
     let mut steps = Vec::new();
     for s in &plan.steps {

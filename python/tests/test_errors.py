@@ -235,3 +235,26 @@ def test_device_arrays_get_clear_errors_where_they_cannot_be_read(tmp_path):
     # Where GPU arrays are not taken (an operand of a dask product), the way on is named.
     with pytest.raises(mg.BadInputError, match=r"in GPU memory, which is not taken here.*\.get\(\)"):
         mg._as_array(_DeviceArray(), "a")
+
+
+def test_a_plan_dict_is_named_as_given_without_line_numbers(tmp_path, monkeypatch):
+    """A plan given as a dict has no file and no lines of its own: its errors and `plan()`'s
+    text name it `<plan dict>` (not the current directory joined to it) and carry no line
+    numbers of the TOML it was written as; an operand on both sides of @ is said plainly (a new
+    user's trial)."""
+    monkeypatch.chdir(tmp_path)
+    a = {"path": "A.mgt", "generate": {"rows": 100, "cols": 50, "seed": 1}}
+    missing = {"matrices": {"A": a, "B": {"path": "nope/B.mgt"}},
+               "step": [{"output": "C.mgt", "expr": "A @ B"}], "engine": {"backend": "cpu"}}
+    typo = {"matrices": {"A": a}, "step": [{"output": "C.mgt", "expr": "A @ A.T"}],
+            "engine": {"backend": "cpu", "host_memry": "1GiB"}}
+    square = {"matrices": {"A": a}, "step": [{"output": "C.mgt", "expr": "A @ A"}],
+              "engine": {"backend": "cpu"}}
+    for plan, says in ((missing, "matrices.B"), (typo, "host_memry"), (square, "on both sides of @")):
+        with pytest.raises(mg.BadInputError) as e:
+            mg.run(plan, progress=False)
+        msg = str(e.value)
+        assert msg.startswith("<plan dict>: ") and says in msg, msg
+        assert "(line" not in msg and "at line" not in msg and str(tmp_path) + "/<" not in msg, msg
+    text = mg.plan({**square, "step": [{"output": "C.mgt", "expr": "A @ A.T"}]})["text"]
+    assert text.startswith("plan <plan dict>\n") and "(line" not in text, text

@@ -548,6 +548,13 @@ fn check_chain(
                 false => (written(f0, false), (m, k), written(f1, false), (k2, n)),
                 true => (written(f1, true), (n, k2), written(f0, true), (k, m)),
             };
+            // One operand on both sides ("A @ A"): "A is … but A is …" read as nonsense to a
+            // new user; say what does not meet, and what would.
+            if x == y {
+                return Err(cx.err(format!(
+                    "{at}: shape mismatch in \"{text}\": {x} is {xr}×{xc} on both sides of @ (inner dimensions {xc} ≠ {yr}: its columns against its rows); {x}.T on one side would match"
+                )));
+            }
             return Err(cx.err(format!(
                 "{at}: shape mismatch in \"{text}\": {x} is {xr}×{xc} but {y} is {yr}×{yc} (inner dimensions {xc} ≠ {yr})"
             )));
@@ -937,7 +944,7 @@ mod tests {
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\ngenerate = {{ rows = 2, cols = 2, dist = \"odd\" }}\n"), "matrices.G.generate (line 11): dist"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\n\ngenerate = {{ rows = 0, cols = 2 }}\n"), "matrices.G.generate (line 12)"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B + C0\"\naccumulate = \"C0\"\n"), "(line 12) adds another"),
-            (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B @ B\"\n"), "B is 30×10 but B is 30×10"),
+            (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B @ B\"\n"), "B is 30×10 on both sides of @ (inner dimensions 10 ≠ 30"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B + A @ B\"\n"), "sum of several products"),
         ];
         for (text, want) in cases {
