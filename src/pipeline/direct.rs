@@ -910,6 +910,12 @@ impl DirectReads {
             let Some(load) = fs.seq.get(at) else {
                 return;
             };
+            // A load staging copies (no map, too large): nothing to register. Its `map` is
+            // (0, 0), no slice to make.
+            if load.ranges.is_empty() {
+                at += 1;
+                continue;
+            }
             // SAFETY: `load.map` is the address and length of a live read-only map of one of
             // `_sources` (recorded from it by `foresee`), which outlive the registry.
             let map = unsafe { std::slice::from_raw_parts(load.map.0 as *const u8, load.map.1) };
@@ -1239,6 +1245,26 @@ mod tests {
         });
         assert_eq!(reg.stats().released_bytes, 0);
         drop(up0);
+    }
+
+    /// A load staging copies whatever is registered (its ranges together over the budget) is
+    /// passed over: registering ahead goes on to the next one.
+    #[test]
+    fn registering_ahead_passes_over_a_load_that_is_copied() {
+        let fx = fixture();
+        let reg = fx.reg(StagingMode::Direct, 4096, 4096);
+        let (t0, t2) = (block(0, 0, 16, 16), block(0, 32, 16, 16));
+        let wide = block(0, 0, 16, 32); // tiles 0 and 1: 8 KiB, over the 4 KiB budget
+        reg.ahead_on();
+        reg.foresee([t0, wide, t2].iter().map(|b| (&*fx.f, *b)), DType::F32);
+        reg.count_load();
+        reg.lock_ahead(&crate::pipeline::control::Control::new());
+        assert_eq!(
+            fx.rec.registrations.load(Ordering::Relaxed),
+            1,
+            "tile 2 only"
+        );
+        assert!(fx.rec.held.lock().unwrap().len() == 1);
     }
 
     /// A range no load to come uses is what registering ahead lets go of to make room.
