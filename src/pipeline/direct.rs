@@ -145,6 +145,15 @@ struct EntryState {
     last: u64,
 }
 
+/// Why a block is copied whatever is registered ([`DirectReads::over_budget`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OverBudget {
+    /// One of its ranges alone passes the budget.
+    Range,
+    /// Its ranges together do.
+    Block,
+}
+
 /// A range kept registered while an upload (or its check) uses it.
 pub(crate) struct Pin(Arc<Entry>);
 
@@ -518,9 +527,7 @@ impl DirectReads {
         }
         let mb = f.mapped_block(block, host)?;
         let ranges = self.ranges(&mb);
-        // A range that alone would pass the budget (a row-major file is one range) is copied:
-        // locking it could take the memory the host needs.
-        if ranges.iter().any(|r| r.end - r.start > self.budget) {
+        if self.over_budget(&ranges) == Some(OverBudget::Range) {
             self.stats.oversize_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -570,17 +577,11 @@ impl DirectReads {
                         .or_default()
                         .push(i as u32);
                 }
-                // What `eligible` and `pin_all` copy instead of registering.
-                let copied = ranges.iter().any(|r| r.end - r.start > self.budget)
-                    || ranges.iter().map(|r| r.end - r.start).sum::<u64>() > self.budget;
-                if ahead && !copied {
+                // Not what `eligible` and `pin_all` copy instead of registering.
+                if ahead && self.over_budget(&ranges).is_none() {
                     load.map = (base, mb.map.len());
-                    // As `pin_all` takes them: each range clamped to the map.
                     load.ranges = (ranges.iter())
-                        .map(|r| {
-                            let end = (r.end as usize).min(mb.map.len());
-                            (r.start as usize, end - r.start as usize)
-                        })
+                        .map(|r| (r.start as usize, (r.end - r.start) as usize))
                         .collect();
                 }
             }
@@ -666,9 +667,22 @@ impl DirectReads {
         idx.into_iter()
             .map(|c| {
                 let start = mb.data.start + c * per;
-                start & !page..(start + per).min(mb.data.end)
+                start & !page..(start + per).min(mb.data.end).min(mb.map.len() as u64)
             })
             .collect()
+    }
+
+    /// Whether a block with `ranges` is copied whatever is registered, and why: one range alone
+    /// would pass the budget (a row-major file is one range; locking it could take the memory
+    /// the host needs), or they all together would (they can never be held at once).
+    fn over_budget(&self, ranges: &[std::ops::Range<u64>]) -> Option<OverBudget> {
+        if ranges.iter().any(|r| r.end - r.start > self.budget) {
+            Some(OverBudget::Range)
+        } else if ranges.iter().map(|r| r.end - r.start).sum::<u64>() > self.budget {
+            Some(OverBudget::Block)
+        } else {
+            None
+        }
     }
 
     /// The bytes of one registered range of `mb`'s file: whole storage tiles, about [`CHUNK`].
@@ -684,17 +698,15 @@ impl DirectReads {
         mb: &MappedBlock<'_>,
         ranges: &[std::ops::Range<u64>],
     ) -> Option<Vec<Pin>> {
-        // A block whose ranges together pass the whole budget can never be held at once: copy
-        // it without registering (and then releasing) any of them.
-        if ranges.iter().map(|s| s.end - s.start).sum::<u64>() > self.budget {
+        // Copied without registering (and then releasing) any of them.
+        if self.over_budget(ranges) == Some(OverBudget::Block) {
             self.stats.full_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         let mut pins = Vec::with_capacity(ranges.len());
         for s in ranges {
-            let end = (s.end as usize).min(mb.map.len());
-            let start = s.start as usize;
-            // SAFETY: `start < end <= map.len()`: inside the map.
+            let (start, end) = (s.start as usize, s.end as usize);
+            // SAFETY: `start < end <= map.len()` (`ranges` clamps them to it): inside the map.
             let ptr = unsafe { mb.map.as_ptr().add(start) } as usize;
             match self.pin(ptr, end - start) {
                 Ok(p) => pins.push(p),
@@ -1095,6 +1107,11 @@ mod tests {
         Block { r0, c0, rows, cols }
     }
 
+    /// Storage tiles 0, 1 and 2 of the fixture's file, one block each (4 KiB, one range each).
+    fn first_tiles() -> [Block; 3] {
+        [0, 16, 32].map(|c0| block(0, c0, 16, 16))
+    }
+
     /// A file, a recording pinner and a pool of tokens.
     struct Fixture {
         _dir: tempfile::TempDir,
@@ -1214,11 +1231,7 @@ mod tests {
         // Room for two storage tiles.
         let reg = fx.reg(StagingMode::Direct, 2 * 4096, 4096);
         // Tiles 0, 1, 2, then 1 again.
-        let (t0, t1, t2) = (
-            block(0, 0, 16, 16),
-            block(0, 16, 16, 16),
-            block(0, 32, 16, 16),
-        );
+        let [t0, t1, t2] = first_tiles();
         let loads = [t0, t1, t2, t1];
         reg.ahead_on();
         reg.foresee(loads.iter().map(|b| (&*fx.f, *b)), DType::F32);
@@ -1253,7 +1266,7 @@ mod tests {
     fn registering_ahead_passes_over_a_load_that_is_copied() {
         let fx = fixture();
         let reg = fx.reg(StagingMode::Direct, 4096, 4096);
-        let (t0, t2) = (block(0, 0, 16, 16), block(0, 32, 16, 16));
+        let [t0, _, t2] = first_tiles();
         let wide = block(0, 0, 16, 32); // tiles 0 and 1: 8 KiB, over the 4 KiB budget
         reg.ahead_on();
         reg.foresee([t0, wide, t2].iter().map(|b| (&*fx.f, *b)), DType::F32);
@@ -1272,11 +1285,7 @@ mod tests {
     fn registering_ahead_releases_a_range_no_load_uses_again() {
         let fx = fixture();
         let reg = fx.reg(StagingMode::Direct, 2 * 4096, 4096);
-        let (t0, t1, t2) = (
-            block(0, 0, 16, 16),
-            block(0, 16, 16, 16),
-            block(0, 32, 16, 16),
-        );
+        let [t0, t1, t2] = first_tiles();
         reg.ahead_on();
         reg.foresee([t0, t1, t2].iter().map(|b| (&*fx.f, *b)), DType::F32);
         reg.count_load();
