@@ -18,6 +18,7 @@ mod device;
 mod kernel;
 pub(crate) mod model;
 pub(crate) mod pass;
+mod view;
 
 use std::collections::BTreeSet;
 use std::path::Path;

@@ -30,6 +30,7 @@ use super::device::Device;
 /// Double-double sums are part of what a pass returns ([`Sums`]); named here for its callers.
 pub(crate) use super::kernel::Dd;
 use super::kernel::{self, Elem};
+use super::view::BandView;
 
 /// One operand as a pass sees it: op(M) of a stored file, optionally rounded to the GEMM's
 /// input precision exactly as the CPU backend rounds it (so a value beyond fp16's range is
@@ -124,28 +125,40 @@ pub(crate) struct Sums {
 /// matrices are read in several.
 const BAND_BYTES: usize = if cfg!(test) { 4 << 10 } else { 32 << 20 };
 
-/// Read stored rows `r0..r0 + h` (all columns) into `buf`, in parallel pieces, once the stored
-/// checksums of the storage tiles they touch have been checked.
+/// Read stored rows `r0..r0 + h` (all columns) into `buf`, checking the stored checksums of the
+/// storage tiles they touch as they are read.
 ///
-/// The checks come first and cost no second read from disk while a storage tile row stays in
-/// the page cache (the caller leaves `check` off for a file whose tile row might not): a handle
-/// checks each of its tiles once, the first band of a tile row the whole row, and the band's
-/// own reads then find those pages cached. So an input changed in place after `run` computed
-/// the output is named as such — its file and tile — instead of being blamed on the output's
-/// tiles by the residuals (or passing them, for a flip in a low bit).
+/// A file with checksums, when `op.check`, is read with [`MatrixSource::read_staged`], which
+/// takes each piece's CRC while the piece is in the core's cache: one pass over the data. The
+/// check used to read each tile once more before the copy (`verify_block`), and on one H100
+/// host the passes ran at 12–14 GB/s where 16 threads read the page cache at 48–96
+/// (docs/measurements/2026-12-06e-h100-1-twins-lock-ahead-verify-read-rates.log). A tile's
+/// check still ends before its band is folded (the call returns its error first), so an
+/// input changed in place after `run` computed the output is named as such — its file and
+/// tile — instead of being blamed on the output's tiles by the residuals (or passing them,
+/// for a flip in a low bit). Bands are whole storage tile rows where that is not too large
+/// ([`band_rows`]), so no tile is read again to complete its CRC. Other files are read in
+/// parallel pieces of rows.
 fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<()> {
     let cols = op.file.shape().1 as usize;
-    if op.check {
-        op.file.verify_block(&Block {
+    let dst = &mut buf[..h * cols];
+    if op.check && op.file.checksum_tile().is_some() {
+        let b = Block {
             r0: r0 as u64,
             c0: 0,
             rows: h as u64,
             cols: cols as u64,
-        })?;
+        };
+        op.file
+            .read_staged(&b, T::DTYPE, dst.as_mut_bytes(), true)?;
+        if let Some(p) = op.round {
+            dst.par_chunks_mut(1 << 16)
+                .for_each(|part| T::round(p, part));
+        }
+        return Ok(());
     }
     let sub = h.div_ceil(rayon::current_num_threads().max(1) * 2).max(1);
-    buf[..h * cols]
-        .par_chunks_mut(sub * cols)
+    dst.par_chunks_mut(sub * cols)
         .enumerate()
         .try_for_each(|(i, part)| {
             let b = Block {
@@ -162,10 +175,23 @@ fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<()>
         })
 }
 
-/// Stored rows per band of `op` read as `T` (the whole file when smaller).
+/// Stored rows per band of `op` read as `T` (the whole file when smaller): about
+/// [`BAND_BYTES`], rounded up to whole storage tile rows when the pass checks the file's
+/// checksums and a tile row is at most four times that (each tile's CRC is then taken in the
+/// one read of its band).
 fn band_rows<T>(op: &Op) -> usize {
     let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
-    (BAND_BYTES / (cols.max(1) * std::mem::size_of::<T>())).clamp(1, rows.max(1))
+    let row_bytes = cols.max(1) * std::mem::size_of::<T>();
+    let band = (BAND_BYTES / row_bytes).max(1);
+    let tile_rows = match (op.check, op.file.checksum_tile()) {
+        (true, Some((tr, _))) => tr as usize,
+        _ => 0,
+    };
+    let band = match tile_rows > 0 && tile_rows * row_bytes <= 4 * BAND_BYTES {
+        true => band.next_multiple_of(tile_rows),
+        false => band,
+    };
+    band.clamp(1, rows.max(1))
 }
 
 /// Call `f(r0, h, band)` for consecutive bands of stored rows of `op`, reading the next band
@@ -399,29 +425,75 @@ fn scatter_t<T: Elem>(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
         exact,
         bad_cols: Mutex::new(Vec::new()),
     };
-    bands::<T>(op, |r0, h, m| match op.trans {
-        true => scatter_cols(&mut out, &sc, r0, h, m),
-        false => scatter_rows(&mut out, &sc, r0, h, m),
-    })?;
+    let cols = op.file.shape().1 as usize;
+    let fold = |out: &mut Sums, r0: usize, h: usize, v: &BandView<T>| match op.trans {
+        true => scatter_cols(out, &sc, r0, h, v),
+        false => scatter_rows(out, &sc, r0, h, v),
+    };
+    if !in_place::<T>(op, |r0, h, v| fold(&mut out, r0, h, v))? {
+        bands::<T>(op, |r0, h, m| {
+            fold(&mut out, r0, h, &BandView::Dense { m, cols })
+        })?;
+    }
     for s in sc.bad_cols.into_inner().unwrap_or_else(|e| e.into_inner()) {
         out.bad_col[s] = true;
     }
     Ok(out)
 }
 
+/// Call `f(r0, h, band)` for consecutive bands of stored rows of `op` read in place from the
+/// file's map ([`BandView::mapped`]), the storage tiles of each checked first when `op.check`
+/// ([`MatrixSource::scan_mapped`]: their CRCs taken from the map, so a band is never folded
+/// before its tiles passed); false, with nothing folded, where the first band cannot be read
+/// so (another dtype than `T`, values to round, no map, pages not in memory): the caller
+/// copies ([`bands`]). A later band that cannot is copied into a buffer of its own.
+fn in_place<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &BandView<T>)) -> Result<bool> {
+    let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
+    if op.round.is_some() || rows == 0 || cols == 0 {
+        return Ok(false);
+    }
+    let band = band_rows::<T>(op);
+    let checks = op.check && op.file.checksum_tile().is_some();
+    let (mut r0, mut spare) = (0, Vec::new());
+    while r0 < rows {
+        let h = band.min(rows - r0);
+        match BandView::<T>::mapped(op.file, r0, h) {
+            Some(v) => {
+                if checks {
+                    let b = Block {
+                        r0: r0 as u64,
+                        c0: 0,
+                        rows: h as u64,
+                        cols: cols as u64,
+                    };
+                    op.file.scan_mapped(&b, T::DTYPE, true)?;
+                }
+                f(r0, h, &v);
+            }
+            None if r0 == 0 => return Ok(false),
+            None => {
+                spare.resize(h * cols, T::default());
+                read_band(op, r0, h, &mut spare)?;
+                f(r0, h, &BandView::Dense { m: &spare, cols });
+            }
+        }
+        r0 += h;
+    }
+    Ok(true)
+}
+
 /// A band of stored rows `r0..r0 + h` = op rows (op(M) = M): each task owns whole rows.
-fn scatter_rows<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, m: &[T]) {
-    let cols = m.len() / h;
+fn scatter_rows<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, v: &BandView<T>) {
     let per = h.div_ceil(pieces()).max(1);
     out.pieces(r0, r0 + h, per).for_each(|mut rows| {
         let mut bc = Vec::new();
         for l in 0..rows.len() {
             let t = rows.t0 + l - r0;
-            let v = &m[t * cols..(t + 1) * cols];
             let mut acc = rows.row(l);
             for g in 0..sc.groups.count() {
-                let r = sc.groups.range(g);
-                acc.segment(g, &v[r.clone()], r.start, sc, &mut bc);
+                v.pieces(t, sc.groups.range(g), |c, p| {
+                    acc.segment(g, p, c, sc, &mut bc)
+                });
             }
         }
         if !bc.is_empty() {
@@ -455,24 +527,26 @@ impl Strip {
         }
     }
 
-    /// Fold stored row `s` (this strip's part of it, `v`).
-    fn fold<T: Elem>(&mut self, v: &[T], s: usize, sc: &Scat) {
-        let (tw, x) = (self.tw, sc.x);
+    /// Fold a piece `v` of stored row `s`: the strip's op rows `off..off + v.len()`.
+    fn fold<T: Elem>(&mut self, v: &[T], off: usize, s: usize, sc: &Scat) {
+        let (tw, x, n) = (self.tw, sc.x, v.len());
+        let at = off..off + n;
         if x[0][s] == 0.0 {
             // An excluded column of op(M): only its NaN/Inf matter (the careful path counts them).
             v.iter()
-                .zip(&mut self.redo)
+                .zip(&mut self.redo[at])
                 .for_each(|(e, r)| *r |= !e.wide().is_finite());
             return;
         }
-        kernel::axpy_first(v, x[0][s], &mut self.s[..tw], &mut self.q, &mut self.a);
+        let (q, a) = (&mut self.q[at.clone()], &mut self.a[at.clone()]);
+        kernel::axpy_first(v, x[0][s], &mut self.s[at], q, a);
         if sc.exact {
             for (rho, xr) in x.iter().enumerate() {
-                kernel::axpy_dd(v, xr[s], &mut self.dd[rho * tw..(rho + 1) * tw]);
+                kernel::axpy_dd(v, xr[s], &mut self.dd[rho * tw + off..rho * tw + off + n]);
             }
         } else {
             for (rho, xr) in x.iter().enumerate().skip(1) {
-                kernel::axpy(v, xr[s], &mut self.s[rho * tw..(rho + 1) * tw]);
+                kernel::axpy(v, xr[s], &mut self.s[rho * tw + off..rho * tw + off + n]);
             }
         }
     }
@@ -484,7 +558,8 @@ impl Strip {
         rows: &mut Rows,
         g: usize,
         rs: Range<usize>,
-        band: &Band<T>,
+        band: &BandView<T>,
+        r0: usize,
         sc: &Scat,
         bc: &mut Vec<usize>,
     ) {
@@ -494,7 +569,7 @@ impl Strip {
             let mut acc = rows.row(l);
             if self.redo[l] || !self.q[l].is_finite() {
                 for s in rs.clone() {
-                    acc.visit(s, band.at(s, t).wide(), sc.x, g, bc);
+                    acc.visit(s, band.at(s - r0, t).wide(), sc.x, g, bc);
                 }
                 continue;
             }
@@ -533,33 +608,26 @@ impl<T: Elem> Band<'_, T> {
         let at = (s - self.r0) * self.cols + c0;
         &self.m[at..at + w]
     }
-    fn at(&self, s: usize, c: usize) -> T {
-        self.m[(s - self.r0) * self.cols + c]
-    }
 }
 
 /// A band of stored rows `r0..r0 + h` = op columns (op(M) = Mᵀ): each task owns a strip of op
-/// rows (stored columns) and walks the band's rows, one contiguous piece of each.
-fn scatter_cols<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, m: &[T]) {
-    let band = Band {
-        m,
-        r0,
-        cols: m.len() / h,
-    };
-    let per = band.cols.div_ceil(pieces()).max(16);
-    out.pieces(0, band.cols, per).for_each(|mut rows| {
-        let tw = rows.len();
+/// rows (stored columns) and walks the band's rows, the strip's pieces of each.
+fn scatter_cols<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, v: &BandView<T>) {
+    let cols = out.bad_row.len();
+    let per = cols.div_ceil(pieces()).max(16);
+    out.pieces(0, cols, per).for_each(|mut rows| {
+        let (tw, t0) = (rows.len(), rows.t0);
         let mut acc = Strip::new(tw, sc.x.len(), sc.exact);
         let mut bc = Vec::new();
         let (mut g, mut from) = (sc.groups.of(r0), r0);
         for s in r0..r0 + h {
             if sc.groups.of(s) != g {
-                acc.flush(&mut rows, g, from..s, &band, sc, &mut bc);
+                acc.flush(&mut rows, g, from..s, v, r0, sc, &mut bc);
                 (g, from) = (sc.groups.of(s), s);
             }
-            acc.fold(band.row(s, rows.t0, tw), s, sc);
+            v.pieces(s - r0, t0..t0 + tw, |c, p| acc.fold(p, c - t0, s, sc));
         }
-        acc.flush(&mut rows, g, from..r0 + h, &band, sc, &mut bc);
+        acc.flush(&mut rows, g, from..r0 + h, v, r0, sc, &mut bc);
         if !bc.is_empty() {
             sc.bad_cols
                 .lock()
