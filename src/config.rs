@@ -8,10 +8,9 @@
 //! `verify` print each pass's time and input rate on stderr (for the benchmark scripts), and
 //! `MGMM_PINNED_ALLOC`, which makes the CUDA backend pin its host buffers with
 //! `cuMemHostAlloc` instead of registering memory it mapped (to compare the two on a GPU
-//! machine, tools/bench/gpu_table.sh); `MGMM_LOCK_AHEAD`, which registers a step's input
-//! ranges ahead of staging (to measure it against the default); `MGMM_TRACE=PATH`, which
-//! records a timeline of the run into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and
-//! `MGMM_TRACE` are read once into a [`Settings`] where a command starts.
+//! machine, tools/bench/gpu_table.sh); `MGMM_TRACE=PATH`, which records a timeline of the run
+//! into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and `MGMM_TRACE` are read once into a
+//! [`Settings`] where a command starts.
 
 use std::path::PathBuf;
 
@@ -72,17 +71,6 @@ pub(crate) fn sync_log() -> Option<PathBuf> {
 pub(crate) fn pinned_alloc() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("MGMM_PINNED_ALLOC").is_some())
-}
-
-/// Whether `MGMM_LOCK_AHEAD` is set (and not `0`): a one-lane GPU step then registers the
-/// input ranges of its coming loads ahead of staging, on a thread of its own
-/// ([`crate::pipeline::direct::DirectReads::lock_ahead`]). Off by default until it is measured
-/// on a GPU against the default (docs/GPU.md, "Owed on the GPU"). Read once per process.
-pub(crate) fn lock_ahead() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var_os("MGMM_LOCK_AHEAD").is_some_and(|v| !v.is_empty() && v != "0")
-    })
 }
 
 /// `CUDA_VISIBLE_DEVICES`: the GPUs CUDA will let the process see, for the run's guess of

@@ -44,7 +44,7 @@
 //! rectangles into its slot, which saves the staging copy there too.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -80,14 +80,6 @@ pub(crate) struct DirectReads {
     /// staging stage ([`Self::count_load`]): with one lane, the position in [`Foresight`]'s
     /// sequence of the load being staged, plus one.
     loads: AtomicU64,
-    /// With [`Self::lock_ahead`] running, one registration at a time, whichever thread asks
-    /// (staging or it): the driver serialises them anyway, and two threads registering at once
-    /// took three times the summed time (docs/decisions/0008-input-checks-on-the-gpu.md).
-    registering: Mutex<()>,
-    /// [`Self::lock_ahead`] runs in this step ([`Self::ahead_on`]).
-    ahead: AtomicBool,
-    /// The staging stage has ended: [`Self::lock_ahead`] stops.
-    staging_ended: AtomicBool,
     stats: Counts,
     /// The sources whose maps the entries point into: dropped only after every range is
     /// released ([`Drop`]).
@@ -143,15 +135,6 @@ struct EntryState {
     registered: bool,
     /// When it was last pinned (the registry's tick), for releasing the oldest first.
     last: u64,
-}
-
-/// Why a block is copied whatever is registered ([`DirectReads::over_budget`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum OverBudget {
-    /// One of its ranges alone passes the budget.
-    Range,
-    /// Its ranges together do.
-    Block,
 }
 
 /// A range kept registered while an upload (or its check) uses it.
@@ -244,21 +227,6 @@ pub(crate) struct Eligible<'f> {
 struct Foresight {
     /// Positions of the loads that use each range, by the range's address.
     uses: HashMap<usize, Vec<u32>>,
-    /// Each load in the order staging takes it, as [`DirectReads::lock_ahead`] registers it
-    /// (built only when it runs: [`DirectReads::ahead_on`]).
-    seq: Vec<AheadLoad>,
-}
-
-/// One load's ranges for [`DirectReads::lock_ahead`]: empty where staging copies the block
-/// whatever is registered (no map of the compute dtype, a range or the whole block over the
-/// budget). Addresses, not references: the maps belong to the registry's sources, which outlive
-/// it.
-#[derive(Default)]
-struct AheadLoad {
-    /// The file's map (address, bytes), for the page-cache check under `auto`.
-    map: (usize, usize),
-    /// The block's ranges: offset in the map and bytes, as `pin_all` registers them.
-    ranges: Vec<(usize, usize)>,
 }
 
 impl Foresight {
@@ -504,9 +472,6 @@ impl DirectReads {
             failed: OnceLock::new(),
             foresight: OnceLock::new(),
             loads: AtomicU64::new(0),
-            registering: Mutex::new(()),
-            ahead: AtomicBool::new(false),
-            staging_ended: AtomicBool::new(false),
             stats: Counts::default(),
             _sources: sources,
         }
@@ -527,7 +492,9 @@ impl DirectReads {
         }
         let mb = f.mapped_block(block, host)?;
         let ranges = self.ranges(&mb);
-        if self.over_budget(&ranges) == Some(OverBudget::Range) {
+        // A range that alone would pass the budget (a row-major file is one range) is copied:
+        // locking it could take the memory the host needs.
+        if ranges.iter().any(|r| r.end - r.start > self.budget) {
             self.stats.oversize_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -563,30 +530,17 @@ impl DirectReads {
     ) {
         let mut f = Foresight {
             uses: HashMap::new(),
-            seq: Vec::new(),
         };
-        let ahead = self.ahead();
         for (i, (src, b)) in loads.enumerate() {
-            let mut load = AheadLoad::default();
-            if let Some(mb) = src.mapped_block(&b, host) {
-                let base = mb.map.as_ptr() as usize;
-                let ranges = self.ranges(&mb);
-                for r in &ranges {
-                    f.uses
-                        .entry(base + r.start as usize)
-                        .or_default()
-                        .push(i as u32);
-                }
-                // Not what `eligible` and `pin_all` copy instead of registering.
-                if ahead && self.over_budget(&ranges).is_none() {
-                    load.map = (base, mb.map.len());
-                    load.ranges = (ranges.iter())
-                        .map(|r| (r.start as usize, (r.end - r.start) as usize))
-                        .collect();
-                }
-            }
-            if ahead {
-                f.seq.push(load);
+            let Some(mb) = src.mapped_block(&b, host) else {
+                continue;
+            };
+            let base = mb.map.as_ptr() as usize;
+            for r in self.ranges(&mb) {
+                f.uses
+                    .entry(base + r.start as usize)
+                    .or_default()
+                    .push(i as u32);
             }
         }
         let _ = self.foresight.set(f);
@@ -667,22 +621,9 @@ impl DirectReads {
         idx.into_iter()
             .map(|c| {
                 let start = mb.data.start + c * per;
-                start & !page..(start + per).min(mb.data.end).min(mb.map.len() as u64)
+                start & !page..(start + per).min(mb.data.end)
             })
             .collect()
-    }
-
-    /// Whether a block with `ranges` is copied whatever is registered, and why: one range alone
-    /// would pass the budget (a row-major file is one range; locking it could take the memory
-    /// the host needs), or they all together would (they can never be held at once).
-    fn over_budget(&self, ranges: &[std::ops::Range<u64>]) -> Option<OverBudget> {
-        if ranges.iter().any(|r| r.end - r.start > self.budget) {
-            Some(OverBudget::Range)
-        } else if ranges.iter().map(|r| r.end - r.start).sum::<u64>() > self.budget {
-            Some(OverBudget::Block)
-        } else {
-            None
-        }
     }
 
     /// The bytes of one registered range of `mb`'s file: whole storage tiles, about [`CHUNK`].
@@ -698,15 +639,17 @@ impl DirectReads {
         mb: &MappedBlock<'_>,
         ranges: &[std::ops::Range<u64>],
     ) -> Option<Vec<Pin>> {
-        // Copied without registering (and then releasing) any of them.
-        if self.over_budget(ranges) == Some(OverBudget::Block) {
+        // A block whose ranges together pass the whole budget can never be held at once: copy
+        // it without registering (and then releasing) any of them.
+        if ranges.iter().map(|s| s.end - s.start).sum::<u64>() > self.budget {
             self.stats.full_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         let mut pins = Vec::with_capacity(ranges.len());
         for s in ranges {
-            let (start, end) = (s.start as usize, s.end as usize);
-            // SAFETY: `start < end <= map.len()` (`ranges` clamps them to it): inside the map.
+            let end = (s.end as usize).min(mb.map.len());
+            let start = s.start as usize;
+            // SAFETY: `start < end <= map.len()`: inside the map.
             let ptr = unsafe { mb.map.as_ptr().add(start) } as usize;
             match self.pin(ptr, end - start) {
                 Ok(p) => pins.push(p),
@@ -735,7 +678,18 @@ impl DirectReads {
     /// Keep `len` bytes at `ptr` registered while the returned pin lives; `Full` when the
     /// budget has no room for it beside the ranges in use.
     fn pin(&self, ptr: usize, len: usize) -> Result<Pin, PinError> {
-        let e = self.entry(ptr, len);
+        let e = {
+            let mut m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            m.entry(ptr)
+                .or_insert_with(|| {
+                    Arc::new(Entry {
+                        ptr,
+                        len,
+                        st: Mutex::new(EntryState::default()),
+                    })
+                })
+                .clone()
+        };
         let mut st = e.st.lock().unwrap_or_else(|e| e.into_inner());
         st.last = self.tick.fetch_add(1, Ordering::Relaxed);
         if !st.registered && !self.pinner.locks() {
@@ -746,46 +700,22 @@ impl DirectReads {
             if !self.reserve(len as u64) {
                 return Err(PinError::Full);
             }
-            self.register(ptr, len, "register")?;
+            let t = Instant::now();
+            if let Err(why) = self.pinner.register(ptr as *const u8, len) {
+                self.registered.fetch_sub(len as u64, Ordering::SeqCst);
+                return Err(PinError::Failed(why));
+            }
+            let ns = t.elapsed().as_nanos() as u64;
+            crate::trace::span("direct", "register", t, Instant::now());
             st.registered = true;
+            self.stats.register_ns.fetch_add(ns, Ordering::Relaxed);
+            self.stats
+                .registered_bytes
+                .fetch_add(len as u64, Ordering::Relaxed);
         }
         st.users += 1;
         drop(st);
         Ok(Pin(e))
-    }
-
-    /// The registry's entry for the range at `ptr`, made if new.
-    fn entry(&self, ptr: usize, len: usize) -> Arc<Entry> {
-        let mut m = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        m.entry(ptr)
-            .or_insert_with(|| {
-                Arc::new(Entry {
-                    ptr,
-                    len,
-                    st: Mutex::new(EntryState::default()),
-                })
-            })
-            .clone()
-    }
-
-    /// Register `len` bytes at `ptr`, already counted in `registered` ([`Self::reserve`]),
-    /// one registration at a time; the count is given back if it fails. `what` names the
-    /// trace span.
-    fn register(&self, ptr: usize, len: usize, what: &'static str) -> Result<(), PinError> {
-        let _one = (self.ahead.load(Ordering::Relaxed))
-            .then(|| self.registering.lock().unwrap_or_else(|e| e.into_inner()));
-        let t = Instant::now();
-        if let Err(why) = self.pinner.register(ptr as *const u8, len) {
-            self.registered.fetch_sub(len as u64, Ordering::SeqCst);
-            return Err(PinError::Failed(why));
-        }
-        let ns = t.elapsed().as_nanos() as u64;
-        crate::trace::span("direct", what, t, Instant::now());
-        self.stats.register_ns.fetch_add(ns, Ordering::Relaxed);
-        self.stats
-            .registered_bytes
-            .fetch_add(len as u64, Ordering::Relaxed);
-        Ok(())
     }
 
     /// Count `len` more bytes registered if they fit in the budget (checked and added at once:
@@ -810,22 +740,17 @@ impl DirectReads {
         if self.registered.load(Ordering::Relaxed) + len <= self.budget {
             return;
         }
-        self.release_idle_except(len, except, false);
+        self.release_idle_except(len, except);
     }
 
     /// Release every idle range when `len` is `u64::MAX`, else as [`Self::make_room`] does.
     fn release_idle(&self, len: u64) {
-        self.release_idle_except(len, 0, false);
+        self.release_idle_except(len, 0);
     }
 
     /// Idle ranges go in the order [`Foresight`] says (the one needed again last first), else —
     /// the order unknown, or between ranges needed next at the same load — used longest ago first.
-    /// With `dead`, only ranges no load to come uses (the order known): all that registering
-    /// ahead lets go of. Releasing, as staging does, the range needed last from a later load's
-    /// point of view let go of ranges needed soon after it: on the simulated GPU (3000² f32
-    /// `.mgt`, a 33 MiB budget) 1.7 × the registrations of the default (a review's
-    /// measurement); the rest is left to staging's release when it needs the room.
-    fn release_idle_except(&self, len: u64, except: usize, dead: bool) {
+    fn release_idle_except(&self, len: u64, except: usize) {
         let fs = self.foresight.get();
         // The load being staged: the count less one (it counted itself).
         let now = self.loads.load(Ordering::Relaxed).saturating_sub(1);
@@ -836,7 +761,7 @@ impl DirectReads {
                 .filter_map(|e| {
                     let st = e.st.try_lock().ok()?;
                     let next = fs.map_or(0, |f| f.next_use(e.ptr, now));
-                    (st.registered && st.users == 0 && (!dead || next == u32::MAX))
+                    (st.registered && st.users == 0)
                         .then(|| (std::cmp::Reverse(next), st.last, e.clone()))
                 })
                 .collect()
@@ -862,137 +787,6 @@ impl DirectReads {
         }
     }
 
-    /// Whether registering locks memory (not on the CPU, whose lanes read the maps as they are).
-    pub(crate) fn locks(&self) -> bool {
-        self.pinner.locks()
-    }
-
-    /// Whether [`Self::lock_ahead`] runs in this step: asked for ([`Self::ahead_on`]), the
-    /// order of the loads known, and registering locks memory.
-    pub(crate) fn locks_ahead(&self) -> bool {
-        self.ahead()
-            && self.foresight.get().is_some_and(|f| !f.seq.is_empty())
-            && self.pinner.locks()
-    }
-
-    /// [`Self::lock_ahead`] will run in this step (set before [`Self::foresee`], which then
-    /// keeps each load's ranges for it): registrations go one at a time from now on.
-    pub(crate) fn ahead_on(&self) {
-        self.ahead.store(true, Ordering::Relaxed);
-    }
-
-    /// Whether [`Self::ahead_on`] was called.
-    pub(crate) fn ahead(&self) -> bool {
-        self.ahead.load(Ordering::Relaxed)
-    }
-
-    /// The staging stage has ended (whatever the reason): [`Self::lock_ahead`] stops.
-    pub(crate) fn staging_ended(&self) {
-        self.staging_ended.store(true, Ordering::Release);
-    }
-
-    /// Register the ranges of the loads to come, in the order they will be staged, from the
-    /// load after the one being staged on, while the budget has room — letting go only of idle
-    /// ranges no load to come uses — so that staging finds them registered. Staging's one
-    /// thread registered each block's ranges when the planner reached it, a few tiles ahead of
-    /// the GPU: 32768² fp64 from `.npy` on one H100 waited 140–170 ms at each new 2 GiB band of
-    /// A, while the driver sat idle during the GEMMs before (`MGMM_TRACE`, HISTORY §34). Runs
-    /// on a thread of its own until every foreseen load is registered, staging ends, or the run
-    /// stops; a range it cannot register turns direct uploads off as staging's own failure
-    /// does. Blocks staging copies whatever is registered are left out (`foresee`), and under
-    /// `auto` so is a block not all in the page cache. A run uses it only with
-    /// `MGMM_LOCK_AHEAD` set ([`crate::config::lock_ahead`]) until it is measured on a GPU
-    /// against the default.
-    pub(crate) fn lock_ahead(&self, ctl: &crate::pipeline::control::Control) {
-        let Some(fs) = self.foresight.get() else {
-            return;
-        };
-        self.ahead_on();
-        let mut at = 0usize;
-        loop {
-            if ctl.is_cancelled()
-                || ctl.is_stopping()
-                || self.staging_ended.load(Ordering::Acquire)
-                || self.failed.get().is_some()
-            {
-                return;
-            }
-            // The load being staged is `loads - 1`: start after it.
-            at = at.max(self.loads.load(Ordering::Relaxed) as usize);
-            let Some(load) = fs.seq.get(at) else {
-                return;
-            };
-            // A load staging copies (no map, too large): nothing to register. Its `map` is
-            // (0, 0), no slice to make.
-            if load.ranges.is_empty() {
-                at += 1;
-                continue;
-            }
-            // SAFETY: `load.map` is the address and length of a live read-only map of one of
-            // `_sources` (recorded from it by `foresee`), which outlive the registry.
-            let map = unsafe { std::slice::from_raw_parts(load.map.0 as *const u8, load.map.1) };
-            // Under `auto` a block not all in the page cache is copied by staging: leave it.
-            let cold = self.mode == StagingMode::Auto
-                && !(load.ranges.iter()).all(|&(off, len)| {
-                    crate::store::fsutil::resident(map, off as u64..(off + len) as u64, 1.0)
-                });
-            let mut done = true;
-            for &(off, len) in load.ranges.iter().filter(|_| !cold) {
-                match self.pin_ahead(load.map.0 + off, len) {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        done = false;
-                        break;
-                    }
-                    Err(why) => {
-                        self.release_idle(u64::MAX);
-                        let _ = self.failed.set(format!(
-                            "registering {} ahead failed ({why}); the rest of the step copied \
-                             its inputs",
-                            crate::units::fmt_bytes(len as u64)
-                        ));
-                        return;
-                    }
-                }
-            }
-            if done {
-                at += 1;
-            } else {
-                // No room yet (the uploads in flight hold it), or staging holds the range:
-                // look again shortly.
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-        }
-    }
-
-    /// Register the range at `ptr` ahead ([`Self::lock_ahead`]): `Ok(true)` when it is
-    /// registered, `Ok(false)` when the budget has no room for it beside the ranges in use and
-    /// those to come, or another thread holds it (staging pinning or releasing it) — try again.
-    fn pin_ahead(&self, ptr: usize, len: usize) -> Result<bool, String> {
-        let e = self.entry(ptr, len);
-        let Ok(mut st) = e.st.try_lock() else {
-            return Ok(false);
-        };
-        if st.registered {
-            return Ok(true);
-        }
-        if self.registered.load(Ordering::Relaxed) + len as u64 > self.budget {
-            self.release_idle_except(len as u64, ptr, true);
-        }
-        if !self.reserve(len as u64) {
-            return Ok(false);
-        }
-        match self.register(ptr, len, "register ahead") {
-            Ok(()) => {
-                st.registered = true;
-                st.last = self.tick.fetch_add(1, Ordering::Relaxed);
-                Ok(true)
-            }
-            Err(PinError::Failed(why)) => Err(why),
-            Err(PinError::Full) => Ok(false),
-        }
-    }
-
     pub(crate) fn stats(&self) -> DirectStats {
         let c = &self.stats;
         DirectStats {
@@ -1007,22 +801,6 @@ impl DirectReads {
             released_bytes: c.released_bytes.load(Ordering::Relaxed),
             failed: self.failed.get().cloned(),
         }
-    }
-}
-
-/// Tells the registry that a lane's staging has ended when dropped — with the staging stage,
-/// however it ends, also if it never ran ([`DirectReads::lock_ahead`] stops then).
-pub(crate) struct EndsStaging<'a>(&'a DirectReads);
-
-impl<'a> EndsStaging<'a> {
-    pub(crate) fn new(d: &'a DirectReads) -> Self {
-        EndsStaging(d)
-    }
-}
-
-impl Drop for EndsStaging<'_> {
-    fn drop(&mut self) {
-        self.0.staging_ended();
     }
 }
 
@@ -1107,11 +885,6 @@ mod tests {
         Block { r0, c0, rows, cols }
     }
 
-    /// Storage tiles 0, 1 and 2 of the fixture's file, one block each (4 KiB, one range each).
-    fn first_tiles() -> [Block; 3] {
-        [0, 16, 32].map(|c0| block(0, c0, 16, 16))
-    }
-
     /// A file, a recording pinner and a pool of tokens.
     struct Fixture {
         _dir: tempfile::TempDir,
@@ -1179,127 +952,6 @@ mod tests {
             drop(fx.up(&reg, b, DType::F32).expect("fits the budget"));
         }
         assert_eq!(fx.rec.registrations.load(Ordering::Relaxed), 5);
-    }
-
-    /// Registering ahead (`lock_ahead`): with room for every range, the ranges of the loads
-    /// after the one being staged are registered before staging takes them, each once, and
-    /// staging then registers nothing; the thread ends once the loads are all registered.
-    #[test]
-    fn ranges_of_the_loads_to_come_are_registered_ahead_of_staging() {
-        let fx = fixture();
-        let reg = fx.reg(StagingMode::Direct, 16 * 4096, 4096);
-        // Storage tiles {0}, {1, 5}, {10}, {15}: five distinct ranges.
-        let loads = [
-            block(0, 0, 16, 16),
-            block(0, 16, 32, 16),
-            block(32, 32, 16, 16),
-            block(48, 48, 16, 16),
-        ];
-        reg.ahead_on();
-        reg.foresee(loads.iter().map(|b| (&*fx.f, *b)), DType::F32);
-        assert!(reg.locks_ahead());
-        // Staging is at load 0 and has taken it.
-        reg.count_load();
-        let first = fx.up(&reg, loads[0], DType::F32).expect("fits");
-        assert_eq!(fx.rec.registrations.load(Ordering::Relaxed), 1);
-        let ctl = crate::pipeline::control::Control::new();
-        reg.lock_ahead(&ctl);
-        assert_eq!(
-            fx.rec.registrations.load(Ordering::Relaxed),
-            5,
-            "loads 1–3 ahead"
-        );
-        drop(first);
-        for b in &loads[1..] {
-            reg.count_load();
-            drop(fx.up(&reg, *b, DType::F32).expect("registered ahead"));
-        }
-        assert_eq!(
-            fx.rec.registrations.load(Ordering::Relaxed),
-            5,
-            "none twice"
-        );
-        assert_eq!(reg.stats().released_bytes, 0);
-    }
-
-    /// With a full budget, registering ahead lets go only of idle ranges no load to come uses,
-    /// never of one needed again or in use; with none of those it waits, and it ends when
-    /// staging does.
-    #[test]
-    fn registering_ahead_keeps_what_is_needed_sooner_and_ends_with_staging() {
-        let fx = fixture();
-        // Room for two storage tiles.
-        let reg = fx.reg(StagingMode::Direct, 2 * 4096, 4096);
-        // Tiles 0, 1, 2, then 1 again.
-        let [t0, t1, t2] = first_tiles();
-        let loads = [t0, t1, t2, t1];
-        reg.ahead_on();
-        reg.foresee(loads.iter().map(|b| (&*fx.f, *b)), DType::F32);
-        reg.count_load();
-        let up0 = fx.up(&reg, t0, DType::F32).expect("fits");
-        let ctl = crate::pipeline::control::Control::new();
-        std::thread::scope(|s| {
-            let ahead = s.spawn(|| reg.lock_ahead(&ctl));
-            // Tile 1 (load 1) fits beside tile 0 in use; tile 2 (load 2) finds no room: tile
-            // 0 is in use and tile 1 is needed at load 1, before it.
-            let t = Instant::now();
-            while fx.rec.registrations.load(Ordering::Relaxed) < 2 {
-                assert!(
-                    t.elapsed().as_secs() < 10,
-                    "load 1 was not registered ahead"
-                );
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-            assert_eq!(fx.rec.registrations.load(Ordering::Relaxed), 2);
-            assert!(!ahead.is_finished(), "it waits for room");
-            reg.staging_ended();
-            ahead.join().unwrap();
-        });
-        assert_eq!(reg.stats().released_bytes, 0);
-        drop(up0);
-    }
-
-    /// A load staging copies whatever is registered (its ranges together over the budget) is
-    /// passed over: registering ahead goes on to the next one.
-    #[test]
-    fn registering_ahead_passes_over_a_load_that_is_copied() {
-        let fx = fixture();
-        let reg = fx.reg(StagingMode::Direct, 4096, 4096);
-        let [t0, _, t2] = first_tiles();
-        let wide = block(0, 0, 16, 32); // tiles 0 and 1: 8 KiB, over the 4 KiB budget
-        reg.ahead_on();
-        reg.foresee([t0, wide, t2].iter().map(|b| (&*fx.f, *b)), DType::F32);
-        reg.count_load();
-        reg.lock_ahead(&crate::pipeline::control::Control::new());
-        assert_eq!(
-            fx.rec.registrations.load(Ordering::Relaxed),
-            1,
-            "tile 2 only"
-        );
-        assert!(fx.rec.held.lock().unwrap().len() == 1);
-    }
-
-    /// A range no load to come uses is what registering ahead lets go of to make room.
-    #[test]
-    fn registering_ahead_releases_a_range_no_load_uses_again() {
-        let fx = fixture();
-        let reg = fx.reg(StagingMode::Direct, 2 * 4096, 4096);
-        let [t0, t1, t2] = first_tiles();
-        reg.ahead_on();
-        reg.foresee([t0, t1, t2].iter().map(|b| (&*fx.f, *b)), DType::F32);
-        reg.count_load();
-        drop(fx.up(&reg, t0, DType::F32).expect("fits"));
-        reg.count_load();
-        let up1 = fx.up(&reg, t1, DType::F32).expect("fits");
-        // Load 2 (tile 2): tile 1 is in use, tile 0 idle and used by no load to come.
-        reg.lock_ahead(&crate::pipeline::control::Control::new());
-        assert_eq!(fx.rec.registrations.load(Ordering::Relaxed), 3);
-        assert_eq!(reg.stats().released_bytes, 4096);
-        drop(up1);
-        reg.count_load();
-        drop(fx.up(&reg, t2, DType::F32).expect("registered ahead"));
-        assert_eq!(fx.rec.registrations.load(Ordering::Relaxed), 3);
     }
 
     #[test]

@@ -766,21 +766,7 @@ macro_rules! stage_run {
         })*
     };
 }
-stage_run!(Planner, Prefetch, Staging, Checker, DeviceLane, OutPrep, Writeback, Durable, LockAhead);
-
-/// Registers the input ranges of the loads to come ahead of staging
-/// ([`direct::DirectReads::lock_ahead`]), on a thread of its own; no metrics of its own (its
-/// registrations are the trace's `direct` track, "register ahead").
-struct LockAhead<'a> {
-    direct: &'a direct::DirectReads,
-}
-
-impl LockAhead<'_> {
-    fn run(self, ctl: &Control) -> Result<()> {
-        self.direct.lock_ahead(ctl);
-        Ok(())
-    }
-}
+stage_run!(Planner, Prefetch, Staging, Checker, DeviceLane, OutPrep, Writeback, Durable);
 
 /// What the stages of each lane (planner, prefetch, check, staging, device lane) are connected
 /// to; the channel ends it holds are cloned for each lane.
@@ -847,12 +833,9 @@ impl<'p> LaneWiring<'p> {
         let Some(d) = self.direct else {
             return;
         };
-        if self.lanes == 1 && d.locks() && crate::config::lock_ahead() {
-            d.ahead_on();
-        }
         if self.lanes != 1
             || self.queue.len() as u64 * self.sched.gk > FORESEE_MAX
-            || !(d.may_release() || d.ahead())
+            || !d.may_release()
         {
             return;
         }
@@ -923,11 +906,6 @@ impl<'p> LaneWiring<'p> {
         // that checks what they upload.
         let direct = match self.direct.filter(|_| lane.uploads_runs()) {
             Some(d) => {
-                // Registering ahead of this lane's staging, where it was asked for and the
-                // order of the loads is known (one lane: `foresee`).
-                if d.locks_ahead() {
-                    stages.push(Box::new(LockAhead { direct: d }));
-                }
                 let (check_tx, check_rx) = crossbeam_channel::bounded(64);
                 let progress = Arc::new(direct::CheckProgress::default());
                 stages.push(Box::new(stages::Checker {
@@ -941,14 +919,11 @@ impl<'p> LaneWiring<'p> {
             }
             None => None,
         };
-        // Made here, so that registering ahead stops when staging ends, also when it never ran.
-        let ends = direct.as_ref().map(|(d, ..)| direct::EndsStaging::new(d));
         stages.push(Box::new(Staging {
             lane: i,
             inputs,
             shared: self.shared,
             direct,
-            _ends: ends,
             checks_issued: std::cell::Cell::new(0),
             device_checks: lane.checks_uploads(),
             gpu: lane.gpu(),

@@ -552,14 +552,14 @@ impl Strip {
     }
 
     /// Add the sums of stored rows `rs` (group `g`) to `rows` and start afresh; op rows whose
-    /// sums are not finite are folded again element by element.
+    /// sums are not finite are folded again element by element (`at(s, t)`: element (s, t)
+    /// of the stored matrix).
     fn flush<T: Elem>(
         &mut self,
         rows: &mut Rows,
         g: usize,
         rs: Range<usize>,
-        band: &BandView<T>,
-        r0: usize,
+        at: impl Fn(usize, usize) -> T,
         sc: &Scat,
         bc: &mut Vec<usize>,
     ) {
@@ -569,7 +569,7 @@ impl Strip {
             let mut acc = rows.row(l);
             if self.redo[l] || !self.q[l].is_finite() {
                 for s in rs.clone() {
-                    acc.visit(s, band.at(s - r0, t).wide(), sc.x, g, bc);
+                    acc.visit(s, at(s, t).wide(), sc.x, g, bc);
                 }
                 continue;
             }
@@ -619,15 +619,17 @@ fn scatter_cols<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, v: &Ban
         let (tw, t0) = (rows.len(), rows.t0);
         let mut acc = Strip::new(tw, sc.x.len(), sc.exact);
         let mut bc = Vec::new();
+        // Element (stored row s, stored column t), for the careful path.
+        let at = |s: usize, t: usize| v.at(s - r0, t);
         let (mut g, mut from) = (sc.groups.of(r0), r0);
         for s in r0..r0 + h {
             if sc.groups.of(s) != g {
-                acc.flush(&mut rows, g, from..s, v, r0, sc, &mut bc);
+                acc.flush(&mut rows, g, from..s, at, sc, &mut bc);
                 (g, from) = (sc.groups.of(s), s);
             }
             v.pieces(s - r0, t0..t0 + tw, |c, p| acc.fold(p, c - t0, s, sc));
         }
-        acc.flush(&mut rows, g, from..r0 + h, v, r0, sc, &mut bc);
+        acc.flush(&mut rows, g, from..r0 + h, at, sc, &mut bc);
         if !bc.is_empty() {
             sc.bad_cols
                 .lock()

@@ -96,13 +96,13 @@ impl<'a, T: Elem> BandView<'a, T> {
         // Rows of one run that lie one below the other in the file stay one rectangle: merge
         // the one-row pieces of a run back (a `.mgt` tile's rows in the band).
         rects = merge_rows(rects);
-        let aligned = rects
-            .iter()
-            .all(|r| r.file_off % align == 0 && (r.rows == 1 || r.pitch % align == 0));
+        let aligned = rects.iter().all(|r| {
+            r.file_off.is_multiple_of(align) && (r.rows == 1 || r.pitch.is_multiple_of(align))
+        });
         let inside = rects.iter().all(|r| {
             r.file_off + (r.rows - 1) * r.pitch + r.w * size <= mb.map.len() && r.l0 + r.rows <= h
         });
-        if !aligned || !inside || (mb.map.as_ptr() as usize) % align != 0 {
+        if !aligned || !inside || !(mb.map.as_ptr() as usize).is_multiple_of(align) {
             return None;
         }
         // Pages still on disk are read the copying way: its large parallel `pread`s run at the

@@ -18,7 +18,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::metrics::StageMetrics;
 use crate::pipeline::control::Control;
-use crate::pipeline::direct::{CheckProgress, DirectReads, EndsStaging};
+use crate::pipeline::direct::{CheckProgress, DirectReads};
 use crate::pipeline::pool::{Lease, Pool};
 use crate::pipeline::shared::{Got, SharedReads};
 use crate::plan::schedule::Src;
@@ -44,9 +44,6 @@ pub(crate) struct Staging<'a> {
     pub(crate) rx: Receiver<PlanOp>,
     pub(crate) out: Sender<LaneOp>,
     pub(crate) m: Arc<StageMetrics>,
-    /// Dropped with the stage, however it ends (or if it never runs): registering ahead of it
-    /// stops ([`DirectReads::lock_ahead`]).
-    pub(crate) _ends: Option<EndsStaging<'a>>,
 }
 
 impl Staging<'_> {
