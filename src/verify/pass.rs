@@ -443,8 +443,8 @@ fn scatter_t<T: Elem>(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
 
 /// Call `f(r0, h, band)` for consecutive bands of stored rows of `op` read in place from the
 /// file's map ([`BandView::mapped`]), the storage tiles of each checked first when `op.check`
-/// ([`MatrixSource::scan_mapped`]: their CRCs taken from the map, so a band is never folded
-/// before its tiles passed); false, with nothing folded, where the first band cannot be read
+/// ([`MatrixSource::verify_block`]: each tile once, nothing for tiles already checked or a
+/// file without checksums; a band is never folded before its tiles passed); false, with nothing folded, where the first band cannot be read
 /// so (another dtype than `T`, values to round, no map, pages not in memory): the caller
 /// copies ([`bands`]). A later band that cannot is copied into a buffer of its own.
 fn in_place<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &BandView<T>)) -> Result<bool> {
@@ -453,20 +453,18 @@ fn in_place<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &BandView<T>)) -> 
         return Ok(false);
     }
     let band = band_rows::<T>(op);
-    let checks = op.check && op.file.checksum_tile().is_some();
     let (mut r0, mut spare) = (0, Vec::new());
     while r0 < rows {
         let h = band.min(rows - r0);
         match BandView::<T>::mapped(op.file, r0, h) {
             Some(v) => {
-                if checks {
-                    let b = Block {
+                if op.check {
+                    op.file.verify_block(&Block {
                         r0: r0 as u64,
                         c0: 0,
                         rows: h as u64,
                         cols: cols as u64,
-                    };
-                    op.file.scan_mapped(&b, T::DTYPE, true)?;
+                    })?;
                 }
                 f(r0, h, &v);
             }
@@ -552,27 +550,37 @@ impl Strip {
     }
 
     /// Add the sums of stored rows `rs` (group `g`) to `rows` and start afresh; op rows whose
-    /// sums are not finite are folded again element by element (`at(s, t)`: element (s, t)
-    /// of the stored matrix).
+    /// sums are not finite are folded again element by element, from `band` (the band of
+    /// stored rows from `band.1` on), each in the order of its stored rows.
     fn flush<T: Elem>(
         &mut self,
         rows: &mut Rows,
         g: usize,
         rs: Range<usize>,
-        at: impl Fn(usize, usize) -> T,
+        band: (&BandView<T>, usize),
         sc: &Scat,
         bc: &mut Vec<usize>,
     ) {
-        let tw = self.tw;
+        let (tw, t0) = (self.tw, rows.t0);
+        let again: Vec<usize> = (0..tw)
+            .filter(|&l| self.redo[l] || !self.q[l].is_finite())
+            .collect();
+        if !again.is_empty() {
+            let (v, r0) = band;
+            for s in rs {
+                v.pieces(s - r0, t0..t0 + tw, |c, p| {
+                    let from = again.partition_point(|&l| t0 + l < c);
+                    for &l in again[from..].iter().take_while(|&&l| t0 + l < c + p.len()) {
+                        rows.row(l).visit(s, p[t0 + l - c].wide(), sc.x, g, bc);
+                    }
+                });
+            }
+        }
         for l in 0..tw {
-            let t = rows.t0 + l;
-            let mut acc = rows.row(l);
-            if self.redo[l] || !self.q[l].is_finite() {
-                for s in rs.clone() {
-                    acc.visit(s, at(s, t).wide(), sc.x, g, bc);
-                }
+            if again.binary_search(&l).is_ok() {
                 continue;
             }
+            let acc = rows.row(l);
             let gs = acc.sq.len();
             acc.sq[g] += self.q[l];
             acc.abs[g] += self.a[l];
@@ -619,17 +627,15 @@ fn scatter_cols<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, v: &Ban
         let (tw, t0) = (rows.len(), rows.t0);
         let mut acc = Strip::new(tw, sc.x.len(), sc.exact);
         let mut bc = Vec::new();
-        // Element (stored row s, stored column t), for the careful path.
-        let at = |s: usize, t: usize| v.at(s - r0, t);
         let (mut g, mut from) = (sc.groups.of(r0), r0);
         for s in r0..r0 + h {
             if sc.groups.of(s) != g {
-                acc.flush(&mut rows, g, from..s, at, sc, &mut bc);
+                acc.flush(&mut rows, g, from..s, (v, r0), sc, &mut bc);
                 (g, from) = (sc.groups.of(s), s);
             }
             v.pieces(s - r0, t0..t0 + tw, |c, p| acc.fold(p, c - t0, s, sc));
         }
-        acc.flush(&mut rows, g, from..r0 + h, at, sc, &mut bc);
+        acc.flush(&mut rows, g, from..r0 + h, (v, r0), sc, &mut bc);
         if !bc.is_empty() {
             sc.bad_cols
                 .lock()
@@ -1312,5 +1318,164 @@ mod tests {
         );
         close(&abs, &abs2);
         close(&sq, &sq2);
+    }
+
+    /// A source that hides its map (`mapped_block` is `None`), so the scatter copies bands.
+    struct NoMap<'a>(&'a dyn MatrixSource);
+    impl MatrixSource for NoMap<'_> {
+        fn path(&self) -> &std::path::Path {
+            self.0.path()
+        }
+        fn shape(&self) -> (u64, u64) {
+            self.0.shape()
+        }
+        fn dtype(&self) -> DType {
+            self.0.dtype()
+        }
+        fn read_block(&self, b: &Block, host: DType, dst: &mut [u8]) -> Result<()> {
+            self.0.read_block(b, host, dst)
+        }
+        fn will_need(&self, b: &Block) -> u64 {
+            self.0.will_need(b)
+        }
+        fn verify_block(&self, b: &Block) -> Result<()> {
+            self.0.verify_block(b)
+        }
+        fn read_staged(&self, b: &Block, h: DType, d: &mut [u8], v: bool) -> Result<u64> {
+            self.0.read_staged(b, h, d, v)
+        }
+        fn identity(&self) -> String {
+            self.0.identity()
+        }
+        fn checksum_tile(&self) -> Option<(u64, u64)> {
+            self.0.checksum_tile()
+        }
+    }
+
+    /// Values whose sums are exact in f64 in any order (so mapped and copied must agree bit
+    /// for bit), with NaN/Inf sprinkled in, as bytes of `dt`.
+    fn values(rows: usize, cols: usize, dt: DType) -> Vec<u8> {
+        let v = |i: usize| -> f64 {
+            match i % 97 {
+                13 => f64::NAN,
+                41 if i.is_multiple_of(2) => f64::INFINITY,
+                _ => (i % 61) as f64 * 0.25 - 7.0,
+            }
+        };
+        (0..rows * cols)
+            .flat_map(|i| match dt {
+                DType::F64 => v(i).to_le_bytes().to_vec(),
+                _ => (v(i) as f32).to_le_bytes().to_vec(),
+            })
+            .collect()
+    }
+
+    fn scatter_sums(f: &dyn MatrixSource, trans: bool, check: bool) -> Sums {
+        let op = Op {
+            file: f,
+            trans,
+            round: None,
+            check,
+            times: false,
+        };
+        let (_, s) = op.shape();
+        // Groups of 7 (not the storage tile's 16 or 8): they straddle tile edges.
+        let groups = Groups::new(s, 7, 64);
+        let mut g = crate::store::gen::Rng::new(5, 0);
+        let mut x: Vec<Vec<f64>> = (0..3)
+            .map(|_| {
+                (0..s)
+                    .map(|_| if g.next_u64() >> 63 == 0 { 1.0 } else { -1.0 })
+                    .collect()
+            })
+            .collect();
+        for xr in &mut x {
+            xr[3] = 0.0; // an excluded column
+        }
+        scatter(&op, &groups, &x, f.dtype() == DType::F64).unwrap()
+    }
+
+    fn same(a: &Sums, b: &Sums, what: &str) {
+        let sig = |s: &Sums| {
+            s.signed
+                .iter()
+                .map(|d| d.value().to_bits())
+                .collect::<Vec<_>>()
+        };
+        let bits = |v: &[f64]| v.iter().map(|d| d.to_bits()).collect::<Vec<_>>();
+        assert_eq!(sig(a), sig(b), "{what}: signed");
+        assert_eq!(bits(&a.sq), bits(&b.sq), "{what}: sq");
+        assert_eq!(bits(&a.abs), bits(&b.abs), "{what}: abs");
+        assert_eq!(a.nonfinite, b.nonfinite, "{what}: nonfinite");
+        assert_eq!(a.bad_row, b.bad_row, "{what}: bad_row");
+        assert_eq!(a.bad_col, b.bad_col, "{what}: bad_col");
+    }
+
+    /// The scatter read in place from the map gives the sums of the copied bands: `.mgt` with
+    /// partial edge tiles (one and several tile columns), a row-major file at an aligned and an
+    /// unaligned offset, f32 and f64, as stored and transposed, with NaN/Inf, checks on and off.
+    #[test]
+    fn scatter_in_place_gives_the_sums_of_copied_bands() {
+        use crate::store::rowmajor::{RowMajorFile, RowMajorSpec};
+        use crate::store::tiled::TiledWriter;
+        use crate::store::{Header, MatrixSink};
+        let dir = tempfile::tempdir().unwrap();
+        let mut files: Vec<(String, Box<dyn MatrixSource>, bool)> = Vec::new();
+        for dt in [DType::F32, DType::F64] {
+            // Tall enough (4 KiB test bands) to be read in several bands.
+            for (rows, cols, tr, tc) in [(301, 45, 8, 16), (517, 13, 8, 16), (97, 200, 16, 64)] {
+                let p = dir.path().join(format!("m{rows}x{cols}{dt}.mgt"));
+                let w = TiledWriter::create(&p, Header::new(dt, rows, cols, tr, tc, true)).unwrap();
+                let all = Block {
+                    r0: 0,
+                    c0: 0,
+                    rows,
+                    cols,
+                };
+                let sink: &dyn MatrixSink = &w;
+                sink.write_block(&all, dt, &values(rows as usize, cols as usize, dt))
+                    .unwrap();
+                w.finish(false).unwrap();
+                files.push((
+                    p.display().to_string(),
+                    Box::new(crate::store::TiledFile::open(&p).unwrap()),
+                    true,
+                ));
+            }
+            for (rows, cols, off) in [(301u64, 45u64, 8u64), (211, 7, 128), (150, 33, 4)] {
+                let p = dir.path().join(format!("r{rows}x{cols}@{off}{dt}.raw"));
+                let mut bytes = vec![0u8; off as usize];
+                bytes.extend(values(rows as usize, cols as usize, dt));
+                std::fs::write(&p, &bytes).unwrap();
+                let spec = RowMajorSpec {
+                    rows,
+                    cols,
+                    dtype: dt,
+                    data_offset: off,
+                    transposed: false,
+                    kind: "raw".into(),
+                    region: false,
+                };
+                let f = RowMajorFile::open(&p, spec, None).unwrap();
+                let aligned = off % dt.size() as u64 == 0;
+                files.push((p.display().to_string(), Box::new(f), aligned));
+            }
+        }
+        for (name, f, maps) in &files {
+            let rows = f.shape().0 as usize;
+            let mapped = match f.dtype() {
+                DType::F64 => BandView::<f64>::mapped(f.as_ref(), 0, rows).is_some(),
+                _ => BandView::<f32>::mapped(f.as_ref(), 0, rows).is_some(),
+            };
+            assert_eq!(mapped, *maps, "{name}: read in place");
+            for trans in [false, true] {
+                for check in [false, true] {
+                    let got = scatter_sums(f.as_ref(), trans, check);
+                    let want = scatter_sums(&NoMap(f.as_ref()), trans, check);
+                    same(&got, &want, &format!("{name} trans {trans} check {check}"));
+                    assert!(got.bad_row.iter().any(|&b| b), "{name}: NaN/Inf seen");
+                }
+            }
+        }
     }
 }

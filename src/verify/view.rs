@@ -60,6 +60,20 @@ impl<'a, T: Elem> BandView<'a, T> {
         let rb = cols * size;
         let mut rects = Vec::new();
         for run in &mb.runs {
+            // The usual run (rows of one storage tile, or a row-major band): rows one below the
+            // other in the band, so one rectangle as it stands.
+            let (l, c) = (run.buf_off / rb, run.buf_off % rb);
+            if run.buf_pitch == rb && c + run.row_len <= rb {
+                rects.push(Rect {
+                    l0: l,
+                    rows: run.rows,
+                    c0: c / size,
+                    w: run.row_len / size,
+                    file_off: run.file_off as usize,
+                    pitch: run.file_pitch as usize,
+                });
+                continue;
+            }
             for i in 0..run.rows {
                 let (fo, bo) = run.row(i);
                 let (mut fo, mut bo, mut len) = (fo as usize, bo, run.row_len);
@@ -143,7 +157,11 @@ impl<'a, T: Elem> BandView<'a, T> {
                     if l >= b.1 {
                         continue;
                     }
-                    for r in &rects[b.2.clone()] {
+                    // A band's rectangles are sorted by column and disjoint: start at the
+                    // first that ends after `cs.start`, stop at the first past `cs.end`.
+                    let rs = &rects[b.2.clone()];
+                    let first = rs.partition_point(|r| r.c0 + r.w <= cs.start);
+                    for r in rs[first..].iter().take_while(|r| r.c0 < cs.end) {
                         let (lo, hi) = (cs.start.max(r.c0), cs.end.min(r.c0 + r.w));
                         if lo >= hi {
                             continue;
@@ -160,6 +178,7 @@ impl<'a, T: Elem> BandView<'a, T> {
     }
 
     /// Element (band row `l`, column `c`).
+    #[cfg(test)]
     pub(crate) fn at(&self, l: usize, c: usize) -> T {
         let mut v = T::default();
         self.pieces(l, c..c + 1, |_, p| v = p[0]);
@@ -173,10 +192,14 @@ fn merge_rows(rects: Vec<Rect>) -> Vec<Rect> {
     let mut out: Vec<Rect> = Vec::with_capacity(rects.len());
     for r in rects {
         if let Some(p) = out.last_mut() {
-            if r.rows == 1 && p.c0 == r.c0 && p.w == r.w && r.l0 == p.l0 + p.rows {
+            if (r.rows == 1 || r.pitch == p.pitch)
+                && p.c0 == r.c0
+                && p.w == r.w
+                && r.l0 == p.l0 + p.rows
+            {
                 let step = r.file_off.checked_sub(p.file_off);
                 let fits = match (p.rows, step) {
-                    (1, Some(s)) if s > 0 => {
+                    (1, Some(s)) if s > 0 && r.rows == 1 => {
                         p.pitch = s;
                         true
                     }
@@ -184,7 +207,7 @@ fn merge_rows(rects: Vec<Rect>) -> Vec<Rect> {
                     _ => false,
                 };
                 if fits {
-                    p.rows += 1;
+                    p.rows += r.rows;
                     continue;
                 }
             }
