@@ -331,26 +331,6 @@ pub(crate) fn lock_budget(host_memory: u64, pools: u64, cap: u64) -> u64 {
     host_memory.saturating_sub(pools).min(cap)
 }
 
-/// Drop the whole pages of `len` bytes at `ptr` (a range of a file's read-only map) from this
-/// process's page tables; the pages stay in the page cache. Registering a range faults its
-/// pages in, and left mapped they count in the process's resident memory until the map goes:
-/// on an H200 a 65536² run with `host_memory = "8GiB"` locked at most 5.75 GiB at once but
-/// peaked at 21.15 GiB RSS (issue 33 item 12). Only whole pages inside the range: a page
-/// shared with the next range (which may be registered) is left.
-fn unmap_pages(ptr: usize, len: usize) {
-    // SAFETY: sysconf has no preconditions.
-    let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize;
-    let start = ptr.next_multiple_of(page);
-    let end = (ptr + len) / page * page;
-    if end > start {
-        // SAFETY: MADV_DONTNEED on a read-only file mapping only unmaps the pages: a later read
-        // (a copy of a block, a check) maps the same page-cache pages again, so no byte seen
-        // through the map changes; a page still pinned by a driver stays in memory for its DMA.
-        // The range lies inside the map (it was registered from it).
-        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
-    }
-}
-
 /// `runs` cut so that no piece crosses a boundary `data + c·per` (where one registered range ends
 /// and the next begins, [`DirectReads::ranges`]): rows wholly inside one range stay together,
 /// a row that crosses a boundary becomes two one-row pieces. The pieces cover exactly the bytes
@@ -777,7 +757,13 @@ impl DirectReads {
             };
             if st.registered && st.users == 0 {
                 self.pinner.unregister(e.ptr as *const u8);
-                unmap_pages(e.ptr, e.len);
+                // Registering faulted its pages in; left mapped they would count in the
+                // process's resident memory until the map goes (on an H200 a 65536² run with
+                // `host_memory = "8GiB"` locked at most 5.75 GiB at once but peaked at 21.15
+                // GiB RSS, issue 33 item 12).
+                // SAFETY: the range was registered from a file's read-only map, which the
+                // registry's sources keep alive.
+                unsafe { crate::store::fsutil::unmap_pages(e.ptr, e.len) };
                 st.registered = false;
                 self.registered.fetch_sub(e.len as u64, Ordering::Relaxed);
                 self.stats

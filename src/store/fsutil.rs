@@ -449,6 +449,28 @@ pub(crate) fn resident_sampled(map: &[u8], span: std::ops::Range<u64>, samples: 
         .all(|at| resident(map, at..(at + 1).min(end), 1.0))
 }
 
+/// Drop the whole pages of `len` bytes at `ptr` from this process's page tables; the pages stay
+/// in the page cache. Reading or registering a range of a file's map faults its pages in, and
+/// left mapped they count in the process's resident memory until the map goes. Only whole
+/// pages inside the range: a page shared with the next range (which may be in use) is left.
+///
+/// # Safety
+///
+/// `ptr..ptr + len` must lie inside a live read-only mapping of a file: there `MADV_DONTNEED`
+/// only unmaps, and a later read maps the same page-cache pages again, so no byte seen through
+/// the map changes (a page still pinned by a driver stays in memory for its DMA). On anonymous
+/// or private writable memory it would discard data.
+pub(crate) unsafe fn unmap_pages(ptr: usize, len: usize) {
+    // SAFETY: sysconf has no preconditions.
+    let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize;
+    let start = ptr.next_multiple_of(page);
+    let end = (ptr + len) / page * page;
+    if end > start {
+        // SAFETY: the caller guarantees a read-only file mapping (above).
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+    }
+}
+
 /// The kernel's estimate of memory available without swapping (`MemAvailable` in
 /// /proc/meminfo), in bytes; `None` where it cannot be read.
 pub(crate) fn mem_available() -> Option<u64> {

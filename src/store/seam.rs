@@ -140,7 +140,7 @@ pub struct MappedBlock<'a> {
     /// consecutive tiles can be page-locked together.
     pub(crate) data: std::ops::Range<u64>,
     pub(crate) stride: u64,
-    /// The whole file's map (page-aligned; index = file offset).
+    /// The whole file's read-only map (page-aligned; index = file offset).
     pub(crate) map: &'a [u8],
 }
 

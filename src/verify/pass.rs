@@ -467,6 +467,7 @@ fn in_place<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &BandView<T>)) -> 
                     })?;
                 }
                 f(r0, h, &v);
+                v.release();
             }
             None if r0 == 0 => return Ok(false),
             None => {

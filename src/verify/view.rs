@@ -177,6 +177,25 @@ impl<'a, T: Elem> BandView<'a, T> {
         }
     }
 
+    /// Drop the band's pages from the process's page tables once it is folded (they stay in
+    /// the page cache): left mapped, every file a check reads would count in its resident
+    /// memory until the map goes, where a copied band costs two band buffers.
+    pub(crate) fn release(&self) {
+        if let BandView::Mapped { map, rects, .. } = self {
+            let size = std::mem::size_of::<T>();
+            let lo = rects.iter().map(|r| r.file_off).min().unwrap_or(0);
+            let hi = rects
+                .iter()
+                .map(|r| r.file_off + (r.rows - 1) * r.pitch + r.w * size);
+            let hi = hi.max().unwrap_or(0);
+            if hi > lo {
+                // SAFETY: `map` is a file's read-only map (`MappedBlock::map`) and `lo..hi`
+                // lies inside it (checked when the view was made).
+                unsafe { crate::store::fsutil::unmap_pages(map.as_ptr() as usize + lo, hi - lo) };
+            }
+        }
+    }
+
     /// Element (band row `l`, column `c`).
     #[cfg(test)]
     pub(crate) fn at(&self, l: usize, c: usize) -> T {
