@@ -136,9 +136,9 @@ const BAND_BYTES: usize = if cfg!(test) { 4 << 10 } else { 32 << 20 };
 /// check still ends before its band is folded (the call returns its error first), so an
 /// input changed in place after `run` computed the output is named as such — its file and
 /// tile — instead of being blamed on the output's tiles by the residuals (or passing them,
-/// for a flip in a low bit). Bands are whole storage tile rows where that is not too large
-/// ([`band_rows`]), so no tile is read again to complete its CRC. Other files are read in
-/// parallel pieces of rows.
+/// for a flip in a low bit). A tile the band covers only in part is read once more, whole, to
+/// complete its CRC, the first time a band touches it. Other files are read in parallel pieces
+/// of rows.
 fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<()> {
     let cols = op.file.shape().1 as usize;
     let dst = &mut buf[..h * cols];
@@ -176,22 +176,13 @@ fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<()>
 }
 
 /// Stored rows per band of `op` read as `T` (the whole file when smaller): about
-/// [`BAND_BYTES`], rounded up to whole storage tile rows when the pass checks the file's
-/// checksums and a tile row is at most four times that (each tile's CRC is then taken in the
-/// one read of its band).
+/// [`BAND_BYTES`]. (Rounded up to whole storage tile rows, so that each tile's CRC is taken in
+/// the one read of its band, the dense pass took 0.90–1.01 s on one H100 against 0.52–0.55 —
+/// four times the rows per band for the widening, the GEMM and the device's cross-checks — and
+/// 2.79 s against 0.99 on the CPU: docs/measurements/2026-12-06e-h100-2-verify-in-place.log.)
 fn band_rows<T>(op: &Op) -> usize {
     let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
-    let row_bytes = cols.max(1) * std::mem::size_of::<T>();
-    let band = (BAND_BYTES / row_bytes).max(1);
-    let tile_rows = match (op.check, op.file.checksum_tile()) {
-        (true, Some((tr, _))) => tr as usize,
-        _ => 0,
-    };
-    let band = match tile_rows > 0 && tile_rows * row_bytes <= 4 * BAND_BYTES {
-        true => band.next_multiple_of(tile_rows),
-        false => band,
-    };
-    band.clamp(1, rows.max(1))
+    (BAND_BYTES / (cols.max(1) * std::mem::size_of::<T>())).clamp(1, rows.max(1))
 }
 
 /// Call `f(r0, h, band)` for consecutive bands of stored rows of `op`, reading the next band
