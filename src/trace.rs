@@ -172,6 +172,18 @@ pub(crate) fn write() -> crate::error::Result<u64> {
     Ok(t.dropped)
 }
 
+/// [`write`] where a command ends, a failure or dropped events said on stderr (the command's
+/// own result stands either way).
+pub(crate) fn write_at_end() {
+    match write() {
+        Err(e) => crate::diagln!("warning: {e}"),
+        Ok(0) => {}
+        Ok(n) => crate::diagln!(
+            "note: the timeline (MGMM_TRACE) kept its first {MAX_EVENTS} events; {n} later ones were dropped"
+        ),
+    }
+}
+
 // The process clock: the origin of the timeline, and the process wall time of the run report
 // (`crate::report`, which hands it on).
 

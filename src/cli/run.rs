@@ -130,14 +130,7 @@ impl RunArgs {
             Some(sh) => crate::cluster::run_plan(&p, &opts, &sh, &progress),
             None => run::run_plan(&p, &opts, &progress),
         };
-        match crate::trace::write() {
-            Err(e) => crate::diagln!("warning: {e}"),
-            Ok(0) => {}
-            Ok(n) => crate::diagln!(
-                "note: the timeline (MGMM_TRACE) kept its first {} events; {n} later ones were dropped",
-                crate::trace::MAX_EVENTS
-            ),
-        }
+        crate::trace::write_at_end();
         let rep = rep.map_err(|e| {
             interrupted(
                 e,

@@ -50,7 +50,10 @@ impl VerifyArgs {
         let p = Plan::load_with(&self.plan, &self.set)?;
         run::init_threads(p.engine.threads);
         let (rounds, seed, repair) = (self.rounds, self.seed, self.repair);
-        verify_plan(&p, rounds, seed, false, repair, settings.verify_times)
+        crate::trace::init(settings.trace.as_deref())?;
+        let r = verify_plan(&p, rounds, seed, false, repair, settings.verify_times);
+        crate::trace::write_at_end();
+        r
     }
 }
 

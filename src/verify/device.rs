@@ -56,7 +56,10 @@ impl Device {
             let h = std::thread::Builder::new()
                 .name("mgmm-verify-device".into())
                 .spawn(move || {
-                    let _ = tx.send(fold::open(&engine));
+                    let t = std::time::Instant::now();
+                    let d = fold::open(&engine);
+                    crate::trace::span("verify", "open the GPU", t, std::time::Instant::now());
+                    let _ = tx.send(d);
                 });
             match h {
                 Ok(_) => *lock(&d.slot) = Slot::Opening(rx),

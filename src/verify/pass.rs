@@ -211,13 +211,19 @@ fn bands_in<T: Elem>(
     let band = band_rows::<T>(op);
     let h_at = |r0: usize| band.min(rows - r0);
     let [mut cur, mut next] = bufs;
-    read_band(op, 0, h_at(0), cur)?;
+    let read = |r0: usize, buf: &mut [T]| {
+        let t = std::time::Instant::now();
+        let r = read_band(op, r0, h_at(r0), buf);
+        crate::trace::span("verify: reads", "band", t, std::time::Instant::now());
+        r
+    };
+    read(0, cur)?;
     let mut r0 = 0;
     loop {
         let n0 = r0 + h_at(r0);
         let (read, go_on) = rayon::join(
             || match n0 < rows {
-                true => read_band(op, n0, h_at(n0), next),
+                true => read(n0, next),
                 false => Ok(()),
             },
             || f(r0, h_at(r0), &cur[..h_at(r0) * cols]),
@@ -390,8 +396,13 @@ fn timed<R>(what: &str, op: &Op, f: impl FnOnce() -> R) -> R {
     r
 }
 
-/// With `op.times`, the line of [`timed`] for a pass begun at `t0` (on device `on`).
+/// With `op.times`, the line of [`timed`] for a pass begun at `t0` (on device `on`); the pass
+/// as a span of the timeline (`MGMM_TRACE`) either way.
 fn report_time(what: &str, op: &Op, t0: std::time::Instant, on: Option<&str>) {
+    if crate::trace::enabled() {
+        let name = format!("{what} {}", op.file.path().display());
+        crate::trace::span("verify", &name, t0, std::time::Instant::now());
+    }
     if op.times {
         let (rows, cols) = op.file.shape();
         let bytes = (rows * cols) as f64 * op.file.dtype().size() as f64;
@@ -817,7 +828,10 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
                     true => Some(dev.sums().map_err(e)?),
                     false => None,
                 };
+                let t = std::time::Instant::now();
                 dev.fold(r0, h, m).map_err(e)?;
+                let now = std::time::Instant::now();
+                crate::trace::span("verify: device", "fold (to the copy's end)", t, now);
                 if checked {
                     let mut cpu = Sums::new(m_rows, k, z.rounds, g);
                     let mut signed = vec![0f64; m_rows * rg];
@@ -833,6 +847,12 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
                     );
                     let kk = if op.trans { h } else { k };
                     let after = dev.sums().map_err(e)?;
+                    crate::trace::span(
+                        "verify: device",
+                        "cross-check",
+                        now,
+                        std::time::Instant::now(),
+                    );
                     agree(&after, before.as_ref(), &signed, &cpu, kk).map_err(|why| {
                         format!(
                             "its sums of rows {r0}..{} of {} differ from the CPU's: {why}",
