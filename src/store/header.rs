@@ -239,14 +239,6 @@ impl Header {
             flags: raw.flags.get(),
             checksum_table_offset: raw.checksum_table_offset.get(),
         };
-        h.check_fields(path)?;
-        let needed = h.needed_len(path)?;
-        if file_len < needed {
-            let (rows, cols, tile_rows, tile_cols) = (h.rows, h.cols, h.tile_rows, h.tile_cols);
-            return Err(bad(format!(
-                "file is {file_len} bytes but its header ({rows}×{cols} {dtype}, {tile_rows}×{tile_cols} tiles) needs {needed}: the file is truncated"
-            )));
-        }
         // Fields that are each plausible but not the ones written (a tile edge or a dtype
         // changed) would read every tile wrongly: the header's own CRC-32C catches them. Every
         // file of this format version carries one, so 0 is refused too: accepting it as "no
@@ -255,6 +247,31 @@ impl Header {
             .get(RAW_LEN..RAW_LEN + 4)
             .map_or(0, |b| u32::from_le_bytes(b.try_into().unwrap()));
         let computed = crc32c::crc32c(&bytes[..RAW_LEN]);
+        let fields = h.check_fields(path).and_then(|()| {
+            let needed = h.needed_len(path)?;
+            if file_len < needed {
+                let (rows, cols, tile_rows, tile_cols) = (h.rows, h.cols, h.tile_rows, h.tile_cols);
+                return Err(bad(format!(
+                    "file is {file_len} bytes but its header ({rows}×{cols} {dtype}, {tile_rows}×{tile_cols} tiles) needs {needed}: the file is truncated"
+                )));
+            }
+            Ok(())
+        });
+        if let Err(e) = fields {
+            // A field out of range in a header whose checksum does not match is damage, and
+            // the field named is only where it showed: a flipped bit in `rows` made the
+            // checksum table's offset look wrong.
+            if stored != computed && stored != 0 {
+                let why = match &e {
+                    Error::Format { msg, .. } => msg.clone(),
+                    other => other.to_string(),
+                };
+                return Err(bad(format!(
+                    "header checksum mismatch (stored {stored:#010x}, computed {computed:#010x}): its fields changed after the file was written ({why}); the file is corrupt — regenerate or re-import it"
+                )));
+            }
+            return Err(e);
+        }
         if stored == 0 && computed != 0 {
             return Err(bad(format!(
                 "header checksum is 0 (bytes 72–75; computed {computed:#010x}): every .mgt file carries one, so its header cannot be trusted — the checksum was zeroed, or the file was written by a build from before header checksums (before 2026-12-04); regenerate or re-import it"

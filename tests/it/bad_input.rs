@@ -132,6 +132,10 @@ fn catalogue_of_bad_input() {
         header_case("points past the end", "past.mgt", |b| b[40..48].copy_from_slice(&(1u64 << 40).to_le_bytes()), &["past.mgt", "checksum_table_offset"]),
         header_case("unknown flags", "flags.mgt", |b| b[56] = 0x80, &["flags.mgt", "flags"]),
         header_case("rows changed", "rows.mgt", |b| b[16..24].copy_from_slice(&19u64.to_le_bytes()), &["rows.mgt", "header checksum mismatch"]),
+        // A field out of range in a header whose checksum no longer matches is damage: said
+        // so, not blamed on the field where it showed (a flipped high bit of `rows` made the
+        // checksum table's offset look wrong).
+        header_case("a bit of rows flipped", "flipped.mgt", |b| b[20] ^= 1, &["flipped.mgt", "header checksum mismatch", "the file is corrupt"]),
         header_case("dtype changed", "retyped.mgt", |b| b[12] = 2, &["retyped.mgt", "header checksum mismatch"]),
         header_case("checksum flag cleared", "noflag.mgt", |b| b[56] = 0, &["noflag.mgt", "header checksum mismatch"]),
         case("output in a read-only place", |d| plan_with(d, &format!("{GOOD}[[step]]\noutput = \"/proc/mgmm-out.mgt\"\nexpr = \"A @ B\"\n")), &["run", "p.toml"], &["/proc"]),
