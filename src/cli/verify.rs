@@ -105,6 +105,7 @@ pub(super) fn verify_plan(
     times: bool,
 ) -> Result<()> {
     let mut failed = Vec::new();
+    let mut causes: Vec<String> = Vec::new();
     let mut unchecked = Vec::new();
     let v = crate::verify::Verifier::with_times(&p.engine, rounds, seed, times);
     // A chain's intermediates are checked with its last part, under the user's step. `pos`:
@@ -168,7 +169,19 @@ pub(super) fn verify_plan(
                 (2, Ok(None)) => 3,
                 (k, _) => k,
             };
+            // What is wrong with the output, for the last line (tiles to redo: kinds 2 and 3).
+            let what = if rep.damaged_output.is_some() {
+                "its header or stored checksums are damaged".to_string()
+            } else if rep.corrupt_tiles > 0 {
+                match rep.corrupt_tiles {
+                    1 => "one of its tiles no longer matches its stored checksum".to_string(),
+                    n => format!("{n} of its tiles no longer match their stored checksums"),
+                }
+            } else {
+                "its residuals are larger than a correct product's rounding allows".to_string()
+            };
             failed.push((format!("step {} ({})", rep.step, rep.output), kind));
+            causes.push(what);
         } else if rep.nothing_checked() {
             unchecked.push(format!("step {} ({})", rep.step, rep.output));
         }
@@ -192,9 +205,21 @@ pub(super) fn verify_plan(
     } else if failed.iter().all(|(_, kind)| *kind == 1) {
         "see the reason above: `run` resumes an unfinished step (a split one: `run PLAN --shard K/S` for the shards left, as the reason says); `run --restart` recomputes one whose plan or inputs changed"
     } else if failed.iter().all(|(_, kind)| *kind == 3) {
-        "the output does not match the inputs or its stored checksums, and no journal is beside it, so single tiles cannot be redone: `run --restart` recomputes the whole step"
+        "no journal is beside it, so single tiles cannot be redone: `run --restart` recomputes the whole step"
     } else {
-        "the output does not match the inputs or its stored checksums, or its header or checksums are damaged; `verify --repair` recomputes the failing tiles (or mends the header or checksums), `run --restart` the whole step"
+        "`verify --repair` recomputes the failing tiles (or mends the header or checksums), `run --restart` the whole step"
+    };
+    // Tiles to redo: say first what is wrong with the output (one cause, or each step's).
+    let advice = match (failed.iter().all(|(_, k)| *k >= 2), causes.len()) {
+        (true, 1) => format!("{}; {advice}", causes[0]),
+        (true, _) => format!(
+            "{}; {advice}",
+            (failed.iter().zip(&causes))
+                .map(|((n, _), c)| format!("{n}: {c}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+        _ => advice.to_string(),
     };
     Err(Error::Usage(format!(
         "verification failed for {}: {advice}",

@@ -728,8 +728,11 @@ fn cli_reports_on_stdout_and_repair_restores_clean_bytes() {
         !o.status.success() && out.contains("FAIL") && out.contains("(tile row, tile col): (2, 1)"),
         "{out}\n{err}"
     );
+    // The last line says what is wrong: here the residuals (the tile's checksum was updated).
     assert!(
-        err.contains("verification failed for step 1") && err.contains("--repair"),
+        err.contains("verification failed for step 1")
+            && err.contains("its residuals are larger than a correct product's rounding allows")
+            && err.contains("--repair"),
         "{err}"
     );
     let o = cli(&["verify", "plan.toml", "--repair"]);
