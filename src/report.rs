@@ -11,6 +11,7 @@ use crate::backend::{Caps, DeviceStats, MemorySpace};
 use crate::metrics::{StageKind, StageSnapshot};
 use crate::pipeline::{PoolReport, RunStats};
 use crate::plan::layout::Layout;
+use crate::plan::schedule::Src;
 use crate::plan::{Precision, Step};
 use crate::units::fmt_bytes;
 
@@ -23,6 +24,22 @@ pub struct LaneReport {
     pub name: String,
     #[serde(flatten)]
     pub stats: DeviceStats,
+}
+
+/// One input that held NaN/Inf while a step staged it (the report's
+/// `nonfinite_input_blocks`).
+#[derive(Clone, Debug, Serialize)]
+pub struct NonfiniteInput {
+    /// The matrix as the plan names it (`A`, `C0`; an array handed to the Python package: `a`).
+    pub input: String,
+    /// Its file.
+    pub path: String,
+    /// NaN/Inf values seen staging it (a block staged twice counts twice).
+    pub values: u64,
+    /// The first block holding one (the first in row-major order of its first element), in
+    /// the file's own rows and columns (as stored, before a `.T`): `[first row, first column,
+    /// rows, columns]`.
+    pub first_block: Option<[u64; 4]>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -131,8 +148,12 @@ pub struct StepReport {
     pub busy_shares: Vec<(String, f64)>,
     /// The stage that bound the step.
     pub bottleneck: String,
-    /// NaN/Inf elements seen in the inputs.
+    /// NaN/Inf elements seen in the inputs (a block staged twice counts twice).
     pub nonfinite_inputs: u64,
+    /// Each input that held NaN/Inf: how many values were seen and the first block holding
+    /// one; empty when the inputs were all finite.
+    #[serde(default)]
+    pub nonfinite_input_blocks: Vec<NonfiniteInput>,
     /// NaN/Inf elements in the output tiles this run wrote, as stored (a value beyond the
     /// output type's range is stored as Inf and counts).
     #[serde(default)]
@@ -430,7 +451,27 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         bottleneck: shares.first().map(|s| s.0.clone()).unwrap_or_default(),
         busy_shares: shares,
         stages: st.stages,
-        nonfinite_inputs: st.nonfinite_inputs,
+        nonfinite_inputs: st.nonfinite_inputs.iter().map(|i| i.1).sum(),
+        nonfinite_input_blocks: st
+            .nonfinite_inputs
+            .iter()
+            .map(|&(src, values, first)| {
+                let op = match src {
+                    Src::A => &step.a,
+                    Src::B => &step.b,
+                    Src::C0 => step
+                        .c0
+                        .as_ref()
+                        .expect("C0 is only read when the step has one"),
+                };
+                NonfiniteInput {
+                    input: op.name.clone(),
+                    path: op.path.display().to_string(),
+                    values,
+                    first_block: first.map(|b| [b.r0, b.c0, b.rows, b.cols]),
+                }
+            })
+            .collect(),
         nonfinite_outputs: st.nonfinite_outputs.0,
         first_nonfinite_tile: (st.nonfinite_outputs.1).map(|b| [b.r0 / l.tm, b.c0 / l.tn]),
         flush_s: st.flush_s,
@@ -594,11 +635,8 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
     s += &emulation_line(r);
     s += &busy_line(r);
     s += &format!("  bottleneck: {}", r.bottleneck);
-    if r.nonfinite_inputs > 0 {
-        s += &format!(
-            "\n  note: {} NaN/Inf values seen while staging inputs (computed as IEEE arithmetic says; a tile staged twice counts twice)",
-            r.nonfinite_inputs
-        );
+    if let Some(note) = nonfinite_input_note(r) {
+        s += &format!("\n  note: {note}");
     }
     if let Some(note) = nonfinite_output_note(r) {
         s += &format!("\n  note: {note}");
@@ -607,6 +645,38 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
         s += &format!("\n  note: {note}");
     }
     crate::progress::wrap(&s)
+}
+
+/// What the summary says of NaN/Inf in the inputs: for each input holding any, how many values
+/// and where the first block with one lies in its file, so that the value can be found (a
+/// bare count named neither the input nor the place: new-user trial). `None` when the inputs
+/// were all finite.
+fn nonfinite_input_note(r: &StepReport) -> Option<String> {
+    if r.nonfinite_inputs == 0 {
+        return None;
+    }
+    let each: Vec<String> = r
+        .nonfinite_input_blocks
+        .iter()
+        .map(|i| {
+            let at = match i.first_block {
+                Some([r0, c0, rows, cols]) => format!(
+                    "; the first in rows {r0}–{}, columns {c0}–{}",
+                    r0 + rows.max(1) - 1,
+                    c0 + cols.max(1) - 1
+                ),
+                None => String::new(),
+            };
+            format!("{} in {} ({}{at})", i.values, i.input, i.path)
+        })
+        .collect();
+    let each = match each.is_empty() {
+        true => r.nonfinite_inputs.to_string(),
+        false => each.join(", "),
+    };
+    Some(format!(
+        "NaN/Inf values seen while staging the inputs: {each} — computed as IEEE arithmetic says (a block staged twice counts twice)"
+    ))
 }
 
 /// What the summary says of NaN/Inf in the output: how many, the first tile holding one, and

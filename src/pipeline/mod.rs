@@ -26,7 +26,7 @@ use crate::durable::sink::TileSink;
 use crate::error::{Error, Result};
 use crate::metrics::{StageKind, StageMetrics, StageSnapshot};
 use crate::plan::layout::Layout;
-use crate::plan::schedule::Schedule;
+use crate::plan::schedule::{Schedule, Src};
 use crate::plan::{Engine, Step};
 use crate::progress::{Live, Progress};
 use crate::store::fsutil::DirtyLimits;
@@ -121,7 +121,8 @@ pub(crate) struct RunStats {
     pub(crate) tiles_computed: u64,
     /// FLOPs of the tiles computed in this run.
     pub(crate) flops: f64,
-    pub(crate) nonfinite_inputs: u64,
+    /// NaN/Inf values seen staging each input that held any, and the first block with one.
+    pub(crate) nonfinite_inputs: Vec<(Src, u64, Option<crate::store::Block>)>,
     /// NaN/Inf elements in the output tiles written (as stored), and the first tile with one.
     pub(crate) nonfinite_outputs: (u64, Option<crate::store::Block>),
     /// Input bytes one lane took from another lane's read instead of reading them.
@@ -302,7 +303,7 @@ pub(crate) struct Pipeline<'a> {
     /// pipeline is built (for the report's note on outputs larger than them).
     dirty: Option<DirtyLimits>,
     /// NaN/Inf in the output tiles written, counted by writeback.
-    out_nonfinite: OutputNonfinite,
+    out_nonfinite: Nonfinite,
     /// The lanes download finished tiles straight into the output ([`writes_in_place`]).
     out_in_place: Option<crate::seam::OutRect>,
 }
@@ -546,7 +547,7 @@ impl<'a> Pipeline<'a> {
             tiles_total: self.sched.tiles.len() as u64,
             tiles_computed: computed,
             flops: todo_flops as f64,
-            nonfinite_inputs: self.inputs.nonfinite.load(Ordering::Relaxed),
+            nonfinite_inputs: self.inputs.nonfinite_seen(),
             nonfinite_outputs: self.out_nonfinite.get(),
             shared_read_bytes: self.shared.shared_bytes.load(Ordering::Relaxed),
             memory_read_bytes: self.inputs.memory_bytes.load(Ordering::Relaxed),
@@ -853,7 +854,7 @@ impl<'p> LaneWiring<'p> {
         // The planner's ops drained as they come: only the loads are kept.
         let (ok, loads) = std::thread::scope(|s| {
             let run = s.spawn(move || planner.run(&Control::new()).is_ok());
-            let loads: Vec<(crate::plan::schedule::Src, crate::store::Block)> = rx
+            let loads: Vec<(Src, crate::store::Block)> = rx
                 .iter()
                 .filter_map(|op| match op {
                     PlanOp::Load { src, block, .. } => Some((src, block)),
@@ -969,7 +970,7 @@ struct OutputWiring<'p> {
     durable: bool,
     threads: usize,
     k: u64,
-    nonfinite: &'p OutputNonfinite,
+    nonfinite: &'p Nonfinite,
 }
 
 impl<'p> OutputWiring<'p> {

@@ -41,6 +41,8 @@ use pass::{Dd, Groups, Op, Sums};
 const GROUPS: usize = 32;
 /// Cells named in the report at most.
 const NAMED: usize = 64;
+/// Rows or columns set aside that the report names at most.
+pub const NAMED_LINES: usize = 8;
 
 #[derive(Clone, Debug, Serialize)]
 /// The verdict of `verify` on one step, with the numbers behind it.
@@ -92,6 +94,8 @@ pub struct VerifyReport {
     pub unexpected_nonfinite: u64,
     /// Cells (row, group) not checked because NaN/Inf or overflow may legitimately be there.
     pub skipped_cells: u64,
+    /// Why they were set aside: which rows and columns, which cells (`format` names them).
+    pub set_aside: SetAside,
     /// Cells (row, group) of the row test in all.
     pub cells: u64,
     /// Under `precision = "fp64_emulated"`: sampled elements compared one by one with native
@@ -104,6 +108,33 @@ pub struct VerifyReport {
     pub device_note: Option<String>,
     /// Seconds the check took.
     pub seconds: f64,
+}
+
+/// The parts of an output `verify` leaves to IEEE rules, by cause: output rows whose row of
+/// op(A) holds NaN/Inf, output columns whose column of op(B) does, and (row, column group) cells
+/// where C0 holds NaN/Inf or the product could overflow the output's type.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SetAside {
+    /// Output rows set aside because their row of op(A) holds NaN/Inf.
+    pub rows: u64,
+    /// The first [`NAMED_LINES`] of them.
+    pub first_rows: Vec<u64>,
+    /// The file of op(A), whose same rows hold the NaN/Inf …
+    pub rows_in: String,
+    /// … or its same columns, when the step reads it transposed.
+    pub rows_transposed: bool,
+    /// Output columns set aside (x_j = 0) because their column of op(B) holds NaN/Inf.
+    pub columns: u64,
+    /// The first [`NAMED_LINES`] of them.
+    pub first_columns: Vec<u64>,
+    /// The file of op(B), whose same columns hold the NaN/Inf …
+    pub columns_in: String,
+    /// … or its same rows, when the step reads it transposed.
+    pub columns_transposed: bool,
+    /// Cells of the other rows whose C0 holds NaN/Inf (β ≠ 0).
+    pub c0_cells: u64,
+    /// Cells of the other rows where |α||A||B| + |β||C0| could overflow the output's type.
+    pub overflow_cells: u64,
 }
 
 impl VerifyReport {
@@ -138,6 +169,13 @@ struct Outcome {
     certainly_wrong: bool,
     nonfinite: u64,
     skipped: u64,
+    /// Rows of op(A) holding NaN/Inf (their output rows are set aside), in order.
+    bad_rows: Vec<usize>,
+    /// Columns of op(B) holding NaN/Inf (x_j = 0 there), in order.
+    bad_cols: Vec<usize>,
+    /// Cells set aside because C0 holds NaN/Inf there, and because the product could overflow.
+    c0_cells: u64,
+    overflow_cells: u64,
 }
 
 fn signs(n: usize, rounds: usize, seed: u64, stream: u64) -> Vec<Vec<f64>> {
@@ -203,6 +241,21 @@ impl Side<'_> {
         };
         let (ab, cs, c0s) = (ab?, cs?, c0s?);
         let g = groups.count();
+        let bad_cols: Vec<usize> = match &zb {
+            Some(z) => (z.bad_col.iter().enumerate())
+                .filter_map(|(j, &b)| b.then_some(j))
+                .collect(),
+            None => Vec::new(),
+        };
+        // A group whose columns all hold NaN/Inf in op(B) has x = 0 throughout: its cells
+        // test nothing (0 = 0) and are set aside, not counted as checked — with every column
+        // so, nothing was checked (exit 3), not a pass.
+        let empty: Vec<bool> = match &zb {
+            Some(z) => (0..g)
+                .map(|gr| groups.range(gr).all(|j| z.bad_col[j]))
+                .collect(),
+            None => vec![false; g],
+        };
         let out_max = if self.c.file.dtype() == DType::F64 {
             f64::MAX
         } else {
@@ -210,9 +263,12 @@ impl Side<'_> {
         };
         let rows: Vec<Outcome> = (0..m)
             .into_par_iter()
-            .map(|i| self.row(i, g, n, out_max, ab.as_ref(), &cs, c0s.as_ref()))
+            .map(|i| self.row(i, &empty, n, out_max, ab.as_ref(), &cs, c0s.as_ref()))
             .collect();
-        let mut o = Outcome::default();
+        let mut o = Outcome {
+            bad_cols,
+            ..Outcome::default()
+        };
         for r in rows {
             o.fails.extend(r.fails);
             if r.max_ratio > o.max_ratio || r.max_ratio.is_nan() {
@@ -223,6 +279,9 @@ impl Side<'_> {
             o.certainly_wrong |= r.certainly_wrong;
             o.nonfinite += r.nonfinite;
             o.skipped += r.skipped;
+            o.bad_rows.extend(r.bad_rows);
+            o.c0_cells += r.c0_cells;
+            o.overflow_cells += r.overflow_cells;
         }
         Ok(o)
     }
@@ -231,7 +290,7 @@ impl Side<'_> {
     fn row(
         &self,
         i: usize,
-        g: usize,
+        empty: &[bool],
         n: usize,
         out_max: f64,
         ab: Option<&Sums>,
@@ -239,13 +298,19 @@ impl Side<'_> {
         c0s: Option<&Sums>,
     ) -> Outcome {
         let mut o = Outcome::default();
+        let g = empty.len();
         if ab.is_some_and(|p| p.bad_row[i]) {
             o.skipped += g as u64;
+            o.bad_rows.push(i);
             return o;
         }
         let (al, be) = (self.alpha, self.beta);
         let rg = cs.rounds * g;
-        for gr in 0..g {
+        for (gr, &empty) in empty.iter().enumerate() {
+            if empty {
+                o.skipped += 1; // every column of the group is set aside: x = 0 there
+                continue;
+            }
             let at = i * g + gr;
             let mut cell = Cell {
                 c2: cs.sq[at],
@@ -259,6 +324,7 @@ impl Side<'_> {
             if let Some(c0) = c0s {
                 if c0.nonfinite[at] > 0 {
                     o.skipped += 1;
+                    o.c0_cells += 1;
                     continue;
                 }
                 cell.c0sq = be * be * c0.sq[at];
@@ -266,6 +332,7 @@ impl Side<'_> {
             }
             if cell.ab + cell.c0abs > out_max / 4.0 {
                 o.skipped += 1; // the product may overflow to ±Inf here
+                o.overflow_cells += 1;
                 continue;
             }
             let (thr, sigma) = self.model.threshold(&cell, n);
@@ -597,6 +664,7 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         tile_shape: tile,
         unexpected_nonfinite: 0,
         skipped_cells: 0,
+        set_aside: SetAside::default(),
         cells: 0,
         componentwise: None,
         device: "cpu".into(),
@@ -721,6 +789,28 @@ fn residuals(
     rep.failing_cells = o.fails.len();
     rep.unexpected_nonfinite = o.nonfinite;
     rep.skipped_cells = o.skipped;
+    rep.set_aside = SetAside {
+        rows: o.bad_rows.len() as u64,
+        first_rows: o
+            .bad_rows
+            .iter()
+            .take(NAMED_LINES)
+            .map(|&i| i as u64)
+            .collect(),
+        rows_in: step.a.path.display().to_string(),
+        rows_transposed: step.a.trans,
+        columns: o.bad_cols.len() as u64,
+        first_columns: o
+            .bad_cols
+            .iter()
+            .take(NAMED_LINES)
+            .map(|&j| j as u64)
+            .collect(),
+        columns_in: step.b.path.display().to_string(),
+        columns_transposed: step.b.trans,
+        c0_cells: o.c0_cells,
+        overflow_cells: o.overflow_cells,
+    };
     rep.cells = m as u64 * cg.count() as u64;
     if let Precision::Fp64Emulated(_) = precision {
         let ops = (fa.as_ref(), fb, fc0.as_deref());
@@ -873,6 +963,9 @@ pub fn format(rep: &VerifyReport) -> String {
             "verify step {} ({}): NOT CHECKED — every part the test looks at ({} cells: each row's run of columns) holds NaN/Inf or could overflow the output's precision (|alpha|·|A|·|B| near its largest value): IEEE results the test cannot judge, so nothing says this output is right. If `run` noted NaN/Inf in the output from finite inputs, the product overflowed: scale alpha or the inputs down, or store the inputs as f64 and compute in fp64, then `run --restart` and verify again",
             rep.step, rep.output, rep.cells
         );
+        if let Some(line) = set_aside_line(rep) {
+            s += &format!("\n  {line}");
+        }
         if !rep.inputs_unchecked.is_empty() {
             s += &format!(
                 "\n  stored checksums not checked: {}",
@@ -893,11 +986,8 @@ pub fn format(rep: &VerifyReport) -> String {
         "  max residual/allowed = {:.3e} at row {} (residual {:.3e}, allowed {:.3e}; {:.1} σ of a correct product's rounding)",
         rep.max_ratio, rep.worst_row, rep.residual, rep.allowed, rep.max_sigmas
     );
-    if rep.skipped_cells > 0 {
-        s += &format!(
-            "\n  {} row groups not checked (NaN/Inf or overflow there follow IEEE rules)",
-            rep.skipped_cells
-        );
+    if let Some(line) = set_aside_line(rep) {
+        s += &format!("\n  {line}");
     }
     if let Some(cw) = &rep.componentwise {
         let forced = cw.forced_moduli;
@@ -941,6 +1031,82 @@ pub fn format(rep: &VerifyReport) -> String {
         s += &format!("\n{}", failing_tiles_lines(rep));
     }
     crate::progress::wrap(&s)
+}
+
+/// What the test left to IEEE rules, by cause, naming the rows and columns and the file whose
+/// NaN/Inf put them there (a bare "33 row groups not checked" named no row, and an Inf in B set
+/// a column aside without a word: new-user trial). `None` when nothing was set aside.
+fn set_aside_line(rep: &VerifyReport) -> Option<String> {
+    let sa = &rep.set_aside;
+    if rep.skipped_cells == 0 && sa.columns == 0 {
+        return None;
+    }
+    // "row 123" / "rows 5, 9, 123 and 4 more".
+    let lines = |what: &str, n: u64, first: &[u64]| {
+        let mut t = format!(
+            "{what}{} {}",
+            if n == 1 { "" } else { "s" },
+            first
+                .iter()
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        if n > first.len() as u64 {
+            t += &format!(" and {} more", n - first.len() as u64);
+        }
+        t
+    };
+    // Where op(X)'s line lies in the file: the same rows or columns, swapped when transposed.
+    let where_in = |file: &str, own: &str, other: &str, n: u64, transposed: bool| {
+        let plural = if n == 1 { "" } else { "s" };
+        match transposed {
+            false => format!("{file} holds NaN/Inf in the same {own}{plural}"),
+            true => format!(
+                "{file} holds NaN/Inf in the same {other}{plural}: the step reads it transposed"
+            ),
+        }
+    };
+    let mut parts = Vec::new();
+    if sa.rows > 0 {
+        parts.push(format!(
+            "output {} ({})",
+            lines("row", sa.rows, &sa.first_rows),
+            where_in(&sa.rows_in, "row", "column", sa.rows, sa.rows_transposed)
+        ));
+    }
+    if sa.columns > 0 {
+        parts.push(format!(
+            "output {} ({})",
+            lines("column", sa.columns, &sa.first_columns),
+            where_in(
+                &sa.columns_in,
+                "column",
+                "row",
+                sa.columns,
+                sa.columns_transposed
+            )
+        ));
+    }
+    if sa.c0_cells > 0 {
+        parts.push(format!(
+            "{} row group(s) of other rows where C0 holds NaN/Inf",
+            sa.c0_cells
+        ));
+    }
+    if sa.overflow_cells > 0 {
+        parts.push(format!(
+            "{} row group(s) where |alpha|·|A|·|B| could overflow the output's type",
+            sa.overflow_cells
+        ));
+    }
+    if parts.is_empty() {
+        parts.push(format!("{} row group(s)", rep.skipped_cells));
+    }
+    Some(format!(
+        "not checked (IEEE rules decide them): {}",
+        parts.join("; ")
+    ))
 }
 
 /// "  failing tiles of R×C (tile row, tile col): (a, b) …", packed by hand so that no

@@ -732,6 +732,18 @@ fn end_of_command_text_fits_80_columns() {
         tile_shape: (4096, 4096),
         unexpected_nonfinite: 7,
         skipped_cells: 3,
+        set_aside: mgmm_stream::verify::SetAside {
+            rows: 12,
+            first_rows: vec![100_000_001, 100_000_002, 100_000_003, 100_000_004, 5, 6, 7, 8],
+            rows_in: "some/rather/long/folder/name/for/the/inputs/of/this/job/A.mgt".into(),
+            rows_transposed: true,
+            columns: 1,
+            first_columns: vec![123_456_789],
+            columns_in: "in/B.npy".into(),
+            columns_transposed: false,
+            c0_cells: 2,
+            overflow_cells: 1,
+        },
         cells: 40,
         componentwise: None,
         device: "cuda:0 NVIDIA H200".into(),
@@ -742,6 +754,11 @@ fn end_of_command_text_fits_80_columns() {
     assert!(
         text.starts_with("verify step 12 (out/C.mgt): FAIL") && text.contains("(1000, 2000)"),
         "{text}"
+    );
+    let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        flat.contains("output rows 100000001, 100000002, 100000003, 100000004, 5, 6, 7, 8 and 4 more (some/rather/long/folder/name/for/the/inputs/of/this/job/A.mgt holds NaN/Inf in the same columns: the step reads it transposed); output column 123456789 (in/B.npy holds NaN/Inf in the same column); 2 row group(s) of other rows where C0 holds NaN/Inf; 1 row group(s) where"),
+        "{flat}"
     );
     lines.extend(
         text.lines()

@@ -1064,6 +1064,108 @@ fn nan_in_an_input_is_named_with_the_output_nan_it_makes() {
             && !out.contains("all finite"),
         "{out}"
     );
+    // The note on the inputs names the input, its file and the block the NaN is in (A's
+    // tile row 1, all of k = 30), not a bare count.
+    assert_eq!(s.nonfinite_input_blocks.len(), 1, "{s:?}");
+    let i = &s.nonfinite_input_blocks[0];
+    assert_eq!(
+        (i.input.as_str(), i.first_block),
+        ("A", Some([32, 0, 32, 30]))
+    );
+    assert!(i.path.ends_with("A.mgt") && i.values == s.nonfinite_inputs);
+    assert!(
+        out.contains("NaN/Inf values seen while staging the inputs: 1 in A (")
+            && out.contains("A.mgt; the first in rows 32–63, columns 0–29)"),
+        "{out}"
+    );
+    // verify sets the row aside and says which, and why.
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let v = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
+    let text = format(&v).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(v.pass && !v.nothing_checked(), "{text}");
+    assert_eq!(
+        (v.set_aside.rows, &v.set_aside.first_rows[..]),
+        (1, &[40][..])
+    );
+    assert_eq!(v.set_aside.columns, 0);
+    assert!(
+        text.contains("not checked (IEEE rules decide them): output row 40 (")
+            && text.contains("A.mgt holds NaN/Inf in the same row)"),
+        "{text}"
+    );
+}
+
+/// A column of op(B) holding NaN/Inf makes its output column NaN/Inf by IEEE rules: `verify`
+/// leaves it out (x_j = 0) and says so, naming the column and where the file holds it (a row
+/// of B for `B.T`); it passed with not a word before (new-user trial). When every column of
+/// op(B) holds one, the test sees x = 0 everywhere and has checked nothing: exit 3, not PASS
+/// (it passed before, 0 = 0).
+#[test]
+fn nan_in_op_b_sets_its_output_columns_aside_and_names_them() {
+    let d = tmp();
+    let dir = d.path();
+    let (m, k, n) = (70, 30, 50);
+    gen(
+        &dir.join("A.mgt"),
+        m,
+        k,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        1,
+    );
+    // Stored n × k: the step reads B.T.
+    gen(
+        &dir.join("B.mgt"),
+        n,
+        k,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        2,
+    );
+    poke(&dir.join("B.mgt"), 7, 4, f64::INFINITY);
+    poke(&dir.join("B.mgt"), 33, 0, f64::NAN);
+    write_plan(dir, "A @ B.T", "fp32", "32", "", false);
+    let plan_text = std::fs::read_to_string(dir.join("plan.toml")).unwrap();
+    let rep = run_text(dir, &plan_text).unwrap();
+    assert_eq!(rep.steps[0].nonfinite_outputs, 2 * m, "{:?}", rep.steps[0]);
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let v = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
+    let text = format(&v).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(v.pass && !v.nothing_checked(), "{text}");
+    assert_eq!(
+        (v.set_aside.columns, &v.set_aside.first_columns[..]),
+        (2, &[7, 33][..])
+    );
+    assert!(
+        text.contains("output columns 7, 33 (")
+            && text.contains("B.mgt holds NaN/Inf in the same rows: the step reads it transposed)"),
+        "{text}"
+    );
+    // Every column: nothing is checked.
+    for j in 0..n {
+        poke(&dir.join("B.mgt"), j, 1, f64::NAN);
+    }
+    let o = std::process::Command::new(bin())
+        .args(["run", "plan.toml", "--restart"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let v = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
+    let text = format(&v).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(v.nothing_checked(), "{text}");
+    assert!(
+        text.contains("NOT CHECKED") && text.contains("output columns 0, 1, 2"),
+        "{text}"
+    );
 }
 
 /// `fp64_emulated` outputs are checked element by element against native DGEMM's bound

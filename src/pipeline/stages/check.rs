@@ -69,11 +69,7 @@ impl Checker<'_> {
                 }
                 None => f.scan_mapped(&job.block, self.host_dt, self.inputs.verify)?,
             };
-            if nonfinite > 0 {
-                self.inputs
-                    .nonfinite
-                    .fetch_add(nonfinite, Ordering::Relaxed);
-            }
+            self.inputs.nonfinite(job.src).add(&job.block, nonfinite);
             self.progress.set(job.seq + 1);
             self.m.add_busy(t.elapsed());
             self.m

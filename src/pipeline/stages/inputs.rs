@@ -4,6 +4,7 @@
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
+use super::nonfinite::Nonfinite;
 use crate::plan::schedule::Src;
 use crate::store::MatrixSource;
 
@@ -13,7 +14,8 @@ pub(crate) struct Inputs {
     pub(crate) b: Arc<dyn MatrixSource>,
     pub(crate) c0: Option<Arc<dyn MatrixSource>>,
     pub(crate) verify: bool,
-    pub(crate) nonfinite: AtomicU64,
+    /// NaN/Inf values seen reading each input (A, B, C0), and the first block holding one.
+    nonfinite: [Nonfinite; 3],
     /// Bytes staged from sources held in memory (a chain's intermediate), not from files.
     pub(crate) memory_bytes: AtomicU64,
     /// Bytes of directly uploaded blocks checked on the device that copied them.
@@ -32,7 +34,7 @@ impl Inputs {
             b,
             c0,
             verify,
-            nonfinite: AtomicU64::new(0),
+            nonfinite: Default::default(),
             memory_bytes: AtomicU64::new(0),
             device_checked: AtomicU64::new(0),
         }
@@ -48,6 +50,20 @@ impl Inputs {
             n if n == all.iter().flatten().count() => "arrays",
             _ => "files and arrays",
         }
+    }
+    /// The NaN/Inf tally of input `s`.
+    pub(crate) fn nonfinite(&self, s: Src) -> &Nonfinite {
+        &self.nonfinite[s as usize]
+    }
+    /// Each input's NaN/Inf tally: (input, values, first block holding one), inputs with
+    /// none left out.
+    pub(crate) fn nonfinite_seen(&self) -> Vec<(Src, u64, Option<crate::store::Block>)> {
+        [Src::A, Src::B, Src::C0]
+            .into_iter()
+            .map(|s| (s, self.nonfinite(s).get()))
+            .filter(|(_, (n, _))| *n > 0)
+            .map(|(s, (n, b))| (s, n, b))
+            .collect()
     }
     pub(crate) fn file(&self, s: Src) -> &dyn MatrixSource {
         match s {

@@ -17,7 +17,7 @@
 //! ([`StageKind`](crate::metrics::StageKind)): [`planner`], [`prefetch`], [`staging`],
 //! [`check`], [`lane`], [`outprep`], [`writeback`], [`sync`]. Each opens with what it takes and
 //! gives, on which thread, and what blocks it. What they share: the [`messages`] between them,
-//! the step's [`inputs`], and the [`queue`] of output tiles the planners take from.
+//! the step's [`inputs`], the [`nonfinite`] tallies, and the [`queue`] of output tiles the planners take from.
 //!
 //! [`Control`]: crate::pipeline::control::Control
 
@@ -25,6 +25,7 @@ mod check;
 mod inputs;
 mod lane;
 mod messages;
+mod nonfinite;
 mod outprep;
 mod planner;
 mod prefetch;
@@ -37,10 +38,11 @@ pub(crate) use check::Checker;
 pub(crate) use inputs::Inputs;
 pub(crate) use lane::DeviceLane;
 pub(crate) use messages::{Done, LaneOp, PlanOp, ToWriteback};
+pub(crate) use nonfinite::Nonfinite;
 pub(crate) use outprep::OutPrep;
 pub(crate) use planner::Planner;
 pub(crate) use prefetch::Prefetch;
 pub(crate) use queue::TileQueue;
 pub(crate) use staging::Staging;
 pub(crate) use sync::Durable;
-pub(crate) use writeback::{OutputNonfinite, Writeback};
+pub(crate) use writeback::Writeback;

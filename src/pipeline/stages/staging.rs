@@ -111,11 +111,7 @@ impl Staging<'_> {
         // Checksums, the copy and the NaN/Inf count in one pass where the format can.
         // NaN and Inf are computed as IEEE arithmetic says; they are counted for the summary.
         let nonfinite = f.read_staged(block, self.host_dt, dst, self.inputs.verify)?;
-        if nonfinite > 0 {
-            self.inputs
-                .nonfinite
-                .fetch_add(nonfinite, Ordering::Relaxed);
-        }
+        self.inputs.nonfinite(src).add(block, nonfinite);
         self.m.add_busy(t.elapsed());
         let read = (elems * f.dtype().size()) as u64;
         self.m.add_item(read);

@@ -3,16 +3,16 @@
 //! threads, each with its own channel; a tile's messages all go to one
 //! ([`ToWriteback`](super::messages::ToWriteback)). It blocks on the checks of directly uploaded
 //! inputs the tile depends on, on writing, and on its output channel to sync. It counts the
-//! NaN/Inf of each finished tile as written ([`OutputNonfinite`]), for the report's note on an
+//! NaN/Inf of each finished tile as written (a [`Nonfinite`] tally), for the report's note on an
 //! output that overflowed.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::messages::Done;
+use super::nonfinite::Nonfinite;
 use crate::dtype::DType;
 use crate::durable::checkpoint::Checkpoints;
 use crate::error::Result;
@@ -20,33 +20,6 @@ use crate::metrics::StageMetrics;
 use crate::pipeline::control::Control;
 use crate::plan::schedule::OutTile;
 use crate::store::{Block, MatrixSink};
-
-/// The NaN/Inf elements of the output tiles written, as stored (a value beyond the output
-/// dtype's range counts: it is stored as Inf), and the first tile (in row-major order) that
-/// holds one. Counted by the writeback threads on the tile's bytes just before they write them,
-/// one compare per element ([`crate::dtype::count_nonfinite_as`]): a 4096² f32 output (64 MiB)
-/// took 2.3–2.5 ms at opt-level 3 (35 ms at the dev profile's opt-level 1), against 2.2–3.9 s
-/// for the whole 4096² CPU step on the 2-core development VM — under 0.1 % in a release build.
-#[derive(Default)]
-pub(crate) struct OutputNonfinite {
-    count: AtomicU64,
-    first: Mutex<Option<Block>>,
-}
-
-impl OutputNonfinite {
-    fn add(&self, b: &Block, n: u64) {
-        self.count.fetch_add(n, Ordering::Relaxed);
-        let mut first = self.first.lock().unwrap_or_else(|e| e.into_inner());
-        if first.is_none_or(|f| (b.r0, b.c0) < (f.r0, f.c0)) {
-            *first = Some(*b);
-        }
-    }
-    /// The count and the first tile with one.
-    pub(crate) fn get(&self) -> (u64, Option<Block>) {
-        let first = *self.first.lock().unwrap_or_else(|e| e.into_inner());
-        (self.count.load(Ordering::Relaxed), first)
-    }
-}
 
 /// Bytes of a tile one thread counts NaN/Inf in at a time ([`count_in_pieces`]).
 const COUNT_PIECE: usize = 1 << 20;
@@ -56,7 +29,12 @@ pub(crate) struct Writeback<'a> {
     /// Where checkpoints (partial accumulators) are saved.
     pub(crate) ckpt: Option<&'a Checkpoints>,
     pub(crate) host_dt: DType,
-    pub(crate) nonfinite: &'a OutputNonfinite,
+    /// The output's NaN/Inf as stored (a value beyond the output dtype's range counts: it is
+    /// stored as Inf), counted on the tile's bytes just before they are written, one compare per
+    /// element ([`crate::dtype::count_nonfinite_as`]): a 4096² f32 output (64 MiB) took 2.3–2.5
+    /// ms at opt-level 3 (35 ms at the dev profile's opt-level 1), against 2.2–3.9 s for the
+    /// whole 4096² CPU step on the 2-core development VM — under 0.1 % in a release build.
+    pub(crate) nonfinite: &'a Nonfinite,
     pub(crate) rx: Receiver<Done>,
     /// Written tiles (with their CRC) on their way to being made durable and recorded.
     pub(crate) out: Sender<(OutTile, u32)>,

@@ -1,0 +1,60 @@
+//! A tally of NaN/Inf values met while a step runs, and where the first was: the staging and
+//! check stages keep one per input (A, B, C0) as they read its blocks, the writeback stage one
+//! for the output as it writes its tiles. The summary's notes name the input and the block, so
+//! that a user can find the value (a bare count named neither: new-user trial).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::store::Block;
+
+/// NaN/Inf values counted, and the first block (in row-major order of its first element) that
+/// held one.
+#[derive(Default)]
+pub(crate) struct Nonfinite {
+    count: AtomicU64,
+    first: Mutex<Option<Block>>,
+}
+
+impl Nonfinite {
+    /// Count `n` values of block `b` (nothing for `n = 0`).
+    pub(crate) fn add(&self, b: &Block, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.count.fetch_add(n, Ordering::Relaxed);
+        let mut first = self.first.lock().unwrap_or_else(|e| e.into_inner());
+        if first.is_none_or(|f| (b.r0, b.c0) < (f.r0, f.c0)) {
+            *first = Some(*b);
+        }
+    }
+
+    /// The count and the first block with one.
+    pub(crate) fn get(&self) -> (u64, Option<Block>) {
+        let first = *self.first.lock().unwrap_or_else(|e| e.into_inner());
+        (self.count.load(Ordering::Relaxed), first)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_the_count_and_the_first_block_in_row_major_order() {
+        let t = Nonfinite::default();
+        let blk = |r0, c0| Block {
+            r0,
+            c0,
+            rows: 4,
+            cols: 4,
+        };
+        assert_eq!(t.get(), (0, None));
+        t.add(&blk(4, 0), 0);
+        assert_eq!(t.get(), (0, None), "a block with none is not the first");
+        t.add(&blk(4, 8), 2);
+        t.add(&blk(0, 12), 1);
+        t.add(&blk(4, 4), 5);
+        assert_eq!(t.get(), (8, Some(blk(0, 12))));
+    }
+}
