@@ -45,6 +45,14 @@ pub(crate) fn fmt_bytes(b: u64) -> String {
     }
 }
 
+/// Bytes as `info` prints sizes, short and exact: "820.31 KiB (840000 bytes)"; "100 B" alone.
+pub(crate) fn fmt_bytes_exact(b: u64) -> String {
+    match b < 1024 {
+        true => fmt_bytes(b),
+        false => format!("{} ({b} bytes)", fmt_bytes(b)),
+    }
+}
+
 /// `n` and the noun that goes with it: "1 tile", "16 tiles".
 pub fn count(n: u64, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })

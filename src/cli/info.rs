@@ -11,7 +11,7 @@ use clap::Args;
 use crate::durable::journal;
 use crate::error::{Error, Result};
 use crate::store::TiledFile;
-use crate::units::fmt_bytes;
+use crate::units::{count, fmt_bytes, fmt_bytes_exact};
 use crate::{out, outln};
 
 /// Print a matrix file's header, shape, tile grid and size; --check verifies every tile.
@@ -71,18 +71,30 @@ fn info(file: &Path, check: bool) -> Result<()> {
     outln!("format:      MGMTILE1 v1, dtype {}", h.dtype);
     outln!("shape:       {} × {}", h.rows, h.cols);
     outln!(
-        "tiles:       {} × {} elements, grid {} × {} = {} tiles, stride {} bytes",
+        "tiles:       {} × {} elements, grid {} × {} = {}, stride {} bytes",
         h.tile_rows,
         h.tile_cols,
         h.grid_rows(),
         h.grid_cols(),
-        h.tiles(),
+        count(h.tiles(), "tile", "tiles"),
         h.tile_stride
     );
+    // The values, as a .npy's data line gives them; the tiles' padding (edge tiles' unused
+    // rows and columns, each tile rounded up to whole 4 KiB pages) only on the side: a new
+    // user read the padded figure as the matrix's size.
+    let values = h.rows * h.cols * h.dtype.size() as u64;
+    let stored = h.data_end() - h.data_offset;
     outln!(
-        "data:        offset {}, {}",
+        "data:        offset {}, {} of values{}",
         h.data_offset,
-        fmt_bytes(h.data_end() - h.data_offset)
+        fmt_bytes_exact(values),
+        match stored > values {
+            true => format!(
+                "\n             {} with the tiles' padding",
+                fmt_bytes(stored)
+            ),
+            false => String::new(),
+        }
     );
     outln!(
         "checksums:   {}",
@@ -92,11 +104,7 @@ fn info(file: &Path, check: bool) -> Result<()> {
             "none".into()
         }
     );
-    outln!(
-        "size:        {} ({} bytes)",
-        fmt_bytes(h.file_len()),
-        h.file_len()
-    );
+    outln!("size:        {}", fmt_bytes_exact(h.file_len()));
     if let Some(u) = &open {
         say_unfinished(u);
     }
@@ -128,10 +136,9 @@ fn info(file: &Path, check: bool) -> Result<()> {
     if !bad.is_empty() {
         return Err(corrupt(file, bad));
     }
-    outln!(
-        "check:       all {} tiles OK ({:.2} s)",
-        h.tiles(),
-        t.elapsed().as_secs_f64()
+    out!(
+        "{}",
+        crate::store::source::check_ok_line(h.tiles(), t.elapsed())
     );
     Ok(())
 }

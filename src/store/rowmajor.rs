@@ -42,6 +42,7 @@ use super::seam::{read_staged_in_passes, MappedBlock, MatrixSource};
 use super::sidecar::{clip_tile, sidecar_path, TileCrcs};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::units::fmt_bytes_exact;
 
 /// Strided segments shorter than this are candidates for whole-band reads.
 const SHORT_SEGMENT: usize = 64 << 10;
@@ -484,21 +485,21 @@ impl MatrixSource for RowMajorFile {
         };
         let checks = match &self.crcs {
             Some(t) => format!(
-                "CRC-32C per {}×{} tile in the sidecar ({} tiles)",
+                "CRC-32C per {}×{} tile in the sidecar ({})",
                 t.tile.0,
                 t.tile.1,
-                t.crcs.len()
+                crate::units::count(t.crcs.len() as u64, "tile", "tiles")
             ),
             None => "none (the journal identifies it by size, mtime and a sample CRC)".into(),
         };
         format!(
-            "file:        {}\nformat:      {}, dtype {}\nshape:       {r} × {c}\norder:       {order}\ndata:        offset {}, {} bytes\nchecksums:   {checks}\nsize:        {} bytes\n",
+            "file:        {}\nformat:      {}, dtype {}\nshape:       {r} × {c}\norder:       {order}\ndata:        offset {}, {} of values\nchecksums:   {checks}\nsize:        {}\n",
             self.path.display(),
             s.kind,
             s.dtype,
             s.data_offset,
-            s.rows * s.cols * s.dtype.size() as u64,
-            self.len
+            fmt_bytes_exact(s.rows * s.cols * s.dtype.size() as u64),
+            fmt_bytes_exact(self.len)
         )
     }
 }

@@ -122,6 +122,24 @@ pub(crate) fn bad_tiles(s: &dyn MatrixSource) -> Result<Vec<Error>> {
     Ok(found.into_iter().flatten().collect())
 }
 
+/// `info --check`'s line for a file whose every tile matches its checksum, in every format.
+pub(crate) fn check_ok_line(tiles: u64, took: std::time::Duration) -> String {
+    let all = match tiles {
+        1 => "1 tile".to_string(),
+        n => format!("all {n} tiles"),
+    };
+    format!("check:       {all} OK ({:.2} s)\n", took.as_secs_f64())
+}
+
+/// How many tiles of `s` carry a stored checksum (0 without any).
+fn checksum_tiles(s: &dyn MatrixSource) -> u64 {
+    let Some((tr, tc)) = s.checksum_tile() else {
+        return 0;
+    };
+    let (rows, cols) = s.shape();
+    rows.div_ceil(tr) * cols.div_ceil(tc)
+}
+
 /// `info` for anything that is not a `.mgt` file (`None` for a `.mgt`, which the caller prints
 /// from its header): a `.npy` array or a `raw:…` descriptor, described, and with `check` every
 /// sidecar tile's CRC verified. The description comes back whatever the check finds, so that it
@@ -164,10 +182,7 @@ pub(crate) fn inspect(arg: &Path, check: bool) -> Result<Option<(String, Option<
     let t = std::time::Instant::now();
     let bad = bad_tiles(s.as_ref())?;
     let checked = match bad.is_empty() {
-        true => Checked::Ok(format!(
-            "check:       all tiles OK ({:.2} s)\n",
-            t.elapsed().as_secs_f64()
-        )),
+        true => Checked::Ok(check_ok_line(checksum_tiles(s.as_ref()), t.elapsed())),
         false => Checked::Corrupt(bad),
     };
     Ok(Some((out, Some(checked))))

@@ -529,7 +529,7 @@ fn an_unfinished_npy_output_is_not_exported_or_called_corrupt() {
     assert!(o.status.success(), "{o:?}");
     let out = String::from_utf8_lossy(&o.stdout);
     assert_eq!(out.matches("file:").count(), 1, "{out}");
-    assert!(out.contains("check:       all tiles OK"), "{out}");
+    assert!(out.contains("check:       all 6 tiles OK"), "{out}");
     // A damaged sidecar: `info --check` says it was ignored and why, not "no checksums".
     let side = dir.join("C.npy.crc32c");
     let mut b = std::fs::read(&side).unwrap();

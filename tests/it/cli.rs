@@ -109,6 +109,13 @@ fn gen_info_check_and_refuse_overwrite() {
             && s.contains("all 8 tiles OK"),
         "{s}"
     );
+    // The data line gives the values' bytes (100·37·4), the padded tiles' only beside them
+    // (8 tiles of 32·32·4 = 4096 bytes: a page each).
+    assert!(
+        s.contains("data:        offset 4096, 14.45 KiB (14800 bytes) of values\n")
+            && s.contains("32.00 KiB with the tiles' padding"),
+        "{s}"
+    );
     let before = digest(&d.path().join("A.mgt"));
     fails(
         &mg(d.path(), &["gen", "A.mgt", "--rows", "5", "--cols", "5"]),

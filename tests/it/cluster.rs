@@ -592,7 +592,7 @@ fn split_npy_matches(dir: &Path, one: &Path, reference: &[u8], want_mode: &str) 
     let o = ok(cmd(dir, &["info", "C.npy", "--check"], &[])
         .output()
         .unwrap());
-    assert!(o.contains("all tiles OK"), "{o}");
+    assert!(o.contains("all 25 tiles OK"), "{o}");
 }
 
 /// A shard whose process died shows no ETA: its last rate is no forecast (issue 33: `status`

@@ -337,7 +337,7 @@ fn npy_output_has_aligned_data_a_sidecar_and_resumes() {
     let (ok, out, err) = cli(&["info", cs, "--check"]);
     assert!(ok, "{err}");
     assert!(
-        out.contains("16×24 tile") && out.contains("all tiles OK"),
+        out.contains("16×24 tile") && out.contains("all 12 tiles OK"),
         "{out}"
     );
     let plan = d.path().join("plan.toml");
