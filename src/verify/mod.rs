@@ -84,6 +84,10 @@ pub struct VerifyReport {
     /// larger than a quarter of the memory available, so checking it ahead of the band reads
     /// would read it from disk twice.
     pub inputs_unchecked: Vec<String>,
+    /// Inputs with no stored checksums (a `.npy` that `run` did not write, a raw file): the
+    /// journal knows them by size, mtime and a sample CRC only, so a failure may be a change to
+    /// them that kept those (`format` says so on a FAIL).
+    pub inputs_without_checksums: Vec<String>,
     /// The output's own header or stored checksums (a `.npy`'s sidecar) are damaged or
     /// missing though its journal says the step is complete (`reason` says which): `--repair`
     /// mends them through `run`, which recomputes only tiles that no longer match the journal.
@@ -660,6 +664,7 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         corrupt_tiles: 0,
         corrupt_input: None,
         inputs_unchecked: Vec::new(),
+        inputs_without_checksums: Vec::new(),
         damaged_output: None,
         tile_shape: tile,
         unexpected_nonfinite: 0,
@@ -734,11 +739,14 @@ fn residuals(
     };
     let mut check = |f: &dyn MatrixSource| {
         let ok = checkable(f);
-        if !ok && f.checksum_tile().is_some() {
-            let p = f.path().display().to_string();
-            if !rep.inputs_unchecked.contains(&p) {
-                rep.inputs_unchecked.push(p);
-            }
+        let p = f.path().display().to_string();
+        let list = match f.checksum_tile() {
+            Some(_) if !ok => &mut rep.inputs_unchecked,
+            None if f.is_file() => &mut rep.inputs_without_checksums,
+            _ => return ok,
+        };
+        if !list.contains(&p) {
+            list.push(p);
         }
         ok
     };
@@ -1027,6 +1035,18 @@ pub fn format(rep: &VerifyReport) -> String {
         }
         if rep.certainly_wrong {
             s += "\n  above the rigorous rounding bound: certainly wrong";
+        }
+        if !rep.inputs_without_checksums.is_empty() {
+            // The journal knows such an input by its size, mtime and a sample CRC: a change
+            // that kept those reads as a wrong output (docs/RESILIENCE.md).
+            let (has, them, their) = match rep.inputs_without_checksums.len() {
+                1 => ("has", "it", "its"),
+                _ => ("have", "them", "their"),
+            };
+            s += &format!(
+                "\n  note: {} {has} no stored checksums: a change to {them} since the run that kept {their} size and modification time would fail this test the same way; if one may have changed, `run --restart` recomputes the output from the inputs as they are now",
+                rep.inputs_without_checksums.join(", "),
+            );
         }
         s += &format!("\n{}", failing_tiles_lines(rep));
     }

@@ -735,6 +735,7 @@ fn end_of_command_text_fits_80_columns() {
         corrupt_tiles: 0,
         corrupt_input: None,
         inputs_unchecked: vec!["in/A.mgt".into()],
+        inputs_without_checksums: vec!["in/B.npy".into()],
         damaged_output: None,
         tile_shape: (4096, 4096),
         unexpected_nonfinite: 7,
@@ -764,7 +765,8 @@ fn end_of_command_text_fits_80_columns() {
     );
     let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(
-        flat.contains("output rows 100000001, 100000002, 100000003, 100000004, 5, 6, 7, 8 and 4 more (some/rather/long/folder/name/for/the/inputs/of/this/job/A.mgt holds NaN/Inf in the same columns: the step reads it transposed); output column 123456789 (in/B.npy holds NaN/Inf in the same column); 2 row group(s) of other rows where C0 holds NaN/Inf; 1 row group(s) where"),
+        flat.contains("output rows 100000001, 100000002, 100000003, 100000004, 5, 6, 7, 8 and 4 more (some/rather/long/folder/name/for/the/inputs/of/this/job/A.mgt holds NaN/Inf in the same columns: the step reads it transposed); output column 123456789 (in/B.npy holds NaN/Inf in the same column); 2 row group(s) of other rows where C0 holds NaN/Inf; 1 row group(s) where")
+            && flat.contains("note: in/B.npy has no stored checksums: a change to it since the run that kept its size and modification time would fail this test the same way"),
         "{flat}"
     );
     lines.extend(

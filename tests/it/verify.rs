@@ -1307,3 +1307,67 @@ fn verify_names_a_changed_inputs_time_as_a_date() {
     assert!(out.contains("other inputs") && out.contains("UTC"), "{out}");
     assert!(!out.contains(" ns,"), "{out}");
 }
+
+/// A `.npy` input has no stored checksums; the journal knows it by size, modification time and
+/// a sample of its bytes. One value changed in place with the time put back passes the journal
+/// and fails the residual test — which cannot tell it from a wrong output, so the FAIL names
+/// the input as a possible cause (it blamed the output alone: new-user trial). A `.mgt` input
+/// is not named (its checksums would have caught the change).
+#[test]
+fn an_input_without_checksums_changed_in_place_is_named_as_a_possible_cause() {
+    let d = tmp();
+    let dir = d.path();
+    // 2.4 MB of X: the journal's eight 64 KiB samples leave gaps.
+    let (m, k, n) = (1000usize, 600usize, 150usize);
+    let mut g = Rng::new(5, 1);
+    let mut vals = |len: usize| -> Vec<f64> {
+        (0..len)
+            .map(|_| (g.next_u64() >> 11) as f64 / (1u64 << 53) as f64 - 0.5)
+            .collect()
+    };
+    write_npy(&dir.join("X.npy"), m, k, &vals(m * k), DType::F32);
+    gen(
+        &dir.join("B.mgt"),
+        k as u64,
+        n as u64,
+        DType::F32,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"X.npy\"\n[matrices.B]\npath = \"B.mgt\"\n\
+                [[step]]\noutput = \"C.npy\"\nexpr = \"A @ B\"\n\
+                [engine]\nbackend = \"cpu\"\ntile = 64\ndurable = false\n";
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    run_text(dir, text).unwrap();
+    // Element (83, 200) of X — byte 200,000 of the data, between the first two samples —
+    // changed in place; the modification time put back.
+    let p = dir.join("X.npy");
+    let mtime = std::fs::metadata(&p).unwrap().modified().unwrap();
+    let len = std::fs::metadata(&p).unwrap().len() as usize;
+    let at = len - (m * k - (83 * k + 200)) * 4;
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&7.5f32.to_le_bytes(), at as u64).unwrap();
+    f.set_modified(mtime).unwrap();
+    drop(f);
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let rep = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
+    let flat = format(&rep)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        !rep.pass && rep.reason.is_none(),
+        "the journal caught it: {flat}"
+    );
+    assert_eq!(rep.inputs_without_checksums.len(), 1, "{flat}");
+    assert!(rep.inputs_without_checksums[0].ends_with("X.npy"), "{flat}");
+    assert!(
+        flat.contains("X.npy has no stored checksums: a change to it since the run")
+            && flat.contains("`run --restart`")
+            && !flat.contains("B.mgt has no"),
+        "{flat}"
+    );
+}
