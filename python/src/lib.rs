@@ -253,8 +253,15 @@ impl Job {
         }
     }
 
-    /// What `plan` prints for this product, as data.
-    fn describe<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    /// What `plan` prints for this product, as data; `out`: the output file `matmul(out=…)`
+    /// would write, or `None` for an array.
+    #[pyo3(signature = (out=None))]
+    fn describe<'py>(&self, py: Python<'py>, out: Option<String>) -> PyResult<Bound<'py, PyAny>> {
+        let mut step = self.step.clone();
+        if let Some(p) = out {
+            step.held.retain(|h| h != &step.output);
+            step.output = PathBuf::from(p);
+        }
         let decl = |o: &Operand| MatrixDecl {
             name: o.name.clone(),
             path: o.path.clone(),
@@ -267,8 +274,8 @@ impl Job {
         };
         let plan = Plan {
             path: PathBuf::from(ORIGIN),
-            matrices: vec![decl(&self.step.a), decl(&self.step.b)],
-            steps: vec![self.step.clone()],
+            matrices: vec![decl(&step.a), decl(&step.b)],
+            steps: vec![step],
             engine: self.engine.clone(),
         };
         describe_data(py, &plan)
@@ -288,6 +295,15 @@ impl Job {
     ) -> PyResult<Bound<'py, PyAny>> {
         let mut step = self.step.clone();
         let kind: String = get(out, "kind")?;
+        // A result the call allocated (`out=None`) is named as such in the summary.
+        let new = match out.get_item("new")? {
+            Some(v) => v.extract::<bool>()?,
+            None => false,
+        };
+        let label = |what: &str| match new {
+            true => PathBuf::from(format!("result (new {what})")),
+            false => PathBuf::from(format!("out ({what})")),
+        };
         let output = match kind.as_str() {
             "buffer" => {
                 let m = raw_matrix(out)?;
@@ -300,7 +316,7 @@ impl Job {
                         ),
                     ));
                 }
-                step.output = PathBuf::from("out (array)");
+                step.output = label("array");
                 let label = step.output.clone();
                 // Asked of the driver only where a GPU may run the step (the CPU's lanes write
                 // any memory, and asking would start the driver for nothing), and inside the
@@ -329,7 +345,7 @@ impl Job {
                         ),
                     ));
                 }
-                step.output = PathBuf::from("out (GPU array)");
+                step.output = label("GPU array");
                 let label = step.output.clone();
                 Output::Memory(Box::new(move || {
                     Ok(Box::new(DeviceSink {
@@ -432,6 +448,14 @@ fn prepare(
     let ((m, k), (_, n)) = (oa.op_shape(), ob.op_shape());
     let t = |o: &Operand| if o.trans { ".T" } else { "" };
     let expr = format!("{alpha} * a{} @ b{}", t(&oa), t(&ob));
+    // Arrays are no files: `plan` says so (the output an array until `describe` is given a
+    // path; `run` names its output itself).
+    let held = [(&sa, &oa.path), (&sb, &ob.path)]
+        .into_iter()
+        .filter(|(s, _)| !s.is_file())
+        .map(|(_, p)| p.clone())
+        .chain([PathBuf::from("out")])
+        .collect();
     let step = Step {
         index: 0,
         line: 0,
@@ -448,6 +472,7 @@ fn prepare(
         out_dtype: p.host_dtype(),
         out_tile: None,
         chain: None,
+        held,
     };
     Ok(Job {
         engine,

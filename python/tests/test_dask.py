@@ -25,13 +25,23 @@ SETTINGS = dict(backend="cpu", tile=64)
 
 
 @pytest.fixture(scope="module")
-def client():
+def cluster_client():
     cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                            dashboard_address=None, silence_logs=40)
     c = Client(cluster)
     yield c
     c.close()
     cluster.close()
+
+
+@pytest.fixture
+def client(cluster_client):
+    """The module's client, once both workers are up: a test that kills a worker (the injected
+    faults) leaves its Nanny restarting it, and on a loaded machine the next test started while
+    the cluster had no worker (`matmul` then refuses: "no workers yet"; seen on the loaded
+    development box, 2026-12-06)."""
+    cluster_client.wait_for_workers(2, timeout=120)
+    return cluster_client
 
 
 def one_process(tmp_path, a_path, b_path, expr="A @ B", **engine):

@@ -137,6 +137,22 @@ def test_plan_of_a_matmul():
     assert d["host_memory"] == 16 << 20 and "host ceiling" in d["text"]
 
 
+def test_plan_of_arrays_describes_memory_not_files(tmp_path):
+    """`plan(a, b)` of arrays says they are read from memory, with no output file, no page-cache
+    staging and no disk term in its lower bound (it described file reads: a new user's trial);
+    with a file input and `out=` a path it describes both files."""
+    a, b = rand((M, K), np.float32, 1), rand((K, N), np.float32, 2)
+    text = " ".join(mg.plan(a, b, backend="cpu", tile=32)["text"].split())
+    assert "from memory (minimum" in text and "reads" in text and "from files" not in text, text
+    assert "(in the caller's memory)" in text and "files' pages" not in text, text
+    assert "output written with" not in text and "cold disk" not in text, text
+    np.save(tmp_path / "a.npy", a)
+    text = " ".join(mg.plan(str(tmp_path / "a.npy"), b, backend="cpu", tile=32,
+                            out=str(tmp_path / "c.npy"))["text"].split())
+    assert "from files and memory (minimum" in text and "output written with" in text, text
+    assert "cold disk" in text and "a straight from the files' pages" in text, text
+
+
 def test_version():
     assert isinstance(mg.__version__, str) and mg.__version__.count(".") == 2
 
@@ -221,14 +237,16 @@ def test_the_summary_says_arrays_were_read_not_files(caplog):
 
 def test_the_summary_of_an_array_output_names_no_factor_of_one_and_no_flush(caplog):
     """An array output's summary reads `out (array) = a @ b` (the factor written only when it
-    is not 1) and has no flush time (flush is said of files); a plan dict's report names it
-    `<plan dict>`, not a file in the current directory (a new user's trial)."""
+    is not 1), or `result (new array) = …` for the array the call allocates (`out=None`), and
+    has no flush time (flush is said of files); a plan dict's report names it `<plan dict>`,
+    not a file in the current directory (new users' trials)."""
     import logging
     a, b = rand((70, 50)), rand((50, 90), seed=1)
-    for alpha, head in ((1.0, "out (array) = a @ b"), (2.0, "out (array) = 2 * a @ b")):
+    for alpha, out, head in ((1.0, None, "result (new array) = a @ b"),
+                             (2.0, np.empty((70, 90), np.float32), "out (array) = 2 * a @ b")):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="mgmm_stream"):
-            mg.matmul(a, b, alpha=alpha, **CPU)
+            mg.matmul(a, b, out=out, alpha=alpha, **CPU)
         text = caplog.text
         assert head in text, text
         wall = [ln for ln in text.splitlines() if " wall " in ln]

@@ -177,6 +177,10 @@ pub struct Step {
     pub out_tile: Option<u64>,
     /// Set when this step is one product of a whole-expression chain (`expr = "A @ B @ C"`).
     pub chain: Option<chain::ChainPart>,
+    /// Operands and output the caller holds in memory, not files (the Python package's arrays,
+    /// by their labels): `plan` describes them so — no file read, written or made room for. A
+    /// chain's intermediates held in memory are its `chain.memory`; [`Step::in_memory`] asks both.
+    pub held: Vec<PathBuf>,
 }
 
 impl Step {
@@ -203,7 +207,32 @@ impl Step {
     /// Whether this step writes a chain intermediate that an unsplit run holds in host memory
     /// instead of a file (a split run writes every intermediate to its file).
     pub(crate) fn output_in_memory(&self) -> bool {
-        (self.chain.as_ref()).is_some_and(|c| c.part < c.parts && c.memory.contains(&self.output))
+        self.held.contains(&self.output)
+            || (self.chain.as_ref())
+                .is_some_and(|c| c.part < c.parts && c.memory.contains(&self.output))
+    }
+
+    /// Whether the matrix at `path` (an operand's or the output's) lives in memory rather than
+    /// in a file: a chain's intermediate held in memory, or an array the caller handed in.
+    pub(crate) fn in_memory(&self, path: &Path) -> bool {
+        self.held.iter().any(|p| p == path)
+            || (self.chain.as_ref()).is_some_and(|c| c.memory.iter().any(|p| p == path))
+    }
+
+    /// Where the step's inputs are read from, as `plan` says it: "files", "memory" (arrays, or
+    /// intermediates held in memory) or "files and memory".
+    pub(crate) fn inputs_from(&self) -> &'static str {
+        let ops = [Some(&self.a), Some(&self.b), self.c0.as_ref()];
+        let held = ops
+            .iter()
+            .flatten()
+            .filter(|o| self.in_memory(&o.path))
+            .count();
+        match held {
+            0 => "files",
+            n if n == ops.iter().flatten().count() => "memory",
+            _ => "files and memory",
+        }
     }
 
     /// How `plan`, the progress lines and the summary name this step's output: its file, or for

@@ -466,6 +466,7 @@ fn step(
             None
         },
         chain: None,
+        held: Vec::new(),
     };
     if leaves.len() == 2 {
         let (a, b) = (leaves[0].clone(), leaves[1].clone());

@@ -101,8 +101,9 @@ fn describe_step(
     s += &describe_memory(l, e, device);
     s += describe_order(step, l);
     s += &format!(
-        "  traffic: read {} from files (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
+        "  traffic: read {} from {} (minimum {}; {} tile loads), {} {}, {} {}, write {}\n",
         fmt_bytes(t.read_bytes),
+        step.inputs_from(),
         fmt_bytes(t.min_read_bytes),
         t.tile_loads,
         caps.link_names.0,
@@ -441,13 +442,14 @@ fn describe_staging(
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     let (mut direct, mut copied) = (Vec::new(), Vec::new());
     for op in ops.into_iter().flatten() {
-        // A chain's intermediate held in memory: no file to map.
-        let in_memory = (step.chain.as_ref()).is_some_and(|c| c.memory.contains(&op.path));
+        // A chain's intermediate held in memory, or the caller's array: no file to map.
         let added = step.c0.as_ref().is_some_and(|c0| std::ptr::eq(c0, op));
         let why = if added {
             // Staging reads it with `fill`, once per output tile: never from the map.
             Some("the added matrix, always".to_string())
-        } else if in_memory {
+        } else if step.held.contains(&op.path) {
+            Some("in the caller's memory".to_string())
+        } else if step.in_memory(&op.path) {
             Some("held in memory".to_string())
         } else if op.dtype != l.host_dt {
             Some(format!("{} stored, {} computed", op.dtype, l.host_dt))
@@ -549,32 +551,46 @@ fn describe_bounds(
         2.0 * step.m as f64 * step.n as f64 * step.k as f64 / (words.max(1) as f64).sqrt();
     let hs = l.host_dt.size() as f64;
     s += &format!(
-        "  communication bound: a cache of {} ({} elements) per lane moves at least {} in and out (2·m·n·k/√M); this schedule moves {} in and {} out ({} in all) and reads {} from files\n",
+        "  communication bound: a cache of {} ({} elements) per lane moves at least {} in and out (2·m·n·k/√M); this schedule moves {} in and {} out ({} in all) and reads {} from {}\n",
         fmt_bytes(words * l.dev_dt.size() as u64),
         words,
         fmt_bytes((bound_words * hs) as u64),
         fmt_bytes(t.h2d_bytes),
         fmt_bytes(t.d2h_bytes),
         fmt_bytes(t.h2d_bytes + t.d2h_bytes),
-        fmt_bytes(t.read_bytes)
+        fmt_bytes(t.read_bytes),
+        step.inputs_from()
     );
     let lanes = if device { caps.lanes } else { sel.threads() };
     let rate = (caps.peak_flops)(e.precision, lanes, l.tk.min(step.k));
     let why = (caps.peak_source)(e.precision);
     let tc = step.flops() / rate;
-    let td = (t.min_read_bytes + t.write_bytes) as f64 / DISK_READ;
+    // The disk's part: the inputs read once and the output written once, where they are
+    // files (arrays and intermediates held in memory take none).
+    let disk_read = match step.inputs_from() {
+        "memory" => 0,
+        _ => t.min_read_bytes,
+    };
+    let disk_write = match step.output_in_memory() {
+        true => 0,
+        false => t.write_bytes,
+    };
+    let td = (disk_read + disk_write) as f64 / DISK_READ;
+    let disk = match disk_read + disk_write {
+        0 => String::new(),
+        _ => format!("; cold disk at {:.1} GB/s = {td:.3} s", DISK_READ / 1e9),
+    };
     let link = caps.link_rate;
     let tp = link
         .map(|r| t.h2d_bytes.max(t.d2h_bytes) as f64 / r / caps.lanes as f64)
         .unwrap_or(0.0);
     s += &format!(
-        "  lower bound: {:.3e} FLOP at {} ({why}) = {:.3} s; cold disk at {:.1} GB/s = {:.3} s{} => at least {:.3} s\n",
+        "  lower bound: {:.3e} FLOP at {} ({why}) = {:.3} s{disk}{} => at least {:.3} s\n",
         step.flops(),
         crate::progress::fmt_flops(Some(rate)),
         tc,
-        DISK_READ / 1e9,
-        td,
-        link.map(|r| format!("; PCIe at {:.0} GB/s = {tp:.3} s", r / 1e9)).unwrap_or_default(),
+        link.map(|r| format!("; PCIe at {:.0} GB/s = {tp:.3} s", r / 1e9))
+            .unwrap_or_default(),
         tc.max(tp).max(td)
     );
     s

@@ -604,6 +604,8 @@ def _output(job: Any, out: Any, result_memory: Union[int, str, None],
     gpus = [] if gpus is None else gpus
     m, n = job.shape
     dt = np.dtype(job.dtype)
+    # The summary heads a result the call allocates "result (new array)", not "out (array)".
+    new = out is None
     if out is None and gpus and _result_on_gpu(gpus[0], gpus, m * n * dt.itemsize,
                                                device_memory):
         out = gpus[0].empty(m, n, dt)
@@ -621,7 +623,7 @@ def _output(job: Any, out: Any, result_memory: Union[int, str, None],
                 raise BadInputError("out shares GPU memory with an input; the engine reads "
                                     "the inputs while it writes the result: pass a new array")
         gpus.append(g)
-        return g.descriptor(), out
+        return dict(g.descriptor(), new=new), out
     if out is None:
         need = m * n * dt.itemsize
         if result_memory is None:
@@ -658,7 +660,7 @@ def _output(job: Any, out: Any, result_memory: Union[int, str, None],
         raise BadInputError(f"out {why}: it must be a writable C-contiguous array "
                             "(e.g. np.empty((m, n), dtype) or an np.memmap opened 'r+'/'w+')")
     d = {"kind": "buffer", "addr": arr.__array_interface__["data"][0], "rows": m, "cols": n,
-         "ld": n, "dtype": _DTYPES[dt]}
+         "ld": n, "dtype": _DTYPES[dt], "new": new}
     return d, out
 
 
@@ -796,7 +798,8 @@ def plan(plan_or_a: Any, b: Any = None, *, set: Optional[Dict[str, Any]] = None,
                          kw.pop("threads", 0), kw.pop("tile", None), engine)
     job, _keep = _prepare(plan_or_a, b, kw.pop("alpha", 1.0), kw.pop("trans_a", False),
                           kw.pop("trans_b", False), precision, settings)
-    return job.describe()
+    out = kw.pop("out", None)
+    return job.describe(os.fspath(out) if isinstance(out, (str, os.PathLike)) else None)
 
 
 def verify(plan_path_or_dict: Union[PathLike, Dict[str, Any]], *, rounds: int = 2, seed: int = 1,
