@@ -26,3 +26,8 @@ run, ver = int(sys.argv[2]) / 1e3, int(sys.argv[3]) / 1e3
 print(f'RESULT verify {ver:.2f} s (process) against the product: step {st:.2f} s, process {run:.2f} s; verify/step {ver/st:.2f}, verify/process {ver/run:.2f}')
 " "$OUT/v.json" "$run_ms" "$v_ms" | tee -a "$LOG"
 done
+# Where a GPU verify's time goes (issue 35: its dense pass over A bounds it): the passes, the band
+# reads, the device's folds (to each band's copy's end) and cross-checks, the GPU's opening.
+log "verify traced (MGMM_TRACE), products on the gpu"
+MGMM_TRACE="$OUT/verify_trace.json" "$MGMM" verify v.toml > /dev/null 2>&1
+python3 "$TOOLS/trace_sum.py" "$OUT/verify_trace.json" | tee -a "$LOG"

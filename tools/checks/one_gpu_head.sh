@@ -3,12 +3,13 @@
 # (tools/checks/cuda_tests.sh), the Python package's GPU-array twins with the 30000² request on
 # an 8 GiB device_memory (python/tests/test_gpu_arrays.py, MGMM_GPU_BIG=1), the GPU-array
 # benchmark against torch (python/bench/gpu_arrays_vs_torch.py --n 30000 --reps 3) and Dask
-# against Dask + CuPy (tools/bench/dask_gpu.sh, REPS=2). What a session owes after changing the
+# against Dask + CuPy (tools/bench/dask_gpu.sh, REPS=2), and verify against the product with a
+# traced verify (tools/bench/verify_vs_product.sh, N=32768). What a session owes after changing the
 # lanes, the pipeline or the Python package without a GPU (docs/GPU.md, "Owed on the GPU").
 # GPU machine, repository root; carry .dev (bin/ from .dev/rebuild.sh or: release binary,
 # `it` test binary; wheels-dask/ for the Dask part, see tools/bench/dask_gpu.sh) and .whl (the
 # wheel: maturin build --release -m python/Cargo.toml -o .whl). Env: SKIP="tests pytest bench
-# dask" (any of them). Log: $OUT/one_gpu_head.log; a summary at the end.
+# verify dask" (any of them). Log: $OUT/one_gpu_head.log; a summary at the end.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to one_gpu_head.log
@@ -37,6 +38,13 @@ if ! skip bench; then
   out=$(PYTHONPATH=$SITE python3 python/bench/gpu_arrays_vs_torch.py --n 30000 --reps 3 2>&1 | sed -n '1,9p')
   echo "$out" | tee -a "$LOG"
   summary+=("GPU arrays: $(echo "$out" | grep -E 'pinned tensor' | head -1 | tr -s ' ')")
+fi
+if ! skip verify; then
+  log "verify against the product, 32768² f32, and a traced verify"
+  OUT=$OUT N=32768 bash "$TOOLS/bench/verify_vs_product.sh" > /dev/null 2>&1
+  grep -E "^RESULT|verify: |^verify " "$OUT/verify_vs_product.log" | tee -a "$LOG"
+  summary+=("verify: $(grep '^RESULT' "$OUT/verify_vs_product.log" | head -1)")
+  rm -rf /tmp/vt
 fi
 if ! skip dask; then
   log "Dask against Dask + CuPy, 32768² f32"
