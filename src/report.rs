@@ -32,9 +32,9 @@ pub struct LaneReport {
 pub struct NonfiniteInput {
     /// The matrix as the plan names it (`A`, `C0`; an array handed to the Python package: `a`).
     pub input: String,
-    /// Its file.
-    pub path: String,
-    /// NaN/Inf values seen staging it (a block staged twice counts twice).
+    /// Its file; `None` for an array handed in by the caller (the Python package).
+    pub path: Option<String>,
+    /// NaN/Inf values seen staging it (each block counted once, however often it was staged).
     pub values: u64,
     /// The first block holding one (the first in row-major order of its first element), in
     /// the file's own rows and columns (as stored, before a `.T`): `[first row, first column,
@@ -148,7 +148,7 @@ pub struct StepReport {
     pub busy_shares: Vec<(String, f64)>,
     /// The stage that bound the step.
     pub bottleneck: String,
-    /// NaN/Inf elements seen in the inputs (a block staged twice counts twice).
+    /// NaN/Inf elements seen in the inputs (each block counted once, however often staged).
     pub nonfinite_inputs: u64,
     /// Each input that held NaN/Inf: how many values were seen and the first block holding
     /// one; empty when the inputs were all finite.
@@ -455,6 +455,8 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         nonfinite_input_blocks: st
             .nonfinite_inputs
             .iter()
+            // `X.T @ X`: one matrix read as A and as B, named once (as A).
+            .filter(|&&(src, _, _)| !(src == Src::B && step.b.path == step.a.path))
             .map(|&(src, values, first)| {
                 let op = match src {
                     Src::A => &step.a,
@@ -466,7 +468,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
                 };
                 NonfiniteInput {
                     input: op.name.clone(),
-                    path: op.path.display().to_string(),
+                    path: (!step.in_memory(&op.path)).then(|| op.path.display().to_string()),
                     values,
                     first_block: first.map(|b| [b.r0, b.c0, b.rows, b.cols]),
                 }
@@ -589,9 +591,7 @@ fn device_lines(r: &StepReport) -> String {
 /// ([`crate::progress::wrap`]): what ran, time and rate, input traffic, host memory, devices,
 /// busy shares and the bottleneck.
 pub(crate) fn format_summary(r: &StepReport) -> String {
-    // The Python package writes its products as `alpha * a @ b` (the text its resume checks
-    // against, so kept); a factor of 1 is left out where people read it.
-    let expr = r.expr.strip_prefix("1 * ").unwrap_or(&r.expr);
+    let expr = crate::plan::readable_expr(&r.expr);
     let mut s = format!("step {}: {} = {}\n", r.step, r.output, expr);
     s += &format!(
         "  {}×{}×{}, {}, {}{}, tile {}×{}×{}\n",
@@ -659,15 +659,18 @@ fn nonfinite_input_note(r: &StepReport) -> Option<String> {
         .nonfinite_input_blocks
         .iter()
         .map(|i| {
-            let at = match i.first_block {
-                Some([r0, c0, rows, cols]) => format!(
-                    "; the first in rows {r0}–{}, columns {c0}–{}",
+            let at = i.first_block.map(|[r0, c0, rows, cols]| {
+                format!(
+                    "the first in rows {r0}–{}, columns {c0}–{}",
                     r0 + rows.max(1) - 1,
                     c0 + cols.max(1) - 1
-                ),
-                None => String::new(),
-            };
-            format!("{} in {} ({}{at})", i.values, i.input, i.path)
+                )
+            });
+            let about: Vec<String> = [i.path.clone(), at].into_iter().flatten().collect();
+            match about.is_empty() {
+                true => format!("{} in {}", i.values, i.input),
+                false => format!("{} in {} ({})", i.values, i.input, about.join("; ")),
+            }
         })
         .collect();
     let each = match each.is_empty() {
@@ -675,7 +678,7 @@ fn nonfinite_input_note(r: &StepReport) -> Option<String> {
         false => each.join(", "),
     };
     Some(format!(
-        "NaN/Inf values seen while staging the inputs: {each} — computed as IEEE arithmetic says (a block staged twice counts twice)"
+        "NaN/Inf values seen while staging the inputs: {each} — computed as IEEE arithmetic says"
     ))
 }
 

@@ -33,6 +33,8 @@ use sources::{
 const ORIGIN: &str = "matmul()";
 /// The name a plan given as a dict goes by (relative paths in it are the current directory's).
 pub(crate) const DICT: &str = "<plan dict>";
+/// How `plan` and the summary name the array `matmul` allocates for its result (`out=None`).
+const NEW_RESULT: &str = "result (new array)";
 
 /// JSON text to Python objects (dicts, lists, numbers, strings).
 pub(crate) fn json_to_py<'py>(py: Python<'py>, json: &str) -> PyResult<Bound<'py, PyAny>> {
@@ -454,7 +456,7 @@ fn prepare(
         .into_iter()
         .filter(|(s, _)| !s.is_file())
         .map(|(_, p)| p.clone())
-        .chain([PathBuf::from("out")])
+        .chain([PathBuf::from(NEW_RESULT)])
         .collect();
     let step = Step {
         index: 0,
@@ -468,7 +470,7 @@ fn prepare(
         m,
         n,
         k,
-        output: PathBuf::from("out"),
+        output: PathBuf::from(NEW_RESULT),
         out_dtype: p.host_dtype(),
         out_tile: None,
         chain: None,

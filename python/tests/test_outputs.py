@@ -111,7 +111,8 @@ def test_verify_of_an_overflowed_output_is_no_pass(tmp_path, monkeypatch):
         "step": [{"output": "C.mgt", "expr": "A @ B", "alpha": 3e38}],
         "engine": {"backend": "cpu", "tile": 32},
     }
-    rep = mg.run(p, progress=False)
+    with pytest.warns(RuntimeWarning, match="are NaN/Inf; the inputs are all finite: the product overflowed"):
+        rep = mg.run(p, progress=False)
     assert rep["steps"][0]["nonfinite_outputs"] > 0
     (r,) = mg.verify(p)
     assert r["checked"] is False and r["pass"] is False
@@ -305,3 +306,39 @@ def test_calls_with_the_same_settings_reuse_the_backend_until_empty_cache(tmp_pa
     after = mg.run(p, restart=True, set={"threads": 1}, progress=False)["steps"][0]
     assert after["backend_reused"] is False
     mg.empty_cache()
+
+
+def test_nan_in_an_input_warns_naming_the_input():
+    """NaN/Inf reaching the result is a RuntimeWarning (as numpy's invalid values are), naming
+    the input that held them; the counts are the values' (each block once); a product of
+    finite arrays warns nothing (new-user trial: at logging's WARNING level a NaN product
+    returned without a word)."""
+    a, b = rand((70, 50), seed=3), rand((50, 90), seed=4)
+    a[12, 7] = np.nan
+    with pytest.warns(RuntimeWarning, match=r"90 of the 6300 elements of result \(new array\) "
+                                            r"are NaN/Inf; the inputs hold NaN/Inf \(1 in a\)"):
+        c = mg.matmul(a, b, **CPU)
+    assert np.isnan(c[12]).all() and np.isfinite(np.delete(c, 12, axis=0)).all()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mg.matmul(rand((70, 50), seed=3), b, **CPU)
+
+
+def test_a_matmul_file_output_verifies_against_the_plan_a_user_writes(tmp_path, monkeypatch):
+    """`matmul(…, out="C.npy")` journals its product as `2 * a.T @ b`; a plan naming the same
+    files `a` and `b` with `expr = "a.T @ b"` and `alpha = 2.0` verifies it (the scale is the
+    alpha entry's: the text `1 * a @ b` against `a @ b` failed, new-user trial), and one with
+    another alpha does not."""
+    monkeypatch.chdir(tmp_path)
+    np.save("A.npy", rand((200, 70), seed=5))
+    np.save("B.npy", rand((200, 90), seed=6))
+    mg.matmul("A.npy", "B.npy", out="C.npy", alpha=2.0, trans_a=True, **CPU)
+    plan = {"matrices": {"a": {"path": "A.npy"}, "b": {"path": "B.npy"}},
+            "step": [{"output": "C.npy", "expr": "a.T @ b", "alpha": 2.0}],
+            "engine": {"backend": "cpu"}}
+    (r,) = mg.verify(plan)
+    assert r["pass"] and r["reason"] is None, r
+    plan["step"][0]["alpha"] = 3.0
+    (r,) = mg.verify(plan)
+    assert not r["pass"] and "alpha" in r["reason"], r

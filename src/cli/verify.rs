@@ -154,14 +154,16 @@ pub(super) fn verify_plan(
             outln!("after repair:\n{}", crate::verify::format(&rep));
         }
         if !rep.pass {
-            // 0: an input does not match its checksums; 1: the journal (no tiles); 2: tiles
-            // (an earlier step's output that does not match its checksums is repaired there).
+            // 0: an input does not match its checksums; 1: the journal, an unfinished step;
+            // 4: the journal, other inputs or plan (no tiles for either); 2: tiles (an earlier
+            // step's output that does not match its checksums is repaired there).
             let of_plan = |i: &String| p.steps.iter().any(|s| s.output.display().to_string() == *i);
             let kind = match (&rep.corrupt_input, &rep.reason) {
                 _ if rep.damaged_output.is_some() => 2,
                 (Some(i), _) if of_plan(i) => 2,
                 (Some(_), _) => 0,
-                (None, Some(_)) => 1,
+                (None, Some(r)) if r.starts_with("the step is unfinished") => 1,
+                (None, Some(_)) => 4,
                 (None, None) => 2,
             };
             // Tiles to redo, but no journal to redo single tiles through.
@@ -203,7 +205,11 @@ pub(super) fn verify_plan(
     let advice = if failed.iter().any(|(_, kind)| *kind == 0) {
         "an input does not match its stored checksums (see above): restore it, then verify again"
     } else if failed.iter().all(|(_, kind)| *kind == 1) {
-        "see the reason above: `run` resumes an unfinished step (a split one: `run PLAN --shard K/S` for the shards left, as the reason says); `run --restart` recomputes one whose plan or inputs changed"
+        "the step is unfinished (see above): `run` resumes it (a split one: `run PLAN --shard K/S` for the shards left, as the reason says)"
+    } else if failed.iter().all(|(_, kind)| *kind == 4) {
+        "see the reason above: `run --restart` computes the step again from the inputs and plan as they are now"
+    } else if failed.iter().all(|(_, kind)| *kind == 1 || *kind == 4) {
+        "see the reasons above: `run` resumes an unfinished step (a split one: `run PLAN --shard K/S` for the shards left); `run --restart` recomputes one whose plan or inputs changed"
     } else if failed.iter().all(|(_, kind)| *kind == 3) {
         "no journal is beside it, so single tiles cannot be redone: `run --restart` recomputes the whole step"
     } else {

@@ -390,7 +390,31 @@ pub(crate) fn foreign(path: &Path, old: &Fingerprint, new: &Fingerprint) -> Erro
 pub(crate) fn same_fingerprint(a: &Fingerprint, b: &Fingerprint) -> bool {
     a.len() == b.len()
         && a.iter()
-            .all(|(k, v)| b.get(k).is_some_and(|w| same_value(v, w)))
+            .all(|(k, v)| b.get(k).is_some_and(|w| same_entry(k, v, w)))
+}
+
+/// One entry of two fingerprints, by [`same_fingerprint`]'s rule: the expression without its
+/// scale ([`same_expr`]), the rest by [`same_value`].
+fn same_entry(key: &str, a: &str, b: &str) -> bool {
+    match key {
+        "expr" => same_expr(a, b),
+        _ => same_value(a, b),
+    }
+}
+
+/// Whether two expressions are one product: equal once a leading scale (`2 * a @ b`, how the
+/// Python package writes its products) is taken off — the scale is the fingerprint's `alpha`
+/// entry, compared on its own. A `matmul(…, out="C.npy")` output failed `verify` against the
+/// plan `expr = "a @ b"` for the text `1 * a @ b` (new-user trial).
+pub(crate) fn same_expr(a: &str, b: &str) -> bool {
+    let bare = |e: &str| -> String {
+        let e = e.trim();
+        match e.split_once(" * ") {
+            Some((k, rest)) if k.trim().parse::<f64>().is_ok() => rest.trim().to_string(),
+            _ => e.to_string(),
+        }
+    };
+    a == b || bare(a) == bare(b)
 }
 
 /// One fingerprint entry against another, by [`same_fingerprint`]'s rule.
@@ -427,15 +451,30 @@ pub(crate) fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> Strin
         .collect::<std::collections::BTreeSet<_>>()
     {
         let (a, b) = (old.get(k), new.get(k));
-        if !matches!((a, b), (Some(x), Some(y)) if same_value(x, y)) {
+        if !matches!((a, b), (Some(x), Some(y)) if same_entry(k, x, y)) {
             changes.push(format!(
-                "{k}: was {}, now {}",
+                "{k}: was {}, now {}{}",
                 a.map(|v| readable_mtime(v)).as_deref().unwrap_or("(none)"),
-                b.map(|v| readable_mtime(v)).as_deref().unwrap_or("(none)")
+                b.map(|v| readable_mtime(v)).as_deref().unwrap_or("(none)"),
+                match (a, b) {
+                    (Some(x), Some(y)) if only_sample_differs(x, y) => " (the same size and modification time: its contents were changed in place)",
+                    _ => "",
+                }
             ));
         }
     }
     changes.join("; ")
+}
+
+/// Whether two identities of a `.npy` or raw input ("… (N bytes, mtime T ns, …, sample crc
+/// X)") differ only in their sampled CRC: the file's bytes changed where the size and time did
+/// not (a numpy memmap written and its time put back, a tool that keeps times).
+fn only_sample_differs(a: &str, b: &str) -> bool {
+    let cut = |v: &str| v.rfind(", sample crc ").map(|i| v[..i].to_string());
+    let (Some(x), Some(y)) = (content_part(a), content_part(b)) else {
+        return false;
+    };
+    matches!((cut(x), cut(y)), (Some(p), Some(q)) if p == q)
 }
 
 /// An identity's `mtime N ns` (how the journal stores it) as a UTC date a reader can compare:
@@ -808,5 +847,51 @@ mod tests {
             "C.mgt (64 bytes, crc 1)"
         );
         assert_eq!(readable_mtime("mtime x ns"), "mtime x ns");
+    }
+
+    /// A scale in front of the expression is the `alpha` entry's business: `1 * a @ b` is
+    /// `a @ b`, `2 * a.T @ b` is `a.T @ b` (alpha compared apart); other texts still differ.
+    #[test]
+    fn an_expression_is_compared_without_its_scale() {
+        assert!(same_expr("1 * a @ b", "a @ b") && same_expr("2 * a.T @ b", "0.5 * a.T @ b"));
+        assert!(!same_expr("1 * a @ b", "a @ b.T") && !same_expr("A @ B", "B @ A"));
+        assert!(!same_expr("x * a @ b", "a @ b"), "only a number is a scale");
+        let fp = |e: &str, alpha: &str| -> Fingerprint {
+            [("expr", e), ("alpha", alpha)]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .into()
+        };
+        assert!(same_fingerprint(
+            &fp("1 * a @ b", "1.0"),
+            &fp("a @ b", "1.0")
+        ));
+        assert!(!same_fingerprint(
+            &fp("2 * a @ b", "2.0"),
+            &fp("a @ b", "1.0")
+        ));
+    }
+
+    /// An input whose bytes changed in place with its size and time kept is said to be so; one
+    /// whose time or size changed too is not.
+    #[test]
+    fn a_change_in_place_is_named() {
+        let id = |t: u64, crc: &str| -> Fingerprint {
+            [(
+                "input A".to_string(),
+                format!("/d/x.npy (128 bytes, mtime {t} ns, npy, sample crc {crc})"),
+            )]
+            .into()
+        };
+        let said = fingerprint_changes(&id(5, "0000abcd"), &id(5, "1234abcd"));
+        assert!(
+            said.ends_with("its contents were changed in place)"),
+            "{said}"
+        );
+        let said = fingerprint_changes(&id(5, "0000abcd"), &id(6, "1234abcd"));
+        assert!(!said.contains("in place"), "{said}");
+        assert!(!only_sample_differs(
+            "C.mgt (64 bytes, crc 1)",
+            "C.mgt (64 bytes, crc 2)"
+        ));
     }
 }

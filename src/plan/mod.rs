@@ -183,6 +183,13 @@ pub struct Step {
     pub held: Vec<PathBuf>,
 }
 
+/// An expression as people read it: the Python package writes its products as `alpha * a @ b`
+/// (the text its journal's resume checks against, so kept), and a factor of 1 is left out where
+/// `plan` and the summary show it.
+pub(crate) fn readable_expr(expr: &str) -> &str {
+    expr.strip_prefix("1 * ").unwrap_or(expr)
+}
+
 impl Step {
     /// Floating-point operations of the product (2·m·n·k).
     pub fn flops(&self) -> f64 {

@@ -148,7 +148,12 @@ fn describe_shape(step: &crate::plan::Step, l: &Layout, t: &Traffic) -> String {
                 step.output_label()
             )
         }
-        None => format!("{}: {} = {}\n", step.at(), step.output_label(), step.expr),
+        None => format!(
+            "{}: {} = {}\n",
+            step.at(),
+            step.output_label(),
+            crate::plan::readable_expr(&step.expr)
+        ),
     };
     if let Some(c) = &step.chain {
         let h = crate::pipeline::output_header(step, l);
@@ -568,8 +573,23 @@ fn describe_bounds(
     // The disk's part: the inputs read once and the output written once, where they are
     // files (arrays and intermediates held in memory take none).
     let disk_read = match step.inputs_from() {
-        "memory" => 0,
-        _ => t.min_read_bytes,
+        "files" => t.min_read_bytes,
+        // Each input file once (`X.T @ X` reads one), as `min_read_bytes` counts them.
+        _ => {
+            let mut files: Vec<&crate::plan::Operand> = Vec::new();
+            for op in [Some(&step.a), Some(&step.b), step.c0.as_ref()]
+                .into_iter()
+                .flatten()
+            {
+                if !step.in_memory(&op.path) && !files.iter().any(|f| f.path == op.path) {
+                    files.push(op);
+                }
+            }
+            files
+                .iter()
+                .map(|o| o.rows * o.cols * o.dtype.size() as u64)
+                .sum()
+        }
     };
     let disk_write = match step.output_in_memory() {
         true => 0,

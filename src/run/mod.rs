@@ -169,10 +169,9 @@ pub fn layout_for(
     // expression, precision or backend on the same output path is refused anyway, and its tile
     // should not show in `plan`.
     let same = |key: &str, now: &str| j.fingerprint.get(key).is_some_and(|v| v == now);
-    if !(same("expr", &step.expr)
-        && same("precision", engine.precision.name())
-        && same("backend", caps.kind))
-    {
+    let same_expr = (j.fingerprint.get("expr"))
+        .is_some_and(|v| crate::durable::journal::same_expr(v, &step.expr));
+    if !(same_expr && same("precision", engine.precision.name()) && same("backend", caps.kind)) {
         return Ok(l);
     }
     let recorded: Option<Vec<u64>> = (j.fingerprint.get("compute tile"))

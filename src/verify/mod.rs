@@ -139,6 +139,10 @@ pub struct SetAside {
     pub c0_cells: u64,
     /// Cells of the other rows where |α||A||B| + |β||C0| could overflow the output's type.
     pub overflow_cells: u64,
+    /// The output's rows and columns, for the share the test saw.
+    pub of: (u64, u64),
+    /// The operands are rounded to fp16 first: a finite value beyond its range is an Inf too.
+    pub rounded_to_fp16: bool,
 }
 
 impl VerifyReport {
@@ -818,6 +822,8 @@ fn residuals(
         columns_transposed: step.b.trans,
         c0_cells: o.c0_cells,
         overflow_cells: o.overflow_cells,
+        of: (m as u64, n as u64),
+        rounded_to_fp16: precision == Precision::Fp16,
     };
     rep.cells = m as u64 * cg.count() as u64;
     if let Precision::Fp64Emulated(_) = precision {
@@ -967,10 +973,19 @@ pub fn format(rep: &VerifyReport) -> String {
     if rep.nothing_checked() {
         // Nothing failed, but nothing was tested either: not a pass (`verify` exits 3), said
         // on the line scripts read.
-        let mut s = format!(
-            "verify step {} ({}): NOT CHECKED — every part the test looks at ({} cells: each row's run of columns) holds NaN/Inf or could overflow the output's precision (|alpha|·|A|·|B| near its largest value): IEEE results the test cannot judge, so nothing says this output is right. If `run` noted NaN/Inf in the output from finite inputs, the product overflowed: scale alpha or the inputs down, or store the inputs as f64 and compute in fp64, then `run --restart` and verify again",
-            rep.step, rep.output, rep.cells
-        );
+        // The advice follows the cause: NaN/Inf in the inputs (rows or columns set aside), or
+        // an output that could overflow its precision.
+        let sa = &rep.set_aside;
+        let mut s = match sa.rows > 0 || sa.columns > 0 {
+            true => format!(
+                "verify step {} ({}): NOT CHECKED — every part the test looks at ({} cells: each row's run of columns) is set aside: the inputs hold NaN/Inf there (named below), which make the output NaN/Inf by IEEE rules, so nothing says this output is right. Mend or drop those values in the inputs, then `run --restart` and verify again",
+                rep.step, rep.output, rep.cells
+            ),
+            false => format!(
+                "verify step {} ({}): NOT CHECKED — every part the test looks at ({} cells: each row's run of columns) holds NaN/Inf or could overflow the output's precision (|alpha|·|A|·|B| near its largest value): IEEE results the test cannot judge, so nothing says this output is right. If `run` noted NaN/Inf in the output from finite inputs, the product overflowed: scale alpha or the inputs down, or store the inputs as f64 and compute in fp64, then `run --restart` and verify again",
+                rep.step, rep.output, rep.cells
+            ),
+        };
         if let Some(line) = set_aside_line(rep) {
             s += &format!("\n  {line}");
         }
@@ -1078,12 +1093,17 @@ fn set_aside_line(rep: &VerifyReport) -> Option<String> {
         t
     };
     // Where op(X)'s line lies in the file: the same rows or columns, swapped when transposed.
+    // Under fp16 the operands are rounded first: a finite value past 65504 is an Inf then.
+    let what = match sa.rounded_to_fp16 {
+        true => "NaN/Inf or values beyond fp16's range",
+        false => "NaN/Inf",
+    };
     let where_in = |file: &str, own: &str, other: &str, n: u64, transposed: bool| {
         let plural = if n == 1 { "" } else { "s" };
         match transposed {
-            false => format!("{file} holds NaN/Inf in the same {own}{plural}"),
+            false => format!("{file} holds {what} in the same {own}{plural}"),
             true => format!(
-                "{file} holds NaN/Inf in the same {other}{plural}: the step reads it transposed"
+                "{file} holds {what} in the same {other}{plural}: the step reads it transposed"
             ),
         }
     };
@@ -1123,8 +1143,19 @@ fn set_aside_line(rep: &VerifyReport) -> Option<String> {
     if parts.is_empty() {
         parts.push(format!("{} row group(s)", rep.skipped_cells));
     }
+    // How much the PASS covers: NaN in 599 of 600 columns of B passed on one column, and only
+    // the list's "and 591 more" said so (new-user trial).
+    let (m, n) = sa.of;
+    let share = match (m, n) {
+        (0, _) | (_, 0) => String::new(),
+        _ => format!(
+            "; the test saw {} of {m} rows and {} of {n} columns",
+            m.saturating_sub(sa.rows),
+            n.saturating_sub(sa.columns)
+        ),
+    };
     Some(format!(
-        "not checked (IEEE rules decide them): {}",
+        "not checked (IEEE rules decide them): {}{share}",
         parts.join("; ")
     ))
 }

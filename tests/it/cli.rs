@@ -751,6 +751,8 @@ fn end_of_command_text_fits_80_columns() {
             columns_transposed: false,
             c0_cells: 2,
             overflow_cells: 1,
+            of: (200_000_000, 300_000_000),
+            rounded_to_fp16: false,
         },
         cells: 40,
         componentwise: None,

@@ -44,7 +44,7 @@ if ! skip verify; then
   OUT=$OUT N=32768 bash "$TOOLS/bench/verify_vs_product.sh" > /dev/null 2>&1
   grep -E "^RESULT|verify: |^verify " "$OUT/verify_vs_product.log" | tee -a "$LOG"
   summary+=("verify: $(grep '^RESULT' "$OUT/verify_vs_product.log" | head -1)")
-  rm -rf /tmp/vt
+  rm -rf "${W:-/tmp/vt}"
 fi
 if ! skip dask; then
   log "Dask against Dask + CuPy, 32768² f32"

@@ -459,9 +459,30 @@ def _run_with(display: _Display, fn: Callable[..., Any], *args: Any) -> Any:
     # Always listen: with progress=False the notes (resuming, summary) still reach `logging`.
     every = display.every if (display.enabled or display.callback) else 1.0
     try:
-        return fn(*args, display, every)
+        rep = fn(*args, display, every)
     finally:
         display.close()
+    _warn_nonfinite(rep)
+    return rep
+
+
+def _warn_nonfinite(rep: Any) -> None:
+    """A RuntimeWarning, as numpy gives for invalid values, when a step wrote NaN/Inf: the
+    summary's note says so at INFO level only, and with progress=False and logging at WARNING a
+    product full of NaN returned without a word (new-user trial)."""
+    if not isinstance(rep, dict):
+        return
+    for s in rep.get("steps", [rep]):
+        n = s.get("nonfinite_outputs", 0) if isinstance(s, dict) else 0
+        if not n:
+            continue
+        ins = [f"{i['values']} in {i['input']}" + (f" ({i['path']})" if i.get("path") else "")
+               for i in s.get("nonfinite_input_blocks", [])]
+        why = (f"the inputs hold NaN/Inf ({', '.join(ins)})" if ins else
+               "the inputs are all finite: the product overflowed the output's precision "
+               "(scale alpha or the inputs down, or compute in fp64)")
+        warnings.warn(f"{n} of the {s['m'] * s['n']} elements of {s['output']} are NaN/Inf; "
+                      f"{why}", RuntimeWarning, stacklevel=_caller_level())
 
 
 # ---------------------------------------------------------------- matmul -------------------
