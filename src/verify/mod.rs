@@ -976,16 +976,14 @@ pub fn format(rep: &VerifyReport) -> String {
         // The advice follows the cause: NaN/Inf in the inputs (rows or columns set aside), or
         // an output that could overflow its precision.
         let sa = &rep.set_aside;
-        let mut s = match sa.rows > 0 || sa.columns > 0 {
-            true => format!(
-                "verify step {} ({}): NOT CHECKED — every part the test looks at ({} cells: each row's run of columns) is set aside: the inputs hold NaN/Inf there (named below), which make the output NaN/Inf by IEEE rules, so nothing says this output is right. Mend or drop those values in the inputs, then `run --restart` and verify again",
-                rep.step, rep.output, rep.cells
-            ),
-            false => format!(
-                "verify step {} ({}): NOT CHECKED — every part the test looks at ({} cells: each row's run of columns) holds NaN/Inf or could overflow the output's precision (|alpha|·|A|·|B| near its largest value): IEEE results the test cannot judge, so nothing says this output is right. If `run` noted NaN/Inf in the output from finite inputs, the product overflowed: scale alpha or the inputs down, or store the inputs as f64 and compute in fp64, then `run --restart` and verify again",
-                rep.step, rep.output, rep.cells
-            ),
+        let why = match sa.rows > 0 || sa.columns > 0 {
+            true => "is set aside: the inputs hold NaN/Inf there (named below), which make the output NaN/Inf by IEEE rules, so nothing says this output is right. Mend or drop those values in the inputs",
+            false => "holds NaN/Inf or could overflow the output's precision (|alpha|·|A|·|B| near its largest value): IEEE results the test cannot judge, so nothing says this output is right. If `run` noted NaN/Inf in the output from finite inputs, the product overflowed: scale alpha or the inputs down, or store the inputs as f64 and compute in fp64",
         };
+        let mut s = format!(
+            "verify step {} ({}): NOT CHECKED — every part the test looks at ({} cells: each row's run of columns) {why}, then `run --restart` and verify again",
+            rep.step, rep.output, rep.cells
+        );
         if let Some(line) = set_aside_line(rep) {
             s += &format!("\n  {line}");
         }
