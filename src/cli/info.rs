@@ -22,7 +22,9 @@ use crate::{out, outln};
 )]
 pub(crate) struct InfoArgs {
     file: PathBuf,
-    /// Verify every storage tile against the stored CRC-32C table.
+    /// Verify every storage tile against the stored CRC-32C table (a .npy: its sidecar).
+    /// Exit status: 0 every tile matches, 1 a tile does not (or another error), 3 nothing to
+    /// check (no checksums).
     #[arg(long)]
     check: bool,
 }
@@ -60,7 +62,7 @@ fn info(file: &Path, check: bool) -> Result<()> {
             }
             Some(Checked::NotPossible(e)) => {
                 outln!("check:       not possible");
-                Err(e)
+                Err(nothing_to_check(e))
             }
             Some(Checked::Corrupt(bad)) => Err(corrupt(file, bad)),
         };
@@ -117,14 +119,14 @@ fn info(file: &Path, check: bool) -> Result<()> {
     }
     if !h.has_checksums() {
         outln!("check:       not possible");
-        return Err(Error::format(
+        return Err(nothing_to_check(Error::format(
             file,
             format!(
                 "has no checksum table (a file written without one); nothing to check. To add one, rewrite it: mgmm-stream export {f} tmp.npy && mgmm-stream import tmp.npy {f} --tile {t} --force",
                 f = file.display(),
                 t = h.tile_rows.max(h.tile_cols)
             ),
-        ));
+        )));
     }
     let t = Instant::now();
     use rayon::prelude::*;
@@ -141,6 +143,13 @@ fn info(file: &Path, check: bool) -> Result<()> {
         crate::store::source::check_ok_line(h.tiles(), t.elapsed())
     );
     Ok(())
+}
+
+/// `info --check` on a file it cannot check (no checksums, a sidecar that does not fit): not a
+/// failure of the file, not a pass either — exit status 3, as `verify`'s "nothing checked", so
+/// that a script tells it from a corrupt file (1); it exited 1 for both (new-user trial).
+fn nothing_to_check(e: Error) -> Error {
+    Error::Unverified(e.to_string())
 }
 
 /// `info --check`'s verdict on a file with tiles that do not match their checksums: every such
