@@ -558,7 +558,11 @@ fn an_unfinished_npy_output_is_not_exported_or_called_corrupt() {
         &["info", "raw:rows=2,cols=3,dtype=f32:x.bin", "--check"],
     );
     failed_with(&o, &["has no checksums", "nothing to check"]);
-    assert_eq!(o.status.code(), Some(3), "nothing to check is exit 3, not 1");
+    assert_eq!(
+        o.status.code(),
+        Some(3),
+        "nothing to check is exit 3, not 1"
+    );
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(
         out.contains("format:      raw") && out.contains("check:       not possible"),
