@@ -192,6 +192,26 @@ fn import_export_round_trip_v1_v2_f32_f64() {
         assert_eq!((odt, orows, ocols), (dt, r, c));
         assert_eq!(ov, vals);
     }
+    // 23×41 in 32² tiles (23×32 at this height): two tiles of a page each for 23·41 values;
+    // said, with what helps.
+    let src = d.path().join("in_f32_1.npy");
+    let said = ok(&mg(
+        d.path(),
+        &["import", src.to_str().unwrap(), "big.mgt", "--tile", "32"],
+    ));
+    let said = said.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        said.contains("note: 3.68 KiB of it holds the values: edge tiles are stored whole (23×32); a --tile that divides the shape, or one larger than it, pads less"),
+        "{said}"
+    );
+    let said = ok(&mg(
+        d.path(),
+        &["import", src.to_str().unwrap(), "fit.mgt", "--tile", "64"],
+    ));
+    assert!(
+        !said.contains("note:"),
+        "one tile of 64² holds 23×41 without much padding: {said}"
+    );
 }
 
 #[test]
