@@ -327,15 +327,15 @@ def test_nan_in_an_input_warns_naming_the_input():
 
 def test_a_matmul_file_output_verifies_against_the_plan_a_user_writes(tmp_path, monkeypatch):
     """`matmul(…, out="C.npy")` journals its product as `2 * a.T @ b`; a plan naming the same
-    files `a` and `b` with `expr = "a.T @ b"` and `alpha = 2.0` verifies it (the scale is the
-    alpha entry's: the text `1 * a @ b` against `a @ b` failed, new-user trial), and one with
-    another alpha does not."""
+    files `A` and `B` with `expr = "A.T @ B"` and `alpha = 2.0` verifies it (the scale is the
+    alpha entry's and the names are the plan's: `1 * a @ b` against `A @ B` failed, new-user
+    trials), and one with another alpha does not."""
     monkeypatch.chdir(tmp_path)
     np.save("A.npy", rand((200, 70), seed=5))
     np.save("B.npy", rand((200, 90), seed=6))
     mg.matmul("A.npy", "B.npy", out="C.npy", alpha=2.0, trans_a=True, **CPU)
-    plan = {"matrices": {"a": {"path": "A.npy"}, "b": {"path": "B.npy"}},
-            "step": [{"output": "C.npy", "expr": "a.T @ b", "alpha": 2.0}],
+    plan = {"matrices": {"A": {"path": "A.npy"}, "B": {"path": "B.npy"}},
+            "step": [{"output": "C.npy", "expr": "A.T @ B", "alpha": 2.0}],
             "engine": {"backend": "cpu"}}
     (r,) = mg.verify(plan)
     assert r["pass"] and r["reason"] is None, r

@@ -216,7 +216,7 @@ pub(super) fn verify_plan(
         "`verify --repair` recomputes the failing tiles (or mends the header or checksums), `run --restart` the whole step"
     };
     // Tiles to redo: say first what is wrong with the output (one cause, or each step's).
-    let advice = match (failed.iter().all(|(_, k)| *k >= 2), causes.len()) {
+    let advice = match (failed.iter().all(|(_, k)| *k == 2 || *k == 3), causes.len()) {
         (true, 1) => format!("{}; {advice}", causes[0]),
         (true, _) => format!(
             "{}; {advice}",

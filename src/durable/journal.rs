@@ -388,13 +388,14 @@ pub(crate) fn foreign(path: &Path, old: &Fingerprint, new: &Fingerprint) -> Erro
 /// by file name: a job folder that was moved or copied whole resumes and verifies where it lies
 /// now.
 pub(crate) fn same_fingerprint(a: &Fingerprint, b: &Fingerprint) -> bool {
+    let a = renamed(a, b);
     a.len() == b.len()
         && a.iter()
             .all(|(k, v)| b.get(k).is_some_and(|w| same_entry(k, v, w)))
 }
 
 /// One entry of two fingerprints, by [`same_fingerprint`]'s rule: the expression without its
-/// scale ([`same_expr`]), the rest by [`same_value`].
+/// scale and its matrices' names ([`same_expr`]), the rest by [`same_value`].
 fn same_entry(key: &str, a: &str, b: &str) -> bool {
     match key {
         "expr" => same_expr(a, b),
@@ -402,19 +403,92 @@ fn same_entry(key: &str, a: &str, b: &str) -> bool {
     }
 }
 
+/// An expression's text with its matrices' names taken out, and the names in order:
+/// `2 * A.T @ B` → (`_.T @ _`, [A, B]). The scale in front is dropped (it is `alpha`'s
+/// entry); `.T` and numbers stay text.
+fn expr_shape(e: &str) -> (String, Vec<String>) {
+    let e = e.trim();
+    let e = match e.split_once(" * ") {
+        Some((k, rest)) if k.trim().parse::<f64>().is_ok() => rest.trim(),
+        _ => e,
+    };
+    let (mut shape, mut names) = (String::new(), Vec::new());
+    let mut chars = e.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        if c.is_alphabetic() || c == '_' {
+            let mut end = i + c.len_utf8();
+            while let Some(&(j, d)) = chars.peek() {
+                if !(d.is_alphanumeric() || d == '_') {
+                    break;
+                }
+                end = j + d.len_utf8();
+                chars.next();
+            }
+            // `X.T`'s `T` is not a name.
+            match shape.ends_with('.') {
+                true => shape.push_str(&e[i..end]),
+                false => {
+                    shape.push('_');
+                    names.push(e[i..end].to_string());
+                }
+            }
+        } else {
+            shape.push(c);
+        }
+    }
+    (shape, names)
+}
+
+/// How the matrices of expression `a` are named in `b` when both are the same product under
+/// other names (`1 * a @ b` as the Python package journals it, `A @ B` in a plan): the same
+/// shape, and names that correspond one to one. `None` otherwise.
+fn name_map(a: &str, b: &str) -> Option<BTreeMap<String, String>> {
+    let ((sa, na), (sb, nb)) = (expr_shape(a), expr_shape(b));
+    if sa != sb || na.len() != nb.len() {
+        return None;
+    }
+    let (mut fwd, mut back) = (BTreeMap::new(), BTreeMap::new());
+    for (x, y) in na.into_iter().zip(nb) {
+        if fwd.get(&x).is_some_and(|v| v != &y) || back.get(&y).is_some_and(|v| v != &x) {
+            return None;
+        }
+        back.insert(y.clone(), x.clone());
+        fwd.insert(x, y);
+    }
+    Some(fwd)
+}
+
+/// Fingerprint `a` with its inputs' keys (`input A`, `chain input A`) under the names `b`'s
+/// expression gives the same matrices, so that a plan that only renamed its matrices (or the
+/// plan a user writes for a Python `matmul`'s output) is the same job; `a` as it is when the
+/// expressions differ in shape.
+pub(crate) fn renamed(a: &Fingerprint, b: &Fingerprint) -> Fingerprint {
+    let map = match (a.get("expr"), b.get("expr")) {
+        (Some(x), Some(y)) => name_map(x, y),
+        _ => None,
+    };
+    let Some(map) = map.filter(|m| m.iter().any(|(x, y)| x != y)) else {
+        return a.clone();
+    };
+    let key = |k: &str| -> String {
+        for prefix in ["chain input ", "input "] {
+            if let Some(name) = k.strip_prefix(prefix) {
+                if let Some(to) = map.get(name) {
+                    return format!("{prefix}{to}");
+                }
+            }
+        }
+        k.to_string()
+    };
+    a.iter().map(|(k, v)| (key(k), v.clone())).collect()
+}
+
 /// Whether two expressions are one product: equal once a leading scale (`2 * a @ b`, how the
 /// Python package writes its products) is taken off — the scale is the fingerprint's `alpha`
 /// entry, compared on its own. A `matmul(…, out="C.npy")` output failed `verify` against the
 /// plan `expr = "a @ b"` for the text `1 * a @ b` (new-user trial).
 pub(crate) fn same_expr(a: &str, b: &str) -> bool {
-    let bare = |e: &str| -> String {
-        let e = e.trim();
-        match e.split_once(" * ") {
-            Some((k, rest)) if k.trim().parse::<f64>().is_ok() => rest.trim().to_string(),
-            _ => e.to_string(),
-        }
-    };
-    a == b || bare(a) == bare(b)
+    a == b || name_map(a, b).is_some()
 }
 
 /// One fingerprint entry against another, by [`same_fingerprint`]'s rule.
@@ -444,6 +518,7 @@ fn content_part(v: &str) -> Option<&str> {
 }
 
 pub(crate) fn fingerprint_changes(old: &Fingerprint, new: &Fingerprint) -> String {
+    let old = &renamed(old, new);
     let mut changes = Vec::new();
     for k in old
         .keys()
@@ -854,7 +929,7 @@ mod tests {
     #[test]
     fn an_expression_is_compared_without_its_scale() {
         assert!(same_expr("1 * a @ b", "a @ b") && same_expr("2 * a.T @ b", "0.5 * a.T @ b"));
-        assert!(!same_expr("1 * a @ b", "a @ b.T") && !same_expr("A @ B", "B @ A"));
+        assert!(!same_expr("1 * a @ b", "a @ b.T") && !same_expr("A @ A.T", "A @ B.T"));
         assert!(!same_expr("x * a @ b", "a @ b"), "only a number is a scale");
         let fp = |e: &str, alpha: &str| -> Fingerprint {
             [("expr", e), ("alpha", alpha)]
@@ -869,6 +944,49 @@ mod tests {
             &fp("2 * a @ b", "2.0"),
             &fp("a @ b", "1.0")
         ));
+    }
+
+    /// Matrices renamed (the Python package's `a`, `b`; a plan's `A`, `B`; `P` for `A`) are the
+    /// same job when each name's input is the same; swapped inputs, another shape of the
+    /// expression, or one name for two matrices are not.
+    #[test]
+    fn renamed_matrices_are_the_same_job() {
+        let fp = |e: &str, ins: &[(&str, &str)]| -> Fingerprint {
+            let mut f: Fingerprint = [("expr".to_string(), e.to_string())].into();
+            for (n, id) in ins {
+                f.insert(format!("input {n}"), format!("/d/{id} (8 bytes, crc {id})"));
+            }
+            f
+        };
+        let journal = fp("1 * a.T @ b", &[("a", "x"), ("b", "y")]);
+        assert!(same_fingerprint(
+            &journal,
+            &fp("A.T @ B", &[("A", "x"), ("B", "y")])
+        ));
+        assert!(same_fingerprint(
+            &journal,
+            &fp("b.T @ a", &[("b", "x"), ("a", "y")])
+        ));
+        assert!(!same_fingerprint(
+            &journal,
+            &fp("A.T @ B", &[("A", "y"), ("B", "x")])
+        ));
+        assert!(!same_fingerprint(
+            &journal,
+            &fp("A @ B", &[("A", "x"), ("B", "y")])
+        ));
+        let said = fingerprint_changes(&journal, &fp("A.T @ B", &[("A", "x"), ("B", "z")]));
+        assert_eq!(
+            said,
+            "input B: was /d/y (8 bytes, crc y), now /d/z (8 bytes, crc z)"
+        );
+        // One matrix used twice stays one: `X.T @ X` is not `A.T @ B`.
+        let gram = fp("X.T @ X", &[("X", "x")]);
+        assert!(!same_fingerprint(
+            &gram,
+            &fp("A.T @ B", &[("A", "x"), ("B", "x")])
+        ));
+        assert!(same_fingerprint(&gram, &fp("Y.T @ Y", &[("Y", "x")])));
     }
 
     /// An input whose bytes changed in place with its size and time kept is said to be so; one

@@ -414,7 +414,8 @@ fn journal_check(
     // The keys verify can know (the journal's fingerprint has more: the layout, the backend),
     // compared and worded as `run` does ([`journal::fingerprint_changes`]).
     let now: journal::Fingerprint = now.into_iter().collect();
-    let was: journal::Fingerprint = (j.fingerprint.iter())
+    // Under the plan's names for the journal's matrices (`a`, `b` of a Python `matmul`).
+    let was: journal::Fingerprint = (journal::renamed(&j.fingerprint, &now).iter())
         .filter(|(k, _)| now.contains_key(*k))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
