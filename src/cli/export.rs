@@ -38,6 +38,14 @@ impl ExportArgs {
 fn export(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Result<()> {
     refuse_same(input, output)?;
     refuse_existing(output, force)?;
+    // It writes a .npy array whatever the name: `export C.npy C.mgt` wrote a .npy called
+    // C.mgt, which `info` then read as a .npy (new-user trial).
+    if output.extension().is_none_or(|e| !e.eq_ignore_ascii_case("npy")) {
+        return Err(crate::error::Error::Usage(format!(
+            "{}: export writes a .npy array; name the output *.npy (`mgmm-stream import IN OUT.mgt` writes a tiled file)",
+            output.display()
+        )));
+    }
     // An output `run` is still writing (.mgt or .npy) has a journal, or a split run's state,
     // beside it; a raw descriptor is read as it is.
     if !allow_partial {

@@ -185,9 +185,19 @@ pub struct Step {
 
 /// An expression as people read it: the Python package writes its products as `alpha * a @ b`
 /// (the text its journal's resume checks against, so kept), and a factor of 1 is left out where
-/// `plan` and the summary show it.
-pub(crate) fn readable_expr(expr: &str) -> &str {
-    expr.strip_prefix("1 * ").unwrap_or(expr)
+/// `plan` and the summary show it; a chain's part (`A @ B @ C [part 1/2: T1 = B @ C]`, the
+/// text its journal keeps) reads as its own product, `B @ C (part 1/2 of A @ B @ C)` — the
+/// summary headed the intermediate with the whole expression (new-user trial).
+pub(crate) fn readable_expr(expr: &str) -> String {
+    let expr = expr.strip_prefix("1 * ").unwrap_or(expr);
+    let part = (expr.strip_suffix(']'))
+        .and_then(|e| e.rsplit_once(" [part "))
+        .and_then(|(whole, p)| {
+            let (of, text) = p.split_once(": ")?;
+            let (_, sub) = text.split_once(" = ")?;
+            Some(format!("{sub} (part {of} of {whole})"))
+        });
+    part.unwrap_or_else(|| expr.to_string())
 }
 
 impl Step {
@@ -375,4 +385,20 @@ fn resolved(p: &Path) -> PathBuf {
         return canon;
     }
     p.to_path_buf()
+}
+
+#[cfg(test)]
+mod tests {
+    /// A factor of 1 is left out; a chain's part reads as its own product, of the whole.
+    #[test]
+    fn expressions_read_as_people_write_them() {
+        use super::readable_expr;
+        assert_eq!(readable_expr("1 * a @ b.T"), "a @ b.T");
+        assert_eq!(readable_expr("2 * a @ b"), "2 * a @ b");
+        assert_eq!(
+            readable_expr("A @ B @ C [part 1/2: T1 = B @ C.T]"),
+            "B @ C.T (part 1/2 of A @ B @ C)"
+        );
+        assert_eq!(readable_expr("A @ B [x]"), "A @ B [x]");
+    }
 }

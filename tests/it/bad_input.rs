@@ -146,6 +146,7 @@ fn catalogue_of_bad_input() {
         case("gen: u64::MAX rows", |_| {}, &["gen", "Z.mgt", "--rows", "18446744073709551615", "--cols", "1"], &["Z.mgt", "absurdly large"]),
         case("gen over an input", |_| {}, &["gen", "A.mgt", "--rows", "4", "--cols", "4"], &["A.mgt", "already exists"]),
         case("export over an existing file", |_| {}, &["export", "A.mgt", "B.mgt"], &["B.mgt", "already exists"]),
+        case("export to a name that is no .npy", |_| {}, &["export", "A.mgt", "E.mgt"], &["E.mgt", "export writes a .npy array", "import"]),
         case("import of a file that is no matrix", |d| std::fs::write(d.join("junk.bin"), b"hello world").unwrap(), &["import", "junk.bin", "Z.mgt"], &["junk.bin", "wrong magic", "format = \"raw\""]),
         case("info of a missing file", |_| {}, &["info", "missing.mgt"], &["missing.mgt", "cannot open"]),
         case("verify before run", |d| plan_with(d, &step("A @ B")), &["verify", "p.toml"], &["C.mgt", "step 1's output does not exist yet", "`run` the plan first"]),
