@@ -40,7 +40,10 @@ fn export(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Resu
     refuse_existing(output, force)?;
     // It writes a .npy array whatever the name: `export C.npy C.mgt` wrote a .npy called
     // C.mgt, which `info` then read as a .npy (new-user trial).
-    if output.extension().is_none_or(|e| !e.eq_ignore_ascii_case("npy")) {
+    if output
+        .extension()
+        .is_none_or(|e| !e.eq_ignore_ascii_case("npy"))
+    {
         return Err(crate::error::Error::Usage(format!(
             "{}: export writes a .npy array; name the output *.npy (`mgmm-stream import IN OUT.mgt` writes a tiled file)",
             output.display()
