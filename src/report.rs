@@ -538,16 +538,23 @@ fn direct_line(r: &StepReport) -> String {
             crate::progress::count(r.direct_cold_blocks, "block", "blocks")
         ));
     }
+    // What the budget holds: page-locked ranges for a GPU's copies; on the CPU, whose lanes
+    // read the maps themselves, nothing is page-locked (a new user read "page-locked" on a CPU
+    // run), the ranges are only kept mapped.
+    let held = match r.backend.starts_with("cpu") {
+        true => "kept mapped",
+        false => "page-locked",
+    };
     if r.direct_oversize_blocks > 0 {
         parts.push(format!(
-            "{} in a file range larger than the {} that may be page-locked staged by copy",
+            "{} staged by copy: their file ranges are larger than the {} that may be {held} (what host_memory leaves beside the pools)",
             crate::progress::count(r.direct_oversize_blocks, "block", "blocks"),
             fmt_bytes(r.direct_budget_bytes)
         ));
     }
     if r.direct_full_blocks > 0 {
         parts.push(format!(
-            "{} staged by copy while the {} that may be page-locked was in use",
+            "{} staged by copy while the {} that may be {held} was in use",
             crate::progress::count(r.direct_full_blocks, "block", "blocks"),
             fmt_bytes(r.direct_budget_bytes)
         ));
