@@ -37,8 +37,8 @@ pub struct NonfiniteInput {
     /// NaN/Inf values seen staging it (each block counted once, however often it was staged).
     pub values: u64,
     /// The first block holding one (the first in row-major order of its first element), in
-    /// the file's own rows and columns (as stored, before a `.T`): `[first row, first column,
-    /// rows, columns]`.
+    /// the matrix's own rows and columns (as numpy indexes the file, before the plan's `.T`):
+    /// `[first row, first column, rows, columns]`.
     pub first_block: Option<[u64; 4]>,
 }
 

@@ -811,7 +811,9 @@ fn residuals(
             .map(|&i| i as u64)
             .collect(),
         rows_in: step.a.path.display().to_string(),
-        rows_transposed: step.a.trans,
+        // As the plan's text reads it: a Fortran-order file's rows are numpy's rows, though
+        // the step reads its stored transpose.
+        rows_transposed: step.a.trans ^ fa.transposed(),
         columns: o.bad_cols.len() as u64,
         first_columns: o
             .bad_cols
@@ -820,7 +822,7 @@ fn residuals(
             .map(|&j| j as u64)
             .collect(),
         columns_in: step.b.path.display().to_string(),
-        columns_transposed: step.b.trans,
+        columns_transposed: step.b.trans ^ fb.transposed(),
         c0_cells: o.c0_cells,
         overflow_cells: o.overflow_cells,
         of: (m as u64, n as u64),

@@ -1407,3 +1407,66 @@ fn an_input_without_checksums_changed_in_place_is_named_as_a_possible_cause() {
         "{err}"
     );
 }
+
+/// A Fortran-order `.npy` is read as its stored transpose, but its rows are numpy's rows: the
+/// run's note and verify name the NaN where numpy has it (logical row 40), not in the stored
+/// transpose's coordinates, and verify does not call the operand transposed.
+#[test]
+fn nan_in_a_fortran_order_input_is_named_in_numpys_rows() {
+    let d = tmp();
+    let dir = d.path();
+    let (m, k, n) = (70usize, 30usize, 50usize);
+    let mut g = Rng::new(9, 2);
+    let mut a: Vec<f32> = (0..m * k)
+        .map(|_| (g.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+        .collect();
+    a[40 * k + 3] = f32::NAN;
+    // A Fortran-order .npy of A: its columns one after another.
+    let dict = format!("{{'descr': '<f4', 'fortran_order': True, 'shape': ({m}, {k}), }}");
+    let mut h = dict.into_bytes();
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(b' ');
+    }
+    h.push(b'\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend((h.len() as u16).to_le_bytes());
+    bytes.extend(h);
+    for j in 0..k {
+        for i in 0..m {
+            bytes.extend(a[i * k + j].to_le_bytes());
+        }
+    }
+    std::fs::write(dir.join("A.npy"), bytes).unwrap();
+    gen(
+        &dir.join("B.mgt"),
+        k as u64,
+        n as u64,
+        DType::F32,
+        (32, 32),
+        Dist::Normal,
+        2,
+    );
+    let text = "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.mgt\"\n\
+                [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+                [engine]\nbackend = \"cpu\"\ntile = 32\ndurable = false\n";
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    let rep = run_text(dir, text).unwrap();
+    let s = &rep.steps[0];
+    assert_eq!(s.nonfinite_input_blocks.len(), 1, "{s:?}");
+    assert_eq!(
+        s.nonfinite_input_blocks[0].first_block,
+        Some([32, 0, 32, 30]),
+        "numpy's rows 32–63, all 30 columns"
+    );
+    assert_eq!(s.nonfinite_outputs, n as u64);
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let v = Verifier::new(&plan.engine, 2, 3)
+        .step(&plan.steps[0])
+        .unwrap();
+    let flat = format(&v).split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(v.pass && v.set_aside.first_rows == [40], "{flat}");
+    assert!(
+        flat.contains("A.npy holds NaN/Inf in the same row)") && !flat.contains("transposed"),
+        "{flat}"
+    );
+}

@@ -56,13 +56,26 @@ impl Inputs {
         &self.nonfinite[s as usize]
     }
     /// Each input's NaN/Inf tally: (input, values, first block holding one), inputs with
-    /// none left out.
+    /// none left out. The block is in the matrix's own rows and columns — as numpy indexes a
+    /// Fortran-order `.npy`, whose source's blocks are of the stored transpose.
     pub(crate) fn nonfinite_seen(&self) -> Vec<(Src, u64, Option<crate::store::Block>)> {
         [Src::A, Src::B, Src::C0]
             .into_iter()
             .map(|s| (s, self.nonfinite(s).get()))
             .filter(|(_, (n, _))| *n > 0)
-            .map(|(s, (n, b))| (s, n, b))
+            .map(|(s, (n, b))| {
+                let flip = self.file(s).transposed();
+                let b = b.map(|b| match flip {
+                    false => b,
+                    true => crate::store::Block {
+                        r0: b.c0,
+                        c0: b.r0,
+                        rows: b.cols,
+                        cols: b.rows,
+                    },
+                });
+                (s, n, b)
+            })
             .collect()
     }
     pub(crate) fn file(&self, s: Src) -> &dyn MatrixSource {
