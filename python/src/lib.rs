@@ -749,6 +749,18 @@ fn verify_plan<'py>(
 #[pyo3(signature = (path, check))]
 fn info<'py>(py: Python<'py>, path: String, check: bool) -> PyResult<Bound<'py, PyAny>> {
     let p = PathBuf::from(&path);
+    // A .npy is not refused with "convert .npy files with mgmm-stream import" (matmul reads
+    // them in place: new-user trial), but told where its description is.
+    let mut magic = [0u8; 6];
+    let is_npy = std::fs::File::open(&p)
+        .and_then(|f| std::os::unix::fs::FileExt::read_exact_at(&f, &mut magic, 0))
+        .is_ok_and(|()| &magic == b"\x93NUMPY");
+    if is_npy {
+        return Err(bad_input(
+            py,
+            format!("{path} is a .npy array: info() reads .mgt tiled files; np.load(path, mmap_mode='r') gives its shape and dtype, and `mgmm-stream info {path} --check` checks the tile checksums `run` writes beside it"),
+        ));
+    }
     let f = TiledFile::open(&p).map_err(|e| to_py(py, e))?;
     let h = f.hdr;
     if check {

@@ -40,6 +40,10 @@ def test_out_mgt_file_and_info(tmp_path):
     assert (h["rows"], h["cols"], h["dtype"], h["checked"]) == (M, N, "f64", True)
     back = mg.matmul(p, np.eye(N), **CPU)
     close(back, reference(a, b), np.float64)
+    # A .npy is told where its description is, not sent to `import` (new-user trial).
+    np.save(tmp_path / "c.npy", a)
+    with pytest.raises(mg.BadInputError, match=r"is a \.npy array: info\(\) reads \.mgt"):
+        mg.info(str(tmp_path / "c.npy"))
 
 
 def test_second_call_on_complete_output_is_a_no_op(tmp_path):

@@ -51,15 +51,18 @@ fn export(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Resu
     }
     // An output `run` is still writing (.mgt or .npy) has a journal, or a split run's state,
     // beside it; a raw descriptor is read as it is.
-    if !allow_partial {
-        if let Some(u) = unfinished(input)? {
-            return Err(Error::Usage(format!(
-                "{} is unfinished ({}): finish it with {}, or pass --allow-partial to export it as it is",
-                input.display(),
-                u.progress,
-                u.finish
-            )));
-        }
+    // With --allow-partial a journal that cannot be read only loses the note.
+    let open = match allow_partial {
+        true => unfinished(input).ok().flatten(),
+        false => unfinished(input)?,
+    };
+    if let (false, Some(u)) = (allow_partial, &open) {
+        return Err(Error::Usage(format!(
+            "{} is unfinished ({}): finish it with {}, or pass --allow-partial to export it as it is",
+            input.display(),
+            u.progress,
+            u.finish
+        )));
     }
     interrupt::install();
     let t = Instant::now();
@@ -69,11 +72,23 @@ fn export(input: &Path, output: &Path, force: bool, allow_partial: bool) -> Resu
         }
         e => interrupted(e, &format!("{} was not written", output.display())),
     })?;
-    outln!(
-        "exported {} → {} in {:.2} s",
+    // What --allow-partial exported: it said nothing of the tiles that read as zeros (a new
+    // user's trial).
+    let partial = match &open {
+        Some(u) => format!(
+            "\n  note: {} is unfinished ({}): the tiles not done are zeros in {}",
+            input.display(),
+            u.progress,
+            output.display()
+        ),
+        None => String::new(),
+    };
+    let said = format!(
+        "exported {} → {} in {:.2} s{partial}",
         input.display(),
         output.display(),
         t.elapsed().as_secs_f64()
     );
+    outln!("{}", crate::progress::wrap(&said));
     Ok(())
 }

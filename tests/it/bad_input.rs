@@ -451,6 +451,19 @@ fn unfinished_outputs_are_told_apart_from_corrupt_ones() {
     assert!(out.contains("check:       unfinished, resumable"), "{out}");
     let o = mg(dir, &["export", "C.mgt", "C.npy", "--allow-partial"]);
     assert!(o.status.success(), "{o:?}");
+    // It says what it exported: the tiles not done are zeros.
+    let said = String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        said.contains("note: C.mgt is unfinished (") && said.contains("of 6 tiles done"),
+        "{said}"
+    );
+    assert!(
+        said.contains("the tiles not done are zeros in C.npy"),
+        "{said}"
+    );
     // Finished, then corrupted: "corrupt", not "unfinished".
     let o = mg(dir, &["run", "p.toml"]);
     assert!(o.status.success(), "{o:?}");
