@@ -406,6 +406,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         .into_iter()
         .map(|(name, stats)| LaneReport { name, stats })
         .collect();
+    let inputs_nonfinite = nonfinite_inputs(step, &st.nonfinite_inputs);
     StepReport {
         emulation: EmulationReport::of(cx.precision, &lanes),
         lanes,
@@ -451,29 +452,8 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         bottleneck: shares.first().map(|s| s.0.clone()).unwrap_or_default(),
         busy_shares: shares,
         stages: st.stages,
-        nonfinite_inputs: st.nonfinite_inputs.iter().map(|i| i.1).sum(),
-        nonfinite_input_blocks: st
-            .nonfinite_inputs
-            .iter()
-            // `X.T @ X`: one matrix read as A and as B, named once (as A).
-            .filter(|&&(src, _, _)| !(src == Src::B && step.b.path == step.a.path))
-            .map(|&(src, values, first)| {
-                let op = match src {
-                    Src::A => &step.a,
-                    Src::B => &step.b,
-                    Src::C0 => step
-                        .c0
-                        .as_ref()
-                        .expect("C0 is only read when the step has one"),
-                };
-                NonfiniteInput {
-                    input: op.name.clone(),
-                    path: (!step.in_memory(&op.path)).then(|| op.path.display().to_string()),
-                    values,
-                    first_block: first.map(|b| [b.r0, b.c0, b.rows, b.cols]),
-                }
-            })
-            .collect(),
+        nonfinite_inputs: inputs_nonfinite.iter().map(|i| i.values).sum(),
+        nonfinite_input_blocks: inputs_nonfinite,
         nonfinite_outputs: st.nonfinite_outputs.0,
         first_nonfinite_tile: (st.nonfinite_outputs.1).map(|b| [b.r0 / l.tm, b.c0 / l.tn]),
         flush_s: st.flush_s,
@@ -485,6 +465,33 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         setup_s: Vec::new(),
         backend_reused: false,
     }
+}
+
+/// Each input's NaN/Inf tally as the report gives it: by the plan's name, with its file (none
+/// for the caller's array), `X.T @ X`'s one matrix once (as A).
+fn nonfinite_inputs(
+    step: &Step,
+    seen: &[(Src, u64, Option<crate::store::Block>)],
+) -> Vec<NonfiniteInput> {
+    seen.iter()
+        .filter(|&&(src, _, _)| !(src == Src::B && step.b.path == step.a.path))
+        .map(|&(src, values, first)| {
+            let op = match src {
+                Src::A => &step.a,
+                Src::B => &step.b,
+                Src::C0 => step
+                    .c0
+                    .as_ref()
+                    .expect("C0 is only read when the step has one"),
+            };
+            NonfiniteInput {
+                input: op.name.clone(),
+                path: (!step.in_memory(&op.path)).then(|| op.path.display().to_string()),
+                values,
+                first_block: first.map(|b| [b.r0, b.c0, b.rows, b.cols]),
+            }
+        })
+        .collect()
 }
 
 /// How much of the input the lanes copied straight from the files' pages (empty when none

@@ -570,27 +570,13 @@ fn describe_bounds(
     let rate = (caps.peak_flops)(e.precision, lanes, l.tk.min(step.k));
     let why = (caps.peak_source)(e.precision);
     let tc = step.flops() / rate;
-    // The disk's part: the inputs read once and the output written once, where they are
-    // files (arrays and intermediates held in memory take none).
-    let disk_read = match step.inputs_from() {
-        "files" => t.min_read_bytes,
-        // Each input file once (`X.T @ X` reads one), as `min_read_bytes` counts them.
-        _ => {
-            let mut files: Vec<&crate::plan::Operand> = Vec::new();
-            for op in [Some(&step.a), Some(&step.b), step.c0.as_ref()]
-                .into_iter()
-                .flatten()
-            {
-                if !step.in_memory(&op.path) && !files.iter().any(|f| f.path == op.path) {
-                    files.push(op);
-                }
-            }
-            files
-                .iter()
-                .map(|o| o.rows * o.cols * o.dtype.size() as u64)
-                .sum()
-        }
-    };
+    // The disk's part: the inputs read once and the output written once (`min_read_bytes`'s
+    // count), of those that are files (arrays and intermediates held in memory take none).
+    let disk_read: u64 = [&step.a, &step.b]
+        .into_iter()
+        .filter(|o| !step.in_memory(&o.path))
+        .map(|o| o.rows * o.cols * o.dtype.size() as u64)
+        .sum();
     let disk_write = match step.output_in_memory() {
         true => 0,
         false => t.write_bytes,
