@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::backend::{Caps, DeviceStats, MemorySpace};
 use crate::metrics::{StageKind, StageSnapshot};
-use crate::pipeline::{PoolReport, RunStats};
+use crate::pipeline::{NonfiniteSeen, PoolReport, RunStats};
 use crate::plan::layout::Layout;
 use crate::plan::schedule::Src;
 use crate::plan::{Precision, Step};
@@ -40,6 +40,9 @@ pub struct NonfiniteInput {
     /// the matrix's own rows and columns (as numpy indexes the file, before the plan's `.T`):
     /// `[first row, first column, rows, columns]`.
     pub first_block: Option<[u64; 4]>,
+    /// The first NaN/Inf in that block, `[row, column]` in the same terms (`None` where only
+    /// the conversion to the computed type made one: a value past fp16's range).
+    pub first_element: Option<[u64; 2]>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -469,14 +472,11 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
 
 /// Each input's NaN/Inf tally as the report gives it: by the plan's name, with its file (none
 /// for the caller's array), `X.T @ X`'s one matrix once (as A).
-fn nonfinite_inputs(
-    step: &Step,
-    seen: &[(Src, u64, Option<crate::store::Block>)],
-) -> Vec<NonfiniteInput> {
+fn nonfinite_inputs(step: &Step, seen: &[NonfiniteSeen]) -> Vec<NonfiniteInput> {
     seen.iter()
-        .filter(|&&(src, _, _)| !(src == Src::B && step.b.path == step.a.path))
-        .map(|&(src, values, first)| {
-            let op = match src {
+        .filter(|i| !(i.src == Src::B && step.b.path == step.a.path))
+        .map(|i| {
+            let op = match i.src {
                 Src::A => &step.a,
                 Src::B => &step.b,
                 Src::C0 => step
@@ -487,8 +487,9 @@ fn nonfinite_inputs(
             NonfiniteInput {
                 input: op.name.clone(),
                 path: (!step.in_memory(&op.path)).then(|| op.path.display().to_string()),
-                values,
-                first_block: first.map(|b| [b.r0, b.c0, b.rows, b.cols]),
+                values: i.values,
+                first_block: i.block.map(|b| [b.r0, b.c0, b.rows, b.cols]),
+                first_element: i.at.map(|(r, c)| [r, c]),
             }
         })
         .collect()
@@ -673,13 +674,15 @@ fn nonfinite_input_note(r: &StepReport) -> Option<String> {
         .nonfinite_input_blocks
         .iter()
         .map(|i| {
-            let at = i.first_block.map(|[r0, c0, rows, cols]| {
-                format!(
+            let at = match (i.first_element, i.first_block) {
+                (Some([r, c]), _) => Some(format!("the first at row {r}, column {c}")),
+                (None, Some([r0, c0, rows, cols])) => Some(format!(
                     "the first in rows {r0}–{}, columns {c0}–{}",
                     r0 + rows.max(1) - 1,
                     c0 + cols.max(1) - 1
-                )
-            });
+                )),
+                (None, None) => None,
+            };
             let about: Vec<String> = [i.path.clone(), at].into_iter().flatten().collect();
             match about.is_empty() {
                 true => format!("{} in {}", i.values, i.input),

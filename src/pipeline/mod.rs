@@ -33,6 +33,7 @@ use crate::store::fsutil::DirtyLimits;
 use crate::store::{Header, MatrixSink, MatrixSource};
 use control::Control;
 use pool::Pool;
+pub(crate) use stages::NonfiniteSeen;
 use stages::*;
 
 /// The output header a step writes.
@@ -122,7 +123,7 @@ pub(crate) struct RunStats {
     /// FLOPs of the tiles computed in this run.
     pub(crate) flops: f64,
     /// NaN/Inf values seen staging each input that held any, and the first block with one.
-    pub(crate) nonfinite_inputs: Vec<(Src, u64, Option<crate::store::Block>)>,
+    pub(crate) nonfinite_inputs: Vec<NonfiniteSeen>,
     /// NaN/Inf elements in the output tiles written (as stored), and the first tile with one.
     pub(crate) nonfinite_outputs: (u64, Option<crate::store::Block>),
     /// Input bytes one lane took from another lane's read instead of reading them.

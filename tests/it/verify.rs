@@ -1064,18 +1064,19 @@ fn nan_in_an_input_is_named_with_the_output_nan_it_makes() {
             && !out.contains("all finite"),
         "{out}"
     );
-    // The note on the inputs names the input, its file and the block the NaN is in (A's
-    // tile row 1, all of k = 30), not a bare count.
+    // The note on the inputs names the input, its file, the block the NaN is in (A's tile
+    // row 1, all of k = 30) and the element, not a bare count.
     assert_eq!(s.nonfinite_input_blocks.len(), 1, "{s:?}");
     let i = &s.nonfinite_input_blocks[0];
     assert_eq!(
         (i.input.as_str(), i.first_block),
         ("A", Some([32, 0, 32, 30]))
     );
+    assert_eq!(i.first_element, Some([40, 3]), "the element itself");
     assert!(i.path.as_ref().unwrap().ends_with("A.mgt") && i.values == s.nonfinite_inputs);
     assert!(
         out.contains("NaN/Inf values seen while staging the inputs: 1 in A (")
-            && out.contains("A.mgt; the first in rows 32–63, columns 0–29)"),
+            && out.contains("A.mgt; the first at row 40, column 3)"),
         "{out}"
     );
     // verify sets the row aside and says which, and why.
@@ -1458,6 +1459,7 @@ fn nan_in_a_fortran_order_input_is_named_in_numpys_rows() {
         Some([32, 0, 32, 30]),
         "numpy's rows 32–63, all 30 columns"
     );
+    assert_eq!(s.nonfinite_input_blocks[0].first_element, Some([40, 3]));
     assert_eq!(s.nonfinite_outputs, n as u64);
     let plan = Plan::load(&dir.join("plan.toml")).unwrap();
     let v = Verifier::new(&plan.engine, 2, 3)

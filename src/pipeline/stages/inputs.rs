@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::nonfinite::Nonfinite;
 use crate::plan::schedule::Src;
-use crate::store::MatrixSource;
+use crate::store::{Block, MatrixSource};
 
 /// The input matrices of a step.
 pub(crate) struct Inputs {
@@ -58,23 +58,32 @@ impl Inputs {
     /// Each input's NaN/Inf tally: (input, values, first block holding one), inputs with
     /// none left out. The block is in the matrix's own rows and columns — as numpy indexes a
     /// Fortran-order `.npy`, whose source's blocks are of the stored transpose.
-    pub(crate) fn nonfinite_seen(&self) -> Vec<(Src, u64, Option<crate::store::Block>)> {
+    pub(crate) fn nonfinite_seen(&self) -> Vec<NonfiniteSeen> {
         [Src::A, Src::B, Src::C0]
             .into_iter()
             .map(|s| (s, self.nonfinite(s).get()))
             .filter(|(_, (n, _))| *n > 0)
             .map(|(s, (n, b))| {
-                let flip = self.file(s).transposed();
-                let b = b.map(|b| match flip {
-                    false => b,
-                    true => crate::store::Block {
-                        r0: b.c0,
-                        c0: b.r0,
-                        rows: b.cols,
-                        cols: b.rows,
-                    },
-                });
-                (s, n, b)
+                let f = self.file(s);
+                let at = b.and_then(|b| first_nonfinite(f, &b));
+                let (b, at) = match f.transposed() {
+                    false => (b, at),
+                    true => (
+                        b.map(|b| Block {
+                            r0: b.c0,
+                            c0: b.r0,
+                            rows: b.cols,
+                            cols: b.rows,
+                        }),
+                        at.map(|(r, c)| (c, r)),
+                    ),
+                };
+                NonfiniteSeen {
+                    src: s,
+                    values: n,
+                    block: b,
+                    at,
+                }
             })
             .collect()
     }
@@ -88,4 +97,39 @@ impl Inputs {
                 .expect("C0 is only requested when the step has one"),
         }
     }
+}
+
+/// What a step saw of one input's NaN/Inf: how many, the first block holding one, and where in
+/// it the first is (in the matrix's own rows and columns; `None` where only the conversion to
+/// the computed type made one, as a value past fp16's range).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NonfiniteSeen {
+    pub(crate) src: Src,
+    pub(crate) values: u64,
+    pub(crate) block: Option<Block>,
+    pub(crate) at: Option<(u64, u64)>,
+}
+
+/// The first NaN/Inf of block `b` of `f` in row-major order (stored rows and columns), read a
+/// row at a time once the step is over, so that the note names the element and not a block of
+/// the whole matrix (a new user's trial: "the first in rows 0–699, columns 0–299").
+fn first_nonfinite(f: &dyn MatrixSource, b: &Block) -> Option<(u64, u64)> {
+    let dt = f.dtype().compute();
+    let mut row = vec![0u8; b.cols as usize * dt.size()];
+    for r in b.r0..b.r0 + b.rows {
+        let one = Block {
+            r0: r,
+            rows: 1,
+            ..*b
+        };
+        f.read_block(&one, dt, &mut row).ok()?;
+        if crate::dtype::count_nonfinite(dt, &row) == 0 {
+            continue;
+        }
+        let j = row
+            .chunks_exact(dt.size())
+            .position(|e| crate::dtype::count_nonfinite(dt, e) > 0)?;
+        return Some((r, b.c0 + j as u64));
+    }
+    None
 }

@@ -35,7 +35,7 @@ mod sync;
 mod writeback;
 
 pub(crate) use check::Checker;
-pub(crate) use inputs::Inputs;
+pub(crate) use inputs::{Inputs, NonfiniteSeen};
 pub(crate) use lane::DeviceLane;
 pub(crate) use messages::{Done, LaneOp, PlanOp, ToWriteback};
 pub(crate) use nonfinite::Nonfinite;
