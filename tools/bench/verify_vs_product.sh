@@ -30,4 +30,4 @@ done
 # reads, the device's folds (to each band's copy's end) and cross-checks, the GPU's opening.
 log "verify traced (MGMM_TRACE), products on the gpu"
 MGMM_TRACE="$OUT/verify_trace.json" "$MGMM" verify v.toml > /dev/null 2>&1
-python3 "$TOOLS/trace_sum.py" "$OUT/verify_trace.json" | tee -a "$LOG"
+python3 "$TOOLS/trace_sum.py" "$OUT/verify_trace.json" --within verify | tee -a "$LOG"
