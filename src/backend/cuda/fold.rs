@@ -1,13 +1,16 @@
-//! `verify`'s dense pass on a GPU ([`crate::backend::fold`] says what and why): one context
-//! stream, one cuBLAS handle, kernels/verify.cu.
+//! `verify`'s dense pass on a GPU ([`crate::backend::fold`] says what and why): two streams
+//! (the bands' copies, the compute), one cuBLAS handle, kernels/verify.cu.
 //!
-//! Per band, in stream order: the f32 band is copied up (from the host buffer the pass read it
-//! into, page-locked by [`FoldDevice::pin`] where the driver allows, so the copy is DMA at
-//! PCIe speed; 7–8 GB/s from pageable memory on the H200 host), `vf_widen` writes it as f64
-//! with NaN/Inf as 0 and marks their op rows, one DGEMM adds it times the signed sums, then
+//! Per band: the f32 band is copied up on a stream of its own (from the host buffer the pass
+//! read it into, page-locked by [`FoldDevice::pin`] where the driver allows, so the copy is DMA
+//! at PCIe speed; 7–8 GB/s from pageable memory on the H200 host) into one of two device band
+//! buffers; then, on the compute stream, once that copy is done, `vf_widen` writes it as f64
+//! with NaN/Inf as 0 and marks their op rows, one DGEMM adds it times the signed sums, and
 //! `vf_abs` and `vf_square` turn it into |a| and a·a in place for the two tolerance DGEMMs.
 //! `fold` returns once the copy is done (the host may then reuse the band's buffer); the rest
-//! runs while the host reads the next band.
+//! runs while the host reads the next band. With one stream for both, a band's copy was queued
+//! behind the previous band's widening and DGEMMs, and the host waited for those too; now the
+//! next copy waits only for the widening of the band two before it (which read its buffer).
 //!
 //! Written in a session without a GPU (2026-12-05, the twenty-first): `verify` checks this
 //! device's sums of the first and the last band against the CPU's before trusting them, and
@@ -21,8 +24,8 @@ use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
 };
 
 use super::kernels::{compiled_once, gemm_ex};
@@ -74,14 +77,22 @@ struct Bufs {
     oabs: Option<CudaSlice<f64>>,
     osq: Option<CudaSlice<f64>>,
     bad: Option<CudaSlice<u8>>,
-    band: Option<CudaSlice<f32>>,
+    /// Two, copied into in turn (the copy of one band while the other is widened).
+    band: [Option<CudaSlice<f32>>; 2],
     wide: Option<CudaSlice<f64>>,
 }
 
 struct CudaFold {
     name: String,
     ctx: Arc<CudaContext>,
+    /// The widening, the DGEMMs and the sums.
     stream: Arc<CudaStream>,
+    /// The bands' copies up.
+    copy: Arc<CudaStream>,
+    /// Per band buffer, the event after the widening that last read it (the next copy into it
+    /// waits for that), and which buffer the next band goes to.
+    widened: [Option<CudaEvent>; 2],
+    next: usize,
     blas: Option<CudaBlas>,
     k: Kernels,
     b: Bufs,
@@ -106,6 +117,7 @@ impl CudaFold {
         let e = |what: &str| err(&name, what);
         ctx.bind_to_thread().map_err(e("cannot use context"))?;
         let stream = ctx.new_stream().map_err(e("cannot create stream"))?;
+        let copy = ctx.new_stream().map_err(e("cannot create stream"))?;
         let ptx = ptx()
             .map_err(|x| Error::device(0, name.clone(), "NVRTC failed on kernels/verify.cu", x))?;
         let module = ctx
@@ -127,6 +139,9 @@ impl CudaFold {
             name,
             ctx: ctx.clone(),
             stream,
+            copy,
+            widened: [None, None],
+            next: 0,
             blas: Some(blas),
             k,
             b: Bufs::default(),
@@ -251,7 +266,9 @@ impl FoldDevice for CudaFold {
         Self::ensure(&s, &mut b.oabs, m * g, true).map_err(fail("the results"))?;
         Self::ensure(&s, &mut b.osq, m * g, true).map_err(fail("the results"))?;
         Self::ensure(&s, &mut b.bad, m, true).map_err(fail("the row flags"))?;
-        Self::ensure(&s, &mut b.band, band_elems, false).map_err(fail("a band"))?;
+        for band in &mut b.band {
+            Self::ensure(&s, band, band_elems, false).map_err(fail("a band"))?;
+        }
         Self::ensure(&s, &mut b.wide, band_elems, false).map_err(fail("a band"))?;
         let up = |src: &[f64], dst: &mut Option<CudaSlice<f64>>| {
             s.memcpy_htod(src, dst.as_mut().expect("allocated above"))
@@ -261,6 +278,12 @@ impl FoldDevice for CudaFold {
         up(spec.abs, &mut b.zabs).map_err(err(name, "copy of the tolerance sums"))?;
         up(spec.sq, &mut b.zsq).map_err(err(name, "copy of the tolerance sums"))?;
         self.shape = (m, k, rg, g, spec.trans);
+        // The copy stream's first copies may not start before the buffers exist.
+        let ready = s
+            .record_event(None)
+            .map_err(err(name, "event after allocation"))?;
+        self.copy.wait(&ready).map_err(err(name, "copy stream"))?;
+        self.widened = [None, None];
         Ok(())
     }
 
@@ -288,6 +311,7 @@ impl FoldDevice for CudaFold {
     fn unpin(&mut self) {
         let _ = self.ctx.bind_to_thread();
         // A `fold` that failed may have left its copy from a buffer running.
+        let _ = self.copy.synchronize();
         let _ = self.stream.synchronize();
         for p in self.pinned.drain(..) {
             // SAFETY: a range this fold registered and has not unregistered.
@@ -301,7 +325,7 @@ impl FoldDevice for CudaFold {
         let cols = n / h.max(1);
         let fits = h > 0
             && n == h * cols
-            && n <= self.b.band.as_ref().map_or(0, |b| b.len())
+            && n <= self.b.band[0].as_ref().map_or(0, |b| b.len())
             && match trans {
                 false => r0 + h <= m && cols == k,
                 true => r0 + h <= k && cols == m,
@@ -315,16 +339,24 @@ impl FoldDevice for CudaFold {
         self.ctx
             .bind_to_thread()
             .map_err(self.e("cannot use context"))?;
-        let (s, name) = (&self.stream, &self.name);
+        let (s, c, name) = (&self.stream, &self.copy, &self.name);
         let blas = self.blas.as_ref().expect("held until drop");
         let e = |what: &str| err(name, what);
         let be = |what: &'static str| move |x| Error::device(0, name.clone(), what, x);
         let b = &mut self.b;
-        let dband = b.band.as_mut().expect("allocated by begin");
-        s.memcpy_htod(band, dband).map_err(e("copy of a band"))?;
-        let copied = s
+        let slot = self.next % 2;
+        self.next += 1;
+        let dband = b.band[slot].as_mut().expect("allocated by begin");
+        // The buffer was last read by the widening of the band two before this one.
+        if let Some(w) = &self.widened[slot] {
+            c.wait(w).map_err(e("copy stream waiting for a widening"))?;
+        }
+        c.memcpy_htod(band, dband).map_err(e("copy of a band"))?;
+        let copied = c
             .record_event(None)
             .map_err(e("event after a band's copy"))?;
+        s.wait(&copied)
+            .map_err(e("compute stream waiting for a band's copy"))?;
         let wide = b.wide.as_mut().expect("allocated by begin");
         let bad = b.bad.as_mut().expect("allocated by begin");
         let (n64, cols64, row0, tr) = (n as u64, cols as u64, r0 as u64, trans as u32);
@@ -343,6 +375,10 @@ impl FoldDevice for CudaFold {
                 .arg(&row0);
             l.launch(cfg).map_err(e("vf_widen launch"))?;
         }
+        self.widened[slot] = Some(
+            s.record_event(None)
+                .map_err(e("event after a band's widening"))?,
+        );
         let (z, out) = (b.z.as_ref().expect("begin"), b.out.as_mut().expect("begin"));
         dgemm(blas, s, band_gemm(trans, r0, h, cols, rg), wide, z, out).map_err(be("DGEMM"))?;
         unsafe {
