@@ -110,6 +110,8 @@ impl RunArgs {
             // As `prepare` laid the step out: a tile that does not depend on this process's GPUs.
             crate::cluster::for_split(&mut p);
         }
+        super::refuse_job_files(&p, settings.trace.as_deref(), "MGMM_TRACE=")?;
+        super::refuse_job_files(&p, report.as_deref(), "--report ")?;
         crate::trace::init(settings.trace.as_deref())?;
         // A report path that cannot be written fails now, not after hours of work.
         if let Some(r) = &report {
@@ -156,6 +158,7 @@ impl RunArgs {
 /// replaced, never written through).
 fn report_writable(path: &Path) -> Result<()> {
     let err = |e| Error::io(path, "cannot write the report (--report)", e);
+    crate::store::fsutil::refuse_non_json(path, "--report ")?;
     if let Ok(m) = std::fs::symlink_metadata(path) {
         if !m.is_file() && !m.file_type().is_symlink() {
             return Err(Error::Usage(format!(

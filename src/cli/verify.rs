@@ -50,6 +50,7 @@ impl VerifyArgs {
         let p = Plan::load_with(&self.plan, &self.set)?;
         run::init_threads(p.engine.threads);
         let (rounds, seed, repair) = (self.rounds, self.seed, self.repair);
+        super::refuse_job_files(&p, settings.trace.as_deref(), "MGMM_TRACE=")?;
         crate::trace::init(settings.trace.as_deref())?;
         let r = verify_plan(&p, rounds, seed, false, repair, settings.verify_times);
         crate::trace::write_at_end();

@@ -119,6 +119,32 @@ pub(crate) fn open_in_place(path: &Path, how: InPlace) -> Result<File> {
     Ok(file)
 }
 
+/// Refuse `path` as the place of a JSON document a command writes (`what`: "--report",
+/// "MGMM_TRACE") when a file is there that is not one: only nothing, an empty file or a file
+/// whose first non-blank byte is `{` (a report or timeline of an earlier run) may be replaced.
+/// A slip of the tab key (`--report A.npy`) must not replace a matrix or a plan with a report.
+pub(crate) fn refuse_non_json(path: &Path, what: &str) -> Result<()> {
+    let Ok(m) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !m.is_file() || m.len() == 0 {
+        return Ok(());
+    }
+    let mut head = [0u8; 256];
+    let n = File::open(path)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+        .unwrap_or(0);
+    match head[..n].iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'{') | None => Ok(()),
+        Some(_) => Err(Error::Usage(format!(
+            "{what}{}: that file exists and is not a JSON report or timeline ({} bytes; it would be replaced); give a new path, e.g. {}",
+            path.display(),
+            m.len(),
+            if what.starts_with("MGMM_TRACE") { "trace.json" } else { "run.json" }
+        ))),
+    }
+}
+
 /// The directory a new file at `path` goes into ("." for a bare name).
 pub(crate) fn parent_dir(path: &Path) -> std::path::PathBuf {
     match path.parent() {

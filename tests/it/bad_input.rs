@@ -678,6 +678,54 @@ fn an_output_beyond_resuming_says_to_restart() {
     assert!(o.status.success(), "{o:?}");
 }
 
+/// `--report` and `MGMM_TRACE` never replace the job's own files nor a file that is not a
+/// JSON document (a tab-completion slip, `--report A.mgt`, replaced the input with a report,
+/// exit 0); an earlier report is replaced as before.
+#[test]
+fn a_report_or_timeline_never_replaces_the_jobs_files() {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir);
+    cpu_plan(dir, "C.mgt", "");
+    std::fs::write(dir.join("notes.txt"), "my notes\n").unwrap();
+    let before = |f: &str| std::fs::read(dir.join(f)).unwrap();
+    let (a, p, notes) = (before("A.mgt"), before("p.toml"), before("notes.txt"));
+    for (path, needles) in [
+        ("A.mgt", vec!["--report A.mgt", "the matrix `A`"]),
+        ("p.toml", vec!["the plan file"]),
+        ("C.mgt", vec!["the output of step 1"]),
+        (
+            "notes.txt",
+            vec!["notes.txt", "not a JSON report", "run.json"],
+        ),
+    ] {
+        let o = mg(dir, &["run", "p.toml", "--report", path]);
+        failed_with(&o, &needles);
+    }
+    let o = Command::new(bin())
+        .args(["verify", "p.toml"])
+        .env("MGMM_TRACE", "A.mgt")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    failed_with(&o, &["MGMM_TRACE=A.mgt", "the matrix `A`", "trace.json"]);
+    assert_eq!(before("A.mgt"), a, "A.mgt was changed");
+    assert_eq!(before("p.toml"), p, "the plan was changed");
+    assert_eq!(before("notes.txt"), notes, "notes.txt was changed");
+    assert!(
+        !dir.join("C.mgt").exists(),
+        "a refused run computed nothing"
+    );
+    // A report of an earlier run is replaced.
+    for _ in 0..2 {
+        let o = mg(dir, &["run", "p.toml", "--restart", "--report", "r.json"]);
+        assert!(o.status.success(), "{o:?}");
+    }
+    // The journal: JSON too, refused as the job's own.
+    let o = mg(dir, &["run", "p.toml", "--report", "C.mgt.journal"]);
+    failed_with(&o, &["the journal of step 1"]);
+}
+
 #[test]
 fn a_report_into_a_new_folder_is_written_and_a_failed_run_leaves_none() {
     let d = tmp();
