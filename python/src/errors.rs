@@ -29,7 +29,10 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
         Error::Cancelled => "CancelledError",
         Error::Unverified(_) => "MgmmError",
     };
-    let mut msg = plain_dict_text(&e.to_string());
+    let mut msg = python_words(&e.to_string());
+    if matches!(e, Error::Cancelled) {
+        msg += " (a file output keeps its finished tiles: the same call again resumes it; an array result is not kept)";
+    }
     if msg.contains("--restart") {
         msg += " (from Python: pass restart=True)";
     }
@@ -55,6 +58,23 @@ pub fn warn(py: Python<'_>, msg: &str) {
         &std::ffi::CString::new(msg.replace('\0', " ")).unwrap_or_default(),
         1,
     );
+}
+
+/// A message of the engine as a Python caller should read it: a plan dict by its name
+/// ([`plain_dict_text`]) and `restart=True` where the command line's words say `run
+/// --restart`.
+pub fn python_words(msg: &str) -> String {
+    plain_dict_text(msg).replace("`run --restart`", "`restart=True`")
+}
+
+/// [`python_words`] applied to every string in `v` (a report dict's reasons and notes).
+pub fn python_words_in(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::String(s) => *s = python_words(s),
+        serde_json::Value::Array(a) => a.iter_mut().for_each(python_words_in),
+        serde_json::Value::Object(o) => o.values_mut().for_each(python_words_in),
+        _ => {}
+    }
 }
 
 /// A message or text about a plan given as a dict, as its caller can read it: the plan's name

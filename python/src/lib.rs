@@ -437,6 +437,8 @@ fn prepare(
     let oa = operand("a", &sa, trans_a ^ flip_a);
     let ob = operand("b", &sb, trans_b ^ flip_b);
     check_shapes(py, &oa, &ob)?;
+    mgmm_stream::plan::scalar_problem("alpha", "", alpha, oa.dtype)
+        .map_err(|e| bad_input(py, e))?;
     let p = choose_precision(py, precision.as_deref(), oa.dtype)?;
     let mut kv: Vec<(&str, &str)> = settings
         .iter()
@@ -656,8 +658,7 @@ fn finalize_plan(
 fn describe_data<'py>(py: Python<'py>, plan: &Plan) -> PyResult<Bound<'py, PyAny>> {
     // Said as the Python call would (a plan dict by its name; `restart=True` for the command
     // line's `--restart`).
-    let text = errors::plain_dict_text(&run::describe(plan).map_err(|e| to_py(py, e))?)
-        .replace("`run --restart`", "`restart=True`");
+    let text = errors::python_words(&run::describe(plan).map_err(|e| to_py(py, e))?);
     let backend = mgmm_stream::backend::select(&plan.engine).map_err(|e| to_py(py, e))?;
     let mut steps = Vec::new();
     for s in &plan.steps {
@@ -738,6 +739,7 @@ fn verify_plan<'py>(
                     r.output
                 ));
             }
+            errors::python_words_in(&mut v);
             v
         })
         .collect();

@@ -126,3 +126,18 @@ def test_memmap_of_a_replaced_or_removed_file_reads_what_it_maps(tmp_path):
     close(mg.matmul(mm, b, **CPU), reference(a, b), np.float32)
     os.remove(p)
     close(mg.matmul(mm, b, **CPU), reference(a, b), np.float32)
+
+
+@pytest.mark.parametrize("alpha, words", [(float("nan"), "alpha = NaN; use a finite number"),
+                                          (float("inf"), "alpha = inf; use a finite number"),
+                                          (1e39, "outside f32's normal range"),
+                                          (1e-50, "outside f32's normal range")])
+def test_alpha_that_is_not_finite_or_out_of_f32s_range_is_refused(alpha, words):
+    # As the CLI refuses such a coefficient in a plan; it used to give NaN/Inf results with a
+    # warning that blamed overflow (new-user trial).
+    a = np.ones((4, 4), np.float32)
+    with pytest.raises(mg.BadInputError, match=words):
+        mg.matmul(a, a, alpha=alpha, **CPU)
+    # f64 inputs take any finite alpha.
+    c = mg.matmul(a.astype(np.float64), a.astype(np.float64), alpha=1e-50, **CPU)
+    assert c[0, 0] == pytest.approx(4e-50)

@@ -41,7 +41,7 @@ def test_cancel_event_then_resume(tmp_path):
             stop.set()
 
     t0 = time.monotonic()
-    with pytest.raises(mg.CancelledError):
+    with pytest.raises(mg.CancelledError, match="same call again resumes"):
         mg.matmul(a, b, out=out, progress=on_progress, cancel=stop, **SLOW)
     assert time.monotonic() - t0 < 60
     done = records(out + ".journal")

@@ -346,3 +346,23 @@ def test_a_matmul_file_output_verifies_against_the_plan_a_user_writes(tmp_path, 
     plan["step"][0]["alpha"] = 3.0
     (r,) = mg.verify(plan)
     assert not r["pass"] and "alpha" in r["reason"], r
+
+
+def test_verify_reason_of_a_changed_plan_says_restart_true(tmp_path, monkeypatch):
+    # A verify dict's reason is worded for Python (`restart=True`), as its errors are, not with
+    # the command line's `run --restart` (new-user trial).
+    monkeypatch.chdir(tmp_path)
+    p = {
+        "matrices": {
+            "A": {"path": "A.mgt", "generate": {"rows": 40, "cols": 30, "seed": 1}},
+            "B": {"path": "B.mgt", "generate": {"rows": 30, "cols": 20, "seed": 2}},
+        },
+        "step": [{"output": "C.mgt", "expr": "A @ B", "alpha": 2.0}],
+        "engine": {"backend": "cpu", "tile": 16},
+    }
+    mg.run(p, progress=False)
+    p["step"][0]["alpha"] = 3.0
+    (r,) = mg.verify(p)
+    assert r["pass"] is False
+    text = str(r)
+    assert "restart=True" in text and "run --restart" not in text, text

@@ -24,7 +24,7 @@ pub use crate::seam::{EmulationModuli, Precision, StagingMode};
 use crate::store::gen::GenSpec;
 use engine::{EngineSet, EngineSource};
 use resolve::Ctx;
-pub use resolve::{header_from_disk, HeaderOf, MatrixInfo};
+pub use resolve::{header_from_disk, scalar_problem, HeaderOf, MatrixInfo};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 /// Which backend `[engine] backend` asks for.

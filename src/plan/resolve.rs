@@ -573,23 +573,34 @@ fn check_chain(
 /// `alpha` and `beta` must be finite, and within f32's normal range unless the inputs are f64.
 fn check_scalars(cx: &Ctx, at: &str, scalars: &[(&str, f64)], dtype: DType) -> Result<()> {
     for &(what, v) in scalars {
-        // inf or NaN would make every output element non-finite (and an overflowing product
-        // of finite factors, too): refused here rather than found by `verify` afterwards.
-        if !v.is_finite() {
-            return Err(cx.err(format!(
-                "{at}: {what} = {v} (expr's coefficient times the `{what}` key); use a finite number"
-            )));
-        }
-        // Inputs other than f64 are computed with f32 scalars: a factor that overflows f32
-        // makes every output element infinite, one below its normal range loses its digits
-        // or flushes to zero — a wrong product, silently.
-        let f32_range = f32::MIN_POSITIVE as f64..=f32::MAX as f64;
-        if dtype != DType::F64 && v != 0.0 && !f32_range.contains(&v.abs()) {
-            return Err(cx.err(format!(
-                "{at}: {what} = {v:e} is outside f32's normal range (about 1.2e-38 to 3.4e38), and with {} inputs the product is computed with f32 factors; scale the inputs instead, or store them as f64 and set precision = \"fp64\"",
-                dtype
-            )));
-        }
+        let note = format!(" (expr's coefficient times the `{what}` key)");
+        scalar_problem(what, &note, v, dtype).map_err(|e| cx.err(format!("{at}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// What is wrong with a step's coefficient `what` = `v` for inputs of `dtype` (`note` follows
+/// its value in the message: where it came from), if anything: the one check of `alpha` and
+/// `beta` for plans and for the Python package's `matmul(alpha=…)`.
+pub fn scalar_problem(
+    what: &str,
+    note: &str,
+    v: f64,
+    dtype: DType,
+) -> std::result::Result<(), String> {
+    // inf or NaN would make every output element non-finite (and an overflowing product
+    // of finite factors, too): refused here rather than found by `verify` afterwards.
+    if !v.is_finite() {
+        return Err(format!("{what} = {v}{note}; use a finite number"));
+    }
+    // Inputs other than f64 are computed with f32 scalars: a factor that overflows f32
+    // makes every output element infinite, one below its normal range loses its digits
+    // or flushes to zero — a wrong product, silently.
+    let f32_range = f32::MIN_POSITIVE as f64..=f32::MAX as f64;
+    if dtype != DType::F64 && v != 0.0 && !f32_range.contains(&v.abs()) {
+        return Err(format!(
+            "{what} = {v:e} is outside f32's normal range (about 1.2e-38 to 3.4e38), and with {dtype} inputs the product is computed with f32 factors; scale the inputs instead, or store them as f64 and set precision = \"fp64\""
+        ));
     }
     Ok(())
 }
