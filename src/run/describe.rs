@@ -313,6 +313,9 @@ fn describe_status(
     let line = |s: String| Ok(format!("  status: {s}\n"));
     let shards = crate::durable::split::state_dir(&step.output);
     let plan_path = plan.path.display();
+    if crate::store::fsutil::refuse_link(&step.output).is_err() {
+        return line(format!("{out} is a symbolic link: `run` refuses it, with or without `--restart` (the warning below says what to do)"));
+    }
     let j = match journal::peek(&step.output) {
         Ok(Some(j)) => j,
         // A split run writes the output before any journal of the step exists (finalize

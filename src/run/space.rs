@@ -42,6 +42,11 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
     }
     for (s, l) in plan.steps.iter().zip(layouts) {
         let in_memory = unsplit && s.output_in_memory();
+        // `run` writes no output through a link (`fsutil::refuse_link`): said before any
+        // work, and by `plan`, rather than when the step opens its output.
+        if !s.output_in_memory() {
+            fsutil::refuse_link(&s.output)?;
+        }
         if !s.output.exists() && !in_memory {
             let h = pipeline::output_header(s, l);
             let e = need.entry(existing_dir(&s.output)).or_default();

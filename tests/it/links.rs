@@ -173,6 +173,27 @@ fn restart_and_report_never_write_through_links() {
         failed_with(&o, &["C.mgt", "symbolic link"]);
         untouched(&v);
     }
+    // `plan` says so (its status said `run --restart` would overwrite it), and so it does for
+    // a link to nothing (it said nothing).
+    for target in ["victim.txt", "nothing.here"] {
+        std::fs::remove_file(dir.join("C.mgt")).unwrap();
+        std::os::unix::fs::symlink(target, dir.join("C.mgt")).unwrap();
+        let o = mg(dir, &["plan", "p.toml"]);
+        let text = String::from_utf8_lossy(&o.stdout)
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        for needle in [
+            "is a symbolic link: `run` refuses it, with or without `--restart`",
+            "warning: `run` will refuse to start",
+            "(to ".as_ref(),
+            target,
+        ] {
+            assert!(text.contains(needle), "{needle:?} not in:\n{text}");
+        }
+        failed_with(&mg(dir, &["run", "p.toml"]), &["C.mgt", "symbolic link"]);
+    }
+    untouched(&v);
     std::fs::remove_file(dir.join("C.mgt")).unwrap();
 
     // A hard link (a `cp -al` backup, or any other name of the same inode).
@@ -196,9 +217,18 @@ fn restart_and_report_never_write_through_links() {
         .unwrap()
         .contains("\"steps\""));
     std::fs::remove_file(dir.join("r.json")).unwrap();
+    // A hard link to a file that is no JSON document is refused (a report replaces only
+    // reports); to an earlier report, the name is replaced and the other link keeps its bytes.
     std::fs::hard_link(&other, dir.join("r.json")).unwrap();
-    ok(&mg(dir, &["run", "p.toml", "-q", "--report", "r.json"]));
+    let o = mg(dir, &["run", "p.toml", "-q", "--report", "r.json"]);
+    failed_with(&o, &["r.json", "not a JSON report"]);
     untouched(&other);
+    std::fs::remove_file(dir.join("r.json")).unwrap();
+    let old = dir.join("old.json");
+    std::fs::write(&old, "{\"mine\": 1}\n").unwrap();
+    std::fs::hard_link(&old, dir.join("r.json")).unwrap();
+    ok(&mg(dir, &["run", "p.toml", "-q", "--report", "r.json"]));
+    assert_eq!(std::fs::read_to_string(&old).unwrap(), "{\"mine\": 1}\n");
     own_file(&dir.join("r.json"));
 }
 
