@@ -186,7 +186,7 @@ fn restart_and_report_never_write_through_links() {
         for needle in [
             "is a symbolic link: `run` refuses it, with or without `--restart`",
             "warning: `run` will refuse to start",
-            "(to ".as_ref(),
+            "(to ",
             target,
         ] {
             assert!(text.contains(needle), "{needle:?} not in:\n{text}");
