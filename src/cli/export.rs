@@ -20,9 +20,12 @@ use crate::{interrupt, outln};
     after_help = "Example:\n  mgmm-stream export data/C.mgt C.npy\n  python3 -c 'import numpy as np; print(np.load(\"C.npy\", mmap_mode=\"r\")[:2, :4])'"
 )]
 pub(crate) struct ExportArgs {
+    /// The .mgt matrix to convert.
     input: PathBuf,
+    /// The .npy file to write (must not exist unless --force).
     output: PathBuf,
     #[arg(long)]
+    /// Replace OUTPUT if it exists.
     force: bool,
     /// Export an output that `run` has not finished (unfinished tiles read as zeros).
     #[arg(long)]

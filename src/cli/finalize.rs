@@ -16,6 +16,7 @@ use crate::run;
 #[derive(Args, Debug)]
 #[command(after_help = "Example:\n  mgmm-stream finalize plan.toml --verify")]
 pub(crate) struct FinalizeArgs {
+    /// The plan of the split run to complete (docs/CLUSTER.md).
     plan: PathBuf,
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]
     set: Vec<String>,

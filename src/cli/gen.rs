@@ -23,7 +23,7 @@ use crate::{interrupt, outln};
     after_help = "Example:\n  mgmm-stream gen data/A.mgt --rows 4096 --cols 3000 --dist normal --seed 1"
 )]
 pub(crate) struct GenArgs {
-    /// Output .mgt file (must not exist unless --force).
+    /// The file to write: a .mgt, or a .npy array when the name ends in .npy (must not exist unless --force).
     out: PathBuf,
     #[arg(long)]
     rows: u64,

@@ -17,11 +17,15 @@ use crate::{interrupt, outln};
 #[derive(Args, Debug)]
 #[command(after_help = "Example:\n  mgmm-stream import A.npy data/A.mgt --tile 1024")]
 pub(crate) struct ImportArgs {
+    /// The matrix to convert: a .npy array, or `raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH` for a raw file (docs/FORMAT.md).
     input: PathBuf,
+    /// The .mgt file to write (must not exist unless --force).
     output: PathBuf,
+    /// Edge of the .mgt's square storage tiles, in elements.
     #[arg(long, default_value_t = 1024)]
     tile: u64,
     #[arg(long)]
+    /// Replace OUTPUT if it exists.
     force: bool,
 }
 

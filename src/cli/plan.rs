@@ -15,6 +15,7 @@ use crate::run;
 #[derive(Args, Debug)]
 #[command(after_help = "Example:\n  mgmm-stream plan examples/quickstart.toml")]
 pub(crate) struct PlanArgs {
+    /// The plan file (TOML, docs/PLAN.md).
     plan: PathBuf,
     /// Override an [engine] key of the plan (repeatable), e.g. --set engine.host_memory=8GiB.
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]
@@ -29,6 +30,7 @@ pub(crate) struct ModelArgs {
     /// Predict a split run on this many nodes (prints the cluster time model).
     #[arg(long)]
     pub(crate) nodes: Option<u64>,
+    /// GPUs per node in the predicted split run.
     #[arg(long, default_value_t = 8)]
     pub(crate) gpus_per_node: u64,
     /// Aggregate shared-filesystem bandwidth, GB/s.
@@ -37,7 +39,7 @@ pub(crate) struct ModelArgs {
     /// One node's link to the filesystem, GB/s (200 Gb/s InfiniBand ≈ 25).
     #[arg(long, default_value_t = 25.0, value_name = "GB/s")]
     pub(crate) node_bandwidth: f64,
-    /// Sustained GEMM rate per GPU, TFLOP/s (47: cuBLAS SGEMM on an H200, BENCHMARKS.md).
+    /// Sustained GEMM rate per GPU in a step, TFLOP/s (47: fp32 file to file on an H200, BENCHMARKS.md; plan's own lower bound uses cuBLAS in core, 54).
     #[arg(long, default_value_t = 47.0)]
     pub(crate) gpu_tflops: f64,
     /// Host-to-device rate per GPU, GB/s (52: measured on the H200 host, docs/GPU.md).

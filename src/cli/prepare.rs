@@ -17,6 +17,7 @@ use crate::run;
     after_help = "Example:\n  mgmm-stream prepare plan.toml && sbatch examples/cluster/sbatch.sh"
 )]
 pub(crate) struct PrepareArgs {
+    /// The plan to lay out for a split run (docs/CLUSTER.md).
     plan: PathBuf,
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]
     set: Vec<String>,

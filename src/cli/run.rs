@@ -22,6 +22,7 @@ use crate::run::{self, RunOptions};
 #[derive(Args, Debug)]
 #[command(after_help = "Example:\n  mgmm-stream run examples/quickstart.toml --report run.json")]
 pub(crate) struct RunArgs {
+    /// The plan file (TOML, docs/PLAN.md).
     plan: PathBuf,
     /// Override an [engine] key of the plan (repeatable), e.g. --set engine.host_memory=8GiB.
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]

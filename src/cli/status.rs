@@ -15,6 +15,7 @@ use crate::plan::Plan;
 #[derive(Args, Debug)]
 #[command(after_help = "Example:\n  watch -n 10 mgmm-stream status plan.toml")]
 pub(crate) struct StatusArgs {
+    /// The plan of the split run (docs/CLUSTER.md).
     plan: PathBuf,
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]
     set: Vec<String>,

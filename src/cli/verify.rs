@@ -26,6 +26,7 @@ use crate::{diagln, outln};
     after_help = "Exit status: 0 every output passed; 1 an output failed (or an error); 3 nothing failed, but the check could judge nothing of an output (NOT CHECKED: NaN/Inf or a possible overflow everywhere, as from an output that overflowed its precision); 75 an output is being written by a run right now (try again once it has ended).\n\nExample:\n  mgmm-stream verify examples/quickstart.toml --rounds 3"
 )]
 pub(crate) struct VerifyArgs {
+    /// The plan whose outputs to check (as `run` computed them).
     plan: PathBuf,
     /// Override an [engine] key of the plan (repeatable), e.g. --set engine.host_memory=8GiB.
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]
@@ -33,6 +34,7 @@ pub(crate) struct VerifyArgs {
     /// Random vectors to test with.
     #[arg(long, default_value_t = 2)]
     rounds: usize,
+    /// Seed of the random vectors (another seed, another test of the same output).
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Recompute the failing output tiles (through the journal) and verify again.
