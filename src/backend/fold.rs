@@ -51,6 +51,14 @@ pub(crate) struct FoldSums {
 pub(crate) trait FoldDevice: Send {
     /// Human name ("cuda:0 NVIDIA H200").
     fn name(&self) -> String;
+    /// Get ready for a pass of `spec`'s shape (its sums are not read) with bands of `h` rows of
+    /// `cols` columns, before the sums it needs exist: allocate, and run each kernel once so
+    /// that the driver has loaded them (the first band's fold took 61 ms more than the others
+    /// on one H100, docs/measurements/2026-12-06f-h100-1-head-verify-trace.log). `verify` calls
+    /// it while the pass over op(B) runs; a device may do nothing.
+    fn prepare(&mut self, _spec: &FoldSpec, _h: usize, _cols: usize) -> Result<()> {
+        Ok(())
+    }
     /// Hold `spec`'s right-hand sides and zeroed sums for a new pass; a band holds at most
     /// `band_elems` elements.
     fn begin(&mut self, spec: &FoldSpec, band_elems: usize) -> Result<()>;

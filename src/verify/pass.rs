@@ -190,17 +190,18 @@ fn band_rows<T>(op: &Op) -> usize {
 fn bands<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &[T]) + Send) -> Result<()> {
     let len = band_rows::<T>(op) * op.file.shape().1 as usize;
     let (mut a, mut b) = (vec![T::default(); len], vec![T::default(); len]);
-    bands_in(op, [&mut a, &mut b], |r0, h, m| {
+    bands_in(op, band_rows::<T>(op), [&mut a, &mut b], |r0, h, m| {
         f(r0, h, m);
         true
     })
 }
 
-/// [`bands`] into the caller's two buffers (a device may have page-locked them), each at least
-/// [`band_rows`] rows; `f` returns whether to go on (false: no band is read after the one being
+/// [`bands`] of `band` rows into the caller's two buffers (a device may have page-locked them),
+/// each at least that many rows; `f` returns whether to go on (false: no band is read after the one being
 /// read).
 fn bands_in<T: Elem>(
     op: &Op,
+    band: usize,
     bufs: [&mut [T]; 2],
     mut f: impl FnMut(usize, usize, &[T]) -> bool + Send,
 ) -> Result<()> {
@@ -208,7 +209,6 @@ fn bands_in<T: Elem>(
     if rows == 0 || cols == 0 {
         return Ok(());
     }
-    let band = band_rows::<T>(op);
     let h_at = |r0: usize| band.min(rows - r0);
     let [mut cur, mut next] = bufs;
     let read = |r0: usize, buf: &mut [T]| {
@@ -808,18 +808,30 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
         sq: &z.sq,
     };
     let rows = op.file.shape().0 as usize;
-    let band = band_rows::<f32>(op) * op.file.shape().1 as usize;
+    let band_h = device_band_rows(op);
+    let band = band_h * op.file.shape().1 as usize;
     let device = |e: crate::error::Error| Fail::Device(e.to_string());
+    let t = std::time::Instant::now();
     dev.begin(&spec, band).map_err(device)?;
+    let now = std::time::Instant::now();
+    crate::trace::span("verify: device", "begin (the sums up)", t, now);
     // Page-aligned and of whole pages (the device may page-lock them: no page shared with
     // other memory), freed only after the device let go of them (`unpin`, below).
     let alloc = || crate::backend::HostBuf::heap(band * 4);
     let (mut b0, mut b1) = (alloc().map_err(Fail::Read)?, alloc().map_err(Fail::Read)?);
     let (s0, s1) = (as_f32(&mut b0, band), as_f32(&mut b1, band));
     dev.pin(&[&*s0, &*s1]);
+    crate::trace::span(
+        "verify: device",
+        "host buffers",
+        now,
+        std::time::Instant::now(),
+    );
     let mut failed = None;
+    // The device's sums after the last band, which its check downloaded.
+    let mut last = None;
     let looped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        bands_in::<f32>(op, [s0, s1], |r0, h, m| {
+        bands_in::<f32>(op, band_h, [s0, s1], |r0, h, m| {
             let mut step = || -> std::result::Result<(), String> {
                 let e = |e: crate::error::Error| e.to_string();
                 // The first band, and the last, are checked against the CPU's sums of them.
@@ -833,18 +845,8 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
                 let now = std::time::Instant::now();
                 crate::trace::span("verify: device", "fold (to the copy's end)", t, now);
                 if checked {
-                    let mut cpu = Sums::new(m_rows, k, z.rounds, g);
-                    let mut signed = vec![0f64; m_rows * rg];
-                    fold_band::<f32, f64>(
-                        op,
-                        &rhs,
-                        r0,
-                        h,
-                        m,
-                        &mut Vec::new(),
-                        &mut cpu,
-                        &mut signed,
-                    );
+                    // The CPU's sample while the device works on the band.
+                    let smp = Sample::of(op, &rhs, r0, h, m);
                     let kk = if op.trans { h } else { k };
                     let after = dev.sums().map_err(e)?;
                     crate::trace::span(
@@ -853,13 +855,16 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
                         now,
                         std::time::Instant::now(),
                     );
-                    agree(&after, before.as_ref(), &signed, &cpu, kk).map_err(|why| {
+                    agree(&after, before.as_ref(), &smp, (z.rounds, g), kk).map_err(|why| {
                         format!(
                             "its sums of rows {r0}..{} of {} differ from the CPU's: {why}",
                             r0 + h,
                             op.file.path().display()
                         )
                     })?;
+                    if r0 + h == rows {
+                        last = Some(after);
+                    }
                 }
                 Ok(())
             };
@@ -873,8 +878,15 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
         })
     }));
     // Before the buffers go: the device waits for its copies from them and lets go of them.
+    let t = std::time::Instant::now();
     dev.unpin();
     drop((b0, b1));
+    crate::trace::span(
+        "verify: device",
+        "unpin, free",
+        t,
+        std::time::Instant::now(),
+    );
     match looped {
         Err(_) => return Err(Fail::Device("it panicked".into())),
         Ok(r) => {
@@ -884,11 +896,77 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
             r.map_err(Fail::Read)?;
         }
     }
-    let d = dev.sums().map_err(device)?;
+    let d = match last {
+        Some(d) => d,
+        None => dev.sums().map_err(device)?,
+    };
     let mut out = Sums::new(m_rows, k, z.rounds, g);
     out.signed = d.signed.into_iter().map(|hi| Dd { hi, lo: 0.0 }).collect();
     (out.abs, out.sq, out.bad_row) = (d.abs, d.sq, d.bad);
     Ok(out)
+}
+
+/// Get `dev`'s device ready for [`dense`] over `op` with `rounds` × `groups` signed sums
+/// ([`FoldDevice::prepare`]: its buffers, and each kernel run once), while the pass over op(B)
+/// computes the sums it needs. Nothing where the pass will not run on a device (f64 data, the
+/// exact sums, no device); a device that fails here is let go, as in [`dense`].
+pub(crate) fn prepare(op: &Op, rounds: usize, groups: usize, exact: bool, dev: &Device) {
+    if op.file.dtype() == DType::F64 || exact {
+        return;
+    }
+    let Some(mut d) = dev.take() else {
+        return;
+    };
+    let t = std::time::Instant::now();
+    let (m, k) = op.shape();
+    let spec = FoldSpec {
+        m,
+        k,
+        rg: rounds * groups,
+        g: groups,
+        trans: op.trans,
+        signed: &[],
+        abs: &[],
+        sq: &[],
+    };
+    let cols = op.file.shape().1 as usize;
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        d.prepare(&spec, device_band_rows(op), cols)
+    }));
+    crate::trace::span("verify: device", "prepare", t, std::time::Instant::now());
+    match r {
+        Ok(Ok(())) => dev.give_back(d, false),
+        Ok(Err(e)) => dev.fail(&d.name(), e.to_string()),
+        Err(_) => dev.fail(&d.name(), "it panicked".into()),
+    }
+}
+
+/// Most bytes of one band of the dense pass on a device (each of its two host buffers, and
+/// of the device's two band buffers).
+const DEVICE_BAND_MAX: usize = if cfg!(test) { 16 << 10 } else { 256 << 20 };
+
+/// Stored rows per band of the dense pass on a device: [`band_rows`], rounded up to whole
+/// rows of storage tiles when their checksums are checked as the file is read (within
+/// [`DEVICE_BAND_MAX`]). A band that covers a tile in part reads the rest of the tile again to
+/// complete its checksum, so 32 MiB bands of a file of 1024-row tiles read 1.75 times its
+/// bytes: 1.7 ms a band against 1.0 for a band whose tiles were checked, on one H100
+/// (docs/measurements/2026-12-06f-h100-1-head-verify-trace.log). On the CPU the larger band
+/// was slower (its widening and products, 2.79 s against 0.99: 9cb375c); the device's cost
+/// per band is a copy at the PCIe rate and a few milliseconds of kernels at any height.
+fn device_band_rows(op: &Op) -> usize {
+    let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
+    let b = band_rows::<f32>(op);
+    match (op.check, op.file.checksum_tile()) {
+        (true, Some((tr, _))) if tr > 0 => {
+            let tr = tr as usize;
+            let r = b.div_ceil(tr) * tr;
+            match r * cols * 4 <= DEVICE_BAND_MAX {
+                true => r.min(rows.max(1)),
+                false => b,
+            }
+        }
+        _ => b,
+    }
 }
 
 /// The first `len` f32 of a page-aligned host buffer.
@@ -897,20 +975,124 @@ fn as_f32(b: &mut crate::backend::HostBuf, len: usize) -> &mut [f32] {
     <[f32] as zerocopy::FromBytes>::mut_from_bytes(bytes).expect("4096-aligned, 4·len bytes")
 }
 
+/// Op rows of a band whose sums the CPU computes to check a device's: at most this many,
+/// spread evenly over the op rows the band adds to (its first and last among them).
+const SAMPLE_ROWS: usize = 16;
+
+/// The CPU's sums of one band of stored rows for a sample of op rows ([`SAMPLE_ROWS`]), and
+/// the band's NaN/Inf marks of every op row: what [`agree`] checks a device's sums against.
+///
+/// A device that computes wrongly (a DGEMM's layout, a kernel), or places a band wrongly (its
+/// offset into the sums), is wrong on every op row the band adds to, so a sample finds it as
+/// the whole band would. The whole band took the CPU 90–115 ms per check (32768 columns, two
+/// checks per pass: 0.19–0.22 s of a 0.66–0.71 s dense pass on one H100,
+/// docs/measurements/2026-12-06f-h100-1-head-verify-trace.log); the sample takes a few.
+struct Sample {
+    rows: Vec<usize>,
+    /// Per sampled row: rg signed sums, then g abs and g sq sums.
+    signed: Vec<f64>,
+    abs: Vec<f64>,
+    sq: Vec<f64>,
+    /// Op rows (all M) that the band holds NaN/Inf in.
+    bad: Vec<bool>,
+}
+
+impl Sample {
+    /// Stored rows `r0..r0 + h` of op's file (`band`, row-major h × cols) against `rhs`.
+    fn of(op: &Op, rhs: &Rhs, r0: usize, h: usize, band: &[f32]) -> Sample {
+        let (m, _) = op.shape();
+        let cols = band.len() / h.max(1);
+        let (rg, g) = (rhs.rg, rhs.g);
+        // The op rows this band adds to, and its K range: op(A) = A, rows r0..r0 + h over all
+        // of K; op(A) = Aᵀ, every op row (a stored column) over k = r0..r0 + h.
+        let (lo, n, k0, kk) = match op.trans {
+            true => (0, m, r0, h),
+            false => (r0, h, 0, cols),
+        };
+        let count = SAMPLE_ROWS.min(n);
+        let rows: Vec<usize> = (0..count)
+            .map(|j| {
+                lo + if count > 1 {
+                    j * (n - 1) / (count - 1)
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let at = |i: usize, l: usize| match op.trans {
+            true => band[l * cols + i],
+            false => band[(i - r0) * cols + l],
+        };
+        let sums: Vec<(Vec<f64>, Vec<f64>, Vec<f64>)> = rows
+            .par_iter()
+            .map(|&i| {
+                let (mut sg, mut ab, mut sq) = (vec![0.0; rg], vec![0.0; g], vec![0.0; g]);
+                for l in 0..kk {
+                    let v = at(i, l);
+                    if !v.is_finite() {
+                        continue;
+                    }
+                    let (a, k) = (v as f64, k0 + l);
+                    let z = &rhs.signed[k * rg..(k + 1) * rg];
+                    sg.iter_mut().zip(z).for_each(|(s, z)| *s += a * z);
+                    let (za, zq) = (&rhs.abs[k * g..(k + 1) * g], &rhs.sq[k * g..(k + 1) * g]);
+                    for gr in 0..g {
+                        ab[gr] += a.abs() * za[gr];
+                        sq[gr] += a * a * zq[gr];
+                    }
+                }
+                (sg, ab, sq)
+            })
+            .collect();
+        let mut bad = vec![false; m];
+        let marks: Vec<usize> = band
+            .par_chunks(cols.max(1))
+            .enumerate()
+            .flat_map_iter(|(l, row)| {
+                let cs: Vec<usize> = match op.trans {
+                    true => (row.iter().enumerate())
+                        .filter(|(_, v)| !v.is_finite())
+                        .map(|(c, _)| c)
+                        .collect(),
+                    false => match row.iter().all(|v| v.is_finite()) {
+                        true => Vec::new(),
+                        false => vec![r0 + l],
+                    },
+                };
+                cs
+            })
+            .collect();
+        marks.into_iter().for_each(|i| bad[i] = true);
+        let (mut signed, mut abs, mut sq) = (Vec::new(), Vec::new(), Vec::new());
+        for (sg, ab, q) in sums {
+            signed.extend(sg);
+            abs.extend(ab);
+            sq.extend(q);
+        }
+        Sample {
+            rows,
+            signed,
+            abs,
+            sq,
+            bad,
+        }
+    }
+}
+
 /// Whether a device's sums after one band (`d`; `before` it, or zero) are those before plus
-/// the CPU's sums of the band (`signed`, `cpu`), up to the f64 rounding of `kk` terms added in
+/// the CPU's sums of the band on `smp`'s rows, up to the f64 rounding of `kk` terms added in
 /// any order onto what was there: |error| ≤ (kk + 1)·u·(Σ|terms| + |before|) for each sum, and
-/// the signed sums' terms are bounded by the abs sums' (|Σ±b| ≤ Σ|b|). Here 4·(kk + 2)·ε.
+/// the signed sums' terms are bounded by the abs sums' (|Σ±b| ≤ Σ|b|). Here 4·(kk + 2)·ε. The
+/// NaN/Inf marks must be those before or the band's, on every op row.
 fn agree(
     d: &FoldSums,
     before: Option<&FoldSums>,
-    signed: &[f64],
-    cpu: &Sums,
+    smp: &Sample,
+    (rounds, g): (usize, usize),
     kk: usize,
 ) -> std::result::Result<(), String> {
-    let g = cpu.groups;
-    let rg = cpu.rounds * g;
-    let m = cpu.bad_row.len();
+    let rg = rounds * g;
+    let m = smp.bad.len();
     let shaped = |f: &FoldSums| {
         f.signed.len() == m * rg && f.abs.len() == m * g && f.sq.len() == m * g && f.bad.len() == m
     };
@@ -926,32 +1108,34 @@ fn agree(
     };
     for i in 0..m {
         let was_bad = before.is_some_and(|b| b.bad[i]);
-        if d.bad[i] != (was_bad || cpu.bad_row[i]) {
+        if d.bad[i] != (was_bad || smp.bad[i]) {
             return Err(format!("row {i}'s NaN/Inf mark"));
         }
+    }
+    for (j, &i) in smp.rows.iter().enumerate() {
         for gr in 0..g {
-            let at = i * g + gr;
-            let scale = cpu.abs[at];
+            let (at, mine) = (i * g + gr, j * g + gr);
+            let scale = smp.abs[mine];
             let (wa, wq) = (at0(|f| &f.abs, at), at0(|f| &f.sq, at));
-            if !close(d.abs[at], wa, cpu.abs[at], scale)
-                || !close(d.sq[at], wq, cpu.sq[at], cpu.sq[at])
+            if !close(d.abs[at], wa, smp.abs[mine], scale)
+                || !close(d.sq[at], wq, smp.sq[mine], smp.sq[mine])
             {
                 return Err(format!(
                     "row {i}, group {gr}: tolerance sums {:e}, {:e} against {:e}, {:e}",
                     d.abs[at],
                     d.sq[at],
-                    wa + cpu.abs[at],
-                    wq + cpu.sq[at]
+                    wa + smp.abs[mine],
+                    wq + smp.sq[mine]
                 ));
             }
-            for rho in 0..cpu.rounds {
-                let s = i * rg + rho * g + gr;
+            for rho in 0..rounds {
+                let (s, t) = (i * rg + rho * g + gr, j * rg + rho * g + gr);
                 let ws = at0(|f| &f.signed, s);
-                if !close(d.signed[s], ws, signed[s], scale) {
+                if !close(d.signed[s], ws, smp.signed[t], scale) {
                     return Err(format!(
                         "row {i}, group {gr}, round {rho}: {:e} against {:e}",
                         d.signed[s],
-                        ws + signed[s]
+                        ws + smp.signed[t]
                     ));
                 }
             }

@@ -241,6 +241,64 @@ impl FoldDevice for CudaFold {
         self.name.clone()
     }
 
+    fn prepare(&mut self, spec: &FoldSpec, h: usize, cols: usize) -> Result<()> {
+        self.begin(spec, h * cols)?;
+        let (m, k, rg, g, trans) = self.shape;
+        let (s, name) = (&self.stream, &self.name);
+        let e = |what: &str| err(name, what);
+        let be = |what: &'static str| move |x| Error::device(0, name.clone(), what, x);
+        let blas = self.blas.as_ref().expect("held until drop");
+        let b = &mut self.b;
+        // One band of zeros through the widening and the three DGEMMs of its shape, whose
+        // sums `begin` zeroes again.
+        let zero = b.band[0].as_mut().expect("allocated by begin");
+        s.memset_zeros(zero).map_err(e("zeroing a band"))?;
+        let (stored, rows_ok) = match trans {
+            false => (h.min(m), cols == k),
+            true => (h.min(k), cols == m),
+        };
+        if stored > 0 && rows_ok {
+            let n = (stored * cols) as u64;
+            let wide = b.wide.as_mut().expect("allocated by begin");
+            let bad = b.bad.as_mut().expect("allocated by begin");
+            let (cols64, row0, tr) = (cols as u64, 0u64, trans as u32);
+            // SAFETY: as in `fold`: the band buffers hold h·cols ≥ n elements, `bad` m.
+            unsafe {
+                let (mut l, cfg) = launch(s, &self.k.widen, n as usize);
+                l.arg(&*zero)
+                    .arg(&mut *wide)
+                    .arg(&n)
+                    .arg(&cols64)
+                    .arg(&mut *bad)
+                    .arg(&tr)
+                    .arg(&row0);
+                l.launch(cfg).map_err(e("vf_widen launch"))?;
+                for f in [&self.k.abs, &self.k.square] {
+                    let (mut l, cfg) = launch(s, f, n as usize);
+                    l.arg(&mut *wide).arg(&n);
+                    l.launch(cfg).map_err(e("vf_abs/vf_square launch"))?;
+                }
+            }
+            let z = b.z.as_ref().expect("begin");
+            let out = b.out.as_mut().expect("begin");
+            dgemm(blas, s, band_gemm(trans, 0, stored, cols, rg), wide, z, out)
+                .map_err(be("DGEMM"))?;
+            let (za, oa) = (
+                b.zabs.as_ref().expect("begin"),
+                b.oabs.as_mut().expect("begin"),
+            );
+            dgemm(blas, s, band_gemm(trans, 0, stored, cols, g), wide, za, oa)
+                .map_err(be("DGEMM"))?;
+        }
+        // The copy stream's first copy, too.
+        let one = [0f32];
+        let c = &self.copy;
+        c.memcpy_htod(&one[..], b.band[1].as_mut().expect("allocated by begin"))
+            .map_err(e("copy of a band"))?;
+        c.synchronize().map_err(e("waiting for the warm-up"))?;
+        s.synchronize().map_err(e("waiting for the warm-up"))
+    }
+
     fn begin(&mut self, spec: &FoldSpec, band_elems: usize) -> Result<()> {
         self.ctx
             .bind_to_thread()
@@ -274,9 +332,12 @@ impl FoldDevice for CudaFold {
             s.memcpy_htod(src, dst.as_mut().expect("allocated above"))
         };
         let name = &self.name;
-        up(spec.signed, &mut b.z).map_err(err(name, "copy of the signed sums"))?;
-        up(spec.abs, &mut b.zabs).map_err(err(name, "copy of the tolerance sums"))?;
-        up(spec.sq, &mut b.zsq).map_err(err(name, "copy of the tolerance sums"))?;
+        // (`prepare` has no sums yet: empty slices.)
+        if !spec.signed.is_empty() {
+            up(spec.signed, &mut b.z).map_err(err(name, "copy of the signed sums"))?;
+            up(spec.abs, &mut b.zabs).map_err(err(name, "copy of the tolerance sums"))?;
+            up(spec.sq, &mut b.zsq).map_err(err(name, "copy of the tolerance sums"))?;
+        }
         self.shape = (m, k, rg, g, spec.trans);
         // The copy stream's first copies may not start before the buffers exist.
         let ready = s
