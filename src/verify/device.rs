@@ -30,9 +30,23 @@ enum Slot {
     Busy,
 }
 
+/// The two host buffers a dense pass on a device reads its bands into, made and page-locked
+/// by [`crate::verify::pass::prepare`] while the pass over op(B) runs (two 128 MiB buffers
+/// took 170–192 ms to make and lock at the start of the dense pass on one H100,
+/// docs/measurements/2026-12-06f-h100-2-verify-sampled-checks.log), handed to the pass that
+/// follows. Locked by the device they are kept with, which lets go of them (`unpin`) before
+/// they are freed.
+pub(crate) struct Staging {
+    pub(crate) bufs: [crate::backend::HostBuf; 2],
+    /// f32 elements of each.
+    pub(crate) elems: usize,
+}
+
 /// The device of one `verify` command (every step, every pass).
 pub(crate) struct Device {
     slot: Mutex<Slot>,
+    /// Host buffers made ready for the next dense pass, if any.
+    staging: Mutex<Option<Staging>>,
     /// Devices that computed a pass, and why a device stopped being used.
     used: Mutex<(Vec<String>, Option<String>)>,
 }
@@ -42,6 +56,7 @@ impl Device {
     pub(crate) fn cpu() -> Device {
         Device {
             slot: Mutex::new(Slot::Cpu),
+            staging: Mutex::new(None),
             used: Mutex::new((Vec::new(), None)),
         }
     }
@@ -67,6 +82,11 @@ impl Device {
             }
         }
         d
+    }
+
+    /// Whether a device may compute the passes (one is open or opening), without waiting.
+    pub(crate) fn may_have_device(&self) -> bool {
+        !matches!(&*lock(&self.slot), Slot::Cpu)
     }
 
     /// Whether a device computes the passes (waiting for it to open).
@@ -123,6 +143,16 @@ impl Device {
             }
         }
         *lock(&self.slot) = Slot::Ready(d);
+    }
+
+    /// Keep `s` (locked by the device) for the next dense pass.
+    pub(crate) fn keep_staging(&self, s: Staging) {
+        *lock(&self.staging) = Some(s);
+    }
+
+    /// The buffers [`Device::keep_staging`] kept, if any.
+    pub(crate) fn take_staging(&self) -> Option<Staging> {
+        lock(&self.staging).take()
     }
 
     /// Device `name` failed (`why`): passes run on the CPU from now on.

@@ -26,7 +26,7 @@ use crate::error::Result;
 use crate::plan::Precision;
 use crate::store::{Block, MatrixSource};
 
-use super::device::Device;
+use super::device::{Device, Staging};
 /// Double-double sums are part of what a pass returns ([`Sums`]); named here for its callers.
 pub(crate) use super::kernel::Dd;
 use super::kernel::{self, Elem};
@@ -764,7 +764,7 @@ pub(crate) fn dense(op: &Op, z: &Sums, exact: bool, dev: &Device) -> Result<Sums
         if let Some(mut d) = dev.take() {
             let name = d.name();
             let t0 = std::time::Instant::now();
-            match dense_on(d.as_mut(), op, z) {
+            match dense_on(d.as_mut(), op, z, dev.take_staging()) {
                 Ok(sums) => {
                     report_time("dense", op, t0, Some(&name));
                     dev.give_back(d, true);
@@ -792,8 +792,14 @@ enum Fail {
     Device(String),
 }
 
-/// [`dense`] on a device, for data read as f32.
-fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<Sums, Fail> {
+/// [`dense`] on a device, for data read as f32, into `staging` when it is large enough (made
+/// and locked by [`prepare`]), else into buffers made now.
+fn dense_on(
+    dev: &mut dyn FoldDevice,
+    op: &Op,
+    z: &Sums,
+    staging: Option<Staging>,
+) -> std::result::Result<Sums, Fail> {
     let (m_rows, k) = op.shape();
     let (rg, g) = (z.rounds * z.groups, z.groups);
     let rhs = Rhs::new::<f64>(z);
@@ -815,18 +821,28 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
     dev.begin(&spec, band).map_err(device)?;
     let now = std::time::Instant::now();
     crate::trace::span("verify: device", "begin (the sums up)", t, now);
-    // Page-aligned and of whole pages (the device may page-lock them: no page shared with
-    // other memory), freed only after the device let go of them (`unpin`, below).
-    let alloc = || crate::backend::HostBuf::heap(band * 4);
-    let (mut b0, mut b1) = (alloc().map_err(Fail::Read)?, alloc().map_err(Fail::Read)?);
-    let (s0, s1) = (as_f32(&mut b0, band), as_f32(&mut b1, band));
-    dev.pin(&[&*s0, &*s1]);
+    let mut st = match staging {
+        Some(st) if st.elems >= band => st,
+        other => {
+            // Locked by the device, if at all: let go of before they are freed.
+            if other.is_some() {
+                dev.unpin();
+            }
+            drop(other);
+            let st = staging_for(band).map_err(Fail::Read)?;
+            let [b0, b1] = &st.bufs;
+            dev.pin(&[as_f32(b0, band), as_f32(b1, band)]);
+            st
+        }
+    };
     crate::trace::span(
         "verify: device",
         "host buffers",
         now,
         std::time::Instant::now(),
     );
+    let [b0, b1] = &mut st.bufs;
+    let (s0, s1) = (as_f32_mut(b0, band), as_f32_mut(b1, band));
     let mut failed = None;
     // The device's sums after the last band, which its check downloaded.
     let mut last = None;
@@ -880,7 +896,7 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
     // Before the buffers go: the device waits for its copies from them and lets go of them.
     let t = std::time::Instant::now();
     dev.unpin();
-    drop((b0, b1));
+    drop(st);
     crate::trace::span(
         "verify: device",
         "unpin, free",
@@ -911,9 +927,22 @@ fn dense_on(dev: &mut dyn FoldDevice, op: &Op, z: &Sums) -> std::result::Result<
 /// computes the sums it needs. Nothing where the pass will not run on a device (f64 data, the
 /// exact sums, no device); a device that fails here is let go, as in [`dense`].
 pub(crate) fn prepare(op: &Op, rounds: usize, groups: usize, exact: bool, dev: &Device) {
-    if op.file.dtype() == DType::F64 || exact {
+    if op.file.dtype() == DType::F64 || exact || !dev.may_have_device() {
         return;
     }
+    // The host buffers first: their pages are made while the GPU is still opening.
+    let t = std::time::Instant::now();
+    let band_h = device_band_rows(op);
+    let cols = op.file.shape().1 as usize;
+    let Ok(st) = staging_for(band_h * cols) else {
+        return;
+    };
+    crate::trace::span(
+        "verify: device",
+        "host buffers",
+        t,
+        std::time::Instant::now(),
+    );
     let Some(mut d) = dev.take() else {
         return;
     };
@@ -929,13 +958,19 @@ pub(crate) fn prepare(op: &Op, rounds: usize, groups: usize, exact: bool, dev: &
         abs: &[],
         sq: &[],
     };
-    let cols = op.file.shape().1 as usize;
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        d.prepare(&spec, device_band_rows(op), cols)
+        d.prepare(&spec, band_h, cols)?;
+        let [b0, b1] = &st.bufs;
+        d.pin(&[as_f32(b0, st.elems), as_f32(b1, st.elems)]);
+        Ok::<(), crate::error::Error>(())
     }));
     crate::trace::span("verify: device", "prepare", t, std::time::Instant::now());
     match r {
-        Ok(Ok(())) => dev.give_back(d, false),
+        Ok(Ok(())) => {
+            dev.give_back(d, false);
+            dev.keep_staging(st);
+        }
+        // The device lets go of what it locked as it is dropped, before the buffers are.
         Ok(Err(e)) => dev.fail(&d.name(), e.to_string()),
         Err(_) => dev.fail(&d.name(), "it panicked".into()),
     }
@@ -970,9 +1005,26 @@ fn device_band_rows(op: &Op) -> usize {
 }
 
 /// The first `len` f32 of a page-aligned host buffer.
-fn as_f32(b: &mut crate::backend::HostBuf, len: usize) -> &mut [f32] {
+fn as_f32_mut(b: &mut crate::backend::HostBuf, len: usize) -> &mut [f32] {
     let bytes = &mut b.bytes_mut()[..len * 4];
     <[f32] as zerocopy::FromBytes>::mut_from_bytes(bytes).expect("4096-aligned, 4·len bytes")
+}
+
+/// [`as_f32_mut`], read only.
+fn as_f32(b: &crate::backend::HostBuf, len: usize) -> &[f32] {
+    let bytes = &b.bytes()[..len * 4];
+    <[f32] as zerocopy::FromBytes>::ref_from_bytes(bytes).expect("4096-aligned, 4·len bytes")
+}
+
+/// Two host buffers of `elems` f32 for a dense pass on a device: page-aligned and of whole
+/// pages (the device may page-lock them: no page shared with other memory), their pages made
+/// now (zeroed).
+fn staging_for(elems: usize) -> Result<Staging> {
+    let alloc = || crate::backend::HostBuf::heap(elems * 4);
+    Ok(Staging {
+        bufs: [alloc()?, alloc()?],
+        elems,
+    })
 }
 
 /// Op rows of a band whose sums the CPU computes to check a device's: at most this many,
