@@ -106,6 +106,9 @@ pub(crate) enum Fault {
     /// The bands after the first marked on the wrong rows (as a wrong offset would): the
     /// first band is right.
     LaterRowsWrong,
+    /// Each band also adds its first row into the op row just past it (op(A) = A), as a DGEMM
+    /// of one row too many would.
+    RowPastBand,
     /// The n-th call to `fold` fails.
     FailAt(usize),
     /// The n-th call to `fold` panics.
@@ -200,6 +203,12 @@ impl FoldDevice for HostFold {
                 }
                 for j in 0..rg {
                     self.out.signed[i * rg + j] += v * self.z[kk * rg + j] * skew;
+                }
+                if self.fault == Fault::RowPastBand && !self.trans && l == 0 && r0 + h < self.m {
+                    let p = r0 + h;
+                    for j in 0..rg {
+                        self.out.signed[p * rg + j] += v * self.z[kk * rg + j];
+                    }
                 }
                 for j in 0..g {
                     self.out.abs[i * g + j] += v.abs() * self.zabs[kk * g + j];

@@ -44,7 +44,7 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
         let in_memory = unsplit && s.output_in_memory();
         // `run` writes no output through a link (`fsutil::refuse_link`): said before any
         // work, and by `plan`, rather than when the step opens its output.
-        if !s.output_in_memory() {
+        if !in_memory {
             fsutil::refuse_link(&s.output)?;
         }
         if !s.output.exists() && !in_memory {

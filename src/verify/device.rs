@@ -44,6 +44,8 @@ pub(crate) struct Staging {
 
 /// The device of one `verify` command (every step, every pass).
 pub(crate) struct Device {
+    /// (Dropped before `staging`: a device lets go of what it locked as it is dropped, and the
+    /// buffers may be freed only then.)
     slot: Mutex<Slot>,
     /// Host buffers made ready for the next dense pass, if any.
     staging: Mutex<Option<Staging>>,
@@ -84,9 +86,24 @@ impl Device {
         d
     }
 
-    /// Whether a device may compute the passes (one is open or opening), without waiting.
+    /// Whether a device may compute the passes (one is open, or opening and not yet known to
+    /// have failed), without waiting: no host buffers are made for a device on a machine
+    /// where none opened.
     pub(crate) fn may_have_device(&self) -> bool {
-        !matches!(&*lock(&self.slot), Slot::Cpu)
+        let mut s = lock(&self.slot);
+        if let Slot::Opening(rx) = &*s {
+            if let Ok(r) = rx.try_recv() {
+                *s = match r {
+                    Ok(Some(d)) => Slot::Ready(d),
+                    Ok(None) => Slot::Cpu,
+                    Err(e) => {
+                        self.note(format!("no GPU for the check ({e}); checked on the CPU"));
+                        Slot::Cpu
+                    }
+                };
+            }
+        }
+        !matches!(&*s, Slot::Cpu)
     }
 
     /// Whether a device computes the passes (waiting for it to open).
@@ -148,6 +165,13 @@ impl Device {
     /// Keep `s` (locked by the device) for the next dense pass.
     pub(crate) fn keep_staging(&self, s: Staging) {
         *lock(&self.staging) = Some(s);
+    }
+
+    /// [`Device::keep_staging`], or nothing for `None`.
+    pub(crate) fn keep_staging_opt(&self, s: Option<Staging>) {
+        if let Some(s) = s {
+            self.keep_staging(s);
+        }
     }
 
     /// The buffers [`Device::keep_staging`] kept, if any.

@@ -1297,6 +1297,35 @@ mod tests {
         }
     }
 
+    /// A tile of A damaged after the run is named as such when the dense pass runs on a
+    /// device, whose bands are copied from the file's map with each tile's checksum checked
+    /// first: the check fails on A's tile, not on the output's residuals.
+    #[test]
+    fn a_damaged_input_tile_is_named_with_the_dense_pass_on_a_device() {
+        for expr in ["A @ B", "A.T @ B"] {
+            let d = tempfile::tempdir().unwrap();
+            let plan = product(d.path(), expr);
+            let a = d.path().join("A.mgt");
+            let mut bytes = std::fs::read(&a).unwrap();
+            let h = crate::store::Header::parse(&a, &bytes, bytes.len() as u64).unwrap();
+            // A byte in the middle of the first tile's data.
+            bytes[h.data_offset as usize + 100] ^= 0x40;
+            std::fs::write(&a, &bytes).unwrap();
+            let r = Verifier::on(
+                plan.engine.precision,
+                2,
+                3,
+                Device::with(Box::new(HostFold::new(Fault::None))),
+            )
+            .step(&plan.steps[0]);
+            let e = match r {
+                Err(e) => e.to_string(),
+                Ok(rep) => format(&rep),
+            };
+            assert!(e.contains("A.mgt") && e.contains("checksum"), "{expr}: {e}");
+        }
+    }
+
     /// A device whose sums of the first band are not the CPU's, one that places later bands
     /// wrongly (caught at the last band), or one that fails or panics in the first or a later
     /// band, is let go: the CPU computes the pass again, the verdict and residuals are the
@@ -1334,6 +1363,18 @@ mod tests {
             ),
             (Fault::FailAt(1), "injected failure"),
             (Fault::FailAt(4), "injected failure"),
+            (
+                if t {
+                    Fault::FailAt(2)
+                } else {
+                    Fault::RowPastBand
+                },
+                if t {
+                    "injected failure"
+                } else {
+                    "row 11, outside the band, changed"
+                },
+            ),
             (Fault::PanicAt(3), "it panicked"),
         ] {
             let rep = check(&plan, Device::with(Box::new(HostFold::new(fault))));

@@ -175,6 +175,37 @@ fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<()>
         })
 }
 
+/// Stored rows `r0..r0 + h` copied into `buf` from the file's read-only map, the storage tiles
+/// they touch checked first when `op.check` ([`MatrixSource::verify_block`], each tile once);
+/// false, with nothing copied, where the file does not map them so ([`BandView::mapped`]) or
+/// values are rounded. For the dense pass on a device, whose bands must be copied (into
+/// page-locked buffers, for the device's copies): one copy from the page cache's pages, where
+/// [`read_band`]'s `pread` into a piece buffer and then into the band is two (its reads ran at
+/// 20–22 GB/s on one H100 host whose 16 threads copy a map at 85 GiB/s).
+fn copy_mapped<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<bool> {
+    let cols = op.file.shape().1 as usize;
+    if op.round.is_some() || cols == 0 {
+        return Ok(false);
+    }
+    let Some(v) = BandView::<T>::mapped(op.file, r0, h) else {
+        return Ok(false);
+    };
+    if op.check {
+        op.file.verify_block(&Block {
+            r0: r0 as u64,
+            c0: 0,
+            rows: h as u64,
+            cols: cols as u64,
+        })?;
+    }
+    buf[..h * cols]
+        .par_chunks_mut(cols)
+        .enumerate()
+        .for_each(|(l, row)| v.pieces(l, 0..cols, |c, p| row[c..c + p.len()].copy_from_slice(p)));
+    v.release();
+    Ok(true)
+}
+
 /// Stored rows per band of `op` read as `T` (the whole file when smaller): about
 /// [`BAND_BYTES`]. (Rounded up to whole storage tile rows, so that each tile's CRC is taken in
 /// the one read of its band, the dense pass took 0.90–1.01 s on one H100 against 0.52–0.55 —
@@ -190,10 +221,16 @@ fn band_rows<T>(op: &Op) -> usize {
 fn bands<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &[T]) + Send) -> Result<()> {
     let len = band_rows::<T>(op) * op.file.shape().1 as usize;
     let (mut a, mut b) = (vec![T::default(); len], vec![T::default(); len]);
-    bands_in(op, band_rows::<T>(op), [&mut a, &mut b], |r0, h, m| {
-        f(r0, h, m);
-        true
-    })
+    bands_in(
+        op,
+        band_rows::<T>(op),
+        false,
+        [&mut a, &mut b],
+        |r0, h, m| {
+            f(r0, h, m);
+            true
+        },
+    )
 }
 
 /// [`bands`] of `band` rows into the caller's two buffers (a device may have page-locked them),
@@ -202,6 +239,7 @@ fn bands<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &[T]) + Send) -> Resu
 fn bands_in<T: Elem>(
     op: &Op,
     band: usize,
+    from_map: bool,
     bufs: [&mut [T]; 2],
     mut f: impl FnMut(usize, usize, &[T]) -> bool + Send,
 ) -> Result<()> {
@@ -213,7 +251,10 @@ fn bands_in<T: Elem>(
     let [mut cur, mut next] = bufs;
     let read = |r0: usize, buf: &mut [T]| {
         let t = std::time::Instant::now();
-        let r = read_band(op, r0, h_at(r0), buf);
+        let r = match from_map && copy_mapped(op, r0, h_at(r0), buf)? {
+            true => Ok(()),
+            false => read_band(op, r0, h_at(r0), buf),
+        };
         crate::trace::span("verify: reads", "band", t, std::time::Instant::now());
         r
     };
@@ -818,7 +859,13 @@ fn dense_on(
     let band = band_h * op.file.shape().1 as usize;
     let device = |e: crate::error::Error| Fail::Device(e.to_string());
     let t = std::time::Instant::now();
-    dev.begin(&spec, band).map_err(device)?;
+    if let Err(e) = dev.begin(&spec, band) {
+        // `staging` is locked by the device: let go of it before it is freed.
+        if staging.is_some() {
+            dev.unpin();
+        }
+        return Err(device(e));
+    }
     let now = std::time::Instant::now();
     crate::trace::span("verify: device", "begin (the sums up)", t, now);
     let mut st = match staging {
@@ -847,7 +894,7 @@ fn dense_on(
     // The device's sums after the last band, which its check downloaded.
     let mut last = None;
     let looped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        bands_in::<f32>(op, band_h, [s0, s1], |r0, h, m| {
+        bands_in::<f32>(op, band_h, true, [s0, s1], |r0, h, m| {
             let mut step = || -> std::result::Result<(), String> {
                 let e = |e: crate::error::Error| e.to_string();
                 // The first band, and the last, are checked against the CPU's sums of them.
@@ -930,12 +977,21 @@ pub(crate) fn prepare(op: &Op, rounds: usize, groups: usize, exact: bool, dev: &
     if op.file.dtype() == DType::F64 || exact || !dev.may_have_device() {
         return;
     }
-    // The host buffers first: their pages are made while the GPU is still opening.
+    // The host buffers first: their pages are made while the GPU is still opening (or those
+    // of an earlier step, already locked, when large enough).
     let t = std::time::Instant::now();
     let band_h = device_band_rows(op);
     let cols = op.file.shape().1 as usize;
-    let Ok(st) = staging_for(band_h * cols) else {
-        return;
+    let old = dev.take_staging();
+    let (old, fresh) = match old {
+        Some(o) if o.elems >= band_h * cols => (Some(o), None),
+        o => match staging_for(band_h * cols) {
+            Ok(st) => (o, Some(st)),
+            Err(_) => {
+                dev.keep_staging_opt(o);
+                return;
+            }
+        },
     };
     crate::trace::span(
         "verify: device",
@@ -944,6 +1000,7 @@ pub(crate) fn prepare(op: &Op, rounds: usize, groups: usize, exact: bool, dev: &
         std::time::Instant::now(),
     );
     let Some(mut d) = dev.take() else {
+        // No device (any earlier one was let go, and let go of what it locked).
         return;
     };
     let t = std::time::Instant::now();
@@ -957,6 +1014,17 @@ pub(crate) fn prepare(op: &Op, rounds: usize, groups: usize, exact: bool, dev: &
         signed: &[],
         abs: &[],
         sq: &[],
+    };
+    let st = match fresh {
+        Some(st) => {
+            // Buffers of an earlier step too small: let go of them before they are freed.
+            if old.is_some() {
+                d.unpin();
+            }
+            drop(old);
+            st
+        }
+        None => old.expect("kept when no fresh buffers were made"),
     };
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         d.prepare(&spec, band_h, cols)?;
@@ -978,7 +1046,7 @@ pub(crate) fn prepare(op: &Op, rounds: usize, groups: usize, exact: bool, dev: &
 
 /// Most bytes of one band of the dense pass on a device (each of its two host buffers, and
 /// of the device's two band buffers).
-const DEVICE_BAND_MAX: usize = if cfg!(test) { 16 << 10 } else { 256 << 20 };
+const DEVICE_BAND_MAX: usize = if cfg!(test) { 16 << 10 } else { 128 << 20 };
 
 /// Stored rows per band of the dense pass on a device: [`band_rows`], rounded up to whole
 /// rows of storage tiles when their checksums are checked as the file is read (within
@@ -1040,6 +1108,9 @@ const SAMPLE_ROWS: usize = 16;
 /// checks per pass: 0.19–0.22 s of a 0.66–0.71 s dense pass on one H100,
 /// docs/measurements/2026-12-06f-h100-1-head-verify-trace.log); the sample takes a few.
 struct Sample {
+    /// The op rows the band adds to (all of them for op(A) = Aᵀ): the others must be as they
+    /// were, bit for bit.
+    span: Range<usize>,
     rows: Vec<usize>,
     /// Per sampled row: rg signed sums, then g abs and g sq sums.
     signed: Vec<f64>,
@@ -1096,25 +1167,23 @@ impl Sample {
                 (sg, ab, sq)
             })
             .collect();
-        let mut bad = vec![false; m];
-        let marks: Vec<usize> = band
-            .par_chunks(cols.max(1))
+        // Flags, not a list of elements: a band all NaN marks every op row once.
+        let flags: Vec<std::sync::atomic::AtomicBool> =
+            (0..m).map(|_| Default::default()).collect();
+        let mark = |i: usize| flags[i].store(true, std::sync::atomic::Ordering::Relaxed);
+        band.par_chunks(cols.max(1))
             .enumerate()
-            .flat_map_iter(|(l, row)| {
-                let cs: Vec<usize> = match op.trans {
-                    true => (row.iter().enumerate())
-                        .filter(|(_, v)| !v.is_finite())
-                        .map(|(c, _)| c)
-                        .collect(),
-                    false => match row.iter().all(|v| v.is_finite()) {
-                        true => Vec::new(),
-                        false => vec![r0 + l],
-                    },
-                };
-                cs
-            })
-            .collect();
-        marks.into_iter().for_each(|i| bad[i] = true);
+            .for_each(|(l, row)| match op.trans {
+                true => (row.iter().enumerate())
+                    .filter(|(_, v)| !v.is_finite())
+                    .for_each(|(c, _)| mark(c)),
+                false => {
+                    if !row.iter().all(|v| v.is_finite()) {
+                        mark(r0 + l)
+                    }
+                }
+            });
+        let bad: Vec<bool> = flags.into_iter().map(|f| f.into_inner()).collect();
         let (mut signed, mut abs, mut sq) = (Vec::new(), Vec::new(), Vec::new());
         for (sg, ab, q) in sums {
             signed.extend(sg);
@@ -1122,6 +1191,7 @@ impl Sample {
             sq.extend(q);
         }
         Sample {
+            span: lo..lo + n,
             rows,
             signed,
             abs,
@@ -1162,6 +1232,20 @@ fn agree(
         let was_bad = before.is_some_and(|b| b.bad[i]);
         if d.bad[i] != (was_bad || smp.bad[i]) {
             return Err(format!("row {i}'s NaN/Inf mark"));
+        }
+    }
+    // Rows the band does not add to: unchanged (a DGEMM writing one row too many, or at a wrong
+    // leading dimension, changes them; the sample inside the band might not see it).
+    for i in (0..m).filter(|i| !smp.span.contains(i)) {
+        let same = |x: &[f64], b: Option<&[f64]>, w: usize| match b {
+            Some(b) => x[i * w..(i + 1) * w] == b[i * w..(i + 1) * w],
+            None => x[i * w..(i + 1) * w].iter().all(|&v| v == 0.0),
+        };
+        if !same(&d.signed, before.map(|b| &b.signed[..]), rg)
+            || !same(&d.abs, before.map(|b| &b.abs[..]), g)
+            || !same(&d.sq, before.map(|b| &b.sq[..]), g)
+        {
+            return Err(format!("row {i}, outside the band, changed"));
         }
     }
     for (j, &i) in smp.rows.iter().enumerate() {

@@ -249,8 +249,12 @@ impl FoldDevice for CudaFold {
         let be = |what: &'static str| move |x| Error::device(0, name.clone(), what, x);
         let blas = self.blas.as_ref().expect("held until drop");
         let b = &mut self.b;
-        // One band of zeros through the widening and the three DGEMMs of its shape, whose
-        // sums `begin` zeroes again.
+        // One band of zeros through the widening and the DGEMMs of its two shapes (the
+        // tolerance sums' two share one), against zeroed sums; `begin` zeroes the results again.
+        for z in [&mut b.z, &mut b.zabs] {
+            s.memset_zeros(z.as_mut().expect("allocated by begin"))
+                .map_err(e("zeroing the sums"))?;
+        }
         let zero = b.band[0].as_mut().expect("allocated by begin");
         s.memset_zeros(zero).map_err(e("zeroing a band"))?;
         let (stored, rows_ok) = match trans {
