@@ -1746,6 +1746,103 @@ mod tests {
     /// The scatter read in place from the map gives the sums of the copied bands: `.mgt` with
     /// partial edge tiles (one and several tile columns), a row-major file at an aligned and an
     /// unaligned offset, f32 and f64, as stored and transposed, with NaN/Inf, checks on and off.
+    /// The CPU's sample of a band ([`Sample`]) is what its full fold gives on the sampled op
+    /// rows — spread over the rows the band adds to, first and last among them — and its
+    /// NaN/Inf marks are the fold's on every op row, for op(A) = A and Aᵀ, on a band wider and
+    /// taller than the sample.
+    #[test]
+    fn a_sample_of_a_band_is_the_cpus_fold_on_its_rows() {
+        use crate::store::rowmajor::{RowMajorFile, RowMajorSpec};
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (40usize, 300usize);
+        let p = dir.path().join("a.raw");
+        std::fs::write(&p, values(rows, cols, DType::F32)).unwrap();
+        let spec = RowMajorSpec {
+            rows: rows as u64,
+            cols: cols as u64,
+            dtype: DType::F32,
+            data_offset: 0,
+            transposed: false,
+            kind: "raw".into(),
+            region: false,
+        };
+        let f = RowMajorFile::open(&p, spec, None).unwrap();
+        let band: Vec<f32> = std::fs::read(&p)
+            .unwrap()
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        for trans in [false, true] {
+            let op = Op {
+                file: &f,
+                trans,
+                round: None,
+                check: false,
+                times: false,
+            };
+            let (m, k) = op.shape();
+            let (rounds, groups) = (2, 3);
+            let mut z = Sums::new(k, 1, rounds, groups);
+            for (i, v) in z.signed.iter_mut().enumerate() {
+                v.hi = ((i * 37) % 19) as f64 - 9.0;
+            }
+            for (i, v) in z.abs.iter_mut().enumerate() {
+                *v = ((i * 11) % 7) as f64 + 1.0;
+            }
+            for (i, v) in z.sq.iter_mut().enumerate() {
+                *v = ((i * 5) % 13) as f64 + 0.5;
+            }
+            let rhs = Rhs::new::<f64>(&z);
+            // Stored rows 8..32: a band in the middle of the file.
+            let (r0, h) = (8, 24);
+            let m_band = &band[r0 * cols..(r0 + h) * cols];
+            let smp = Sample::of(&op, &rhs, r0, h, m_band);
+            let mut out = Sums::new(m, k, rounds, groups);
+            let mut signed = vec![0f64; m * rhs.rg];
+            fold_band::<f32, f64>(
+                &op,
+                &rhs,
+                r0,
+                h,
+                m_band,
+                &mut Vec::new(),
+                &mut out,
+                &mut signed,
+            );
+            let span = if trans { 0..m } else { r0..r0 + h };
+            assert_eq!(smp.rows.len(), SAMPLE_ROWS, "trans {trans}");
+            assert_eq!(smp.rows.first(), Some(&span.start), "trans {trans}");
+            assert_eq!(smp.rows.last(), Some(&(span.end - 1)), "trans {trans}");
+            assert!(smp.rows.windows(2).all(|w| w[0] < w[1]), "trans {trans}");
+            assert_eq!(smp.span, span, "trans {trans}");
+            assert_eq!(smp.bad, out.bad_row, "trans {trans}: NaN/Inf marks");
+            assert!(
+                smp.bad.iter().any(|&b| b),
+                "trans {trans}: the data holds NaN/Inf"
+            );
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * (1.0 + b.abs());
+            let (rg, g) = (rhs.rg, rhs.g);
+            for (j, &i) in smp.rows.iter().enumerate() {
+                for c in 0..rg {
+                    assert!(
+                        close(smp.signed[j * rg + c], signed[i * rg + c]),
+                        "trans {trans} row {i}"
+                    );
+                }
+                for c in 0..g {
+                    assert!(
+                        close(smp.abs[j * g + c], out.abs[i * g + c]),
+                        "trans {trans} row {i}"
+                    );
+                    assert!(
+                        close(smp.sq[j * g + c], out.sq[i * g + c]),
+                        "trans {trans} row {i}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn scatter_in_place_gives_the_sums_of_copied_bands() {
         use crate::store::rowmajor::{RowMajorFile, RowMajorSpec};
