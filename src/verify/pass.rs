@@ -175,6 +175,30 @@ fn read_band<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<()>
         })
 }
 
+/// Stored rows `r0..r0 + h` of op's file as a view of its read-only map
+/// ([`BandView::mapped`]), the storage tiles they touch checked first when `op.check`
+/// ([`MatrixSource::verify_block`]: each tile once, nothing for tiles already checked or a file
+/// without checksums; a band is never read before its tiles passed); `None` where the file
+/// does not map them so.
+fn mapped_checked<'a, T: Elem>(
+    op: &Op<'a>,
+    r0: usize,
+    h: usize,
+) -> Result<Option<BandView<'a, T>>> {
+    let Some(v) = BandView::<T>::mapped(op.file, r0, h) else {
+        return Ok(None);
+    };
+    if op.check {
+        op.file.verify_block(&Block {
+            r0: r0 as u64,
+            c0: 0,
+            rows: h as u64,
+            cols: op.file.shape().1,
+        })?;
+    }
+    Ok(Some(v))
+}
+
 /// Stored rows `r0..r0 + h` copied into `buf` from the file's read-only map, the storage tiles
 /// they touch checked first when `op.check` ([`MatrixSource::verify_block`], each tile once);
 /// false, with nothing copied, where the file does not map them so ([`BandView::mapped`]) or
@@ -187,17 +211,9 @@ fn copy_mapped<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<b
     if op.round.is_some() || cols == 0 {
         return Ok(false);
     }
-    let Some(v) = BandView::<T>::mapped(op.file, r0, h) else {
+    let Some(v) = mapped_checked::<T>(op, r0, h)? else {
         return Ok(false);
     };
-    if op.check {
-        op.file.verify_block(&Block {
-            r0: r0 as u64,
-            c0: 0,
-            rows: h as u64,
-            cols: cols as u64,
-        })?;
-    }
     buf[..h * cols]
         .par_chunks_mut(cols)
         .enumerate()
@@ -499,16 +515,8 @@ fn in_place<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &BandView<T>)) -> 
     let (mut r0, mut spare) = (0, Vec::new());
     while r0 < rows {
         let h = band.min(rows - r0);
-        match BandView::<T>::mapped(op.file, r0, h) {
+        match mapped_checked::<T>(op, r0, h)? {
             Some(v) => {
-                if op.check {
-                    op.file.verify_block(&Block {
-                        r0: r0 as u64,
-                        c0: 0,
-                        rows: h as u64,
-                        cols: cols as u64,
-                    })?;
-                }
                 f(r0, h, &v);
                 v.release();
             }
