@@ -3,9 +3,10 @@
 //! `cuInit` on the H200 machines, docs/GPU.md) overlaps the first scatter pass, which needs
 //! no device.
 //!
-//! A device that fails — an error, or sums of its first band that are not the CPU's — is let go
-//! and the passes run on the CPU from then on; [`Device::used`] names what computed them and
-//! why the device stopped, for the report.
+//! A device that fails — an error while it is prepared or computes, or sums of its first or
+//! last band that are not the CPU's — is let go and the passes run on the CPU from then on;
+//! [`Device::used`] names what computed them and why the device stopped, for the report. It
+//! also keeps the page-locked host buffers made for the next dense pass ([`Staging`]).
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Mutex, MutexGuard};

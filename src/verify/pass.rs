@@ -803,9 +803,10 @@ impl Signed for Dd {
 /// `bad_row` (their values count as 0, so they spoil no other row).
 ///
 /// A device's sums of the first and of the last band are checked against the CPU's sums of the
-/// same bands before the pass is trusted (equal up to the f64 rounding of either order of
-/// addition): the first catches a device that computes wrongly, the last one that places a
-/// band wrongly (its offsets into the sums, its rows' NaN/Inf marks). On a difference, or any
+/// same bands on sampled rows ([`Sample`], [`agree`]: equal up to the f64 rounding of either
+/// order of addition, every row's NaN/Inf marks, the rows outside the band unchanged) before
+/// the pass is trusted: the first catches a device that computes wrongly, the last one that
+/// places a band wrongly (its offsets into the sums, its rows' NaN/Inf marks). On a difference, or any
 /// error or panic of the device, the pass is done on the CPU and the device is not used again
 /// ([`Device`]'s note says why). An error reading the file is the pass's, not the device's.
 pub(crate) fn dense(op: &Op, z: &Sums, exact: bool, dev: &Device) -> Result<Sums> {
