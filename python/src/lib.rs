@@ -409,6 +409,18 @@ impl Job {
             keep_backend: true,
             progress: &progress,
         };
+        // `MGMM_TRACE` never names the call's own files (the timeline would replace them).
+        let mats: Vec<(String, PathBuf)> = [("a", &step.a.path), ("b", &step.b.path)]
+            .into_iter()
+            .filter(|(_, p)| !step.held.contains(p))
+            .map(|(n, p)| (n.to_string(), p.clone()))
+            .collect();
+        mgmm_stream::run::space::refuse_trace_over(&mgmm_stream::run::space::job_files(
+            None,
+            &mats,
+            std::slice::from_ref(&step),
+        ))
+        .map_err(|e| to_py(py, e))?;
         let rep = watch.run(py, &queue, &flag, move || api::run_step(job))?;
         match rep.map_err(|e| to_py(py, e))? {
             Some(r) => to_py_value(py, &r),
@@ -574,6 +586,8 @@ fn run_plan<'py>(
         keep_backend: true,
         ..Default::default()
     };
+    mgmm_stream::run::space::refuse_trace_over(&mgmm_stream::run::space::plan_files(&plan))
+        .map_err(|e| to_py(py, e))?;
     let (plan, progress, opts, split) = (&plan, &progress, &opts, &split);
     let rep = watch.run(py, &queue, &flag, move || match split {
         Some(sh) => cluster::run_plan(plan, opts, sh, progress),

@@ -1,5 +1,7 @@
 """Where results go: a new array, a given array, .npy and .mgt files; plans and info."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -366,3 +368,27 @@ def test_verify_reason_of_a_changed_plan_says_restart_true(tmp_path, monkeypatch
     assert r["pass"] is False
     text = str(r)
     assert "restart=True" in text and "run --restart" not in text, text
+
+
+def test_trace_never_replaces_the_calls_own_files(tmp_path, monkeypatch):
+    # MGMM_TRACE naming the output (or an input) replaced the result with the timeline, and the
+    # journal still said the step was complete (new-user trial): refused before any work.
+    monkeypatch.chdir(tmp_path)
+    a, b = rand((40, 30), seed=1), rand((30, 20), seed=2)
+    np.save("A.npy", a)
+    np.save("B.npy", b)
+    for trace, role in (("D.npy", "the output of step 1"), ("A.npy", "the matrix `a`")):
+        monkeypatch.setenv("MGMM_TRACE", trace)
+        with pytest.raises(mg.BadInputError, match=f"MGMM_TRACE={trace}: that is {role}"):
+            mg.matmul("A.npy", "B.npy", out="D.npy", **CPU)
+    assert not os.path.exists("D.npy")
+    close(np.load("A.npy"), a, np.float32)
+    monkeypatch.setenv("MGMM_TRACE", "E.npy")
+    plan = {"matrices": {"A": {"path": "A.npy"}, "B": {"path": "B.npy"}},
+            "step": [{"output": "E.npy", "expr": "A @ B"}], "engine": {"backend": "cpu"}}
+    with pytest.raises(mg.BadInputError, match="that is the output of step 1"):
+        mg.run(plan, progress=False)
+    monkeypatch.setenv("MGMM_TRACE", "t.json")
+    mg.matmul("A.npy", "B.npy", out="D.npy", **CPU)
+    close(np.load("D.npy"), reference(a, b), np.float32)
+    assert os.path.getsize("t.json") > 0

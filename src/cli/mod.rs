@@ -126,36 +126,10 @@ fn refuse_same(input: &Path, output: &Path) -> Result<()> {
 }
 
 /// Refuse `path` (`what` the flag or variable that named it, e.g. "--report ") when it is one
-/// of the job's own files: the plan, a matrix it declares, a step's output or journal. The
-/// report or timeline written there at the end would replace it (whatever it holds: a
-/// journal is JSON too, which [`crate::store::fsutil::refuse_non_json`] lets through).
+/// of the job's own files ([`crate::run::space::plan_files`]).
 fn refuse_job_files(p: &crate::plan::Plan, path: Option<&Path>, what: &str) -> Result<()> {
-    let Some(path) = path else {
-        return Ok(());
-    };
-    let sidecar = crate::store::sidecar::sidecar_path;
-    let mut named = vec![("the plan file".to_string(), p.path.clone())];
-    for m in &p.matrices {
-        let what = format!("the matrix `{}`", m.name);
-        named.push((format!("the checksums of {what}"), sidecar(&m.path)));
-        named.push((what, m.path.clone()));
-    }
-    for s in &p.steps {
-        let what = format!("the output of step {}", s.index + 1);
-        let journal = crate::durable::journal::journal_path(&s.output);
-        named.push((format!("the journal of step {}", s.index + 1), journal));
-        named.push((format!("the checksums of {what}"), sidecar(&s.output)));
-        named.push((what, s.output.clone()));
-    }
-    let (doc, eg) = match what.starts_with("MGMM_TRACE") {
-        true => ("timeline", "trace.json"),
-        false => ("report", "run.json"),
-    };
-    match named.iter().find(|(_, f)| crate::plan::same_file(f, path)) {
-        Some((which, _)) => Err(Error::Usage(format!(
-            "{what}{}: that is {which}, which the {doc} written at the end would replace; give a new path, e.g. {eg}",
-            path.display(),
-        ))),
+    match path {
+        Some(path) => crate::run::space::refuse_over(&crate::run::space::plan_files(p), path, what),
         None => Ok(()),
     }
 }

@@ -113,6 +113,15 @@ impl RunArgs {
         }
         super::refuse_job_files(&p, settings.trace.as_deref(), "MGMM_TRACE=")?;
         super::refuse_job_files(&p, report.as_deref(), "--report ")?;
+        if let (Some(r), Some(t)) = (&report, &settings.trace) {
+            if crate::plan::same_file(r, t) {
+                return Err(Error::Usage(format!(
+                    "--report {} and MGMM_TRACE={} name the same file: the timeline would replace the report; give them two paths",
+                    r.display(),
+                    t.display()
+                )));
+            }
+        }
         crate::trace::init(settings.trace.as_deref())?;
         // A report path that cannot be written fails now, not after hours of work.
         if let Some(r) = &report {

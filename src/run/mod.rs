@@ -15,7 +15,7 @@ mod finished;
 mod inputs;
 mod intermediates;
 pub(crate) mod prefill;
-pub(crate) mod space;
+pub mod space;
 pub(crate) mod step;
 pub(crate) mod target;
 

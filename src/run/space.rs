@@ -99,3 +99,74 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
     }
     Ok(())
 }
+
+/// The files a job owns, each with its role for messages: the plan file (when there is one), the
+/// matrices it reads (and their checksum sidecars), and per step its output, the output's
+/// journal, checksums and checkpoint folder. What `--report` and `MGMM_TRACE` must never name
+/// ([`refuse_over`]).
+pub fn job_files(
+    plan_file: Option<&Path>,
+    matrices: &[(String, PathBuf)],
+    steps: &[crate::plan::Step],
+) -> Vec<(String, PathBuf)> {
+    use crate::store::sidecar::sidecar_path;
+    let mut named: Vec<(String, PathBuf)> = plan_file
+        .map(|p| ("the plan file".to_string(), p.to_path_buf()))
+        .into_iter()
+        .collect();
+    for (name, path) in matrices {
+        let what = format!("the matrix `{name}`");
+        named.push((format!("the checksums of {what}"), sidecar_path(path)));
+        named.push((what, path.clone()));
+    }
+    for s in steps.iter().filter(|s| !s.output_in_memory()) {
+        let n = s.index + 1;
+        let what = format!("the output of step {n}");
+        let o = &s.output;
+        named.push((
+            format!("the journal of step {n}"),
+            crate::durable::journal::journal_path(o),
+        ));
+        named.push((format!("the checksums of {what}"), sidecar_path(o)));
+        named.push((
+            format!("the checkpoint folder of step {n}"),
+            crate::durable::checkpoint::partial_dir(o),
+        ));
+        named.push((what, o.clone()));
+    }
+    named
+}
+
+/// [`job_files`] of a plan.
+pub fn plan_files(plan: &Plan) -> Vec<(String, PathBuf)> {
+    let mats: Vec<(String, PathBuf)> = (plan.matrices.iter())
+        .map(|m| (m.name.clone(), m.path.clone()))
+        .collect();
+    job_files(Some(&plan.path), &mats, &plan.steps)
+}
+
+/// Refuse `path` (`what`: the flag or variable that named it, `--report ` or `MGMM_TRACE=`)
+/// when it is one of `named` (the job's own files, [`job_files`]): the report or timeline
+/// written there at the end would replace it, whatever it holds (a journal is JSON too).
+pub fn refuse_over(named: &[(String, PathBuf)], path: &Path, what: &str) -> Result<()> {
+    let (doc, eg) = match what.starts_with("MGMM_TRACE") {
+        true => ("timeline", "trace.json"),
+        false => ("report", "run.json"),
+    };
+    match named.iter().find(|(_, f)| crate::plan::same_file(f, path)) {
+        Some((which, _)) => Err(Error::Usage(format!(
+            "{what}{}: that is {which}, which the {doc} written at the end would replace; give a new path, e.g. {eg}",
+            path.display(),
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// [`refuse_over`] for the `MGMM_TRACE` path of the environment, if one is set (the Python
+/// package's calls, which record a timeline per call).
+pub fn refuse_trace_over(named: &[(String, PathBuf)]) -> Result<()> {
+    match crate::config::Settings::from_env().trace {
+        Some(t) => refuse_over(named, &t, "MGMM_TRACE="),
+        None => Ok(()),
+    }
+}

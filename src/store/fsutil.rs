@@ -119,28 +119,51 @@ pub(crate) fn open_in_place(path: &Path, how: InPlace) -> Result<File> {
     Ok(file)
 }
 
-/// Refuse `path` as the place of a JSON document a command writes (`what`: "--report",
-/// "MGMM_TRACE") when a file is there that is not one: only nothing, an empty file or a file
-/// whose first non-blank byte is `{` (a report or timeline of an earlier run) may be replaced.
-/// A slip of the tab key (`--report A.npy`) must not replace a matrix or a plan with a report.
+/// Refuse `path` as the place of a JSON document a command writes (`what`: "--report ",
+/// "MGMM_TRACE=") when something is there that is not one it wrote: only nothing, a symbolic
+/// link (replaced, never written through), an empty file, or a report or timeline of an
+/// earlier run (a JSON object whose first key is `plan`, `displayTimeUnit` or `traceEvents`)
+/// may be replaced. A slip of the tab key (`--report A.npy`), a settings file, or
+/// `MGMM_TRACE=/dev/null` (the device node was replaced by a regular file, as root) must not
+/// lose what is there.
 pub(crate) fn refuse_non_json(path: &Path, what: &str) -> Result<()> {
     let Ok(m) = std::fs::symlink_metadata(path) else {
         return Ok(());
     };
-    if !m.is_file() || m.len() == 0 {
+    let eg = match what.starts_with("MGMM_TRACE") {
+        true => "trace.json",
+        false => "run.json",
+    };
+    if m.file_type().is_symlink() {
         return Ok(());
     }
-    let mut head = [0u8; 256];
+    if !m.is_file() {
+        return Err(Error::Usage(format!(
+            "{what}{}: not a regular file (a folder, device or pipe), which the file written at the end would replace; give a file path, e.g. {eg}",
+            path.display()
+        )));
+    }
+    if m.len() == 0 {
+        return Ok(());
+    }
+    let mut head = [0u8; 64];
     let n = File::open(path)
         .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
         .unwrap_or(0);
-    match head[..n].iter().find(|b| !b.is_ascii_whitespace()) {
-        Some(b'{') | None => Ok(()),
-        Some(_) => Err(Error::Usage(format!(
-            "{what}{}: that file exists and is not a JSON report or timeline ({} bytes; it would be replaced); give a new path, e.g. {}",
+    let text = String::from_utf8_lossy(&head[..n]);
+    let t = text.trim_start();
+    let ours = t.strip_prefix('{').is_some_and(|r| {
+        let r = r.trim_start();
+        ["\"plan\"", "\"displayTimeUnit\"", "\"traceEvents\""]
+            .iter()
+            .any(|k| r.starts_with(k))
+    });
+    match ours {
+        true => Ok(()),
+        false => Err(Error::Usage(format!(
+            "{what}{}: that file exists and is not a report or timeline of mgmm-stream ({} bytes; it would be replaced); give a new path, e.g. {eg}",
             path.display(),
             m.len(),
-            if what.starts_with("MGMM_TRACE") { "trace.json" } else { "run.json" }
         ))),
     }
 }

@@ -696,7 +696,7 @@ fn a_report_or_timeline_never_replaces_the_jobs_files() {
         ("C.mgt", vec!["the output of step 1"]),
         (
             "notes.txt",
-            vec!["notes.txt", "not a JSON report", "run.json"],
+            vec!["notes.txt", "not a report or timeline", "run.json"],
         ),
     ] {
         let o = mg(dir, &["run", "p.toml", "--report", path]);
@@ -724,6 +724,48 @@ fn a_report_or_timeline_never_replaces_the_jobs_files() {
     // The journal: JSON too, refused as the job's own.
     let o = mg(dir, &["run", "p.toml", "--report", "C.mgt.journal"]);
     failed_with(&o, &["the journal of step 1"]);
+    // A JSON file of the user's own (not a report), a pipe (as `MGMM_TRACE=/dev/null` replaced
+    // the device node by a regular file, as root), and one path for both.
+    std::fs::write(dir.join("settings.json"), "{\"lr\": 0.1}\n").unwrap();
+    let o = mg(
+        dir,
+        &["run", "p.toml", "--restart", "--report", "settings.json"],
+    );
+    failed_with(
+        &o,
+        &["settings.json", "not a report or timeline of mgmm-stream"],
+    );
+    assert_eq!(before("settings.json"), b"{\"lr\": 0.1}\n");
+    assert!(Command::new("mkfifo")
+        .arg(dir.join("pipe"))
+        .status()
+        .unwrap()
+        .success());
+    let with_trace = |trace: &str, args: &[&str]| {
+        Command::new(bin())
+            .args(args)
+            .env("MGMM_TRACE", trace)
+            .current_dir(dir)
+            .output()
+            .unwrap()
+    };
+    let o = with_trace("pipe", &["verify", "p.toml"]);
+    failed_with(&o, &["MGMM_TRACE=pipe", "not a regular file"]);
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::symlink_metadata(dir.join("pipe"))
+        .unwrap()
+        .file_type()
+        .is_fifo());
+    let o = with_trace(
+        "same.json",
+        &["run", "p.toml", "--restart", "--report", "same.json"],
+    );
+    failed_with(&o, &["name the same file"]);
+    // A timeline of an earlier run is replaced.
+    for _ in 0..2 {
+        let o = with_trace("t.json", &["run", "p.toml", "--restart", "-q"]);
+        assert!(o.status.success(), "{o:?}");
+    }
 }
 
 #[test]

@@ -221,14 +221,17 @@ fn restart_and_report_never_write_through_links() {
     // reports); to an earlier report, the name is replaced and the other link keeps its bytes.
     std::fs::hard_link(&other, dir.join("r.json")).unwrap();
     let o = mg(dir, &["run", "p.toml", "-q", "--report", "r.json"]);
-    failed_with(&o, &["r.json", "not a JSON report"]);
+    failed_with(&o, &["r.json", "not a report or timeline"]);
     untouched(&other);
     std::fs::remove_file(dir.join("r.json")).unwrap();
     let old = dir.join("old.json");
-    std::fs::write(&old, "{\"mine\": 1}\n").unwrap();
+    std::fs::write(&old, "{\"plan\": \"an earlier report\"}\n").unwrap();
     std::fs::hard_link(&old, dir.join("r.json")).unwrap();
     ok(&mg(dir, &["run", "p.toml", "-q", "--report", "r.json"]));
-    assert_eq!(std::fs::read_to_string(&old).unwrap(), "{\"mine\": 1}\n");
+    assert_eq!(
+        std::fs::read_to_string(&old).unwrap(),
+        "{\"plan\": \"an earlier report\"}\n"
+    );
     own_file(&dir.join("r.json"));
 }
 
