@@ -695,7 +695,7 @@ fn nonfinite_input_note(r: &StepReport) -> Option<String> {
         false => each.join(", "),
     };
     Some(format!(
-        "NaN/Inf values seen while staging the inputs: {each} — computed as IEEE arithmetic says"
+        "NaN/Inf values seen while staging the inputs: {each} — they reach the output as IEEE arithmetic says (except with alpha = 0, which, as in BLAS, does not use the product)"
     ))
 }
 

@@ -141,3 +141,12 @@ def test_alpha_that_is_not_finite_or_out_of_f32s_range_is_refused(alpha, words):
     # f64 inputs take any finite alpha.
     c = mg.matmul(a.astype(np.float64), a.astype(np.float64), alpha=1e-50, **CPU)
     assert c[0, 0] == pytest.approx(4e-50)
+
+
+def test_alpha_zero_gives_zeros_as_blas_does_even_with_nan_in_an_input():
+    # BLAS's rule (docs/PLAN.md): alpha = 0 does not use the product, so NaN in `a` does not
+    # reach the output (numpy's 0 * (a @ b) would carry it).
+    a, b = rand((64, 48), seed=1), rand((48, 32), seed=2)
+    a[3, 5] = np.nan
+    c = mg.matmul(a, b, alpha=0.0, **CPU)
+    assert c.shape == (64, 32) and (c == 0).all()

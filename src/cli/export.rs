@@ -20,7 +20,7 @@ use crate::{interrupt, outln};
     after_help = "Example:\n  mgmm-stream export data/C.mgt C.npy\n  python3 -c 'import numpy as np; print(np.load(\"C.npy\", mmap_mode=\"r\")[:2, :4])'"
 )]
 pub(crate) struct ExportArgs {
-    /// The .mgt matrix to convert.
+    /// The matrix to convert: a .mgt (an unfinished one with --allow-partial), or any input `import` takes.
     input: PathBuf,
     /// The .npy file to write (must not exist unless --force).
     output: PathBuf,

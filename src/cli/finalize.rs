@@ -18,6 +18,7 @@ use crate::run;
 pub(crate) struct FinalizeArgs {
     /// The plan of the split run to complete (docs/CLUSTER.md).
     plan: PathBuf,
+    /// Override an [engine] key of the plan (repeatable), as `run --set` (the same for every process of the split run).
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]
     set: Vec<String>,
     /// Run Freivalds' test on each output after (see `verify`).

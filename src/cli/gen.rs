@@ -25,8 +25,10 @@ use crate::{interrupt, outln};
 pub(crate) struct GenArgs {
     /// The file to write: a .mgt, or a .npy array when the name ends in .npy (must not exist unless --force).
     out: PathBuf,
+    /// Rows of the matrix.
     #[arg(long)]
     rows: u64,
+    /// Columns of the matrix.
     #[arg(long)]
     cols: u64,
     /// Element type: f32, f64, f16, bf16.
@@ -38,6 +40,7 @@ pub(crate) struct GenArgs {
     /// normal, uniform (in [-1, 1)), identity, arange (value = row·cols + col).
     #[arg(long, default_value = "normal")]
     dist: String,
+    /// Seed of the random values (the same seed, the same matrix).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Worker threads (0 = all cores).

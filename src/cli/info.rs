@@ -21,7 +21,7 @@ use crate::{out, outln};
     after_help = "Example:\n  mgmm-stream info data/C.mgt --check\n  mgmm-stream info raw:rows=4096,cols=3000,dtype=f32:x.bin"
 )]
 pub(crate) struct InfoArgs {
-    /// A .mgt file or a .npy array.
+    /// A .mgt file, a .npy array, or a raw file as `raw:rows=R,cols=C,dtype=D[,order=F][,offset=N]:PATH`.
     file: PathBuf,
     /// Verify every storage tile against the stored CRC-32C table (a .npy: its sidecar).
     /// Exit status: 0 every tile matches, 1 a tile does not (or another error), 3 nothing to

@@ -39,16 +39,16 @@ pub(crate) struct ModelArgs {
     /// One node's link to the filesystem, GB/s (200 Gb/s InfiniBand ≈ 25).
     #[arg(long, default_value_t = 25.0, value_name = "GB/s")]
     pub(crate) node_bandwidth: f64,
-    /// Sustained GEMM rate per GPU in a step, TFLOP/s (47: fp32 file to file on an H200, BENCHMARKS.md; plan's own lower bound uses cuBLAS in core, 54).
+    /// Sustained GEMM rate per GPU in a step for the cluster model (--nodes), TFLOP/s (47: fp32 file to file on an H200, BENCHMARKS.md; plan's own lower bound uses cuBLAS in core, 54).
     #[arg(long, default_value_t = 47.0)]
     pub(crate) gpu_tflops: f64,
-    /// Host-to-device rate per GPU, GB/s (52: measured on the H200 host, docs/GPU.md).
+    /// Host-to-device rate per GPU for the cluster model (--nodes), GB/s (52: measured on the H200 host, docs/GPU.md).
     #[arg(long, default_value_t = 52.0, value_name = "GB/s")]
     pub(crate) pcie: f64,
-    /// Device memory per GPU for the tile cache, GiB.
+    /// Device memory per GPU for the tile cache in the cluster model (--nodes), GiB.
     #[arg(long, default_value_t = 120.0, value_name = "GiB")]
     pub(crate) gpu_memory: f64,
-    /// Compute tile edge.
+    /// Compute tile edge in the cluster model (--nodes); the plan's own layout comes from [engine] tile.
     #[arg(long, default_value_t = 8192)]
     pub(crate) tile: u64,
     /// Shards per step (default as `run` chooses: 1 or 4 per process).

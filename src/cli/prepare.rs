@@ -19,6 +19,7 @@ use crate::run;
 pub(crate) struct PrepareArgs {
     /// The plan to lay out for a split run (docs/CLUSTER.md).
     plan: PathBuf,
+    /// Override an [engine] key of the plan (repeatable), as `run --set` (the same for every process of the split run).
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]
     set: Vec<String>,
     /// Throw away the outputs, journals and shard state of every step and start over.

@@ -17,6 +17,7 @@ use crate::plan::Plan;
 pub(crate) struct StatusArgs {
     /// The plan of the split run (docs/CLUSTER.md).
     plan: PathBuf,
+    /// Override an [engine] key of the plan (repeatable), as `run --set` (the same for every process of the split run).
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]
     set: Vec<String>,
     /// Heartbeat age (seconds) after which a claim is shown as stale.
