@@ -258,3 +258,19 @@ def test_a_plan_dict_is_named_as_given_without_line_numbers(tmp_path, monkeypatc
         assert "(line" not in msg and "at line" not in msg and str(tmp_path) + "/<" not in msg, msg
     text = mg.plan({**square, "step": [{"output": "C.mgt", "expr": "A @ A.T"}]})["text"]
     assert text.startswith("plan <plan dict>\n") and "(line" not in text, text
+
+
+def test_plan_dict_with_a_nan_or_a_numpy_scalar(tmp_path, monkeypatch):
+    # A NaN in a plan dict failed as "cannot be written as TOML: expected value at line 1
+    # column 147", a numpy scalar as "Object of type float32 is not JSON serializable" (trial).
+    monkeypatch.chdir(tmp_path)
+    np.save("A.npy", rand((20, 10), seed=1))
+    np.save("B.npy", rand((10, 8), seed=2))
+    plan = {"matrices": {"A": {"path": "A.npy"}, "B": {"path": "B.npy"}},
+            "step": [{"output": "C.npy", "expr": "A @ B", "alpha": float("nan")}],
+            "engine": {"backend": "cpu"}}
+    with pytest.raises(mg.BadInputError, match=r"step\[0\]\.alpha = nan; use a finite number"):
+        mg.run(plan, progress=False)
+    plan["step"][0]["alpha"] = np.float32(2.5)
+    mg.run(plan, progress=False)
+    close(np.load("C.npy"), 2.5 * (np.load("A.npy") @ np.load("B.npy")), np.float32)

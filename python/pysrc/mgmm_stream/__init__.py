@@ -753,9 +753,26 @@ def matmul(a: Any, b: Any, out: Any = None, *, alpha: float = 1.0, trans_a: bool
 # ---------------------------------------------------------------- plans --------------------
 
 
+def _plan_json(plan_: Dict[str, Any]) -> str:
+    """A plan dict as JSON text for the engine: numpy scalars as Python numbers, and a NaN or
+    infinite number refused naming its key (JSON has none: it failed as "the plan dict cannot
+    be written as TOML: expected value at line 1 column 147")."""
+    def walk(v: Any, at: str) -> Any:
+        if isinstance(v, dict):
+            return {k: walk(x, f"{at}.{k}" if at else str(k)) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [walk(x, f"{at}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, np.generic):
+            v = v.item()
+        if isinstance(v, float) and not (v == v and abs(v) != float("inf")):
+            raise BadInputError(f"<plan dict>: {at} = {v}; use a finite number")
+        return v
+    return json.dumps(walk(plan_, ""))
+
+
 def _plan_source(plan_: Union[PathLike, Dict[str, Any]]) -> Tuple[Optional[str], Optional[str]]:
     if isinstance(plan_, dict):
-        return None, _native.json_to_toml(json.dumps(plan_))
+        return None, _native.json_to_toml(_plan_json(plan_))
     if isinstance(plan_, (str, os.PathLike)):
         return os.fspath(plan_), None
     raise BadInputError(f"a plan is a path to a .toml file or a dict; got {type(plan_).__name__}")

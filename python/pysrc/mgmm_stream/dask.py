@@ -480,7 +480,9 @@ def matmul(a: Any, b: Any, out: Union[str, "os.PathLike[str]"], *, client: Any =
     if float(alpha) != 1.0:
         step["alpha"] = float(alpha)
     plan = {"matrices": mats, "step": [step]}
-    text = _native.json_to_toml(json.dumps(plan))
+    from . import _plan_json  # the package's own conversion (imported here: no import cycle)
+
+    text = _native.json_to_toml(_plan_json(plan))
     precision, engine = _merge_precision(precision, engine)
     nthreads = 0 if threads is None else int(threads)
     workers = _workers(c)
