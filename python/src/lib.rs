@@ -753,6 +753,13 @@ fn verify_plan<'py>(
                     r.output
                 ));
             }
+            if !r.pass && r.reason.is_none() && !r.nothing_checked() {
+                // A FAIL found in the output itself: said, not left `None` (new-user trial).
+                v["reason"] = serde_json::Value::String(format!(
+                    "the output fails the check (largest residual/allowed = {:.3e}; the failing output tiles are in `failing_tiles`): it does not hold this product; `restart=True` recomputes the step (the command line's `verify --repair` redoes only those tiles)",
+                    r.max_ratio
+                ));
+            }
             errors::python_words_in(&mut v);
             v
         })

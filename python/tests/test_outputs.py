@@ -392,3 +392,24 @@ def test_trace_never_replaces_the_calls_own_files(tmp_path, monkeypatch):
     mg.matmul("A.npy", "B.npy", out="D.npy", **CPU)
     close(np.load("D.npy"), reference(a, b), np.float32)
     assert os.path.getsize("t.json") > 0
+
+
+def test_verify_of_a_damaged_output_says_why_it_fails(tmp_path, monkeypatch):
+    # A damaged output's dict had `reason: None` beside `failing_tiles` (new-user trial).
+    monkeypatch.chdir(tmp_path)
+    p = {
+        "matrices": {
+            "A": {"path": "A.mgt", "generate": {"rows": 64, "cols": 48, "seed": 1}},
+            "B": {"path": "B.mgt", "generate": {"rows": 48, "cols": 64, "seed": 2}},
+        },
+        "step": [{"output": "C.npy", "expr": "A @ B"}],
+        "engine": {"backend": "cpu", "tile": 32},
+    }
+    mg.run(p, progress=False)
+    c = np.load("C.npy", mmap_mode="r+")
+    c[40, 50] += 1000.0
+    c.flush()
+    del c
+    (r,) = mg.verify(p)
+    assert r["pass"] is False and r["failing_tiles"], r
+    assert "fails the check" in r["reason"] and "restart=True" in r["reason"], r["reason"]
