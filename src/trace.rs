@@ -100,7 +100,7 @@ pub(crate) fn init(path: Option<&Path>) -> crate::error::Result<()> {
     let Some(path) = path else {
         return Ok(());
     };
-    crate::store::fsutil::refuse_non_json(path, "MGMM_TRACE=")?;
+    crate::store::fsutil::refuse_replacing(path, "MGMM_TRACE=")?;
     let dir = crate::store::fsutil::parent_dir(path);
     if !dir.is_dir() {
         return Err(crate::error::Error::Usage(format!(

@@ -168,15 +168,8 @@ impl RunArgs {
 /// replaced, never written through).
 fn report_writable(path: &Path) -> Result<()> {
     let err = |e| Error::io(path, "cannot write the report (--report)", e);
-    crate::store::fsutil::refuse_non_json(path, "--report ")?;
-    if let Ok(m) = std::fs::symlink_metadata(path) {
-        if !m.is_file() && !m.file_type().is_symlink() {
-            return Err(Error::Usage(format!(
-                "--report {}: not a regular file; give a file path",
-                path.display()
-            )));
-        }
-    }
+    // Not a folder, device or pipe, nor a file that is not an earlier report.
+    crate::store::fsutil::refuse_replacing(path, "--report ")?;
     // Its folder is made as an output's is (`run` creates those too).
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(err)?;

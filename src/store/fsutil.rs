@@ -126,7 +126,7 @@ pub(crate) fn open_in_place(path: &Path, how: InPlace) -> Result<File> {
 /// may be replaced. A slip of the tab key (`--report A.npy`), a settings file, or
 /// `MGMM_TRACE=/dev/null` (the device node was replaced by a regular file, as root) must not
 /// lose what is there.
-pub(crate) fn refuse_non_json(path: &Path, what: &str) -> Result<()> {
+pub(crate) fn refuse_replacing(path: &Path, what: &str) -> Result<()> {
     let Ok(m) = std::fs::symlink_metadata(path) else {
         return Ok(());
     };

@@ -94,17 +94,22 @@ impl Device {
         let mut s = lock(&self.slot);
         if let Slot::Opening(rx) = &*s {
             if let Ok(r) = rx.try_recv() {
-                *s = match r {
-                    Ok(Some(d)) => Slot::Ready(d),
-                    Ok(None) => Slot::Cpu,
-                    Err(e) => {
-                        self.note(format!("no GPU for the check ({e}); checked on the CPU"));
-                        Slot::Cpu
-                    }
-                };
+                self.settle(&mut s, r);
             }
         }
         !matches!(&*s, Slot::Cpu)
+    }
+
+    /// `s` as the opening's result `r` leaves it: the device, or the CPU (and why, for an error).
+    fn settle(&self, s: &mut Slot, r: Opened) {
+        *s = match r {
+            Ok(Some(d)) => Slot::Ready(d),
+            Ok(None) => Slot::Cpu,
+            Err(e) => {
+                self.note(format!("no GPU for the check ({e}); checked on the CPU"));
+                Slot::Cpu
+            }
+        };
     }
 
     /// Whether a device computes the passes (waiting for it to open).
@@ -135,9 +140,7 @@ impl Device {
                 unreachable!()
             };
             match rx.recv_timeout(OPEN_WAIT) {
-                Ok(Ok(Some(d))) => *s = Slot::Ready(d),
-                Ok(Ok(None)) => {}
-                Ok(Err(e)) => self.note(format!("no GPU for the check ({e}); checked on the CPU")),
+                Ok(r) => self.settle(s, r),
                 Err(RecvTimeoutError::Disconnected) => {
                     self.note("opening the GPU panicked; checked on the CPU".into())
                 }

@@ -1423,21 +1423,8 @@ fn nan_in_a_fortran_order_input_is_named_in_numpys_rows() {
         .collect();
     a[40 * k + 3] = f32::NAN;
     // A Fortran-order .npy of A: its columns one after another.
-    let dict = format!("{{'descr': '<f4', 'fortran_order': True, 'shape': ({m}, {k}), }}");
-    let mut h = dict.into_bytes();
-    while (10 + h.len() + 1) % 64 != 0 {
-        h.push(b' ');
-    }
-    h.push(b'\n');
-    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
-    bytes.extend((h.len() as u16).to_le_bytes());
-    bytes.extend(h);
-    for j in 0..k {
-        for i in 0..m {
-            bytes.extend(a[i * k + j].to_le_bytes());
-        }
-    }
-    std::fs::write(dir.join("A.npy"), bytes).unwrap();
+    let a64: Vec<f64> = a.iter().map(|&x| x as f64).collect();
+    write_npy_order(&dir.join("A.npy"), m, k, &a64, DType::F32, true);
     gen(
         &dir.join("B.mgt"),
         k as u64,

@@ -210,16 +210,34 @@ pub fn set_len(p: &Path, len: u64) {
 /// A row-major f32 or f64 `.npy` file holding exactly `v` (rows×cols; an input whose every
 /// value the test chooses).
 pub fn write_npy(path: &std::path::Path, rows: usize, cols: usize, v: &[f64], dt: DType) {
+    write_npy_order(path, rows, cols, v, dt, false)
+}
+
+/// [`write_npy`] in Fortran order when `fortran` (`v` is still given row-major; the file holds
+/// its columns one after another, as numpy writes `np.asfortranarray`).
+pub fn write_npy_order(
+    path: &std::path::Path,
+    rows: usize,
+    cols: usize,
+    v: &[f64],
+    dt: DType,
+    fortran: bool,
+) {
     let descr = if dt == DType::F64 { "<f8" } else { "<f4" };
+    let order = if fortran { "True" } else { "False" };
     let dict =
-        format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+        format!("{{'descr': '{descr}', 'fortran_order': {order}, 'shape': ({rows}, {cols}), }}");
     let total = (10 + dict.len() + 1).div_ceil(64) * 64;
     let mut h = vec![0x93, b'N', b'U', b'M', b'P', b'Y', 1, 0];
     h.extend_from_slice(&((total - 10) as u16).to_le_bytes());
     h.extend_from_slice(dict.as_bytes());
     h.resize(total - 1, b' ');
     h.push(b'\n');
-    for &x in v {
+    let at = |i: usize| match fortran {
+        true => v[(i % rows) * cols + i / rows],
+        false => v[i],
+    };
+    for x in (0..rows * cols).map(at) {
         if dt == DType::F64 {
             h.extend_from_slice(&x.to_le_bytes());
         } else {
