@@ -753,7 +753,12 @@ fn verify_plan<'py>(
                     r.output
                 ));
             }
-            if !r.pass && r.reason.is_none() && !r.nothing_checked() {
+            if !r.pass && r.reason.is_none() && r.corrupt_tiles > 0 {
+                v["reason"] = serde_json::Value::String(format!(
+                    "{} output tile(s) no longer match the checksums `run` stored with them: the file changed after it was written; the command line's `verify --repair` redoes those tiles (`failing_tiles`), `restart=True` recomputes the step",
+                    r.corrupt_tiles
+                ));
+            } else if !r.pass && r.reason.is_none() && !r.nothing_checked() {
                 // A FAIL found in the output itself: said, not left `None` (new-user trial).
                 v["reason"] = serde_json::Value::String(format!(
                     "the output fails the check (largest residual/allowed = {:.3e}; the failing output tiles are in `failing_tiles`): it does not hold this product; `restart=True` recomputes the step (the command line's `verify --repair` redoes only those tiles)",

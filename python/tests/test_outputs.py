@@ -394,22 +394,23 @@ def test_trace_never_replaces_the_calls_own_files(tmp_path, monkeypatch):
     assert os.path.getsize("t.json") > 0
 
 
-def test_verify_of_a_damaged_output_says_why_it_fails(tmp_path, monkeypatch):
-    # A damaged output's dict had `reason: None` beside `failing_tiles` (new-user trial).
+def test_verify_of_an_output_changed_after_it_was_written_names_the_checksums(tmp_path, monkeypatch):
+    # A changed .npy output fails by its stored checksums: its dict's reason was None, then
+    # spoke of residuals with a ratio of 0 (trials). A 0-d array is a number in a plan dict.
     monkeypatch.chdir(tmp_path)
     p = {
         "matrices": {
             "A": {"path": "A.mgt", "generate": {"rows": 64, "cols": 48, "seed": 1}},
             "B": {"path": "B.mgt", "generate": {"rows": 48, "cols": 64, "seed": 2}},
         },
-        "step": [{"output": "C.npy", "expr": "A @ B"}],
+        "step": [{"output": "C.npy", "expr": "A @ B", "alpha": np.array(2.0)}],
         "engine": {"backend": "cpu", "tile": 32},
     }
     mg.run(p, progress=False)
-    c = np.load("C.npy", mmap_mode="r+")
-    c[40, 50] += 1000.0
+    c = np.memmap("C.npy", dtype=np.float32, mode="r+", offset=4096, shape=(64, 64))
+    c[40, 50] += 1.0
     c.flush()
     del c
     (r,) = mg.verify(p)
-    assert r["pass"] is False and r["failing_tiles"], r
-    assert "fails the check" in r["reason"] and "restart=True" in r["reason"], r["reason"]
+    assert r["pass"] is False and r["corrupt_tiles"] >= 1, r
+    assert "no longer match the checksums" in r["reason"] and "restart=True" in r["reason"], r

@@ -153,9 +153,27 @@ pub fn refuse_over(named: &[(String, PathBuf)], path: &Path, what: &str) -> Resu
         true => ("timeline", "trace.json"),
         false => ("report", "run.json"),
     };
-    match named.iter().find(|(_, f)| crate::plan::same_file(f, path)) {
-        Some((which, _)) => Err(Error::Usage(format!(
-            "{what}{}: that is {which}, which the {doc} written at the end would replace; give a new path, e.g. {eg}",
+    // The file itself, or — for the checkpoint folder, which a step creates and removes — any
+    // path inside it (a report there was lost when the step removed the folder).
+    let inside = |which: &str, f: &Path| {
+        which.starts_with("the checkpoint folder")
+            && path
+                .ancestors()
+                .skip(1)
+                .any(|a| crate::plan::same_file(f, a))
+    };
+    let hit = named.iter().find_map(|(which, f)| match crate::plan::same_file(f, path) {
+        true => Some(format!(
+            "that is {which}, which the {doc} written at the end would replace"
+        )),
+        false if inside(which, f) => Some(format!(
+            "that is inside {which}, which the step removes: the {doc} written at the end would be lost"
+        )),
+        false => None,
+    });
+    match hit {
+        Some(which) => Err(Error::Usage(format!(
+            "{what}{}: {which}; give a new path, e.g. {eg}",
             path.display(),
         ))),
         None => Ok(()),

@@ -724,6 +724,21 @@ fn a_report_or_timeline_never_replaces_the_jobs_files() {
     // The journal: JSON too, refused as the job's own.
     let o = mg(dir, &["run", "p.toml", "--report", "C.mgt.journal"]);
     failed_with(&o, &["the journal of step 1"]);
+    // Inside the checkpoint folder, which the step removes (the report was made, then lost).
+    let o = mg(
+        dir,
+        &[
+            "run",
+            "p.toml",
+            "--restart",
+            "--report",
+            "C.mgt.partial/r.json",
+        ],
+    );
+    failed_with(
+        &o,
+        &["inside the checkpoint folder of step 1", "would be lost"],
+    );
     // A JSON file of the user's own (not a report), a pipe (as `MGMM_TRACE=/dev/null` replaced
     // the device node by a regular file, as root), and one path for both.
     std::fs::write(dir.join("settings.json"), "{\"lr\": 0.1}\n").unwrap();

@@ -762,7 +762,7 @@ def _plan_json(plan_: Dict[str, Any]) -> str:
             return {k: walk(x, f"{at}.{k}" if at else str(k)) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
             return [walk(x, f"{at}[{i}]") for i, x in enumerate(v)]
-        if isinstance(v, np.generic):
+        if isinstance(v, np.generic) or (isinstance(v, np.ndarray) and v.ndim == 0):
             v = v.item()
         if isinstance(v, float) and not (v == v and abs(v) != float("inf")):
             raise BadInputError(f"<plan dict>: {at} = {v}; use a finite number")
