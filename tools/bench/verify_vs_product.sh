@@ -3,6 +3,8 @@
 # takes at most 25 % of the product's time. Runs the product (durable = false, inputs warm), then
 # `verify` twice with its products on the GPU and once on the CPU (`--set engine.backend=cpu`),
 # interleaved, and prints the ratios. GPU machine, repository root, .dev/bin carried.
+# SWEEP="1 4 8 16": then `verify` with its products on the GPU at each `engine.threads`, one line
+# each (`SWEEP` passes and their rates: how the host's passes scale with threads).
 # Log: $OUT/verify_vs_product.log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
@@ -25,6 +27,10 @@ st = json.load(open(sys.argv[1]))['steps'][0]['wall_s']
 run, ver = int(sys.argv[2]) / 1e3, int(sys.argv[3]) / 1e3
 print(f'RESULT verify {ver:.2f} s (process) against the product: step {st:.2f} s, process {run:.2f} s; verify/step {ver/st:.2f}, verify/process {ver/run:.2f}')
 " "$OUT/v.json" "$run_ms" "$v_ms" | tee -a "$LOG"
+done
+for t in ${SWEEP:-}; do
+  s=$(date +%s%N); rates=$(MGMM_VERIFY_TIMES=1 "$MGMM" verify v.toml --set engine.threads="$t" 2>&1 | grep -E '^verify: (scatter|dense)' | sed -E 's/^verify: ([a-z]+) [^ ]+ .*: ([0-9.]+ s, [0-9.]+ GB\/s)$/\1 \2/' | paste -sd';')
+  echo "SWEEP threads $t: process $(( ($(date +%s%N) - s) / 1000000 )) ms; $rates" | tee -a "$LOG"
 done
 # Where a GPU verify's time goes (issue 35: its dense pass over A bounds it): the passes, the band
 # reads, the device's folds (to each band's copy's end) and cross-checks, the GPU's opening.
