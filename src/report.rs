@@ -109,6 +109,11 @@ pub struct StepReport {
     /// Input blocks staged by copy under `staging = "auto"` because their pages were not all
     /// in memory.
     pub direct_cold_blocks: u64,
+    /// Input blocks of row-major files (`.npy`, raw) staged by copy under `staging = "auto"`
+    /// on a GPU because they are at most half as wide as their file: page-locking would lock
+    /// the bands of whole rows they lie in (docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md).
+    #[serde(default)]
+    pub direct_narrow_blocks: u64,
     /// Input blocks staged by copy because the file range they lie in is larger than the
     /// page-locking budget (`direct_budget_bytes`); a `.npy` or raw file is one range.
     pub direct_oversize_blocks: u64,
@@ -439,6 +444,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         direct_register_s: st.direct.as_ref().map_or(0.0, |d| d.register_s),
         direct_released_bytes: st.direct.as_ref().map_or(0, |d| d.released_bytes),
         direct_cold_blocks: st.direct.as_ref().map_or(0, |d| d.cold_blocks),
+        direct_narrow_blocks: st.direct.as_ref().map_or(0, |d| d.narrow_blocks),
         direct_oversize_blocks: st.direct.as_ref().map_or(0, |d| d.oversize_blocks),
         direct_full_blocks: st.direct.as_ref().map_or(0, |d| d.full_blocks),
         direct_budget_bytes: st.direct.as_ref().map_or(0, |d| d.budget),
@@ -544,6 +550,12 @@ fn direct_line(r: &StepReport) -> String {
         parts.push(format!(
             "{} not wholly in the page cache staged by copy",
             crate::progress::count(r.direct_cold_blocks, "block", "blocks")
+        ));
+    }
+    if r.direct_narrow_blocks > 0 {
+        parts.push(format!(
+            "{} of row-major files staged by copy: locking the whole rows they lie in would take longer (staging = \"direct\" locks them)",
+            crate::progress::count(r.direct_narrow_blocks, "block", "blocks")
         ));
     }
     // What the budget holds: page-locked ranges for a GPU's copies; on the CPU, whose lanes

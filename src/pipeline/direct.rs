@@ -90,6 +90,7 @@ pub(crate) struct DirectReads {
 struct Counts {
     bytes: AtomicU64,
     cold_blocks: AtomicU64,
+    narrow_blocks: AtomicU64,
     oversize_blocks: AtomicU64,
     full_blocks: AtomicU64,
     register_ns: AtomicU64,
@@ -104,6 +105,9 @@ pub(crate) struct DirectStats {
     pub(crate) bytes: u64,
     /// Blocks copied instead because their pages were not all in memory (`auto`).
     pub(crate) cold_blocks: u64,
+    /// Blocks of row-major files copied instead because they are at most half as wide as the
+    /// file, whose bands of whole rows would be page-locked for them (`auto`, on a GPU).
+    pub(crate) narrow_blocks: u64,
     /// Blocks copied instead because one range they lie in is larger than the budget (a large
     /// `.npy` or raw file is one range), and that budget.
     pub(crate) oversize_blocks: u64,
@@ -381,41 +385,72 @@ fn split_at_ranges(runs: &[Run], data: u64, per: u64) -> Vec<Run> {
     out
 }
 
-/// Whether every block of `sources` (a step's A and B) is expected to go straight from the
-/// files' pages, so that the staging pool's leases need no memory unless a block is copied
-/// after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`, the backend uploads from
-/// maps (`pinner`: its [`limits`]), the step has no added matrix (`added`: staging always copies C0, once per
-/// output tile), each source maps its blocks at `host` in ranges the budget can hold, and
-/// under `auto` its data looks in the page cache now (1024 pages sampled: a guess, and a wrong
-/// one only costs buffers made while the step runs). Arrays on a GPU
+/// Whether every block of `sources` (a step's A and B, each with its first block) is expected
+/// to go straight from the files' pages, so that the staging pool's leases need no memory
+/// unless a block is copied after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`,
+/// the backend uploads from maps (`pinner`: [`Pinning`]), the step has no added matrix
+/// (`added`: staging always copies C0, once per output tile), each source maps its blocks at
+/// `host` in ranges the budget can hold, and under `auto` its first block is not a narrow one
+/// of a row-major file on a device that locks pages ([`narrow_in_bands`]) and its data looks
+/// in the page cache now (1024 pages sampled: a guess, and a wrong one only costs buffers made
+/// while the step runs). Arrays on a GPU
 /// ([`MatrixSource::device_block`]) go device to device whatever `staging` says (a lane on
 /// another GPU, or a CPU lane, reads them through a pool buffer made then).
 pub(crate) fn expected(
     mode: StagingMode,
-    pinner: Option<(u64, u64)>,
-    sources: &[&dyn MatrixSource],
+    pinner: Option<Pinning>,
+    sources: &[(&dyn MatrixSource, Block)],
     added: bool,
     host: DType,
 ) -> bool {
-    let corner = Block::FIRST;
     if added {
         return false;
     }
     let pinner = pinner.filter(|_| mode != StagingMode::Copy);
-    sources.iter().all(|f| {
-        if f.device_block(&corner, host).is_some() {
+    sources.iter().all(|&(f, first)| {
+        if f.device_block(&Block::FIRST, host).is_some() {
             return true;
         }
-        let Some((budget, chunk)) = pinner else {
+        let Some(p) = pinner else {
             return false;
         };
-        f.mapped_block(&corner, host).is_some_and(|mb| {
+        f.mapped_block(&first, host).is_some_and(|mb| {
             // The range a block registers (`ranges`): whole tiles, about `chunk` bytes.
-            (chunk / mb.stride).max(1) * mb.stride <= budget
+            (p.chunk / mb.stride).max(1) * mb.stride <= p.budget
+                && !(mode == StagingMode::Auto && p.locks && narrow_in_bands(f, &first, &mb))
                 && (mode == StagingMode::Direct
                     || crate::store::fsutil::resident_sampled(mb.map, mb.data.clone(), 1024))
         })
     })
+}
+
+/// How a backend's [`InputPinner`] registers, for [`expected`]: the budget and range size
+/// ([`limits`]), and whether registering locks memory ([`InputPinner::locks`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pinning {
+    pub(crate) budget: u64,
+    pub(crate) chunk: u64,
+    pub(crate) locks: bool,
+}
+
+/// Whether `mb`, block `b` of `f`, lies in bands of whole rows (a row-major file: `.npy`, raw)
+/// at least twice as wide as the block: page-locking its bands locks the file's whole width,
+/// on the driver's one thread at a time (~25 GB/s), before the block's upload can start, where
+/// staging copies the block's own bytes on every thread. So `auto` copies such blocks on a
+/// device that locks pages: 32768² fp32 from `.npy` on one H100, blocks a quarter of the
+/// file's width, took 1.441–1.443 s copied against 1.531–1.533 s locked, its first GEMM at
+/// 0.05 s against 0.11–0.13 s (docs/measurements/2026-12-06g-h100-2-roofline-npy-copy-verify-sweep.log,
+/// docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md). A `.mgt` locks its storage
+/// tiles, the block's own; a block as wide as its file locks only its rows.
+fn narrow_in_bands(f: &dyn MatrixSource, b: &Block, mb: &MappedBlock<'_>) -> bool {
+    mb.whole_rows && b.cols.saturating_mul(2) <= f.shape().1
+}
+
+/// [`narrow_in_bands`] for block `b` of `f` read as `host`, for `plan`'s words: whether
+/// `auto` copies it on a GPU.
+pub(crate) fn narrow_block(f: &dyn MatrixSource, b: &Block, host: DType) -> bool {
+    f.mapped_block(b, host)
+        .is_some_and(|mb| narrow_in_bands(f, b, &mb))
 }
 
 impl DirectReads {
@@ -471,6 +506,10 @@ impl DirectReads {
             return None;
         }
         let mb = f.mapped_block(block, host)?;
+        if self.mode == StagingMode::Auto && self.pinner.locks() && narrow_in_bands(f, block, &mb) {
+            self.stats.narrow_blocks.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
         let ranges = self.ranges(&mb);
         // A range that alone would pass the budget (a row-major file is one range) is copied:
         // locking it could take the memory the host needs.
@@ -778,6 +817,7 @@ impl DirectReads {
         DirectStats {
             bytes: c.bytes.load(Ordering::Relaxed),
             cold_blocks: c.cold_blocks.load(Ordering::Relaxed),
+            narrow_blocks: c.narrow_blocks.load(Ordering::Relaxed),
             oversize_blocks: c.oversize_blocks.load(Ordering::Relaxed),
             full_blocks: c.full_blocks.load(Ordering::Relaxed),
             budget: self.budget,
@@ -1022,18 +1062,27 @@ mod tests {
     /// `auto` not when part of the file was evicted from the page cache.
     #[test]
     fn blocks_are_expected_direct_only_when_they_can_go() {
-        const ON: Option<(u64, u64)> = Some((8 << 30, CHUNK));
+        const ON: Option<Pinning> = Some(Pinning {
+            budget: 8 << 30,
+            chunk: CHUNK,
+            locks: true,
+        });
         let fx = fixture();
         let f: &dyn MatrixSource = &*fx.f;
-        assert!(expected(StagingMode::Auto, ON, &[f, f], false, DType::F32));
-        assert!(expected(StagingMode::Direct, ON, &[f], false, DType::F32));
-        assert!(!expected(StagingMode::Copy, ON, &[f], false, DType::F32));
-        assert!(!expected(StagingMode::Auto, None, &[f], false, DType::F32));
-        assert!(!expected(StagingMode::Auto, ON, &[f], false, DType::F64));
-        assert!(
-            !expected(StagingMode::Direct, ON, &[f], true, DType::F32),
-            "with C0"
-        );
+        let b = block(0, 0, 32, 32);
+        let one = |m, p, added, dt| expected(m, p, &[(f, b)], added, dt);
+        assert!(expected(
+            StagingMode::Auto,
+            ON,
+            &[(f, b), (f, b)],
+            false,
+            DType::F32
+        ));
+        assert!(one(StagingMode::Direct, ON, false, DType::F32));
+        assert!(!one(StagingMode::Copy, ON, false, DType::F32));
+        assert!(!one(StagingMode::Auto, None, false, DType::F32));
+        assert!(!one(StagingMode::Auto, ON, false, DType::F64));
+        assert!(!one(StagingMode::Direct, ON, true, DType::F32), "with C0");
         // Evict the file's pages (written and synced by `generate`): `auto` no longer expects
         // its blocks to go direct; `direct` still does.
         let path = f.path().to_path_buf();
@@ -1043,24 +1092,79 @@ mod tests {
         // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
         let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         let reopened = crate::store::open_source(&path).unwrap();
+        let again = |m| expected(m, ON, &[(&*reopened, b)], false, DType::F32);
         if rc == 0 && !page_cached(&path) {
-            assert!(!expected(
-                StagingMode::Auto,
-                ON,
-                &[&*reopened],
-                false,
-                DType::F32
-            ));
+            assert!(!again(StagingMode::Auto));
         } else {
             eprintln!("the page cache kept the file (tmpfs?): the eviction case was not tested");
         }
+        assert!(again(StagingMode::Direct));
+    }
+
+    /// A block of a row-major file at most half as wide as the file is copied under `auto` on
+    /// a device that locks pages (its bands of whole rows would be locked for it), counted in
+    /// the stats, and not expected direct; with `direct`, on the CPU (nothing locked), or as
+    /// wide as the file, it goes direct. A `.mgt`'s narrow block goes direct.
+    #[test]
+    fn narrow_blocks_of_row_major_files_are_copied_under_auto_on_a_gpu() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("A.npy");
+        let spec = GenSpec {
+            rows: 64,
+            cols: 64,
+            dtype: DType::F32,
+            tile: (16, 16),
+            dist: Dist::Arange,
+            seed: 1,
+        };
+        generate(&p, &spec).unwrap();
+        let npy = crate::store::open_source(&p).unwrap();
+        let pin = |locks| {
+            Some(Pinning {
+                budget: 8 << 30,
+                chunk: CHUNK,
+                locks,
+            })
+        };
+        let (narrow, half, wide) = (
+            block(0, 0, 64, 16),
+            block(0, 32, 64, 32),
+            block(0, 0, 16, 64),
+        );
+        let exp = |m, locks, b| expected(m, pin(locks), &[(&*npy, b)], false, DType::F32);
+        assert!(!exp(StagingMode::Auto, true, narrow));
+        assert!(!exp(StagingMode::Auto, true, half));
+        assert!(exp(StagingMode::Auto, true, wide));
+        assert!(exp(StagingMode::Direct, true, narrow));
+        assert!(
+            exp(StagingMode::Auto, false, narrow),
+            "the CPU locks nothing"
+        );
+        let fx = fixture();
+        let mgt: &dyn MatrixSource = &*fx.f;
         assert!(expected(
-            StagingMode::Direct,
-            ON,
-            &[&*reopened],
+            StagingMode::Auto,
+            pin(true),
+            &[(mgt, narrow)],
             false,
             DType::F32
         ));
+
+        let reg = |mode| {
+            DirectReads::with_budget(mode, fx.rec.clone(), vec![npy.clone()], 8 << 30, CHUNK)
+        };
+        let auto = reg(StagingMode::Auto);
+        let token = || fx.pool.try_lease().unwrap();
+        assert!(auto.prepare(&*npy, &narrow, DType::F32, token()).is_none());
+        assert!(auto.prepare(&*npy, &wide, DType::F32, token()).is_some());
+        assert_eq!(auto.stats().narrow_blocks, 1);
+        // Its ranges released (the recorder refuses a second registration of one).
+        drop(auto);
+        let direct = reg(StagingMode::Direct);
+        assert!(direct
+            .prepare(&*npy, &narrow, DType::F32, token())
+            .is_some());
+        assert_eq!(direct.stats().narrow_blocks, 0);
     }
 
     /// Whether the last page of `path` (tile data, not the header that opening reads) is in

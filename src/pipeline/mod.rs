@@ -178,27 +178,36 @@ pub(crate) struct Engines {
 
 impl Engines {
     /// The lanes of `backend` for `layout` in `e`'s precision, and the pools `layout` asks for,
-    /// for the plan step at `step` (`Step::order`; `(0, 0)` for a lone product) reading
-    /// `sources`: when their blocks are all expected to go straight from the files' pages
-    /// ([`direct::expected`], by `e.staging`), the staging pools' buffers are made only if a
-    /// block is copied after all ([`Pool::lazy`]); writing into `writer`, whose tiles need no
-    /// output buffers when the lanes write it in place ([`writes_in_place`]).
+    /// for the plan step `step` at `order` (`Step::order`; `(0, 0)` for a lone product) reading
+    /// `sources`: when their blocks are all expected to go
+    /// straight from the files' pages ([`direct::expected`], by `e.staging`, judged on the
+    /// first output tile's blocks), the staging pools' buffers are made only if a block is
+    /// copied after all ([`Pool::lazy`]); writing into `writer`, whose tiles need no output
+    /// buffers when the lanes write it in place ([`writes_in_place`]).
     pub(crate) fn make(
         backend: &dyn Backend,
         layout: &Layout,
         e: &crate::plan::Engine,
-        step: (usize, usize),
+        step: &Step,
+        order: (usize, usize),
         sources: &StepSources,
         writer: &dyn MatrixSink,
     ) -> Result<Engines> {
         let t = Instant::now();
         let n = backend.caps().lanes.max(1);
         let p = e.precision;
+        let (a, b) = Schedule::first_blocks(step, layout);
         let lazy = direct::expected(
             backend.caps().staging(e.staging),
-            (backend.input_pinner())
-                .map(|p| direct::limits(p.limits(), e.host_memory, layout.host_bytes)),
-            &[&*sources.a, &*sources.b],
+            (backend.input_pinner()).map(|p| {
+                let (budget, chunk) = direct::limits(p.limits(), e.host_memory, layout.host_bytes);
+                direct::Pinning {
+                    budget,
+                    chunk,
+                    locks: p.locks(),
+                }
+            }),
+            &[(&*sources.a, a), (&*sources.b, b)],
             sources.c0.is_some(),
             layout.host_dt,
         )
@@ -235,7 +244,7 @@ impl Engines {
             (staging_pools, out_pool) = Self::pools(backend, layout, lanes.len(), lazy, out_lazy)?;
             pools_s += t.elapsed().as_secs_f64();
         }
-        backend.pools_made(step);
+        backend.pools_made(order);
         Ok(Engines {
             lanes,
             staging_pools,

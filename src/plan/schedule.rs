@@ -105,6 +105,37 @@ impl Schedule {
         }
     }
 
+    /// The stored blocks of A and B that the first output tile's first k-block reads
+    /// ([`Block::FIRST`] each for an empty output), without laying out the step's tiles
+    /// (`plan` of a 10⁶² product in 64² tiles would make 2.4·10⁸ of them).
+    pub(crate) fn first_blocks(step: &Step, l: &Layout) -> (Block, Block) {
+        if step.m == 0 || step.n == 0 {
+            return (Block::FIRST, Block::FIRST);
+        }
+        let (_, gn, gk) = l.grid(step);
+        let first = Schedule {
+            tiles: Vec::new(),
+            gn,
+            gk,
+            tk: l.tk,
+            k: step.k,
+            a_trans: step.a.trans,
+            b_trans: step.b.trans,
+        };
+        let t = OutTile {
+            seq: 0,
+            ti: 0,
+            tj: 0,
+            block: Block {
+                r0: 0,
+                c0: 0,
+                rows: l.tm.min(step.m),
+                cols: l.tn.min(step.n),
+            },
+        };
+        (first.a_block(&t, 0), first.b_block(&t, 0))
+    }
+
     /// The stored block of B holding op(B)[k-block, j-block].
     pub(crate) fn b_block(&self, t: &OutTile, kk: u64) -> Block {
         let (c0, cols) = (t.block.c0, t.block.cols);
@@ -455,6 +486,49 @@ mod tests {
         // except where the serpentine turn reuses it.
         let gk = 1_000_000u64.div_ceil(64);
         assert!(l.loads > 15625 * gk && l.loads <= 2 * 15625 * 15625 * gk);
+    }
+
+    /// The first blocks found without laying out the tiles are the schedule's first tile's,
+    /// transposed operands and tiles past the matrix's edge included.
+    #[test]
+    fn first_blocks_are_the_first_tiles_blocks() {
+        use crate::backend::{cpu::CpuBackend, Backend};
+        use crate::plan::{MatrixInfo, Plan};
+        let headers = |p: &std::path::Path| {
+            let (rows, cols) = if p.ends_with("A.mgt") {
+                (70, 45)
+            } else {
+                (45, 33)
+            };
+            Ok(Some(MatrixInfo {
+                rows,
+                cols,
+                dtype: crate::dtype::DType::F32,
+                transposed: false,
+            }))
+        };
+        for (expr, tile) in [
+            ("A @ B", "8"),
+            ("A @ B", "[16, 40, 64]"),
+            ("B.T @ A.T", "[16, 8, 4]"),
+            ("A @ A.T", "[128, 8, 4]"),
+        ] {
+            let text = format!(
+                "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\n\
+                 output = \"C.mgt\"\nexpr = \"{expr}\"\n[engine]\nbackend = \"cpu\"\ntile = {tile}\n"
+            );
+            let plan = Plan::resolve(std::path::Path::new("p.toml"), &text, &[], &headers).unwrap();
+            let step = &plan.steps[0];
+            let caps = CpuBackend::new(1, None).caps().clone();
+            let l = Layout::new(&plan.path, step, &plan.engine, &caps).unwrap();
+            let s = Schedule::new(step, &l);
+            let t = &s.tiles[0];
+            assert_eq!(
+                Schedule::first_blocks(step, &l),
+                (s.a_block(t, 0), s.b_block(t, 0)),
+                "{expr} {tile}"
+            );
+        }
     }
 
     #[test]

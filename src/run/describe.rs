@@ -449,7 +449,16 @@ fn describe_staging(
     }
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     let (mut direct, mut copied) = (Vec::new(), Vec::new());
-    for op in ops.into_iter().flatten() {
+    let (a0, b0) = crate::plan::schedule::Schedule::first_blocks(step, l);
+    // `auto` on a GPU copies the narrow blocks of a row-major file (`pipeline::direct`).
+    let narrow = |op: &crate::plan::Operand, b| {
+        device
+            && mode == StagingMode::Auto
+            && (op.open().ok())
+                .is_some_and(|f| crate::pipeline::direct::narrow_block(&*f, &b, l.host_dt))
+    };
+    for (i, op) in ops.into_iter().enumerate() {
+        let Some(op) = op else { continue };
         // A chain's intermediate held in memory, or the caller's array: no file to map.
         let added = step.c0.as_ref().is_some_and(|c0| std::ptr::eq(c0, op));
         let why = if added {
@@ -461,6 +470,8 @@ fn describe_staging(
             Some("held in memory".to_string())
         } else if op.dtype != l.host_dt {
             Some(format!("{} stored, {} computed", op.dtype, l.host_dt))
+        } else if i < 2 && narrow(op, if i == 0 { a0 } else { b0 }) {
+            Some("row-major, its blocks narrower than its rows: locking whole rows for each would take longer".to_string())
         } else {
             None
         };

@@ -99,7 +99,7 @@ impl StepRun<'_> {
         let (step, layout, e) = (self.step, self.layout, self.engine);
         let sources = (self.sources)()?;
         let writer = &*opened.work.writer;
-        let engines = Engines::make(backend, layout, e, self.order, &sources, writer)?;
+        let engines = Engines::make(backend, layout, e, step, self.order, &sources, writer)?;
         let engine_times = engines.times;
         let record = opened.record;
         let sink: &dyn TileSink = record.as_ref();

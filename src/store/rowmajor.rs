@@ -436,6 +436,7 @@ impl MatrixSource for RowMajorFile {
             data: start..end,
             stride,
             map: &self.map,
+            whole_rows: true,
         })
     }
     fn scan_mapped(&self, b: &Block, host: DType, verify: bool) -> Result<u64> {

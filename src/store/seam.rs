@@ -142,6 +142,10 @@ pub struct MappedBlock<'a> {
     pub(crate) stride: u64,
     /// The whole file's read-only map (page-aligned; index = file offset).
     pub(crate) map: &'a [u8],
+    /// Whether the spans are bands of whole rows (a row-major file: `.npy`, raw), so that they
+    /// hold the file's whole width whatever the block's ([`crate::pipeline::direct`] copies a
+    /// narrow block of such a file under `auto`); false for a `.mgt`'s storage tiles.
+    pub(crate) whole_rows: bool,
 }
 
 /// A block of a matrix in GPU memory ([`MatrixSource::device_block`]): `rows` rows of

@@ -12,7 +12,8 @@ set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to roofline.log
 N=${N:-32768}; REPEAT=${REPEAT:-2}
-# The jobs, in the order of each round (fp32_npy_copy: also defined, not run by default).
+# The jobs, in the order of each round (more are defined below: tf32_npy, bf16_npy, NAME_copy,
+# NAME_direct).
 JOBS=${JOBS:-fp32_mgt fp32_npy fp64_npy fp64_npy32 tf32_mgt bf16_mgt}
 W=${W:-/tmp/roof}; mkdir -p "$W"; cd "$W"
 gen_matrix A.mgt "$N" "$N" 1; gen_matrix B.mgt "$N" "$N" 2
@@ -26,11 +27,17 @@ write_plan fp64_npy.toml A64.npy B64.npy C_fp64_npy.npy "${E[@]}" 'precision = "
 # The same with room to page-lock both 8 GiB inputs at once: at 16 GiB the pools leave 11.5 GiB,
 # and the ranges released to make room cost staging's thread (2026-12-06d: 2.0 s against 2.3-2.4).
 write_plan fp64_npy32.toml A64.npy B64.npy C_fp64_npy32.npy "${E[@]/16GiB/32GiB}" 'precision = "fp64"'
-# The same `.npy` run copying its blocks into pinned buffers instead of page-locking the files'
-# row bands (the first GEMM waits for two 1 GiB bands to be locked: BENCHMARKS): JOBS to add it.
-write_plan fp32_npy_copy.toml A.npy B.npy C_fp32_npy_copy.npy "${E[@]}" 'staging = "copy"'
 write_plan tf32_mgt.toml A.mgt B.mgt C_tf32_mgt.mgt "${E[@]}" 'precision = "tf32"'
 write_plan bf16_mgt.toml A.mgt B.mgt C_bf16_mgt.mgt "${E[@]}" 'precision = "bf16"'
+write_plan tf32_npy.toml A.npy B.npy C_tf32_npy.npy "${E[@]}" 'precision = "tf32"'
+write_plan bf16_npy.toml A.npy B.npy C_bf16_npy.npy "${E[@]}" 'precision = "bf16"'
+# Each job with `staging` set: NAME_copy, NAME_direct (JOBS to run them; what `auto` picks for a
+# row-major file was measured so, BENCHMARKS).
+for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 tf32_mgt bf16_mgt tf32_npy bf16_npy; do
+  for m in copy direct; do
+    sed -e "s/C_$f\./C_${f}_$m./" -e "s/^\[engine\]$/[engine]\nstaging = \"$m\"/" "$f.toml" > "${f}_$m.toml"
+  done
+done
 
 log "driver start-up floor and torch in-core rates"
 python3 "$TOOLS/probes/cuda_startup_costs.py" 2>&1 | tee -a "$LOG"
@@ -83,7 +90,7 @@ for name in jobs:
     print(f"| {name} | {' / '.join(f'{x:.3f}' for x in w)} s | {' / '.join(f'{x:.1f}' for x in tf)} | "
           f"{' / '.join(f'{b - a:.2f}' for a, b in zip(w, pw))} s | {' / '.join(str(round(s.get('first_gemm_s') or 0, 3)) for s in st)} s | "
           f"{st[-1]['bottleneck']} | {p} | {' / '.join(f'{x / p:.2f}' for x in tf) if p else '-'} |")
-for npy in ("fp32_npy", "fp32_npy_copy"):
+for npy in ("fp32_npy", "fp32_npy_copy", "fp32_npy_direct"):
     if npy in walls and "fp32_mgt" in walls:
         r = [a / b for a, b in zip(walls[npy], walls["fp32_mgt"])]
         print(f"RESULT {npy} / fp32_mgt (interleaved):", " / ".join(f"{x:.3f}" for x in r), "(goal ≤ 1.05)")

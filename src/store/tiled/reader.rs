@@ -520,6 +520,7 @@ impl MatrixSource for TiledFile {
             data: geo.data_offset..self.hdr.data_end(),
             stride: geo.tile_stride,
             map: &self.map,
+            whole_rows: false,
         })
     }
     fn identity(&self) -> String {
