@@ -43,6 +43,9 @@ pub struct NonfiniteInput {
     /// The first NaN/Inf in that block, `[row, column]` in the same terms (`None` where only
     /// the conversion to the computed type made one: a value past fp16's range).
     pub first_element: Option<[u64; 2]>,
+    /// Whether its NaN/Inf can reach the output: not for a factor of the product in a step
+    /// whose alpha is 0, which, as in BLAS, does not use the product (C0's still do).
+    pub reaches_output: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -496,6 +499,7 @@ fn nonfinite_inputs(step: &Step, seen: &[NonfiniteSeen]) -> Vec<NonfiniteInput> 
                 values: i.values,
                 first_block: i.block.map(|b| [b.r0, b.c0, b.rows, b.cols]),
                 first_element: i.at.map(|(r, c)| [r, c]),
+                reaches_output: i.src == Src::C0 || step.alpha != 0.0,
             }
         })
         .collect()
@@ -676,38 +680,50 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
 
 /// What the summary says of NaN/Inf in the inputs: for each input holding any, how many values
 /// and where the first block with one lies in its file, so that the value can be found (a
-/// bare count named neither the input nor the place: new-user trial). `None` when the inputs
-/// were all finite.
+/// bare count named neither the input nor the place: new-user trial), and whether they reach the
+/// output — a factor's do not in a step whose alpha is 0 (the note said "except with alpha = 0"
+/// on such a step too). `None` when the inputs were all finite.
 fn nonfinite_input_note(r: &StepReport) -> Option<String> {
     if r.nonfinite_inputs == 0 {
         return None;
     }
-    let each: Vec<String> = r
-        .nonfinite_input_blocks
-        .iter()
-        .map(|i| {
-            let at = match (i.first_element, i.first_block) {
-                (Some([r, c]), _) => Some(format!("the first at row {r}, column {c}")),
-                (None, Some([r0, c0, rows, cols])) => Some(format!(
-                    "the first in rows {r0}–{}, columns {c0}–{}",
-                    r0 + rows.max(1) - 1,
-                    c0 + cols.max(1) - 1
-                )),
-                (None, None) => None,
-            };
-            let about: Vec<String> = [i.path.clone(), at].into_iter().flatten().collect();
-            match about.is_empty() {
-                true => format!("{} in {}", i.values, i.input),
-                false => format!("{} in {} ({})", i.values, i.input, about.join("; ")),
-            }
-        })
-        .collect();
+    let each = |i: &NonfiniteInput| {
+        let at = match (i.first_element, i.first_block) {
+            (Some([r, c]), _) => Some(format!("the first at row {r}, column {c}")),
+            (None, Some([r0, c0, rows, cols])) => Some(format!(
+                "the first in rows {r0}–{}, columns {c0}–{}",
+                r0 + rows.max(1) - 1,
+                c0 + cols.max(1) - 1
+            )),
+            (None, None) => None,
+        };
+        let about: Vec<String> = [i.path.clone(), at].into_iter().flatten().collect();
+        match about.is_empty() {
+            true => format!("{} in {}", i.values, i.input),
+            false => format!("{} in {} ({})", i.values, i.input, about.join("; ")),
+        }
+    };
+    let (reach, unused): (Vec<&NonfiniteInput>, Vec<&NonfiniteInput>) =
+        (r.nonfinite_input_blocks.iter()).partition(|i| i.reaches_output);
+    let names = |v: &[&NonfiniteInput]| v.iter().map(|i| i.input.clone()).collect::<Vec<_>>();
+    let ieee = "as IEEE arithmetic says";
+    let blas = "this step's alpha is 0, and, as in BLAS, the product is not used";
+    let fate = match (reach.is_empty(), unused.is_empty()) {
+        (_, true) => format!("they reach the output {ieee}"),
+        (true, false) => format!("they do not reach the output: {blas}"),
+        (false, false) => format!(
+            "those in {} reach the output {ieee}; those in {} do not: {blas}",
+            names(&reach).join(", "),
+            names(&unused).join(", ")
+        ),
+    };
+    let each: Vec<String> = r.nonfinite_input_blocks.iter().map(each).collect();
     let each = match each.is_empty() {
         true => r.nonfinite_inputs.to_string(),
         false => each.join(", "),
     };
     Some(format!(
-        "NaN/Inf values seen while staging the inputs: {each} — they reach the output as IEEE arithmetic says (except with alpha = 0, which, as in BLAS, does not use the product)"
+        "NaN/Inf values seen while staging the inputs: {each} — {fate}"
     ))
 }
 

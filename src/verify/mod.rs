@@ -57,7 +57,8 @@ pub struct VerifyReport {
     pub pass: bool,
     /// Why it failed before any residual was computed (journal: changed input, unfinished).
     pub reason: Option<String>,
-    /// Largest |residual| / threshold (≤ 1 passes).
+    /// Largest |residual| / threshold (≤ 1 passes); 0 when every residual is exactly 0 (then
+    /// `worst_row`, `residual` and `allowed` name none: `format` says so instead of a 0/0).
     pub max_ratio: f64,
     /// Largest |residual| / σ of the statistical model.
     pub max_sigmas: f64,
@@ -112,6 +113,10 @@ pub struct VerifyReport {
     pub device_note: Option<String>,
     /// Seconds the check took.
     pub seconds: f64,
+    /// With `alpha = 0`, what the output was checked against instead of the product, which
+    /// BLAS's rule leaves unused (its factors are not read): `"beta·C0"`, or `"zeros"` for a step
+    /// that adds no C0. `None` for any other alpha.
+    pub product_unused: Option<String>,
 }
 
 /// The parts of an output `verify` leaves to IEEE rules, by cause: output rows whose row of
@@ -689,6 +694,10 @@ fn blank_report(step: &Step, rounds: usize, tile: (u64, u64)) -> VerifyReport {
         device: "cpu".into(),
         device_note: None,
         seconds: 0.0,
+        product_unused: (step.alpha == 0.0).then(|| match step.c0.is_some() && step.beta != 0.0 {
+            true => "beta·C0".into(),
+            false => "zeros".into(),
+        }),
     }
 }
 
@@ -1015,10 +1024,7 @@ pub fn format(rep: &VerifyReport) -> String {
         "verify step {} ({}): {verdict} — {} round(s) in {:.2} s{on}\n",
         rep.step, rep.output, rep.rounds, rep.seconds
     );
-    s += &format!(
-        "  max residual/allowed = {:.3e} at row {} (residual {:.3e}, allowed {:.3e}; {:.1} σ of a correct product's rounding)",
-        rep.max_ratio, rep.worst_row, rep.residual, rep.allowed, rep.max_sigmas
-    );
+    s += &format!("  {}", residual_line(rep));
     if let Some(line) = set_aside_line(rep) {
         s += &format!("\n  {line}");
     }
@@ -1076,6 +1082,26 @@ pub fn format(rep: &VerifyReport) -> String {
         s += &format!("\n{}", failing_tiles_lines(rep));
     }
     crate::progress::wrap(&s)
+}
+
+/// The line under the verdict: the largest residual against what a correct product's rounding
+/// allows — or, when every residual is exactly 0, that (no row's ratio then means anything: an
+/// output of zeros is allowed no residual at all, a 0/0); with `alpha = 0` it first says that
+/// the product was not used and what the output was checked against.
+fn residual_line(rep: &VerifyReport) -> String {
+    let ratio = match rep.max_ratio == 0.0 {
+        true => "every residual is exactly 0".to_string(),
+        false => format!(
+            "max residual/allowed = {:.3e} at row {} (residual {:.3e}, allowed {:.3e}; {:.1} σ of a correct product's rounding)",
+            rep.max_ratio, rep.worst_row, rep.residual, rep.allowed, rep.max_sigmas
+        ),
+    };
+    match &rep.product_unused {
+        None => ratio,
+        Some(what) => format!(
+            "alpha = 0: as in BLAS, the product is not used (its factors were not read); the output was checked against {what}: {ratio}"
+        ),
+    }
 }
 
 /// What the test left to IEEE rules, by cause, naming the rows and columns and the file whose

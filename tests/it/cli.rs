@@ -779,6 +779,7 @@ fn end_of_command_text_fits_80_columns() {
         device: "cuda:0 NVIDIA H200".into(),
         device_note: Some("cuda:1 NVIDIA H200 was not used after an error (verify: its sums of the first band of in/A.mgt differ from the CPU's: row 17, group 3, round 1: 1.5e3 against 1.2e3); the check ran on the CPU".into()),
         seconds: 12.5,
+        product_unused: None,
     };
     let text = mgmm_stream::verify::format(&fail);
     assert!(

@@ -1098,6 +1098,69 @@ fn nan_in_an_input_is_named_with_the_output_nan_it_makes() {
     );
 }
 
+/// alpha = 0 uses no product, as in BLAS: the run's note on a NaN in A says it does not reach
+/// the output (on such a step it said "they reach the output … (except with alpha = 0 …)"), one
+/// in C0 that it does; `verify`'s PASS line says what the output was checked against instead
+/// of "max residual/allowed = 0.000e0 … (residual 0.000e0, allowed 0.000e0)", a 0/0.
+#[test]
+fn alpha_zero_says_the_product_is_unused_not_a_ratio() {
+    let d = tmp();
+    let dir = d.path();
+    let g = |name: &str, r, c, seed| {
+        gen(
+            &dir.join(name),
+            r,
+            c,
+            DType::F32,
+            (16, 16),
+            Dist::Normal,
+            seed,
+        );
+    };
+    g("A.mgt", 40, 30, 1);
+    g("B.mgt", 30, 20, 2);
+    g("C0.mgt", 40, 20, 3);
+    poke(&dir.join("A.mgt"), 3, 4, f64::NAN);
+    write_plan(dir, "A @ B", "fp32", "16", "alpha = 0.0\n", false);
+    let (ok, out) = cli_in(dir, &["run", "plan.toml"]);
+    let flat = one_line(&out);
+    assert!(
+        ok && flat.contains("1 in A (./A.mgt; the first at row 3, column 4) — they do not reach the output: this step's alpha is 0, and, as in BLAS, the product is not used")
+            && !flat.contains("IEEE"),
+        "{flat}"
+    );
+    let (ok, out) = cli_in(dir, &["verify", "plan.toml"]);
+    let flat = one_line(&out);
+    assert!(
+        ok && flat.contains("PASS")
+            && flat.contains("alpha = 0: as in BLAS, the product is not used (its factors were not read); the output was checked against zeros: every residual is exactly 0")
+            && !flat.contains("residual/allowed"),
+        "{flat}"
+    );
+    // With C0 (beta = 0.5) holding an Inf: the note tells A's NaN from C0's Inf, which does
+    // reach the output; the report says what `verify` checked against.
+    poke(&dir.join("C0.mgt"), 5, 6, f64::INFINITY);
+    let extra = "alpha = 0.0\naccumulate = \"C0\"\nbeta = 0.5\n";
+    write_plan(dir, "A @ B", "fp32", "16", extra, true);
+    let (ok, out) = cli_in(dir, &["run", "plan.toml", "--restart"]);
+    let flat = one_line(&out);
+    assert!(
+        ok && flat.contains("— those in C0 reach the output as IEEE arithmetic says; those in A do not: this step's alpha is 0"),
+        "{flat}"
+    );
+    let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    let rep = Verifier::new(&plan.engine, 2, 1)
+        .step(&plan.steps[0])
+        .unwrap();
+    assert!(rep.pass, "{rep:?}");
+    assert_eq!(rep.product_unused.as_deref(), Some("beta·C0"));
+    assert!(
+        one_line(&format(&rep)).contains("the output was checked against beta·C0:"),
+        "{}",
+        format(&rep)
+    );
+}
+
 /// A column of op(B) holding NaN/Inf makes its output column NaN/Inf by IEEE rules: `verify`
 /// leaves it out (x_j = 0) and says so, naming the column and where the file holds it (a row
 /// of B for `B.T`); it passed with not a word before (new-user trial). When every column of
