@@ -6,8 +6,9 @@
 //! accumulator every `engine.checkpoint_every` (after a k-chunk, when at least one remains) and
 //! writeback stores it here: `OUTPUT.partial/tile<seq>.ckpt`, one file per tile, the latest only,
 //! written to a temporary file of its own (`store::atomic`), fsynced and renamed over the
-//! previous one. A folder `OUTPUT.partial` that is a symbolic link is refused: its files would
-//! be deleted and written wherever it points. A file starts with
+//! previous one. A folder `OUTPUT.partial` that is a symbolic link is refused (its files would
+//! be deleted and written wherever it points), and so is a file in its place — both up front,
+//! before a run modifies anything ([`refuse_unusable_dir`]). A file starts with
 //! one text line — `MGMCKPT1 <CRC-32C of the JSON, 8 hex digits> <JSON>` — whose JSON names the
 //! tile (seq and block), the k-chunks done and in all, the accumulator's dtype, the CRC-32C of
 //! the data and the step's journal fingerprint; the accumulator's bytes follow, exactly as the
@@ -68,6 +69,20 @@ pub(crate) fn peek(output: &Path, done: &BTreeSet<u32>) -> Vec<(u32, u32, u32)> 
         .collect();
     out.sort_unstable();
     out
+}
+
+/// Refuse a checkpoint folder `dir` that a run cannot use: a symbolic link (its `tile*.ckpt`
+/// files are deleted and rewritten there, which through a link would happen in whatever folder
+/// it points at), or something else of that name that is not a folder. Asked before anything
+/// is modified: among `run`'s up-front checks ([`crate::run::space`]) and when a step opens
+/// its output, before its journal (`run --restart` had reset the journal of a complete output
+/// before finding a file in the folder's place).
+pub(crate) fn refuse_unusable_dir(dir: &Path) -> Result<()> {
+    crate::store::fsutil::refuse_link(dir)?;
+    match std::fs::metadata(dir) {
+        Ok(m) if !m.is_dir() => Err(not_a_folder(dir)),
+        _ => Ok(()),
+    }
 }
 
 /// The header line's JSON.
@@ -194,7 +209,7 @@ impl Checkpoints {
 
     /// Delete every checkpoint of the step (`--restart`, or the step is complete).
     pub(crate) fn discard_all(&self) -> Result<()> {
-        self.refuse_linked_dir()?;
+        self.refuse_unusable_dir()?;
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -210,10 +225,9 @@ impl Checkpoints {
         Ok(())
     }
 
-    /// Refuse a checkpoint folder that is a symbolic link: its `tile*.ckpt` files are deleted and
-    /// rewritten here, which through a link would happen in whatever folder it points at.
-    pub(crate) fn refuse_linked_dir(&self) -> Result<()> {
-        crate::store::fsutil::refuse_link(&self.dir)
+    /// [`refuse_unusable_dir`] of this step's folder.
+    pub(crate) fn refuse_unusable_dir(&self) -> Result<()> {
+        refuse_unusable_dir(&self.dir)
     }
 
     /// Remove the directory when nothing is left in it (another process of a split step may
@@ -232,7 +246,7 @@ impl Checkpoints {
         mine: std::ops::Range<u32>,
     ) -> Result<Vec<String>> {
         self.resume.clear();
-        self.refuse_linked_dir()?;
+        self.refuse_unusable_dir()?;
         let mut notes = Vec::new();
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
@@ -375,7 +389,7 @@ impl Checkpoints {
         };
         let json = serde_json::to_string(&h).expect("checkpoint header serializes");
         let line = format!("{MAGIC} {:08x} {json}\n", crc32c::crc32c(json.as_bytes()));
-        self.refuse_linked_dir()?;
+        self.refuse_unusable_dir()?;
         if !self.dir.is_dir() {
             std::fs::create_dir_all(&self.dir)
                 .map_err(|e| Error::io(&self.dir, "cannot create the checkpoint directory", e))?;
@@ -474,12 +488,17 @@ fn crc_of(r: &mut impl Read, len: u64) -> std::result::Result<u32, String> {
 /// else has its name.
 fn list_error(dir: &Path, e: std::io::Error) -> Error {
     if dir.exists() && !dir.is_dir() {
-        return Error::Usage(format!(
-            "{}: is not a folder, but run keeps the step's checkpoints there; move or delete it and rerun",
-            dir.display()
-        ));
+        return not_a_folder(dir);
     }
     Error::io(dir, "cannot list checkpoints", e)
+}
+
+/// The error for something at the checkpoint folder's name that is not a folder.
+fn not_a_folder(dir: &Path) -> Error {
+    Error::Usage(format!(
+        "{}: is not a folder, but run keeps the step's checkpoints there; move or delete it and rerun",
+        dir.display()
+    ))
 }
 
 #[cfg(test)]

@@ -316,6 +316,14 @@ fn describe_status(
     if crate::store::fsutil::refuse_link(&step.output).is_err() {
         return line(format!("{out} is a symbolic link: `run` refuses it, with or without `--restart` (the warning below says what to do)"));
     }
+    let ckpt = crate::durable::checkpoint::partial_dir(&step.output);
+    if crate::durable::checkpoint::refuse_unusable_dir(&ckpt).is_err() {
+        let what = match std::fs::symlink_metadata(&ckpt) {
+            Ok(m) if m.file_type().is_symlink() => "a symbolic link",
+            _ => "not a folder",
+        };
+        return line(format!("{}, the step's checkpoint folder, is {what}: `run` refuses the step, with or without `--restart`, before touching it (the warning below says what to do)", ckpt.display()));
+    }
     let j = match journal::peek(&step.output) {
         Ok(Some(j)) => j,
         // A split run writes the output before any journal of the step exists (finalize

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::durable::checkpoint;
 use crate::error::{Error, Result};
 use crate::pipeline;
 use crate::plan::layout::Layout;
@@ -42,10 +43,12 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
     }
     for (s, l) in plan.steps.iter().zip(layouts) {
         let in_memory = unsplit && s.output_in_memory();
-        // `run` writes no output through a link (`fsutil::refuse_link`): said before any
-        // work, and by `plan`, rather than when the step opens its output.
+        // `run` writes no output through a link (`fsutil::refuse_link`), and keeps checkpoints
+        // only in a folder of their own: said before any work — before `--restart` resets a
+        // step's journal — and by `plan`, rather than when the step opens its output.
         if !in_memory {
             fsutil::refuse_link(&s.output)?;
+            checkpoint::refuse_unusable_dir(&checkpoint::partial_dir(&s.output))?;
         }
         if !s.output.exists() && !in_memory {
             let h = pipeline::output_header(s, l);
@@ -130,7 +133,7 @@ pub fn job_files(
         named.push((format!("the checksums of {what}"), sidecar_path(o)));
         named.push((
             format!("the checkpoint folder of step {n}"),
-            crate::durable::checkpoint::partial_dir(o),
+            checkpoint::partial_dir(o),
         ));
         named.push((what, o.clone()));
     }

@@ -297,10 +297,11 @@ impl<'a> FileTarget<'a> {
 impl Target for FileTarget<'_> {
     fn open(&mut self) -> Result<Resume> {
         let restart = std::mem::take(&mut self.restart);
-        // Links where the step writes in place are refused before anything is touched (the
-        // journal refuses its own; the writers open the output with O_NOFOLLOW as well).
+        // Links where the step writes in place, and a checkpoint folder it cannot use, are
+        // refused before anything is touched — before the journal, which `restart` resets (the
+        // journal refuses its own links; the writers open the output with O_NOFOLLOW as well).
         fsutil::refuse_link(&self.step.output)?;
-        self.ckpt.refuse_linked_dir()?;
+        self.ckpt.refuse_unusable_dir()?;
         let (journal, state) = Journal::open(&self.step.output, &self.fp, restart, self.durable)?;
         let sched = Schedule::new(self.step, self.layout);
         let header = output_header(self.step, self.layout);

@@ -286,6 +286,79 @@ fn a_linked_checkpoint_folder_is_never_emptied() {
     ok(&mg(dir, &["verify", "p.toml"]));
 }
 
+/// `run --restart` over complete outputs where a step's checkpoint folder cannot be used (a
+/// file at its name, or a link) is refused before anything is modified: every step's output
+/// and journal keep their bytes and stay complete (the step's journal was reset first, and the
+/// folder refused only then: the output was left unfinished, 0 of its tiles done), and `plan`
+/// says so in its status and its closing warning.
+#[test]
+fn an_unusable_checkpoint_folder_is_refused_before_restart_touches_anything() {
+    let d = tmp();
+    let dir = d.path();
+    inputs(dir);
+    std::fs::write(
+        dir.join("p.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [[step]]\noutput = \"D.mgt\"\nexpr = \"2 * A @ B\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 8\n",
+    )
+    .unwrap();
+    ok(&mg(dir, &["run", "p.toml", "-q"]));
+    // Bytes and inode: a restart writes a new file, which may hold the same bytes.
+    let files = ["C.mgt", "C.mgt.journal", "D.mgt", "D.mgt.journal"];
+    let state = || -> Vec<(u32, u64)> {
+        let at = |f: &&str| dir.join(f);
+        let ino = |p: std::path::PathBuf| std::fs::metadata(p).unwrap().ino();
+        files.iter().map(|f| (digest(&at(f)), ino(at(f)))).collect()
+    };
+    let before = state();
+    let elsewhere = dir.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    // The second step's folder too: the first step is not restarted before it is refused.
+    for (name, what) in [
+        ("C.mgt.partial", "is not a folder"),
+        ("D.mgt.partial", "is not a folder"),
+        ("D.mgt.partial", "is a symbolic link"),
+    ] {
+        let at = dir.join(name);
+        match what {
+            "is a symbolic link" => std::os::unix::fs::symlink("elsewhere", &at).unwrap(),
+            _ => std::fs::write(&at, VICTIM).unwrap(),
+        }
+        let o = mg(dir, &["run", "p.toml", "--restart"]);
+        failed_with(&o, &[name, what]);
+        assert_eq!(
+            state(),
+            before,
+            "{name} {what}: an output or journal changed"
+        );
+        let o = mg(dir, &["plan", "p.toml"]);
+        let text = one_line(&String::from_utf8_lossy(&o.stdout));
+        for needle in [
+            format!("status: ./{name}, the step's checkpoint folder, is "),
+            "`run` refuses the step, with or without `--restart`".into(),
+            format!("warning: `run` will refuse to start: ./{name}: {what}"),
+        ] {
+            assert!(text.contains(&needle), "{needle:?} not in:\n{text}");
+        }
+        if what == "is not a folder" {
+            untouched(&at);
+        }
+        std::fs::remove_file(&at).unwrap();
+        let o = mg(dir, &["plan", "p.toml"]);
+        let text = one_line(&String::from_utf8_lossy(&o.stdout));
+        assert_eq!(
+            text.matches("status: complete: `run` skips this step")
+                .count(),
+            2,
+            "{text}"
+        );
+        assert!(!text.contains("warning"), "{text}");
+    }
+    assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+}
+
 /// `import` writes under a temporary name and renames: `--force` replaces a link or a hard
 /// link's entry (the other name keeps its bytes), and under a file-size limit it fails with a
 /// message naming the file — not SIGXFSZ — leaving nothing at the final name and no partial file.
