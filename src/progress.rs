@@ -398,7 +398,8 @@ pub struct Update {
     pub write_bytes: u64,
     /// Estimated seconds left (NaN until there is a rate).
     pub eta_s: f64,
-    /// True for the last update of a step.
+    /// True for the last update of a step whose every output tile is done; the last update of
+    /// a step that stopped short (a cancel, an error) says false (it said true after a cancel).
     pub finished: bool,
 }
 
@@ -596,7 +597,9 @@ impl Progress {
             Mode::Quiet => unreachable!("handled above"),
             Mode::Bars(mp) => Self::bars(mp, &mut sample, stop),
             Mode::Listener { every, to } => {
-                let update = |v: &View, finished: bool| Update {
+                // The last update: finished only when every tile is done — the pipeline's own
+                // test of a complete run (a cancelled one whose last tiles landed meanwhile is).
+                let update = |v: &View, last: bool| Update {
                     label: v.label(),
                     tiles_done: live.tiles_done.load(Ordering::Relaxed),
                     tiles_total: live.tiles_total,
@@ -610,14 +613,14 @@ impl Progress {
                         .filter(|r| *r > 0.0)
                         .or_else(|| {
                             let done = v.frac * live.flops_total as f64 - live.flops_before as f64;
-                            (finished && v.elapsed > 0.0).then(|| done.max(0.0) / v.elapsed)
+                            (last && v.elapsed > 0.0).then(|| done.max(0.0) / v.elapsed)
                         })
                         .unwrap_or(0.0)
                         / 1e9,
                     read_bytes: kind_bytes(stages, StageKind::Staging),
                     write_bytes: kind_bytes(stages, StageKind::Writeback),
                     eta_s: v.eta.unwrap_or(f64::NAN),
-                    finished,
+                    finished: last && live.tiles_done.load(Ordering::Relaxed) >= live.tiles_total,
                 };
                 to.update(&update(&first, false));
                 while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(*every) {

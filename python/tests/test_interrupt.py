@@ -47,8 +47,12 @@ def test_cancel_event_then_resume(tmp_path):
     done = records(out + ".journal")
     assert 2 <= done < 64, done
     assert all({"tiles_done", "tiles_total", "gflops_per_s", "eta_s"} <= set(u) for u in seen)
+    # The last update after the cancel says the step did not finish (it said True).
+    assert seen[-1]["tiles_done"] < 64 and not any(u["finished"] for u in seen), seen[-1]
     rep = []
-    mg.matmul(a, b, out=out, progress=False, **dict(SLOW, threads=0))
+    mg.matmul(a, b, out=out, progress=rep.append, **dict(SLOW, threads=0))
+    assert rep[-1]["finished"] is True and rep[-1]["tiles_done"] == 64, rep[-1]
+    assert not any(u["finished"] for u in rep[:-1])
     # The resumed call computed only what was left: check through the journal and the data.
     assert records(out + ".journal") >= 64 - done
     close(mg.matmul(out, np.eye(N), backend="cpu", progress=False), reference(a, b), np.float64)
@@ -56,14 +60,18 @@ def test_cancel_event_then_resume(tmp_path):
 
 def test_exception_in_progress_callback_propagates():
     a, b = rand((N, N), np.float64, 3), rand((N, N), np.float64, 4)
+    seen = []
 
     def boom(u):
+        seen.append(u)
         raise ZeroDivisionError("from the callback")
 
     t0 = time.monotonic()
     with pytest.raises(ZeroDivisionError, match="from the callback"):
         mg.matmul(a, b, progress=boom, **SLOW)
     assert time.monotonic() - t0 < 30
+    # The callback still hears the end, which says the step was stopped, not finished.
+    assert len(seen) >= 2 and not any(u["finished"] for u in seen), seen[-1]
 
 
 # The child restores Python's own SIGINT handler: a test run started in the background of a
