@@ -154,6 +154,13 @@ fn refuse_odd_journal(path: &Path) -> Result<Option<std::fs::Metadata>> {
     Ok(Some(m))
 }
 
+/// [`refuse_odd_journal`] for the journal of `output`: among `run`'s up-front checks
+/// ([`crate::run::space`]), so that a linked journal is refused before any step runs or is
+/// restarted, and `plan` warns of it.
+pub(crate) fn refuse_odd(output: &Path) -> Result<()> {
+    refuse_odd_journal(&journal_path(output)).map(drop)
+}
+
 /// Make the journal at `path` safe to write in place. A symlink or another kind of file is
 /// refused: the journal is truncated on `--restart` and appended to on every run, so through a
 /// link it would overwrite whatever it points at (an input, say). A regular file with other hard

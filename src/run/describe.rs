@@ -318,11 +318,13 @@ fn describe_status(
     }
     let ckpt = crate::durable::checkpoint::partial_dir(&step.output);
     if crate::durable::checkpoint::refuse_unusable_dir(&ckpt).is_err() {
-        let what = match std::fs::symlink_metadata(&ckpt) {
-            Ok(m) if m.file_type().is_symlink() => "a symbolic link",
-            _ => "not a folder",
-        };
+        let what = odd_kind(&ckpt, "not a folder");
         return line(format!("{}, the step's checkpoint folder, is {what}: `run` refuses the step, with or without `--restart`, before touching it (the warning below says what to do)", ckpt.display()));
+    }
+    if journal::refuse_odd(&step.output).is_err() {
+        let jp = journal::journal_path(&step.output);
+        let what = odd_kind(&jp, "not a regular file");
+        return line(format!("the journal {} is {what}: `run` refuses it, with or without `--restart`, before touching it (the warning below says what to do)", jp.display()));
     }
     let j = match journal::peek(&step.output) {
         Ok(Some(j)) => j,
@@ -421,6 +423,15 @@ fn describe_status(
             }
         )
     })
+}
+
+/// What is at `p`, which `run` refuses: "a symbolic link", else `other` (the kind of file it
+/// is not).
+fn odd_kind(p: &std::path::Path, other: &'static str) -> &'static str {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.file_type().is_symlink() => "a symbolic link",
+        _ => other,
+    }
 }
 
 /// "2 partial tiles checkpointed (31 % of their K done)".

@@ -43,12 +43,14 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
     }
     for (s, l) in plan.steps.iter().zip(layouts) {
         let in_memory = unsplit && s.output_in_memory();
-        // `run` writes no output through a link (`fsutil::refuse_link`), and keeps checkpoints
-        // only in a folder of their own: said before any work — before `--restart` resets a
-        // step's journal — and by `plan`, rather than when the step opens its output.
+        // `run` writes no output or journal through a link (`fsutil::refuse_link`,
+        // `journal::refuse_odd`), and keeps checkpoints only in a folder of their own: said
+        // before any work — before `--restart` resets a step's journal — and by `plan`, rather
+        // than when the step opens its output.
         if !in_memory {
             fsutil::refuse_link(&s.output)?;
             checkpoint::refuse_unusable_dir(&checkpoint::partial_dir(&s.output))?;
+            crate::durable::journal::refuse_odd(&s.output)?;
         }
         if !s.output.exists() && !in_memory {
             let h = pipeline::output_header(s, l);

@@ -258,6 +258,36 @@ fn a_linked_journal_is_named_as_a_link_first() {
         assert!(!err.contains("understands"), "{err}");
         untouched(&v);
     }
+    // `plan` says so in the step's status and in its closing warning, as for a linked output
+    // (its status gave the error alone, and no warning line closed the plan).
+    let o = mg(dir, &["plan", "p.toml"]);
+    let text = one_line(&String::from_utf8_lossy(&o.stdout));
+    for needle in [
+        "status: the journal ./C.mgt.journal is a symbolic link: `run` refuses it, with or without `--restart`",
+        "warning: `run` will refuse to start: ./C.mgt.journal: is a symbolic link",
+    ] {
+        assert!(text.contains(needle), "{needle:?} not in:\n{text}");
+    }
+    // Refused before any step runs: an earlier step is not restarted first (its output was
+    // written again, as a new file, before the linked journal of step 2 was found).
+    std::fs::write(
+        dir.join("p2.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+         [[step]]\noutput = \"D.mgt\"\nexpr = \"A @ B\"\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 8\n",
+    )
+    .unwrap();
+    std::fs::remove_file(dir.join("C.mgt.journal")).unwrap();
+    ok(&mg(dir, &["run", "p2.toml", "-q", "--restart"]));
+    std::fs::remove_file(dir.join("C.mgt.journal")).unwrap();
+    std::os::unix::fs::symlink("victim.txt", dir.join("C.mgt.journal")).unwrap();
+    let ino = || std::fs::metadata(dir.join("D.mgt")).unwrap().ino();
+    let before = (ino(), digest(&dir.join("D.mgt.journal")));
+    let o = mg(dir, &["run", "p2.toml", "--restart"]);
+    failed_with(&o, &["C.mgt.journal", "symbolic link"]);
+    assert_eq!((ino(), digest(&dir.join("D.mgt.journal"))), before);
+    untouched(&v);
 }
 
 /// A checkpoint folder `OUTPUT.partial` that is a symlink to another folder: its `tile*.ckpt`
