@@ -60,7 +60,8 @@ impl Watch<'_> {
         };
         for e in events {
             match e {
-                Event::Note(s) => f.call1(("note", s))?,
+                // In a Python caller's words, as its errors are (`restart=True`).
+                Event::Note(s) => f.call1(("note", crate::errors::python_words(&s)))?,
                 Event::Update(u) => {
                     let json = serde_json::to_string(&u).expect("update serializes");
                     f.call1(("update", crate::json_to_py(py, &json)?))?

@@ -33,9 +33,6 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     if matches!(e, Error::Cancelled) {
         msg += " (a file output keeps its finished tiles: the same call again resumes it; an array result is not kept)";
     }
-    if msg.contains("--restart") {
-        msg += " (from Python: pass restart=True)";
-    }
     raise(py, class, msg)
 }
 
@@ -60,11 +57,36 @@ pub fn warn(py: Python<'_>, msg: &str) {
     );
 }
 
+/// The command line's words for starting a step over, and a Python caller's, in the order they
+/// are replaced (a longer phrase before the words inside it).
+const RESTART_WORDS: &[(&str, &str)] = &[
+    // A split step's (mgmm_stream.dask: its `restart=True` prepares again).
+    (
+        "run `mgmm-stream prepare PLAN --restart`",
+        "rerun with `restart=True`",
+    ),
+    ("rerun with --restart", "rerun with `restart=True`"),
+    ("then `run --restart`", "then rerun with `restart=True`"),
+    ("and `run --restart`", "and rerun with `restart=True`"),
+    ("`run --restart`", "`restart=True`"),
+    ("run --restart", "rerun with `restart=True`"),
+    ("Use --restart", "Pass `restart=True`"),
+    ("`--restart`", "`restart=True`"),
+    ("--restart", "`restart=True`"),
+];
+
 /// A message of the engine as a Python caller should read it: a plan dict by its name
-/// ([`plain_dict_text`]) and `restart=True` where the command line's words say `run
-/// --restart`.
+/// ([`plain_dict_text`]) and `restart=True` in place of the command line's words for it
+/// ([`RESTART_WORDS`]: `rerun with --restart`, `run --restart`, …). A message used to keep the
+/// command line's words and end with "(from Python: pass restart=True)".
 pub fn python_words(msg: &str) -> String {
-    plain_dict_text(msg).replace("`run --restart`", "`restart=True`")
+    let mut out = plain_dict_text(msg);
+    for (cli, python) in RESTART_WORDS {
+        if out.contains(cli) {
+            out = out.replace(cli, python);
+        }
+    }
+    out
 }
 
 /// [`python_words`] applied to every string in `v` (a report dict's reasons and notes).

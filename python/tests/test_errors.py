@@ -274,3 +274,35 @@ def test_plan_dict_with_a_nan_or_a_numpy_scalar(tmp_path, monkeypatch):
     plan["step"][0]["alpha"] = np.float32(2.5)
     mg.run(plan, progress=False)
     close(np.load("C.npy"), 2.5 * (np.load("A.npy") @ np.load("B.npy")), np.float32)
+
+
+def test_messages_say_restart_true_in_place_of_the_command_lines_words(tmp_path, monkeypatch,
+                                                                        caplog):
+    """Where the command line says `rerun with --restart` (or `run --restart`, `Use --restart`),
+    a Python caller reads `restart=True` in its place: errors, notes and `plan()`'s text. They
+    kept the command line's words and ended with "(from Python: pass restart=True)"."""
+    monkeypatch.chdir(tmp_path)
+    a, b = rand((40, 30), np.float32, 1), rand((30, 20), np.float32, 2)
+    mg.matmul(a, b, out="c.mgt", **CPU)
+    a[0, 0] += 1
+    with pytest.raises(mg.BadInputError) as e:
+        mg.matmul(a, b, out="c.mgt", **CPU)
+    changed = str(e.value)
+    os.remove("c.mgt.journal")
+    with pytest.raises(mg.BadInputError) as e:
+        mg.matmul(a, b, out="c.mgt", **CPU)
+    not_ours = str(e.value)
+    p = {"matrices": {"A": {"path": "A.mgt", "generate": {"rows": 40, "cols": 30, "seed": 1}},
+                      "B": {"path": "B.mgt", "generate": {"rows": 30, "cols": 20, "seed": 2}}},
+         "step": [{"output": "D.mgt", "expr": "A @ B"}], "engine": {"backend": "cpu"}}
+    mg.run(p, progress=False)
+    with caplog.at_level("INFO", logger="mgmm_stream"):
+        mg.run(p, progress=False)
+    complete = " ".join(r.getMessage() for r in caplog.records if "already complete" in r.getMessage())
+    text = mg.plan(p)["text"]
+    assert "rerun with `restart=True` to start this step over" in changed, changed
+    assert "rerun with `restart=True` to overwrite it" in not_ours, not_ours
+    assert "Pass `restart=True` to recompute it" in complete, complete
+    assert "(`restart=True` computes it again)" in text, text
+    for msg in (changed, not_ours, complete, text):
+        assert "--restart" not in msg and "from Python" not in msg, msg

@@ -574,7 +574,6 @@ def _pythonic(msg: str, ea: Dict[str, Any], eb: Dict[str, Any]) -> str:
 
     msg = re.sub(r"^\S*<plan dict>: step 1 \(line \d+\): ", "", msg)
     msg = re.sub(r"--set engine\.(\w+)=", r"\1=", msg)
-    msg = msg.replace("`mgmm-stream prepare PLAN --restart`", "restart=True")
     return msg.replace("A is ", f"a ({ea['path']}) is ", 1).replace("but B is ", f"but b ({eb['path']}) is ", 1)
 
 
