@@ -894,7 +894,12 @@ mod tests {
 
     /// A 64×64 f32 file in 16×16 storage tiles (1 KiB each, a 4 KiB stride).
     fn file(dir: &std::path::Path) -> Arc<dyn MatrixSource> {
-        let p = dir.join("A.mgt");
+        file_named(dir, "A.mgt")
+    }
+
+    /// [`file`] named `name`: a `.mgt`, or a `.npy` (row-major) for a name ending so.
+    fn file_named(dir: &std::path::Path, name: &str) -> Arc<dyn MatrixSource> {
+        let p = dir.join(name);
         let spec = GenSpec {
             rows: 64,
             cols: 64,
@@ -1108,17 +1113,7 @@ mod tests {
     #[test]
     fn narrow_blocks_of_row_major_files_are_copied_under_auto_on_a_gpu() {
         let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("A.npy");
-        let spec = GenSpec {
-            rows: 64,
-            cols: 64,
-            dtype: DType::F32,
-            tile: (16, 16),
-            dist: Dist::Arange,
-            seed: 1,
-        };
-        generate(&p, &spec).unwrap();
-        let npy = crate::store::open_source(&p).unwrap();
+        let npy = file_named(dir.path(), "A.npy");
         let pin = |locks| {
             Some(Pinning {
                 budget: 8 << 30,

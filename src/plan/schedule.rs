@@ -488,25 +488,27 @@ mod tests {
         assert!(l.loads > 15625 * gk && l.loads <= 2 * 15625 * 15625 * gk);
     }
 
+    /// The headers of the tests' plans: A 70×45, B 45×33, f32.
+    fn headers(p: &std::path::Path) -> crate::error::Result<Option<crate::plan::MatrixInfo>> {
+        let (rows, cols) = if p.ends_with("A.mgt") {
+            (70, 45)
+        } else {
+            (45, 33)
+        };
+        Ok(Some(crate::plan::MatrixInfo {
+            rows,
+            cols,
+            dtype: crate::dtype::DType::F32,
+            transposed: false,
+        }))
+    }
+
     /// The first blocks found without laying out the tiles are the schedule's first tile's,
     /// transposed operands and tiles past the matrix's edge included.
     #[test]
     fn first_blocks_are_the_first_tiles_blocks() {
         use crate::backend::{cpu::CpuBackend, Backend};
-        use crate::plan::{MatrixInfo, Plan};
-        let headers = |p: &std::path::Path| {
-            let (rows, cols) = if p.ends_with("A.mgt") {
-                (70, 45)
-            } else {
-                (45, 33)
-            };
-            Ok(Some(MatrixInfo {
-                rows,
-                cols,
-                dtype: crate::dtype::DType::F32,
-                transposed: false,
-            }))
-        };
+        use crate::plan::Plan;
         for (expr, tile) in [
             ("A @ B", "8"),
             ("A @ B", "[16, 40, 64]"),
@@ -534,20 +536,7 @@ mod tests {
     #[test]
     fn traffic_matches_the_cache_over_the_real_schedule() {
         use crate::backend::{cpu::CpuBackend, Backend};
-        use crate::plan::{MatrixInfo, Plan};
-        let headers = |p: &std::path::Path| {
-            let (rows, cols) = if p.ends_with("A.mgt") {
-                (70, 45)
-            } else {
-                (45, 33)
-            };
-            Ok(Some(MatrixInfo {
-                rows,
-                cols,
-                dtype: crate::dtype::DType::F32,
-                transposed: false,
-            }))
-        };
+        use crate::plan::Plan;
         let mut grew = 0;
         for tile in ["8", "[16, 8, 4]", "[32, 32, 8]"] {
             let text = format!(
