@@ -42,7 +42,7 @@ pub(crate) struct Schedule {
 
 impl Schedule {
     pub(crate) fn new(step: &Step, l: &Layout) -> Schedule {
-        let (gm, gn, gk) = l.grid(step);
+        let (gm, gn, _) = l.grid(step);
         let mut tiles = Vec::with_capacity((gm * gn) as usize);
         for ti in 0..gm {
             // Serpentine order: the next row starts where this one ended, so the B tiles used
@@ -70,6 +70,15 @@ impl Schedule {
         }
         Schedule {
             tiles,
+            ..Self::without_tiles(step, l)
+        }
+    }
+
+    /// The schedule of `step` laid out as `l`, its tiles left out.
+    fn without_tiles(step: &Step, l: &Layout) -> Schedule {
+        let (_, gn, gk) = l.grid(step);
+        Schedule {
+            tiles: Vec::new(),
             gn,
             gk,
             tk: l.tk,
@@ -112,16 +121,7 @@ impl Schedule {
         if step.m == 0 || step.n == 0 {
             return (Block::FIRST, Block::FIRST);
         }
-        let (_, gn, gk) = l.grid(step);
-        let first = Schedule {
-            tiles: Vec::new(),
-            gn,
-            gk,
-            tk: l.tk,
-            k: step.k,
-            a_trans: step.a.trans,
-            b_trans: step.b.trans,
-        };
+        let first = Self::without_tiles(step, l);
         let t = OutTile {
             seq: 0,
             ti: 0,
