@@ -61,6 +61,8 @@ use crate::store::{Block, MappedBlock, MatrixSource};
 pub(crate) struct DirectReads {
     pinner: Arc<dyn InputPinner>,
     mode: StagingMode,
+    /// Narrow blocks of row-major files are copied under `auto` ([`copies_narrow`]).
+    copies_narrow: bool,
     /// Registered bytes allowed at once (idle ranges are released above it).
     budget: u64,
     /// Bytes registered at once: whole consecutive storage tiles, about [`CHUNK`] bytes.
@@ -417,7 +419,9 @@ pub(crate) fn expected(
         f.mapped_block(&first, host).is_some_and(|mb| {
             // The range a block registers (`ranges`): whole tiles, about `chunk` bytes.
             (p.chunk / mb.stride).max(1) * mb.stride <= p.budget
-                && !(mode == StagingMode::Auto && p.locks && narrow_in_bands(f, &first, &mb))
+                && !(mode == StagingMode::Auto
+                    && p.copies_narrow
+                    && narrow_in_bands(f, &first, &mb))
                 && (mode == StagingMode::Direct
                     || crate::store::fsutil::resident_sampled(mb.map, mb.data.clone(), 1024))
         })
@@ -425,12 +429,29 @@ pub(crate) fn expected(
 }
 
 /// How a backend's [`InputPinner`] registers, for [`expected`]: the budget and range size
-/// ([`limits`]), and whether registering locks memory ([`InputPinner::locks`]).
+/// ([`limits`]), and whether `auto` copies narrow blocks of row-major files
+/// ([`copies_narrow`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Pinning {
     pub(crate) budget: u64,
     pub(crate) chunk: u64,
-    pub(crate) locks: bool,
+    pub(crate) copies_narrow: bool,
+}
+
+/// Whether `staging = "auto"` copies the narrow blocks of row-major files ([`narrow_in_bands`])
+/// for lanes computing in `p` through a pinner that locks pages (`locks`, a GPU): with the
+/// precisions whose GEMMs take longer than staging's copies of their blocks — fp32 (measured:
+/// [`narrow_in_bands`]) and the f64 ones, whose `.npy` runs waited 140–170 ms at each new band
+/// of A being locked (BENCHMARKS, 2026-12-06). With tf32, bf16 and fp16 the copies would set
+/// the pace, as with `.mgt` inputs (decision 0006), and whether they beat locking the bands is
+/// not measured: those lanes lock them.
+pub(crate) fn copies_narrow(locks: bool, p: crate::plan::Precision) -> bool {
+    use crate::plan::Precision;
+    locks
+        && matches!(
+            p,
+            Precision::Fp32 | Precision::Fp64 | Precision::Fp64Emulated(_)
+        )
 }
 
 /// Whether `mb`, block `b` of `f`, lies in bands of whole rows (a row-major file: `.npy`, raw)
@@ -455,17 +476,26 @@ pub(crate) fn narrow_block(f: &dyn MatrixSource, b: &Block, host: DType) -> bool
 
 impl DirectReads {
     /// A registry for `sources` (A, B, C0), registering through `pinner` at most `budget`
-    /// bytes at once in ranges of `chunk` ([`limits`]); `None` for `copy`.
+    /// bytes at once in ranges of `chunk` ([`limits`]) for lanes computing in `precision`;
+    /// `None` for `copy`.
     pub(crate) fn new(
         mode: StagingMode,
         pinner: Arc<dyn InputPinner>,
         sources: Vec<Arc<dyn MatrixSource>>,
         (budget, chunk): (u64, u64),
+        precision: crate::plan::Precision,
     ) -> Option<DirectReads> {
         if mode == StagingMode::Copy {
             return None;
         }
-        Some(Self::with_budget(mode, pinner, sources, budget, chunk))
+        let narrow = copies_narrow(pinner.locks(), precision);
+        Some(Self::with_budget(mode, pinner, sources, budget, chunk).copying_narrow(narrow))
+    }
+
+    /// The registry, narrow blocks of row-major files copied under `auto` or not.
+    fn copying_narrow(mut self, copies_narrow: bool) -> DirectReads {
+        self.copies_narrow = copies_narrow;
+        self
     }
 
     fn with_budget(
@@ -478,6 +508,7 @@ impl DirectReads {
         DirectReads {
             pinner,
             mode,
+            copies_narrow: false,
             budget,
             chunk,
             entries: Mutex::new(HashMap::new()),
@@ -506,7 +537,7 @@ impl DirectReads {
             return None;
         }
         let mb = f.mapped_block(block, host)?;
-        if self.mode == StagingMode::Auto && self.pinner.locks() && narrow_in_bands(f, block, &mb) {
+        if self.mode == StagingMode::Auto && self.copies_narrow && narrow_in_bands(f, block, &mb) {
             self.stats.narrow_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -1070,7 +1101,7 @@ mod tests {
         const ON: Option<Pinning> = Some(Pinning {
             budget: 8 << 30,
             chunk: CHUNK,
-            locks: true,
+            copies_narrow: true,
         });
         let fx = fixture();
         let f: &dyn MatrixSource = &*fx.f;
@@ -1107,20 +1138,28 @@ mod tests {
     }
 
     /// A block of a row-major file at most half as wide as the file is copied under `auto` on
-    /// a device that locks pages (its bands of whole rows would be locked for it), counted in
-    /// the stats, and not expected direct; with `direct`, on the CPU (nothing locked), or as
-    /// wide as the file, it goes direct. A `.mgt`'s narrow block goes direct.
+    /// a device that locks pages, for fp32 and the f64 precisions (its bands of whole rows would
+    /// be locked for it), counted in the stats, and not expected direct; with `direct`, on the
+    /// CPU (nothing locked), with tf32/bf16, or as wide as the file, it goes direct. A `.mgt`'s
+    /// narrow block goes direct.
     #[test]
     fn narrow_blocks_of_row_major_files_are_copied_under_auto_on_a_gpu() {
         let dir = tempfile::tempdir().unwrap();
         let npy = file_named(dir.path(), "A.npy");
-        let pin = |locks| {
+        let pin = |narrow| {
             Some(Pinning {
                 budget: 8 << 30,
                 chunk: CHUNK,
-                locks,
+                copies_narrow: narrow,
             })
         };
+        use crate::plan::Precision;
+        assert!(copies_narrow(true, Precision::Fp32) && copies_narrow(true, Precision::Fp64));
+        assert!(
+            !copies_narrow(false, Precision::Fp32),
+            "the CPU locks nothing"
+        );
+        assert!(!copies_narrow(true, Precision::Tf32) && !copies_narrow(true, Precision::Bf16));
         let (narrow, half, wide) = (
             block(0, 0, 64, 16),
             block(0, 32, 64, 32),
@@ -1147,6 +1186,7 @@ mod tests {
 
         let reg = |mode| {
             DirectReads::with_budget(mode, fx.rec.clone(), vec![npy.clone()], 8 << 30, CHUNK)
+                .copying_narrow(true)
         };
         let auto = reg(StagingMode::Auto);
         let token = || fx.pool.try_lease().unwrap();

@@ -83,6 +83,9 @@ pub(crate) struct RunConfig {
     pub(crate) host_memory: u64,
     /// A flag set from outside (Ctrl-C) that cancels the run; `None`: only errors cancel.
     pub(crate) cancel: Option<&'static std::sync::atomic::AtomicBool>,
+    /// What the lanes compute in (`engine.precision`): whether `auto` copies narrow blocks of
+    /// row-major files ([`direct::copies_narrow`]).
+    pub(crate) precision: crate::plan::Precision,
 }
 
 impl RunConfig {
@@ -94,6 +97,7 @@ impl RunConfig {
             threads: crate::backend::resolve_threads(e.threads),
             host_memory: e.host_memory,
             cancel: None,
+            precision: e.precision,
         }
     }
 }
@@ -204,7 +208,7 @@ impl Engines {
                 direct::Pinning {
                     budget,
                     chunk,
-                    locks: p.locks(),
+                    copies_narrow: direct::copies_narrow(p.locks(), e.precision),
                 }
             }),
             &[(&*sources.a, a), (&*sources.b, b)],
@@ -407,6 +411,7 @@ impl<'a> Pipeline<'a> {
                     pinner,
                     srcs.into_iter().flatten().cloned().collect(),
                     limits,
+                    cfg.precision,
                 )
             }
             _ => None,

@@ -473,6 +473,7 @@ fn describe_staging(
     let narrow = |op: &crate::plan::Operand, b| {
         device
             && mode == StagingMode::Auto
+            && crate::pipeline::direct::copies_narrow(true, e.precision)
             && (op.open().ok())
                 .is_some_and(|f| crate::pipeline::direct::narrow_block(&*f, &b, l.host_dt))
     };

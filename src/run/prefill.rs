@@ -188,7 +188,7 @@ fn staging_lazy(e: &Engine, step: &Step, l: &Layout, inputs: [&dyn MatrixSource;
         Some(direct::Pinning {
             budget,
             chunk,
-            locks: true,
+            copies_narrow: direct::copies_narrow(true, e.precision),
         }),
         &[(inputs[0], a), (inputs[1], b)],
         step.c0.is_some(),
