@@ -440,11 +440,12 @@ pub(crate) struct Pinning {
 
 /// Whether `staging = "auto"` copies the narrow blocks of row-major files ([`narrow_in_bands`])
 /// for lanes computing in `p` through a pinner that locks pages (`locks`, a GPU): with the
-/// precisions whose GEMMs take longer than staging's copies of their blocks — fp32 (measured:
-/// [`narrow_in_bands`]) and the f64 ones, whose `.npy` runs waited 140–170 ms at each new band
-/// of A being locked (BENCHMARKS, 2026-12-06). With tf32, bf16 and fp16 the copies would set
-/// the pace, as with `.mgt` inputs (decision 0006), and whether they beat locking the bands is
-/// not measured: those lanes lock them.
+/// precisions whose GEMMs take longer than staging's copies of their blocks, fp32 and the f64
+/// ones. 32768² from `.npy` on one H200, interleaved: fp32 1.434–1.435 s copied against
+/// 1.458–1.504 s locked, fp64 1.558–1.562 s against 1.818–2.118 s; but tf32 0.527–0.567 s
+/// locked against 0.649–0.668 s copied, the copies setting the pace (as with `.mgt` inputs,
+/// decision 0006), so tf32, bf16 and fp16 lanes lock the bands
+/// (docs/measurements/2026-12-06g-h200-3-npy-narrow-copies-twins.log).
 pub(crate) fn copies_narrow(locks: bool, p: crate::plan::Precision) -> bool {
     use crate::plan::Precision;
     locks
@@ -458,9 +459,10 @@ pub(crate) fn copies_narrow(locks: bool, p: crate::plan::Precision) -> bool {
 /// at least twice as wide as the block: page-locking its bands locks the file's whole width,
 /// on the driver's one thread at a time (~25 GB/s), before the block's upload can start, where
 /// staging copies the block's own bytes on every thread. So `auto` copies such blocks on a
-/// device that locks pages: 32768² fp32 from `.npy` on one H100, blocks a quarter of the
-/// file's width, took 1.441–1.443 s copied against 1.531–1.533 s locked, its first GEMM at
-/// 0.05 s against 0.11–0.13 s (docs/measurements/2026-12-06g-h100-2-roofline-npy-copy-verify-sweep.log,
+/// device that locks pages, for some precisions ([`copies_narrow`]): 32768² fp32 from `.npy`
+/// on one H100, blocks a quarter of the file's width, took 1.441–1.443 s copied against
+/// 1.531–1.533 s locked, its first GEMM at 0.05 s against 0.11–0.13 s
+/// (docs/measurements/2026-12-06g-h100-2-roofline-npy-copy-verify-sweep.log,
 /// docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md). A `.mgt` locks its storage
 /// tiles, the block's own; a block as wide as its file locks only its rows.
 fn narrow_in_bands(f: &dyn MatrixSource, b: &Block, mb: &MappedBlock<'_>) -> bool {
