@@ -43,8 +43,11 @@ pub struct NonfiniteInput {
     /// The first NaN/Inf in that block, `[row, column]` in the same terms (`None` where only
     /// the conversion to the computed type made one: a value past fp16's range).
     pub first_element: Option<[u64; 2]>,
+    /// Whether it is the added matrix C0 (else a factor of the product).
+    pub added: bool,
     /// Whether its NaN/Inf can reach the output: not for a factor of the product in a step
-    /// whose alpha is 0, which, as in BLAS, does not use the product (C0's still do).
+    /// whose alpha is 0, nor for C0 in a step whose beta is 0: as in BLAS, that term is not
+    /// used.
     pub reaches_output: bool,
 }
 
@@ -499,7 +502,13 @@ fn nonfinite_inputs(step: &Step, seen: &[NonfiniteSeen]) -> Vec<NonfiniteInput> 
                 values: i.values,
                 first_block: i.block.map(|b| [b.r0, b.c0, b.rows, b.cols]),
                 first_element: i.at.map(|(r, c)| [r, c]),
-                reaches_output: i.src == Src::C0 || step.alpha != 0.0,
+                // A factor's reach the output unless alpha is 0, C0's unless beta is 0 (both
+                // follow BLAS: the term is not used).
+                added: i.src == Src::C0,
+                reaches_output: match i.src {
+                    Src::C0 => step.beta != 0.0,
+                    _ => step.alpha != 0.0,
+                },
             }
         })
         .collect()
@@ -707,7 +716,17 @@ fn nonfinite_input_note(r: &StepReport) -> Option<String> {
         (r.nonfinite_input_blocks.iter()).partition(|i| i.reaches_output);
     let names = |v: &[&NonfiniteInput]| v.iter().map(|i| i.input.clone()).collect::<Vec<_>>();
     let ieee = "as IEEE arithmetic says";
-    let blas = "this step's alpha is 0, and, as in BLAS, the product is not used";
+    // Which term is not used (BLAS): the product (alpha = 0), C0 (beta = 0), or both.
+    let blas = match (
+        unused.iter().any(|i| !i.added),
+        unused.iter().any(|i| i.added),
+    ) {
+        (true, true) => {
+            "this step's alpha and beta are 0, and, as in BLAS, neither the product nor C0 is used"
+        }
+        (false, true) => "this step's beta is 0, and, as in BLAS, C0 is not used",
+        _ => "this step's alpha is 0, and, as in BLAS, the product is not used",
+    };
     let fate = match (reach.is_empty(), unused.is_empty()) {
         (_, true) => format!("they reach the output {ieee}"),
         (true, false) => format!("they do not reach the output: {blas}"),

@@ -61,8 +61,8 @@ use crate::store::{Block, MappedBlock, MatrixSource};
 pub(crate) struct DirectReads {
     pinner: Arc<dyn InputPinner>,
     mode: StagingMode,
-    /// Narrow blocks of row-major files are copied under `auto` ([`copies_narrow`]).
-    copies_narrow: bool,
+    /// The files whose every block is copied ([`narrow_files`]).
+    narrow: Vec<std::path::PathBuf>,
     /// Registered bytes allowed at once (idle ranges are released above it).
     budget: u64,
     /// Bytes registered at once: whole consecutive storage tiles, about [`CHUNK`] bytes.
@@ -392,10 +392,9 @@ fn split_at_ranges(runs: &[Run], data: u64, per: u64) -> Vec<Run> {
 /// unless a block is copied after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`,
 /// the backend uploads from maps (`pinner`: [`Pinning`]), the step has no added matrix
 /// (`added`: staging always copies C0, once per output tile), each source maps its blocks at
-/// `host` in ranges the budget can hold, and under `auto` its first block is not a narrow one
-/// of a row-major file on a device that locks pages ([`narrow_in_bands`]) and its data looks
-/// in the page cache now (1024 pages sampled: a guess, and a wrong one only costs buffers made
-/// while the step runs). Arrays on a GPU
+/// `host` in ranges the budget can hold, and under `auto` it is not a file whose blocks are all
+/// copied ([`narrow_files`]) and its data looks in the page cache now (1024 pages sampled: a
+/// guess, and a wrong one only costs buffers made while the step runs). Arrays on a GPU
 /// ([`MatrixSource::device_block`]) go device to device whatever `staging` says (a lane on
 /// another GPU, or a CPU lane, reads them through a pool buffer made then).
 pub(crate) fn expected(
@@ -409,6 +408,7 @@ pub(crate) fn expected(
         return false;
     }
     let pinner = pinner.filter(|_| mode != StagingMode::Copy);
+    let narrow = pinner.map_or_else(Vec::new, |p| narrow_sources(mode, p, sources, host));
     sources.iter().all(|&(f, first)| {
         if f.device_block(&Block::FIRST, host).is_some() {
             return true;
@@ -416,21 +416,18 @@ pub(crate) fn expected(
         let Some(p) = pinner else {
             return false;
         };
-        f.mapped_block(&first, host).is_some_and(|mb| {
-            // The range a block registers (`ranges`): whole tiles, about `chunk` bytes.
-            (p.chunk / mb.stride).max(1) * mb.stride <= p.budget
-                && !(mode == StagingMode::Auto
-                    && p.copies_narrow
-                    && narrow_in_bands(f, &first, &mb))
-                && (mode == StagingMode::Direct
-                    || crate::store::fsutil::resident_sampled(mb.map, mb.data.clone(), 1024))
-        })
+        !narrow.iter().any(|n| n == f.path())
+            && f.mapped_block(&first, host).is_some_and(|mb| {
+                // The range a block registers (`ranges`): whole tiles, about `chunk` bytes.
+                (p.chunk / mb.stride).max(1) * mb.stride <= p.budget
+                    && (mode == StagingMode::Direct
+                        || crate::store::fsutil::resident_sampled(mb.map, mb.data.clone(), 1024))
+            })
     })
 }
 
 /// How a backend's [`InputPinner`] registers, for [`expected`]: the budget and range size
-/// ([`limits`]), and whether `auto` copies narrow blocks of row-major files
-/// ([`copies_narrow`]).
+/// ([`limits`]), and whether `auto` copies the narrow files' blocks ([`copies_narrow`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Pinning {
     pub(crate) budget: u64,
@@ -438,13 +435,29 @@ pub(crate) struct Pinning {
     pub(crate) copies_narrow: bool,
 }
 
-/// Whether `staging = "auto"` copies the narrow blocks of row-major files ([`narrow_in_bands`])
-/// for lanes computing in `p` through a pinner that locks pages (`locks`, a GPU): with the
-/// precisions whose GEMMs take longer than staging's copies of their blocks, fp32 and the f64
-/// ones. 32768² from `.npy` on one H200, interleaved: fp32 1.434–1.435 s copied against
-/// 1.458–1.504 s locked, fp64 1.558–1.562 s against 1.818–2.118 s; but tf32 0.527–0.567 s
-/// locked against 0.649–0.668 s copied, the copies setting the pace (as with `.mgt` inputs,
-/// decision 0006), so tf32, bf16 and fp16 lanes lock the bands
+impl Pinning {
+    /// Registering in ranges of `limits` ([`limits`]: budget, chunk), through a pinner that
+    /// locks pages or not (`locks`), for lanes computing in `p`.
+    pub(crate) fn new(
+        (budget, chunk): (u64, u64),
+        locks: bool,
+        p: crate::plan::Precision,
+    ) -> Pinning {
+        Pinning {
+            budget,
+            chunk,
+            copies_narrow: copies_narrow(locks, p),
+        }
+    }
+}
+
+/// Whether `staging = "auto"` copies the blocks of narrow files ([`narrow_files`]) for lanes
+/// computing in `p` through a pinner that locks pages (`locks`, a GPU): with the precisions
+/// whose GEMMs take longer than staging's copies of their blocks, fp32 and the f64 ones.
+/// 32768² from `.npy` on one H200, interleaved: fp32 1.434–1.435 s copied against 1.458–1.504 s
+/// locked, fp64 1.558–1.562 s against 1.818–2.118 s; but tf32 0.527–0.567 s locked against
+/// 0.649–0.668 s copied, the copies setting the pace (as with `.mgt` inputs, decision 0006), so
+/// tf32, bf16 and fp16 lanes lock the bands
 /// (docs/measurements/2026-12-06g-h200-3-npy-narrow-copies-twins.log).
 pub(crate) fn copies_narrow(locks: bool, p: crate::plan::Precision) -> bool {
     use crate::plan::Precision;
@@ -455,48 +468,82 @@ pub(crate) fn copies_narrow(locks: bool, p: crate::plan::Precision) -> bool {
         )
 }
 
-/// Whether `mb`, block `b` of `f`, lies in bands of whole rows (a row-major file: `.npy`, raw)
-/// at least twice as wide as the block: page-locking its bands locks the file's whole width,
-/// on the driver's one thread at a time (~25 GB/s), before the block's upload can start, where
-/// staging copies the block's own bytes on every thread. So `auto` copies such blocks on a
-/// device that locks pages, for some precisions ([`copies_narrow`]): 32768² fp32 from `.npy`
-/// on one H100, blocks a quarter of the file's width, took 1.441–1.443 s copied against
-/// 1.531–1.533 s locked, its first GEMM at 0.05 s against 0.11–0.13 s
-/// (docs/measurements/2026-12-06g-h100-2-roofline-npy-copy-verify-sweep.log,
-/// docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md). A `.mgt` locks its storage
-/// tiles, the block's own; a block as wide as its file locks only its rows.
-fn narrow_in_bands(f: &dyn MatrixSource, b: &Block, mb: &MappedBlock<'_>) -> bool {
-    mb.whole_rows && b.cols.saturating_mul(2) <= f.shape().1
+/// One way a step reads an input file, as [`narrow_files`] judges it: the file, whether it is
+/// stored in bands of whole rows (a `.npy` or raw file, [`MappedBlock::whole_rows`]), its
+/// stored columns, and the stored block its first output tile's first k-block reads — a whole
+/// tile's (the widest it reads), or the file's whole width where that is narrower.
+#[derive(Clone, Debug)]
+pub(crate) struct Role<'a> {
+    pub(crate) path: &'a std::path::Path,
+    pub(crate) whole_rows: bool,
+    pub(crate) cols: u64,
+    pub(crate) first: Block,
 }
 
-/// [`narrow_in_bands`] for block `b` of `f` read as `host`, for `plan`'s words: whether
-/// `auto` copies it on a GPU.
-pub(crate) fn narrow_block(f: &dyn MatrixSource, b: &Block, host: DType) -> bool {
-    f.mapped_block(b, host)
-        .is_some_and(|mb| narrow_in_bands(f, b, &mb))
+/// The files whose every block `auto` copies (with `copies`, [`copies_narrow`]), decided once
+/// for the step: those stored in bands of whole rows whose blocks are at most half as wide as
+/// the file in each way the step reads them (`roles`; a file read two ways, one of them wide,
+/// has its bands locked anyway, so it is locked). Locking a block of such a file locks the
+/// bands of whole rows it lies in — the file's whole width, four times the block at 32768² in
+/// 8192² tiles — on the driver's one thread, before its upload can start, where staging copies
+/// the block's own bytes on every thread: 32768² fp32 from `.npy` on one H100 took 1.441–1.443 s
+/// copied against 1.531–1.533 s locked, its first GEMM at 0.05 s against 0.11–0.13 s
+/// (docs/measurements/2026-12-06g-h100-2-roofline-npy-copy-verify-sweep.log,
+/// docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md). Decided per file, not per
+/// block: a narrower block at the matrix's edge of a file whose full blocks lock their bands
+/// would only be copied from bands already locked. A `.mgt` locks its storage tiles, the
+/// block's own.
+pub(crate) fn narrow_files(copies: bool, roles: &[Role<'_>]) -> Vec<std::path::PathBuf> {
+    let narrow = |r: &Role<'_>| r.whole_rows && r.first.cols.saturating_mul(2) <= r.cols;
+    let mut out: Vec<std::path::PathBuf> = Vec::new();
+    for r in roles.iter().filter(|_| copies) {
+        if !out.iter().any(|p| p == r.path) && roles.iter().filter(|o| o.path == r.path).all(narrow)
+        {
+            out.push(r.path.to_path_buf());
+        }
+    }
+    out
+}
+
+/// [`narrow_files`] of a step's open `sources` (each with its first block, read as `host`)
+/// under `mode`: none but under `auto` through `p`.
+pub(crate) fn narrow_sources(
+    mode: StagingMode,
+    p: Pinning,
+    sources: &[(&dyn MatrixSource, Block)],
+    host: DType,
+) -> Vec<std::path::PathBuf> {
+    let roles: Vec<Role<'_>> = (sources.iter())
+        .map(|&(f, first)| Role {
+            path: f.path(),
+            whole_rows: f.mapped_block(&first, host).is_some_and(|mb| mb.whole_rows),
+            cols: f.shape().1,
+            first,
+        })
+        .collect();
+    narrow_files(mode == StagingMode::Auto && p.copies_narrow, &roles)
 }
 
 impl DirectReads {
     /// A registry for `sources` (A, B, C0), registering through `pinner` at most `budget`
-    /// bytes at once in ranges of `chunk` ([`limits`]) for lanes computing in `precision`;
-    /// `None` for `copy`.
+    /// bytes at once in ranges of `chunk` ([`limits`]), never for the files in `narrow`
+    /// ([`narrow_sources`]: their blocks are copied); `None` for `copy`.
     pub(crate) fn new(
         mode: StagingMode,
         pinner: Arc<dyn InputPinner>,
         sources: Vec<Arc<dyn MatrixSource>>,
         (budget, chunk): (u64, u64),
-        precision: crate::plan::Precision,
+        narrow: Vec<std::path::PathBuf>,
     ) -> Option<DirectReads> {
         if mode == StagingMode::Copy {
             return None;
         }
-        let narrow = copies_narrow(pinner.locks(), precision);
-        Some(Self::with_budget(mode, pinner, sources, budget, chunk).copying_narrow(narrow))
+        Some(Self::with_budget(mode, pinner, sources, budget, chunk).copying(narrow))
     }
 
-    /// The registry, narrow blocks of row-major files copied under `auto` or not.
-    fn copying_narrow(mut self, copies_narrow: bool) -> DirectReads {
-        self.copies_narrow = copies_narrow;
+    /// The registry, the blocks of `narrow` files copied ([`narrow_files`]).
+    fn copying(mut self, narrow: Vec<std::path::PathBuf>) -> DirectReads {
+        self.narrow = narrow;
         self
     }
 
@@ -510,7 +557,7 @@ impl DirectReads {
         DirectReads {
             pinner,
             mode,
-            copies_narrow: false,
+            narrow: Vec::new(),
             budget,
             chunk,
             entries: Mutex::new(HashMap::new()),
@@ -539,7 +586,7 @@ impl DirectReads {
             return None;
         }
         let mb = f.mapped_block(block, host)?;
-        if self.mode == StagingMode::Auto && self.copies_narrow && narrow_in_bands(f, block, &mb) {
+        if self.narrow.iter().any(|p| p == f.path()) {
             self.stats.narrow_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
@@ -1105,6 +1152,7 @@ mod tests {
             chunk: CHUNK,
             copies_narrow: true,
         });
+        // (A `.mgt`: no file of it is narrow.)
         let fx = fixture();
         let f: &dyn MatrixSource = &*fx.f;
         let b = block(0, 0, 32, 32);
@@ -1139,22 +1187,17 @@ mod tests {
         assert!(again(StagingMode::Direct));
     }
 
-    /// A block of a row-major file at most half as wide as the file is copied under `auto` on
-    /// a device that locks pages, for fp32 and the f64 precisions (its bands of whole rows would
-    /// be locked for it), counted in the stats, and not expected direct; with `direct`, on the
-    /// CPU (nothing locked), with tf32/bf16, or as wide as the file, it goes direct. A `.mgt`'s
-    /// narrow block goes direct.
+    /// A file stored in whole rows whose blocks are at most half as wide as the file has every
+    /// block copied under `auto` on a device that locks pages, for fp32 and the f64 precisions
+    /// (locking would take the bands of whole rows), counted, and is not expected direct;
+    /// decided once per file, from its first (widest) block, so an edge block of a file whose
+    /// full blocks are wide is locked. With `direct`, on the CPU (nothing locked), with
+    /// tf32/bf16, or with blocks as wide as the file, blocks go direct; a `.mgt`'s too; a file
+    /// read both narrow and wide (`A @ A` with other tile edges) is locked.
     #[test]
-    fn narrow_blocks_of_row_major_files_are_copied_under_auto_on_a_gpu() {
+    fn narrow_files_have_their_blocks_copied_under_auto_on_a_gpu() {
         let dir = tempfile::tempdir().unwrap();
         let npy = file_named(dir.path(), "A.npy");
-        let pin = |narrow| {
-            Some(Pinning {
-                budget: 8 << 30,
-                chunk: CHUNK,
-                copies_narrow: narrow,
-            })
-        };
         use crate::plan::Precision;
         assert!(copies_narrow(true, Precision::Fp32) && copies_narrow(true, Precision::Fp64));
         assert!(
@@ -1162,42 +1205,66 @@ mod tests {
             "the CPU locks nothing"
         );
         assert!(!copies_narrow(true, Precision::Tf32) && !copies_narrow(true, Precision::Bf16));
+        let pin = |p| Some(Pinning::new((8 << 30, CHUNK), true, p));
         let (narrow, half, wide) = (
             block(0, 0, 64, 16),
             block(0, 32, 64, 32),
             block(0, 0, 16, 64),
         );
-        let exp = |m, locks, b| expected(m, pin(locks), &[(&*npy, b)], false, DType::F32);
-        assert!(!exp(StagingMode::Auto, true, narrow));
-        assert!(!exp(StagingMode::Auto, true, half));
-        assert!(exp(StagingMode::Auto, true, wide));
-        assert!(exp(StagingMode::Direct, true, narrow));
+        let exp = |m, p, firsts: &[Block]| {
+            let srcs: Vec<(&dyn MatrixSource, Block)> = firsts
+                .iter()
+                .map(|&b| (&*npy as &dyn MatrixSource, b))
+                .collect();
+            expected(m, pin(p), &srcs, false, DType::F32)
+        };
+        assert!(!exp(StagingMode::Auto, Precision::Fp32, &[narrow]));
+        assert!(!exp(StagingMode::Auto, Precision::Fp64, &[half]));
+        assert!(exp(StagingMode::Auto, Precision::Fp32, &[wide]));
         assert!(
-            exp(StagingMode::Auto, false, narrow),
-            "the CPU locks nothing"
+            exp(StagingMode::Auto, Precision::Fp32, &[narrow, wide]),
+            "read wide too"
         );
+        assert!(exp(StagingMode::Direct, Precision::Fp32, &[narrow]));
+        assert!(exp(StagingMode::Auto, Precision::Tf32, &[narrow]));
+        let cpu = Some(Pinning::new((8 << 30, CHUNK), false, Precision::Fp32));
+        assert!(expected(
+            StagingMode::Auto,
+            cpu,
+            &[(&*npy, narrow)],
+            false,
+            DType::F32
+        ));
         let fx = fixture();
         let mgt: &dyn MatrixSource = &*fx.f;
         assert!(expected(
             StagingMode::Auto,
-            pin(true),
+            pin(Precision::Fp32),
             &[(mgt, narrow)],
             false,
             DType::F32
         ));
 
-        let reg = |mode| {
+        let p = Pinning::new((8 << 30, CHUNK), true, Precision::Fp32);
+        let reg = |mode, first| {
+            let narrow = narrow_sources(mode, p, &[(&*npy, first)], DType::F32);
             DirectReads::with_budget(mode, fx.rec.clone(), vec![npy.clone()], 8 << 30, CHUNK)
-                .copying_narrow(true)
+                .copying(narrow)
         };
-        let auto = reg(StagingMode::Auto);
         let token = || fx.pool.try_lease().unwrap();
+        // Narrow from its first block: every block copied, a wide one too.
+        let auto = reg(StagingMode::Auto, narrow);
         assert!(auto.prepare(&*npy, &narrow, DType::F32, token()).is_none());
-        assert!(auto.prepare(&*npy, &wide, DType::F32, token()).is_some());
-        assert_eq!(auto.stats().narrow_blocks, 1);
+        assert!(auto.prepare(&*npy, &wide, DType::F32, token()).is_none());
+        assert_eq!(auto.stats().narrow_blocks, 2);
+        drop(auto);
+        // Wide from its first block: a narrow (edge) block locks its bands.
+        let auto = reg(StagingMode::Auto, wide);
+        assert!(auto.prepare(&*npy, &narrow, DType::F32, token()).is_some());
+        assert_eq!(auto.stats().narrow_blocks, 0);
         // Its ranges released (the recorder refuses a second registration of one).
         drop(auto);
-        let direct = reg(StagingMode::Direct);
+        let direct = reg(StagingMode::Direct, narrow);
         assert!(direct
             .prepare(&*npy, &narrow, DType::F32, token())
             .is_some());

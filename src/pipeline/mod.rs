@@ -204,12 +204,8 @@ impl Engines {
         let lazy = direct::expected(
             backend.caps().staging(e.staging),
             (backend.input_pinner()).map(|p| {
-                let (budget, chunk) = direct::limits(p.limits(), e.host_memory, layout.host_bytes);
-                direct::Pinning {
-                    budget,
-                    chunk,
-                    copies_narrow: direct::copies_narrow(p.locks(), e.precision),
-                }
+                let limits = direct::limits(p.limits(), e.host_memory, layout.host_bytes);
+                direct::Pinning::new(limits, p.locks(), e.precision)
             }),
             &[(&*sources.a, a), (&*sources.b, b)],
             sources.c0.is_some(),
@@ -406,12 +402,20 @@ impl<'a> Pipeline<'a> {
             Some(pinner) if lanes.iter().any(|l| l.uploads_runs()) => {
                 let srcs = [Some(&inputs.a), Some(&inputs.b), inputs.c0.as_ref()];
                 let limits = direct::limits(pinner.limits(), cfg.host_memory, l.host_bytes);
+                let mode = backend.caps().staging(cfg.staging);
+                let (a0, b0) = Schedule::first_blocks(step, l);
+                let narrow = direct::narrow_sources(
+                    mode,
+                    direct::Pinning::new(limits, pinner.locks(), cfg.precision),
+                    &[(&*inputs.a, a0), (&*inputs.b, b0)],
+                    l.host_dt,
+                );
                 direct::DirectReads::new(
-                    backend.caps().staging(cfg.staging),
+                    mode,
                     pinner,
                     srcs.into_iter().flatten().cloned().collect(),
                     limits,
-                    cfg.precision,
+                    narrow,
                 )
             }
             _ => None,

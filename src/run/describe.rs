@@ -468,15 +468,34 @@ fn describe_staging(
     }
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     let (mut direct, mut copied) = (Vec::new(), Vec::new());
+    // `auto` on a GPU copies every block of a file stored in whole rows whose blocks are
+    // narrow (`pipeline::direct::narrow_files`): the rule `run` applies, judged from the files
+    // where they exist, else (an earlier step's output) from the name a `.npy` is written under.
     let (a0, b0) = crate::plan::schedule::Schedule::first_blocks(step, l);
-    // `auto` on a GPU copies the narrow blocks of a row-major file (`pipeline::direct`).
-    let narrow = |op: &crate::plan::Operand, b| {
+    fn role<'o>(
+        op: &'o crate::plan::Operand,
+        first: crate::store::Block,
+        l: &Layout,
+    ) -> crate::pipeline::direct::Role<'o> {
+        let opened = op.open().ok();
+        crate::pipeline::direct::Role {
+            path: &op.path,
+            whole_rows: match &opened {
+                Some(f) => f
+                    .mapped_block(&first, l.host_dt)
+                    .is_some_and(|mb| mb.whole_rows),
+                None => op.raw.is_some() || op.path.extension().is_some_and(|x| x == "npy"),
+            },
+            cols: opened.map_or(op.cols, |f| f.shape().1),
+            first,
+        }
+    }
+    let narrow = crate::pipeline::direct::narrow_files(
         device
             && mode == StagingMode::Auto
-            && crate::pipeline::direct::copies_narrow(true, e.precision)
-            && (op.open().ok())
-                .is_some_and(|f| crate::pipeline::direct::narrow_block(&*f, &b, l.host_dt))
-    };
+            && crate::pipeline::direct::copies_narrow(true, e.precision),
+        &[role(&step.a, a0, l), role(&step.b, b0, l)],
+    );
     for (i, op) in ops.into_iter().enumerate() {
         let Some(op) = op else { continue };
         // A chain's intermediate held in memory, or the caller's array: no file to map.
@@ -490,8 +509,8 @@ fn describe_staging(
             Some("held in memory".to_string())
         } else if op.dtype != l.host_dt {
             Some(format!("{} stored, {} computed", op.dtype, l.host_dt))
-        } else if i < 2 && narrow(op, if i == 0 { a0 } else { b0 }) {
-            Some("row-major, its blocks narrower than its rows: locking whole rows for each would take longer".to_string())
+        } else if i < 2 && narrow.contains(&op.path) {
+            Some("stored in whole rows, its blocks at most half their width: locking the rows for each would take longer".to_string())
         } else {
             None
         };

@@ -181,15 +181,11 @@ fn guess_layout(plan: &Plan, lanes: usize) -> Option<((usize, usize), Layout)> {
 /// front without the prefill's help).
 fn staging_lazy(e: &Engine, step: &Step, l: &Layout, inputs: [&dyn MatrixSource; 2]) -> bool {
     let t = std::time::Instant::now();
-    let (budget, chunk) = direct::limits(None, e.host_memory, l.host_bytes);
+    let limits = direct::limits(None, e.host_memory, l.host_bytes);
     let (a, b) = crate::plan::schedule::Schedule::first_blocks(step, l);
     let lazy = direct::expected(
         (e.staging).on_lanes(l.lanes, AUTO_COPIES_FROM),
-        Some(direct::Pinning {
-            budget,
-            chunk,
-            copies_narrow: direct::copies_narrow(true, e.precision),
-        }),
+        Some(direct::Pinning::new(limits, true, e.precision)),
         &[(inputs[0], a), (inputs[1], b)],
         step.c0.is_some(),
         l.host_dt,

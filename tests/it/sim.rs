@@ -791,4 +791,40 @@ fn auto_copies_narrow_blocks_of_row_major_inputs_on_a_device() {
             assert!(!summary.contains("of row-major files"), "{summary}");
         }
     }
+    // k-blocks 192 deep: A's (200×300) blocks are wider than half its rows, its edge blocks
+    // (108) too narrow alone — the file is judged once, from its widest block, and locked
+    // whole; B's (300×260) 64-wide blocks are copied, every one; the pool made up front.
+    let p = d.path().join("plan.toml");
+    let text = plan("sim", "C.mgt", "auto").replace("tile = 64", "tile = [64, 64, 192]");
+    std::fs::write(&p, text.replace("C.mgt", "C_k.mgt")).unwrap();
+    std::fs::write(
+        d.path().join("ref.toml"),
+        text.replace("sim", "cpu").replace("C.mgt", "C_kref.mgt"),
+    )
+    .unwrap();
+    run_plan(
+        &Plan::load(&d.path().join("ref.toml")).unwrap(),
+        &RunOptions::default(),
+        &Progress::quiet(),
+    )
+    .unwrap();
+    let r = run_plan_on(
+        &Plan::load(&p).unwrap(),
+        sim(vec![100, 100]),
+        &RunOptions::default(),
+        &Progress::quiet(),
+    )
+    .unwrap();
+    assert_eq!(
+        std::fs::read(d.path().join("C_k.mgt")).unwrap(),
+        std::fs::read(d.path().join("C_kref.mgt")).unwrap()
+    );
+    let s = &r.steps[0];
+    // A read once, every byte through its locked bands (its 108-wide edge blocks too); B's
+    // ten blocks (2 k-blocks × 5 columns) copied, each load counted.
+    assert_eq!(s.direct_bytes, 200 * 300 * 4, "{s:?}");
+    assert!(s.read_bytes - s.direct_bytes >= 300 * 260 * 4, "{s:?}");
+    assert!(s.direct_narrow_blocks >= 10, "{s:?}");
+    let staging_pool = s.pools.iter().find(|p| p.name == "staging").unwrap();
+    assert!(!staging_pool.lazy, "{staging_pool:?}");
 }

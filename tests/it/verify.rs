@@ -1159,6 +1159,29 @@ fn alpha_zero_says_the_product_is_unused_not_a_ratio() {
         "{}",
         format(&rep)
     );
+    // beta = 0 (alpha 1): C0's Inf does not reach the output (its term is not used), A's NaN
+    // does; the report tells them apart (the note said C0's reached it, review).
+    let extra = "accumulate = \"C0\"\nbeta = 0.0\n";
+    write_plan(dir, "A @ B", "fp32", "16", extra, true);
+    let (ok, out) = cli_in(
+        dir,
+        &["run", "plan.toml", "--restart", "--report", "r.json"],
+    );
+    let flat = one_line(&out);
+    assert!(
+        ok && flat.contains("— those in A reach the output as IEEE arithmetic says; those in C0 do not: this step's beta is 0, and, as in BLAS, C0 is not used"),
+        "{flat}"
+    );
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("r.json")).unwrap()).unwrap();
+    let blocks = &r["steps"][0]["nonfinite_input_blocks"];
+    let c0 = (blocks.as_array().unwrap().iter())
+        .find(|b| b["input"] == "C0")
+        .expect("C0 counted");
+    assert_eq!(
+        (&c0["added"], &c0["reaches_output"]),
+        (&true.into(), &false.into())
+    );
 }
 
 /// A column of op(B) holding NaN/Inf makes its output column NaN/Inf by IEEE rules: `verify`
