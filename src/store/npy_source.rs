@@ -79,7 +79,7 @@ pub(crate) fn open(path: &Path, unfinished_ok: bool) -> Result<RowMajorFile> {
             .map_err(|e| Error::io(path, "cannot read .npy header", e))?;
         v[6]
     };
-    let mut spec = RowMajorSpec {
+    let spec = RowMajorSpec {
         rows: if h.fortran { h.cols } else { h.rows },
         cols: if h.fortran { h.rows } else { h.cols },
         dtype: h.dtype,
@@ -92,9 +92,10 @@ pub(crate) fn open(path: &Path, unfinished_ok: bool) -> Result<RowMajorFile> {
         },
         region: false,
     };
+    // Why a sidecar there was ignored goes with the file (`info`, the checks), not into its
+    // format's name, which is part of the journal's identity of the input: a damaged sidecar
+    // beside unchanged data made a finished step's input "different" and its advice,
+    // `--restart`, recompute the output (new-user trial).
     let (crcs, note) = load_sidecar(path, &spec, len);
-    if let Some(n) = &note {
-        spec.kind = format!("{} ({n})", spec.kind);
-    }
     Ok(RowMajorFile::open(path, spec, crcs)?.with_checksum_note(note))
 }

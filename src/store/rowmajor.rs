@@ -491,7 +491,12 @@ impl MatrixSource for RowMajorFile {
                 t.tile.1,
                 crate::units::count(t.crcs.len() as u64, "tile", "tiles")
             ),
-            None => "none (the journal identifies it by size, mtime and a sample CRC)".into(),
+            None => match &self.checksum_note {
+                Some(n) => format!(
+                    "none: the {n} (the journal identifies it by size, mtime and a sample CRC)"
+                ),
+                None => "none (the journal identifies it by size, mtime and a sample CRC)".into(),
+            },
         };
         format!(
             "file:        {}\nformat:      {}, dtype {}\nshape:       {r} × {c}\norder:       {order}\ndata:        offset {}, {} of values\nchecksums:   {checks}\nsize:        {}\n",

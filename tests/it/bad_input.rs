@@ -1100,3 +1100,56 @@ fn a_damaged_checksum_table_is_named_and_restart_keeps_the_output() {
     );
     kept();
 }
+
+/// A damaged checksum sidecar beside an unchanged `.npy` input is not a changed input: the
+/// finished step that read it is still complete (it was "from different inputs", and the
+/// advised `--restart` recomputed it — from corrupt data, had the data changed too), and
+/// `info` says why the sidecar is ignored (new-user trial).
+#[test]
+fn a_damaged_sidecar_does_not_make_its_input_a_different_one() {
+    let d = tmp();
+    let dir = d.path();
+    gen(
+        &dir.join("A.mgt"),
+        60,
+        40,
+        DType::F32,
+        (16, 16),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &dir.join("B.mgt"),
+        40,
+        50,
+        DType::F32,
+        (16, 16),
+        Dist::Normal,
+        2,
+    );
+    let engine = "[engine]\nbackend = \"cpu\"\ntile = 16\n";
+    let p1 = format!("[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n[[step]]\noutput = \"AB.npy\"\nexpr = \"A @ B\"\n{engine}");
+    let p2 = format!("[matrices.X]\npath = \"AB.npy\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"X.T @ X\"\n{engine}");
+    std::fs::write(dir.join("p1.toml"), p1).unwrap();
+    std::fs::write(dir.join("p2.toml"), p2).unwrap();
+    assert!(mg(dir, &["run", "p1.toml"]).status.success());
+    assert!(mg(dir, &["run", "p2.toml"]).status.success());
+    let before = std::fs::read(dir.join("C.mgt")).unwrap();
+    let side = dir.join("AB.npy.crc32c");
+    let mut b = std::fs::read(&side).unwrap();
+    b[40] ^= 1;
+    std::fs::write(&side, b).unwrap();
+    let o = mg(dir, &["run", "p2.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.success() && err.contains("already complete"),
+        "{o:?}"
+    );
+    assert_eq!(std::fs::read(dir.join("C.mgt")).unwrap(), before);
+    let o = mg(dir, &["info", "AB.npy"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("checksums:   none: the sidecar") && out.contains("does not match"),
+        "{out}"
+    );
+}
