@@ -134,6 +134,10 @@ def test_run_plan_file_with_set(tmp_path):
     # The CLI's `--set` strings are not what Python takes: said, not an AttributeError.
     with pytest.raises(mg.BadInputError, match="set= is a dict"):
         mg.verify(plan, set=["engine.backend=cpu"])
+    # Keys written as on the command line, `engine.` first, are taken as they are meant (the
+    # error read `--set engine.engine.host_memory=…`).
+    d = mg.plan(plan, set={"engine.backend": "cpu", "engine.host_memory": "32MiB"})
+    assert "host_memory 32.00 MiB" in d["text"] and "engine.engine" not in d["text"]
 
 
 def test_plan_of_a_matmul():

@@ -783,7 +783,9 @@ def _sets(set: Optional[Dict[str, Any]]) -> List[str]:
         # The CLI's `--set engine.KEY=VALUE` strings are not what Python takes.
         raise BadInputError(
             f"set= is a dict of [engine] keys, e.g. set={{'backend': 'cpu'}}; got {type(set).__name__} {set!r}")
-    return [f"engine.{k}={json.dumps(v) if isinstance(v, (bool, list)) else v}"
+    # `engine.` written out, as on the command line, is taken too (it read
+    # `--set engine.engine.host_memory=…` in the error).
+    return [f"engine.{k.removeprefix('engine.')}={json.dumps(v) if isinstance(v, (bool, list)) else v}"
             for k, v in (set or {}).items()]
 
 
