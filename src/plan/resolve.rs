@@ -734,7 +734,7 @@ fn addend(
     let c = operand(&factor)?;
     if c.trans {
         return Err(cx.err(format!(
-            "{at}: {what} is stored in Fortran (column-major) order; the added matrix must be row-major: save it with np.ascontiguousarray(c0), or declare it order = \"C\""
+            "{at}: {what} is stored in Fortran (column-major) order; the added matrix must be stored row-major (C order): rewrite its data so, e.g. np.save(PATH, np.ascontiguousarray(c0)) (declaring a raw file order = \"C\" would only misread it)"
         )));
     }
     if (c.rows, c.cols) != (m, n) {

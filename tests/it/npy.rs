@@ -677,3 +677,27 @@ fn a_plans_generate_writes_a_real_npy() {
         }
     }
 }
+
+/// An added matrix stored in Fortran order is refused with advice that works: rewrite it in C
+/// order (the message advised declaring `order = "C"`, refused for a `.npy` and, for a raw
+/// file, a silent misreading — new-user trial).
+#[test]
+fn a_fortran_order_added_matrix_is_refused_with_advice_that_works() {
+    let d = tmp();
+    write_npy(&d.path().join("A.npy"), &mat(1, 3, 4), DType::F32, false, 1);
+    write_npy(&d.path().join("B.npy"), &mat(2, 4, 3), DType::F32, false, 1);
+    write_npy(&d.path().join("C0.npy"), &mat(3, 3, 3), DType::F32, true, 1);
+    let err = run_text(
+        d.path(),
+        "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n[matrices.C0]\npath = \"C0.npy\"\n\
+         [[step]]\noutput = \"C.npy\"\nexpr = \"A @ B + C0\"\n[engine]\nbackend = \"cpu\"\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("Fortran (column-major) order")
+            && err.contains("np.ascontiguousarray(c0)")
+            && err.contains("would only misread it"),
+        "{err}"
+    );
+}
