@@ -57,6 +57,16 @@ fn setup(dir: &Path, m: u64, n: u64, k: u64, tile: u64, host: &str) {
     run_plan(&plan, &RunOptions::default(), &Progress::quiet()).unwrap();
 }
 
+/// Run the plan file `p` on the backend it names (the CPU reference of a test).
+fn run_ref(p: &Path) -> RunReport {
+    run_plan(
+        &Plan::load(p).unwrap(),
+        &RunOptions::default(),
+        &Progress::quiet(),
+    )
+    .unwrap()
+}
+
 fn run_on(dir: &Path, backend: Box<dyn Backend>) -> mgmm_stream::Result<RunReport> {
     run_faulty(dir, backend, None)
 }
@@ -617,12 +627,7 @@ fn row_major_inputs_over_the_lock_budget_release_the_range_needed_last() {
         )
         .unwrap();
     }
-    run_plan(
-        &Plan::load(&d.path().join("ref.toml")).unwrap(),
-        &RunOptions::default(),
-        &Progress::quiet(),
-    )
-    .unwrap();
+    run_ref(&d.path().join("ref.toml"));
     let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
     let input_bytes = (m * k + k * n) * 4;
     // 8 MiB of the two 8 MiB inputs may be locked at once, in ranges of 1 MiB bands (128 rows
@@ -802,12 +807,7 @@ fn auto_copies_narrow_blocks_of_row_major_inputs_on_a_device() {
         text.replace("sim", "cpu").replace("C.mgt", "C_kref.mgt"),
     )
     .unwrap();
-    run_plan(
-        &Plan::load(&d.path().join("ref.toml")).unwrap(),
-        &RunOptions::default(),
-        &Progress::quiet(),
-    )
-    .unwrap();
+    run_ref(&d.path().join("ref.toml"));
     let r = run_plan_on(
         &Plan::load(&p).unwrap(),
         sim(vec![100, 100]),
