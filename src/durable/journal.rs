@@ -376,7 +376,7 @@ pub(crate) fn foreign(path: &Path, old: &Fingerprint, new: &Fingerprint) -> Erro
     });
     let hint = match old.get("compute tile") {
         Some(t) if only_tile && new.get("compute tile") != Some(t) => format!(
-            "; only the compute tile changed, which with tile = \"auto\" follows the memory budgets: give the run the engine.host_memory (and device memory) it had, or set engine.tile = [{}] to resume",
+            "; only the compute tile changed (engine.tile set otherwise, or, with tile = \"auto\", other memory budgets): set engine.tile = [{}] to resume (with tile = \"auto\", giving the run the engine.host_memory and device memory it had does too)",
             t.replace('×', ", ")
         ),
         _ => String::new(),
@@ -847,7 +847,7 @@ mod tests {
         )
         .to_string();
         assert!(
-            m.contains("only the compute tile changed")
+            m.contains("only the compute tile changed (engine.tile set otherwise, or")
                 && m.contains("set engine.tile = [1024, 1024, 1024] to resume"),
             "{m}"
         );
