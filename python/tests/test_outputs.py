@@ -11,6 +11,19 @@ from conftest import CPU, close, rand, reference
 M, K, N = 100, 70, 90
 
 
+
+def _generated(m, k, n, step):
+    """A plan dict whose A (m×k) and B (k×n) are generated (seeds 1, 2), with one `step`, on the
+    CPU in 32² tiles."""
+    return {
+        "matrices": {
+            "A": {"path": "A.mgt", "generate": {"rows": m, "cols": k, "seed": 1}},
+            "B": {"path": "B.mgt", "generate": {"rows": k, "cols": n, "seed": 2}},
+        },
+        "step": [step],
+        "engine": {"backend": "cpu", "tile": 32},
+    }
+
 def test_out_array_is_filled_in_place():
     a, b = rand((M, K), np.float64, 1), rand((K, N), np.float64, 2)
     out = np.full((M, N), np.nan)
@@ -109,14 +122,7 @@ def test_run_plan_dict_plan_and_verify(tmp_path, monkeypatch):
 
 def test_verify_of_an_overflowed_output_is_no_pass(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    p = {
-        "matrices": {
-            "A": {"path": "A.mgt", "generate": {"rows": 100, "cols": 50, "seed": 1}},
-            "B": {"path": "B.mgt", "generate": {"rows": 50, "cols": 70, "seed": 2}},
-        },
-        "step": [{"output": "C.mgt", "expr": "A @ B", "alpha": 3e38}],
-        "engine": {"backend": "cpu", "tile": 32},
-    }
+    p = _generated(100, 50, 70, {"output": "C.mgt", "expr": "A @ B", "alpha": 3e38})
     with pytest.warns(RuntimeWarning, match="are NaN/Inf; the inputs are all finite: the product overflowed"):
         rep = mg.run(p, progress=False)
     assert rep["steps"][0]["nonfinite_outputs"] > 0
@@ -402,14 +408,7 @@ def test_verify_of_an_output_changed_after_it_was_written_names_the_checksums(tm
     # A changed .npy output fails by its stored checksums: its dict's reason was None, then
     # spoke of residuals with a ratio of 0 (trials). A 0-d array is a number in a plan dict.
     monkeypatch.chdir(tmp_path)
-    p = {
-        "matrices": {
-            "A": {"path": "A.mgt", "generate": {"rows": 64, "cols": 48, "seed": 1}},
-            "B": {"path": "B.mgt", "generate": {"rows": 48, "cols": 64, "seed": 2}},
-        },
-        "step": [{"output": "C.npy", "expr": "A @ B", "alpha": np.array(2.0)}],
-        "engine": {"backend": "cpu", "tile": 32},
-    }
+    p = _generated(64, 48, 64, {"output": "C.npy", "expr": "A @ B", "alpha": np.array(2.0)})
     mg.run(p, progress=False)
     c = np.memmap("C.npy", dtype=np.float32, mode="r+", offset=4096, shape=(64, 64))
     c[40, 50] += 1.0

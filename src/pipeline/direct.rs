@@ -392,8 +392,8 @@ fn split_at_ranges(runs: &[Run], data: u64, per: u64) -> Vec<Run> {
 /// unless a block is copied after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`,
 /// the backend uploads from maps (`pinner`: [`Pinning`]), the step has no added matrix
 /// (`added`: staging always copies C0, once per output tile), each source maps its blocks at
-/// `host` in ranges the budget can hold, and under `auto` it is not a file whose blocks are all
-/// copied ([`narrow_files`]) and its data looks in the page cache now (1024 pages sampled: a
+/// `host` in ranges the budget can hold, it is not one of the `narrow` files, whose blocks are
+/// all copied ([`narrow_sources`]) and its data looks in the page cache now (1024 pages sampled: a
 /// guess, and a wrong one only costs buffers made while the step runs). Arrays on a GPU
 /// ([`MatrixSource::device_block`]) go device to device whatever `staging` says (a lane on
 /// another GPU, or a CPU lane, reads them through a pool buffer made then).
@@ -401,6 +401,7 @@ pub(crate) fn expected(
     mode: StagingMode,
     pinner: Option<Pinning>,
     sources: &[(&dyn MatrixSource, Block)],
+    narrow: &[std::path::PathBuf],
     added: bool,
     host: DType,
 ) -> bool {
@@ -408,7 +409,6 @@ pub(crate) fn expected(
         return false;
     }
     let pinner = pinner.filter(|_| mode != StagingMode::Copy);
-    let narrow = pinner.map_or_else(Vec::new, |p| narrow_sources(mode, p, sources, host));
     sources.iter().all(|&(f, first)| {
         if f.device_block(&Block::FIRST, host).is_some() {
             return true;
@@ -1156,11 +1156,12 @@ mod tests {
         let fx = fixture();
         let f: &dyn MatrixSource = &*fx.f;
         let b = block(0, 0, 32, 32);
-        let one = |m, p, added, dt| expected(m, p, &[(f, b)], added, dt);
+        let one = |m, p, added, dt| expected(m, p, &[(f, b)], &[], added, dt);
         assert!(expected(
             StagingMode::Auto,
             ON,
             &[(f, b), (f, b)],
+            &[],
             false,
             DType::F32
         ));
@@ -1178,7 +1179,7 @@ mod tests {
         // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is open.
         let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         let reopened = crate::store::open_source(&path).unwrap();
-        let again = |m| expected(m, ON, &[(&*reopened, b)], false, DType::F32);
+        let again = |m| expected(m, ON, &[(&*reopened, b)], &[], false, DType::F32);
         if rc == 0 && !page_cached(&path) {
             assert!(!again(StagingMode::Auto));
         } else {
@@ -1211,12 +1212,17 @@ mod tests {
             block(0, 32, 64, 32),
             block(0, 0, 16, 64),
         );
+        // As `Engines::make` asks: the narrow files decided first, then the expectation.
+        let judged = |m, p: Pinning, srcs: &[(&dyn MatrixSource, Block)]| {
+            let narrow = narrow_sources(m, p, srcs, DType::F32);
+            expected(m, Some(p), srcs, &narrow, false, DType::F32)
+        };
         let exp = |m, p, firsts: &[Block]| {
             let srcs: Vec<(&dyn MatrixSource, Block)> = firsts
                 .iter()
                 .map(|&b| (&*npy as &dyn MatrixSource, b))
                 .collect();
-            expected(m, pin(p), &srcs, false, DType::F32)
+            judged(m, pin(p).unwrap(), &srcs)
         };
         assert!(!exp(StagingMode::Auto, Precision::Fp32, &[narrow]));
         assert!(!exp(StagingMode::Auto, Precision::Fp64, &[half]));
@@ -1227,23 +1233,12 @@ mod tests {
         );
         assert!(exp(StagingMode::Direct, Precision::Fp32, &[narrow]));
         assert!(exp(StagingMode::Auto, Precision::Tf32, &[narrow]));
-        let cpu = Some(Pinning::new((8 << 30, CHUNK), false, Precision::Fp32));
-        assert!(expected(
-            StagingMode::Auto,
-            cpu,
-            &[(&*npy, narrow)],
-            false,
-            DType::F32
-        ));
+        let cpu = Pinning::new((8 << 30, CHUNK), false, Precision::Fp32);
+        assert!(judged(StagingMode::Auto, cpu, &[(&*npy, narrow)]));
         let fx = fixture();
         let mgt: &dyn MatrixSource = &*fx.f;
-        assert!(expected(
-            StagingMode::Auto,
-            pin(Precision::Fp32),
-            &[(mgt, narrow)],
-            false,
-            DType::F32
-        ));
+        let gpu = pin(Precision::Fp32).unwrap();
+        assert!(judged(StagingMode::Auto, gpu, &[(mgt, narrow)]));
 
         let p = Pinning::new((8 << 30, CHUNK), true, Precision::Fp32);
         let reg = |mode, first| {

@@ -83,9 +83,6 @@ pub(crate) struct RunConfig {
     pub(crate) host_memory: u64,
     /// A flag set from outside (Ctrl-C) that cancels the run; `None`: only errors cancel.
     pub(crate) cancel: Option<&'static std::sync::atomic::AtomicBool>,
-    /// What the lanes compute in (`engine.precision`): whether `auto` copies narrow blocks of
-    /// row-major files ([`direct::copies_narrow`]).
-    pub(crate) precision: crate::plan::Precision,
 }
 
 impl RunConfig {
@@ -97,7 +94,6 @@ impl RunConfig {
             threads: crate::backend::resolve_threads(e.threads),
             host_memory: e.host_memory,
             cancel: None,
-            precision: e.precision,
         }
     }
 }
@@ -178,6 +174,9 @@ pub(crate) struct Engines {
     out_in_place: Option<crate::seam::OutRect>,
     /// Seconds taken: both together, the lanes alone, the pools alone.
     pub(crate) times: [(&'static str, f64); 3],
+    /// The input files whose every block is copied ([`direct::narrow_files`]): decided once
+    /// here, for the lazy pool and for the staging stage alike.
+    narrow: Vec<std::path::PathBuf>,
 }
 
 impl Engines {
@@ -201,13 +200,20 @@ impl Engines {
         let n = backend.caps().lanes.max(1);
         let p = e.precision;
         let (a, b) = Schedule::first_blocks(step, layout);
+        let mode = backend.caps().staging(e.staging);
+        let pinning = (backend.input_pinner()).map(|p| {
+            let limits = direct::limits(p.limits(), e.host_memory, layout.host_bytes);
+            direct::Pinning::new(limits, p.locks(), e.precision)
+        });
+        let firsts = [(&*sources.a, a), (&*sources.b, b)];
+        let narrow = pinning.map_or_else(Vec::new, |p| {
+            direct::narrow_sources(mode, p, &firsts, layout.host_dt)
+        });
         let lazy = direct::expected(
-            backend.caps().staging(e.staging),
-            (backend.input_pinner()).map(|p| {
-                let limits = direct::limits(p.limits(), e.host_memory, layout.host_bytes);
-                direct::Pinning::new(limits, p.locks(), e.precision)
-            }),
-            &[(&*sources.a, a), (&*sources.b, b)],
+            mode,
+            pinning,
+            &firsts,
+            &narrow,
             sources.c0.is_some(),
             layout.host_dt,
         )
@@ -255,6 +261,7 @@ impl Engines {
                 ("lanes", lanes_s),
                 ("pools", pools_s),
             ],
+            narrow,
         })
     }
 
@@ -394,6 +401,7 @@ impl<'a> Pipeline<'a> {
             staging_pools,
             out_pool,
             out_in_place,
+            narrow,
             ..
         } = engines;
         let nlanes = lanes.len();
@@ -403,13 +411,6 @@ impl<'a> Pipeline<'a> {
                 let srcs = [Some(&inputs.a), Some(&inputs.b), inputs.c0.as_ref()];
                 let limits = direct::limits(pinner.limits(), cfg.host_memory, l.host_bytes);
                 let mode = backend.caps().staging(cfg.staging);
-                let (a0, b0) = Schedule::first_blocks(step, l);
-                let narrow = direct::narrow_sources(
-                    mode,
-                    direct::Pinning::new(limits, pinner.locks(), cfg.precision),
-                    &[(&*inputs.a, a0), (&*inputs.b, b0)],
-                    l.host_dt,
-                );
                 direct::DirectReads::new(
                     mode,
                     pinner,

@@ -183,10 +183,14 @@ fn staging_lazy(e: &Engine, step: &Step, l: &Layout, inputs: [&dyn MatrixSource;
     let t = std::time::Instant::now();
     let limits = direct::limits(None, e.host_memory, l.host_bytes);
     let (a, b) = crate::plan::schedule::Schedule::first_blocks(step, l);
+    let mode = (e.staging).on_lanes(l.lanes, AUTO_COPIES_FROM);
+    let pinning = direct::Pinning::new(limits, true, e.precision);
+    let firsts = [(inputs[0], a), (inputs[1], b)];
     let lazy = direct::expected(
-        (e.staging).on_lanes(l.lanes, AUTO_COPIES_FROM),
-        Some(direct::Pinning::new(limits, true, e.precision)),
-        &[(inputs[0], a), (inputs[1], b)],
+        mode,
+        Some(pinning),
+        &firsts,
+        &direct::narrow_sources(mode, pinning, &firsts, l.host_dt),
         step.c0.is_some(),
         l.host_dt,
     );
