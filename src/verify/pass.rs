@@ -24,13 +24,13 @@ use crate::backend::fold::{FoldDevice, FoldSpec, FoldSums};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::plan::Precision;
-use crate::store::{Block, MatrixSource};
+use crate::store::{Block, MapCrc, MatrixSource};
 
 use super::device::{Device, Staging};
 /// Double-double sums are part of what a pass returns ([`Sums`]); named here for its callers.
 pub(crate) use super::kernel::Dd;
 use super::kernel::{self, Elem};
-use super::view::BandView;
+use super::view::{BandView, Crcs};
 
 /// One operand as a pass sees it: op(M) of a stored file, optionally rounded to the GEMM's
 /// input precision exactly as the CPU backend rounds it (so a value beyond fp16's range is
@@ -199,26 +199,50 @@ fn mapped_checked<'a, T: Elem>(
     Ok(Some(v))
 }
 
-/// Stored rows `r0..r0 + h` copied into `buf` from the file's read-only map, the storage tiles
-/// they touch checked first when `op.check` ([`MatrixSource::verify_block`], each tile once);
-/// false, with nothing copied, where the file does not map them so ([`BandView::mapped`]) or
-/// values are rounded. For the dense pass on a device, whose bands must be copied (into
-/// page-locked buffers, for the device's copies): one copy from the page cache's pages, where
+/// Stored rows `r0..r0 + h` copied into `buf` from the file's read-only map; false, with
+/// nothing copied, where the file does not map them so ([`BandView::mapped`]) or values are
+/// rounded. For the dense pass on a device, whose bands must be copied (into page-locked
+/// buffers, for the device's copies): one copy from the page cache's pages, where
 /// [`read_band`]'s `pread` into a piece buffer and then into the band is two (its reads ran at
-/// 20–22 GB/s on one H100 host whose 16 threads copy a map at 85 GiB/s).
+/// 20–22 GB/s on one H100 host whose 16 threads copy a map at 85 GiB/s). With `op.check` each
+/// task takes the CRCs of the pieces it copies while they are in its cache ([`Crcs`]), and the
+/// band's storage tiles are checked with them when the copy ends
+/// ([`MatrixSource::verify_read`]; the bands of [`device_band_rows`] cover whole tile rows),
+/// before the band is handed on: no read of the band of its own for the check.
 fn copy_mapped<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<bool> {
     let cols = op.file.shape().1 as usize;
     if op.round.is_some() || cols == 0 {
         return Ok(false);
     }
-    let Some(v) = mapped_checked::<T>(op, r0, h)? else {
+    let Some(v) = BandView::<T>::mapped(op.file, r0, h) else {
         return Ok(false);
     };
+    let log = CrcLog::default();
+    let per = h.div_ceil(pieces()).max(1);
     buf[..h * cols]
-        .par_chunks_mut(cols)
+        .par_chunks_mut(per * cols)
         .enumerate()
-        .for_each(|(l, row)| v.pieces(l, 0..cols, |c, p| row[c..c + p.len()].copy_from_slice(p)));
+        .for_each(|(i, part)| {
+            let mut crcs = op.check.then(Crcs::default);
+            for (j, row) in part.chunks_mut(cols).enumerate() {
+                v.pieces(i * per + j, 0..cols, |c, p| {
+                    if let Some(k) = &mut crcs {
+                        k.take(&v, p);
+                    }
+                    row[c..c + p.len()].copy_from_slice(p)
+                });
+            }
+            if let Some(k) = crcs {
+                log.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend(k.done());
+            }
+        });
     v.release();
+    if op.check {
+        let crcs = log.into_inner().unwrap_or_else(|e| e.into_inner());
+        op.file.verify_read(&whole_rows(r0, h, cols), crcs)?;
+    }
     Ok(true)
 }
 
@@ -314,10 +338,10 @@ impl Sums {
         Sums {
             rounds,
             groups,
-            signed: vec![Dd::default(); rows * rounds * groups],
-            sq: vec![0.0; rows * groups],
-            abs: vec![0.0; rows * groups],
-            nonfinite: vec![0; rows * groups],
+            signed: kernel::zeros(rows * rounds * groups),
+            sq: kernel::zeros(rows * groups),
+            abs: kernel::zeros(rows * groups),
+            nonfinite: kernel::zeros(rows * groups),
             bad_row: vec![false; rows],
             bad_col: vec![false; cols],
         }
@@ -485,13 +509,15 @@ fn scatter_t<T: Elem>(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
         bad_cols: Mutex::new(Vec::new()),
     };
     let cols = op.file.shape().1 as usize;
-    let fold = |out: &mut Sums, r0: usize, h: usize, v: &BandView<T>| match op.trans {
+    let fold = |out: &mut Sums, r0: usize, h: usize, v: &BandView<T>, log: Option<&CrcLog>| match op
+        .trans
+    {
         true => scatter_cols(out, &sc, r0, h, v),
-        false => scatter_rows(out, &sc, r0, h, v),
+        false => scatter_rows(out, &sc, r0, h, v, log),
     };
-    if !in_place::<T>(op, |r0, h, v| fold(&mut out, r0, h, v))? {
+    if !in_place::<T>(op, |r0, h, v, log| fold(&mut out, r0, h, v, log))? {
         bands::<T>(op, |r0, h, m| {
-            fold(&mut out, r0, h, &BandView::Dense { m, cols })
+            fold(&mut out, r0, h, &BandView::Dense { m, cols }, None)
         })?;
     }
     for s in sc.bad_cols.into_inner().unwrap_or_else(|e| e.into_inner()) {
@@ -500,31 +526,67 @@ fn scatter_t<T: Elem>(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
     Ok(out)
 }
 
-/// Call `f(r0, h, band)` for consecutive bands of stored rows of `op` read in place from the
-/// file's map ([`BandView::mapped`]), the storage tiles of each checked first when `op.check`
-/// ([`MatrixSource::verify_block`]: each tile once, nothing for tiles already checked or a
-/// file without checksums; a band is never folded before its tiles passed); false, with nothing folded, where the first band cannot be read
-/// so (another dtype than `T`, values to round, no map, pages not in memory): the caller
-/// copies ([`bands`]). A later band that cannot is copied into a buffer of its own.
-fn in_place<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &BandView<T>)) -> Result<bool> {
+/// Where the tasks of a band folded in place leave the CRCs of the map's bytes they read
+/// ([`Crcs`]), for the band's check after its fold.
+type CrcLog = Mutex<Vec<MapCrc>>;
+
+/// Call `f(r0, h, band, log)` for consecutive bands of stored rows of `op` read in place from
+/// the file's map ([`BandView::mapped`]); false, with nothing folded, where the first band
+/// cannot be read so (another dtype than `T`, values to round, no map, pages not in memory):
+/// the caller copies ([`bands`]). A later band that cannot is copied into a buffer of its own.
+///
+/// With `op.check`, the storage tiles of each band are checked before the pass goes on to the
+/// next, and the pass fails with the first bad tile before any of its sums are used (an input
+/// changed in place after `run` computed the output is named as such, its file and tile,
+/// instead of being blamed on the output's tiles by the residuals). Where the fold reads op
+/// rows in order (op(M) = M), it takes each piece's CRC as it folds it, while the piece is in
+/// the core's cache, and leaves the runs in `log` for [`MatrixSource::verify_read`]; its bands
+/// then cover whole storage tile rows, so that each tile is checked from the one read that
+/// folds it. A check of its own before the fold read every band twice: the scatter passes ran at
+/// 11–14 GB/s on one H100 host whose 16 threads sum the page cache at 48–96
+/// (docs/measurements/2026-12-06g-h100-2-roofline-npy-copy-verify-sweep.log). Otherwise (op(M) =
+/// Mᵀ: each task reads a strip of every row) the tiles are checked before the band is folded
+/// ([`MatrixSource::verify_block`]: each tile once).
+fn in_place<T: Elem>(
+    op: &Op,
+    mut f: impl FnMut(usize, usize, &BandView<T>, Option<&CrcLog>),
+) -> Result<bool> {
     let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
     if op.round.is_some() || rows == 0 || cols == 0 {
         return Ok(false);
     }
-    let band = band_rows::<T>(op);
+    let fused = op.check && !op.trans && op.file.checksum_tile().is_some();
+    let mut band = band_rows::<T>(op);
+    if let (true, Some((tr, _))) = (fused, op.file.checksum_tile()) {
+        let whole = band.next_multiple_of(tr.max(1) as usize).min(rows);
+        // Whole tile rows, unless that makes a band of more than 16 × the usual bytes (a file
+        // of a few very tall tiles): its tiles are then checked from a second read, as before.
+        if whole * cols * std::mem::size_of::<T>() <= 16 * BAND_BYTES {
+            band = whole;
+        }
+    }
+    let log = CrcLog::default();
     let (mut r0, mut spare) = (0, Vec::new());
     while r0 < rows {
         let h = band.min(rows - r0);
-        match mapped_checked::<T>(op, r0, h)? {
+        let view = match fused {
+            true => BandView::<T>::mapped(op.file, r0, h),
+            false => mapped_checked::<T>(op, r0, h)?,
+        };
+        match view {
             Some(v) => {
-                f(r0, h, &v);
+                f(r0, h, &v, fused.then_some(&log));
                 v.release();
+                if fused {
+                    let crcs = std::mem::take(&mut *log.lock().unwrap_or_else(|e| e.into_inner()));
+                    op.file.verify_read(&whole_rows(r0, h, cols), crcs)?;
+                }
             }
             None if r0 == 0 => return Ok(false),
             None => {
                 spare.resize(h * cols, T::default());
                 read_band(op, r0, h, &mut spare)?;
-                f(r0, h, &BandView::Dense { m: &spare, cols });
+                f(r0, h, &BandView::Dense { m: &spare, cols }, None);
             }
         }
         r0 += h;
@@ -532,19 +594,46 @@ fn in_place<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &BandView<T>)) -> 
     Ok(true)
 }
 
+/// Stored rows `r0..r0 + h`, all `cols` columns.
+fn whole_rows(r0: usize, h: usize, cols: usize) -> Block {
+    Block {
+        r0: r0 as u64,
+        c0: 0,
+        rows: h as u64,
+        cols: cols as u64,
+    }
+}
+
 /// A band of stored rows `r0..r0 + h` = op rows (op(M) = M): each task owns whole rows.
-fn scatter_rows<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, v: &BandView<T>) {
+/// With `log`, each task takes the CRCs of the pieces it folds ([`Crcs`]) and leaves them there.
+fn scatter_rows<T: Elem>(
+    out: &mut Sums,
+    sc: &Scat,
+    r0: usize,
+    h: usize,
+    v: &BandView<T>,
+    log: Option<&CrcLog>,
+) {
     let per = h.div_ceil(pieces()).max(1);
     out.pieces(r0, r0 + h, per).for_each(|mut rows| {
         let mut bc = Vec::new();
+        let mut crcs = log.map(|_| Crcs::default());
         for l in 0..rows.len() {
             let t = rows.t0 + l - r0;
             let mut acc = rows.row(l);
             for g in 0..sc.groups.count() {
                 v.pieces(t, sc.groups.range(g), |c, p| {
+                    if let Some(k) = &mut crcs {
+                        k.take(v, p);
+                    }
                     acc.segment(g, p, c, sc, &mut bc)
                 });
             }
+        }
+        if let (Some(log), Some(k)) = (log, crcs) {
+            log.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(k.done());
         }
         if !bc.is_empty() {
             sc.bad_cols
@@ -972,10 +1061,16 @@ fn dense_on(
         Some(d) => d,
         None => dev.sums().map_err(device)?,
     };
-    let mut out = Sums::new(m_rows, k, z.rounds, g);
-    out.signed = d.signed.into_iter().map(|hi| Dd { hi, lo: 0.0 }).collect();
-    (out.abs, out.sq, out.bad_row) = (d.abs, d.sq, d.bad);
-    Ok(out)
+    Ok(Sums {
+        rounds: z.rounds,
+        groups: g,
+        signed: d.signed.into_iter().map(|hi| Dd { hi, lo: 0.0 }).collect(),
+        sq: d.sq,
+        abs: d.abs,
+        nonfinite: kernel::zeros(m_rows * g),
+        bad_row: d.bad,
+        bad_col: vec![false; k],
+    })
 }
 
 /// Get `dev`'s device ready for [`dense`] over `op` with `rounds` × `groups` signed sums
@@ -1293,7 +1388,7 @@ fn dense_t<T: Elem, S: Signed>(op: &Op, z: &Sums) -> Result<Sums> {
     let (m_rows, k) = op.shape();
     let rhs = Rhs::new::<S>(z);
     let mut out = Sums::new(m_rows, k, z.rounds, z.groups);
-    let mut signed = vec![S::default(); m_rows * rhs.rg];
+    let mut signed = kernel::zeros::<S>(m_rows * rhs.rg);
     let mut a = Vec::new();
     bands::<T>(op, |r0, h, m| {
         fold_band(op, &rhs, r0, h, m, &mut a, &mut out, &mut signed)
@@ -1712,6 +1807,10 @@ mod tests {
     }
 
     fn scatter_sums(f: &dyn MatrixSource, trans: bool, check: bool) -> Sums {
+        try_scatter(f, trans, check).unwrap()
+    }
+
+    fn try_scatter(f: &dyn MatrixSource, trans: bool, check: bool) -> Result<Sums> {
         let op = Op {
             file: f,
             trans,
@@ -1733,7 +1832,7 @@ mod tests {
         for xr in &mut x {
             xr[3] = 0.0; // an excluded column
         }
-        scatter(&op, &groups, &x, f.dtype() == DType::F64).unwrap()
+        scatter(&op, &groups, &x, f.dtype() == DType::F64)
     }
 
     fn same(a: &Sums, b: &Sums, what: &str) {
@@ -1914,6 +2013,56 @@ mod tests {
                     assert!(got.bad_row.iter().any(|&b| b), "{name}: NaN/Inf seen");
                 }
             }
+        }
+    }
+
+    /// A storage tile damaged in place is named by a checked scatter pass, both where it takes
+    /// the CRCs as it folds (op(M) = M, bands of whole tile rows, the damage in the second tile
+    /// row of a band) and where it checks before folding (op(M) = Mᵀ), in place and copied.
+    #[test]
+    fn a_damaged_tile_fails_the_checked_scatter_pass_in_place_and_copied() {
+        use crate::store::tiled::TiledWriter;
+        use crate::store::{Header, MatrixSink, TiledFile};
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols, tr, tc) = (301u64, 45u64, 8u64, 16u64);
+        let p = dir.path().join("m.mgt");
+        let w = TiledWriter::create(&p, Header::new(DType::F32, rows, cols, tr, tc, true)).unwrap();
+        let all = Block {
+            r0: 0,
+            c0: 0,
+            rows,
+            cols,
+        };
+        let sink: &dyn MatrixSink = &w;
+        sink.write_block(
+            &all,
+            DType::F32,
+            &values(rows as usize, cols as usize, DType::F32),
+        )
+        .unwrap();
+        w.finish(false).unwrap();
+        let at = TiledFile::open(&p).unwrap().hdr.tile_offset(13, 1) + 4 * 17;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        let mut x = [0u8; 1];
+        f.read_exact_at(&mut x, at).unwrap();
+        f.write_all_at(&[x[0] ^ 1], at).unwrap();
+        for trans in [false, true] {
+            let m = TiledFile::open(&p).unwrap();
+            for e in [
+                try_scatter(&m, trans, true).err(),
+                try_scatter(&NoMap(&m), trans, true).err(),
+            ] {
+                assert!(
+                    matches!(e, Some(crate::error::Error::Checksum { ti: 13, tj: 1, .. })),
+                    "trans {trans}: {e:?}"
+                );
+            }
+            assert!(try_scatter(&m, trans, false).is_ok(), "unchecked: no error");
         }
     }
 }

@@ -16,7 +16,7 @@ use std::ops::Range;
 use zerocopy::FromBytes;
 
 use super::kernel::Elem;
-use crate::store::{Block, MatrixSource};
+use crate::store::{Block, MapCrc, MatrixSource};
 
 /// One rectangle of a mapped band: band rows `l0..l0 + rows`, columns `c0..c0 + w`, row `i` at
 /// map offset `file_off + i·pitch`.
@@ -202,6 +202,44 @@ impl<'a, T: Elem> BandView<'a, T> {
         let mut v = T::default();
         self.pieces(l, c..c + 1, |_, p| v = p[0]);
         v
+    }
+}
+
+/// The CRC-32C of the map's bytes one task reads, in runs of bytes back to back in the file
+/// ([`MapCrc`]): a storage tile's rows in a band follow one another in a `.mgt`, so a task
+/// folding consecutive rows continues one run per tile. Handed to
+/// [`MatrixSource::verify_read`](crate::store::MatrixSource::verify_read) when the band is
+/// folded: the checksums cost no pass of their own.
+#[derive(Default)]
+pub(crate) struct Crcs {
+    /// Open runs by the offset of the byte after them: (start, CRC so far).
+    open: std::collections::HashMap<u64, (u64, u32)>,
+}
+
+impl Crcs {
+    /// Take `piece`, read from `view`'s map, into its run (a dense band has no map: nothing).
+    #[inline]
+    pub(crate) fn take<T: Elem>(&mut self, view: &BandView<T>, piece: &[T]) {
+        let BandView::Mapped { map, .. } = view else {
+            return;
+        };
+        let bytes = zerocopy::IntoBytes::as_bytes(piece);
+        let start = (bytes.as_ptr() as usize - map.as_ptr() as usize) as u64;
+        let end = start + bytes.len() as u64;
+        let (from, crc) = match self.open.remove(&start) {
+            Some((from, crc)) => (from, crc32c::crc32c_append(crc, bytes)),
+            None => (start, crc32c::crc32c(bytes)),
+        };
+        self.open.insert(end, (from, crc));
+    }
+
+    /// The runs taken.
+    pub(crate) fn done(self) -> impl Iterator<Item = MapCrc> {
+        self.open.into_iter().map(|(end, (start, crc))| MapCrc {
+            start,
+            len: end - start,
+            crc,
+        })
     }
 }
 

@@ -665,6 +665,47 @@ fn an_input_changed_in_place_after_the_run_is_named_by_its_checksums() {
     assert!(rep.pass && rep.corrupt_input.is_none(), "{}", format(&rep));
 }
 
+/// The same for A, the operand of the dense pass, with that pass on the CPU (bands read with
+/// `pread`, each piece's CRC taken as it is read) and on a device (bands copied from the map,
+/// each piece's CRC taken as it is copied): the changed tile of A is named, not the output's.
+#[test]
+fn an_input_changed_in_place_is_named_with_the_dense_pass_on_the_cpu_and_on_a_device() {
+    let d = tmp();
+    let dir = d.path();
+    let rep = run_then(dir, "", "", "fp32", DType::F32);
+    assert!(rep.pass, "{}", format(&rep));
+    let a = dir.join("A.mgt");
+    let f = TiledFile::open(&a).unwrap();
+    // Element (200, 140) lies in storage tile (3, 2) of 64×64; its lowest mantissa bit.
+    let off = f.hdr.tile_offset(3, 2) + (8 * 64 + 12) * 4;
+    drop(f);
+    let w = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&a)
+        .unwrap();
+    let mut x = [0u8; 1];
+    w.read_exact_at(&mut x, off).unwrap();
+    w.write_all_at(&[x[0] ^ 1], off).unwrap();
+    let mut plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    for backend in [BackendKind::Cpu, BackendKind::Sim] {
+        plan.engine.backend = backend;
+        let rep = Verifier::new(&plan.engine, 2, 3)
+            .step(&plan.steps[0])
+            .unwrap();
+        let why = rep.reason.clone().unwrap_or_default();
+        assert!(
+            !rep.pass
+                && rep.corrupt_input.as_deref() == Some(a.display().to_string().as_str())
+                && why.contains("A.mgt does not match the checksums stored in it")
+                && why.contains("tile (3, 2)")
+                && rep.failing_tiles.is_empty(),
+            "{backend:?}: {}",
+            format(&rep)
+        );
+    }
+}
+
 /// Results on stdout, the failure on stderr; `--repair` recomputes the tile and leaves the
 /// bytes of a clean run.
 #[test]

@@ -19,7 +19,7 @@ use crate::store::blockio::{convert_par, read_prefix, read_runs, read_runs_with,
 use crate::store::fsutil;
 use crate::store::header::Header;
 use crate::store::runs::{runs, Geometry, Run, IO_SPAN};
-use crate::store::seam::{read_staged_in_passes, MappedBlock, MatrixSource};
+use crate::store::seam::{read_staged_in_passes, MapCrc, MappedBlock, MatrixSource};
 
 /// `madvise(WILLNEED)` is capped by the readahead window; issue it in pieces of at most this.
 const ADVISE_CHUNK: u64 = 8 << 20;
@@ -347,6 +347,36 @@ impl TiledFile {
         Ok(nonfinite)
     }
 
+    /// [`MatrixSource::verify_read`]: the storage tiles `b` touches not yet verified, checked
+    /// with the CRCs of the map's byte runs a caller took as it read them, each completed from
+    /// the file where they leave gaps. A run that is not inside one storage tile is left out
+    /// (its bytes are read again).
+    pub(crate) fn verify_read(&self, b: &Block, crcs: Vec<MapCrc>) -> Result<()> {
+        if !self.hdr.has_checksums() {
+            return Ok(());
+        }
+        b.check_inside(&self.path, (self.hdr.rows, self.hdr.cols))?;
+        let geo = self.geo;
+        let (lo, hi) = (geo.data_offset, self.hdr.data_end());
+        let tile_of = |at: u64| ((at - geo.data_offset) / geo.tile_stride) as usize;
+        let per_run = crcs
+            .into_iter()
+            .filter(|c| c.len > 0 && c.start >= lo && c.start + c.len <= hi)
+            .filter(|c| tile_of(c.start) == tile_of(c.start + c.len - 1))
+            .map(|c| {
+                let piece = Piece {
+                    tile: tile_of(c.start),
+                    start: c.start,
+                    len: c.len,
+                    crc: c.crc,
+                };
+                (0, Some(piece))
+            })
+            .collect();
+        self.settle_checks(b, Some(self.marks()), per_run)
+            .map(|_| ())
+    }
+
     /// What [`Self::read_staged`] checks, without the copy: the NaN/Inf count of block `b` and,
     /// with `verify`, the checksums of the storage tiles it touches not yet verified, in one
     /// parallel pass over the file's map (the pages a device copies straight from,
@@ -487,6 +517,9 @@ impl MatrixSource for TiledFile {
     }
     fn scan_mapped(&self, b: &Block, host: DType, verify: bool) -> Result<u64> {
         TiledFile::scan_mapped(self, b, host, verify)
+    }
+    fn verify_read(&self, b: &Block, crcs: Vec<MapCrc>) -> Result<()> {
+        TiledFile::verify_read(self, b, crcs)
     }
     fn device_check_spec(&self, b: &Block, host: DType) -> Option<crate::seam::DeviceCheckSpec> {
         TiledFile::device_check_spec(self, b, host)

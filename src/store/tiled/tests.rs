@@ -469,3 +469,89 @@ fn identity_is_the_journal_text() {
         .all(|c| c.is_ascii_hexdigit()));
     assert_eq!(&rest[33..], ")");
 }
+
+/// `verify_read` checks a block's tiles with the CRCs a caller took of the map's bytes as it
+/// read them: runs covering a tile whole are taken for those bytes (the file is not read
+/// again: damage after the runs were taken goes unseen by this handle, as after a
+/// `verify_block`), runs that leave gaps are completed from the file, a run across two tiles
+/// is left out, and a wrong CRC names its tile.
+#[test]
+fn verify_read_takes_the_callers_crcs_and_reads_only_the_gaps() {
+    use crate::store::seam::MapCrc;
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("v.mgt");
+    write_matrix(&p, WriteMode::Mmap, DType::F32);
+    let hdr = TiledFile::open(&p).unwrap().hdr;
+    let bytes = std::fs::read(&p).unwrap();
+    let tile = |ti: u64, tj: u64| {
+        let at = hdr.tile_offset(ti, tj);
+        at..at + hdr.tile_stride
+    };
+    let crc = |r: std::ops::Range<u64>| MapCrc {
+        start: r.start,
+        len: r.end - r.start,
+        crc: crc32c::crc32c(&bytes[r.start as usize..r.end as usize]),
+    };
+    // Tile row 0 of the file (16 rows), every tile whole in runs of two halves.
+    let band = Block {
+        r0: 0,
+        c0: 0,
+        rows: 16,
+        cols: COLS,
+    };
+    let tiles = COLS.div_ceil(8);
+    let mut whole = Vec::new();
+    for tj in 0..tiles {
+        let t = tile(0, tj);
+        let mid = t.start + hdr.tile_stride / 2;
+        whole.push(crc(t.start..mid));
+        whole.push(crc(mid..t.end));
+    }
+    // Damage tile (0, 1) after the runs were taken: they stand for its bytes.
+    let f = OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&[0xff; 4], tile(0, 1).start + 8).unwrap();
+    TiledFile::open(&p)
+        .unwrap()
+        .verify_read(&band, whole.clone())
+        .unwrap();
+    // Without the runs (or with gaps where the damage is) the file is read: the damage is seen.
+    let e = TiledFile::open(&p)
+        .unwrap()
+        .verify_read(&band, Vec::new())
+        .unwrap_err();
+    assert!(matches!(e, Error::Checksum { ti: 0, tj: 1, .. }), "{e}");
+    let gap: Vec<MapCrc> = whole
+        .iter()
+        .copied()
+        .filter(|c| c.start != tile(0, 1).start)
+        .collect();
+    let e = TiledFile::open(&p)
+        .unwrap()
+        .verify_read(&band, gap)
+        .unwrap_err();
+    assert!(matches!(e, Error::Checksum { ti: 0, tj: 1, .. }), "{e}");
+    // A run across tiles (0, 2) and (0, 3) is left out: their bytes are read, and pass.
+    f.write_all_at(
+        &bytes[tile(0, 1).start as usize + 8..][..4],
+        tile(0, 1).start + 8,
+    )
+    .unwrap();
+    let mut across: Vec<MapCrc> = whole
+        .iter()
+        .copied()
+        .filter(|c| !(tile(0, 2).start..tile(0, 4).start).contains(&c.start))
+        .collect();
+    across.push(crc(tile(0, 2).start + 4..tile(0, 3).start + 4));
+    TiledFile::open(&p)
+        .unwrap()
+        .verify_read(&band, across)
+        .unwrap();
+    // A wrong CRC names its tile.
+    let mut wrong = whole.clone();
+    wrong[5].crc ^= 1;
+    let e = TiledFile::open(&p)
+        .unwrap()
+        .verify_read(&band, wrong)
+        .unwrap_err();
+    assert!(matches!(e, Error::Checksum { ti: 0, tj: 2, .. }), "{e}");
+}
