@@ -76,11 +76,14 @@ const RESTART_WORDS: &[(&str, &str)] = &[
 ];
 
 /// A message of the engine as a Python caller should read it: a plan dict by its name
-/// ([`plain_dict_text`]) and `restart=True` in place of the command line's words for it
-/// ([`RESTART_WORDS`]: `rerun with --restart`, `run --restart`, …). A message used to keep the
-/// command line's words and end with "(from Python: pass restart=True)".
+/// ([`plain_dict_text`]), `restart=True` in place of the command line's words for it
+/// ([`RESTART_WORDS`]: `rerun with --restart`, `run --restart`, …), and an engine setting
+/// given as `set=`, `engine=` or a keyword as one (the command line's `--set engine.KEY=VALUE`
+/// read `--set engine.bogus=1: unknown field` for `set={"bogus": 1}`: a new user's trial). A
+/// message used to keep the command line's words and end with "(from Python: pass
+/// restart=True)".
 pub fn python_words(msg: &str) -> String {
-    let mut out = plain_dict_text(msg);
+    let mut out = plain_dict_text(msg).replace("--set engine.", "engine setting ");
     for (cli, python) in RESTART_WORDS {
         if out.contains(cli) {
             out = out.replace(cli, python);

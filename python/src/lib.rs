@@ -457,10 +457,8 @@ fn prepare(
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     kv.push(("precision", p.name()));
-    let engine = api::engine_with(Path::new(ORIGIN), &kv).map_err(|e| {
-        let msg = e.to_string().replace("--set engine.", "");
-        bad_input(py, msg)
-    })?;
+    let engine = api::engine_with(Path::new(ORIGIN), &kv)
+        .map_err(|e| bad_input(py, errors::python_words(&e.to_string())))?;
     let ((m, k), (_, n)) = (oa.op_shape(), ob.op_shape());
     let t = |o: &Operand| if o.trans { ".T" } else { "" };
     let expr = format!("{alpha} * a{} @ b{}", t(&oa), t(&ob));

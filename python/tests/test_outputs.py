@@ -144,6 +144,13 @@ def test_run_plan_file_with_set(tmp_path):
     # error read `--set engine.engine.host_memory=…`).
     d = mg.plan(plan, set={"engine.backend": "cpu", "engine.host_memory": "32MiB"})
     assert "host_memory 32.00 MiB" in d["text"] and "engine.engine" not in d["text"]
+    # An unknown key is named in Python's words, not the command line's `--set engine.…`.
+    a = np.ones((4, 4), np.float32)
+    for call in (lambda: mg.plan(plan, set={"bogus": 1}),
+                 lambda: mg.plan(a, a, engine={"bogus": 1})):
+        with pytest.raises(mg.BadInputError) as e:
+            call()
+        assert "engine setting bogus=1: unknown field" in str(e.value) and "--set" not in str(e.value)
 
 
 def test_plan_of_a_matmul():

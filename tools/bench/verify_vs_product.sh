@@ -5,6 +5,8 @@
 # interleaved, and prints the ratios. GPU machine, repository root, .dev/bin carried.
 # SWEEP="1 4 8 16": then `verify` with its products on the GPU at each `engine.threads`, one line
 # each (`SWEEP` passes and their rates: how the host's passes scale with threads).
+# AB="NAME=BINARY ...": then `verify` (products on the GPU) by each binary in turn, REPEAT (2)
+# rounds interleaved, one line each with its passes' times (an A/B of builds on the same files).
 # Log: $OUT/verify_vs_product.log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
@@ -31,6 +33,12 @@ done
 for t in ${SWEEP:-}; do
   s=$(date +%s%N); rates=$(MGMM_VERIFY_TIMES=1 "$MGMM" verify v.toml --set engine.threads="$t" 2>&1 | grep -E '^verify: (scatter|dense)' | sed -E 's/^verify: ([a-z]+) [^ ]+ .*: ([0-9.]+ s, [0-9.]+ GB\/s)$/\1 \2/' | paste -sd';')
   echo "SWEEP threads $t: process $(( ($(date +%s%N) - s) / 1000000 )) ms; $rates" | tee -a "$LOG"
+done
+for r in $(seq "${REPEAT:-2}"); do
+  for nb in ${AB:-}; do
+    s=$(date +%s%N); rates=$(MGMM_VERIFY_TIMES=1 "${nb#*=}" verify v.toml 2>&1 | grep -E '^verify: (scatter|dense)' | sed -E 's/^verify: ([a-z]+) [^ ]+ .*: ([0-9.]+ s, [0-9.]+ GB\/s)$/\1 \2/' | paste -sd';')
+    echo "AB ${nb%%=*} round $r: process $(( ($(date +%s%N) - s) / 1000000 )) ms; $rates" | tee -a "$LOG"
+  done
 done
 # Where a GPU verify's time goes (issue 35: its dense pass over A bounds it): the passes, the band
 # reads, the device's folds (to each band's copy's end) and cross-checks, the GPU's opening.
