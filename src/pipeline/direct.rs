@@ -387,6 +387,41 @@ fn split_at_ranges(runs: &[Run], data: u64, per: u64) -> Vec<Run> {
     out
 }
 
+/// The ranges of `mb`'s file that its block registers, in ranges of about `chunk` bytes
+/// ([`DirectReads::ranges`]): whole storage tiles of a `.mgt`, whole-row bands of a row-major
+/// file, at least one, each clipped to the file's data and starting on a page.
+pub(crate) fn block_ranges(chunk: u64, mb: &MappedBlock) -> Vec<std::ops::Range<u64>> {
+    let per = range_per(chunk, mb);
+    let mut idx: Vec<u64> = (mb.spans.iter())
+        .map(|s| (s.start - mb.data.start) / per)
+        .collect();
+    idx.sort_unstable();
+    idx.dedup();
+    // Registration takes whole pages: a `.mgt`'s tiles start on one, a row-major file's data
+    // (one range) may not.
+    let page = PAGE - 1;
+    idx.into_iter()
+        .map(|c| {
+            let start = mb.data.start + c * per;
+            start & !page..(start + per).min(mb.data.end)
+        })
+        .collect()
+}
+
+/// The bytes of one registered range of `mb`'s file before it is clipped to the data: the
+/// whole tiles or row bands in about `chunk` bytes, at least one.
+fn range_per(chunk: u64, mb: &MappedBlock) -> u64 {
+    (chunk / mb.stride).max(1) * mb.stride
+}
+
+/// The largest range [`block_ranges`] gives `mb`'s block.
+pub(crate) fn largest_range(chunk: u64, mb: &MappedBlock) -> u64 {
+    (block_ranges(chunk, mb).iter())
+        .map(|r| r.end - r.start)
+        .max()
+        .unwrap_or(0)
+}
+
 /// Whether every block of `sources` (a step's A and B, each with its first block) is expected
 /// to go straight from the files' pages, so that the staging pool's leases need no memory
 /// unless a block is copied after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`,
@@ -418,8 +453,7 @@ pub(crate) fn expected(
         };
         !narrow.iter().any(|n| n == f.path())
             && f.mapped_block(&first, host).is_some_and(|mb| {
-                // The range a block registers (`ranges`): whole tiles, about `chunk` bytes.
-                (p.chunk / mb.stride).max(1) * mb.stride <= p.budget
+                p.holds(&mb)
                     && (mode == StagingMode::Direct
                         || crate::store::fsutil::resident_sampled(mb.map, mb.data.clone(), 1024))
             })
@@ -436,6 +470,13 @@ pub(crate) struct Pinning {
 }
 
 impl Pinning {
+    /// Whether the budget holds each range `mb`'s block registers ([`block_ranges`]), as
+    /// [`DirectReads::eligible`] judges it: if not, its blocks are copied
+    /// (`direct_oversize_blocks`).
+    pub(crate) fn holds(&self, mb: &MappedBlock) -> bool {
+        largest_range(self.chunk, mb) <= self.budget
+    }
+
     /// Registering in ranges of `limits` ([`limits`]: budget, chunk), through a pinner that
     /// locks pages or not (`locks`), for lanes computing in `p`.
     pub(crate) fn new(
@@ -666,7 +707,7 @@ impl DirectReads {
         // One copy may not span two registrations (the driver refuses it: CUDA_ERROR_INVALID_VALUE
         // on an H200 for a `.npy` block over several bands of rows), so the runs are cut where
         // one registered range ends and the next begins. A `.mgt`'s runs never cross one.
-        let per = self.per(&mb);
+        let per = range_per(self.chunk, &mb);
         let runs: Vec<HostRun> = split_at_ranges(&mb.runs, mb.data.start, per)
             .into_iter()
             .map(|r| HostRun {
@@ -708,26 +749,7 @@ impl DirectReads {
     /// ([`CHUNK`]) that hold its tiles, each the same for every block that touches it, so
     /// registered once and never overlapping another.
     fn ranges(&self, mb: &MappedBlock<'_>) -> Vec<std::ops::Range<u64>> {
-        let per = self.per(mb);
-        let mut idx: Vec<u64> = (mb.spans.iter())
-            .map(|s| (s.start - mb.data.start) / per)
-            .collect();
-        idx.sort_unstable();
-        idx.dedup();
-        // Registration takes whole pages: a `.mgt`'s tiles start on one, a row-major file's data
-        // (one range) may not.
-        let page = PAGE - 1;
-        idx.into_iter()
-            .map(|c| {
-                let start = mb.data.start + c * per;
-                start & !page..(start + per).min(mb.data.end)
-            })
-            .collect()
-    }
-
-    /// The bytes of one registered range of `mb`'s file: whole storage tiles, about [`CHUNK`].
-    fn per(&self, mb: &MappedBlock<'_>) -> u64 {
-        (self.chunk / mb.stride).max(1) * mb.stride
+        block_ranges(self.chunk, mb)
     }
 
     /// Pins on `ranges` of `mb`'s map; `None` (and direct uploads off for the rest of the step,

@@ -512,7 +512,25 @@ fn describe_staging(
         } else if i < 2 && narrow.contains(&op.path) {
             Some("stored in whole rows, its blocks at most half their width: locking the rows for each would take longer".to_string())
         } else {
-            None
+            // What `run` finds as its blocks come (`direct_oversize_blocks`): the range a block
+            // holds does not fit in what host_memory leaves beside the pools.
+            let first = if i == 0 { a0 } else { b0 };
+            let pin = crate::pipeline::direct::Pinning::new(
+                crate::pipeline::direct::limits(None, e.host_memory, l.host_bytes),
+                device,
+                e.precision,
+            );
+            op.open().ok().and_then(|f| {
+                let mb = f.mapped_block(&first, l.host_dt)?;
+                (!pin.holds(&mb)).then(|| {
+                    format!(
+                        "a range of its file, {}, is larger than the {} that host_memory leaves beside the pools to keep {}: raise host_memory",
+                        fmt_bytes(crate::pipeline::direct::largest_range(pin.chunk, &mb)),
+                        fmt_bytes(pin.budget),
+                        if device { "page-locked" } else { "mapped" }
+                    )
+                })
+            })
         };
         // `R @ R.T` reads one matrix twice: name it once.
         match why {

@@ -655,3 +655,53 @@ per_backend! {
     small_memory_budget_forces_many_tiles => super::small_memory_forces_many_tiles;
     output_array_written_in_place_or_copied => super::output_array_written_in_place;
 }
+
+/// `staging = "direct"` on the CPU with less `host_memory` beside the pools than one range of a
+/// `.npy` input: `plan` says those inputs are staged by copy, why, and what to raise (it said
+/// they went straight from the files' pages, and the run's summary then spoke of "the 0 B"),
+/// and the run copies exactly then; with room for the ranges, both say straight from the pages.
+#[test]
+fn plan_says_when_host_memory_leaves_no_room_to_read_inputs_in_place() {
+    let d = tmp();
+    let dir = d.path();
+    let (m, k, n) = (300, 520, 260);
+    let v = |len: usize| (0..len).map(|i| (i % 7) as f64 - 3.0).collect::<Vec<_>>();
+    write_npy(&dir.join("A.npy"), m, k, &v(m * k), DType::F32);
+    write_npy(&dir.join("B.npy"), k, n, &v(k * n), DType::F32);
+    for (hm, room) in [("2MiB", false), ("4MiB", true)] {
+        let text = format!(
+            "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
+             [[step]]\noutput = \"C{hm}.mgt\"\nexpr = \"A @ B\"\n\
+             [engine]\nbackend = \"cpu\"\nstaging = \"direct\"\nhost_memory = \"{hm}\"\n\
+             tile = [128, 128, 128]\n"
+        );
+        std::fs::write(dir.join("plan.toml"), &text).unwrap();
+        let said = mgmm_stream::run::describe(
+            &mgmm_stream::plan::Plan::load(&dir.join("plan.toml")).unwrap(),
+        )
+        .unwrap()
+        .replace("\n      ", " ");
+        let rep = run_text(dir, &text).unwrap();
+        let s = &rep.steps[0];
+        match room {
+            true => {
+                assert!(
+                    said.contains("the lanes copy A, B straight from the files' pages"),
+                    "{hm}: {said}"
+                );
+                assert_eq!(s.direct_oversize_blocks, 0, "{hm}");
+                assert!(s.direct_bytes > 0, "{hm}");
+            }
+            false => {
+                assert!(
+                    said.contains("A (a range of its file")
+                        && said.contains("raise host_memory")
+                        && said.contains("staged by copy")
+                        && !said.contains("straight from the files' pages"),
+                    "{hm}: {said}"
+                );
+                assert!(s.direct_oversize_blocks > 0 && s.direct_bytes == 0, "{hm}");
+            }
+        }
+    }
+}
