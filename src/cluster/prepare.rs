@@ -307,6 +307,14 @@ pub fn prepare_plan(
 ) -> Result<Vec<Prepared>> {
     let sh = ShardOptions::new(super::ShardSpec::One { k: 0, s: 1 });
     let backend = crate::backend::select(&plan.engine)?;
+    // `run`'s up-front checks, before `restart` throws anything away: every step laid out (a
+    // plan that cannot fit fails here, untouched), the disk space, and no output, journal or
+    // checkpoint folder through a link (`prepare --restart` reset the outputs first, then
+    // refused a later step).
+    let layouts: Vec<Layout> = (plan.steps.iter())
+        .map(|step| Layout::new(&plan.path, step, &plan.engine, backend.caps()))
+        .collect::<Result<_>>()?;
+    crate::run::space::check_space(plan, &layouts, false)?;
     if restart {
         // Finished outputs are kept when an input is found corrupt (as `run --restart`).
         crate::run::check_before_restart(plan, progress)?;
@@ -316,7 +324,7 @@ pub fn prepare_plan(
     }
     super::generate_shared(plan, &sh, progress)?;
     let mut out = Vec::new();
-    for step in &plan.steps {
+    for (step, layout) in plan.steps.iter().zip(&layouts) {
         let ins = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
         if let Some(op) = ins.into_iter().flatten().find(|op| !op.path.exists()) {
             out.push(Prepared::Waiting {
@@ -329,9 +337,7 @@ pub fn prepare_plan(
             std::fs::create_dir_all(dir)
                 .map_err(|e| Error::io(dir, "cannot create output directory", e))?;
         }
-        let layout = Layout::new(&plan.path, step, &plan.engine, backend.caps())?;
-        let fp =
-            crate::run::fingerprint(step, &layout, backend.caps().kind, plan.engine.precision)?;
+        let fp = crate::run::fingerprint(step, layout, backend.caps().kind, plan.engine.precision)?;
         if is_finalized(&step.output, Some(&fp))? {
             // Complete by its journal: the file itself must still be the one finalize left
             // (a `run` checks the same before it skips a step). Prepared alone, before the

@@ -298,6 +298,39 @@ fn a_refused_prepare_leaves_no_claim_behind() {
     );
 }
 
+/// `prepare --restart` makes `run`'s up-front checks before it throws any output away: a step's
+/// checkpoint folder that is a link is refused with the finished output left as it was (it
+/// reset the output first and never looked at the folder).
+#[test]
+fn prepare_restart_refuses_before_it_resets_a_finished_output() {
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SMALL, 64);
+    for k in 0..2 {
+        let shard = format!("{k}/2");
+        ok(
+            cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
+                .output()
+                .unwrap(),
+        );
+    }
+    let done = std::fs::read(dir.join("C.mgt")).unwrap();
+    std::fs::create_dir(dir.join("elsewhere")).unwrap();
+    std::os::unix::fs::symlink(dir.join("elsewhere"), dir.join("C.mgt.partial")).unwrap();
+    let o = cmd(dir, &["prepare", "plan.toml", "--restart"], &[])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "must refuse: {err}");
+    assert!(err.contains("C.mgt.partial"), "{err}");
+    assert!(
+        std::fs::read(dir.join("C.mgt")).unwrap() == done,
+        "the finished output was reset before the refusal"
+    );
+    let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
+    assert!(st.contains("FINALIZED"), "{st}");
+}
+
 /// Bigger, slower (one thread, small tiles): long enough to kill mid-run.
 const SLOW: (u64, u64, u64) = (512, 1536, 512);
 
