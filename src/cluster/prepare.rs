@@ -342,7 +342,7 @@ pub fn prepare_plan(
             // Complete by its journal: the file itself must still be the one finalize left
             // (a `run` checks the same before it skips a step). Prepared alone, before the
             // shards start, so starting over cannot race them.
-            if let Some(why) = finished_damage(step, &layout)? {
+            if let Some(why) = finished_damage(step, layout)? {
                 progress.note(&format!(
                     "step {}: {} is complete by its journal, but {why}: computing it again",
                     step.index + 1,
@@ -351,7 +351,7 @@ pub fn prepare_plan(
                 reset(&step.output)?;
             }
         }
-        let manifest = ensure(step, &layout, &fp, &sh, progress)?;
+        let manifest = ensure(step, layout, &fp, &sh, progress)?;
         out.push(Prepared::Ready {
             step: step.index,
             output: step.output.clone(),
