@@ -83,7 +83,13 @@ const RESTART_WORDS: &[(&str, &str)] = &[
 /// message used to keep the command line's words and end with "(from Python: pass
 /// restart=True)".
 pub fn python_words(msg: &str) -> String {
-    let mut out = plain_dict_text(msg).replace("--set engine.", "engine setting ");
+    // The setting a message is about leads it as `--set engine.KEY=VALUE: …`; advice inside a
+    // message (`raise it with --set engine.host_memory=…`) names the keyword alone.
+    let mut out = plain_dict_text(msg);
+    if let Some(rest) = out.strip_prefix("--set engine.") {
+        out = format!("engine setting {rest}");
+    }
+    out = out.replace("--set engine.", "");
     for (cli, python) in RESTART_WORDS {
         if out.contains(cli) {
             out = out.replace(cli, python);

@@ -107,6 +107,12 @@ pub trait MatrixSource: Send + Sync {
     fn verify_read(&self, b: &Block, _crcs: Vec<MapCrc>) -> Result<()> {
         self.verify_block(b)
     }
+    /// Whether [`Self::verify_read`] of block `b` would use CRC runs: the format checks with
+    /// them and `b` touches a piece not yet checked. A caller takes CRCs only then, and
+    /// otherwise checks with [`Self::verify_block`] (nothing for pieces already checked).
+    fn wants_read_crcs(&self, _b: &Block) -> bool {
+        false
+    }
     /// Where block `b`'s storage tiles lie, for a device to check the block it copied from the
     /// map ([`crate::backend::check`]); `None`: the host checks it ([`Self::scan_mapped`]).
     fn device_check_spec(&self, _b: &Block, _host: DType) -> Option<crate::seam::DeviceCheckSpec> {

@@ -214,17 +214,26 @@ fn copy_mapped<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<b
     if op.round.is_some() || cols == 0 {
         return Ok(false);
     }
-    let Some(v) = BandView::<T>::mapped(op.file, r0, h) else {
+    let b = whole_rows(r0, h, cols);
+    let take = op.check && op.file.wants_read_crcs(&b);
+    let v = match take {
+        true => BandView::<T>::mapped(op.file, r0, h),
+        false => mapped_checked::<T>(op, r0, h)?,
+    };
+    let Some(v) = v else {
         return Ok(false);
     };
-    let log = CrcLog::default();
+    let log = Mutex::<Vec<MapCrc>>::default();
     let per = h.div_ceil(pieces()).max(1);
     buf[..h * cols]
         .par_chunks_mut(per * cols)
         .enumerate()
         .for_each(|(i, part)| {
-            let mut crcs = op.check.then(Crcs::default);
+            let mut crcs = take.then(|| Crcs::new(tile_rows(op)));
             for (j, row) in part.chunks_mut(cols).enumerate() {
+                if let Some(k) = &mut crcs {
+                    k.row(r0 + i * per + j);
+                }
                 v.pieces(i * per + j, 0..cols, |c, p| {
                     if let Some(k) = &mut crcs {
                         k.take(&v, p);
@@ -239,9 +248,9 @@ fn copy_mapped<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<b
             }
         });
     v.release();
-    if op.check {
+    if take {
         let crcs = log.into_inner().unwrap_or_else(|e| e.into_inner());
-        op.file.verify_read(&whole_rows(r0, h, cols), crcs)?;
+        op.file.verify_read(&b, crcs)?;
     }
     Ok(true)
 }
@@ -527,8 +536,13 @@ fn scatter_t<T: Elem>(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
 }
 
 /// Where the tasks of a band folded in place leave the CRCs of the map's bytes they read
-/// ([`Crcs`]), for the band's check after its fold.
-type CrcLog = Mutex<Vec<MapCrc>>;
+/// ([`Crcs`]), for the band's check after its fold; with the rows of the file's storage tiles.
+type CrcLog = (Mutex<Vec<MapCrc>>, usize);
+
+/// Rows of op's file's storage tiles (of its checksums).
+fn tile_rows(op: &Op) -> usize {
+    op.file.checksum_tile().map_or(1, |t| t.0 as usize)
+}
 
 /// Call `f(r0, h, band, log)` for consecutive bands of stored rows of `op` read in place from
 /// the file's map ([`BandView::mapped`]); false, with nothing folded, where the first band
@@ -565,20 +579,25 @@ fn in_place<T: Elem>(
             band = whole;
         }
     }
-    let log = CrcLog::default();
+    let log: CrcLog = (Mutex::default(), tile_rows(op));
     let (mut r0, mut spare) = (0, Vec::new());
     while r0 < rows {
         let h = band.min(rows - r0);
-        let view = match fused {
+        // CRCs only where the file checks with them and the band has tiles still unchecked
+        // (not for a second pass over a file, nor a `.npy` sidecar's tiles, which are not
+        // runs of the file: those are checked before the fold, as below).
+        let take = fused && op.file.wants_read_crcs(&whole_rows(r0, h, cols));
+        let view = match take {
             true => BandView::<T>::mapped(op.file, r0, h),
             false => mapped_checked::<T>(op, r0, h)?,
         };
         match view {
             Some(v) => {
-                f(r0, h, &v, fused.then_some(&log));
+                f(r0, h, &v, take.then_some(&log));
                 v.release();
-                if fused {
-                    let crcs = std::mem::take(&mut *log.lock().unwrap_or_else(|e| e.into_inner()));
+                if take {
+                    let crcs =
+                        std::mem::take(&mut *log.0.lock().unwrap_or_else(|e| e.into_inner()));
                     op.file.verify_read(&whole_rows(r0, h, cols), crcs)?;
                 }
             }
@@ -617,9 +636,12 @@ fn scatter_rows<T: Elem>(
     let per = h.div_ceil(pieces()).max(1);
     out.pieces(r0, r0 + h, per).for_each(|mut rows| {
         let mut bc = Vec::new();
-        let mut crcs = log.map(|_| Crcs::default());
+        let mut crcs = log.map(|l| Crcs::new(l.1));
         for l in 0..rows.len() {
             let t = rows.t0 + l - r0;
+            if let Some(k) = &mut crcs {
+                k.row(rows.t0 + l);
+            }
             let mut acc = rows.row(l);
             for g in 0..sc.groups.count() {
                 v.pieces(t, sc.groups.range(g), |c, p| {
@@ -631,7 +653,8 @@ fn scatter_rows<T: Elem>(
             }
         }
         if let (Some(log), Some(k)) = (log, crcs) {
-            log.lock()
+            log.0
+                .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .extend(k.done());
         }

@@ -210,13 +210,45 @@ impl<'a, T: Elem> BandView<'a, T> {
 /// folding consecutive rows continues one run per tile. Handed to
 /// [`MatrixSource::verify_read`](crate::store::MatrixSource::verify_read) when the band is
 /// folded: the checksums cost no pass of their own.
-#[derive(Default)]
 pub(crate) struct Crcs {
-    /// Open runs by the offset of the byte after them: (start, CRC so far).
-    open: std::collections::HashMap<u64, (u64, u32)>,
+    /// Open runs: (start, end, CRC so far). A task folding rows in order extends them in the
+    /// same order row after row (one per storage tile it crosses), so the run a piece extends
+    /// is looked for first after the one extended last.
+    open: Vec<(u64, u64, u32)>,
+    next: usize,
+    /// Runs closed at a row of storage tiles' start ([`Self::row`]).
+    closed: Vec<MapCrc>,
+    /// Rows of a storage tile (of the file's checksums).
+    tile_rows: usize,
 }
 
 impl Crcs {
+    /// The runs of a task reading a file whose storage tiles have `tile_rows` rows.
+    pub(crate) fn new(tile_rows: usize) -> Crcs {
+        Crcs {
+            open: Vec::new(),
+            next: 0,
+            closed: Vec::new(),
+            tile_rows: tile_rows.max(1),
+        }
+    }
+
+    /// The task goes on to stored row `s`: at a row of tiles' start every run is closed, so
+    /// that the first row of a tile, which may lie right after the last byte of the tile
+    /// before it, never continues that tile's run (the check takes no run across two tiles).
+    #[inline]
+    pub(crate) fn row(&mut self, s: usize) {
+        if s.is_multiple_of(self.tile_rows) && !self.open.is_empty() {
+            let runs = std::mem::take(&mut self.open).into_iter();
+            self.closed.extend(runs.map(|(start, end, crc)| MapCrc {
+                start,
+                len: end - start,
+                crc,
+            }));
+            self.next = 0;
+        }
+    }
+
     /// Take `piece`, read from `view`'s map, into its run (a dense band has no map: nothing).
     #[inline]
     pub(crate) fn take<T: Elem>(&mut self, view: &BandView<T>, piece: &[T]) {
@@ -226,20 +258,31 @@ impl Crcs {
         let bytes = zerocopy::IntoBytes::as_bytes(piece);
         let start = (bytes.as_ptr() as usize - map.as_ptr() as usize) as u64;
         let end = start + bytes.len() as u64;
-        let (from, crc) = match self.open.remove(&start) {
-            Some((from, crc)) => (from, crc32c::crc32c_append(crc, bytes)),
-            None => (start, crc32c::crc32c(bytes)),
-        };
-        self.open.insert(end, (from, crc));
+        let n = self.open.len();
+        let hit = (0..n)
+            .map(|i| (self.next + i) % n)
+            .find(|&i| self.open[i].1 == start);
+        match hit {
+            Some(i) => {
+                let r = &mut self.open[i];
+                (r.1, r.2) = (end, crc32c::crc32c_append(r.2, bytes));
+                self.next = i + 1;
+            }
+            None => {
+                self.open.push((start, end, crc32c::crc32c(bytes)));
+                self.next = 0;
+            }
+        }
     }
 
     /// The runs taken.
     pub(crate) fn done(self) -> impl Iterator<Item = MapCrc> {
-        self.open.into_iter().map(|(end, (start, crc))| MapCrc {
+        let open = (self.open.into_iter()).map(|(start, end, crc)| MapCrc {
             start,
             len: end - start,
             crc,
-        })
+        });
+        self.closed.into_iter().chain(open)
     }
 }
 

@@ -706,6 +706,47 @@ fn an_input_changed_in_place_is_named_with_the_dense_pass_on_the_cpu_and_on_a_de
     }
 }
 
+/// The output's stored checksums are checked as its pass reads it (no pass of their own before
+/// the residuals): two damaged storage tiles of the output are both listed, the step fails
+/// without judging residuals, with the dense pass on the CPU and on a device alike.
+#[test]
+fn damaged_output_tiles_are_all_listed_when_checked_in_the_pass() {
+    let d = tmp();
+    let dir = d.path();
+    let rep = run_then(dir, "", "", "fp32", DType::F32);
+    assert!(rep.pass, "{}", format(&rep));
+    let c = dir.join("C.mgt");
+    let hdr = TiledFile::open(&c).unwrap().hdr;
+    let w = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&c)
+        .unwrap();
+    let bad = [(1u64, 0u64), (3, 2)];
+    for &(ti, tj) in &bad {
+        let off = hdr.tile_offset(ti, tj) + 4 * 9;
+        let mut x = [0u8; 1];
+        w.read_exact_at(&mut x, off).unwrap();
+        w.write_all_at(&[x[0] ^ 0x10], off).unwrap();
+    }
+    let mut plan = Plan::load(&dir.join("plan.toml")).unwrap();
+    for backend in [BackendKind::Cpu, BackendKind::Sim] {
+        plan.engine.backend = backend;
+        let rep = Verifier::new(&plan.engine, 2, 3)
+            .step(&plan.steps[0])
+            .unwrap();
+        assert!(
+            !rep.pass
+                && rep.corrupt_tiles == 2
+                && rep.failing_tiles == bad.to_vec()
+                && rep.corrupt_input.is_none()
+                && rep.max_ratio == 0.0,
+            "{backend:?}: {}",
+            format(&rep)
+        );
+    }
+}
+
 /// Results on stdout, the failure on stderr; `--repair` recomputes the tile and leaves the
 /// bytes of a clean run.
 #[test]

@@ -51,6 +51,11 @@ impl Piece {
     }
 }
 
+/// Runs of one storage tile that [`TiledFile::verify_read`] takes at most: more, and the tile
+/// is read whole (a tile's rows in a band come as one run when the tile is full width; an edge
+/// tile padded to its stride comes as one run per row).
+const MAX_RUNS_PER_TILE: usize = 64;
+
 /// `crc` continued over the file bytes `range`, read with `pread` in 128 KiB pieces (small:
 /// several tiles are checked at once, and the buffer is heap outside the pools).
 fn crc32c_file_range(
@@ -349,8 +354,11 @@ impl TiledFile {
 
     /// [`MatrixSource::verify_read`]: the storage tiles `b` touches not yet verified, checked
     /// with the CRCs of the map's byte runs a caller took as it read them, each completed from
-    /// the file where they leave gaps. A run that is not inside one storage tile is left out
-    /// (its bytes are read again).
+    /// the file where they leave gaps. Left out (their bytes read again): a run that is not
+    /// inside one storage tile, one that overlaps a run already taken (its bytes would count
+    /// twice and fail a good tile), and the runs of a tile that come in more than
+    /// [`MAX_RUNS_PER_TILE`] pieces (an edge tile's rows, each followed by padding: the tile is
+    /// read whole in large reads instead of one small read per gap).
     pub(crate) fn verify_read(&self, b: &Block, crcs: Vec<MapCrc>) -> Result<()> {
         if !self.hdr.has_checksums() {
             return Ok(());
@@ -359,22 +367,47 @@ impl TiledFile {
         let geo = self.geo;
         let (lo, hi) = (geo.data_offset, self.hdr.data_end());
         let tile_of = |at: u64| ((at - geo.data_offset) / geo.tile_stride) as usize;
-        let per_run = crcs
+        let mut pieces: Vec<Piece> = crcs
             .into_iter()
             .filter(|c| c.len > 0 && c.start >= lo && c.start + c.len <= hi)
             .filter(|c| tile_of(c.start) == tile_of(c.start + c.len - 1))
-            .map(|c| {
-                let piece = Piece {
-                    tile: tile_of(c.start),
-                    start: c.start,
-                    len: c.len,
-                    crc: c.crc,
-                };
-                (0, Some(piece))
+            .map(|c| Piece {
+                tile: tile_of(c.start),
+                start: c.start,
+                len: c.len,
+                crc: c.crc,
             })
             .collect();
+        pieces.sort_unstable_by_key(|p| (p.tile, p.start));
+        let mut kept: Vec<Piece> = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            match kept.last() {
+                Some(q) if q.tile == p.tile && p.start < q.start + q.len => continue,
+                _ => kept.push(p),
+            }
+        }
+        let mut per_run = Vec::with_capacity(kept.len());
+        for run in kept.chunk_by(|a, b| a.tile == b.tile) {
+            if run.len() <= MAX_RUNS_PER_TILE {
+                per_run.extend(run.iter().map(|&p| (0, Some(p))));
+            }
+        }
         self.settle_checks(b, Some(self.marks()), per_run)
             .map(|_| ())
+    }
+
+    /// [`MatrixSource::wants_read_crcs`]: the file has checksums and `b` touches a storage tile
+    /// this handle has not verified yet.
+    pub(crate) fn wants_read_crcs(&self, b: &Block) -> bool {
+        if !self.hdr.has_checksums()
+            || b.check_inside(&self.path, (self.hdr.rows, self.hdr.cols))
+                .is_err()
+        {
+            return false;
+        }
+        let marks = self.marks();
+        (self.geo.tiles_iter(b))
+            .any(|(ti, tj)| !marks[self.geo.tile_index(ti, tj)].load(Ordering::Relaxed))
     }
 
     /// What [`Self::read_staged`] checks, without the copy: the NaN/Inf count of block `b` and,
@@ -520,6 +553,9 @@ impl MatrixSource for TiledFile {
     }
     fn verify_read(&self, b: &Block, crcs: Vec<MapCrc>) -> Result<()> {
         TiledFile::verify_read(self, b, crcs)
+    }
+    fn wants_read_crcs(&self, b: &Block) -> bool {
+        TiledFile::wants_read_crcs(self, b)
     }
     fn device_check_spec(&self, b: &Block, host: DType) -> Option<crate::seam::DeviceCheckSpec> {
         TiledFile::device_check_spec(self, b, host)
