@@ -50,7 +50,7 @@ pub(crate) use output::{
     reopen_output, OutputFormat,
 };
 pub(crate) use seam::block_crc;
-pub use seam::{DeviceBlock, MapCrc, MappedBlock, MatrixSink, MatrixSource, WriteMode};
+pub use seam::{DeviceBlock, MappedBlock, MatrixSink, MatrixSource, WriteMode};
 pub(crate) use source::open_as_written;
 pub use source::{open_region, open_source};
 pub use tiled::TiledFile;

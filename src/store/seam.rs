@@ -20,18 +20,6 @@ use super::runs::Run;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// The CRC-32C of `len` bytes of a file's map from byte `start` on, taken by a caller that read
-/// them there ([`MatrixSource::verify_read`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MapCrc {
-    /// Offset in the file (and its map) of the first byte.
-    pub start: u64,
-    /// Bytes covered.
-    pub len: u64,
-    /// Their CRC-32C.
-    pub crc: u32,
-}
-
 /// A matrix the engine reads blocks of.
 pub trait MatrixSource: Send + Sync {
     /// The file it reads, for error messages and reports.
@@ -97,21 +85,6 @@ pub trait MatrixSource: Send + Sync {
             self.verify_block(b)?;
         }
         Ok(0)
-    }
-    /// [`Self::verify_block`] for a block the caller read through [`Self::mapped_block`]'s map,
-    /// given the CRC-32C of byte runs of the map that it took while the bytes were in its
-    /// core's cache ([`MapCrc`], any order): a format whose checksums cover such runs combines
-    /// them and reads only the bytes they leave out, so the check costs no second pass over
-    /// the data (`verify`'s scatter passes, [`crate::verify`]). The default reads the block
-    /// again ([`Self::verify_block`]).
-    fn verify_read(&self, b: &Block, _crcs: Vec<MapCrc>) -> Result<()> {
-        self.verify_block(b)
-    }
-    /// Whether [`Self::verify_read`] of block `b` would use CRC runs: the format checks with
-    /// them and `b` touches a piece not yet checked. A caller takes CRCs only then, and
-    /// otherwise checks with [`Self::verify_block`] (nothing for pieces already checked).
-    fn wants_read_crcs(&self, _b: &Block) -> bool {
-        false
     }
     /// Where block `b`'s storage tiles lie, for a device to check the block it copied from the
     /// map ([`crate::backend::check`]); `None`: the host checks it ([`Self::scan_mapped`]).

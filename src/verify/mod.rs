@@ -597,18 +597,13 @@ impl Verifier {
                 rep.reason = Some(why);
             }
             other => {
-                // The checksums `run` stored (exact): a flipped low bit can hide in the rounding
-                // the residual test must allow, never in a CRC. Checked as the pass over the
-                // output reads it where it can be (`checkable`: one read of the output, not a
-                // pass of its own before the residuals, which cost a whole read of it), else
-                // first; either way a mismatch lists every bad tile and no residual is judged.
-                let in_pass = other.is_none() && checkable(out.as_ref());
-                let bad = match in_pass {
-                    true => Vec::new(),
-                    false => corrupt_tiles(out.as_ref())?,
-                };
+                // The checksums `run` stored first (cheap, exact): a flipped low bit can hide in
+                // the rounding the residual test must allow, never in a CRC.
+                let bad = corrupt_tiles(out.as_ref())?;
                 if !bad.is_empty() {
-                    set_corrupt(&mut rep, bad);
+                    rep.pass = false;
+                    rep.corrupt_tiles = bad.len();
+                    rep.failing_tiles = bad;
                 } else if let Some((pass, why)) = other {
                     rep.pass = pass;
                     rep.reason = Some(why);
@@ -616,7 +611,7 @@ impl Verifier {
                     residuals(
                         step,
                         precision,
-                        (out.as_ref(), in_pass),
+                        out.as_ref(),
                         seed,
                         times,
                         &self.dev,
@@ -641,14 +636,6 @@ fn damaged_output(step: &Step, rounds: usize, why: String, t0: Instant) -> Verif
     rep.damaged_output = Some(why);
     rep.seconds = t0.elapsed().as_secs_f64();
     rep
-}
-
-/// `rep` fails for the output's storage tiles `bad`, which no longer match the checksums stored
-/// with them: `verify --repair` recomputes them.
-fn set_corrupt(rep: &mut VerifyReport, bad: Vec<(u64, u64)>) {
-    rep.pass = false;
-    rep.corrupt_tiles = bad.len();
-    rep.failing_tiles = bad;
 }
 
 /// The storage tiles of `out` whose data no longer matches the checksum stored with it (none
@@ -754,7 +741,7 @@ fn no_residuals(
 fn residuals(
     step: &Step,
     precision: Precision,
-    (out, check_out): (&dyn MatrixSource, bool),
+    out: &dyn MatrixSource,
     seed: u64,
     times: bool,
     dev: &Device,
@@ -801,7 +788,7 @@ fn residuals(
     let rows = Side {
         a: op(fa.as_ref(), step.a.trans, rd, ca),
         b: op(fb, step.b.trans, rd, cb),
-        c: op(out, false, None, check_out),
+        c: op(out, false, None, false),
         c0: fc0.as_ref().map(|f| op(f.as_ref(), false, None, cc0)),
         alpha: step.alpha,
         beta: step.beta,
@@ -811,12 +798,6 @@ fn residuals(
     };
     let cg = Groups::new(n, tile.1 as usize, groups_for(m.max(n), r));
     let o = match rows.run(&cg, r, seed, 0x5EED) {
-        Err(Error::Checksum { ref path, .. }) if check_out && path == out.path() => {
-            // The output's, checked as its pass read it, which stops at the first bad tile:
-            // every other is listed from a check of the rest (its good tiles are not read again).
-            set_corrupt(rep, corrupt_tiles(out)?);
-            return Ok(());
-        }
         Err(Error::Checksum {
             path,
             ti,
@@ -826,11 +807,10 @@ fn residuals(
             sidecar,
         }) if path != step.output => {
             // The passes check the operands' stored checksums as they read them
-            // (pass::read_band).
+            // (pass::read_band); the output's were checked before.
             input_changed(rep, &path, (ti, tj), (stored, computed), sidecar.as_deref());
             return Ok(());
         }
-
         o => o?,
     };
     rep.max_ratio = o.max_ratio;

@@ -24,13 +24,13 @@ use crate::backend::fold::{FoldDevice, FoldSpec, FoldSums};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::plan::Precision;
-use crate::store::{Block, MapCrc, MatrixSource};
+use crate::store::{Block, MatrixSource};
 
 use super::device::{Device, Staging};
 /// Double-double sums are part of what a pass returns ([`Sums`]); named here for its callers.
 pub(crate) use super::kernel::Dd;
 use super::kernel::{self, Elem};
-use super::view::{BandView, Crcs};
+use super::view::BandView;
 
 /// One operand as a pass sees it: op(M) of a stored file, optionally rounded to the GEMM's
 /// input precision exactly as the CPU backend rounds it (so a value beyond fp16's range is
@@ -199,59 +199,26 @@ fn mapped_checked<'a, T: Elem>(
     Ok(Some(v))
 }
 
-/// Stored rows `r0..r0 + h` copied into `buf` from the file's read-only map; false, with
-/// nothing copied, where the file does not map them so ([`BandView::mapped`]) or values are
-/// rounded. For the dense pass on a device, whose bands must be copied (into page-locked
-/// buffers, for the device's copies): one copy from the page cache's pages, where
+/// Stored rows `r0..r0 + h` copied into `buf` from the file's read-only map, the storage tiles
+/// they touch checked first when `op.check` ([`MatrixSource::verify_block`], each tile once);
+/// false, with nothing copied, where the file does not map them so ([`BandView::mapped`]) or
+/// values are rounded. For the dense pass on a device, whose bands must be copied (into
+/// page-locked buffers, for the device's copies): one copy from the page cache's pages, where
 /// [`read_band`]'s `pread` into a piece buffer and then into the band is two (its reads ran at
-/// 20–22 GB/s on one H100 host whose 16 threads copy a map at 85 GiB/s). With `op.check` each
-/// task takes the CRCs of the pieces it copies while they are in its cache ([`Crcs`]), and the
-/// band's storage tiles are checked with them when the copy ends
-/// ([`MatrixSource::verify_read`]; the bands of [`device_band_rows`] cover whole tile rows),
-/// before the band is handed on: no read of the band of its own for the check.
+/// 20–22 GB/s on one H100 host whose 16 threads copy a map at 85 GiB/s).
 fn copy_mapped<T: Elem>(op: &Op, r0: usize, h: usize, buf: &mut [T]) -> Result<bool> {
     let cols = op.file.shape().1 as usize;
     if op.round.is_some() || cols == 0 {
         return Ok(false);
     }
-    let b = whole_rows(r0, h, cols);
-    let take = op.check && op.file.wants_read_crcs(&b);
-    let v = match take {
-        true => BandView::<T>::mapped(op.file, r0, h),
-        false => mapped_checked::<T>(op, r0, h)?,
-    };
-    let Some(v) = v else {
+    let Some(v) = mapped_checked::<T>(op, r0, h)? else {
         return Ok(false);
     };
-    let log = Mutex::<Vec<MapCrc>>::default();
-    let per = h.div_ceil(pieces()).max(1);
     buf[..h * cols]
-        .par_chunks_mut(per * cols)
+        .par_chunks_mut(cols)
         .enumerate()
-        .for_each(|(i, part)| {
-            let mut crcs = take.then(|| Crcs::new(tile_rows(op)));
-            for (j, row) in part.chunks_mut(cols).enumerate() {
-                if let Some(k) = &mut crcs {
-                    k.row(r0 + i * per + j);
-                }
-                v.pieces(i * per + j, 0..cols, |c, p| {
-                    if let Some(k) = &mut crcs {
-                        k.take(&v, p);
-                    }
-                    row[c..c + p.len()].copy_from_slice(p)
-                });
-            }
-            if let Some(k) = crcs {
-                log.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .extend(k.done());
-            }
-        });
+        .for_each(|(l, row)| v.pieces(l, 0..cols, |c, p| row[c..c + p.len()].copy_from_slice(p)));
     v.release();
-    if take {
-        let crcs = log.into_inner().unwrap_or_else(|e| e.into_inner());
-        op.file.verify_read(&b, crcs)?;
-    }
     Ok(true)
 }
 
@@ -518,15 +485,13 @@ fn scatter_t<T: Elem>(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
         bad_cols: Mutex::new(Vec::new()),
     };
     let cols = op.file.shape().1 as usize;
-    let fold = |out: &mut Sums, r0: usize, h: usize, v: &BandView<T>, log: Option<&CrcLog>| match op
-        .trans
-    {
+    let fold = |out: &mut Sums, r0: usize, h: usize, v: &BandView<T>| match op.trans {
         true => scatter_cols(out, &sc, r0, h, v),
-        false => scatter_rows(out, &sc, r0, h, v, log),
+        false => scatter_rows(out, &sc, r0, h, v),
     };
-    if !in_place::<T>(op, |r0, h, v, log| fold(&mut out, r0, h, v, log))? {
+    if !in_place::<T>(op, |r0, h, v| fold(&mut out, r0, h, v))? {
         bands::<T>(op, |r0, h, m| {
-            fold(&mut out, r0, h, &BandView::Dense { m, cols }, None)
+            fold(&mut out, r0, h, &BandView::Dense { m, cols })
         })?;
     }
     for s in sc.bad_cols.into_inner().unwrap_or_else(|e| e.into_inner()) {
@@ -535,77 +500,31 @@ fn scatter_t<T: Elem>(op: &Op, groups: &Groups, x: &[Vec<f64>], exact: bool) -> 
     Ok(out)
 }
 
-/// Where the tasks of a band folded in place leave the CRCs of the map's bytes they read
-/// ([`Crcs`]), for the band's check after its fold; with the rows of the file's storage tiles.
-type CrcLog = (Mutex<Vec<MapCrc>>, usize);
-
-/// Rows of op's file's storage tiles (of its checksums).
-fn tile_rows(op: &Op) -> usize {
-    op.file.checksum_tile().map_or(1, |t| t.0 as usize)
-}
-
-/// Call `f(r0, h, band, log)` for consecutive bands of stored rows of `op` read in place from
-/// the file's map ([`BandView::mapped`]); false, with nothing folded, where the first band
-/// cannot be read so (another dtype than `T`, values to round, no map, pages not in memory):
-/// the caller copies ([`bands`]). A later band that cannot is copied into a buffer of its own.
-///
-/// With `op.check`, the storage tiles of each band are checked before the pass goes on to the
-/// next, and the pass fails with the first bad tile before any of its sums are used (an input
-/// changed in place after `run` computed the output is named as such, its file and tile,
-/// instead of being blamed on the output's tiles by the residuals). Where the fold reads op
-/// rows in order (op(M) = M), it takes each piece's CRC as it folds it, while the piece is in
-/// the core's cache, and leaves the runs in `log` for [`MatrixSource::verify_read`]; its bands
-/// then cover whole storage tile rows, so that each tile is checked from the one read that
-/// folds it. A check of its own before the fold read every band twice: the scatter passes ran at
-/// 11–14 GB/s on one H100 host whose 16 threads sum the page cache at 48–96
-/// (docs/measurements/2026-12-06g-h100-2-roofline-npy-copy-verify-sweep.log). Otherwise (op(M) =
-/// Mᵀ: each task reads a strip of every row) the tiles are checked before the band is folded
-/// ([`MatrixSource::verify_block`]: each tile once).
-fn in_place<T: Elem>(
-    op: &Op,
-    mut f: impl FnMut(usize, usize, &BandView<T>, Option<&CrcLog>),
-) -> Result<bool> {
+/// Call `f(r0, h, band)` for consecutive bands of stored rows of `op` read in place from the
+/// file's map ([`BandView::mapped`]), the storage tiles of each checked first when `op.check`
+/// ([`MatrixSource::verify_block`]: each tile once, nothing for tiles already checked or a
+/// file without checksums; a band is never folded before its tiles passed); false, with nothing folded, where the first band cannot be read
+/// so (another dtype than `T`, values to round, no map, pages not in memory): the caller
+/// copies ([`bands`]). A later band that cannot is copied into a buffer of its own.
+fn in_place<T: Elem>(op: &Op, mut f: impl FnMut(usize, usize, &BandView<T>)) -> Result<bool> {
     let (rows, cols) = (op.file.shape().0 as usize, op.file.shape().1 as usize);
     if op.round.is_some() || rows == 0 || cols == 0 {
         return Ok(false);
     }
-    let fused = op.check && !op.trans && op.file.checksum_tile().is_some();
-    let mut band = band_rows::<T>(op);
-    if let (true, Some((tr, _))) = (fused, op.file.checksum_tile()) {
-        let whole = band.next_multiple_of(tr.max(1) as usize).min(rows);
-        // Whole tile rows, unless that makes a band of more than 16 × the usual bytes (a file
-        // of a few very tall tiles): its tiles are then checked from a second read, as before.
-        if whole * cols * std::mem::size_of::<T>() <= 16 * BAND_BYTES {
-            band = whole;
-        }
-    }
-    let log: CrcLog = (Mutex::default(), tile_rows(op));
+    let band = band_rows::<T>(op);
     let (mut r0, mut spare) = (0, Vec::new());
     while r0 < rows {
         let h = band.min(rows - r0);
-        // CRCs only where the file checks with them and the band has tiles still unchecked
-        // (not for a second pass over a file, nor a `.npy` sidecar's tiles, which are not
-        // runs of the file: those are checked before the fold, as below).
-        let take = fused && op.file.wants_read_crcs(&whole_rows(r0, h, cols));
-        let view = match take {
-            true => BandView::<T>::mapped(op.file, r0, h),
-            false => mapped_checked::<T>(op, r0, h)?,
-        };
-        match view {
+        match mapped_checked::<T>(op, r0, h)? {
             Some(v) => {
-                f(r0, h, &v, take.then_some(&log));
+                f(r0, h, &v);
                 v.release();
-                if take {
-                    let crcs =
-                        std::mem::take(&mut *log.0.lock().unwrap_or_else(|e| e.into_inner()));
-                    op.file.verify_read(&whole_rows(r0, h, cols), crcs)?;
-                }
             }
             None if r0 == 0 => return Ok(false),
             None => {
                 spare.resize(h * cols, T::default());
                 read_band(op, r0, h, &mut spare)?;
-                f(r0, h, &BandView::Dense { m: &spare, cols }, None);
+                f(r0, h, &BandView::Dense { m: &spare, cols });
             }
         }
         r0 += h;
@@ -613,50 +532,19 @@ fn in_place<T: Elem>(
     Ok(true)
 }
 
-/// Stored rows `r0..r0 + h`, all `cols` columns.
-fn whole_rows(r0: usize, h: usize, cols: usize) -> Block {
-    Block {
-        r0: r0 as u64,
-        c0: 0,
-        rows: h as u64,
-        cols: cols as u64,
-    }
-}
-
 /// A band of stored rows `r0..r0 + h` = op rows (op(M) = M): each task owns whole rows.
-/// With `log`, each task takes the CRCs of the pieces it folds ([`Crcs`]) and leaves them there.
-fn scatter_rows<T: Elem>(
-    out: &mut Sums,
-    sc: &Scat,
-    r0: usize,
-    h: usize,
-    v: &BandView<T>,
-    log: Option<&CrcLog>,
-) {
+fn scatter_rows<T: Elem>(out: &mut Sums, sc: &Scat, r0: usize, h: usize, v: &BandView<T>) {
     let per = h.div_ceil(pieces()).max(1);
     out.pieces(r0, r0 + h, per).for_each(|mut rows| {
         let mut bc = Vec::new();
-        let mut crcs = log.map(|l| Crcs::new(l.1));
         for l in 0..rows.len() {
             let t = rows.t0 + l - r0;
-            if let Some(k) = &mut crcs {
-                k.row(rows.t0 + l);
-            }
             let mut acc = rows.row(l);
             for g in 0..sc.groups.count() {
                 v.pieces(t, sc.groups.range(g), |c, p| {
-                    if let Some(k) = &mut crcs {
-                        k.take(v, p);
-                    }
                     acc.segment(g, p, c, sc, &mut bc)
                 });
             }
-        }
-        if let (Some(log), Some(k)) = (log, crcs) {
-            log.0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .extend(k.done());
         }
         if !bc.is_empty() {
             sc.bad_cols
@@ -2038,7 +1926,6 @@ mod tests {
             }
         }
     }
-
     /// A storage tile damaged in place is named by a checked scatter pass, both where it takes
     /// the CRCs as it folds (op(M) = M, bands of whole tile rows, the damage in the second tile
     /// row of a band) and where it checks before folding (op(M) = Mᵀ), in place and copied.

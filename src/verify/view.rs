@@ -16,7 +16,7 @@ use std::ops::Range;
 use zerocopy::FromBytes;
 
 use super::kernel::Elem;
-use crate::store::{Block, MapCrc, MatrixSource};
+use crate::store::{Block, MatrixSource};
 
 /// One rectangle of a mapped band: band rows `l0..l0 + rows`, columns `c0..c0 + w`, row `i` at
 /// map offset `file_off + i·pitch`.
@@ -202,87 +202,6 @@ impl<'a, T: Elem> BandView<'a, T> {
         let mut v = T::default();
         self.pieces(l, c..c + 1, |_, p| v = p[0]);
         v
-    }
-}
-
-/// The CRC-32C of the map's bytes one task reads, in runs of bytes back to back in the file
-/// ([`MapCrc`]): a storage tile's rows in a band follow one another in a `.mgt`, so a task
-/// folding consecutive rows continues one run per tile. Handed to
-/// [`MatrixSource::verify_read`](crate::store::MatrixSource::verify_read) when the band is
-/// folded: the checksums cost no pass of their own.
-pub(crate) struct Crcs {
-    /// Open runs: (start, end, CRC so far). A task folding rows in order extends them in the
-    /// same order row after row (one per storage tile it crosses), so the run a piece extends
-    /// is looked for first after the one extended last.
-    open: Vec<(u64, u64, u32)>,
-    next: usize,
-    /// Runs closed at a row of storage tiles' start ([`Self::row`]).
-    closed: Vec<MapCrc>,
-    /// Rows of a storage tile (of the file's checksums).
-    tile_rows: usize,
-}
-
-impl Crcs {
-    /// The runs of a task reading a file whose storage tiles have `tile_rows` rows.
-    pub(crate) fn new(tile_rows: usize) -> Crcs {
-        Crcs {
-            open: Vec::new(),
-            next: 0,
-            closed: Vec::new(),
-            tile_rows: tile_rows.max(1),
-        }
-    }
-
-    /// The task goes on to stored row `s`: at a row of tiles' start every run is closed, so
-    /// that the first row of a tile, which may lie right after the last byte of the tile
-    /// before it, never continues that tile's run (the check takes no run across two tiles).
-    #[inline]
-    pub(crate) fn row(&mut self, s: usize) {
-        if s.is_multiple_of(self.tile_rows) && !self.open.is_empty() {
-            let runs = std::mem::take(&mut self.open).into_iter();
-            self.closed.extend(runs.map(|(start, end, crc)| MapCrc {
-                start,
-                len: end - start,
-                crc,
-            }));
-            self.next = 0;
-        }
-    }
-
-    /// Take `piece`, read from `view`'s map, into its run (a dense band has no map: nothing).
-    #[inline]
-    pub(crate) fn take<T: Elem>(&mut self, view: &BandView<T>, piece: &[T]) {
-        let BandView::Mapped { map, .. } = view else {
-            return;
-        };
-        let bytes = zerocopy::IntoBytes::as_bytes(piece);
-        let start = (bytes.as_ptr() as usize - map.as_ptr() as usize) as u64;
-        let end = start + bytes.len() as u64;
-        let n = self.open.len();
-        let hit = (0..n)
-            .map(|i| (self.next + i) % n)
-            .find(|&i| self.open[i].1 == start);
-        match hit {
-            Some(i) => {
-                let r = &mut self.open[i];
-                (r.1, r.2) = (end, crc32c::crc32c_append(r.2, bytes));
-                self.next = i + 1;
-            }
-            None => {
-                self.open.push((start, end, crc32c::crc32c(bytes)));
-                self.next = 0;
-            }
-        }
-    }
-
-    /// The runs taken.
-    pub(crate) fn done(self) -> impl Iterator<Item = MapCrc> {
-        let open = (self.open.into_iter()).map(|(start, end, crc)| MapCrc {
-            start,
-            len: end - start,
-            crc,
-        });
-        self.closed.into_iter().chain(open)
     }
 }
 

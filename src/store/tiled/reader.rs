@@ -19,7 +19,7 @@ use crate::store::blockio::{convert_par, read_prefix, read_runs, read_runs_with,
 use crate::store::fsutil;
 use crate::store::header::Header;
 use crate::store::runs::{runs, Geometry, Run, IO_SPAN};
-use crate::store::seam::{read_staged_in_passes, MapCrc, MappedBlock, MatrixSource};
+use crate::store::seam::{read_staged_in_passes, MappedBlock, MatrixSource};
 
 /// `madvise(WILLNEED)` is capped by the readahead window; issue it in pieces of at most this.
 const ADVISE_CHUNK: u64 = 8 << 20;
@@ -50,11 +50,6 @@ impl Piece {
         })
     }
 }
-
-/// Runs of one storage tile that [`TiledFile::verify_read`] takes at most: more, and the tile
-/// is read whole (a tile's rows in a band come as one run when the tile is full width; an edge
-/// tile padded to its stride comes as one run per row).
-const MAX_RUNS_PER_TILE: usize = 64;
 
 /// `crc` continued over the file bytes `range`, read with `pread` in 128 KiB pieces (small:
 /// several tiles are checked at once, and the buffer is heap outside the pools).
@@ -352,64 +347,6 @@ impl TiledFile {
         Ok(nonfinite)
     }
 
-    /// [`MatrixSource::verify_read`]: the storage tiles `b` touches not yet verified, checked
-    /// with the CRCs of the map's byte runs a caller took as it read them, each completed from
-    /// the file where they leave gaps. Left out (their bytes read again): a run that is not
-    /// inside one storage tile, one that overlaps a run already taken (its bytes would count
-    /// twice and fail a good tile), and the runs of a tile that come in more than
-    /// [`MAX_RUNS_PER_TILE`] pieces (an edge tile's rows, each followed by padding: the tile is
-    /// read whole in large reads instead of one small read per gap).
-    pub(crate) fn verify_read(&self, b: &Block, crcs: Vec<MapCrc>) -> Result<()> {
-        if !self.hdr.has_checksums() {
-            return Ok(());
-        }
-        b.check_inside(&self.path, (self.hdr.rows, self.hdr.cols))?;
-        let geo = self.geo;
-        let (lo, hi) = (geo.data_offset, self.hdr.data_end());
-        let tile_of = |at: u64| ((at - geo.data_offset) / geo.tile_stride) as usize;
-        let mut pieces: Vec<Piece> = crcs
-            .into_iter()
-            .filter(|c| c.len > 0 && c.start >= lo && c.start + c.len <= hi)
-            .filter(|c| tile_of(c.start) == tile_of(c.start + c.len - 1))
-            .map(|c| Piece {
-                tile: tile_of(c.start),
-                start: c.start,
-                len: c.len,
-                crc: c.crc,
-            })
-            .collect();
-        pieces.sort_unstable_by_key(|p| (p.tile, p.start));
-        let mut kept: Vec<Piece> = Vec::with_capacity(pieces.len());
-        for p in pieces {
-            match kept.last() {
-                Some(q) if q.tile == p.tile && p.start < q.start + q.len => continue,
-                _ => kept.push(p),
-            }
-        }
-        let mut per_run = Vec::with_capacity(kept.len());
-        for run in kept.chunk_by(|a, b| a.tile == b.tile) {
-            if run.len() <= MAX_RUNS_PER_TILE {
-                per_run.extend(run.iter().map(|&p| (0, Some(p))));
-            }
-        }
-        self.settle_checks(b, Some(self.marks()), per_run)
-            .map(|_| ())
-    }
-
-    /// [`MatrixSource::wants_read_crcs`]: the file has checksums and `b` touches a storage tile
-    /// this handle has not verified yet.
-    pub(crate) fn wants_read_crcs(&self, b: &Block) -> bool {
-        if !self.hdr.has_checksums()
-            || b.check_inside(&self.path, (self.hdr.rows, self.hdr.cols))
-                .is_err()
-        {
-            return false;
-        }
-        let marks = self.marks();
-        (self.geo.tiles_iter(b))
-            .any(|(ti, tj)| !marks[self.geo.tile_index(ti, tj)].load(Ordering::Relaxed))
-    }
-
     /// What [`Self::read_staged`] checks, without the copy: the NaN/Inf count of block `b` and,
     /// with `verify`, the checksums of the storage tiles it touches not yet verified, in one
     /// parallel pass over the file's map (the pages a device copies straight from,
@@ -550,12 +487,6 @@ impl MatrixSource for TiledFile {
     }
     fn scan_mapped(&self, b: &Block, host: DType, verify: bool) -> Result<u64> {
         TiledFile::scan_mapped(self, b, host, verify)
-    }
-    fn verify_read(&self, b: &Block, crcs: Vec<MapCrc>) -> Result<()> {
-        TiledFile::verify_read(self, b, crcs)
-    }
-    fn wants_read_crcs(&self, b: &Block) -> bool {
-        TiledFile::wants_read_crcs(self, b)
     }
     fn device_check_spec(&self, b: &Block, host: DType) -> Option<crate::seam::DeviceCheckSpec> {
         TiledFile::device_check_spec(self, b, host)
