@@ -64,14 +64,17 @@ impl Own {
     }
 }
 
-/// Finalize `step` now if every tile is recorded and nobody else is at it; quietly nothing
-/// otherwise. `own`: the tiles this process wrote in this run ([`Own`]).
+/// Finalize `step` now if every tile is recorded and nobody else is at it; otherwise nothing,
+/// saying how many tiles are done when `tell` (after this process's shards; not while it polls
+/// an earlier step, [`wait_finalized`], which said it every 0.2 s). `own`: the tiles this
+/// process wrote in this run ([`Own`]).
 pub(crate) fn try_auto(
     plan: &Plan,
     step: &Step,
     sh: &ShardOptions,
     progress: &Progress,
     own: &Own,
+    tell: bool,
 ) -> Result<()> {
     let Some(m) = read_manifest(&step.output)? else {
         return Ok(());
@@ -81,6 +84,9 @@ pub(crate) fn try_auto(
     }
     let rec = recorded(&state_dir(&step.output), &m.fingerprint)?;
     if rec.len() < m.tiles as usize {
+        if !tell {
+            return Ok(());
+        }
         // This process's shards are done, others are not: say so, or a finished shard's
         // "done" reads as the step's.
         progress.note(&format!(
@@ -139,7 +145,7 @@ pub(crate) fn wait_finalized(
         if is_finalized(&prev.output, None)? {
             return Ok(true);
         }
-        try_auto(plan, prev, sh, progress, &Own::default())?;
+        try_auto(plan, prev, sh, progress, &Own::default(), false)?;
         is_finalized(&prev.output, None)
     })
 }

@@ -404,7 +404,7 @@ fn run_step_shards(
         ));
     }
     let t = std::time::Instant::now();
-    finalize::try_auto(plan, step, sh, progress, &own)?;
+    finalize::try_auto(plan, step, sh, progress, &own, true)?;
     crate::trace::span(
         "start-up",
         &format!("step {n}: finalize"),

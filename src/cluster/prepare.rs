@@ -92,7 +92,9 @@ pub fn read_manifest(output: &Path) -> Result<Option<Manifest>> {
     }
 }
 
-/// Poll `ready` every 200 ms, saying once (and every 30 s) what is awaited, up to `timeout`.
+/// Poll `ready` every 200 ms, saying once (and every 30 s) what is awaited, up to `timeout`; a
+/// stop asked for meanwhile (Ctrl-C, SIGTERM, SIGHUP) ends the wait at once, as it ends a run
+/// (a shard waiting for an earlier step ignored all three until SIGKILL: a new user's trial).
 pub(crate) fn wait_for(
     what: &str,
     timeout: Duration,
@@ -104,6 +106,9 @@ pub(crate) fn wait_for(
     loop {
         if ready()? {
             return Ok(());
+        }
+        if crate::interrupt::requested() {
+            return Err(Error::Cancelled);
         }
         if t0.elapsed() > timeout {
             return Err(Error::Usage(format!(

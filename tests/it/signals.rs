@@ -295,3 +295,59 @@ fn a_bus_error_is_explained_and_the_rerun_resumes() {
     run_quiet(clean.path(), &[]);
     assert!(resumed == std::fs::read(clean.path().join("C.mgt")).unwrap());
 }
+
+/// A shard waiting for an earlier step of the plan to be finalized by other processes stops at
+/// SIGTERM (SIGINT, SIGHUP alike) as a run does, and says once how far that step is: it ignored
+/// all three until SIGKILL, repeating "2 of 4 output tiles … are done" every 0.2 s (a new
+/// user's trial).
+#[test]
+fn a_shard_waiting_for_an_earlier_step_stops_at_sigterm() {
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(
+        dir.join("c.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 256, cols = 256, seed = 1 }\n\
+         [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 256, cols = 256, seed = 2 }\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [[step]]\noutput = \"D.mgt\"\nexpr = \"A @ B.T\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 128\nhost_memory = \"64MiB\"\n",
+    )
+    .unwrap();
+    let o = Command::new(bin())
+        .args(["prepare", "c.toml"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut child = Command::new(bin())
+        .args(["run", "c.toml", "--shard", "0/2"])
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut all = String::new();
+    let t = Instant::now();
+    while !all.contains("waiting for step 1") && t.elapsed() < Duration::from_secs(60) {
+        let mut line = String::new();
+        if err.read_line(&mut line).unwrap() == 0 {
+            break;
+        }
+        all += &line;
+    }
+    assert!(all.contains("waiting for step 1"), "{all}");
+    std::thread::sleep(Duration::from_millis(1500));
+    let t = Instant::now();
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    err.read_to_string(&mut all).unwrap();
+    let status = child.wait().unwrap();
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?} to stop",
+        t.elapsed()
+    );
+    assert_eq!(status.code(), Some(128 + libc::SIGTERM), "{all}");
+    assert!(all.contains("interrupted by SIGTERM"), "{all}");
+    assert!(all.matches("output tiles of").count() <= 1, "{all}");
+}
