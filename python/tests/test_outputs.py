@@ -153,6 +153,23 @@ def test_run_plan_file_with_set(tmp_path):
         assert "engine setting bogus=1: unknown field" in str(e.value) and "--set" not in str(e.value)
 
 
+def test_keywords_and_engine_dict_must_agree():
+    """A keyword given and the same key in ``engine=`` that disagree are refused, as
+    ``precision`` is (``host_memory="2GiB", engine={"host_memory": "1GiB"}`` ran with 1 GiB: a
+    new user's trial); agreeing, or only one of them given, is taken."""
+    a = rand((M, K), np.float32, 1)
+    b = rand((K, N), np.float32, 2)
+    for kw, eng in [({"host_memory": "32MiB"}, {"host_memory": "16MiB"}),
+                    ({"tile": 32}, {"tile": 64}),
+                    ({"threads": 2}, {"threads": 1})]:
+        with pytest.raises(mg.BadInputError, match="disagree; give one of them"):
+            mg.plan(a, b, backend="cpu", engine=eng, **kw)
+    d = mg.plan(a, b, backend="cpu", host_memory="16MiB", engine={"host_memory": "16MiB"})
+    assert d["host_memory"] == 16 << 20
+    d = mg.plan(a, b, backend="cpu", engine={"host_memory": "16MiB", "tile": 32})
+    assert d["host_memory"] == 16 << 20 and d["steps"][0]["tile"] == [32, 32, 32]
+
+
 def test_plan_of_a_matmul():
     a, b = rand((M, K), np.float32, 1), rand((K, N), np.float32, 2)
     d = mg.plan(a, b, backend="cpu", tile=32, host_memory="16MiB")

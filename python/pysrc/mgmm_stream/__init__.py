@@ -533,8 +533,20 @@ def _settings(backend: str, devices: Union[str, Sequence[int]], host_memory: Any
         s.append(("device_memory", _size(device_memory)))
     if tile is not None:
         s.append(("tile", json.dumps(list(tile)) if isinstance(tile, (list, tuple)) else str(tile)))
+    # A keyword given (not left at its default) and the same key in `engine=` must agree, as
+    # `precision` must (`_precision`): `host_memory="2GiB", engine={"host_memory": "1GiB"}` ran
+    # with 1 GiB and said nothing (a new user's trial).
+    given = {"backend": backend != "auto", "devices": devices != "all",
+             "threads": int(threads) != 0, "host_memory": host_memory is not None,
+             "device_memory": device_memory is not None, "tile": tile is not None}
     for k, v in (engine or {}).items():
-        s.append((k, json.dumps(v) if isinstance(v, (bool, list)) else str(v)))
+        text = json.dumps(v) if isinstance(v, (bool, list)) else str(v)
+        mine = [(i, x) for i, (key, x) in enumerate(s) if key == k]
+        if mine and given.get(k, False) and mine[0][1] != text:
+            raise BadInputError(f"{k}={mine[0][1]!r} and engine={{{k!r}: {v!r}}} disagree; "
+                                f"give one of them")
+        s = [(key, x) for key, x in s if key != k]
+        s.append((k, text))
     return s
 
 
