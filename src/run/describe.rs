@@ -468,6 +468,14 @@ fn describe_staging(
     }
     let ops = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
     let (mut direct, mut copied) = (Vec::new(), Vec::new());
+    // What may be held at once (`direct::limits`), and the largest range a block of a file
+    // read in place holds.
+    let pin = crate::pipeline::direct::Pinning::new(
+        crate::pipeline::direct::limits(None, e.host_memory, l.host_bytes),
+        device,
+        e.precision,
+    );
+    let mut held_range = 0u64;
     // `auto` on a GPU copies every block of a file stored in whole rows whose blocks are
     // narrow (`pipeline::direct::narrow_files`): the rule `run` applies, judged from the files
     // where they exist, else (an earlier step's output) from the name a `.npy` is written under.
@@ -515,13 +523,9 @@ fn describe_staging(
             // What `run` finds as its blocks come (`direct_oversize_blocks`): the range a block
             // holds does not fit in what host_memory leaves beside the pools.
             let first = if i == 0 { a0 } else { b0 };
-            let pin = crate::pipeline::direct::Pinning::new(
-                crate::pipeline::direct::limits(None, e.host_memory, l.host_bytes),
-                device,
-                e.precision,
-            );
             op.open().ok().and_then(|f| {
                 let mb = f.mapped_block(&first, l.host_dt)?;
+                held_range = held_range.max(crate::pipeline::direct::largest_range(pin.chunk, &mb));
                 (!pin.holds(&mb)).then(|| {
                     format!(
                         "a range of its file, {}, is larger than the {} that host_memory leaves beside the pools to keep {}: raise host_memory",
@@ -559,6 +563,19 @@ fn describe_staging(
             "{who} {} straight from the files' pages{when}",
             direct.join(", ")
         ));
+        // A block holds a range of A and one of B at once (two of a file where it spans a
+        // range's end), and the lanes several blocks: a budget of a few ranges leaves blocks
+        // that find it full, staged by copy (`direct_full_blocks`; at 64 MiB on the CPU `plan`
+        // said every block went straight and `run` copied most: a new user's trial).
+        if held_range > 0 && pin.budget < 8 * held_range {
+            parts.push(format!(
+                "the {} that host_memory leaves beside the pools to keep them {} holds only {} of their ranges ({} each) at once: blocks that find it full, if any, are staged by copy (raise host_memory to read more in place)",
+                fmt_bytes(pin.budget),
+                if device { "page-locked" } else { "mapped" },
+                pin.budget / held_range,
+                fmt_bytes(held_range)
+            ));
+        }
     }
     if !copied.is_empty() {
         parts.push(format!("{} staged by copy", copied.join(", ")));

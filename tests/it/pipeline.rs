@@ -686,7 +686,8 @@ fn plan_says_when_host_memory_leaves_no_room_to_read_inputs_in_place() {
         match room {
             true => {
                 assert!(
-                    said.contains("the lanes copy A, B straight from the files' pages"),
+                    said.contains("the lanes copy A, B straight from the files' pages")
+                        && said.contains("holds only 2 of their ranges"),
                     "{hm}: {said}"
                 );
                 assert_eq!(s.direct_oversize_blocks, 0, "{hm}");
