@@ -59,6 +59,18 @@ fn spawn(dir: &Path, args: &[&str], env: &[(&str, String)]) -> Child {
         .unwrap()
 }
 
+/// Run `plan.toml`'s shards 0/s … s-1/s one after another, each succeeding.
+fn run_shards(dir: &Path, s: u32) {
+    for k in 0..s {
+        let shard = format!("{k}/{s}");
+        ok(
+            cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
+                .output()
+                .unwrap(),
+        );
+    }
+}
+
 fn ok(o: Output) -> String {
     let err = String::from_utf8_lossy(&o.stderr).to_string();
     assert!(o.status.success(), "failed: {err}");
@@ -306,14 +318,7 @@ fn prepare_restart_refuses_before_it_resets_a_finished_output() {
     let d = tmp();
     let dir = d.path();
     plan(dir, SMALL, 64);
-    for k in 0..2 {
-        let shard = format!("{k}/2");
-        ok(
-            cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
-                .output()
-                .unwrap(),
-        );
-    }
+    run_shards(dir, 2);
     let done = std::fs::read(dir.join("C.mgt")).unwrap();
     std::fs::create_dir(dir.join("elsewhere")).unwrap();
     std::os::unix::fs::symlink(dir.join("elsewhere"), dir.join("C.mgt.partial")).unwrap();
@@ -720,14 +725,7 @@ fn a_finished_split_output_that_is_gone_is_prepared_again() {
     let d = tmp();
     let dir = d.path();
     plan(dir, SMALL, 64);
-    for k in 0..2 {
-        let shard = format!("{k}/2");
-        ok(
-            cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
-                .output()
-                .unwrap(),
-        );
-    }
+    run_shards(dir, 2);
     let clean = std::fs::read(dir.join("C.mgt")).unwrap();
     std::fs::remove_file(dir.join("C.mgt")).unwrap();
     let o = cmd(dir, &["run", "plan.toml", "-q", "--shard", "0/2"], &[])
@@ -747,14 +745,7 @@ fn a_finished_split_output_that_is_gone_is_prepared_again() {
         said.contains("computing it again") || said.contains("ready"),
         "{said}"
     );
-    for k in 0..2 {
-        let shard = format!("{k}/2");
-        ok(
-            cmd(dir, &["run", "plan.toml", "-q", "--shard", &shard], &[])
-                .output()
-                .unwrap(),
-        );
-    }
+    run_shards(dir, 2);
     assert!(std::fs::read(dir.join("C.mgt")).unwrap() == clean);
     assert!(std::fs::read(dir.join("C.mgt")).unwrap() == single(SMALL, 64));
 }

@@ -5,7 +5,6 @@
 
 use crate::common::*;
 
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -43,18 +42,6 @@ fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
-}
-
-/// XOR `bits` into the byte at `off` of `p`.
-fn flip(p: &Path, off: u64, bits: u8) {
-    let w = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(p)
-        .unwrap();
-    let mut x = [0u8; 1];
-    w.read_exact_at(&mut x, off).unwrap();
-    w.write_all_at(&[x[0] ^ bits], off).unwrap();
 }
 
 /// Item 8: `verify` while a run holds the output's journal lock says the output is being

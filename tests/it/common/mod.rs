@@ -252,3 +252,17 @@ pub fn write_npy_order(
 pub fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
+
+/// XOR `bits` into the byte at `off` of `p` (damage a file in place, as a disk or a stray write
+/// would).
+pub fn flip(p: &Path, off: u64, bits: u8) {
+    use std::os::unix::fs::FileExt;
+    let w = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(p)
+        .unwrap();
+    let mut x = [0u8; 1];
+    w.read_exact_at(&mut x, off).unwrap();
+    w.write_all_at(&[x[0] ^ bits], off).unwrap();
+}
