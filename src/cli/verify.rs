@@ -182,6 +182,11 @@ pub(super) fn verify_plan(
                     1 => "one of its tiles no longer matches its stored checksum".to_string(),
                     n => format!("{n} of its tiles no longer match their stored checksums"),
                 }
+            } else if let Some(i) = &rep.corrupt_input {
+                // An input damaged in place (an earlier step's output is repaired at its step):
+                // not the residuals, which were never judged (a new user's trial read "its
+                // residuals are larger …" here for a chain's damaged intermediate).
+                format!("its input {i} does not match the checksums stored in it")
             } else {
                 "its residuals are larger than a correct product's rounding allows".to_string()
             };

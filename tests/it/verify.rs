@@ -1601,3 +1601,41 @@ fn nan_in_a_fortran_order_input_is_named_in_numpys_rows() {
         "{flat}"
     );
 }
+
+/// `verify`'s closing line names a chain's damaged intermediate as the cause of the step that
+/// reads it, not its residuals, which were never judged (it said "its residuals are larger than
+/// a correct product's rounding allows": a new user's trial).
+#[test]
+fn the_closing_line_names_a_damaged_intermediate_not_the_residuals() {
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 96, cols = 80, seed = 1 }\n\
+         [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 80, cols = 80, seed = 2 }\n\
+         [[step]]\noutput = \"D.npy\"\nexpr = \"A @ B\"\nname = \"D\"\n\
+         [[step]]\noutput = \"E.mgt\"\nexpr = \"D @ B\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 32\n",
+    )
+    .unwrap();
+    let cli = |args: &[&str]| {
+        Command::new(bin())
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap()
+    };
+    let o = cli(&["run", "plan.toml", "-q"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let len = std::fs::metadata(dir.join("D.npy")).unwrap().len();
+    flip(&dir.join("D.npy"), len - 4 * 100, 0x10);
+    let o = cli(&["verify", "plan.toml"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("D.npy does not match the checksums stored in it")
+            && !last.contains("its residuals are larger"),
+        "{err}"
+    );
+}
