@@ -275,6 +275,51 @@ pub(crate) fn reset(output: &Path) -> Result<()> {
     }
 }
 
+/// [`reset`] for every output of a plan at once (`prepare --restart`), all or nothing: each
+/// output's files and folders are first moved aside within their folder, and removed only once
+/// every move succeeded; a move that fails puts back those made, so a refusal leaves every
+/// output as it was (removing them one output after another, a folder that could not be removed
+/// left the outputs before it gone: a new user's trial, with an immutable `D.npy.shards`).
+fn reset_all(outputs: &[&Path]) -> Result<()> {
+    let mut moved: Vec<(std::path::PathBuf, std::path::PathBuf)> = Vec::new();
+    for out in outputs {
+        let paths = [
+            crate::durable::checkpoint::partial_dir(out),
+            out.to_path_buf(),
+            journal::journal_path(out),
+            crate::store::sidecar::sidecar_path(out),
+            state_dir(out),
+        ];
+        for p in paths {
+            if std::fs::symlink_metadata(&p).is_err() || moved.iter().any(|(q, _)| *q == p) {
+                continue;
+            }
+            let mut aside = p.clone().into_os_string();
+            aside.push(format!(".restart-{}", std::process::id()));
+            let aside = std::path::PathBuf::from(aside);
+            if let Err(e) = std::fs::rename(&p, &aside) {
+                for (from, to) in moved.iter().rev() {
+                    let _ = std::fs::rename(to, from);
+                }
+                return Err(Error::io(
+                    &p,
+                    "cannot move it aside to start the plan over (every output was left as it was)",
+                    e,
+                ));
+            }
+            moved.push((p, aside));
+        }
+    }
+    for (_, aside) in moved {
+        let gone = match std::fs::symlink_metadata(&aside) {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&aside),
+            _ => std::fs::remove_file(&aside),
+        };
+        gone.map_err(|e| Error::io(&aside, "cannot remove what the restart moved aside", e))?;
+    }
+    Ok(())
+}
+
 /// Manifests written before `per_process` existed used 4 shards per process.
 fn four() -> u32 {
     4
@@ -323,9 +368,13 @@ pub fn prepare_plan(
     if restart {
         // Finished outputs are kept when an input is found corrupt (as `run --restart`).
         crate::run::check_before_restart(plan, progress)?;
-        for step in &plan.steps {
-            reset(&step.output)?;
-        }
+        reset_all(
+            &plan
+                .steps
+                .iter()
+                .map(|s| s.output.as_path())
+                .collect::<Vec<_>>(),
+        )?;
     }
     super::generate_shared(plan, &sh, progress)?;
     let mut out = Vec::new();

@@ -837,3 +837,74 @@ fn local_disk(dir: &Path) -> bool {
     ]
     .contains(&(st.f_type as u32))
 }
+
+/// `prepare --restart` throws every output away or none: with one step's shard folder that
+/// cannot be moved (immutable), it refuses with every finished output, journal and folder left
+/// as they were (it removed the first step's output, then failed on the second's folder: a new
+/// user's trial). Skipped where `chattr` cannot mark a folder immutable.
+#[test]
+fn prepare_restart_resets_every_output_or_none() {
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(
+        dir.join("plan.toml"),
+        "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 128, cols = 128, seed = 1 }\n\
+         [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 128, cols = 128, seed = 2 }\n\
+         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+         [[step]]\noutput = \"D.mgt\"\nexpr = \"A @ B.T\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 64\nhost_memory = \"64MiB\"\n",
+    )
+    .unwrap();
+    // One process works every shard of each step in turn (a second shard run after it would
+    // wait for the first step's other half).
+    run_shards(dir, 1);
+    let c = std::fs::read(dir.join("C.mgt")).unwrap();
+    let shards = dir.join("D.mgt.shards");
+    let chattr = |flag: &str| {
+        Command::new("chattr")
+            .args([flag, shards.to_str().unwrap()])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !chattr("+i") {
+        eprintln!("skipped: chattr +i is not available here");
+        return;
+    }
+    let o = cmd(dir, &["prepare", "plan.toml", "--restart"], &[])
+        .output()
+        .unwrap();
+    assert!(chattr("-i"), "chattr -i");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "must refuse: {err}");
+    assert!(
+        err.contains("D.mgt.shards") && err.contains("every output was left as it was"),
+        "{err}"
+    );
+    assert!(
+        std::fs::read(dir.join("C.mgt")).unwrap() == c,
+        "C.mgt changed"
+    );
+    for p in ["C.mgt.shards", "D.mgt", "D.mgt.shards"] {
+        assert!(dir.join(p).exists(), "{p} was removed");
+    }
+    let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
+    assert_eq!(st.matches("FINALIZED").count(), 2, "{st}");
+    ok(cmd(dir, &["prepare", "plan.toml", "--restart"], &[])
+        .output()
+        .unwrap());
+    let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
+    assert!(!st.contains("FINALIZED"), "started over: {st}");
+    assert_eq!(
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter(|e| e
+                .as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .contains(".restart-"))
+            .count(),
+        0,
+        "nothing moved aside is left"
+    );
+}
