@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{bin, tmp};
+use crate::common::{bin, tmp, two_step_plan};
 
 const LAUNCHER_VARS: &[&str] = &[
     "SLURM_PROCID",
@@ -846,15 +846,7 @@ fn local_disk(dir: &Path) -> bool {
 fn prepare_restart_resets_every_output_or_none() {
     let d = tmp();
     let dir = d.path();
-    std::fs::write(
-        dir.join("plan.toml"),
-        "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 128, cols = 128, seed = 1 }\n\
-         [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 128, cols = 128, seed = 2 }\n\
-         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
-         [[step]]\noutput = \"D.mgt\"\nexpr = \"A @ B.T\"\n\
-         [engine]\nbackend = \"cpu\"\ntile = 64\nhost_memory = \"64MiB\"\n",
-    )
-    .unwrap();
+    two_step_plan(dir, "plan.toml", 128, 64);
     // One process works every shard of each step in turn (a second shard run after it would
     // wait for the first step's other half).
     run_shards(dir, 1);

@@ -304,15 +304,7 @@ fn a_bus_error_is_explained_and_the_rerun_resumes() {
 fn a_shard_waiting_for_an_earlier_step_stops_at_sigterm() {
     let d = tmp();
     let dir = d.path();
-    std::fs::write(
-        dir.join("c.toml"),
-        "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 256, cols = 256, seed = 1 }\n\
-         [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 256, cols = 256, seed = 2 }\n\
-         [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
-         [[step]]\noutput = \"D.mgt\"\nexpr = \"A @ B.T\"\n\
-         [engine]\nbackend = \"cpu\"\ntile = 128\nhost_memory = \"64MiB\"\n",
-    )
-    .unwrap();
+    two_step_plan(dir, "c.toml", 256, 128);
     let o = Command::new(bin())
         .args(["prepare", "c.toml"])
         .current_dir(dir)

@@ -266,3 +266,19 @@ pub fn flip(p: &Path, off: u64, bits: u8) {
     w.read_exact_at(&mut x, off).unwrap();
     w.write_all_at(&[x[0] ^ bits], off).unwrap();
 }
+
+/// Write `dir/file`: a two-step plan on the CPU, C = A·B then D = A·Bᵀ, of `n`×`n` generated
+/// inputs in compute tiles of `tile` (the split-run tests' plan of more than one step).
+pub fn two_step_plan(dir: &Path, file: &str, n: u64, tile: u64) {
+    std::fs::write(
+        dir.join(file),
+        format!(
+            "[matrices.A]\npath = \"A.mgt\"\ngenerate = {{ rows = {n}, cols = {n}, seed = 1 }}\n\
+             [matrices.B]\npath = \"B.mgt\"\ngenerate = {{ rows = {n}, cols = {n}, seed = 2 }}\n\
+             [[step]]\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+             [[step]]\noutput = \"D.mgt\"\nexpr = \"A @ B.T\"\n\
+             [engine]\nbackend = \"cpu\"\ntile = {tile}\nhost_memory = \"64MiB\"\n"
+        ),
+    )
+    .unwrap();
+}
