@@ -1865,25 +1865,13 @@ mod tests {
     #[test]
     fn scatter_in_place_gives_the_sums_of_copied_bands() {
         use crate::store::rowmajor::{RowMajorFile, RowMajorSpec};
-        use crate::store::tiled::TiledWriter;
-        use crate::store::{Header, MatrixSink};
         let dir = tempfile::tempdir().unwrap();
         let mut files: Vec<(String, Box<dyn MatrixSource>, bool)> = Vec::new();
         for dt in [DType::F32, DType::F64] {
             // Tall enough (4 KiB test bands) to be read in several bands.
             for (rows, cols, tr, tc) in [(301, 45, 8, 16), (517, 13, 8, 16), (97, 200, 16, 64)] {
                 let p = dir.path().join(format!("m{rows}x{cols}{dt}.mgt"));
-                let w = TiledWriter::create(&p, Header::new(dt, rows, cols, tr, tc, true)).unwrap();
-                let all = Block {
-                    r0: 0,
-                    c0: 0,
-                    rows,
-                    cols,
-                };
-                let sink: &dyn MatrixSink = &w;
-                sink.write_block(&all, dt, &values(rows as usize, cols as usize, dt))
-                    .unwrap();
-                w.finish(false).unwrap();
+                write_mgt(&p, (rows, cols), (tr, tc), dt);
                 files.push((
                     p.display().to_string(),
                     Box::new(crate::store::TiledFile::open(&p).unwrap()),
@@ -1926,18 +1914,12 @@ mod tests {
             }
         }
     }
-    /// A storage tile damaged in place is named by a checked scatter pass, both where it takes
-    /// the CRCs as it folds (op(M) = M, bands of whole tile rows, the damage in the second tile
-    /// row of a band) and where it checks before folding (op(M) = Mᵀ), in place and copied.
-    #[test]
-    fn a_damaged_tile_fails_the_checked_scatter_pass_in_place_and_copied() {
+    /// A `.mgt` of `values` at `p`: `shape`, storage tiles `tile`, with checksums.
+    fn write_mgt(p: &std::path::Path, shape: (u64, u64), tile: (u64, u64), dt: DType) {
         use crate::store::tiled::TiledWriter;
-        use crate::store::{Header, MatrixSink, TiledFile};
-        use std::os::unix::fs::FileExt;
-        let dir = tempfile::tempdir().unwrap();
-        let (rows, cols, tr, tc) = (301u64, 45u64, 8u64, 16u64);
-        let p = dir.path().join("m.mgt");
-        let w = TiledWriter::create(&p, Header::new(DType::F32, rows, cols, tr, tc, true)).unwrap();
+        use crate::store::{Header, MatrixSink};
+        let (rows, cols) = shape;
+        let w = TiledWriter::create(p, Header::new(dt, rows, cols, tile.0, tile.1, true)).unwrap();
         let all = Block {
             r0: 0,
             c0: 0,
@@ -1945,13 +1927,21 @@ mod tests {
             cols,
         };
         let sink: &dyn MatrixSink = &w;
-        sink.write_block(
-            &all,
-            DType::F32,
-            &values(rows as usize, cols as usize, DType::F32),
-        )
-        .unwrap();
+        sink.write_block(&all, dt, &values(rows as usize, cols as usize, dt))
+            .unwrap();
         w.finish(false).unwrap();
+    }
+
+    /// A storage tile damaged in place is named by a checked scatter pass (its tiles checked
+    /// before each band is folded), along rows and along columns (op(M) = Mᵀ), read in place and
+    /// copied; an unchecked pass folds it without a word.
+    #[test]
+    fn a_damaged_tile_fails_the_checked_scatter_pass_in_place_and_copied() {
+        use crate::store::TiledFile;
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.mgt");
+        write_mgt(&p, (301, 45), (8, 16), DType::F32);
         let at = TiledFile::open(&p).unwrap().hdr.tile_offset(13, 1) + 4 * 17;
         let f = std::fs::OpenOptions::new()
             .read(true)
