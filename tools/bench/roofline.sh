@@ -8,6 +8,8 @@
 # false. GPU machine (one GPU is enough), repository root, .dev/bin carried (docs/GPU.md).
 # Disk: the inputs, 4·N²·4 + 2·N²·8 bytes, and one output at a time (43 GB at 32768). Log:
 # $OUT/roofline.log, reports (roof_NAME_i.json) in $OUT/roofline_reports.tgz, and the table at the end.
+# TRACE=1: round 1's runs write their timelines (MGMM_TRACE) to $OUT/trace_NAME.json, and
+# tools/trace_gaps.py's reading of each goes into the log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to roofline.log
@@ -58,14 +60,21 @@ for name, dt, tf in (("fp32", torch.float32, False), ("fp64", torch.float64, Fal
 PY
 
 run1() { # NAME I: run NAME.toml once, process wall in NAME_I.time
-  rm -rf "C_$1".* ; local s; s=$(date +%s%N)
-  "$MGMM" run "$1.toml" --quiet --report "$OUT/roof_$1_$2.json" 2>&1 | tail -2 | tee -a "$LOG"
+  rm -rf "C_$1".* ; local s tr=(); s=$(date +%s%N)
+  [ -n "${TRACE:-}" ] && [ "$2" = 1 ] && tr=(env "MGMM_TRACE=$OUT/trace_$1.json")
+  "${tr[@]}" "$MGMM" run "$1.toml" --quiet --report "$OUT/roof_$1_$2.json" 2>&1 | tail -2 | tee -a "$LOG"
   echo $(( ($(date +%s%N) - s) / 1000000 )) > "$1_$2.ms"
   [ "$2" = v ] || rm -rf "C_$1".*   # the disk holds the inputs and one output at a time
 }
 for i in $(seq 1 "$REPEAT"); do
   for j in $JOBS; do log "run $i $j"; run1 $j "$i"; done
 done
+if [ -n "${TRACE:-}" ]; then
+  for j in $JOBS; do
+    log "where $j's GPU waited (round 1, tools/trace_gaps.py)"
+    python3 "$TOOLS/trace_gaps.py" "$OUT/trace_$j.json" --top 6 2>&1 | tee -a "$LOG"
+  done
+fi
 log "verify of the fp32 product, twice"
 run1 fp32_mgt v
 for i in 1 2; do
