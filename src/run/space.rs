@@ -49,6 +49,11 @@ pub(crate) fn check_space(plan: &Plan, layouts: &[Layout], unsplit: bool) -> Res
         // than when the step opens its output.
         if !in_memory {
             fsutil::refuse_link(&s.output)?;
+            // A split run's shard folder too: its manifest, claims and tile records are written
+            // and `prepare --restart` empties it (it used to replace a linked folder silently).
+            if !unsplit {
+                fsutil::refuse_link(&crate::durable::split::state_dir(&s.output))?;
+            }
             checkpoint::refuse_unusable_dir(&checkpoint::partial_dir(&s.output))?;
             crate::durable::journal::refuse_odd(&s.output)?;
         }

@@ -336,6 +336,54 @@ fn prepare_restart_refuses_before_it_resets_a_finished_output() {
     assert!(st.contains("FINALIZED"), "{st}");
 }
 
+/// A split step's shard folder that is a link is refused by `prepare`, `prepare --restart` and
+/// the shard processes alike, naming it, with the folder it points at untouched (`prepare
+/// --restart` replaced the link with a folder of its own without a word: a new user's trial).
+#[test]
+fn a_linked_shard_folder_is_refused_and_left_alone() {
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SMALL, 64);
+    run_shards(dir, 2);
+    let done = std::fs::read(dir.join("C.mgt")).unwrap();
+    std::fs::rename(dir.join("C.mgt.shards"), dir.join("kept")).unwrap();
+    std::os::unix::fs::symlink(dir.join("kept"), dir.join("C.mgt.shards")).unwrap();
+    let listing = |p: &Path| {
+        let mut v: Vec<_> = std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        v.sort();
+        v
+    };
+    let before = listing(&dir.join("kept"));
+    for args in [
+        &["prepare", "plan.toml", "--restart"][..],
+        &["prepare", "plan.toml"][..],
+        &["run", "plan.toml", "--shard", "0/2"][..],
+    ] {
+        let o = cmd(dir, args, &[]).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} must refuse: {err}");
+        assert!(
+            err.contains("C.mgt.shards") && err.contains("symbolic link"),
+            "{args:?}: {err}"
+        );
+        assert!(
+            std::fs::symlink_metadata(dir.join("C.mgt.shards"))
+                .unwrap()
+                .file_type()
+                .is_symlink(),
+            "{args:?} replaced the link"
+        );
+        assert_eq!(listing(&dir.join("kept")), before, "{args:?}");
+        assert!(
+            std::fs::read(dir.join("C.mgt")).unwrap() == done,
+            "{args:?}"
+        );
+    }
+}
+
 /// Bigger, slower (one thread, small tiles): long enough to kill mid-run.
 const SLOW: (u64, u64, u64) = (512, 1536, 512);
 
