@@ -291,6 +291,16 @@ impl Split for ShardOptions {
     }
 }
 
+/// Whether `step` reads `prev`'s output (as A, B or the added C0), by the files' identities:
+/// another spelling of the same path (`./D.mgt`, a folder through a link) is the same file.
+fn reads(step: &Step, prev: &Step) -> bool {
+    let out = crate::store::fsutil::identity_path(&prev.output);
+    [Some(&step.a), Some(&step.b), step.c0.as_ref()]
+        .into_iter()
+        .flatten()
+        .any(|op| op.path == prev.output || crate::store::fsutil::identity_path(&op.path) == out)
+}
+
 /// Run this process's share of a step: wait for the steps before it to be finalized, make
 /// sure the output exists, work shards while there are unclaimed ones, and finalize the step
 /// when every tile is done. Returns one report per shard this process computed.
@@ -301,10 +311,16 @@ fn run_step_shards(
 ) -> Result<Vec<StepReport>> {
     let (plan, step, layout, progress) = (cx.plan, cx.step, cx.layout, cx.progress);
     let n = step.index + 1;
-    // Every step before this one in the plan's list: a whole-expression chain's parts are
-    // steps of their own that share their user step's `index` (waiting on `..index` let a
-    // chain's second part start before its first was finalized, and read it unwritten).
-    for prev in plan.steps.iter().take_while(|s| s.output != step.output) {
+    // The steps before this one in the plan's list whose outputs it reads: a whole-expression
+    // chain's parts are steps of their own that share their user step's `index` (waiting on
+    // `..index` let a chain's second part start before its first was finalized, and read it
+    // unwritten). A step that reads none of them does not wait (it waited for every earlier
+    // step, so shards run one after another waited for another process's share of an
+    // independent step: a new user's trial). Those it reads waited for theirs in turn.
+    for prev in (plan.steps.iter())
+        .take_while(|s| s.output != step.output)
+        .filter(|prev| reads(step, prev))
+    {
         finalize::wait_finalized(plan, prev, sh, progress)?;
     }
     let fp = crate::run::fingerprint(step, layout, backend.caps().kind, plan.engine.precision)?;

@@ -336,6 +336,45 @@ fn prepare_restart_refuses_before_it_resets_a_finished_output() {
     assert!(st.contains("FINALIZED"), "{st}");
 }
 
+/// A step that reads no earlier step's output does not wait for those steps: with a plan of two
+/// independent steps, `--shard 0/2` alone works its half of both and exits (it waited for the
+/// first step's other half to be finalized: a new user's trial); `--shard 1/2` then finishes
+/// and finalizes both, to one process's bytes.
+#[test]
+fn an_independent_step_does_not_wait_for_the_steps_before_it() {
+    let one = tmp();
+    two_step_plan(one.path(), "plan.toml", 128, 64);
+    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
+        .output()
+        .unwrap());
+    let d = tmp();
+    let dir = d.path();
+    two_step_plan(dir, "plan.toml", 128, 64);
+    let o = cmd(
+        dir,
+        &["run", "plan.toml", "--shard", "0/2", "--wait-timeout", "2"],
+        &[],
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(!err.contains("waiting for step 1"), "{err}");
+    let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
+    assert!(!st.contains("FINALIZED"), "{st}");
+    ok(cmd(dir, &["run", "plan.toml", "--shard", "1/2"], &[])
+        .output()
+        .unwrap());
+    let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
+    assert_eq!(st.matches("FINALIZED").count(), 2, "{st}");
+    for f in ["C.mgt", "D.mgt"] {
+        assert!(
+            std::fs::read(dir.join(f)).unwrap() == std::fs::read(one.path().join(f)).unwrap(),
+            "{f} differs from one process's"
+        );
+    }
+}
+
 /// A split step's shard folder that is a link is refused by `prepare`, `prepare --restart` and
 /// the shard processes alike, naming it, with the folder it points at untouched (`prepare
 /// --restart` replaced the link with a folder of its own without a word: a new user's trial).
@@ -895,9 +934,7 @@ fn prepare_restart_resets_every_output_or_none() {
     let d = tmp();
     let dir = d.path();
     two_step_plan(dir, "plan.toml", 128, 64);
-    // One process works every shard of each step in turn (a second shard run after it would
-    // wait for the first step's other half).
-    run_shards(dir, 1);
+    run_shards(dir, 2);
     let c = std::fs::read(dir.join("C.mgt")).unwrap();
     let shards = dir.join("D.mgt.shards");
     let chattr = |flag: &str| {
