@@ -128,10 +128,14 @@ pub(super) fn verify_plan(
                     step.output.display()
                 );
             } else {
-                let n = crate::verify::forget_failing(p, step, &rep)?;
+                // Verify judges storage tiles, `run` recomputes compute tiles: say both, so
+                // "1 failing, recomputing 2" reads as what it is.
+                let (n, (tm, tn)) = crate::verify::forget_failing(p, step, &rep)?;
+                let (sr, sc) = rep.tile_shape;
                 diagln!(
-                    "repair: recomputing {n} tile(s) of {} through `run`",
-                    step.output.display()
+                    "repair: recomputing {n} compute tile(s) of {tm}×{tn} of {} through `run`, which hold the {} failing storage tile(s) of {sr}×{sc}",
+                    step.output.display(),
+                    rep.failing_tiles.len()
                 );
             }
             let progress = Progress::new(true, run::default_log_every());

@@ -1225,7 +1225,11 @@ fn failing_tiles_lines(rep: &VerifyReport) -> String {
 
 /// `verify --repair`: make the next `run` recompute the failing storage tiles of `rep` (the
 /// compute tiles that overlap them lose their journal records). Returns how many were dropped.
-pub(crate) fn forget_failing(plan: &Plan, step: &Step, rep: &VerifyReport) -> Result<usize> {
+pub(crate) fn forget_failing(
+    plan: &Plan,
+    step: &Step,
+    rep: &VerifyReport,
+) -> Result<(usize, (u64, u64))> {
     if journal::peek(&step.output)?.is_none() {
         return Err(Error::Usage(format!(
             "{}: no journal beside the output, so single tiles cannot be redone; rerun the step with `run --restart`",
@@ -1248,7 +1252,10 @@ pub(crate) fn forget_failing(plan: &Plan, step: &Step, rep: &VerifyReport) -> Re
         })
         .map(|t| t.seq)
         .collect();
-    journal::forget(&step.output, &seqs)
+    Ok((
+        journal::forget(&step.output, &seqs)?,
+        (layout.tm, layout.tn),
+    ))
 }
 
 #[cfg(test)]
