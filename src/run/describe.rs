@@ -97,6 +97,20 @@ fn describe_step(
     let e = &plan.engine;
     let t = traffic(step, l);
     let mut s = describe_shape(step, l, &t);
+    // A step resumed from its journal keeps the compute tile it records (`run::layout_for`)
+    // where `tile = "auto"` would now pick another: said, or `plan` after a run showed a tile
+    // no setting explains (a new user's trial).
+    if let Ok(now) = Layout::new(&plan.path, step, e, caps) {
+        if (now.tm, now.tn, now.tk) != (l.tm, l.tn, l.tk) {
+            s += &format!(
+                "  (the compute tile the journal of {} records: `run` keeps it to resume the tiles it finished; `tile = \"auto\"` would pick {}×{}×{} now, which `run --restart` takes)\n",
+                step.output.display(),
+                now.tm,
+                now.tn,
+                now.tk
+            );
+        }
+    }
     s += &describe_emulation(e.precision, l.tk, t.gemms);
     s += &describe_memory(l, e, device);
     s += describe_order(step, l);

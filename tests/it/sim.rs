@@ -493,6 +493,36 @@ fn a_resume_on_fewer_lanes_keeps_the_journals_auto_tile() {
     assert!(same_output(dir));
 }
 
+/// `plan` after a run on four lanes, asked about one: it shows the 384-row tile the journal
+/// records, which `run` keeps, and says so, with the tile `auto` would pick now (it showed the
+/// journal's tile with no word of where it came from: a new user's trial).
+#[test]
+fn plan_says_the_compute_tile_comes_from_the_journal() {
+    let d = tmp();
+    let dir = d.path();
+    uneven_rows(dir, &[("plan.toml", "C.mgt")]);
+    let cli = |args: &[&str]| {
+        let o = std::process::Command::new(bin())
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        let text =
+            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{args:?}: {text}");
+        one_line(&text)
+    };
+    cli(&["run", "plan.toml", "-q"]);
+    let four = cli(&["plan", "plan.toml"]);
+    assert!(!four.contains("the journal of"), "{four}");
+    let one = cli(&["plan", "plan.toml", "--set", "engine.devices=[0]"]);
+    assert!(
+        one.contains("compute tile 384×200×100")
+            && one.contains("(the compute tile the journal of ./C.mgt records: `run` keeps it to resume the tiles it finished; `tile = \"auto\"` would pick 512×200×100 now, which `run --restart` takes)"),
+        "{one}"
+    );
+}
+
 /// `run --restart` keeps a finished output whose input is now corrupt — also when the restart
 /// runs on fewer lanes, where `tile = "auto"` would lay the step out anew: the check compares
 /// against the tile the journal records.
