@@ -547,6 +547,20 @@ impl Verifier {
                 let why = format!("its header is damaged ({e})");
                 return Ok(damaged_output(step, r, why, t0));
             }
+            // An unfinished `.npy` cannot be opened as a matrix (its header says UNFINISHED):
+            // the journal, or a split run's state, says why and what finishes it, on the
+            // step's FAIL line as for a `.mgt` (it was an error with no `verify step` line,
+            // and no word of the shards: a new user's trial).
+            Err(e @ Error::Format { .. }) => {
+                let mut rep = blank_report(step, r, (step.m, step.n));
+                let Some(why) = journal_check(step, precision, &mut rep)? else {
+                    return Err(e);
+                };
+                rep.pass = false;
+                rep.reason = Some(why);
+                rep.seconds = t0.elapsed().as_secs_f64();
+                return Ok(rep);
+            }
             Err(e) => return Err(e),
         };
         let npy = crate::store::OutputFormat::of(&step.output) == crate::store::OutputFormat::Npy;

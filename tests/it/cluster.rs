@@ -804,6 +804,37 @@ fn an_unfinished_split_step_sends_the_user_to_its_shards() {
     ok(cmd(dir, &["verify", "plan.toml"], &[]).output().unwrap());
 }
 
+/// `verify` of a split `.npy` step with shards left says so on the step's FAIL line, as for a
+/// `.mgt` (an unfinished `.npy` cannot be opened as a matrix: verify stopped with that error,
+/// no `verify step` line and no word of the shards: a new user's trial); then it passes.
+#[test]
+fn verify_of_an_unfinished_split_npy_step_names_the_shards_left() {
+    let d = tmp();
+    let dir = d.path();
+    npy_plan(dir);
+    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    ok(cmd(dir, &["run", "plan.toml", "--shard", "1/2"], &[])
+        .output()
+        .unwrap());
+    let o = cmd(dir, &["verify", "plan.toml"], &[]).output().unwrap();
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(!o.status.success(), "{out}{err}");
+    assert!(
+        out.contains("verify step 1 (./C.npy): FAIL")
+            && out.contains("a split run's shards are")
+            && err.contains("`run PLAN --shard K/S` for the shards left"),
+        "{out}{err}"
+    );
+    ok(cmd(dir, &["run", "plan.toml", "--shard", "0/2"], &[])
+        .output()
+        .unwrap());
+    let out = ok(cmd(dir, &["verify", "plan.toml"], &[]).output().unwrap());
+    assert!(out.contains("PASS"), "{out}");
+}
+
 /// A split step its journal calls finished, whose output is gone: `run --shard` refuses (it
 /// could race the job's other processes) and names `prepare`, which computes the step again
 /// alone; the bytes are those of one process.
