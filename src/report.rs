@@ -580,7 +580,7 @@ fn direct_line(r: &StepReport) -> String {
     };
     if r.direct_oversize_blocks > 0 {
         parts.push(format!(
-            "{} staged by copy: their file ranges are larger than the {} that may be {held} (what host_memory leaves beside the pools: raise host_memory to read them in place)",
+            "{} staged by copy: their file ranges are larger than the {} that may be {held} (what host_memory leaves beside the pools: `mgmm-stream plan` names a host_memory that reads them in place)",
             crate::progress::count(r.direct_oversize_blocks, "block", "blocks"),
             fmt_bytes(r.direct_budget_bytes)
         ));

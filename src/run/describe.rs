@@ -130,9 +130,10 @@ fn describe_step(
         s += &describe_write(step, l, e);
     }
     s += &describe_staging(
+        plan,
         step,
         l,
-        e,
+        caps,
         caps.staging(e.staging),
         caps.memory == MemorySpace::Device,
     );
@@ -464,13 +465,15 @@ fn checkpointed(c: &[(u32, u32, u32)]) -> String {
 /// straight from their files' pages (`.mgt`, `.npy` and raw files stored in the dtype the lanes
 /// take), and why the others cannot.
 fn describe_staging(
+    plan: &Plan,
     step: &crate::plan::Step,
     l: &Layout,
-    e: &crate::plan::Engine,
+    caps: &crate::backend::Caps,
     mode: crate::plan::StagingMode,
     device: bool,
 ) -> String {
     use crate::plan::StagingMode;
+    let e = &plan.engine;
     if mode == StagingMode::Copy {
         if e.staging == StagingMode::Auto {
             return format!(
@@ -542,10 +545,14 @@ fn describe_staging(
                 held_range = held_range.max(crate::pipeline::direct::largest_range(pin.chunk, &mb));
                 (!pin.holds(&mb)).then(|| {
                     format!(
-                        "a range of its file, {}, is larger than the {} that host_memory leaves beside the pools to keep {}: raise host_memory",
+                        "a range of its file, {}, is larger than the {} that host_memory leaves beside the pools to keep {}; {}",
                         fmt_bytes(crate::pipeline::direct::largest_range(pin.chunk, &mb)),
                         fmt_bytes(pin.budget),
-                        if device { "page-locked" } else { "mapped" }
+                        if device { "page-locked" } else { "mapped" },
+                        raise_to(
+                            least_host_memory(plan, step, caps, device, 1),
+                            "they are read in place"
+                        )
                     )
                 })
             })
@@ -583,11 +590,15 @@ fn describe_staging(
         // said every block went straight and `run` copied most: a new user's trial).
         if held_range > 0 && pin.budget < 8 * held_range {
             parts.push(format!(
-                "the {} that host_memory leaves beside the pools to keep them {} holds only {} of their ranges ({} each) at once: blocks that find it full, if any, are staged by copy (raise host_memory to read more in place)",
+                "the {} that host_memory leaves beside the pools to keep them {} holds only {} of their ranges ({} each) at once: blocks that find it full, if any, are staged by copy ({})",
                 fmt_bytes(pin.budget),
                 if device { "page-locked" } else { "mapped" },
                 pin.budget / held_range,
-                fmt_bytes(held_range)
+                fmt_bytes(held_range),
+                raise_to(
+                    least_host_memory(plan, step, caps, device, 8),
+                    "it holds 8 at once"
+                )
             ));
         }
     }
@@ -608,6 +619,56 @@ fn describe_staging(
         parts.join("; "),
         e.staging.name()
     )
+}
+
+/// The least `host_memory` — of the plan's times 1¼, 1½, 2, 3, 4, 6, 8, … 64 — at which the
+/// step, laid out as `run` would lay it out with it, leaves room beside its pools for `ranges`
+/// of the largest range a block of A or B read in place holds. With `tile = "auto"` the pools
+/// grow with the budget, so what "raise host_memory" needs is not the shortfall: from 64 to
+/// 96 MiB it changed nothing (a new user's trial). `None`: none of those does.
+fn least_host_memory(
+    plan: &Plan,
+    step: &crate::plan::Step,
+    caps: &crate::backend::Caps,
+    device: bool,
+    ranges: u64,
+) -> Option<u64> {
+    let e = &plan.engine;
+    let steps = [5u64, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256];
+    steps.iter().find_map(|&q| {
+        let hm = (e.host_memory / 4 * q).next_multiple_of(1 << 20);
+        let e2 = crate::plan::Engine {
+            host_memory: hm,
+            ..e.clone()
+        };
+        let l = Layout::new(&plan.path, step, &e2, caps).ok()?;
+        let pin = crate::pipeline::direct::Pinning::new(
+            crate::pipeline::direct::limits(None, hm, l.host_bytes),
+            device,
+            e.precision,
+        );
+        let (a0, b0) = crate::plan::schedule::Schedule::first_blocks(step, &l);
+        let largest = [(&step.a, a0), (&step.b, b0)]
+            .into_iter()
+            .filter(|(op, _)| op.dtype == l.host_dt)
+            .filter_map(|(op, first)| {
+                let f = op.open().ok()?;
+                let mb = f.mapped_block(&first, l.host_dt)?;
+                Some(crate::pipeline::direct::largest_range(pin.chunk, &mb))
+            })
+            .max()?;
+        (pin.budget >= ranges * largest).then_some(hm)
+    })
+}
+
+/// Advice from [`least_host_memory`], as the setting to write: with `tile = "auto"` a larger
+/// budget may pick a larger tile and leave less room again, so it names the one it checked
+/// (on the CPU, 1024² `.npy` inputs had room at 20 MiB, none at 32 and again at 48).
+fn raise_to(hm: Option<u64>, then: &str) -> String {
+    match hm {
+        Some(hm) => format!("with host_memory = \"{}MiB\" {then}", hm >> 20),
+        None => "no host_memory up to 64 times this one leaves the room (with tile = \"auto\" the pools grow with it): set a smaller tile".into(),
+    }
 }
 
 /// How the output file will be written (docs/PLAN.md, `write`), and why when `auto` chose.
