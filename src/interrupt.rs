@@ -15,8 +15,11 @@
 //!
 //! A signal the process was started with ignored (`nohup` ignores SIGHUP) stays ignored.
 //!
-//! A second Ctrl-C while the first stop is being honoured exits at once (status 130). A
-//! repeated SIGTERM or SIGHUP does not: SLURM may deliver SIGTERM twice (to the step's tasks
+//! A second Ctrl-C while the first stop is being honoured exits at once (status 130), unless it
+//! comes within 50 ms of the first: GNU `timeout -s INT` sends its signal to the process and
+//! then to its process group, so the process gets it twice within microseconds, and that is
+//! one request (it made `timeout -s INT` an immediate exit with nothing saved). A repeated
+//! SIGTERM or SIGHUP never exits at once: SLURM may deliver SIGTERM twice (to the step's tasks
 //! and through `srun`), and the stop it asked for is already under way.
 //!
 //! SIGBUS is no request but a fault: the kernel sends it when the engine touches a page of a
@@ -26,7 +29,7 @@
 //! with a bare "Bus error"; the exit status stays 135 (128 + SIGBUS). What was finished is in
 //! the journal, as after a kill.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, Ordering};
 
 static REQUESTED: AtomicBool = AtomicBool::new(false);
 /// The first signal received (0: none).
@@ -35,10 +38,33 @@ static SIGNAL: AtomicI32 = AtomicI32::new(0);
 /// The signals that stop a job cleanly.
 const SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 
+/// When the first signal came (`CLOCK_MONOTONIC`, ns; 0: none yet).
+static FIRST_NS: AtomicI64 = AtomicI64::new(0);
+
+/// A second SIGINT sooner than this after the first is the same request delivered twice.
+const SAME_REQUEST_NS: i64 = 50_000_000;
+
+/// `CLOCK_MONOTONIC` in ns (`clock_gettime` is async-signal-safe).
+fn monotonic_ns() -> i64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `clock_gettime` writes one `timespec` through a valid pointer to a local; it is
+    // async-signal-safe (POSIX).
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    (t.tv_sec as i64) * 1_000_000_000 + t.tv_nsec as i64
+}
+
 extern "C" fn on_signal(sig: libc::c_int) {
-    // Only async-signal-safe work here: atomics and `_exit`.
+    // Only async-signal-safe work here: atomics, `clock_gettime` and `_exit`.
+    let now = monotonic_ns();
+    let _ = FIRST_NS.compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst);
     let _ = SIGNAL.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
-    if REQUESTED.swap(true, Ordering::SeqCst) && sig == libc::SIGINT {
+    if REQUESTED.swap(true, Ordering::SeqCst)
+        && sig == libc::SIGINT
+        && now - FIRST_NS.load(Ordering::SeqCst) > SAME_REQUEST_NS
+    {
         // SAFETY: `_exit` is async-signal-safe and never returns.
         unsafe { libc::_exit(128 + libc::SIGINT) };
     }
