@@ -441,3 +441,32 @@ def test_verify_of_an_output_changed_after_it_was_written_names_the_checksums(tm
     (r,) = mg.verify(p)
     assert r["pass"] is False and r["corrupt_tiles"] >= 1, r
     assert "no longer match the checksums" in r["reason"] and "restart=True" in r["reason"], r
+
+
+def test_a_fortran_npy_paths_output_is_the_plans_and_verifies(tmp_path, monkeypatch):
+    # matmul with a Fortran-order .npy path journaled `2 * a @ b.T` where a plan over the same
+    # files says `A @ BF`: each refused the other's finished output and verify with the plan
+    # failed (new-user trial). The plan now finds the step complete, and it verifies.
+    monkeypatch.chdir(tmp_path)
+    a, b = rand((60, 40), seed=1), rand((40, 50), seed=2)
+    np.save("A.npy", a)
+    np.save("BF.npy", np.asfortranarray(b))
+    mg.matmul("A.npy", "BF.npy", out="C.npy", alpha=2.0, **CPU)
+    close(np.load("C.npy"), 2.0 * reference(a, b), np.float32)
+    plan = {"matrices": {"A": {"path": "A.npy"}, "BF": {"path": "BF.npy"}},
+            "step": [{"output": "C.npy", "expr": "A @ BF", "alpha": 2.0}],
+            "engine": {"backend": "cpu"}}
+    (r,) = mg.verify(plan)
+    assert r["pass"] is True, r
+    before = os.stat("C.npy").st_mtime_ns
+    rep = mg.run(plan, progress=False)
+    assert rep["steps"] == [] and os.stat("C.npy").st_mtime_ns == before, rep
+    # And the other way: the plan's output, asked for again from Python, is found complete.
+    np.save("AF.npy", np.asfortranarray(a))
+    plan["matrices"]["A"]["path"] = "AF.npy"
+    plan["step"][0]["output"] = "D.npy"
+    mg.run(plan, progress=False)
+    before = os.stat("D.npy").st_mtime_ns
+    mg.matmul("AF.npy", "BF.npy", out="D.npy", alpha=2.0, **CPU)
+    assert os.stat("D.npy").st_mtime_ns == before, "computed again"
+    close(np.load("D.npy"), 2.0 * reference(a, b), np.float32)
