@@ -437,21 +437,23 @@ fn uneven_rows(dir: &Path, plans: &[(&str, &str)]) {
 /// rows more evenly: 1300 rows on four simulated lanes with the ladder's 512-row tiles leave
 /// one lane idle and give another 276 rows; 384-row tiles give three lanes 384 and one 148.
 /// `plan` says so, and the product (another tile than the storage tiles) verifies.
+/// `mgmm-stream ARGS` in `dir`, which must succeed: stdout and stderr as one line.
+fn cli_ok(dir: &Path, args: &[&str]) -> String {
+    let o = std::process::Command::new(bin())
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{args:?}: {text}");
+    one_line(&text)
+}
+
 #[test]
 fn auto_tiles_deal_rows_evenly_to_lanes_and_the_product_verifies() {
     let d = tmp();
     uneven_rows(d.path(), &[("plan.toml", "C.mgt")]);
-    let cli = |args: &[&str]| {
-        let o = std::process::Command::new(bin())
-            .args(args)
-            .current_dir(d.path())
-            .output()
-            .unwrap();
-        let text =
-            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
-        assert!(o.status.success(), "{args:?}: {text}");
-        one_line(&text)
-    };
+    let cli = |args: &[&str]| cli_ok(d.path(), args);
     let plan = cli(&["plan", "plan.toml"]);
     assert!(plan.contains("compute tile 384×200×100"), "{plan}");
     assert!(
@@ -501,17 +503,7 @@ fn plan_says_the_compute_tile_comes_from_the_journal() {
     let d = tmp();
     let dir = d.path();
     uneven_rows(dir, &[("plan.toml", "C.mgt")]);
-    let cli = |args: &[&str]| {
-        let o = std::process::Command::new(bin())
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        let text =
-            String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
-        assert!(o.status.success(), "{args:?}: {text}");
-        one_line(&text)
-    };
+    let cli = |args: &[&str]| cli_ok(dir, args);
     cli(&["run", "plan.toml", "-q"]);
     let four = cli(&["plan", "plan.toml"]);
     assert!(!four.contains("the journal of"), "{four}");
