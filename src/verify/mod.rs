@@ -1238,7 +1238,8 @@ fn failing_tiles_lines(rep: &VerifyReport) -> String {
 }
 
 /// `verify --repair`: make the next `run` recompute the failing storage tiles of `rep` (the
-/// compute tiles that overlap them lose their journal records). Returns how many were dropped.
+/// compute tiles that overlap them lose their journal records). Returns how many were dropped,
+/// and the compute tile's rows and columns.
 pub(crate) fn forget_failing(
     plan: &Plan,
     step: &Step,
