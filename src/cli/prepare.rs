@@ -38,7 +38,7 @@ impl PrepareArgs {
         for done in prepare::prepare_plan(&p, self.restart, &progress)? {
             match done {
                 Prepared::Waiting { step, input } => println!(
-                    "step {}: prepared when its input {} exists (a step before finalizes it)",
+                    "step {}: prepared when its input {} is finalized (a step before writes it)",
                     step + 1,
                     input.display()
                 ),

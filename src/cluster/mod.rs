@@ -291,13 +291,18 @@ impl Split for ShardOptions {
     }
 }
 
-/// Whether `step` reads `prev`'s output (as A, B or the added C0), by the files' identities:
-/// another spelling of the same path (`./D.mgt`, a folder through a link) is the same file.
-fn reads(step: &Step, prev: &Step) -> bool {
+/// Whether `step` reads `prev`'s output — as A, B or the added C0, or, for a part of a
+/// whole-expression chain, as any leaf of the chain (every part's fingerprint holds every leaf's
+/// identity, so a part that multiplies none of an earlier output still opens it: `C @ (D @ E)`
+/// after a step writing C) — by the files' identities: another spelling of the same path
+/// (`./D.mgt`, a folder through a link) is the same file.
+pub(super) fn reads(step: &Step, prev: &Step) -> bool {
     let out = crate::store::fsutil::identity_path(&prev.output);
+    let leaves = step.chain.iter().flat_map(|c| c.leaves.iter());
     [Some(&step.a), Some(&step.b), step.c0.as_ref()]
         .into_iter()
         .flatten()
+        .chain(leaves)
         .any(|op| op.path == prev.output || crate::store::fsutil::identity_path(&op.path) == out)
 }
 
@@ -317,11 +322,14 @@ fn run_step_shards(
     // unwritten). A step that reads none of them does not wait (it waited for every earlier
     // step, so shards run one after another waited for another process's share of an
     // independent step: a new user's trial). Those it reads waited for theirs in turn.
-    for prev in (plan.steps.iter())
-        .take_while(|s| s.output != step.output)
-        .filter(|prev| reads(step, prev))
-    {
-        finalize::wait_finalized(plan, prev, sh, progress)?;
+    for prev in plan.steps.iter().take_while(|s| s.output != step.output) {
+        if reads(step, prev) {
+            finalize::wait_finalized(plan, prev, sh, progress)?;
+        } else {
+            // Not waited for, still finalized here when every tile is done and its finalizer
+            // is gone (a process that died after the last tile), as waiting did it.
+            finalize::try_auto(plan, prev, sh, progress, &finalize::Own::default(), false)?;
+        }
     }
     let fp = crate::run::fingerprint(step, layout, backend.caps().kind, plan.engine.precision)?;
     if prepare::is_finalized(&step.output, Some(&fp))? {

@@ -378,12 +378,29 @@ pub fn prepare_plan(
     }
     super::generate_shared(plan, &sh, progress)?;
     let mut out = Vec::new();
-    for (step, layout) in plan.steps.iter().zip(&layouts) {
+    for (pos, (step, layout)) in plan.steps.iter().zip(&layouts).enumerate() {
         let ins = [Some(&step.a), Some(&step.b), step.c0.as_ref()];
-        if let Some(op) = ins.into_iter().flatten().find(|op| !op.path.exists()) {
+        let missing = ins.into_iter().flatten().find(|op| !op.path.exists());
+        // An earlier step's output that this step reads and that is not finalized yet is as
+        // good as missing: prepared (an unfinished `.npy` cannot even be opened, so `prepare`
+        // stopped there: a new user's trial) but not written. The shards prepare this step
+        // once it is finalized (`ensure`).
+        let unfinished = || -> Result<Option<std::path::PathBuf>> {
+            for prev in &plan.steps[..pos] {
+                if super::reads(step, prev) && !is_finalized(&prev.output, None)? {
+                    return Ok(Some(prev.output.clone()));
+                }
+            }
+            Ok(None)
+        };
+        let waiting = match missing {
+            Some(op) => Some(op.path.clone()),
+            None => unfinished()?,
+        };
+        if let Some(input) = waiting {
             out.push(Prepared::Waiting {
                 step: step.index,
-                input: op.path.clone(),
+                input,
             });
             continue;
         }

@@ -375,6 +375,100 @@ fn an_independent_step_does_not_wait_for_the_steps_before_it() {
     }
 }
 
+/// `prepare` of a plan whose later step reads an earlier step's `.npy` output: that step waits
+/// (the earlier output exists, prepared but unfinished, and an unfinished `.npy` cannot be
+/// opened: `prepare` stopped there with an error, a new user's trial); the shards then prepare
+/// and compute it, to one process's bytes.
+#[test]
+fn prepare_leaves_a_step_reading_an_unfinished_npy_for_the_shards() {
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 128, cols = 128, seed = 1 }\n\
+                [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 128, cols = 128, seed = 2 }\n\
+                [[step]]\nname = \"X\"\noutput = \"X.npy\"\nexpr = \"A @ B\"\n\
+                [[step]]\noutput = \"D.mgt\"\nexpr = \"B.T @ A.T\"\n\
+                [[step]]\noutput = \"E.npy\"\nexpr = \"X.T @ A\"\n\
+                [engine]\nbackend = \"cpu\"\ntile = 64\nhost_memory = \"64MiB\"\n";
+    let one = tmp();
+    std::fs::write(one.path().join("plan.toml"), text).unwrap();
+    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
+        .output()
+        .unwrap());
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    let said = ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    assert!(
+        said.contains("step 3: prepared when its input ./X.npy is finalized"),
+        "{said}"
+    );
+    // Two processes at once: step 3 waits for step 1's other half.
+    let shards: Vec<Child> = ["0/2", "1/2"]
+        .iter()
+        .map(|s| spawn(dir, &["run", "plan.toml", "-q", "--shard", s], &[]))
+        .collect();
+    for c in shards {
+        ok(c.wait_with_output().unwrap());
+    }
+    for f in ["X.npy", "D.mgt", "E.npy"] {
+        assert!(
+            std::fs::read(dir.join(f)).unwrap() == std::fs::read(one.path().join(f)).unwrap(),
+            "{f} differs from one process's"
+        );
+    }
+}
+
+/// A chain part that multiplies none of an earlier step's output still waits for it when the
+/// chain holds it: `C @ D @ E` is computed `C @ (D @ E)`, and its first part (`D @ E`) records
+/// every leaf's identity, C's too — it fingerprinted C unfinished and every later process then
+/// refused the step as "prepared for a different plan" (cold review).
+#[test]
+fn a_chain_part_waits_for_an_earlier_output_among_its_leaves() {
+    let text = "[matrices.A]\npath = \"A.mgt\"\ngenerate = { rows = 128, cols = 128, seed = 1 }\n\
+                [matrices.B]\npath = \"B.mgt\"\ngenerate = { rows = 128, cols = 128, seed = 2 }\n\
+                [matrices.D]\npath = \"D.mgt\"\ngenerate = { rows = 128, cols = 128, seed = 3 }\n\
+                [matrices.E]\npath = \"E.mgt\"\ngenerate = { rows = 128, cols = 4, seed = 4 }\n\
+                [[step]]\nname = \"C\"\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
+                [[step]]\noutput = \"W.mgt\"\nexpr = \"C @ D @ E\"\n\
+                [engine]\nbackend = \"cpu\"\ntile = 64\nhost_memory = \"64MiB\"\n";
+    let one = tmp();
+    std::fs::write(one.path().join("plan.toml"), text).unwrap();
+    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
+        .output()
+        .unwrap());
+    let d = tmp();
+    let dir = d.path();
+    std::fs::write(dir.join("plan.toml"), text).unwrap();
+    let described = ok(cmd(dir, &["plan", "plan.toml"], &[]).output().unwrap());
+    assert!(described.contains("C @ (D @ E)"), "{described}");
+    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
+    let shards: Vec<Child> = ["0/2", "1/2"]
+        .iter()
+        .map(|s| {
+            spawn(
+                dir,
+                &[
+                    "run",
+                    "plan.toml",
+                    "-q",
+                    "--shard",
+                    s,
+                    "--wait-timeout",
+                    "30",
+                ],
+                &[],
+            )
+        })
+        .collect();
+    for c in shards {
+        ok(c.wait_with_output().unwrap());
+    }
+    for f in ["C.mgt", "W.mgt"] {
+        assert!(
+            std::fs::read(dir.join(f)).unwrap() == std::fs::read(one.path().join(f)).unwrap(),
+            "{f} differs from one process's"
+        );
+    }
+}
+
 /// A split step's shard folder that is a link is refused by `prepare`, `prepare --restart` and
 /// the shard processes alike, naming it, with the folder it points at untouched (`prepare
 /// --restart` replaced the link with a folder of its own without a word: a new user's trial).
