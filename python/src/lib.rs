@@ -460,13 +460,23 @@ fn prepare(
     let engine = api::engine_with(Path::new(ORIGIN), &kv)
         .map_err(|e| bad_input(py, errors::python_words(&e.to_string())))?;
     let ((m, k), (_, n)) = (oa.op_shape(), ob.op_shape());
-    // The expression as a plan would write it for the same files: a Fortran-order `.npy` path is
-    // read as its stored transpose (`flip_a`), as the CLI's plan reads it, and — as there — that
-    // is no `.T` of the expression (its header, in the input's identity, says so). With the
-    // flip written in, `2 * a @ b.T` against a plan's `A @ BF`, each side refused the other's
-    // finished output and `verify` with a plan failed (a new user's trial).
-    let t = |trans: bool| if trans { ".T" } else { "" };
-    let expr = format!("{alpha} * a{} @ b{}", t(trans_a), t(trans_b));
+    // The expression as a plan would write it for the same files: a Fortran-order `.npy` — as a
+    // path, or as a memmap of the whole file, which is opened as that file — is read as its
+    // stored transpose (`MatrixSource::transposed`), as the CLI's plan reads it, and — as there
+    // — that is no `.T` of the expression (its header, in the input's identity, says so). With
+    // the flip written in, `2 * a @ b.T` against a plan's `A @ BF`, each side refused the
+    // other's finished output and `verify` with a plan failed (a new user's trial). `o.trans`
+    // less the source's own flip is what the caller asked of the matrix it passed: taken from
+    // `trans_a` alone, a Fortran memmap passed with `trans_a=True` read as the path without it
+    // and was handed that product's output (cold review).
+    let t = |o: &Operand, s: &Arc<dyn MatrixSource>| {
+        if o.trans ^ s.transposed() {
+            ".T"
+        } else {
+            ""
+        }
+    };
+    let expr = format!("{alpha} * a{} @ b{}", t(&oa, &sa), t(&ob, &sb));
     // Arrays are no files: `plan` says so (the output an array until `describe` is given a
     // path; `run` names its output itself).
     let held = [(&sa, &oa.path), (&sb, &ob.path)]

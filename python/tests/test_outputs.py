@@ -470,3 +470,24 @@ def test_a_fortran_npy_paths_output_is_the_plans_and_verifies(tmp_path, monkeypa
     mg.matmul("AF.npy", "BF.npy", out="D.npy", alpha=2.0, **CPU)
     assert os.stat("D.npy").st_mtime_ns == before, "computed again"
     close(np.load("D.npy"), 2.0 * reference(a, b), np.float32)
+
+
+def test_a_fortran_npy_as_path_or_memmap_journals_what_was_asked(tmp_path, monkeypatch):
+    # The same product from a Fortran-order .npy as a path and as a memmap of the whole file
+    # shares one journal (the second call finds it complete); a memmap passed with trans_a=True
+    # is another product, refused over the first's output, never handed it (cold review).
+    monkeypatch.chdir(tmp_path)
+    x, b = rand((48, 48), seed=1), rand((48, 40), seed=2)
+    np.save("AF.npy", np.asfortranarray(x))
+    np.save("B.npy", b)
+    mg.matmul("AF.npy", "B.npy", out="C.npy", **CPU)
+    close(np.load("C.npy"), reference(x, b), np.float32)
+    before = os.stat("C.npy").st_mtime_ns
+    m = np.load("AF.npy", mmap_mode="r")
+    mg.matmul(m, "B.npy", out="C.npy", **CPU)
+    assert os.stat("C.npy").st_mtime_ns == before, "the same product was computed again"
+    with pytest.raises(mg.BadInputError, match="expr"):
+        mg.matmul(m, "B.npy", out="C.npy", trans_a=True, **CPU)
+    close(np.load("C.npy"), reference(x, b), np.float32)
+    mg.matmul(m, "B.npy", out="D.npy", trans_a=True, **CPU)
+    close(np.load("D.npy"), reference(x.T.copy(), b), np.float32)
