@@ -16,7 +16,7 @@
 //! A signal the process was started with ignored (`nohup` ignores SIGHUP) stays ignored.
 //!
 //! A second Ctrl-C while the first stop is being honoured exits at once (status 130), unless it
-//! comes within 50 ms of the first: GNU `timeout -s INT` sends its signal to the process and
+//! comes within 100 ms of the first: GNU `timeout -s INT` sends its signal to the process and
 //! then to its process group, so the process gets it twice within microseconds, and that is
 //! one request (it made `timeout -s INT` an immediate exit with nothing saved). A repeated
 //! SIGTERM or SIGHUP never exits at once: SLURM may deliver SIGTERM twice (to the step's tasks
@@ -42,7 +42,7 @@ const SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
 static FIRST_NS: AtomicI64 = AtomicI64::new(0);
 
 /// A second SIGINT sooner than this after the first is the same request delivered twice.
-const SAME_REQUEST_NS: i64 = 50_000_000;
+const SAME_REQUEST_NS: i64 = 100_000_000;
 
 /// `CLOCK_MONOTONIC` in ns (`clock_gettime` is async-signal-safe).
 fn monotonic_ns() -> i64 {

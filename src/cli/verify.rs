@@ -133,7 +133,7 @@ pub(super) fn verify_plan(
                 let (n, (tm, tn)) = crate::verify::forget_failing(p, step, &rep)?;
                 let (sr, sc) = rep.tile_shape;
                 diagln!(
-                    "repair: recomputing {n} compute tile(s) of {tm}×{tn} of {} through `run`, which hold the {} failing storage tile(s) of {sr}×{sc}",
+                    "repair: recomputing {n} compute tile(s) (of up to {tm}×{tn}) of {} through `run`, which hold the {} failing storage tile(s) (of up to {sr}×{sc})",
                     step.output.display(),
                     rep.failing_tiles.len()
                 );

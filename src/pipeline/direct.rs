@@ -414,6 +414,14 @@ fn range_per(chunk: u64, mb: &MappedBlock) -> u64 {
     (chunk / mb.stride).max(1) * mb.stride
 }
 
+/// The bytes of every range [`block_ranges`] gives `mb`'s block: what the block holds
+/// registered at once.
+pub(crate) fn block_range_bytes(chunk: u64, mb: &MappedBlock) -> u64 {
+    (block_ranges(chunk, mb).iter())
+        .map(|r| r.end - r.start)
+        .sum()
+}
+
 /// The largest range [`block_ranges`] gives `mb`'s block.
 pub(crate) fn largest_range(chunk: u64, mb: &MappedBlock) -> u64 {
     (block_ranges(chunk, mb).iter())

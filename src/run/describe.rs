@@ -493,6 +493,7 @@ fn describe_staging(
         e.precision,
     );
     let mut held_range = 0u64;
+    let mut in_place: Vec<&crate::plan::Operand> = Vec::new();
     // `auto` on a GPU copies every block of a file stored in whole rows whose blocks are
     // narrow (`pipeline::direct::narrow_files`): the rule `run` applies, judged from the files
     // where they exist, else (an earlier step's output) from the name a `.npy` is written under.
@@ -543,18 +544,30 @@ fn describe_staging(
             op.open().ok().and_then(|f| {
                 let mb = f.mapped_block(&first, l.host_dt)?;
                 held_range = held_range.max(crate::pipeline::direct::largest_range(pin.chunk, &mb));
-                (!pin.holds(&mb)).then(|| {
-                    format!(
-                        "a range of its file, {}, is larger than the {} that host_memory leaves beside the pools to keep {}; {}",
+                if !in_place.iter().any(|o| o.path == op.path) {
+                    in_place.push(op);
+                }
+                // A block is held registered in all of its ranges at once (several where it
+                // spans them): a budget smaller than that stages it by copy
+                // (`direct_full_blocks`: every block at 24 MiB of 2048² `.npy` inputs on the
+                // CPU, where `plan` said they went straight, "if any" were copied: a trial).
+                let need = crate::pipeline::direct::block_range_bytes(pin.chunk, &mb);
+                let held = if device { "page-locked" } else { "mapped" };
+                if !pin.holds(&mb) {
+                    Some(format!(
+                        "a range of its file, {}, is larger than the {} that host_memory leaves beside the pools to keep {held}",
                         fmt_bytes(crate::pipeline::direct::largest_range(pin.chunk, &mb)),
                         fmt_bytes(pin.budget),
-                        if device { "page-locked" } else { "mapped" },
-                        raise_to(
-                            least_host_memory(plan, step, caps, device, 1),
-                            "they are read in place"
-                        )
-                    )
-                })
+                    ))
+                } else if need > pin.budget {
+                    Some(format!(
+                        "a block of it holds {} of its file at once, more than the {} that host_memory leaves beside the pools to keep {held}",
+                        fmt_bytes(need),
+                        fmt_bytes(pin.budget),
+                    ))
+                } else {
+                    None
+                }
             })
         };
         // `R @ R.T` reads one matrix twice: name it once.
@@ -584,10 +597,9 @@ fn describe_staging(
             "{who} {} straight from the files' pages{when}",
             direct.join(", ")
         ));
-        // A block holds a range of A and one of B at once (two of a file where it spans a
-        // range's end), and the lanes several blocks: a budget of a few ranges leaves blocks
-        // that find it full, staged by copy (`direct_full_blocks`; at 64 MiB on the CPU `plan`
-        // said every block went straight and `run` copied most: a new user's trial).
+        // The lanes hold several blocks: a budget of a few ranges leaves blocks that find it
+        // full, staged by copy (at 64 MiB `plan` said every block went straight and `run`
+        // copied most: a new user's trial).
         if held_range > 0 && pin.budget < 8 * held_range {
             parts.push(format!(
                 "the {} that host_memory leaves beside the pools to keep them {} holds only {} of their ranges ({} each) at once: blocks that find it full, if any, are staged by copy ({})",
@@ -596,14 +608,28 @@ fn describe_staging(
                 pin.budget / held_range,
                 fmt_bytes(held_range),
                 raise_to(
-                    least_host_memory(plan, step, caps, device, 8),
+                    least_host_memory(plan, step, caps, device, &in_place, &|_, largest| 8 * largest),
                     "it holds 8 at once"
                 )
             ));
         }
     }
     if !copied.is_empty() {
-        parts.push(format!("{} staged by copy", copied.join(", ")));
+        // A range larger than the whole budget: where is there room for them.
+        let oversize = (copied.iter())
+            .any(|c| c.contains("a range of its file") || c.contains("a block of it holds"));
+        let advice = if oversize {
+            format!(
+                "; {}",
+                raise_to(
+                    least_host_memory(plan, step, caps, device, &in_place, &|need, _| need),
+                    "they are read in place"
+                )
+            )
+        } else {
+            String::new()
+        };
+        parts.push(format!("{} staged by copy{advice}", copied.join(", ")));
     } else {
         // What `Engines::make` decides with the files open (`pipeline::direct::expected`).
         let when = match mode {
@@ -622,16 +648,19 @@ fn describe_staging(
 }
 
 /// The least `host_memory` — of the plan's times 1¼, 1½, 2, 3, 4, 6, 8, … 64 — at which the
-/// step, laid out as `run` would lay it out with it, leaves room beside its pools for `ranges`
-/// of the largest range a block of A or B read in place holds. With `tile = "auto"` the pools
-/// grow with the budget, so what "raise host_memory" needs is not the shortfall: from 64 to
-/// 96 MiB it changed nothing (a new user's trial). `None`: none of those does.
+/// step, laid out as `run` would lay it out with it (`run::layout_for`: a resumed step keeps
+/// its journal's tile), leaves room beside its pools for `want(need, largest)` bytes: `need`
+/// the most a first block of `ops` (those `plan` found readable in place at the plan's budget,
+/// or too large for it) holds registered at once, `largest` the largest range of those. With `tile = "auto"` the pools grow with the budget, so what "raise
+/// host_memory" needs is not the shortfall: from 64 to 96 MiB it changed nothing (a new user's
+/// trial). `None`: none of those does.
 fn least_host_memory(
     plan: &Plan,
     step: &crate::plan::Step,
     caps: &crate::backend::Caps,
     device: bool,
-    ranges: u64,
+    ops: &[&crate::plan::Operand],
+    want: &dyn Fn(u64, u64) -> u64,
 ) -> Option<u64> {
     let e = &plan.engine;
     let steps = [5u64, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256];
@@ -641,23 +670,25 @@ fn least_host_memory(
             host_memory: hm,
             ..e.clone()
         };
-        let l = Layout::new(&plan.path, step, &e2, caps).ok()?;
+        let l = crate::run::layout_for(&plan.path, step, &e2, caps, false).ok()?;
         let pin = crate::pipeline::direct::Pinning::new(
             crate::pipeline::direct::limits(None, hm, l.host_bytes),
             device,
             e.precision,
         );
         let (a0, b0) = crate::plan::schedule::Schedule::first_blocks(step, &l);
-        let largest = [(&step.a, a0), (&step.b, b0)]
-            .into_iter()
-            .filter(|(op, _)| op.dtype == l.host_dt)
-            .filter_map(|(op, first)| {
-                let f = op.open().ok()?;
-                let mb = f.mapped_block(&first, l.host_dt)?;
-                Some(crate::pipeline::direct::largest_range(pin.chunk, &mb))
-            })
-            .max()?;
-        (pin.budget >= ranges * largest).then_some(hm)
+        let (mut need, mut largest, mut seen) = (0, 0, Vec::new());
+        for (op, first) in [(&step.a, a0), (&step.b, b0)] {
+            if !ops.iter().any(|o| o.path == op.path) || seen.contains(&&op.path) {
+                continue;
+            }
+            seen.push(&op.path);
+            let f = op.open().ok()?;
+            let mb = f.mapped_block(&first, l.host_dt)?;
+            need = need.max(crate::pipeline::direct::block_range_bytes(pin.chunk, &mb));
+            largest = largest.max(crate::pipeline::direct::largest_range(pin.chunk, &mb));
+        }
+        (need > 0 && pin.budget >= want(need, largest)).then_some(hm)
     })
 }
 
@@ -667,7 +698,7 @@ fn least_host_memory(
 fn raise_to(hm: Option<u64>, then: &str) -> String {
     match hm {
         Some(hm) => format!("with host_memory = \"{}MiB\" {then}", hm >> 20),
-        None => "no host_memory up to 64 times this one leaves the room (with tile = \"auto\" the pools grow with it): set a smaller tile".into(),
+        None => "no host_memory up to 64 times this one leaves the room: with tile = \"auto\" the pools grow with it, and at most half the memory the host can spare is kept locked; a smaller tile needs less".into(),
     }
 }
 

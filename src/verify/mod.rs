@@ -551,7 +551,7 @@ impl Verifier {
             // the journal, or a split run's state, says why and what finishes it, on the
             // step's FAIL line as for a `.mgt` (it was an error with no `verify step` line,
             // and no word of the shards: a new user's trial).
-            Err(e @ Error::Format { .. }) => {
+            Err(e @ Error::Format { .. }) if unfinished_npy(&step.output) => {
                 let mut rep = blank_report(step, r, (step.m, step.n));
                 let Some(why) = journal_check(step, precision, &mut rep)? else {
                     return Err(e);
@@ -1235,6 +1235,16 @@ fn failing_tiles_lines(rep: &VerifyReport) -> String {
         line += &format!(" {t}");
     }
     s + &line
+}
+
+/// Whether `path` is a `.npy` output whose header says the engine has not finished it (and
+/// nothing else is wrong with the header): only then is an error opening it "unfinished", not a
+/// damaged file (cold review).
+fn unfinished_npy(path: &Path) -> bool {
+    std::fs::File::open(path)
+        .ok()
+        .and_then(|mut f| crate::store::npy::read_header(path, &mut f).ok())
+        .is_some_and(|h| h.unfinished)
 }
 
 /// `verify --repair`: make the next `run` recompute the failing storage tiles of `rep` (the

@@ -662,53 +662,66 @@ per_backend! {
 /// says they go straight from the pages and the run copies none.
 #[test]
 fn the_host_memory_plan_names_reads_the_inputs_in_place() {
-    let d = tmp();
-    let dir = d.path();
-    let v = (0..1024 * 1024)
-        .map(|i| (i % 7) as f64 - 3.0)
-        .collect::<Vec<_>>();
-    write_npy(&dir.join("A.npy"), 1024, 1024, &v, DType::F32);
-    write_npy(&dir.join("B.npy"), 1024, 1024, &v, DType::F32);
-    let text = |hm: &str| {
-        format!(
-            "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
-             [[step]]\noutput = \"C{hm}.mgt\"\nexpr = \"A @ B\"\n\
-             [engine]\nbackend = \"cpu\"\nstaging = \"direct\"\nhost_memory = \"{hm}\"\n"
-        )
-    };
-    let said = |hm: &str| {
-        std::fs::write(dir.join("plan.toml"), text(hm)).unwrap();
-        mgmm_stream::run::describe(&mgmm_stream::plan::Plan::load(&dir.join("plan.toml")).unwrap())
+    // 2048² at 24 MiB: each range fits, a block's seven do not (`plan` said they went straight,
+    // and named a budget that fit one range: a new user's trial).
+    for (n, low_hm) in [(1024usize, "16MiB"), (2048, "24MiB")] {
+        let d = tmp();
+        let dir = d.path();
+        let v = (0..n * n).map(|i| (i % 7) as f64 - 3.0).collect::<Vec<_>>();
+        write_npy(&dir.join("A.npy"), n, n, &v, DType::F32);
+        write_npy(&dir.join("B.npy"), n, n, &v, DType::F32);
+        let text = |hm: &str| {
+            format!(
+                "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
+                 [[step]]\noutput = \"C{hm}.mgt\"\nexpr = \"A @ B\"\n\
+                 [engine]\nbackend = \"cpu\"\nstaging = \"direct\"\nhost_memory = \"{hm}\"\n"
+            )
+        };
+        let said = |hm: &str| {
+            std::fs::write(dir.join("plan.toml"), text(hm)).unwrap();
+            mgmm_stream::run::describe(
+                &mgmm_stream::plan::Plan::load(&dir.join("plan.toml")).unwrap(),
+            )
             .unwrap()
             .replace("\n      ", " ")
-    };
-    let low = said("16MiB");
-    let rep = run_text(dir, &text("16MiB")).unwrap();
-    assert!(rep.steps[0].direct_oversize_blocks > 0, "{low}");
-    let hm = low
-        .split("with host_memory = \"")
-        .nth(1)
-        .and_then(|r| r.split('"').next())
-        .unwrap_or_else(|| panic!("no host_memory named: {low}"))
-        .to_string();
-    assert!(
-        low.contains(&format!(
-            "with host_memory = \"{hm}\" they are read in place"
-        )),
-        "{low}"
-    );
-    let at = said(&hm);
-    assert!(
-        at.contains("the lanes copy A, B straight from the files' pages")
-            && !at.contains("a range of its file"),
-        "{hm}: {at}"
-    );
-    let rep = run_text(dir, &text(&hm)).unwrap();
-    let s = &rep.steps[0];
-    assert!(
-        s.direct_oversize_blocks == 0 && s.direct_bytes > 0,
-        "{hm}: {s:?}"
-    );
+        };
+        let low = said(low_hm);
+        let rep = run_text(dir, &text(low_hm)).unwrap();
+        let s = &rep.steps[0];
+        assert!(
+            s.direct_oversize_blocks + s.direct_full_blocks > 0 && low.contains("staged by copy"),
+            "{n}: {low}"
+        );
+        assert!(
+            !low.contains("straight from the files' pages"),
+            "{n}: {low}"
+        );
+        let hm = low
+            .split("with host_memory = \"")
+            .nth(1)
+            .and_then(|r| r.split('"').next())
+            .unwrap_or_else(|| panic!("no host_memory named: {low}"))
+            .to_string();
+        assert!(
+            low.contains(&format!(
+                "with host_memory = \"{hm}\" they are read in place"
+            )),
+            "{low}"
+        );
+        let at = said(&hm);
+        assert!(
+            at.contains("the lanes copy A, B straight from the files' pages")
+                && !at.contains("a range of its file")
+                && !at.contains("a block of it holds"),
+            "{n}, {hm}: {at}"
+        );
+        let rep = run_text(dir, &text(&hm)).unwrap();
+        let s = &rep.steps[0];
+        assert!(
+            s.direct_oversize_blocks == 0 && s.direct_full_blocks == 0 && s.direct_bytes > 0,
+            "{n}, {hm}: {s:?}"
+        );
+    }
 }
 
 /// `staging = "direct"` on the CPU with less `host_memory` beside the pools than one range of a

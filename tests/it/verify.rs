@@ -808,7 +808,7 @@ fn cli_reports_on_stdout_and_repair_restores_clean_bytes() {
     assert!(
         o.status.success()
             && out.contains("after repair")
-            && err.contains("recomputing 1 compute tile(s) of 128×128 of ./C.mgt through `run`, which hold the 1 failing storage tile(s) of 128×128"),
+            && err.contains("recomputing 1 compute tile(s) (of up to 128×128) of ./C.mgt through `run`, which hold the 1 failing storage tile(s) (of up to 128×128)"),
         "{out}\n{err}"
     );
     assert!(
@@ -995,7 +995,7 @@ fn repair_of_an_output_a_later_step_reads_computes_that_step_again() {
     assert!(!ok && text.contains("FAIL"), "{text}");
     let (ok, text) = cli(&["verify", "plan.toml", "--repair"]);
     assert!(
-        ok && text.contains("recomputing 1 compute tile(s) of 64×64 of ./X.npy")
+        ok && text.contains("recomputing 1 compute tile(s) (of up to 64×64) of ./X.npy")
             && text.contains("step 2 (./Y.mgt) reads ./X.npy")
             && text.contains("computing it again"),
         "{text}"
