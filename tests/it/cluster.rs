@@ -367,9 +367,48 @@ fn an_independent_step_does_not_wait_for_the_steps_before_it() {
         .unwrap());
     let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
     assert_eq!(st.matches("FINALIZED").count(), 2, "{st}");
-    for f in ["C.mgt", "D.mgt"] {
+    assert_same(dir, one.path(), &["C.mgt", "D.mgt"]);
+}
+
+/// One process's run of plan `text`, in a folder of its own (kept alive by the result).
+fn one_process(text: &str) -> tempfile::TempDir {
+    let one = tmp();
+    std::fs::write(one.path().join("plan.toml"), text).unwrap();
+    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
+        .output()
+        .unwrap());
+    one
+}
+
+/// `--shard 0/2` and `--shard 1/2` of `dir`'s plan at once, both succeeding; then each of
+/// `files` must hold the bytes one process wrote in `one`.
+fn two_shards_at_once_match(dir: &Path, one: &Path, files: &[&str]) {
+    let args = |s| {
+        [
+            "run",
+            "plan.toml",
+            "-q",
+            "--shard",
+            s,
+            "--wait-timeout",
+            "30",
+        ]
+    };
+    let shards: Vec<Child> = ["0/2", "1/2"]
+        .iter()
+        .map(|s| spawn(dir, &args(s), &[]))
+        .collect();
+    for c in shards {
+        ok(c.wait_with_output().unwrap());
+    }
+    assert_same(dir, one, files);
+}
+
+/// Each of `files` in `dir` holds the bytes of the same file in `one`.
+fn assert_same(dir: &Path, one: &Path, files: &[&str]) {
+    for f in files {
         assert!(
-            std::fs::read(dir.join(f)).unwrap() == std::fs::read(one.path().join(f)).unwrap(),
+            std::fs::read(dir.join(f)).unwrap() == std::fs::read(one.join(f)).unwrap(),
             "{f} differs from one process's"
         );
     }
@@ -387,11 +426,7 @@ fn prepare_leaves_a_step_reading_an_unfinished_npy_for_the_shards() {
                 [[step]]\noutput = \"D.mgt\"\nexpr = \"B.T @ A.T\"\n\
                 [[step]]\noutput = \"E.npy\"\nexpr = \"X.T @ A\"\n\
                 [engine]\nbackend = \"cpu\"\ntile = 64\nhost_memory = \"64MiB\"\n";
-    let one = tmp();
-    std::fs::write(one.path().join("plan.toml"), text).unwrap();
-    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
-        .output()
-        .unwrap());
+    let one = one_process(text);
     let d = tmp();
     let dir = d.path();
     std::fs::write(dir.join("plan.toml"), text).unwrap();
@@ -401,19 +436,7 @@ fn prepare_leaves_a_step_reading_an_unfinished_npy_for_the_shards() {
         "{said}"
     );
     // Two processes at once: step 3 waits for step 1's other half.
-    let shards: Vec<Child> = ["0/2", "1/2"]
-        .iter()
-        .map(|s| spawn(dir, &["run", "plan.toml", "-q", "--shard", s], &[]))
-        .collect();
-    for c in shards {
-        ok(c.wait_with_output().unwrap());
-    }
-    for f in ["X.npy", "D.mgt", "E.npy"] {
-        assert!(
-            std::fs::read(dir.join(f)).unwrap() == std::fs::read(one.path().join(f)).unwrap(),
-            "{f} differs from one process's"
-        );
-    }
+    two_shards_at_once_match(dir, one.path(), &["X.npy", "D.mgt", "E.npy"]);
 }
 
 /// A chain part that multiplies none of an earlier step's output still waits for it when the
@@ -429,44 +452,14 @@ fn a_chain_part_waits_for_an_earlier_output_among_its_leaves() {
                 [[step]]\nname = \"C\"\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
                 [[step]]\noutput = \"W.mgt\"\nexpr = \"C @ D @ E\"\n\
                 [engine]\nbackend = \"cpu\"\ntile = 64\nhost_memory = \"64MiB\"\n";
-    let one = tmp();
-    std::fs::write(one.path().join("plan.toml"), text).unwrap();
-    ok(cmd(one.path(), &["run", "plan.toml", "-q"], &[])
-        .output()
-        .unwrap());
+    let one = one_process(text);
     let d = tmp();
     let dir = d.path();
     std::fs::write(dir.join("plan.toml"), text).unwrap();
     let described = ok(cmd(dir, &["plan", "plan.toml"], &[]).output().unwrap());
     assert!(described.contains("C @ (D @ E)"), "{described}");
     ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
-    let shards: Vec<Child> = ["0/2", "1/2"]
-        .iter()
-        .map(|s| {
-            spawn(
-                dir,
-                &[
-                    "run",
-                    "plan.toml",
-                    "-q",
-                    "--shard",
-                    s,
-                    "--wait-timeout",
-                    "30",
-                ],
-                &[],
-            )
-        })
-        .collect();
-    for c in shards {
-        ok(c.wait_with_output().unwrap());
-    }
-    for f in ["C.mgt", "W.mgt"] {
-        assert!(
-            std::fs::read(dir.join(f)).unwrap() == std::fs::read(one.path().join(f)).unwrap(),
-            "{f} differs from one process's"
-        );
-    }
+    two_shards_at_once_match(dir, one.path(), &["C.mgt", "W.mgt"]);
 }
 
 /// A split step's shard folder that is a link is refused by `prepare`, `prepare --restart` and
