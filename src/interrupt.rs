@@ -53,7 +53,7 @@ fn monotonic_ns() -> i64 {
     // SAFETY: `clock_gettime` writes one `timespec` through a valid pointer to a local; it is
     // async-signal-safe (POSIX).
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
-    (t.tv_sec as i64) * 1_000_000_000 + t.tv_nsec as i64
+    t.tv_sec * 1_000_000_000 + t.tv_nsec
 }
 
 extern "C" fn on_signal(sig: libc::c_int) {
