@@ -615,7 +615,7 @@ fn describe_staging(
         }
     }
     if !copied.is_empty() {
-        // A range larger than the whole budget: where is there room for them.
+        // A range, or a block's ranges, larger than the budget: the host_memory that has room.
         let oversize = (copied.iter())
             .any(|c| c.contains("a range of its file") || c.contains("a block of it holds"));
         let advice = if oversize {
@@ -651,9 +651,10 @@ fn describe_staging(
 /// step, laid out as `run` would lay it out with it (`run::layout_for`: a resumed step keeps
 /// its journal's tile), leaves room beside its pools for `want(need, largest)` bytes: `need`
 /// the most a first block of `ops` (those `plan` found readable in place at the plan's budget,
-/// or too large for it) holds registered at once, `largest` the largest range of those. With `tile = "auto"` the pools grow with the budget, so what "raise
-/// host_memory" needs is not the shortfall: from 64 to 96 MiB it changed nothing (a new user's
-/// trial). `None`: none of those does.
+/// or too large for it) holds registered at once, `largest` the largest range of those. With
+/// `tile = "auto"` the pools grow with the budget, so what "raise host_memory" needs is not the
+/// shortfall: from 64 to 96 MiB it changed nothing (a new user's trial). `None`: none of those
+/// does.
 fn least_host_memory(
     plan: &Plan,
     step: &crate::plan::Step,
