@@ -8,7 +8,9 @@
 //! `verify` print each pass's time and input rate on stderr (for the benchmark scripts), and
 //! `MGMM_PINNED_ALLOC`, which makes the CUDA backend pin its host buffers with
 //! `cuMemHostAlloc` instead of registering memory it mapped (to compare the two on a GPU
-//! machine, tools/bench/gpu_table.sh); `MGMM_TRACE=PATH`, which records a timeline of the run
+//! machine, tools/bench/gpu_table.sh); `MGMM_READ_PREAD`, which makes the readers copy every
+//! block with `pread`s, never out of the file's map (to compare the two: benches/staging.rs,
+//! tools/bench/roofline.sh); `MGMM_TRACE=PATH`, which records a timeline of the run
 //! into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and `MGMM_TRACE` are read once into a
 //! [`Settings`] where a command starts.
 
@@ -71,6 +73,13 @@ pub(crate) fn sync_log() -> Option<PathBuf> {
 pub(crate) fn pinned_alloc() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("MGMM_PINNED_ALLOC").is_some())
+}
+
+/// Whether `MGMM_READ_PREAD` is set: the readers then read every block with `pread`s and copy
+/// nothing out of a file's map (`store::blockio::ReadFrom`). Read once per process.
+pub(crate) fn read_with_pread() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("MGMM_READ_PREAD").is_some())
 }
 
 /// `CUDA_VISIBLE_DEVICES`: the GPUs CUDA will let the process see, for the run's guess of

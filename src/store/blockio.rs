@@ -51,16 +51,54 @@ pub(crate) fn convert_par(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
         });
 }
 
-/// Read every run of a block from `file` into `raw` (the dense block, file dtype), in parallel
+/// Where a block's runs are read from: the open file, with `pread`s, and — where the page cache
+/// can likely hold the whole file ([`super::fsutil::cache_holds`]) — its read-only map, which a
+/// run whose pages are already in the page cache is copied out of instead.
+///
+/// Why the map: on the H100 host a fresh map copied out by 16 threads ran at 85 GiB/s against
+/// 48 GiB/s for `pread`s of the same cached file (`tools/bench/host_read_rates.py`,
+/// docs/measurements/HISTORY.md §35), and a row-major file's narrow block is one `pread` per row
+/// (64 KiB rows of a 32768-wide f64 `.npy`): staging's copies of such blocks were what the GPU
+/// waited for in fp64 (§40). Only for files the cache holds: pages mapped into the process are
+/// harder for the kernel to reclaim than cached ones, so a file larger than half of the memory
+/// available (read more than once, from disk) is read with `pread`s only. The mapped pages stay
+/// mapped until the file is closed: dropping them after each copy costs a TLB shootdown on every
+/// thread of the process.
+#[derive(Clone, Copy)]
+pub(crate) struct ReadFrom<'a> {
+    pub(crate) file: &'a File,
+    pub(crate) map: Option<&'a [u8]>,
+}
+
+impl<'a> ReadFrom<'a> {
+    /// `file`, and its `map` when `cached` (the page cache can hold the file) and
+    /// `MGMM_READ_PREAD` does not ask for `pread`s only ([`crate::config::read_with_pread`]).
+    pub(crate) fn new(file: &'a File, map: &'a [u8], cached: bool) -> ReadFrom<'a> {
+        ReadFrom {
+            file,
+            map: (cached && !crate::config::read_with_pread()).then_some(map),
+        }
+    }
+
+    /// The map to copy run `g` out of: when there is one and at least 90 % of the pages of the
+    /// run's span are in the page cache (`mincore`).
+    fn mapped(&self, g: &Run) -> Option<&'a [u8]> {
+        self.map
+            .filter(|m| g.file_span().end <= m.len() as u64)
+            .filter(|m| super::fsutil::resident(m, g.file_span(), 0.9))
+    }
+}
+
+/// Read every run of a block from `from` into `raw` (the dense block, file dtype), in parallel
 /// on the rayon pool, one [`read_run_visiting`] per run.
-pub(crate) fn read_runs(file: &File, rs: &[Run], raw: &mut [u8]) -> std::io::Result<()> {
-    read_runs_with(file, rs, raw, |_| (), |_, _| ()).map(|_| ())
+pub(crate) fn read_runs(from: ReadFrom, rs: &[Run], raw: &mut [u8]) -> std::io::Result<()> {
+    read_runs_with(from, rs, raw, |_| (), |_, _| ()).map(|_| ())
 }
 
 /// [`read_runs`], handing every piece read to `visit` with that run's state (made by `init`),
 /// while the piece is still in cache; returns the runs' states in the order of `rs`.
 pub(crate) fn read_runs_with<S: Send>(
-    file: &File,
+    from: ReadFrom,
     rs: &[Run],
     raw: &mut [u8],
     init: impl Fn(&Run) -> S + Sync,
@@ -78,17 +116,44 @@ pub(crate) fn read_runs_with<S: Send>(
             let span =
                 unsafe { std::slice::from_raw_parts_mut(base.get().add(span.start), span.len()) };
             let mut state = init(g);
-            read_run_visiting(file, g, span, scratch, &mut |piece| {
-                visit(&mut state, piece)
-            })?;
+            let mut visit = |piece: &[u8]| visit(&mut state, piece);
+            match from.mapped(g) {
+                Some(map) => copy_run_visiting(map, g, span, &mut visit),
+                None => read_run_visiting(from.file, g, span, scratch, &mut visit)?,
+            }
             Ok(state)
         })
         .collect()
 }
 
-/// Bytes per `pread` in [`read_run_visiting`]: small enough that the piece is still in the
-/// core's cache when it is checksummed, counted and (for runs strided in the block) scattered.
+/// Bytes per `pread` in [`read_run_visiting`] (and per copy in [`copy_run_visiting`]): small
+/// enough that the piece is still in the core's cache when it is checksummed, counted and (for
+/// runs strided in the block) scattered.
 const VISIT_PIECE: usize = 512 << 10;
+
+/// Copy run `g` out of `map` (the file's read-only map; the run lies inside it) into `span`
+/// (its bytes of the dense block buffer), handing each piece to `visit` in file order right
+/// after it is copied, as [`read_run_visiting`] does: a row at a time, in pieces of at most
+/// [`VISIT_PIECE`] bytes (a run whose rows are back to back in both is one row).
+fn copy_run_visiting(map: &[u8], g: &Run, span: &mut [u8], visit: &mut impl FnMut(&[u8])) {
+    let (rows, row_len) = if g.file_contiguous() && g.buf_contiguous() {
+        (1, g.bytes())
+    } else {
+        (g.rows, g.row_len)
+    };
+    for r in 0..rows {
+        let f = (g.file_off + r as u64 * g.file_pitch) as usize;
+        let b = r * g.buf_pitch;
+        let mut o = 0;
+        while o < row_len {
+            let l = (row_len - o).min(VISIT_PIECE);
+            let d = &mut span[b + o..b + o + l];
+            d.copy_from_slice(&map[f + o..f + o + l]);
+            visit(d);
+            o += l;
+        }
+    }
+}
 
 /// Read run `g` into `span` (its bytes of the dense block buffer, file dtype) with `pread`s of
 /// at most [`VISIT_PIECE`] bytes, handing each piece to `visit` in file order right after it is
@@ -302,5 +367,95 @@ pub(crate) fn size_error(path: &Path, len: u64, e: std::io::Error) -> Error {
     Error::Format {
         path: path.to_path_buf(),
         msg: format!("{hint}: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every block of `geo` in `bh × bw` blocks (edges partial).
+    fn blocks(geo: &Geometry, bh: u64, bw: u64) -> Vec<Block> {
+        let mut v = Vec::new();
+        for r0 in (0..geo.rows).step_by(bh as usize) {
+            for c0 in (0..geo.cols).step_by(bw as usize) {
+                v.push(Block {
+                    r0,
+                    c0,
+                    rows: bh.min(geo.rows - r0),
+                    cols: bw.min(geo.cols - c0),
+                });
+            }
+        }
+        v
+    }
+
+    /// Copies out of the map give the bytes `pread`s give, and hand the visitor the same pieces'
+    /// bytes in the same order (the CRC of each run, which the `.mgt` reader's checks rely on):
+    /// row-major and tiled layouts, blocks straddling storage tiles, runs back to back in the
+    /// file, in the buffer, in both and in neither, and runs cut by a small span.
+    #[test]
+    fn copies_out_of_the_map_match_preads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.bin");
+        let bytes: Vec<u8> = (0..300_000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let file = File::open(&path).unwrap();
+        // SAFETY: a read-only map of a file this test wrote and does not change.
+        let map = unsafe { memmap2::Mmap::map(&file).unwrap() };
+        let _ = std::fs::read(&path).unwrap(); // in the page cache
+        let layouts = [
+            Geometry::row_major(37, 211, 4, 100),
+            Geometry::row_major(211, 37, 8, 8),
+            Geometry {
+                rows: 45,
+                cols: 70,
+                tile_rows: 16,
+                tile_cols: 24,
+                elem: 4,
+                data_offset: 4096,
+                tile_stride: 16 * 24 * 4 + 64,
+            },
+        ];
+        let mut mapped_runs = 0;
+        for geo in &layouts {
+            for (bh, bw) in [(geo.rows, geo.cols), (10, 13), (17, 70), (45, 5)] {
+                for span in [IO_SPAN, 300] {
+                    for b in blocks(geo, bh, bw) {
+                        let rs: Vec<Run> = runs(geo, &b, span).collect();
+                        let n = b.elems() * geo.elem as usize;
+                        let (mut a, mut m) = (vec![0u8; n], vec![1u8; n]);
+                        let crc = |c: &mut u32, p: &[u8]| *c = crc32c::crc32c_append(*c, p);
+                        let pread = ReadFrom {
+                            file: &file,
+                            map: None,
+                        };
+                        let ca = read_runs_with(pread, &rs, &mut a, |_| 0u32, crc).unwrap();
+                        let from = ReadFrom::new(&file, &map, true);
+                        mapped_runs += rs.iter().filter(|g| from.mapped(g).is_some()).count();
+                        let cm = read_runs_with(from, &rs, &mut m, |_| 0u32, crc).unwrap();
+                        assert_eq!(a, m, "{geo:?} {b:?} span {span}");
+                        assert_eq!(ca, cm, "{geo:?} {b:?} span {span}");
+                        // And the bytes are the file's.
+                        for (i, g) in rs.iter().enumerate() {
+                            let mut want = 0u32;
+                            for r in 0..g.rows {
+                                let (fo, _) = g.row(r);
+                                crc(&mut want, &bytes[fo as usize..fo as usize + g.row_len]);
+                            }
+                            assert_eq!(ca[i], want, "{geo:?} {b:?} run {i}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(mapped_runs > 0, "no run was copied out of the map");
+        // Without the cache's room (or a map), every run is read with `pread`.
+        let g = runs(&layouts[0], &blocks(&layouts[0], 10, 13)[0], IO_SPAN)
+            .next()
+            .unwrap();
+        assert!(ReadFrom::new(&file, &map, false).mapped(&g).is_none());
     }
 }

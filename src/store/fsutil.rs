@@ -520,6 +520,14 @@ pub(crate) unsafe fn unmap_pages(ptr: usize, len: usize) {
     }
 }
 
+/// Whether the page cache can likely hold a whole file of `len` bytes: at most half of the
+/// memory the kernel says is available ([`mem_available`]) when it is asked. A file the cache
+/// holds is worth reading in whole bands (`store::rowmajor`) and copying out of its map
+/// (`store::blockio::ReadFrom`); one larger is read from disk, maybe more than once.
+pub(crate) fn cache_holds(len: u64) -> bool {
+    mem_available().is_some_and(|m| len <= m / 2)
+}
+
 /// The kernel's estimate of memory available without swapping (`MemAvailable` in
 /// /proc/meminfo), in bytes; `None` where it cannot be read.
 pub(crate) fn mem_available() -> Option<u64> {

@@ -8,7 +8,8 @@
 //! part of the file span is read as its whole band (`pread`s of ≤ [`IO_SPAN`] bytes, many in
 //! flight on the rayon pool) and sliced in memory — unless its pages are already in the page
 //! cache (checked with `mincore`), where slicing would only copy more. Readahead advice covers
-//! the same band, so the other column panels of that band are then read from memory. A step
+//! the same band, so the other column panels of that band are then read from memory (copied out
+//! of the file's map, where the cache holds the file: [`ReadFrom`]). A step
 //! reads every column panel of its inputs, so when the page cache can likely hold the whole
 //! file (at most half of the kernel's `MemAvailable` when it is opened), a band read first is
 //! rarely wasted: later panels find it resident, unless other inputs and the output push it
@@ -36,7 +37,7 @@ use memmap2::{Advice, Mmap, MmapOptions};
 use rayon::prelude::*;
 
 use super::block::Block;
-use super::blockio::{convert_par, read_runs_with, supported};
+use super::blockio::{convert_par, read_runs_with, supported, ReadFrom};
 use super::runs::{runs, Geometry, Run, IO_SPAN};
 use super::seam::{read_staged_in_passes, MappedBlock, MatrixSource};
 use super::sidecar::{clip_tile, sidecar_path, TileCrcs};
@@ -137,7 +138,8 @@ impl RowMajorFile {
         }
         // SAFETY: read-only shared map of a regular file at most as long as it is now; inputs
         // are never written by the engine and must not be truncated while a job runs (module
-        // doc). The map is used for advice, residency checks and checksums only.
+        // doc). The map serves advice, residency checks, checksums, copies of cached runs
+        // (`ReadFrom`) and direct uploads.
         let map = unsafe { MmapOptions::new().len(len as usize).map(&file) }
             .map_err(|e| Error::io(path, "cannot memory-map matrix file", e))?;
         let geo = Geometry::row_major(
@@ -157,7 +159,7 @@ impl RowMajorFile {
             crcs,
             checksum_note: None,
             verified: OnceLock::new(),
-            cache_holds_file: crate::store::fsutil::mem_available().is_some_and(|m| len <= m / 2),
+            cache_holds_file: crate::store::fsutil::cache_holds(len),
             advised: Default::default(),
         })
     }
@@ -171,6 +173,11 @@ impl RowMajorFile {
     /// Whether the pages of file bytes `span` are (nearly all) in the page cache.
     fn resident(&self, span: std::ops::Range<u64>) -> bool {
         crate::store::fsutil::resident(&self.map, span, 0.9)
+    }
+
+    /// Where blocks are read from: the file, and its map where the cache holds the file.
+    fn from(&self) -> ReadFrom<'_> {
+        ReadFrom::new(&self.file, &self.map, self.cache_holds_file)
     }
 
     /// A strided run whose whole file span is cheaper to read than its segments.
@@ -190,7 +197,7 @@ impl RowMajorFile {
         let (bands, rest): (Vec<Run>, Vec<Run>) = rs
             .iter()
             .partition(|r| self.band_worthy(r) && !self.resident(r.file_span()));
-        let in_rest: u64 = read_runs_with(&self.file, &rest, raw, |_| 0, |n, p| *n += tally(p))?
+        let in_rest: u64 = read_runs_with(self.from(), &rest, raw, |_| 0, |n, p| *n += tally(p))?
             .into_iter()
             .sum();
         if bands.is_empty() {

@@ -9,7 +9,8 @@
 # Disk: the inputs, 4·N²·4 + 2·N²·8 bytes, and one output at a time (43 GB at 32768). Log:
 # $OUT/roofline.log, reports (roof_NAME_i.json) in $OUT/roofline_reports.tgz, and the table at the end.
 # TRACE=1: round 1's runs write their timelines (MGMM_TRACE) to $OUT/trace_NAME.json, and
-# tools/trace_gaps.py's reading of each goes into the log.
+# tools/trace_gaps.py's reading of each goes into the log. VERIFY=0: no verify of the fp32
+# product. Only the inputs the jobs (and verify) read are generated.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to roofline.log
@@ -17,15 +18,21 @@ N=${N:-32768}; REPEAT=${REPEAT:-2}
 # The jobs, in the order of each round (more are defined below: tf32_npy, bf16_npy, NAME_copy,
 # NAME_direct).
 JOBS=${JOBS:-fp32_mgt fp32_npy fp64_npy fp64_npy32 tf32_mgt bf16_mgt}
+VERIFY=${VERIFY:-1}
 W=${W:-/tmp/roof}; mkdir -p "$W"; cd "$W"
-gen_matrix A.mgt "$N" "$N" 1; gen_matrix B.mgt "$N" "$N" 2
-export_npy A.mgt A.npy; export_npy B.mgt B.npy
-GEN_DTYPE=f64 gen_matrix A64.npy "$N" "$N" 3; GEN_DTYPE=f64 gen_matrix B64.npy "$N" "$N" 4
-cat A.mgt B.mgt A.npy B.npy A64.npy B64.npy > /dev/null
+wants() { [[ " $JOBS " =~ $1 ]]; } # wants REGEX: some job's name matches
+if wants '(fp32|tf32|bf16)_' || [ "$VERIFY" = 1 ]; then
+  gen_matrix A.mgt "$N" "$N" 1; gen_matrix B.mgt "$N" "$N" 2
+fi
+if wants '(fp32|tf32|bf16)_npy'; then export_npy A.mgt A.npy; export_npy B.mgt B.npy; fi
+if wants 'fp64_npy'; then GEN_DTYPE=f64 gen_matrix A64.npy "$N" "$N" 3; GEN_DTYPE=f64 gen_matrix B64.npy "$N" "$N" 4; fi
+if wants 'fp64_mgt'; then GEN_DTYPE=f64 gen_matrix A64.mgt "$N" "$N" 3; GEN_DTYPE=f64 gen_matrix B64.mgt "$N" "$N" 4; fi
+for f in A.mgt B.mgt A.npy B.npy A64.npy B64.npy A64.mgt B64.mgt; do [ -f $f ] && cat $f > /dev/null; done
 E=("backend = \"${BACKEND:-cuda}\"" 'devices = [0]' 'host_memory = "16GiB"' 'durable = false')
 write_plan fp32_mgt.toml A.mgt B.mgt C_fp32_mgt.mgt "${E[@]}"
 write_plan fp32_npy.toml A.npy B.npy C_fp32_npy.npy "${E[@]}"
 write_plan fp64_npy.toml A64.npy B64.npy C_fp64_npy.npy "${E[@]}" 'precision = "fp64"'
+write_plan fp64_mgt.toml A64.mgt B64.mgt C_fp64_mgt.mgt "${E[@]}" 'precision = "fp64"'
 # The same with room to page-lock both 8 GiB inputs at once: at 16 GiB the pools leave 11.5 GiB,
 # and the ranges released to make room cost staging's thread (2026-12-06d: 2.0 s against 2.3-2.4).
 write_plan fp64_npy32.toml A64.npy B64.npy C_fp64_npy32.npy "${E[@]/16GiB/32GiB}" 'precision = "fp64"'
@@ -34,11 +41,13 @@ write_plan bf16_mgt.toml A.mgt B.mgt C_bf16_mgt.mgt "${E[@]}" 'precision = "bf16
 write_plan tf32_npy.toml A.npy B.npy C_tf32_npy.npy "${E[@]}" 'precision = "tf32"'
 write_plan bf16_npy.toml A.npy B.npy C_bf16_npy.npy "${E[@]}" 'precision = "bf16"'
 # Each job with `staging` set: NAME_copy, NAME_direct (JOBS to run them; what `auto` picks for a
-# row-major file was measured so, BENCHMARKS).
-for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 tf32_mgt bf16_mgt tf32_npy bf16_npy; do
+# row-major file was measured so, BENCHMARKS). NAME_pread: the same plan run with
+# MGMM_READ_PREAD=1 (staging's copies by `pread`, none out of the files' maps).
+for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 fp64_mgt tf32_mgt bf16_mgt tf32_npy bf16_npy; do
   for m in copy direct; do
     sed -e "s/C_$f\./C_${f}_$m./" -e "s/^\[engine\]$/[engine]\nstaging = \"$m\"/" "$f.toml" > "${f}_$m.toml"
   done
+  for m in "" _copy; do sed -e "s/C_$f$m\./C_$f${m}_pread./" "$f$m.toml" > "$f${m}_pread.toml"; done
 done
 
 log "driver start-up floor and torch in-core rates"
@@ -62,6 +71,7 @@ PY
 run1() { # NAME I: run NAME.toml once, process wall in NAME_I.time
   rm -rf "C_$1".* ; local s tr=(); s=$(date +%s%N)
   [ -n "${TRACE:-}" ] && [ "$2" = 1 ] && tr=(env "MGMM_TRACE=$OUT/trace_$1.json")
+  [[ $1 == *_pread ]] && tr=(env MGMM_READ_PREAD=1 "${tr[@]:1}")
   "${tr[@]}" "$MGMM" run "$1.toml" --quiet --report "$OUT/roof_$1_$2.json" 2>&1 | tail -2 | tee -a "$LOG"
   echo $(( ($(date +%s%N) - s) / 1000000 )) > "$1_$2.ms"
   [ "$2" = v ] || rm -rf "C_$1".*   # the disk holds the inputs and one output at a time
@@ -75,12 +85,14 @@ if [ -n "${TRACE:-}" ]; then
     python3 "$TOOLS/trace_gaps.py" "$OUT/trace_$j.json" --top 6 2>&1 | tee -a "$LOG"
   done
 fi
-log "verify of the fp32 product, twice"
-run1 fp32_mgt v
-for i in 1 2; do
-  s=$(date +%s%N); "$MGMM" verify fp32_mgt.toml 2>&1 | tail -3 | tee -a "$LOG"
-  echo $(( ($(date +%s%N) - s) / 1000000 )) > "verify_$i.ms"
-done
+if [ "$VERIFY" = 1 ]; then
+  log "verify of the fp32 product, twice"
+  run1 fp32_mgt v
+  for i in 1 2; do
+    s=$(date +%s%N); "$MGMM" verify fp32_mgt.toml 2>&1 | tail -3 | tee -a "$LOG"
+    echo $(( ($(date +%s%N) - s) / 1000000 )) > "verify_$i.ms"
+  done
+fi
 python3 - "$N" "$REPEAT" "$OUT" $JOBS <<'PY' 2>&1 | tee -a "$LOG"
 import json, re, statistics, sys
 n, reps, out, jobs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
@@ -103,6 +115,13 @@ for npy in ("fp32_npy", "fp32_npy_copy", "fp32_npy_direct"):
     if npy in walls and "fp32_mgt" in walls:
         r = [a / b for a, b in zip(walls[npy], walls["fp32_mgt"])]
         print(f"RESULT {npy} / fp32_mgt (interleaved):", " / ".join(f"{x:.3f}" for x in r), "(goal ≤ 1.05)")
+for name in jobs:
+    if name.endswith("_pread") and name[:-6] in walls:
+        r = [a / b for a, b in zip(walls[name[:-6]], walls[name])]
+        print(f"RESULT {name[:-6]} / {name} (copies out of the map against pread, interleaved):", " / ".join(f"{x:.3f}" for x in r))
+import os
+if not os.path.exists(f"{out}/roof_fp32_mgt_v.json"):
+    sys.exit(0)
 v = json.load(open(f"{out}/roof_fp32_mgt_v.json"))["steps"][0]["wall_s"]
 for i in (1, 2):
     t = int(open(f"verify_{i}.ms").read()) / 1e3

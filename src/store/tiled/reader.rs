@@ -1,7 +1,8 @@
 //! The `.mgt` reader: [`TiledFile`] reads arbitrary row/column blocks of an input with parallel
-//! `pread`s of the block's contiguous runs, checking storage-tile checksums on the pieces it
-//! reads ([`TiledFile::read_staged`]) or with `pread`s of their own; it keeps a read-only map
-//! for readahead advice and the checksum table. Format and map safety: [`super`].
+//! `pread`s of the block's contiguous runs — or copies of them out of its read-only map, where
+//! their pages are cached ([`ReadFrom`]) — checking storage-tile checksums on the pieces it
+//! reads ([`TiledFile::read_staged`]) or with `pread`s of their own; the map also serves
+//! readahead advice, the checksum table and direct uploads. Format and map safety: [`super`].
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -15,7 +16,9 @@ use rayon::prelude::*;
 use crate::dtype::{self, DType};
 use crate::error::{Error, Result};
 use crate::store::block::Block;
-use crate::store::blockio::{convert_par, read_prefix, read_runs, read_runs_with, supported};
+use crate::store::blockio::{
+    convert_par, read_prefix, read_runs, read_runs_with, supported, ReadFrom,
+};
 use crate::store::fsutil;
 use crate::store::header::Header;
 use crate::store::runs::{runs, Geometry, Run, IO_SPAN};
@@ -80,6 +83,9 @@ pub struct TiledFile {
     pub(super) geo: Geometry,
     /// Per storage tile: its checksum was verified (allocated on first verification).
     verified: OnceLock<Vec<AtomicBool>>,
+    /// The page cache can likely hold the whole file: cached runs are copied out of the map
+    /// ([`ReadFrom`]).
+    cache_holds_file: bool,
 }
 
 impl TiledFile {
@@ -107,9 +113,15 @@ impl TiledFile {
             file,
             map,
             geo: hdr.geometry(),
+            cache_holds_file: crate::store::fsutil::cache_holds(len),
             hdr,
             verified: OnceLock::new(),
         })
+    }
+
+    /// Where blocks are read from: the file, and its map where the cache holds the file.
+    fn from(&self) -> ReadFrom<'_> {
+        ReadFrom::new(&self.file, &self.map, self.cache_holds_file)
     }
 
     /// The open file.
@@ -262,10 +274,10 @@ impl TiledFile {
         let rs: Vec<Run> = runs(&self.geo, b, IO_SPAN).collect();
         let io_err = |e| Error::io(&self.path, "cannot read tile data", e);
         if h.dtype == out {
-            return read_runs(&self.file, &rs, dst).map_err(io_err);
+            return read_runs(self.from(), &rs, dst).map_err(io_err);
         }
         let mut scratch = vec![0u8; b.elems() * h.elem()];
-        read_runs(&self.file, &rs, &mut scratch).map_err(io_err)?;
+        read_runs(self.from(), &rs, &mut scratch).map_err(io_err)?;
         convert_par(h.dtype, &scratch, out, dst);
         Ok(())
     }
@@ -296,7 +308,7 @@ impl TiledFile {
         let geo = self.geo;
         // Per run: its nonfinite count, and the CRC piece it makes for a tile still unchecked.
         let per_run: Vec<(u64, Option<Piece>)> = read_runs_with(
-            &self.file,
+            self.from(),
             &rs,
             dst,
             |g| (0, Piece::wanted(&geo, g, marks, 0)),
