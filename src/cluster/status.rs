@@ -53,9 +53,14 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
         let out = &step.output;
         let Some(m) = read_manifest(out)? else {
             let state = if is_finalized(out, None)? {
-                "complete (run in one process)"
+                "complete (run in one process)".to_string()
+            } else if let Ok(Some(j)) = crate::durable::journal::peek(out) {
+                format!(
+                    "started in one process, not finished: {} tile(s) recorded in its journal; `run` resumes it",
+                    j.done.len()
+                )
             } else {
-                "not started as a split run (no manifest yet)"
+                "not started (no journal, no manifest yet)".to_string()
             };
             s += &format!("step {n}: {}: {state}\n", out.display());
             continue;

@@ -412,7 +412,7 @@ fn same_entry(key: &str, a: &str, b: &str) -> bool {
 
 /// An expression's text with its matrices' names taken out, and the names in order:
 /// `2 * A.T @ B` → (`_.T @ _`, [A, B]). The scale in front is dropped (it is `alpha`'s
-/// entry); `.T` and numbers stay text.
+/// entry); `.T` and numbers stay text, a `.T.T` (no transpose) taken out.
 fn expr_shape(e: &str) -> (String, Vec<String>) {
     let e = e.trim();
     let e = match e.split_once(" * ") {
@@ -442,6 +442,9 @@ fn expr_shape(e: &str) -> (String, Vec<String>) {
         } else {
             shape.push(c);
         }
+    }
+    while shape.contains(".T.T") {
+        shape = shape.replace(".T.T", "");
     }
     (shape, names)
 }
@@ -938,6 +941,8 @@ mod tests {
         assert!(same_expr("1 * a @ b", "a @ b") && same_expr("2 * a.T @ b", "0.5 * a.T @ b"));
         assert!(!same_expr("1 * a @ b", "a @ b.T") && !same_expr("A @ A.T", "A @ B.T"));
         assert!(!same_expr("x * a @ b", "a @ b"), "only a number is a scale");
+        assert!(same_expr("A @ BF.T.T", "A @ BF") && same_expr("A.T.T.T @ B", "A.T @ B"));
+        assert!(!same_expr("A @ BF.T.T.T", "A @ BF"));
         let fp = |e: &str, alpha: &str| -> Fingerprint {
             [("expr", e), ("alpha", alpha)]
                 .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -306,6 +306,7 @@ fn emit(
         cols,
         dtype,
         trans,
+        stored_t: false,
         raw: None,
         temp: true,
     }
@@ -380,6 +381,7 @@ mod tests {
             cols: 10,
             dtype: crate::dtype::DType::F32,
             trans: false,
+            stored_t: false,
             raw: None,
             temp: false,
         };

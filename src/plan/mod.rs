@@ -111,8 +111,13 @@ pub struct Operand {
     pub cols: u64,
     /// Element type.
     pub dtype: DType,
-    /// Used transposed (`X.T`).
+    /// Read transposed from its file: used as `X.T`, or stored transposed (below) and used
+    /// as `X`.
     pub trans: bool,
+    /// The file stores the transpose of the declared matrix (a Fortran-order `.npy`, a raw file
+    /// with `order = "F"`), which [`Self::trans`] already accounts for: only for naming the
+    /// operand as the plan's text does.
+    pub stored_t: bool,
     /// The declared layout of a raw binary file (`format = "raw"`); `None` for `.mgt`/`.npy`.
     pub raw: Option<crate::store::raw::RawSpec>,
     /// An intermediate of a whole-expression chain (a temporary file `run` removes).
@@ -120,9 +125,11 @@ pub struct Operand {
 }
 
 impl Operand {
-    /// The operand as the plan's text names it: `B`, or `B.T` when used transposed.
+    /// The operand as the plan's text names it: `B`, or `B.T` when used transposed (a file
+    /// that stores the transpose is read transposed for `B`).
     pub(crate) fn label(&self) -> String {
-        format!("{}{}", self.name, if self.trans { ".T" } else { "" })
+        let t = self.trans != self.stored_t;
+        format!("{}{}", self.name, if t { ".T" } else { "" })
     }
 
     /// Open the operand's file for reading.
@@ -334,7 +341,7 @@ impl Plan {
             _ => PathBuf::from("."),
         };
         let cx = Ctx { path, src, base };
-        let mats = resolve::matrices(&cx, &raw.matrices, header_of)?;
+        let mats = resolve::matrices(&cx, &raw.matrices, &raw.step, header_of)?;
         let steps = resolve::steps(&cx, &raw.step, &mats, &mut engine, precision_at)?;
         Ok(Plan {
             path: path.to_path_buf(),

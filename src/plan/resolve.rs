@@ -138,9 +138,11 @@ impl Ctx<'_> {
 }
 
 /// Resolve `[matrices]`: existing files by their header, missing ones by `generate`.
+/// `steps` are only for the error of a missing file that one of them writes.
 pub(crate) fn matrices(
     cx: &Ctx,
     raw: &BTreeMap<String, RawMatrix>,
+    steps: &[RawStep],
     header_of: HeaderOf,
 ) -> Result<BTreeMap<String, MatrixDecl>> {
     let mut mats = BTreeMap::new();
@@ -156,7 +158,19 @@ pub(crate) fn matrices(
         let decl = if m.format.is_some() {
             raw_decl(cx, name, &key, m, &path)?
         } else {
-            file_decl(cx, name, &key, m, path, header_of)?
+            file_decl(cx, name, &key, m, path, header_of).map_err(|e| {
+                let path = cx.path(m.path.get_ref());
+                match steps.iter().position(|s| same_file(&cx.path(s.output.get_ref()), &path)) {
+                    Some(i) if !path.exists() && m.generate.is_none() => cx.err(format!(
+                        "{key}: file {} does not exist yet: step {} (line {}) writes it. A later step reads a step's output by its name: add name = \"{name}\" to step {} and drop [matrices.{name}] ([matrices] are files that exist before the run)",
+                        path.display(),
+                        i + 1,
+                        cx.line(&steps[i].output),
+                        i + 1
+                    )),
+                    _ => e,
+                }
+            })?
         };
         // Two names for one file must agree on what it holds (a `generate` of another shape
         // would otherwise be found only when `run` reads past the matrix; a raw file read as
@@ -327,6 +341,7 @@ fn decl_operand(d: &MatrixDecl) -> Operand {
         cols,
         dtype: d.dtype,
         trans: d.transposed,
+        stored_t: d.transposed,
         raw: d.raw.clone(),
         temp: false,
     }
@@ -394,6 +409,7 @@ pub(crate) fn steps(
                 cols: last.n,
                 dtype: last.out_dtype,
                 trans: false,
+                stored_t: false,
                 raw: None,
                 temp: false,
             };
@@ -889,6 +905,9 @@ mod tests {
             (s2.b.name.as_str(), s2.b.trans, s2.b.rows, s2.b.cols),
             ("F", true, 20, 10)
         );
+        // Named as written: read transposed because the file stores the transpose, not `F.T`.
+        assert_eq!(s2.b.label(), "F");
+        assert!(s2.expr.ends_with("T1 @ F]"), "{}", s2.expr);
         assert_eq!((s2.m, s2.n, s2.k), (20, 20, 10));
         let c = s2.chain.as_ref().unwrap();
         assert_eq!((c.part, c.parts, c.temps.len()), (2, 2, 1));
@@ -953,6 +972,7 @@ mod tests {
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ Y\"\n[[step]]\noutput = \"Y.mgt\"\nexpr = \"A @ B\"\nname = \"Y\"\n"), "is the output of step 2 (name = \"Y\"), which has not run yet; steps run in plan order: move step 2 before this one"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ X\"\nname = \"X\"\n"), "a step cannot use its own output"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\n[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B\"\n"), "matrices.G (line 10)"),
+            (format!("{MATS}[matrices.W]\npath = \"./W.mgt\"\n[[step]]\noutput = \"W.mgt\"\nexpr = \"A @ B\"\n[[step]]\noutput = \"X.mgt\"\nexpr = \"W @ A\"\n"), "file /nonexistent/./W.mgt does not exist yet: step 1 (line 12) writes it. A later step reads a step's output by its name: add name = \"W\" to step 1"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\ngenerate = {{ rows = 2, cols = 2, dist = \"odd\" }}\n"), "matrices.G.generate (line 11): dist"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\n\ngenerate = {{ rows = 0, cols = 2 }}\n"), "matrices.G.generate (line 12)"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B + C0\"\naccumulate = \"C0\"\n"), "(line 12) adds another"),

@@ -137,6 +137,13 @@ fn write_failure_stops_cleanly_and_resume_completes() {
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");
+    // `status` reads a single process's journal too (it said "not started as a split run").
+    let st = run(dir, &["status", "plan.toml"]);
+    let st = String::from_utf8_lossy(&st.stdout);
+    assert!(
+        st.contains("started in one process, not finished: 20 tile(s) recorded in its journal; `run` resumes it"),
+        "{st}"
+    );
     let o = run(dir, &["run", "plan.toml"]);
     // Notes wrap at 80 columns: compare with line breaks as spaces.
     let err = String::from_utf8_lossy(&o.stderr)
