@@ -139,7 +139,10 @@ fn write_failure_stops_cleanly_and_resume_completes() {
     assert!(!err.contains("panicked"), "{err}");
     // `status` reads a single process's journal too (it said "not started as a split run").
     let st = run(dir, &["status", "plan.toml"]);
-    let st = String::from_utf8_lossy(&st.stdout);
+    let st = String::from_utf8_lossy(&st.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
     assert!(
         st.contains("started in one process, not finished: 20 tile(s) recorded in its journal; `run` resumes it"),
         "{st}"
