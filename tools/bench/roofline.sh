@@ -33,6 +33,9 @@ write_plan fp32_mgt.toml A.mgt B.mgt C_fp32_mgt.mgt "${E[@]}"
 write_plan fp32_npy.toml A.npy B.npy C_fp32_npy.npy "${E[@]}"
 write_plan fp64_npy.toml A64.npy B64.npy C_fp64_npy.npy "${E[@]}" 'precision = "fp64"'
 write_plan fp64_mgt.toml A64.mgt B64.mgt C_fp64_mgt.mgt "${E[@]}" 'precision = "fp64"'
+# A k-step as deep as the matrix: A's blocks are whole rows of its file, page-locked as they are
+# (decision 0023), so staging copies only B's narrow blocks — half the bytes of fp64_npy's copies.
+write_plan fp64_npy_k32.toml A64.npy B64.npy C_fp64_npy_k32.npy "${E[@]/16GiB/32GiB}" 'precision = "fp64"' "tile = [8192, 8192, $N]"
 # The same with room to page-lock both 8 GiB inputs at once: at 16 GiB the pools leave 11.5 GiB,
 # and the ranges released to make room cost staging's thread (2026-12-06d: 2.0 s against 2.3-2.4).
 write_plan fp64_npy32.toml A64.npy B64.npy C_fp64_npy32.npy "${E[@]/16GiB/32GiB}" 'precision = "fp64"'
@@ -43,7 +46,7 @@ write_plan bf16_npy.toml A.npy B.npy C_bf16_npy.npy "${E[@]}" 'precision = "bf16
 # Each job with `staging` set: NAME_copy, NAME_direct (JOBS to run them; what `auto` picks for a
 # row-major file was measured so, BENCHMARKS). NAME_pread: the same plan run with
 # MGMM_READ_PREAD=1 (staging's copies by `pread`, none out of the files' maps).
-for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 fp64_mgt tf32_mgt bf16_mgt tf32_npy bf16_npy; do
+for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 fp64_npy_k32 fp64_mgt tf32_mgt bf16_mgt tf32_npy bf16_npy; do
   for m in copy direct; do
     sed -e "s/C_$f\./C_${f}_$m./" -e "s/^\[engine\]$/[engine]\nstaging = \"$m\"/" "$f.toml" > "${f}_$m.toml"
   done
