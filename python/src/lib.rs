@@ -181,6 +181,7 @@ fn operand(name: &str, s: &Arc<dyn MatrixSource>, trans: bool) -> Operand {
         cols,
         dtype: s.dtype(),
         trans,
+        stored_t: s.transposed(),
         raw: None,
         temp: false,
     }
