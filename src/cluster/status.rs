@@ -52,11 +52,19 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
         let n = step.index + 1;
         let out = &step.output;
         let Some(m) = read_manifest(out)? else {
+            let intermediate = (step.chain.as_ref()).filter(|c| c.part < c.parts);
             let state = if is_finalized(out, None)? {
                 "complete (run in one process)".to_string()
+            } else if let Some(c) = intermediate.filter(|_| !out.exists()) {
+                format!(
+                    "an intermediate of the chain written to {} (part {} of {}): kept in memory, or removed once the chain completed",
+                    c.root_output.display(),
+                    c.part,
+                    c.parts
+                )
             } else if let Ok(Some(j)) = crate::durable::journal::peek(out) {
                 format!(
-                    "started in one process, not finished: {} tile(s) recorded in its journal; `run` resumes it",
+                    "started in one process, not finished: {} tile(s) recorded in its journal (a process runs it now, or `run` resumes it)",
                     j.done.len()
                 )
             } else {

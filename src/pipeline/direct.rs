@@ -462,8 +462,7 @@ pub(crate) fn expected(
         !narrow.iter().any(|n| n == f.path())
             && f.mapped_block(&first, host).is_some_and(|mb| {
                 p.holds(&mb)
-                    && (mode == StagingMode::Direct
-                        || crate::store::fsutil::resident_sampled(mb.map, mb.data.clone(), 1024))
+                    && (mode == StagingMode::Direct || mb.cached_sampled(mb.data.clone(), 1024))
             })
     })
 }
@@ -646,11 +645,7 @@ impl DirectReads {
             self.stats.oversize_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        if self.mode == StagingMode::Auto
-            && !ranges
-                .iter()
-                .all(|r| crate::store::fsutil::resident(mb.map, r.clone(), 1.0))
-        {
+        if self.mode == StagingMode::Auto && !ranges.iter().all(|r| mb.cached(r.clone(), 1.0)) {
             self.stats.cold_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }

@@ -251,7 +251,12 @@ fn emit(
     let n = b.op_shape().1;
     let cost = product_cost(m, k, n, !root, mem, elem);
     if root {
-        let text = format!("{} = {} @ {}", output.display(), a.label(), b.label());
+        let text = format!(
+            "{} = {} @ {}",
+            output.display(),
+            a.read_label(),
+            b.read_label()
+        );
         out.push(SubProduct {
             a,
             b,
@@ -270,7 +275,7 @@ fn emit(
     let tname = format!("T{id}");
     // Both operands transposed: compute the untransposed Rᵀ = op(b)ᵀ·op(a)ᵀ and read it with .T.
     let flip = a.trans && b.trans;
-    let plain = format!("{tname} = {} @ {}", a.label(), b.label());
+    let plain = format!("{tname} = {} @ {}", a.read_label(), b.read_label());
     let (sa, sb, trans, (rows, cols)) = if flip {
         let un = |o: &Operand| Operand {
             trans: false,
@@ -283,8 +288,8 @@ fn emit(
     let text = if flip {
         format!(
             "{plain}, stored untransposed as {} @ {} and read with .T",
-            sa.label(),
-            sb.label()
+            sa.read_label(),
+            sb.read_label()
         )
     } else {
         plain

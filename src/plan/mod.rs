@@ -132,6 +132,14 @@ impl Operand {
         format!("{}{}", self.name, if t { ".T" } else { "" })
     }
 
+    /// The operand as the file is read: `B.T` whenever it is read transposed, also for a file
+    /// that stores the transpose. A chain's sub-products are journaled in these words (part of
+    /// each part's `expr`): jobs journaled before [`Self::label`] named operands as written
+    /// must keep resuming, so the journaled text keeps them.
+    pub(crate) fn read_label(&self) -> String {
+        format!("{}{}", self.name, if self.trans { ".T" } else { "" })
+    }
+
     /// Open the operand's file for reading.
     pub(crate) fn open(&self) -> Result<std::sync::Arc<dyn crate::store::MatrixSource>> {
         match &self.raw {

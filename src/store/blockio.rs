@@ -451,7 +451,9 @@ mod tests {
                 }
             }
         }
-        assert!(mapped_runs > 0, "no run was copied out of the map");
+        if !crate::config::read_with_pread() {
+            assert!(mapped_runs > 0, "no run was copied out of the map");
+        }
         // Without the cache's room (or a map), every run is read with `pread`.
         let g = runs(&layouts[0], &blocks(&layouts[0], 10, 13)[0], IO_SPAN)
             .next()

@@ -102,6 +102,9 @@ pub(crate) struct RowMajorFile {
     verified: OnceLock<Vec<AtomicBool>>,
     /// The page cache can likely hold the whole file (module doc): band reads are rarely wasted.
     cache_holds_file: bool,
+    /// `mincore` tells which of the file's pages are cached ([`crate::store::fsutil::mincore_tells`]):
+    /// where it does not, no page counts as cached.
+    mincore_tells: bool,
     /// Whole bands of rows already advised (`will_need`), when the cache holds the file: every
     /// block of a band of rows advises the band's whole span, and a row-major A read in k-blocks
     /// asked for its bands again and again — 151.6 GB advised for 22.7 GB read at 53248² on an
@@ -160,6 +163,7 @@ impl RowMajorFile {
             checksum_note: None,
             verified: OnceLock::new(),
             cache_holds_file: crate::store::fsutil::cache_holds(len),
+            mincore_tells: crate::store::fsutil::mincore_tells(path, &meta),
             advised: Default::default(),
         })
     }
@@ -172,12 +176,16 @@ impl RowMajorFile {
 
     /// Whether the pages of file bytes `span` are (nearly all) in the page cache.
     fn resident(&self, span: std::ops::Range<u64>) -> bool {
-        crate::store::fsutil::resident(&self.map, span, 0.9)
+        self.mincore_tells && crate::store::fsutil::resident(&self.map, span, 0.9)
     }
 
     /// Where blocks are read from: the file, and its map where the cache holds the file.
     fn from(&self) -> ReadFrom<'_> {
-        ReadFrom::new(&self.file, &self.map, self.cache_holds_file)
+        ReadFrom::new(
+            &self.file,
+            &self.map,
+            self.cache_holds_file && self.mincore_tells,
+        )
     }
 
     /// A strided run whose whole file span is cheaper to read than its segments.
@@ -444,6 +452,7 @@ impl MatrixSource for RowMajorFile {
             stride,
             map: &self.map,
             whole_rows: true,
+            cache_known: self.mincore_tells,
         })
     }
     fn scan_mapped(&self, b: &Block, host: DType, verify: bool) -> Result<u64> {

@@ -146,6 +146,22 @@ pub struct MappedBlock<'a> {
     /// hold the file's whole width whatever the block's ([`crate::pipeline::direct`] copies a
     /// narrow block of such a file under `auto`); false for a `.mgt`'s storage tiles.
     pub(crate) whole_rows: bool,
+    /// Whether `mincore` tells this file's cached pages ([`super::fsutil::mincore_tells`]):
+    /// where it does not, [`Self::cached`] says nothing is.
+    pub(crate) cache_known: bool,
+}
+
+impl MappedBlock<'_> {
+    /// Whether at least `fraction` of the pages of bytes `span` of the file are in the page
+    /// cache ([`super::fsutil::resident`]); false where `mincore` cannot tell.
+    pub(crate) fn cached(&self, span: std::ops::Range<u64>, fraction: f64) -> bool {
+        self.cache_known && super::fsutil::resident(self.map, span, fraction)
+    }
+
+    /// [`Self::cached`] judged from `samples` pages of `span` ([`super::fsutil::resident_sampled`]).
+    pub(crate) fn cached_sampled(&self, span: std::ops::Range<u64>, samples: u64) -> bool {
+        self.cache_known && super::fsutil::resident_sampled(self.map, span, samples)
+    }
 }
 
 /// A block of a matrix in GPU memory ([`MatrixSource::device_block`]): `rows` rows of

@@ -126,7 +126,7 @@ impl<'a, T: Elem> BandView<'a, T> {
             .iter()
             .map(|r| r.file_off + (r.rows - 1) * r.pitch + r.w * size);
         let hi = hi.max().unwrap_or(0) as u64;
-        if !crate::store::fsutil::resident_sampled(mb.map, lo..hi, 64) {
+        if !mb.cached_sampled(lo..hi, 64) {
             return None;
         }
         rects.sort_unstable_by_key(|r| (r.l0, r.c0));

@@ -419,6 +419,18 @@ fn a_memory_intermediate_whose_reader_is_complete_is_not_recomputed() {
         "resumed chain differs"
     );
     assert_eq!(part_files(dir), Vec::<String>::new());
+    // `status` names the removed intermediates for what they are (it said "not started").
+    let (ok, out, err) = cli(dir, &["status", "p.toml"]);
+    let flat = out.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(ok, "{err}");
+    for part in [1, 2] {
+        let want = format!("./E.mgt.part{part}.mgt: an intermediate of the chain written to ./E.mgt (part {part} of 3)");
+        assert!(flat.contains(&want), "{out}");
+    }
+    assert!(
+        flat.contains("./E.mgt: complete (run in one process)"),
+        "{out}"
+    );
 }
 
 /// A device that fails inside the in-memory part of a chain is failed over without a word of

@@ -144,7 +144,7 @@ fn write_failure_stops_cleanly_and_resume_completes() {
         .collect::<Vec<_>>()
         .join(" ");
     assert!(
-        st.contains("started in one process, not finished: 20 tile(s) recorded in its journal; `run` resumes it"),
+        st.contains("started in one process, not finished: 20 tile(s) recorded in its journal (a process runs it now, or `run` resumes it)"),
         "{st}"
     );
     let o = run(dir, &["run", "plan.toml"]);

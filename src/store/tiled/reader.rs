@@ -86,6 +86,8 @@ pub struct TiledFile {
     /// The page cache can likely hold the whole file: cached runs are copied out of the map
     /// ([`ReadFrom`]).
     cache_holds_file: bool,
+    /// `mincore` tells which of the file's pages are cached ([`fsutil::mincore_tells`]).
+    mincore_tells: bool,
 }
 
 impl TiledFile {
@@ -114,6 +116,7 @@ impl TiledFile {
             map,
             geo: hdr.geometry(),
             cache_holds_file: crate::store::fsutil::cache_holds(len),
+            mincore_tells: crate::store::fsutil::mincore_tells(path, &meta),
             hdr,
             verified: OnceLock::new(),
         })
@@ -121,7 +124,11 @@ impl TiledFile {
 
     /// Where blocks are read from: the file, and its map where the cache holds the file.
     fn from(&self) -> ReadFrom<'_> {
-        ReadFrom::new(&self.file, &self.map, self.cache_holds_file)
+        ReadFrom::new(
+            &self.file,
+            &self.map,
+            self.cache_holds_file && self.mincore_tells,
+        )
     }
 
     /// The open file.
@@ -533,6 +540,7 @@ impl MatrixSource for TiledFile {
             stride: geo.tile_stride,
             map: &self.map,
             whole_rows: false,
+            cache_known: self.mincore_tells,
         })
     }
     fn identity(&self) -> String {
