@@ -75,11 +75,14 @@ pub(crate) fn pinned_alloc() -> bool {
     *ON.get_or_init(|| std::env::var_os("MGMM_PINNED_ALLOC").is_some())
 }
 
-/// Whether `MGMM_READ_PREAD` is set: the readers then read every block with `pread`s and copy
+/// Whether `MGMM_READ_PREAD` is set (to anything but empty or `0`): the readers then read
+/// every block with `pread`s and copy
 /// nothing out of a file's map (`store::blockio::ReadFrom`). Read once per process.
 pub(crate) fn read_with_pread() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("MGMM_READ_PREAD").is_some())
+    *ON.get_or_init(|| {
+        std::env::var_os("MGMM_READ_PREAD").is_some_and(|v| !v.is_empty() && v != "0")
+    })
 }
 
 /// `CUDA_VISIBLE_DEVICES`: the GPUs CUDA will let the process see, for the run's guess of

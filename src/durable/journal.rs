@@ -864,6 +864,27 @@ mod tests {
     }
     use super::*;
 
+    /// The plan's list of what the engine keeps beside a file is the list of these paths.
+    #[test]
+    fn the_plans_companion_suffixes_are_the_engines() {
+        let p = Path::new("/d/C.npy");
+        let made = [
+            journal_path(p),
+            crate::store::sidecar::sidecar_path(p),
+            crate::durable::checkpoint::partial_dir(p),
+            crate::durable::split::state_dir(p),
+        ];
+        for (c, suffix) in made.iter().zip(crate::plan::COMPANION_SUFFIXES) {
+            assert_eq!(
+                crate::plan::companion_of(c, p),
+                Some(suffix),
+                "{}",
+                c.display()
+            );
+        }
+        assert_eq!(crate::plan::companion_of(Path::new("/d/C.npy.x"), p), None);
+    }
+
     #[test]
     fn inputs_match_by_content_wherever_they_lie() {
         let a = "/old/x (1) (4096 bytes, header 1a2b3c4d, tile checksums 0a0b0c0d)";

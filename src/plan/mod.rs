@@ -360,6 +360,21 @@ impl Plan {
     }
 }
 
+/// What the engine keeps beside a file it writes or reads, by suffix: a step's journal
+/// (`durable::journal::journal_path`), a `.npy`'s checksum sidecar (`store::sidecar::sidecar_path`),
+/// the checkpoints' folder (`durable::checkpoint::partial_dir`) and a split run's folder
+/// (`durable::split::state_dir`). The durable module's tests hold this list to those functions.
+pub(crate) const COMPANION_SUFFIXES: [&str; 4] = [".journal", ".crc32c", ".partial", ".shards"];
+
+/// The companion of `owner` that `p` names (`.journal`, …: [`COMPANION_SUFFIXES`]), if any.
+pub(crate) fn companion_of(p: &Path, owner: &Path) -> Option<&'static str> {
+    COMPANION_SUFFIXES.into_iter().find(|s| {
+        let mut c = owner.as_os_str().to_owned();
+        c.push(s);
+        same_file(p, Path::new(&c))
+    })
+}
+
 /// True if `a` and `b` name the same file: the same device and inode when both exist (hard
 /// links included), else the same path after resolving symlinks and `..` as far as the path
 /// exists and `..`/`.` lexically beyond that.

@@ -162,13 +162,19 @@ pub(crate) fn matrices(
         };
         let decl = decl.map_err(|e| {
             match steps.iter().position(|s| same_file(&cx.path(s.output.get_ref()), &path)) {
-                Some(i) if !path.exists() && m.generate.is_none() => cx.err(format!(
-                    "{key}: file {} does not exist yet: step {} (line {}) writes it. A later step reads a step's output by its name: add name = \"{name}\" to step {} and drop [matrices.{name}] ([matrices] are files that exist before the run)",
-                    path.display(),
-                    i + 1,
-                    cx.line(&steps[i].output),
-                    i + 1
-                )),
+                Some(i) if !path.exists() && m.generate.is_none() => {
+                    let named = (steps[i].name.as_ref()).is_some_and(|n| n.get_ref() == name);
+                    let fix = match named {
+                        true => format!("step {} already names it {name}: drop [matrices.{name}]", i + 1),
+                        false => format!("add name = \"{name}\" to step {} and drop [matrices.{name}]", i + 1),
+                    };
+                    cx.err(format!(
+                        "{key}: file {} does not exist yet: step {} (line {}) writes it. A later step reads a step's output by its name: {fix} ([matrices] are files that exist before the run)",
+                        path.display(),
+                        i + 1,
+                        cx.line(&steps[i].output),
+                    ))
+                }
                 _ => e,
             }
         })?;
@@ -829,6 +835,35 @@ fn check_output(
             out.display()
         )));
     }
+    if same_file(cx.path, out) {
+        return Err(cx.err(format!(
+            "{at}: output {} is this plan file; write the result to a new file",
+            out.display()
+        )));
+    }
+    // Nor what the engine keeps beside an input or an output (a journal, a `.npy`'s checksums,
+    // checkpoints, a split run's folder): `run --restart` would replace it (new-user trial).
+    let owners = (mats.values().map(|d| (&d.path, "matrix file")))
+        .chain(earlier.iter().map(|e| (&e.output, "output")));
+    for (owner, what) in owners {
+        if let Some(suffix) = super::companion_of(out, owner) {
+            return Err(cx.err(format!(
+                "{at}: output {} is the {suffix} file the engine keeps beside the {what} {}; write the result to a new file",
+                out.display(),
+                owner.display()
+            )));
+        }
+    }
+    for e in earlier {
+        if let Some(suffix) = super::companion_of(&e.output, out) {
+            return Err(cx.err(format!(
+                "{at}: step {}'s output {} is the {suffix} file the engine keeps beside this output {}; give one of them another path",
+                e.index + 1,
+                e.output.display(),
+                out.display()
+            )));
+        }
+    }
     for op in [Some(&s.a), Some(&s.b), s.c0.as_ref()]
         .into_iter()
         .flatten()
@@ -850,8 +885,10 @@ fn check_output(
     for d in mats.values() {
         if same_file(&d.path, out) {
             return Err(cx.err(format!(
-                "{at}: output {} is the file of matrix `{}`; inputs are never overwritten — choose another output path",
+                "{at}: output {} is the file of matrix `{}`; inputs are never overwritten — choose another output path, or, for a later step to read this step's output, give this step name = \"{}\" and drop [matrices.{}]",
                 out.display(),
+                d.name,
+                d.name,
                 d.name
             )));
         }
@@ -973,6 +1010,12 @@ mod tests {
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ Y\"\n[[step]]\noutput = \"Y.mgt\"\nexpr = \"A @ B\"\nname = \"Y\"\n"), "is the output of step 2 (name = \"Y\"), which has not run yet; steps run in plan order: move step 2 before this one"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ X\"\nname = \"X\"\n"), "a step cannot use its own output"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\n[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B\"\n"), "matrices.G (line 10)"),
+            (format!("{MATS}[[step]]\noutput = \"p.toml\"\nexpr = \"A @ B\"\n"), "output /nonexistent/p.toml is this plan file"),
+            (format!("{MATS}[[step]]\noutput = \"A.mgt.journal\"\nexpr = \"A @ B\"\n"), "output /nonexistent/A.mgt.journal is the .journal file the engine keeps beside the matrix file /nonexistent/A.mgt"),
+            (format!("{MATS}[[step]]\noutput = \"X.npy\"\nexpr = \"A @ B\"\n[[step]]\noutput = \"./X.npy.crc32c\"\nexpr = \"A @ B\"\n"), "is the .crc32c file the engine keeps beside the output /nonexistent/X.npy"),
+            (format!("{MATS}[[step]]\noutput = \"X.npy.shards\"\nexpr = \"A @ B\"\n[[step]]\noutput = \"X.npy\"\nexpr = \"A @ B\"\n"), "step 1's output /nonexistent/X.npy.shards is the .shards file the engine keeps beside this output /nonexistent/X.npy"),
+            (format!("{MATS}[[step]]\noutput = \"C0.mgt\"\nexpr = \"A @ B\"\n"), "give this step name = \"C0\" and drop [matrices.C0]"),
+            (format!("{MATS}[matrices.W]\npath = \"./W.mgt\"\n[[step]]\noutput = \"W.mgt\"\nexpr = \"A @ B\"\nname = \"W\"\n[[step]]\noutput = \"X.mgt\"\nexpr = \"W @ A\"\n"), "step 1 already names it W: drop [matrices.W]"),
             (format!("{MATS}[matrices.W]\npath = \"./W.mgt\"\n[[step]]\noutput = \"W.mgt\"\nexpr = \"A @ B\"\n[[step]]\noutput = \"X.mgt\"\nexpr = \"W @ A\"\n"), "file /nonexistent/./W.mgt does not exist yet: step 1 (line 12) writes it. A later step reads a step's output by its name: add name = \"W\" to step 1"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\ngenerate = {{ rows = 2, cols = 2, dist = \"odd\" }}\n"), "matrices.G.generate (line 11): dist"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\n\ngenerate = {{ rows = 0, cols = 2 }}\n"), "matrices.G.generate (line 12)"),
