@@ -379,13 +379,52 @@ pub(crate) fn foreign(path: &Path, old: &Fingerprint, new: &Fingerprint) -> Erro
             "; only the compute tile changed (engine.tile set otherwise, or, with tile = \"auto\", other memory budgets): set engine.tile = [{}] to resume (with tile = \"auto\", giving the run the engine.host_memory and device memory it had does too)",
             t.replace('×', ", ")
         ),
-        _ => String::new(),
+        _ => mtime_hint(old, new),
     };
     Error::Usage(format!(
         "{}: the journal is from a different plan or different inputs ({}){hint}; rerun with --restart to start this step over (the output is overwritten), or restore the plan and inputs to resume",
         path.display(),
         fingerprint_changes(old, new)
     ))
+}
+
+/// An input identity (`PATH (N bytes, mtime T ns, …)`, `.npy` and raw files) without its
+/// modification time, and that time in nanoseconds; `None` for a value without one.
+fn without_mtime(v: &str) -> Option<(String, i128)> {
+    let at = v.find(", mtime ")?;
+    let rest = &v[at + ", mtime ".len()..];
+    let (ns, tail) = rest.split_once(" ns")?;
+    Some((format!("{}{tail}", &v[..at]), ns.parse().ok()?))
+}
+
+/// The hint for fingerprints that differ only in inputs' modification times (same size and
+/// sampled contents): a file restored with `cp` or touched looks changed (new-user trial), and
+/// the way back is its old time, not `--restart`. Empty otherwise.
+fn mtime_hint(old: &Fingerprint, new: &Fingerprint) -> String {
+    let mut touched = Vec::new();
+    for (k, v) in old {
+        let Some(w) = new.get(k) else {
+            return String::new();
+        };
+        if same_value(v, w) {
+            continue;
+        }
+        match (without_mtime(v), without_mtime(w)) {
+            (Some((a, t)), Some((b, _))) if same_value(&a, &b) => {
+                let path = v.split(" (").next().unwrap_or(v);
+                let (s, ns) = (t.div_euclid(1_000_000_000), t.rem_euclid(1_000_000_000));
+                touched.push(format!("touch -d @{s}.{ns:09} {path}"));
+            }
+            _ => return String::new(),
+        }
+    }
+    if touched.is_empty() || old.len() != new.len() {
+        return String::new();
+    }
+    format!(
+        "; only the modification time of its inputs changed (same size and sampled contents): if their bytes are the ones the journal saw (a copy restored without `cp -p`, a touch), give them back their time ({}) to resume",
+        touched.join("; ")
+    )
 }
 
 /// What differs between two fingerprints: `key: was X, now Y` for each key, joined by `; `.
@@ -863,6 +902,34 @@ mod tests {
         assert!(!m.contains("only the compute tile"), "{m}");
     }
     use super::*;
+
+    /// A journal met by inputs that differ only in their modification time says how to give
+    /// the time back; any other difference gives no such hint.
+    #[test]
+    fn only_a_touched_input_gets_the_touch_hint() {
+        let id = |t: &str, crc: &str| {
+            format!("./A.npy (4096 bytes, mtime {t} ns, npy, sample crc {crc})")
+        };
+        let fp = |v: String| -> Fingerprint { [("input A".to_string(), v)].into() };
+        let e = foreign(
+            Path::new("C.npy.journal"),
+            &fp(id("1700000000123456789", "1234abcd")),
+            &fp(id("1700000099000000000", "1234abcd")),
+        )
+        .to_string();
+        assert!(
+            e.contains("only the modification time of its inputs changed")
+                && e.contains("touch -d @1700000000.123456789 ./A.npy"),
+            "{e}"
+        );
+        let e = foreign(
+            Path::new("C.npy.journal"),
+            &fp(id("1700000000123456789", "1234abcd")),
+            &fp(id("1700000099000000000", "99999999")),
+        )
+        .to_string();
+        assert!(!e.contains("touch"), "{e}");
+    }
 
     /// The plan's list of what the engine keeps beside a file is the list of these paths.
     #[test]
