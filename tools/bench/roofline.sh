@@ -10,7 +10,8 @@
 # $OUT/roofline.log, reports (roof_NAME_i.json) in $OUT/roofline_reports.tgz, and the table at the end.
 # TRACE=1: round 1's runs write their timelines (MGMM_TRACE) to $OUT/trace_NAME.json, and
 # tools/trace_gaps.py's reading of each goes into the log. VERIFY=0: no verify of the fp32
-# product. Only the inputs the jobs (and verify) read are generated.
+# product. NO_PROBE=1: no driver start-up probe. Only the inputs the jobs (and verify) read are
+# generated.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to roofline.log
@@ -54,7 +55,7 @@ for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 fp64_npy_k32 fp64_mgt tf32_mgt bf
 done
 
 log "driver start-up floor and torch in-core rates"
-python3 "$TOOLS/probes/cuda_startup_costs.py" 2>&1 | tee -a "$LOG"
+[ -n "${NO_PROBE:-}" ] || python3 "$TOOLS/probes/cuda_startup_costs.py" 2>&1 | tee -a "$LOG"
 python3 - "$N" <<'PY' 2>&1 | tee -a "$LOG"
 import sys, time, torch
 n = int(sys.argv[1])
