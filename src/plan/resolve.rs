@@ -133,6 +133,11 @@ impl Ctx<'_> {
         if self.base == Path::new(".") && p.starts_with("..") {
             return p.to_path_buf();
         }
+        // `./x` under `.` is `./x`, not `././x` (new-user trial).
+        let p = match p.strip_prefix(".") {
+            Ok(rest) if !rest.as_os_str().is_empty() => rest,
+            _ => p,
+        };
         self.base.join(p)
     }
 }
@@ -153,6 +158,9 @@ pub(crate) fn matrices(
                 "[matrices.{name:?}] (line {}): a matrix name is what `expr` refers to; use letters, digits and _, not starting with a digit",
                 cx.line(&m.path)
             )));
+        }
+        if m.path.get_ref().trim().is_empty() {
+            return Err(cx.err(format!("{key}: path is empty; give the matrix's file")));
         }
         let path = cx.path(m.path.get_ref());
         let decl = if m.format.is_some() {
@@ -1016,7 +1024,7 @@ mod tests {
             (format!("{MATS}[[step]]\noutput = \"X.npy.shards\"\nexpr = \"A @ B\"\n[[step]]\noutput = \"X.npy\"\nexpr = \"A @ B\"\n"), "step 1's output /nonexistent/X.npy.shards is the .shards file the engine keeps beside this output /nonexistent/X.npy"),
             (format!("{MATS}[[step]]\noutput = \"C0.mgt\"\nexpr = \"A @ B\"\n"), "give this step name = \"C0\" and drop [matrices.C0]"),
             (format!("{MATS}[matrices.W]\npath = \"./W.mgt\"\n[[step]]\noutput = \"W.mgt\"\nexpr = \"A @ B\"\nname = \"W\"\n[[step]]\noutput = \"X.mgt\"\nexpr = \"W @ A\"\n"), "step 1 already names it W: drop [matrices.W]"),
-            (format!("{MATS}[matrices.W]\npath = \"./W.mgt\"\n[[step]]\noutput = \"W.mgt\"\nexpr = \"A @ B\"\n[[step]]\noutput = \"X.mgt\"\nexpr = \"W @ A\"\n"), "file /nonexistent/./W.mgt does not exist yet: step 1 (line 12) writes it. A later step reads a step's output by its name: add name = \"W\" to step 1"),
+            (format!("{MATS}[matrices.W]\npath = \"./W.mgt\"\n[[step]]\noutput = \"W.mgt\"\nexpr = \"A @ B\"\n[[step]]\noutput = \"X.mgt\"\nexpr = \"W @ A\"\n"), "file /nonexistent/W.mgt does not exist yet: step 1 (line 12) writes it. A later step reads a step's output by its name: add name = \"W\" to step 1"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\ngenerate = {{ rows = 2, cols = 2, dist = \"odd\" }}\n"), "matrices.G.generate (line 11): dist"),
             (format!("{MATS}[matrices.G]\npath = \"G.mgt\"\n\ngenerate = {{ rows = 0, cols = 2 }}\n"), "matrices.G.generate (line 12)"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ B + C0\"\naccumulate = \"C0\"\n"), "(line 12) adds another"),
