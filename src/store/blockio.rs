@@ -1,7 +1,8 @@
 //! Block I/O that every file format shares: a block's runs ([`super::runs`]) read with
-//! parallel `pread`s (handing each piece to a visitor while it is in cache), written with
-//! `pwrite` or copied into a writable map ([`BlockOut`]); dtype conversion and CRC-32C on the
-//! rayon pool; and the error a failed reservation of an output's space gives.
+//! parallel `pread`s or copied out of the file's map where cached ([`ReadFrom`]), handing each
+//! piece to a visitor while it is in cache; written with `pwrite` or copied into a writable
+//! map ([`BlockOut`]); dtype conversion and CRC-32C on the rayon pool; and the error a failed
+//! reservation of an output's space gives.
 //!
 //! Below the formats: the `.mgt` reader and writer ([`super::tiled`]), the row-major reader
 //! behind `.npy` and raw files ([`super::rowmajor`]) and the `.npy` writer ([`super::npy_sink`])
@@ -52,8 +53,9 @@ pub(crate) fn convert_par(from: DType, src: &[u8], to: DType, dst: &mut [u8]) {
 }
 
 /// Where a block's runs are read from: the open file, with `pread`s, and — where the page cache
-/// can likely hold the whole file ([`super::fsutil::cache_holds`]) — its read-only map, which a
-/// run whose pages are already in the page cache is copied out of instead.
+/// can likely hold the whole file ([`super::fsutil::cache_holds`]) and `mincore` tells its
+/// cached pages ([`super::fsutil::mincore_tells`]), as the reader judges when it opens the
+/// file — its read-only map, which a run whose pages are already cached is copied out of instead.
 ///
 /// Why the map: on the H100 host a fresh map copied out by 16 threads ran at 85 GiB/s against
 /// 48 GiB/s for `pread`s of the same cached file (`tools/bench/host_read_rates.py`,
