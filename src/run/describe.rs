@@ -494,6 +494,8 @@ fn describe_staging(
     );
     let mut held_range = 0u64;
     let mut in_place: Vec<&crate::plan::Operand> = Vec::new();
+    // Some input is copied because the budget is short of its ranges: `plan` names a budget.
+    let mut oversize = false;
     // `auto` on a GPU copies every block of a file stored in whole rows whose blocks are
     // narrow (`pipeline::direct::narrow_files`): the rule `run` applies, judged from the files
     // where they exist, else (an earlier step's output) from the name a `.npy` is written under.
@@ -553,6 +555,7 @@ fn describe_staging(
                 // CPU, where `plan` said they went straight, "if any" were copied: a trial).
                 let need = crate::pipeline::direct::block_range_bytes(pin.chunk, &mb);
                 let held = if device { "page-locked" } else { "mapped" };
+                oversize |= !pin.holds(&mb) || need > pin.budget;
                 if !pin.holds(&mb) {
                     Some(format!(
                         "a range of its file, {}, is larger than the {} that host_memory leaves beside the pools to keep {held}",
@@ -616,8 +619,6 @@ fn describe_staging(
     }
     if !copied.is_empty() {
         // A range, or a block's ranges, larger than the budget: the host_memory that has room.
-        let oversize = (copied.iter())
-            .any(|c| c.contains("a range of its file") || c.contains("a block of it holds"));
         let advice = if oversize {
             format!(
                 "; {}",

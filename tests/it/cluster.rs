@@ -426,17 +426,24 @@ fn prepare_leaves_a_step_reading_an_unfinished_npy_for_the_shards() {
                 [[step]]\noutput = \"D.mgt\"\nexpr = \"B.T @ A.T\"\n\
                 [[step]]\noutput = \"E.npy\"\nexpr = \"X.T @ A\"\n\
                 [engine]\nbackend = \"cpu\"\ntile = 64\nhost_memory = \"64MiB\"\n";
+    // Two processes at once: step 3 waits for step 1's other half.
+    let said = prepared_shards_match_one_process(text, &["X.npy", "D.mgt", "E.npy"]);
+    assert!(
+        said.contains("step 3: prepared when its input ./X.npy is finalized"),
+        "{said}"
+    );
+}
+
+/// `text` prepared and then run as two shards at once, to one process's bytes for `outputs`;
+/// what `prepare` printed.
+fn prepared_shards_match_one_process(text: &str, outputs: &[&str]) -> String {
     let one = one_process(text);
     let d = tmp();
     let dir = d.path();
     std::fs::write(dir.join("plan.toml"), text).unwrap();
     let said = ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
-    assert!(
-        said.contains("step 3: prepared when its input ./X.npy is finalized"),
-        "{said}"
-    );
-    // Two processes at once: step 3 waits for step 1's other half.
-    two_shards_at_once_match(dir, one.path(), &["X.npy", "D.mgt", "E.npy"]);
+    two_shards_at_once_match(dir, one.path(), outputs);
+    said
 }
 
 /// A chain part that multiplies none of an earlier step's output still waits for it when the
@@ -452,14 +459,11 @@ fn a_chain_part_waits_for_an_earlier_output_among_its_leaves() {
                 [[step]]\nname = \"C\"\noutput = \"C.mgt\"\nexpr = \"A @ B\"\n\
                 [[step]]\noutput = \"W.mgt\"\nexpr = \"C @ D @ E\"\n\
                 [engine]\nbackend = \"cpu\"\ntile = 64\nhost_memory = \"64MiB\"\n";
-    let one = one_process(text);
     let d = tmp();
-    let dir = d.path();
-    std::fs::write(dir.join("plan.toml"), text).unwrap();
-    let described = ok(cmd(dir, &["plan", "plan.toml"], &[]).output().unwrap());
+    std::fs::write(d.path().join("plan.toml"), text).unwrap();
+    let described = ok(cmd(d.path(), &["plan", "plan.toml"], &[]).output().unwrap());
     assert!(described.contains("C @ (D @ E)"), "{described}");
-    ok(cmd(dir, &["prepare", "plan.toml"], &[]).output().unwrap());
-    two_shards_at_once_match(dir, one.path(), &["C.mgt", "W.mgt"]);
+    prepared_shards_match_one_process(text, &["C.mgt", "W.mgt"]);
 }
 
 /// A split step's shard folder that is a link is refused by `prepare`, `prepare --restart` and
