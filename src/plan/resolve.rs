@@ -851,8 +851,14 @@ fn check_output(
     }
     // Nor what the engine keeps beside an input or an output (a journal, a `.npy`'s checksums,
     // checkpoints, a split run's folder): `run --restart` would replace it (new-user trial).
+    // Also beside a file of another plan's: `X.npy.crc32c` where `X.npy` exists.
+    let beside: Vec<PathBuf> = (super::COMPANION_SUFFIXES.iter())
+        .filter_map(|suf| out.to_str()?.strip_suffix(suf).map(PathBuf::from))
+        .filter(|owner| owner.is_file())
+        .collect();
     let owners = (mats.values().map(|d| (&d.path, "matrix file")))
-        .chain(earlier.iter().map(|e| (&e.output, "output")));
+        .chain(earlier.iter().map(|e| (&e.output, "output")))
+        .chain(beside.iter().map(|p| (p, "file")));
     for (owner, what) in owners {
         if let Some(suffix) = super::companion_of(out, owner) {
             return Err(cx.err(format!(
@@ -1000,6 +1006,24 @@ mod tests {
         ))
         .unwrap();
         assert_eq!((p.steps[0].alpha, p.steps[0].beta), (1.0, 0.25));
+    }
+
+    /// An output named like what the engine keeps beside a file that exists (another plan's
+    /// output, say) is refused: `run --restart` would replace that file's checksums or journal.
+    #[test]
+    fn an_output_beside_an_existing_file_as_its_companion_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("Z.npy"), b"x").unwrap();
+        let text = format!("{MATS}[[step]]\noutput = \"Z.npy.crc32c\"\nexpr = \"A @ B\"\n");
+        let e = Plan::resolve(&d.path().join("p.toml"), &text, &[], &headers)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("is the .crc32c file the engine keeps beside the file"),
+            "{e}"
+        );
+        let text = format!("{MATS}[[step]]\noutput = \"Q.npy.crc32c\"\nexpr = \"A @ B\"\n");
+        assert!(Plan::resolve(&d.path().join("p.toml"), &text, &[], &headers).is_ok());
     }
 
     #[test]
