@@ -353,13 +353,16 @@ fn read_state(
         // before, or half created), so the step starts afresh and the line is written whole.
         return Ok(State::Fresh);
     }
+    if !output_exists {
+        // Its output is gone: the journal has nothing to resume, whatever plan wrote it (one
+        // recording another tile was refused, with advice to resume what no longer exists).
+        return Ok(State::Fresh);
+    }
     let (_, peek) = parse(path, bytes)?;
     if !same_fingerprint(&peek.fingerprint, fp) {
         return Err(foreign(path, &peek.fingerprint, fp));
     }
-    Ok(if !output_exists {
-        State::Fresh
-    } else if peek.complete {
+    Ok(if peek.complete {
         State::Complete
     } else {
         State::Partial(peek.done, peek.damaged)

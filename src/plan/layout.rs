@@ -189,6 +189,25 @@ impl Layout {
         Err(Error::plan(plan, msg))
     }
 
+    /// The layout of a finished step with the compute tile its journal records, whether or not
+    /// it fits `engine`'s budgets: the step is skipped, so nothing is allocated by it, and its
+    /// fingerprint (which names the tile) must match the journal's ([`crate::run::layout_for`]).
+    pub fn recorded(
+        step: &Step,
+        engine: &Engine,
+        caps: &Caps,
+        (m, n, k): (u64, u64, u64),
+    ) -> Layout {
+        Self::with_tiles(
+            step,
+            engine,
+            caps,
+            m.min(step.m),
+            n.min(step.n),
+            k.min(step.k),
+        )
+    }
+
     fn with_tiles(step: &Step, engine: &Engine, caps: &Caps, tm: u64, tn: u64, tk: u64) -> Layout {
         let host_dt = engine.precision.host_dtype();
         let hs = host_dt.size() as u64;

@@ -102,9 +102,16 @@ fn describe_step(
     // no setting explains (a new user's trial).
     if let Ok(now) = Layout::new(&plan.path, step, e, caps) {
         if (now.tm, now.tn, now.tk) != (l.tm, l.tn, l.tk) {
+            let finished = crate::durable::journal::peek(&step.output)
+                .is_ok_and(|j| j.is_some_and(|j| j.complete));
             s += &format!(
-                "  (the compute tile the journal of {} records: `run` keeps it to resume the tiles it finished; `tile = \"auto\"` would pick {}×{}×{} now, which `run --restart` takes)\n",
+                "  (the compute tile the journal of {} records: `run` keeps it {}; `tile = \"auto\"` would pick {}×{}×{} now, which `run --restart` takes)\n",
                 step.output.display(),
+                if finished {
+                    "for the finished step, which it skips"
+                } else {
+                    "to resume the tiles it finished"
+                },
                 now.tm,
                 now.tn,
                 now.tk

@@ -40,7 +40,8 @@ pub(crate) fn chain_done(
 /// check.
 pub(crate) fn refuse_foreign_journals(plan: &Plan, layouts: &[Layout], kind: &str) -> Result<()> {
     for (step, layout) in plan.steps.iter().zip(layouts) {
-        if step.output_in_memory() {
+        // A journal whose output is gone has nothing to resume: the step starts afresh.
+        if step.output_in_memory() || !step.output.exists() {
             continue;
         }
         let Some(j) = journal::peek(&step.output)? else {

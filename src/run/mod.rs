@@ -186,7 +186,16 @@ pub fn layout_for(
         tile: crate::plan::TileSpec::Fixed { m, n, k },
         ..engine.clone()
     };
-    Ok(Layout::new(origin, step, &kept, caps).unwrap_or(l))
+    match Layout::new(origin, step, &kept, caps) {
+        Ok(kept) => Ok(kept),
+        // A finished step is skipped, not computed: its tile need not fit the budgets of now
+        // (a rerun with a smaller `host_memory` was refused with only `--restart` to offer).
+        // Should the output be gone, the step runs afresh, laid out by the budgets.
+        Err(_) if j.complete && step.output.exists() => {
+            Ok(Layout::recorded(step, &kept, caps, (m, n, k)))
+        }
+        Err(_) => Ok(l),
+    }
 }
 
 /// Run every step of `plan` on the backend the plan selects.

@@ -489,10 +489,48 @@ fn a_resume_on_fewer_lanes_keeps_the_journals_auto_tile() {
     };
     let e = run_with_faults(dir, vec![100; 4], cfg).unwrap_err();
     assert!(e.to_string().contains("injected fault"), "{e}");
+    let one = cli_ok(dir, &["plan", "plan.toml", "--set", "engine.devices=[0]"]);
+    assert!(
+        one.contains("compute tile 384×200×100")
+            && one.contains("`run` keeps it to resume the tiles it finished"),
+        "{one}"
+    );
     let r = run_on(dir, sim(vec![100])).unwrap();
     assert_eq!(r.steps[0].tiles_total, 4, "the 384-row tiles were kept");
     assert!(r.steps[0].tiles_computed < 4);
     assert!(same_output(dir));
+}
+
+/// A finished step is skipped after the budget shrank: `tile = "auto"` would pick a smaller
+/// tile now, and the journal's no longer fits, but nothing is computed, so the recorded tile
+/// stands (the rerun was refused with only `--restart` to offer, which recomputes it all).
+#[test]
+fn a_finished_step_is_skipped_under_a_smaller_budget() {
+    let d = tmp();
+    let dir = d.path();
+    uneven_rows(dir, &[("plan.toml", "C.mgt")]);
+    let cli = |args: &[&str]| cli_ok(dir, args);
+    cli(&["run", "plan.toml", "-q"]);
+    let before = std::fs::read(dir.join("C.mgt")).unwrap();
+    let small = "engine.host_memory=\"1MiB\"";
+    let plan = cli(&["plan", "plan.toml", "--set", small]);
+    assert!(
+        plan.contains("compute tile 384×200×100")
+            && plan.contains("`run` keeps it for the finished step, which it skips; `tile = \"auto\"` would pick 128×128×100 now"),
+        "{plan}"
+    );
+    let run = cli(&["run", "plan.toml", "--set", small]);
+    assert!(run.contains("skipping"), "{run}");
+    assert_eq!(std::fs::read(dir.join("C.mgt")).unwrap(), before);
+    // Without the output the journal has nothing to resume: the step is computed afresh, with
+    // the tile the budget gives now, and the same product.
+    std::fs::remove_file(dir.join("C.mgt")).unwrap();
+    cli(&["run", "plan.toml", "--set", small]);
+    let j = std::fs::read(dir.join("C.mgt.journal")).unwrap();
+    let head = String::from_utf8_lossy(&j[..j.iter().position(|&b| b == b'\n').unwrap()]);
+    assert!(head.contains("\"compute tile\":\"128×128×100\""), "{head}");
+    let v = cli(&["verify", "plan.toml", "--set", small]);
+    assert!(v.contains("PASS"), "{v}");
 }
 
 /// `plan` after a run on four lanes, asked about one: it shows the 384-row tile the journal
@@ -510,7 +548,7 @@ fn plan_says_the_compute_tile_comes_from_the_journal() {
     let one = cli(&["plan", "plan.toml", "--set", "engine.devices=[0]"]);
     assert!(
         one.contains("compute tile 384×200×100")
-            && one.contains("(the compute tile the journal of ./C.mgt records: `run` keeps it to resume the tiles it finished; `tile = \"auto\"` would pick 512×200×100 now, which `run --restart` takes)"),
+            && one.contains("(the compute tile the journal of ./C.mgt records: `run` keeps it for the finished step, which it skips; `tile = \"auto\"` would pick 512×200×100 now, which `run --restart` takes)"),
         "{one}"
     );
 }
