@@ -254,20 +254,7 @@ pub(super) fn unfinished(file: &Path) -> Result<Option<Unfinished>> {
     }
     // Any output format (.mgt, .npy): the shape is all that is needed.
     let (rows, cols) = crate::store::source::open_as_written(file)?.shape();
-    let done: std::collections::BTreeSet<u32> = j.done.iter().map(|&(s, _)| s).collect();
-    // The journal's fingerprint names the compute tile "tm×tn×tk": output tiles are tm × tn.
-    let total = j.fingerprint.get("compute tile").and_then(|t| {
-        let v: Vec<u64> = t.split('×').filter_map(|x| x.trim().parse().ok()).collect();
-        (v.len() == 3 && v[0] > 0 && v[1] > 0).then(|| rows.div_ceil(v[0]) * cols.div_ceil(v[1]))
-    });
-    let progress = match total {
-        Some(m) => format!(
-            "{} of {m} tiles done, {} left",
-            done.len(),
-            m.saturating_sub(done.len() as u64)
-        ),
-        None => format!("{} tiles done", done.len()),
-    };
+    let progress = j.progress(rows, cols);
     Ok(Some(Unfinished {
         progress,
         finish: FINISH_RUN,

@@ -35,14 +35,7 @@ fn eta(left: u64, rate: f64, running: bool) -> String {
     if rate <= 0.0 {
         return "unknown".into();
     }
-    let s = left as f64 / rate;
-    if s < 120.0 {
-        format!("{s:.0} s")
-    } else if s < 7200.0 {
-        format!("{:.1} min", s / 60.0)
-    } else {
-        format!("{:.1} h", s / 3600.0)
-    }
+    ago(left as f64 / rate)
 }
 
 /// The text `status PLAN` prints.
@@ -63,10 +56,7 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
                     c.parts
                 )
             } else if let Ok(Some(j)) = crate::durable::journal::peek(out) {
-                format!(
-                    "started in one process, not finished: {} tile(s) recorded in its journal (a process runs it now, or `run` resumes it)",
-                    j.done.len()
-                )
+                one_process(out, &j)
             } else {
                 "not started (no journal, no manifest yet)".to_string()
             };
@@ -108,6 +98,59 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
         }
     }
     Ok(s)
+}
+
+/// The state of an output one process writes, from its journal `j`: how far it is, whether a
+/// process is at it now (the journal's lock), how long since the journal was last written, and
+/// the tiles whose partial sums are checkpointed. Said the same way whether it runs or not
+/// (a user's `status` showed one line for both).
+fn one_process(out: &Path, j: &crate::durable::journal::Peek) -> String {
+    let progress = match crate::store::source::open_as_written(out) {
+        Ok(f) => {
+            let (rows, cols) = f.shape();
+            j.progress(rows, cols)
+        }
+        Err(_) => format!("{} tiles done", j.done.len()),
+    };
+    let who = match crate::durable::journal::holder(out) {
+        Some(h) => h,
+        None => "no process is running it: `mgmm-stream run PLAN` resumes it".into(),
+    };
+    let jpath = crate::durable::journal::journal_path(out);
+    let age = std::fs::metadata(&jpath)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| SystemTime::now().duration_since(t).ok())
+        .map(|d| format!("; journal last written {} ago", ago(d.as_secs_f64())))
+        .unwrap_or_default();
+    let ckpt = crate::durable::checkpoint::partial_dir(out);
+    let partial = std::fs::read_dir(&ckpt)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".ckpt"))
+                .count()
+        })
+        .unwrap_or(0);
+    let partial = if partial > 0 {
+        format!(
+            "; {partial} unfinished tile(s) checkpointed in {}",
+            ckpt.display()
+        )
+    } else {
+        String::new()
+    };
+    format!("started in one process, not finished: {progress}; {who}{age}{partial}")
+}
+
+/// Seconds as a person reads a span: "12 s", "3.5 min", "2.0 h".
+fn ago(s: f64) -> String {
+    if s < 120.0 {
+        format!("{s:.0} s")
+    } else if s < 7200.0 {
+        format!("{:.1} min", s / 60.0)
+    } else {
+        format!("{:.1} h", s / 3600.0)
+    }
 }
 
 /// The split in use: the S of the newest shard file (journal, claim or done mark) in `dir`.

@@ -748,6 +748,53 @@ pub struct Peek {
     pub(crate) good_end: usize,
 }
 
+impl Peek {
+    /// How many output tiles the step has, for an output of `rows × cols`: the fingerprint names
+    /// the compute tile `tm×tn×tk`, and output tiles are `tm × tn`. `None` for a fingerprint
+    /// without one.
+    pub fn tiles_total(&self, rows: u64, cols: u64) -> Option<u64> {
+        let t = self.fingerprint.get("compute tile")?;
+        let v: Vec<u64> = t.split('×').filter_map(|x| x.trim().parse().ok()).collect();
+        (v.len() == 3 && v[0] > 0 && v[1] > 0).then(|| rows.div_ceil(v[0]) * cols.div_ceil(v[1]))
+    }
+
+    /// "N of M tiles done, L left" for an output of `rows × cols` (the distinct tiles recorded:
+    /// a tile recorded twice, its first record damaged, counts once).
+    pub fn progress(&self, rows: u64, cols: u64) -> String {
+        let done: std::collections::BTreeSet<u32> = self.done.iter().map(|&(s, _)| s).collect();
+        match self.tiles_total(rows, cols) {
+            Some(m) => format!(
+                "{} of {m} tiles done, {} left",
+                done.len(),
+                m.saturating_sub(done.len() as u64)
+            ),
+            None => format!("{} tiles done", done.len()),
+        }
+    }
+}
+
+/// Who holds the journal of `output` locked now, as a phrase ("a run (pid 12) is writing it",
+/// "a `verify` (pid 12) is reading it"); `None` when nobody does, or the journal cannot be
+/// opened. A lock taken to look is released at once: a `run` starting meanwhile waits for it
+/// ([`LOCK_GRACE`]).
+pub(crate) fn holder(output: &Path) -> Option<String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = journal_path(output);
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+        .ok()?;
+    if fsutil::try_lock_shared(&file).ok()? && fsutil::try_lock_exclusive(&file).ok()? {
+        return None;
+    }
+    Some(match fsutil::flock_holder(&file) {
+        Some((pid, true)) => format!("a run (pid {pid}) is writing it"),
+        Some((pid, false)) => format!("a `verify` (pid {pid}) is reading it"),
+        None => "another process holds its journal".into(),
+    })
+}
+
 fn parse(path: &Path, bytes: &[u8]) -> Result<(usize, Peek)> {
     let nl = bytes
         .iter()

@@ -178,6 +178,21 @@ fn kill_mid_tile_then_resume_from_checkpoint(backend: &str) {
     setup(dir, backend, 150, 130, true);
     let saved = kill_after(dir, 2 * GK + 10);
     let k_saved: u64 = saved.iter().map(|c| c.1).sum();
+    // `status` names the tiles whose partial sums wait in checkpoints.
+    let st = std::process::Command::new(bin())
+        .args(["status", "plan.toml"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let st = String::from_utf8_lossy(&st.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    let want = format!(
+        "{} unfinished tile(s) checkpointed in ./C.mgt.partial",
+        saved.len()
+    );
+    assert!(st.contains("tiles done") && st.contains(&want), "{st}");
     let (r, notes) = resume(dir);
     let computed = r.steps[0].tiles_computed;
     // Exactly the k-chunks neither recorded nor checkpointed, and fewer than without

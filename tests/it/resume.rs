@@ -144,9 +144,26 @@ fn write_failure_stops_cleanly_and_resume_completes() {
         .collect::<Vec<_>>()
         .join(" ");
     assert!(
-        st.contains("started in one process, not finished: 20 tile(s) recorded in its journal (a process runs it now, or `run` resumes it)"),
+        st.contains("started in one process, not finished: 20 of 132 tiles done, 112 left; no process is running it: `mgmm-stream run PLAN` resumes it; journal last written ")
+            && st.contains(" s ago"),
         "{st}"
     );
+    // While a process holds the journal (as a run does for the whole step), it says so: the
+    // line was the same for a running step and an abandoned one. std's `File::lock` is the
+    // `flock` a run takes.
+    let held = std::fs::File::open(dir.join("C.mgt.journal")).unwrap();
+    held.lock().unwrap();
+    let st = run(dir, &["status", "plan.toml"]);
+    let st = String::from_utf8_lossy(&st.stdout)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    let me = format!(
+        "20 of 132 tiles done, 112 left; a run (pid {}) is writing it",
+        std::process::id()
+    );
+    assert!(st.contains(&me), "{st}");
+    drop(held);
     let o = run(dir, &["run", "plan.toml"]);
     // Notes wrap at 80 columns: compare with line breaks as spaces.
     let err = String::from_utf8_lossy(&o.stderr)
