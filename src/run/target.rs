@@ -213,6 +213,16 @@ pub(crate) struct FileTarget<'a> {
     write: WriteMode,
     host_memory: u64,
     ckpt: Checkpoints,
+    /// The modification time of a finished output being mended (its header or checksums
+    /// damaged), given back when it is done if no data tile had to be computed again.
+    mended_mtime: Option<std::time::SystemTime>,
+}
+
+/// The modification time of `path`, if it has one to read.
+fn modified(path: &Path) -> Option<std::time::SystemTime> {
+    std::fs::symlink_metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
 }
 
 impl<'a> FileTarget<'a> {
@@ -236,6 +246,7 @@ impl<'a> FileTarget<'a> {
             write: engine.write,
             host_memory: engine.host_memory,
             ckpt,
+            mended_mtime: None,
         }
     }
 
@@ -311,9 +322,14 @@ impl Target for FileTarget<'_> {
         if restart {
             self.ckpt.discard_all()?;
         }
+        // Taken before a mend can touch it (`mend_finished` rewrites a damaged header).
+        self.mended_mtime = matches!(state, State::Complete)
+            .then(|| modified(out))
+            .flatten();
         let (work, bad, note) = match state {
             State::Complete => match self.file.mend_finished(header)? {
                 None => {
+                    self.mended_mtime = None;
                     self.ckpt.discard_all()?;
                     return Ok(Resume::Complete);
                 }
@@ -324,6 +340,10 @@ impl Target for FileTarget<'_> {
                 Some(why) => {
                     let done = crate::durable::journal::peek(out)?.map_or(Vec::new(), |p| p.done);
                     let (work, bad, _) = self.resume(header, plan.mode, &done, 0)?;
+                    if bad > 0 {
+                        // Data was damaged: steps that read it may have read it so.
+                        self.mended_mtime = None;
+                    }
                     let note = format!(
                         "{} is complete by its journal, but {why}: checking its {} recorded tiles against the journal and writing what is damaged again",
                         out.display(),
@@ -383,7 +403,22 @@ impl Target for FileTarget<'_> {
 
     fn finished(&mut self) -> Result<()> {
         // Every tile is recorded: no checkpoint of this step is needed.
-        self.ckpt.discard_all()
+        self.ckpt.discard_all()?;
+        // A finished output whose header or checksums were mended, every data tile intact:
+        // its bytes are those it had, so it keeps its time — steps that read it before name
+        // it by size, time and sampled contents, and would refuse it as changed (a user's
+        // trial: `run` wrote a missing sidecar, and the next step was refused).
+        if let Some(t) = self.mended_mtime.take() {
+            let out = &self.step.output;
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(out)
+                .and_then(|f| f.set_modified(t))
+                .map_err(|e| Error::io(out, "cannot give the mended output back its time", e))?;
+        }
+        Ok(())
     }
 }
 

@@ -160,6 +160,66 @@ fn a_damaged_or_missing_npy_sidecar_is_named_and_written_again() {
     }
 }
 
+/// `run` writes a finished `.npy` output's missing sidecar again without changing the array's
+/// bytes, so the array keeps its modification time: the next step, which read it before and
+/// names it by size, time and sampled contents, is still skipped (it was refused as changed,
+/// while `plan` said it would be skipped: a new user's trial). A damaged data tile, computed
+/// again, gives the file a new time.
+#[test]
+fn a_sidecar_written_again_by_run_keeps_the_next_step_complete() {
+    let d = tmp();
+    let dir = d.path();
+    finished(dir, "C.npy");
+    let one = std::fs::read_to_string(dir.join("p.toml")).unwrap();
+    std::fs::write(dir.join("one.toml"), &one).unwrap();
+    let plan = one.replace(
+        "expr = \"A @ B\"\n",
+        "expr = \"A @ B\"\nname = \"C\"\n[[step]]\noutput = \"D.npy\"\nexpr = \"C.T @ C\"\n",
+    );
+    std::fs::write(dir.join("p.toml"), plan).unwrap();
+    let o = mg(dir, &["run", "p.toml", "-q"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (c, side) = (dir.join("C.npy"), dir.join("C.npy.crc32c"));
+    let time = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
+    let (before, d_before) = (time(&c), std::fs::read(dir.join("D.npy")).unwrap());
+    std::fs::remove_file(&side).unwrap();
+    let o = mg(dir, &["run", "p.toml"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(
+        t.contains("complete by its journal") && t.contains("D.npy is already complete"),
+        "{t}"
+    );
+    assert!(side.exists());
+    assert_eq!(time(&c), before);
+    assert_eq!(std::fs::read(dir.join("D.npy")).unwrap(), d_before);
+    let o = mg(dir, &["verify", "p.toml"]);
+    assert!(o.status.success(), "{}", text(&o));
+    // A damaged element of C is no mend of bytes: its tile is computed again (by a plan of
+    // step 1 alone: this plan's run refuses step 2's journal up front, naming C as changed),
+    // and the file is newer.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::remove_file(&side).unwrap();
+    flip(&c, std::fs::metadata(&c).unwrap().len() - 4, 0x01);
+    // Rot on disk, not a write: the time the array had.
+    (std::fs::File::options().write(true).open(&c).unwrap())
+        .set_modified(before)
+        .unwrap();
+    let o = mg(dir, &["run", "p.toml"]);
+    let t = text(&o);
+    assert!(
+        !o.status.success() && t.contains("D.npy.journal") && t.contains("input C"),
+        "{t}"
+    );
+    let o = mg(dir, &["run", "one.toml"]);
+    let t = text(&o);
+    assert!(
+        o.status.success() && t.contains("complete by its journal"),
+        "{t}"
+    );
+    assert!(time(&c) > before, "{t}");
+}
+
 /// Item 9d: a header checksum set to 0 is refused (every file this format version writes has
 /// one), naming the field; the file is not read as if its header were right.
 #[test]
