@@ -330,6 +330,19 @@ pub fn finalize_plan(
                 ));
                 continue;
             }
+            // An intermediate of a chain whose product is complete: an unsplit run removed it
+            // with its shards' folder (`run::finished::remove_chain_temps`), nothing to do.
+            if let Some(c) = (step.chain.as_ref())
+                .filter(|c| c.part < c.parts && !step.output.exists())
+                .filter(|c| is_finalized(&c.root_output, None).unwrap_or(false))
+            {
+                say(format!(
+                    "step {n}: {} is an intermediate of the chain written to {}, removed once the chain completed",
+                    step.output.display(),
+                    c.root_output.display()
+                ));
+                continue;
+            }
             return Err(Error::Usage(format!(
                 "step {n}: {} was never prepared for a split run (no {}); run the job first",
                 step.output.display(),

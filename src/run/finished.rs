@@ -238,7 +238,9 @@ pub(crate) fn damaged_input(step: &Step, old: &Fingerprint) -> Option<(PathBuf, 
     None
 }
 
-/// After the last product of a chain: remove its intermediates and their journals.
+/// After the last product of a chain: remove its intermediates, their journals, and what a
+/// split run of the chain kept of them (their shards' folders: left behind, `status` called
+/// such an intermediate "not yet finalized" and `finalize` failed on its removed file).
 pub(crate) fn remove_chain_temps(step: &Step) -> Result<()> {
     let Some(c) = step.chain.as_ref().filter(|c| c.part == c.parts) else {
         return Ok(());
@@ -251,6 +253,20 @@ pub(crate) fn remove_chain_temps(step: &Step) -> Result<()> {
                 Err(e) => return Err(Error::io(&p, "cannot remove the chain's intermediate", e)),
             }
         }
+        // A link in its place is removed, not followed (`remove_dir_all` does not follow it).
+        let dir = crate::durable::split::state_dir(t);
+        match std::fs::symlink_metadata(&dir) {
+            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&dir),
+            Ok(_) => std::fs::remove_file(&dir),
+            Err(_) => Ok(()),
+        }
+        .map_err(|e| {
+            Error::io(
+                &dir,
+                "cannot remove the split run's state of the chain's intermediate",
+                e,
+            )
+        })?;
     }
     Ok(())
 }

@@ -404,7 +404,8 @@ fn run_steps(
             steps.push(rep);
         }
         // Split runs keep a chain's intermediates: other processes may still read them
-        // (they stay next to the output until an unsplit run of the plan, or by hand).
+        // (they stay next to the output, with their shards' folders, until an unsplit run of
+        // the plan removes them, or by hand).
         if split.is_none() {
             finished::remove_chain_temps(step)?;
         }

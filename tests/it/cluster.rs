@@ -231,6 +231,31 @@ fn a_split_chains_second_part_waits_for_its_first() {
         .output()
         .unwrap());
     assert!(std::fs::read(dir.join("W.mgt")).unwrap() == reference);
+    // The split run keeps the intermediate for its processes; a plain run of the plan finds the
+    // chain complete and removes it with its shards' folder (the folder stayed: `status`
+    // called the intermediate "not yet finalized" and `finalize` failed on its removed file).
+    let e = ok(cmd(dir, &["run", "plan.toml"], &[]).output().unwrap());
+    assert!(e.contains("already complete"), "{e}");
+    let left: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("part1"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    let st = ok(cmd(dir, &["status", "plan.toml"], &[]).output().unwrap());
+    assert!(
+        st.contains("an intermediate of the chain written to ./W.mgt")
+            && !st.contains("not yet finalized"),
+        "{st}"
+    );
+    let f = ok(cmd(dir, &["finalize", "plan.toml"], &[]).output().unwrap());
+    assert!(
+        f.contains(
+            "an intermediate of the chain written to ./W.mgt, removed once the chain completed"
+        ) && f.contains("./W.mgt is already finalized"),
+        "{f}"
+    );
+    assert!(std::fs::read(dir.join("W.mgt")).unwrap() == reference);
 }
 
 #[test]
