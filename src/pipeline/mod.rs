@@ -1018,7 +1018,8 @@ impl<'p> OutputWiring<'p> {
         // 14.5 GB/s with 1, 2, 4 and 8 on the 32-core H200 host (tools/probes/page_creation_rate.py,
         // docs/measurements), while an n = 32768 output is 4.3 GB. A quarter of the worker
         // threads (engine.threads), 2 to 8.
-        let outprep_threads = (threads / 4).clamp(2, 8).max(nlanes.min(8));
+        let outprep_threads = crate::config::outprep_threads()
+            .unwrap_or_else(|| (threads / 4).clamp(2, 8).max(nlanes.min(8)));
         for i in 0..outprep_threads {
             let m = StageMetrics::new(StageKind::OutPrep, i, outprep_threads);
             metrics.push(m.clone());

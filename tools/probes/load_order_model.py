@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""How long a step takes when staging's loads, not the GEMMs, set the pace early on.
+
+A model, no GPU: every input block is loaded once (the device's tile cache holds them all at
+32768² fp64 on one H100), one after another at LOAD ms each, in the order the GEMMs first need
+them; each GEMM (tile i, j, k-step k) needs A(i, k) and B(k, j) and takes GEMM ms; the GEMMs run
+one after another as soon as their blocks are in. It prints the finish time and its ratio to the
+GEMMs alone for the engine's serpentine tile order and for a square-growing order, over a range
+of load times, and the bound of the best order (a cube growing in (i, j, k): after a fraction f
+of the GEMMs, f^(2/3) of the loads; continuous, first block's latency left out).
+
+Session 34 measured on one H100 (docs/measurements/2026-12-07d-h100-2-tile-rates-traced-npy.log):
+a 8192³ DGEMM at 52.8 TFLOP/s (20.8 ms; torch's in-core 32768² DGEMM 49.6), staging 32 blocks
+of 512 MiB in 1.09-1.10 s busy (34 ms each), steps of 1.64-1.71 s; this model gives 1.75 s at
+34 ms a load, 1.71 s at 32.4. 0.95 × in-core is 1.48 s: reached at about 21 ms a load.
+
+  python3 tools/probes/load_order_model.py [--grid 4] [--gemm 20.8] [--loads 32.4,25,20,16]
+"""
+import argparse
+
+
+def finish(order, gk, load, gemm):
+    """(finish of the last GEMM, end of the last load), in ms."""
+    seen, t, ready = {}, 0.0, []
+    for i, j in order:
+        for k in range(gk):
+            for key in (("A", i, k), ("B", k, j)):
+                if key not in seen:
+                    t += load
+                    seen[key] = t
+            ready.append(max(seen[("A", i, k)], seen[("B", k, j)]))
+    g = 0.0
+    for r in ready:
+        g = max(g, r) + gemm
+    return g, t
+
+
+def serpentine(n):
+    return [(i, j) for i in range(n) for j in (range(n) if i % 2 == 0 else reversed(range(n)))]
+
+
+def square(n):
+    o = []
+    for s in range(n):
+        o += [(i, s) for i in range(s)]
+        o += [(s, j) for j in range(s, -1, -1)]
+    return o
+
+
+def cube_bound(load_over_gemm):
+    """Best order's finish over the GEMMs' time: 1 + max_f (r·f^(2/3) − f)."""
+    r = load_over_gemm
+    return 1 + max(r * (f / 1000) ** (2 / 3) - f / 1000 for f in range(1001))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--grid", type=int, default=4, help="tiles per side (= k-steps)")
+    p.add_argument("--gemm", type=float, default=20.8, help="ms per tile GEMM")
+    p.add_argument("--loads", default="34,32.4,25,20,16,12.8", help="ms per block load")
+    a = p.parse_args()
+    n = a.grid
+    ideal = n**3 * a.gemm
+    print(f"{n}×{n} tiles, {n} k-steps: {n**3} GEMMs of {a.gemm} ms = {ideal:.0f} ms; {2 * n * n} loads")
+    for load in map(float, a.loads.split(",")):
+        cells = []
+        for name, order in (("serpentine", serpentine(n)), ("square", square(n))):
+            g, _ = finish(order, n, load, a.gemm)
+            cells.append(f"{name} {g:.0f} ms ({ideal / g:.3f})")
+        r = 2 * n * n * load / ideal
+        cells.append(f"best order ≥ {ideal * cube_bound(r):.0f} ms ({1 / cube_bound(r):.3f})")
+        print(f"load {load:5.1f} ms (loads/GEMMs {r:.2f}): " + ", ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
