@@ -398,6 +398,30 @@ impl Layout {
             step.k.div_ceil(self.tk),
         )
     }
+
+    /// A warning for a compute tile set so small that the step's time goes to the calls, not
+    /// the arithmetic: an edge under 64 where the matrix is larger, over more than 10,000 GEMM
+    /// calls (`tile = 7` was accepted without a word: a new user's trial). `None` otherwise,
+    /// and for `tile = "auto"`, which never picks such a tile.
+    pub fn small_tile_note(&self, step: &Step, engine: &Engine) -> Option<String> {
+        let TileSpec::Fixed { .. } = engine.tile else {
+            return None;
+        };
+        let small = [(self.tm, step.m), (self.tn, step.n), (self.tk, step.k)]
+            .iter()
+            .any(|&(t, d)| t < 64 && t < d);
+        let (gm, gn, gk) = self.grid(step);
+        let calls = gm.saturating_mul(gn).saturating_mul(gk);
+        (small && calls > 10_000).then(|| {
+            format!(
+                "{}: engine.tile makes {calls} GEMM calls of {}×{}×{}, far below the size a call runs efficiently at (hundreds to thousands of elements on each side): the calls' overhead, not the arithmetic, will take the time; leave engine.tile out (\"auto\" picks from the memory budgets) or set 1024 or more on a GPU, 128 or more on the CPU",
+                step.at(),
+                self.tm,
+                self.tn,
+                self.tk
+            )
+        })
+    }
 }
 
 #[cfg(test)]

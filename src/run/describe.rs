@@ -97,6 +97,9 @@ fn describe_step(
     let e = &plan.engine;
     let t = traffic(step, l);
     let mut s = describe_shape(step, l, &t);
+    if let Some(w) = l.small_tile_note(step, &plan.engine) {
+        s += &format!("  warning: {w}\n");
+    }
     // A step resumed from its journal keeps the compute tile it records (`run::layout_for`)
     // where `tile = "auto"` would now pick another: said, or `plan` after a run showed a tile
     // no setting explains (a new user's trial).

@@ -323,6 +323,11 @@ fn prepare(
     if let Some(n) = backend.note() {
         progress.note(&n);
     }
+    for (s, l) in plan.steps.iter().zip(&layouts) {
+        if let Some(w) = l.small_tile_note(s, &plan.engine) {
+            progress.note(&w);
+        }
+    }
     progress.begin_plan(
         plan.steps
             .iter()

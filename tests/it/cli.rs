@@ -1126,3 +1126,36 @@ fn backend_cuda_without_a_gpu_names_the_setting_and_the_way_out() {
         "{e}"
     );
 }
+
+/// A compute tile far too small for the matrix is run, but `plan` and `run` say what it costs
+/// and what to set (`tile = 7` was accepted without a word: a new user's trial); the small
+/// tiles of small matrices, as the tests use, draw no warning.
+#[test]
+fn a_tiny_tile_is_warned_about() {
+    let d = tmp();
+    let dir = d.path();
+    ok(&mg(
+        dir,
+        &["gen", "A.npy", "--rows", "300", "--cols", "300"],
+    ));
+    std::fs::write(
+        dir.join("p.toml"),
+        "[matrices.A]\npath = \"A.npy\"\n[[step]]\noutput = \"C.npy\"\nexpr = \"A @ A\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 7\n",
+    )
+    .unwrap();
+    let want = "engine.tile makes 79507 GEMM calls of 7×7×7";
+    let words = |s: String| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let plan = words(ok(&mg(dir, &["plan", "p.toml"])));
+    assert!(
+        plan.contains(&format!("warning: step 1 (line 5): {want}")),
+        "{plan}"
+    );
+    let run = words(ok(&mg(dir, &["run", "p.toml"])));
+    assert!(
+        run.contains(want) && run.contains("leave engine.tile out"),
+        "{run}"
+    );
+    let plan = ok(&mg(dir, &["plan", "p.toml", "--set", "engine.tile=64"]));
+    assert!(!plan.contains("warning"), "{plan}");
+}
