@@ -334,6 +334,7 @@ pub fn finalize_plan(
             // with its shards' folder (`run::finished::remove_chain_temps`), nothing to do.
             if let Some(c) = (step.chain.as_ref())
                 .filter(|c| c.part < c.parts && !step.output.exists())
+                .filter(|c| c.root_output.exists())
                 .filter(|c| is_finalized(&c.root_output, None).unwrap_or(false))
             {
                 say(format!(

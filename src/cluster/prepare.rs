@@ -442,7 +442,9 @@ pub(crate) fn finished_damage(step: &Step, layout: &Layout) -> Result<Option<Str
     crate::store::mend_finished(&step.output, &output_header(step, layout))
 }
 
-/// Whether `output`'s journal marks the step complete (for fingerprint `fp`, when given).
+/// Whether `output`'s journal marks the step complete (for fingerprint `fp`, when given). The
+/// output itself may be gone: callers that report a finished file check that too (`status`,
+/// `finalize`'s chain intermediates); a shard run names `prepare` for it.
 pub(crate) fn is_finalized(output: &Path, fp: Option<&Fingerprint>) -> Result<bool> {
     Ok(journal::peek(output)?.is_some_and(|p| {
         p.complete && fp.is_none_or(|f| journal::same_fingerprint(&p.fingerprint, f))

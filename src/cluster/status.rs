@@ -46,7 +46,8 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
         let out = &step.output;
         let Some(m) = read_manifest(out)? else {
             let intermediate = (step.chain.as_ref()).filter(|c| c.part < c.parts);
-            let state = if is_finalized(out, None)? {
+            // A complete journal whose output was deleted is no finished output.
+            let state = if out.exists() && is_finalized(out, None)? {
                 "complete (run in one process)".to_string()
             } else if let Some(c) = intermediate.filter(|_| !out.exists()) {
                 format!(
@@ -105,6 +106,12 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
 /// the tiles whose partial sums are checkpointed. Said the same way whether it runs or not
 /// (a user's `status` showed one line for both).
 fn one_process(out: &Path, j: &crate::durable::journal::Peek) -> String {
+    if !out.exists() {
+        return format!(
+            "its journal records {} tile(s), but the output is gone: `mgmm-stream run PLAN` computes the step afresh",
+            j.done.len()
+        );
+    }
     let progress = match crate::store::source::open_as_written(out) {
         Ok(f) => {
             let (rows, cols) = f.shape();
@@ -123,21 +130,21 @@ fn one_process(out: &Path, j: &crate::durable::journal::Peek) -> String {
         .and_then(|t| SystemTime::now().duration_since(t).ok())
         .map(|d| format!("; journal last written {} ago", ago(d.as_secs_f64())))
         .unwrap_or_default();
-    let ckpt = crate::durable::checkpoint::partial_dir(out);
-    let partial = std::fs::read_dir(&ckpt)
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| e.file_name().to_string_lossy().ends_with(".ckpt"))
-                .count()
-        })
-        .unwrap_or(0);
-    let partial = if partial > 0 {
-        format!(
-            "; {partial} unfinished tile(s) checkpointed in {}",
-            ckpt.display()
-        )
-    } else {
+    // Checkpoints of tiles not yet recorded (a kill may leave those of recorded tiles behind),
+    // with how far each got.
+    let done: std::collections::BTreeSet<u32> = j.done.iter().map(|&(s, _)| s).collect();
+    let ckpts = crate::durable::checkpoint::peek(out, &done);
+    let partial = if ckpts.is_empty() {
         String::new()
+    } else {
+        let (k, of) = ckpts
+            .iter()
+            .fold((0, 0), |(a, b), &(_, k, n)| (a + k, b + n));
+        format!(
+            "; {} unfinished tile(s) checkpointed in {} ({k} of their {of} k-chunks done)",
+            ckpts.len(),
+            crate::durable::checkpoint::partial_dir(out).display()
+        )
     };
     format!("started in one process, not finished: {progress}; {who}{age}{partial}")
 }

@@ -63,6 +63,10 @@ pub struct Layout {
     /// The ladder's row tile when `tm` was made smaller to deal the rows evenly to the lanes
     /// ([`balanced_rows`]).
     pub rows_evened: Option<u64>,
+    /// Built by [`Layout::recorded`] for a finished step, past the budgets: fit for the
+    /// fingerprint that lets the step be skipped, not for computing with. A run that must
+    /// compute with it (mending a finished output) refuses instead.
+    pub over_budget: bool,
 }
 
 /// The depth of a compute tile as the emulation's int8 GEMMs see it: padded with zeros to a
@@ -189,23 +193,26 @@ impl Layout {
         Err(Error::plan(plan, msg))
     }
 
-    /// The layout of a finished step with the compute tile its journal records, whether or not
-    /// it fits `engine`'s budgets: the step is skipped, so nothing is allocated by it, and its
-    /// fingerprint (which names the tile) must match the journal's ([`crate::run::layout_for`]).
+    /// The layout of a finished step with the compute tile its journal records, which no
+    /// longer fits `engine`'s budgets: its fingerprint (which names the tile) matches the
+    /// journal's, so the step is skipped ([`crate::run::layout_for`]); marked
+    /// [`Layout::over_budget`], so nothing computes with it.
     pub fn recorded(
         step: &Step,
         engine: &Engine,
         caps: &Caps,
         (m, n, k): (u64, u64, u64),
     ) -> Layout {
-        Self::with_tiles(
+        let mut l = Self::with_tiles(
             step,
             engine,
             caps,
             m.min(step.m),
             n.min(step.n),
             k.min(step.k),
-        )
+        );
+        l.over_budget = !l.fits(engine, caps);
+        l
     }
 
     fn with_tiles(step: &Step, engine: &Engine, caps: &Caps, tm: u64, tn: u64, tk: u64) -> Layout {
@@ -251,6 +258,7 @@ impl Layout {
             out_tile: (0, 0),
             lanes: caps.lanes,
             rows_evened: None,
+            over_budget: false,
         };
         let ot = step.out_tile.unwrap_or(0);
         l.out_tile = if ot > 0 {

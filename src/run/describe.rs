@@ -370,6 +370,13 @@ fn describe_status(
         Ok(None) => return Ok(String::new()),
         Err(e) => return line(format!("{e} (`run` refuses it too)")),
     };
+    // Whatever plan wrote the journal, it has nothing to resume without its output
+    // (`journal::read_state`).
+    if !step.output.exists() {
+        return line(format!(
+            "the journal is there but {out} is not: `run` starts the step afresh"
+        ));
+    }
     let Ok(ids) = crate::run::input_ids(step) else {
         return Ok(String::new());
     };
@@ -401,9 +408,7 @@ fn describe_status(
         ),
         crate::store::OutputFormat::Mgt => None,
     };
-    line(if !step.output.exists() {
-        format!("the journal is there but {out} is not: `run` starts the step afresh")
-    } else if let Some(why) = rewritten {
+    line(if let Some(why) = rewritten {
         format!(
             "{}{out}: {why}, so `run` cannot resume it; `run --restart` computes it again",
             if j.complete {

@@ -159,7 +159,9 @@ pub fn layout_for(
     fresh: bool,
 ) -> Result<Layout> {
     let l = Layout::new(origin, step, engine, caps)?;
-    if fresh || !matches!(engine.tile, crate::plan::TileSpec::Auto) {
+    // Without its output a journal has nothing to resume (the step starts afresh:
+    // `journal::read_state`), so the budgets choose.
+    if fresh || !matches!(engine.tile, crate::plan::TileSpec::Auto) || !step.output.exists() {
         return Ok(l);
     }
     let Ok(Some(j)) = crate::durable::journal::peek(&step.output) else {
@@ -190,10 +192,8 @@ pub fn layout_for(
         Ok(kept) => Ok(kept),
         // A finished step is skipped, not computed: its tile need not fit the budgets of now
         // (a rerun with a smaller `host_memory` was refused with only `--restart` to offer).
-        // Should the output be gone, the step runs afresh, laid out by the budgets.
-        Err(_) if j.complete && step.output.exists() => {
-            Ok(Layout::recorded(step, &kept, caps, (m, n, k)))
-        }
+        // One whose output must be mended refuses to compute with it (`FileTarget::open`).
+        Err(_) if j.complete => Ok(Layout::recorded(step, &kept, caps, (m, n, k))),
         Err(_) => Ok(l),
     }
 }

@@ -338,10 +338,30 @@ impl Target for FileTarget<'_> {
                 // its CRC (only a mismatch is computed again), and finishing writes the
                 // checksum table or sidecar again.
                 Some(why) => {
+                    if self.layout.over_budget {
+                        return Err(Error::Usage(format!(
+                            "{} is complete by its journal, but {why}; mending it computes with the compute tile its journal records ({}×{}×{}), which needs {} of host memory{}: give the run the engine.host_memory (and devices) it had, or rerun with --restart to compute the step again with the budgets of now",
+                            out.display(),
+                            self.layout.tm,
+                            self.layout.tn,
+                            self.layout.tk,
+                            crate::units::fmt_bytes(self.layout.host_bytes),
+                            if self.layout.device_bytes > 0 {
+                                format!(
+                                    " and {} per GPU",
+                                    crate::units::fmt_bytes(self.layout.device_bytes)
+                                )
+                            } else {
+                                String::new()
+                            }
+                        )));
+                    }
                     let done = crate::durable::journal::peek(out)?.map_or(Vec::new(), |p| p.done);
                     let (work, bad, _) = self.resume(header, plan.mode, &done, 0)?;
-                    if bad > 0 {
-                        // Data was damaged: steps that read it may have read it so.
+                    if work.todo.as_ref().is_none_or(|t| !t.is_empty()) {
+                        // A data tile is computed again (its bytes no longer matched, or its
+                        // record was damaged): steps that read the output may have read it
+                        // before it was put right, so it takes the time of its new bytes.
                         self.mended_mtime = None;
                     }
                     let note = format!(

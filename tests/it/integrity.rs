@@ -195,6 +195,29 @@ fn a_sidecar_written_again_by_run_keeps_the_next_step_complete() {
     assert_eq!(std::fs::read(dir.join("D.npy")).unwrap(), d_before);
     let o = mg(dir, &["verify", "p.toml"]);
     assert!(o.status.success(), "{}", text(&o));
+    // A tile whose journal record is damaged is computed again (its bytes are not vouched
+    // for) and gives C a new time, though no recorded CRC failed (the time was put back: a
+    // cold review).
+    std::fs::remove_file(&side).unwrap();
+    let jp = dir.join("C.npy.journal");
+    let head = std::fs::read(&jp)
+        .unwrap()
+        .iter()
+        .position(|&b| b == b'\n')
+        .unwrap() as u64
+        + 1;
+    flip(&jp, head + 12, 0x01);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let o = mg(dir, &["run", "one.toml"]);
+    let t = text(&o);
+    assert!(
+        o.status.success() && t.contains("complete by its journal"),
+        "{t}"
+    );
+    assert!(time(&c) > before, "{t}");
+    (std::fs::File::options().write(true).open(&c).unwrap())
+        .set_modified(before)
+        .unwrap();
     // A damaged element of C is no mend of bytes: its tile is computed again (by a plan of
     // step 1 alone: this plan's run refuses step 2's journal up front, naming C as changed),
     // and the file is newer.

@@ -522,14 +522,64 @@ fn a_finished_step_is_skipped_under_a_smaller_budget() {
     let run = cli(&["run", "plan.toml", "--set", small]);
     assert!(run.contains("skipping"), "{run}");
     assert_eq!(std::fs::read(dir.join("C.mgt")).unwrap(), before);
+    // A finished output to mend (a reserved byte of its header changed) is computed with the
+    // journal's tile, which does not fit now: refused, naming what to do (it ran past the
+    // budget: a cold review). The header is put back as it was written; no tile is touched.
+    let c = dir.join("C.mgt");
+    let mut bytes = std::fs::read(&c).unwrap();
+    bytes[200] ^= 0x01;
+    std::fs::write(&c, &bytes).unwrap();
+    let o = std::process::Command::new(bin())
+        .args(["run", "plan.toml", "--set", small])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let e = one_line(&String::from_utf8_lossy(&o.stderr));
+    assert!(
+        !o.status.success()
+            && e.contains(
+                "mending it computes with the compute tile its journal records (384×200×100)"
+            )
+            && e.contains(
+                "give the run the engine.host_memory (and devices) it had, or rerun with --restart"
+            ),
+        "{e}"
+    );
+    assert!(std::fs::read(&c).unwrap() == before);
+    bytes[200] ^= 0x01;
+    std::fs::write(&c, &bytes).unwrap();
+    cli(&["run", "plan.toml"]);
+    assert!(std::fs::read(&c).unwrap() == before);
     // Without the output the journal has nothing to resume: the step is computed afresh, with
-    // the tile the budget gives now, and the same product.
-    std::fs::remove_file(dir.join("C.mgt")).unwrap();
+    // the tile the budget gives now — also where the journal's tile would fit (it was kept,
+    // and `plan` said the step would be skipped: a cold review) — and `status` says so.
+    let tile_of = || {
+        let j = std::fs::read(dir.join("C.mgt.journal")).unwrap();
+        String::from_utf8_lossy(&j[..j.iter().position(|&b| b == b'\n').unwrap()]).to_string()
+    };
+    std::fs::remove_file(&c).unwrap();
+    let st = cli(&["status", "plan.toml"]);
+    assert!(
+        st.contains("but the output is gone: `mgmm-stream run PLAN` computes the step afresh"),
+        "{st}"
+    );
     cli(&["run", "plan.toml", "--set", small]);
-    let j = std::fs::read(dir.join("C.mgt.journal")).unwrap();
-    let head = String::from_utf8_lossy(&j[..j.iter().position(|&b| b == b'\n').unwrap()]);
-    assert!(head.contains("\"compute tile\":\"128×128×100\""), "{head}");
-    let v = cli(&["verify", "plan.toml", "--set", small]);
+    assert!(
+        tile_of().contains("\"compute tile\":\"128×128×100\""),
+        "{}",
+        tile_of()
+    );
+    std::fs::remove_file(&c).unwrap();
+    let plan = cli(&["plan", "plan.toml"]);
+    assert!(!plan.contains("the journal of"), "{plan}");
+    cli(&["run", "plan.toml"]);
+    assert!(
+        tile_of().contains("\"compute tile\":\"384×200×100\""),
+        "{}",
+        tile_of()
+    );
+    assert_eq!(std::fs::read(&c).unwrap(), before);
+    let v = cli(&["verify", "plan.toml"]);
     assert!(v.contains("PASS"), "{v}");
 }
 

@@ -12,7 +12,8 @@ of the GEMMs, f^(2/3) of the loads; continuous, first block's latency left out).
 Session 34 measured on one H100 (docs/measurements/2026-12-07d-h100-2-tile-rates-traced-npy.log):
 a 8192³ DGEMM at 52.8 TFLOP/s (20.8 ms; torch's in-core 32768² DGEMM 49.6), staging 32 blocks
 of 512 MiB in 1.09-1.10 s busy (34 ms each), steps of 1.64-1.71 s; this model gives 1.75 s at
-34 ms a load, 1.71 s at 32.4. 0.95 × in-core is 1.48 s: reached at about 21 ms a load.
+34 ms a load, 1.71 s at 32.4. 0.95 × in-core is 1.49 s: reached at about 21 ms a load with
+the serpentine order; the best order's bound at 34 ms (1.44 s) is 0.99 × in-core.
 
   python3 tools/probes/load_order_model.py [--grid 4] [--gemm 20.8] [--loads 32.4,25,20,16]
 """
