@@ -5,15 +5,18 @@ A model, no GPU: every input block is loaded once (the device's tile cache holds
 32768² fp64 on one H100), one after another at LOAD ms each, in the order the GEMMs first need
 them; each GEMM (tile i, j, k-step k) needs A(i, k) and B(k, j) and takes GEMM ms; the GEMMs run
 one after another as soon as their blocks are in. It prints the finish time and its ratio to the
-GEMMs alone for the engine's serpentine tile order and for a square-growing order, over a range
-of load times, and the bound of the best order (a cube growing in (i, j, k): after a fraction f
-of the GEMMs, f^(2/3) of the loads; continuous, first block's latency left out).
+GEMMs alone for serpentine rows and for growing squares — the engine walks squares when each
+lane's tile cache holds every block it needs (`Layout::squares_fit`, as at 32768² fp64 on one
+H100), serpentine rows otherwise — over a range of load times, and the bound of the best order:
+a cube growing in (i, j, k), after a fraction f of the GEMMs f^(2/3) of the loads (continuous,
+the first block's latency left out), which would need several tiles' k-loops interleaved on the
+device (the engine runs a tile's k-loop through, on one accumulator).
 
 Session 34 measured on one H100 (docs/measurements/2026-12-07d-h100-2-tile-rates-traced-npy.log):
 a 8192³ DGEMM at 52.8 TFLOP/s (20.8 ms; torch's in-core 32768² DGEMM 49.6), staging 32 blocks
-of 512 MiB in 1.09-1.10 s busy (34 ms each), steps of 1.64-1.71 s; this model gives 1.75 s at
-34 ms a load, 1.71 s at 32.4. 0.95 × in-core is 1.49 s: reached at about 21 ms a load with
-the serpentine order; the best order's bound at 34 ms (1.44 s) is 0.99 × in-core.
+of 512 MiB in 1.09-1.10 s busy (34 ms each), steps of 1.64-1.71 s; this model gives 1.65 s for
+growing squares at 34 ms a load. 0.95 × in-core is 1.49 s: reached in squares at about 24 ms a
+load (22 GB/s); the cube's bound at 34 ms (1.44 s) is 0.99 × in-core.
 
   python3 tools/probes/load_order_model.py [--grid 4] [--gemm 20.8] [--loads 32.4,25,20,16]
 """
@@ -41,10 +44,12 @@ def serpentine(n):
 
 
 def square(n):
+    """Growing squares as the engine walks them (src/pipeline/stages/queue.rs): square s's
+    column part top-down, then its row part left to right."""
     o = []
     for s in range(n):
         o += [(i, s) for i in range(s)]
-        o += [(s, j) for j in range(s, -1, -1)]
+        o += [(s, j) for j in range(s + 1)]
     return o
 
 
