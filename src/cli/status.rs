@@ -1,5 +1,6 @@
-//! `status`: a split job's progress per step and per shard, and who holds each shard
-//! (`cluster::status` computes it).
+//! `status`: a plan's progress per step — per shard and who holds each shard for a split job,
+//! tiles done and whether a run holds it for a step one process runs (`cluster::status`
+//! computes it).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -10,12 +11,13 @@ use crate::cluster::status;
 use crate::error::Result;
 use crate::plan::Plan;
 
-/// Show a split job's progress: done/left/rate/ETA per step and per shard, and who holds
-/// each shard.
+/// Show a plan's progress: per step, tiles done and left; for a split job the rate, ETA and who
+/// holds each shard; for a step one process runs, whether a run is at it now and what waits in
+/// checkpoints.
 #[derive(Args, Debug)]
 #[command(after_help = "Example:\n  watch -n 10 mgmm-stream status plan.toml")]
 pub(crate) struct StatusArgs {
-    /// The plan of the split run (docs/CLUSTER.md).
+    /// The plan (a split run's or one process's; docs/CLUSTER.md).
     plan: PathBuf,
     /// Override an [engine] key of the plan (repeatable), as `run --set` (the same for every process of the split run).
     #[arg(long = "set", value_name = "engine.KEY=VALUE")]

@@ -320,6 +320,26 @@ fn reset_all(outputs: &[&Path]) -> Result<()> {
     Ok(())
 }
 
+/// Who is writing `output` now, as a phrase: a process holding its journal (one process's run,
+/// or a `verify`), or a shard of a split run whose claim's heartbeat is fresher than
+/// `claim_timeout`; `None` when nobody is.
+pub(crate) fn busy(output: &Path, claim_timeout: std::time::Duration) -> Result<Option<String>> {
+    if let Some(h) = journal::holder(output) {
+        return Ok(Some(h));
+    }
+    for (p, k, s) in super::shard_files(&state_dir(output), "claim")? {
+        if let Some(h) =
+            super::claim::read(&p).filter(|h| !super::claim::is_stale(h, claim_timeout))
+        {
+            return Ok(Some(format!(
+                "shard {k}/{s} of a split run is at it ({})",
+                h.describe()
+            )));
+        }
+    }
+    Ok(None)
+}
+
 /// Manifests written before `per_process` existed used 4 shards per process.
 fn four() -> u32 {
     4
@@ -366,6 +386,18 @@ pub fn prepare_plan(
         .collect::<Result<_>>()?;
     crate::run::space::check_space(plan, &layouts, false)?;
     if restart {
+        // Nothing is thrown away under a process that is writing it: a run holding an output's
+        // journal, or a shard whose claim is fresh (`prepare --restart` deleted a running job's
+        // output, and the job went on into the deleted file and reported success: a new
+        // user's trial).
+        for step in &plan.steps {
+            if let Some(who) = busy(&step.output, sh.claim_timeout)? {
+                return Err(Error::Usage(format!(
+                    "{}: {who}; wait for it to finish or stop it before `prepare --restart` throws the output away",
+                    step.output.display()
+                )));
+            }
+        }
         // Finished outputs are kept when an input is found corrupt (as `run --restart`).
         crate::run::check_before_restart(plan, progress)?;
         reset_all(

@@ -57,7 +57,7 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
                     c.parts
                 )
             } else if let Ok(Some(j)) = crate::durable::journal::peek(out) {
-                one_process(out, &j)
+                one_process(out, &j, &plan.path)
             } else {
                 "not started (no journal, no manifest yet)".to_string()
             };
@@ -87,11 +87,14 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
             },
             eta(total - done, rate, running),
             if fin {
-                ", FINALIZED"
+                ", FINALIZED".to_string()
             } else if done == total {
-                ", all tiles done: not yet finalized (`mgmm-stream finalize PLAN`)"
+                format!(
+                    ", all tiles done: not yet finalized (`mgmm-stream finalize {}`)",
+                    plan.path.display()
+                )
             } else {
-                ""
+                String::new()
             }
         );
         for l in lines {
@@ -105,10 +108,11 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
 /// process is at it now (the journal's lock), how long since the journal was last written, and
 /// the tiles whose partial sums are checkpointed. Said the same way whether it runs or not
 /// (a user's `status` showed one line for both).
-fn one_process(out: &Path, j: &crate::durable::journal::Peek) -> String {
+fn one_process(out: &Path, j: &crate::durable::journal::Peek, plan: &Path) -> String {
+    let plan = plan.display();
     if !out.exists() {
         return format!(
-            "its journal records {} tile(s), but the output is gone: `mgmm-stream run PLAN` computes the step afresh",
+            "its journal records {} tile(s), but the output is gone: `mgmm-stream run {plan}` computes the step afresh",
             j.done.len()
         );
     }
@@ -121,7 +125,7 @@ fn one_process(out: &Path, j: &crate::durable::journal::Peek) -> String {
     };
     let who = match crate::durable::journal::holder(out) {
         Some(h) => h,
-        None => "no process is running it: `mgmm-stream run PLAN` resumes it".into(),
+        None => format!("no process is running it: `mgmm-stream run {plan}` resumes it"),
     };
     let jpath = crate::durable::journal::journal_path(out);
     let age = std::fs::metadata(&jpath)

@@ -150,7 +150,10 @@ fn choose_backend(plan: &Plan, opts: &RunOptions) -> Result<(Box<dyn Backend>, k
 /// the GPUs), so a job resumed on fewer GPUs or with another `host_memory` would otherwise get
 /// another tile, a journal that no longer matches, and only `--restart` — losing every finished
 /// tile. The bytes do not depend on the tile's choice beyond what the journal records, so the
-/// recorded tile is as good as a fresh choice. `fresh` (`--restart`): the budgets' own choice.
+/// recorded tile is as good as a fresh choice. A finished step keeps its recorded tile even
+/// where it no longer fits (with `auto`, or the same tile set): nothing computes with it
+/// ([`Layout::over_budget`]). `fresh` (`--restart`), or an output that is gone: the budgets' own
+/// choice.
 pub fn layout_for(
     origin: &std::path::Path,
     step: &Step,
@@ -158,44 +161,82 @@ pub fn layout_for(
     caps: &crate::backend::Caps,
     fresh: bool,
 ) -> Result<Layout> {
-    let l = Layout::new(origin, step, engine, caps)?;
+    use crate::plan::TileSpec;
     // Without its output a journal has nothing to resume (the step starts afresh:
-    // `journal::read_state`), so the budgets choose.
-    if fresh || !matches!(engine.tile, crate::plan::TileSpec::Auto) || !step.output.exists() {
-        return Ok(l);
-    }
-    let Ok(Some(j)) = crate::durable::journal::peek(&step.output) else {
+    // `journal::read_state`), so the budgets choose; `--restart` too.
+    let recorded = (!fresh && step.output.exists())
+        .then(|| recorded_tile(step, engine, caps))
+        .flatten();
+    let l = match Layout::new(origin, step, engine, caps) {
+        Ok(l) => l,
+        // A finished step is skipped, not computed: its tile need not fit the budgets of now
+        // (a rerun with a smaller `host_memory` was refused with only `--restart` to offer,
+        // with `tile = "auto"` and a set tile alike). One whose output must be mended refuses
+        // to compute with it (`FileTarget::open`).
+        Err(e) => {
+            return match recorded {
+                Some((true, t)) if tile_allows(&engine.tile, t) => {
+                    Ok(Layout::recorded(step, &with_tile(engine, t), caps, t))
+                }
+                _ => Err(e),
+            }
+        }
+    };
+    let Some((complete, (m, n, k))) = recorded else {
         return Ok(l);
     };
-    // Only a journal of this step (the inputs are compared by the run itself): another
-    // expression, precision or backend on the same output path is refused anyway, and its tile
-    // should not show in `plan`.
+    if !matches!(engine.tile, TileSpec::Auto) || (m, n, k) == (l.tm, l.tn, l.tk) {
+        return Ok(l);
+    }
+    let kept = with_tile(engine, (m, n, k));
+    match Layout::new(origin, step, &kept, caps) {
+        Ok(kept) => Ok(kept),
+        Err(_) if complete => Ok(Layout::recorded(step, &kept, caps, (m, n, k))),
+        Err(_) => Ok(l),
+    }
+}
+
+/// Whether a step set to `tile` may keep the recorded compute tile `t`: any under `auto`, the
+/// same one when set.
+fn tile_allows(tile: &crate::plan::TileSpec, t: (u64, u64, u64)) -> bool {
+    match *tile {
+        crate::plan::TileSpec::Auto => true,
+        crate::plan::TileSpec::Fixed { m, n, k } => (m, n, k) == t,
+    }
+}
+
+/// `engine` with its compute tile set to `(m, n, k)`.
+fn with_tile(engine: &crate::plan::Engine, (m, n, k): (u64, u64, u64)) -> crate::plan::Engine {
+    crate::plan::Engine {
+        tile: crate::plan::TileSpec::Fixed { m, n, k },
+        ..engine.clone()
+    }
+}
+
+/// The compute tile the journal of `step`'s output records, and whether it says the step is
+/// complete — only a journal of this step (the inputs are compared by the run itself): another
+/// expression, precision or backend on the same output path is refused anyway, and its tile
+/// should not show in `plan`.
+fn recorded_tile(
+    step: &Step,
+    engine: &crate::plan::Engine,
+    caps: &crate::backend::Caps,
+) -> Option<(bool, (u64, u64, u64))> {
+    let j = crate::durable::journal::peek(&step.output).ok()??;
     let same = |key: &str, now: &str| j.fingerprint.get(key).is_some_and(|v| v == now);
     let same_expr = (j.fingerprint.get("expr"))
         .is_some_and(|v| crate::durable::journal::same_expr(v, &step.expr));
     if !(same_expr && same("precision", engine.precision.name()) && same("backend", caps.kind)) {
-        return Ok(l);
+        return None;
     }
-    let recorded: Option<Vec<u64>> = (j.fingerprint.get("compute tile"))
-        .and_then(|t| t.split('×').map(|x| x.parse().ok()).collect());
-    let Some(&[m, n, k]) = recorded.as_deref() else {
-        return Ok(l);
+    let t: Vec<u64> = (j.fingerprint.get("compute tile")?)
+        .split('×')
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    let &[m, n, k] = t.as_slice() else {
+        return None;
     };
-    if (m, n, k) == (l.tm, l.tn, l.tk) {
-        return Ok(l);
-    }
-    let kept = crate::plan::Engine {
-        tile: crate::plan::TileSpec::Fixed { m, n, k },
-        ..engine.clone()
-    };
-    match Layout::new(origin, step, &kept, caps) {
-        Ok(kept) => Ok(kept),
-        // A finished step is skipped, not computed: its tile need not fit the budgets of now
-        // (a rerun with a smaller `host_memory` was refused with only `--restart` to offer).
-        // One whose output must be mended refuses to compute with it (`FileTarget::open`).
-        Err(_) if j.complete => Ok(Layout::recorded(step, &kept, caps, (m, n, k))),
-        Err(_) => Ok(l),
-    }
+    Some((j.complete, (m, n, k)))
 }
 
 /// Run every step of `plan` on the backend the plan selects.

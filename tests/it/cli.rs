@@ -1159,3 +1159,31 @@ fn a_tiny_tile_is_warned_about() {
     let plan = ok(&mg(dir, &["plan", "p.toml", "--set", "engine.tile=64"]));
     assert!(!plan.contains("warning"), "{plan}");
 }
+
+/// A finished step with a set tile is skipped under a budget that tile no longer fits (it was
+/// refused with "the requested tile does not fit": a new user's trial); unfinished, it is
+/// refused as before.
+#[test]
+fn a_finished_step_with_a_set_tile_is_skipped_under_a_smaller_budget() {
+    let d = tmp();
+    let dir = d.path();
+    ok(&mg(
+        dir,
+        &["gen", "A.npy", "--rows", "600", "--cols", "600"],
+    ));
+    std::fs::write(
+        dir.join("p.toml"),
+        "[matrices.A]\npath = \"A.npy\"\n[[step]]\noutput = \"C.npy\"\nexpr = \"A @ A\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 256\n",
+    )
+    .unwrap();
+    ok(&mg(dir, &["run", "p.toml", "-q"]));
+    let small = "engine.host_memory=\"1MiB\"";
+    let run = ok(&mg(dir, &["run", "p.toml", "--set", small]));
+    assert!(run.contains("already complete"), "{run}");
+    std::fs::remove_file(dir.join("C.npy")).unwrap();
+    fails(
+        &mg(dir, &["run", "p.toml", "--set", small]),
+        &["the requested tile (256×256×256) does not fit"],
+    );
+}

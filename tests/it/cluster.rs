@@ -555,6 +555,19 @@ fn two_processes_claiming_one_shard_never_both_write_it() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(claim.exists(), "the first process never claimed the shard");
+    // `prepare --restart` throws nothing away under a working shard (it deleted a running
+    // job's output, which went on into the deleted file: a new user's trial).
+    let o = cmd(dir, &["prepare", "plan.toml", "--restart"], &[])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && e.contains("shard 0/1 of a split run is at it")
+            && e.contains("before `prepare --restart` throws the output away"),
+        "{e}"
+    );
+    assert!(dir.join("C.mgt.shards/manifest.json").exists());
     let second = cmd(dir, &["run", "plan.toml", "--shard", "0/1"], &[])
         .output()
         .unwrap();
@@ -572,6 +585,31 @@ fn two_processes_claiming_one_shard_never_both_write_it() {
     seqs.dedup();
     assert_eq!(seqs.len(), n, "a tile was written twice");
     assert_eq!(n, 16 * 16);
+}
+
+/// `prepare --restart` refuses an output a one-process run is writing (its journal locked, as
+/// a run holds it for the whole step), and leaves it as it was.
+#[test]
+fn prepare_restart_refuses_an_output_a_run_is_writing() {
+    let d = tmp();
+    let dir = d.path();
+    plan(dir, SMALL, 64);
+    ok(cmd(dir, &["run", "plan.toml", "-q"], &[]).output().unwrap());
+    let before = std::fs::read(dir.join("C.mgt")).unwrap();
+    let held = std::fs::File::open(dir.join("C.mgt.journal")).unwrap();
+    held.lock().unwrap();
+    let o = cmd(dir, &["prepare", "plan.toml", "--restart"], &[])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    let want = format!(
+        "a run (pid {}) is writing it; wait for it to finish",
+        std::process::id()
+    );
+    assert!(!o.status.success() && e.contains(&want), "{e}");
+    drop(held);
+    assert!(std::fs::read(dir.join("C.mgt")).unwrap() == before);
+    assert!(dir.join("C.mgt.journal").exists() && !dir.join("C.mgt.shards").exists());
 }
 
 /// Tiles the shard journals of `dir/C.mgt` record so far.

@@ -560,7 +560,7 @@ fn a_finished_step_is_skipped_under_a_smaller_budget() {
     std::fs::remove_file(&c).unwrap();
     let st = cli(&["status", "plan.toml"]);
     assert!(
-        st.contains("but the output is gone: `mgmm-stream run PLAN` computes the step afresh"),
+        st.contains("but the output is gone: `mgmm-stream run plan.toml` computes the step afresh"),
         "{st}"
     );
     cli(&["run", "plan.toml", "--set", small]);
