@@ -48,7 +48,13 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
             let intermediate = (step.chain.as_ref()).filter(|c| c.part < c.parts);
             // A complete journal whose output was deleted is no finished output.
             let state = if out.exists() && is_finalized(out, None)? {
-                "complete (run in one process)".to_string()
+                match crate::run::describe::damaged_output(out) {
+                    Some(why) => format!(
+                        "complete by its journal, but {why}: `mgmm-stream run {}` mends it",
+                        plan.path.display()
+                    ),
+                    None => "complete (run in one process)".to_string(),
+                }
             } else if let Some(c) = intermediate.filter(|_| !out.exists()) {
                 format!(
                     "an intermediate of the chain written to {} (part {} of {}): kept in memory, or removed once the chain completed",

@@ -1016,10 +1016,13 @@ impl<'p> OutputWiring<'p> {
         // Populating output pages is kernel work that one thread does at ~3.5 GB/s. In a
         // preallocated file (the writers fallocate) it scales with threads: 3.5, 8.7, 12.7 and
         // 14.5 GB/s with 1, 2, 4 and 8 on the 32-core H200 host (tools/probes/page_creation_rate.py,
-        // docs/measurements), while an n = 32768 output is 4.3 GB. A quarter of the worker
-        // threads (engine.threads), 2 to 8.
+        // docs/measurements), while an n = 32768 output is 4.3 GB (8.6 GB in f64). But its
+        // threads take cores from staging's copies: on a 16-core H100 host 2 threads instead of 4
+        // made fp64 from `.npy` 2-7 % faster (staging bound) and tf32 no slower, 8 gained
+        // nothing (`MGMM_OUTPREP_THREADS`, 2026-12-07e). An eighth of the worker threads
+        // (engine.threads), 2 to 8, at least one per lane.
         let outprep_threads = crate::config::outprep_threads()
-            .unwrap_or_else(|| (threads / 4).clamp(2, 8).max(nlanes.min(8)));
+            .unwrap_or_else(|| (threads / 8).clamp(2, 8).max(nlanes.min(8)));
         for i in 0..outprep_threads {
             let m = StageMetrics::new(StageKind::OutPrep, i, outprep_threads);
             metrics.push(m.clone());

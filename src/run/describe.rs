@@ -815,7 +815,7 @@ fn describe_bounds(
 
 /// What `run` would mend in a finished `output` before skipping it (read only, unlike
 /// [`crate::store::mend_finished`]): a header that does not open, a `.npy` without its sidecar.
-fn damaged_output(output: &std::path::Path) -> Option<String> {
+pub(crate) fn damaged_output(output: &std::path::Path) -> Option<String> {
     match crate::store::open_source(output) {
         Err(e) => Some(format!("its header is damaged ({e})")),
         Ok(s)

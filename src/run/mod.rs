@@ -9,7 +9,7 @@
 //! loop with a [`Split`] (implemented by the cluster module) running this process's share of
 //! each step. The library entry point ([`crate::api`]) builds the same `StepRun`s.
 
-mod describe;
+pub(crate) mod describe;
 mod fingerprint;
 mod finished;
 mod inputs;

@@ -183,6 +183,12 @@ fn a_sidecar_written_again_by_run_keeps_the_next_step_complete() {
     let time = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
     let (before, d_before) = (time(&c), std::fs::read(dir.join("D.npy")).unwrap());
     std::fs::remove_file(&side).unwrap();
+    // `status` says what `plan` says: complete, but to be mended (it said "complete").
+    let st = text(&mg(dir, &["status", "p.toml"]));
+    assert!(
+        st.split_whitespace().collect::<Vec<_>>().join(" ").contains("complete by its journal, but its checksum sidecar is missing or damaged: `mgmm-stream run p.toml` mends it"),
+        "{st}"
+    );
     let o = mg(dir, &["run", "p.toml"]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");

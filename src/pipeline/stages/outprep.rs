@@ -1,5 +1,5 @@
 //! The outprep stage: output blocks the planners just scheduled → populated pages of the output
-//! (no message out). Several threads share one channel (a quarter of `threads`, 2 to 8, at
+//! (no message out). Several threads share one channel (an eighth of `threads`, 2 to 8, at
 //! least one per lane). Its input is a hint: planners drop a block rather than wait when it is
 //! behind; it blocks only on the page faults it takes.
 
