@@ -5,6 +5,8 @@
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to gpu_tests.log
+# Twins that run the command line (`status` beside a killed run) use the carried release binary.
+export MGMM_TEST_BIN="$MGMM"
 nvidia-smi --query-gpu=index,name --format=csv,noheader | tee -a "$LOG"
 # With one GPU the two passes would be the same run: once is enough.
 passes="0 all"; [ "$(gpu_count)" -ge 2 ] || passes=0

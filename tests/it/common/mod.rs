@@ -158,8 +158,14 @@ pub fn run_text(dir: &Path, text: &str) -> mgmm_stream::Result<RunReport> {
     run_plan(&plan, &RunOptions::default(), &Progress::quiet())
 }
 
+/// The command-line binary: the one cargo built beside this test binary, or `MGMM_TEST_BIN`
+/// where the test binary runs away from its build tree (the GPU machine's CUDA twins,
+/// tools/checks/cuda_tests.sh, which carries both in `.dev/bin`).
 pub fn bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_mgmm-stream"))
+    std::env::var_os("MGMM_TEST_BIN")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_mgmm-stream")))
 }
 
 /// Run the binary with `args` in `dir`: whether it succeeded, and its stdout then stderr.
