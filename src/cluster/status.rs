@@ -64,6 +64,9 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
                 )
             } else if let Ok(Some(j)) = crate::durable::journal::peek(out) {
                 one_process(out, &j, &plan.path)
+            } else if out.exists() {
+                // As `plan` says it (`run::describe`): it said "not started".
+                "the file exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it".to_string()
             } else {
                 "not started (no journal, no manifest yet)".to_string()
             };

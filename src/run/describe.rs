@@ -43,6 +43,9 @@ pub fn describe(plan: &Plan) -> Result<String> {
             String::new()
         }
     );
+    if let Some(w) = e.threads_note() {
+        s += &format!("warning: {w}\n");
+    }
     if let (crate::plan::Precision::Fp64, "cuda", Some(step)) =
         (e.precision, caps.kind, plan.steps.first())
     {

@@ -364,6 +364,9 @@ fn prepare(
     if let Some(n) = backend.note() {
         progress.note(&n);
     }
+    if let Some(w) = plan.engine.threads_note() {
+        progress.note(&w);
+    }
     for (s, l) in plan.steps.iter().zip(&layouts) {
         if let Some(w) = l.small_tile_note(s, &plan.engine) {
             progress.note(&w);

@@ -1158,6 +1158,30 @@ fn a_tiny_tile_is_warned_about() {
     );
     let plan = ok(&mg(dir, &["plan", "p.toml", "--set", "engine.tile=64"]));
     assert!(!plan.contains("warning"), "{plan}");
+    // Threads far above the cores draw a warning too (a new user's trial: 1024 on 2 cores).
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let many = format!("engine.threads={}", 4 * cores + 1);
+    let plan = words(ok(&mg(
+        dir,
+        &["plan", "p.toml", "--set", "engine.tile=64", "--set", &many],
+    )));
+    let want = format!(
+        "warning: engine.threads = {} is more than four times the {cores} cores",
+        4 * cores + 1
+    );
+    assert!(plan.contains(&want), "{plan}");
+    let plan = ok(&mg(
+        dir,
+        &[
+            "plan",
+            "p.toml",
+            "--set",
+            "engine.tile=64",
+            "--set",
+            &format!("engine.threads={}", 4 * cores),
+        ],
+    ));
+    assert!(!plan.contains("warning"), "{plan}");
 }
 
 /// A finished step with a set tile is skipped under a budget that tile no longer fits (it was

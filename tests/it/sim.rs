@@ -557,6 +557,14 @@ fn a_finished_step_is_skipped_under_a_smaller_budget() {
         let j = std::fs::read(dir.join("C.mgt.journal")).unwrap();
         String::from_utf8_lossy(&j[..j.iter().position(|&b| b == b'\n').unwrap()]).to_string()
     };
+    // An output with no journal is not "not started": `run` refuses it.
+    std::fs::rename(dir.join("C.mgt.journal"), dir.join("j.bak")).unwrap();
+    let st = cli(&["status", "plan.toml"]);
+    assert!(
+        st.contains("the file exists but no journal says this plan wrote it: `run` refuses it"),
+        "{st}"
+    );
+    std::fs::rename(dir.join("j.bak"), dir.join("C.mgt.journal")).unwrap();
     std::fs::remove_file(&c).unwrap();
     let st = cli(&["status", "plan.toml"]);
     assert!(
