@@ -35,7 +35,7 @@ fn eta(left: u64, rate: f64, running: bool) -> String {
     if rate <= 0.0 {
         return "unknown".into();
     }
-    ago(left as f64 / rate)
+    crate::progress::fmt_duration(Some(left as f64 / rate))
 }
 
 /// The text `status PLAN` prints.
@@ -141,7 +141,12 @@ fn one_process(out: &Path, j: &crate::durable::journal::Peek, plan: &Path) -> St
         .and_then(|m| m.modified())
         .ok()
         .and_then(|t| SystemTime::now().duration_since(t).ok())
-        .map(|d| format!("; journal last written {} ago", ago(d.as_secs_f64())))
+        .map(|d| {
+            format!(
+                "; journal last written {} ago",
+                crate::progress::fmt_duration(Some(d.as_secs_f64()))
+            )
+        })
         .unwrap_or_default();
     // Checkpoints of tiles not yet recorded (a kill may leave those of recorded tiles behind),
     // with how far each got.
@@ -160,17 +165,6 @@ fn one_process(out: &Path, j: &crate::durable::journal::Peek, plan: &Path) -> St
         )
     };
     format!("started in one process, not finished: {progress}; {who}{age}{partial}")
-}
-
-/// Seconds as a person reads a span: "12 s", "3.5 min", "2.0 h".
-fn ago(s: f64) -> String {
-    if s < 120.0 {
-        format!("{s:.0} s")
-    } else if s < 7200.0 {
-        format!("{:.1} min", s / 60.0)
-    } else {
-        format!("{:.1} h", s / 3600.0)
-    }
 }
 
 /// The split in use: the S of the newest shard file (journal, claim or done mark) in `dir`.
