@@ -164,9 +164,18 @@ impl ShardOptions {
 
 /// Lay `plan` out for a split run: a tile that does not depend on the GPUs of the process
 /// that lays it out, since the preparer and the shard processes may see different counts
-/// (`Engine::even_rows`). `prepare`, `run --shard` and the Python shards all call this.
+/// (`Engine::even_rows`), and every chain intermediate in its file. `prepare`, `run --shard`
+/// and the Python shards all call this.
 pub fn for_split(plan: &mut Plan) {
     plan.engine.even_rows = false;
+    // A split run writes every intermediate of a chain to its file, for the other processes:
+    // none is held in memory, and messages name the file (they said "T1 (held in memory)"
+    // while the shards wrote `D.npy.part1.mgt`: a new user's trial).
+    for step in &mut plan.steps {
+        if let Some(c) = step.chain.as_mut() {
+            c.memory.clear();
+        }
+    }
 }
 
 /// The tiles (schedule sequence numbers) of shard `k` of `s`, for a step of `total` tiles in

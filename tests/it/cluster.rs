@@ -224,9 +224,14 @@ fn a_split_chains_second_part_waits_for_its_first() {
         !err.contains("checksum mismatch") && !dir.join("W.mgt").exists(),
         "{err}"
     );
-    ok(cmd(dir, &["run", "plan.toml", "--shard", "0/2"], &[])
+    let said = ok(cmd(dir, &["run", "plan.toml", "--shard", "0/2"], &[])
         .output()
         .unwrap());
+    // The shards write the intermediate's file, and say so (they said "held in memory").
+    assert!(
+        said.contains("W.mgt.part1.mgt") && !said.contains("held in memory"),
+        "{said}"
+    );
     ok(cmd(dir, &["run", "plan.toml", "--shard", "1/2"], &[])
         .output()
         .unwrap());
