@@ -311,11 +311,8 @@ fn reset_all(outputs: &[&Path]) -> Result<()> {
         }
     }
     for (_, aside) in moved {
-        let gone = match std::fs::symlink_metadata(&aside) {
-            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&aside),
-            _ => std::fs::remove_file(&aside),
-        };
-        gone.map_err(|e| Error::io(&aside, "cannot remove what the restart moved aside", e))?;
+        crate::store::fsutil::remove_any(&aside)
+            .map_err(|e| Error::io(&aside, "cannot remove what the restart moved aside", e))?;
     }
     Ok(())
 }

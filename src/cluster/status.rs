@@ -14,7 +14,7 @@ use super::prepare::{is_finalized, read_manifest, Manifest};
 use super::{claim, recorded, shard_file, shard_files, shard_range, state_dir};
 use crate::durable::journal;
 use crate::error::Result;
-use crate::plan::Plan;
+use crate::plan::{Plan, Step};
 
 fn unix(t: SystemTime) -> f64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
@@ -63,7 +63,7 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
                     c.parts
                 )
             } else if let Ok(Some(j)) = crate::durable::journal::peek(out) {
-                one_process(out, &j, &plan.path)
+                one_process(step, &j, &plan.path)
             } else if out.exists() {
                 // As `plan` says it (`run::describe`): it said "not started".
                 "the file exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it".to_string()
@@ -117,21 +117,15 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
 /// process is at it now (the journal's lock), how long since the journal was last written, and
 /// the tiles whose partial sums are checkpointed. Said the same way whether it runs or not
 /// (a user's `status` showed one line for both).
-fn one_process(out: &Path, j: &crate::durable::journal::Peek, plan: &Path) -> String {
-    let plan = plan.display();
+fn one_process(step: &Step, j: &crate::durable::journal::Peek, plan: &Path) -> String {
+    let (out, plan) = (&step.output, plan.display());
     if !out.exists() {
         return format!(
             "its journal records {} tile(s), but the output is gone: `mgmm-stream run {plan}` computes the step afresh",
             j.done.len()
         );
     }
-    let progress = match crate::store::source::open_as_written(out) {
-        Ok(f) => {
-            let (rows, cols) = f.shape();
-            j.progress(rows, cols)
-        }
-        Err(_) => format!("{} tiles done", j.done.len()),
-    };
+    let progress = j.progress(step.m, step.n);
     let who = match crate::durable::journal::holder(out) {
         Some(h) => h,
         None => format!("no process is running it: `mgmm-stream run {plan}` resumes it"),
@@ -150,8 +144,7 @@ fn one_process(out: &Path, j: &crate::durable::journal::Peek, plan: &Path) -> St
         .unwrap_or_default();
     // Checkpoints of tiles not yet recorded (a kill may leave those of recorded tiles behind),
     // with how far each got.
-    let done: std::collections::BTreeSet<u32> = j.done.iter().map(|&(s, _)| s).collect();
-    let ckpts = crate::durable::checkpoint::peek(out, &done);
+    let ckpts = crate::durable::checkpoint::peek(out, &j.tiles_done());
     let partial = if ckpts.is_empty() {
         String::new()
     } else {

@@ -68,15 +68,13 @@ const LOCK_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 fn lock(file: &File, path: &Path) -> Result<()> {
     match wait_for(file, crate::store::fsutil::try_lock_exclusive) {
         Ok(true) => Ok(()),
-        Ok(false) => Err(Error::Usage(format!(
-            "{}: another mgmm-stream {} this output (its journal is locked); wait for it to finish or stop it first",
-            path.display(),
-            match crate::store::fsutil::flock_holder(file) {
-                Some((pid, false)) => format!("process (pid {pid}, a `verify`) is reading"),
-                Some((pid, true)) => format!("run (pid {pid}) is writing"),
-                None => "run is writing".into(),
-            }
-        ))),
+        Ok(false) => {
+            let (who, doing) = holder_of(file);
+            Err(Error::Usage(format!(
+                "{}: another mgmm-stream {who} is {doing} this output (its journal is locked); wait for it to finish or stop it first",
+                path.display(),
+            )))
+        }
         Err(e) => Err(Error::io(path, "cannot lock journal", e)),
     }
 }
@@ -749,19 +747,35 @@ pub struct Peek {
 }
 
 impl Peek {
-    /// How many output tiles the step has, for an output of `rows × cols`: the fingerprint names
-    /// the compute tile `tm×tn×tk`, and output tiles are `tm × tn`. `None` for a fingerprint
-    /// without one.
-    pub fn tiles_total(&self, rows: u64, cols: u64) -> Option<u64> {
-        let t = self.fingerprint.get("compute tile")?;
-        let v: Vec<u64> = t.split('×').filter_map(|x| x.trim().parse().ok()).collect();
-        (v.len() == 3 && v[0] > 0 && v[1] > 0).then(|| rows.div_ceil(v[0]) * cols.div_ceil(v[1]))
+    /// The compute tile `(tm, tn, tk)` the fingerprint records (`"tm×tn×tk"`, every edge
+    /// positive); `None` for a fingerprint without one.
+    pub fn compute_tile(&self) -> Option<(u64, u64, u64)> {
+        let v: Vec<u64> = (self.fingerprint.get("compute tile")?)
+            .split('×')
+            .map(|x| x.trim().parse().ok())
+            .collect::<Option<_>>()?;
+        match v[..] {
+            [m, n, k] if m > 0 && n > 0 && k > 0 => Some((m, n, k)),
+            _ => None,
+        }
     }
 
-    /// "N of M tiles done, L left" for an output of `rows × cols` (the distinct tiles recorded:
-    /// a tile recorded twice, its first record damaged, counts once).
+    /// The distinct tiles recorded (a tile recorded twice, its first record damaged, counts
+    /// once).
+    pub fn tiles_done(&self) -> std::collections::BTreeSet<u32> {
+        self.done.iter().map(|&(s, _)| s).collect()
+    }
+
+    /// How many output tiles the step has, for an output of `rows × cols`: output tiles are
+    /// `tm × tn` of the [`Self::compute_tile`]. `None` for a fingerprint without one.
+    pub fn tiles_total(&self, rows: u64, cols: u64) -> Option<u64> {
+        let (m, n, _) = self.compute_tile()?;
+        Some(rows.div_ceil(m) * cols.div_ceil(n))
+    }
+
+    /// "N of M tiles done, L left" for an output of `rows × cols`.
     pub fn progress(&self, rows: u64, cols: u64) -> String {
-        let done: std::collections::BTreeSet<u32> = self.done.iter().map(|&(s, _)| s).collect();
+        let done = self.tiles_done();
         match self.tiles_total(rows, cols) {
             Some(m) => format!(
                 "{} of {m} tiles done, {} left",
@@ -788,11 +802,20 @@ pub(crate) fn holder(output: &Path) -> Option<String> {
     if fsutil::try_lock_shared(&file).ok()? && fsutil::try_lock_exclusive(&file).ok()? {
         return None;
     }
-    Some(match fsutil::flock_holder(&file) {
-        Some((pid, true)) => format!("a run (pid {pid}) is writing it"),
-        Some((pid, false)) => format!("a `verify` (pid {pid}) is reading it"),
-        None => "another process holds its journal".into(),
-    })
+    let (who, doing) = holder_of(&file);
+    Some(format!("a {who} is {doing} it"))
+}
+
+/// Who holds the lock on the journal `file`, and what it does: ("run (pid P)", "writing") for
+/// an exclusive lock, ("`verify` (pid P)", "reading") for a shared one, ("run", "writing") when
+/// the kernel does not say ([`fsutil::flock_holder`]). One wording for [`lock`]'s refusal and
+/// [`holder`].
+fn holder_of(file: &File) -> (String, &'static str) {
+    match fsutil::flock_holder(file) {
+        Some((pid, true)) => (format!("run (pid {pid})"), "writing"),
+        Some((pid, false)) => (format!("`verify` (pid {pid})"), "reading"),
+        None => ("run".into(), "writing"),
+    }
 }
 
 fn parse(path: &Path, bytes: &[u8]) -> Result<(usize, Peek)> {

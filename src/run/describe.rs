@@ -395,13 +395,12 @@ fn describe_status(
     }
     let (gm, gn, _) = l.grid(step);
     let total = gm * gn;
-    let recorded: std::collections::BTreeSet<u32> = j.done.iter().map(|&(seq, _)| seq).collect();
+    let recorded = j.tiles_done();
     let ckpts = crate::durable::checkpoint::peek(&step.output, &recorded);
     let want =
         crate::store::output_main_len(&step.output, &crate::pipeline::output_header(step, l));
     let have = std::fs::metadata(&step.output).map_or(0, |m| m.len());
-    let done: std::collections::BTreeSet<u32> = (j.done.iter())
-        .map(|&(seq, _)| seq)
+    let done: std::collections::BTreeSet<u32> = (recorded.iter().copied())
         .filter(|&seq| u64::from(seq) < total)
         .collect();
     let rewritten = match crate::store::OutputFormat::of(&step.output) {

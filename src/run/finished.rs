@@ -253,14 +253,9 @@ pub(crate) fn remove_chain_temps(step: &Step) -> Result<()> {
                 Err(e) => return Err(Error::io(&p, "cannot remove the chain's intermediate", e)),
             }
         }
-        // A link in its place is removed, not followed (`remove_dir_all` does not follow it).
+        // A link in its place is removed, not followed.
         let dir = crate::durable::split::state_dir(t);
-        match std::fs::symlink_metadata(&dir) {
-            Ok(m) if m.is_dir() => std::fs::remove_dir_all(&dir),
-            Ok(_) => std::fs::remove_file(&dir),
-            Err(_) => Ok(()),
-        }
-        .map_err(|e| {
+        crate::store::fsutil::remove_any(&dir).map_err(|e| {
             Error::io(
                 &dir,
                 "cannot remove the split run's state of the chain's intermediate",

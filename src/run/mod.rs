@@ -229,14 +229,7 @@ fn recorded_tile(
     if !(same_expr && same("precision", engine.precision.name()) && same("backend", caps.kind)) {
         return None;
     }
-    let t: Vec<u64> = (j.fingerprint.get("compute tile")?)
-        .split('×')
-        .map(|x| x.parse().ok())
-        .collect::<Option<_>>()?;
-    let &[m, n, k] = t.as_slice() else {
-        return None;
-    };
-    Some((j.complete, (m, n, k)))
+    Some((j.complete, j.compute_tile()?))
 }
 
 /// Run every step of `plan` on the backend the plan selects.

@@ -605,6 +605,20 @@ fn cgroup_headroom(cgroups: &str, root: &std::path::Path) -> u64 {
     best
 }
 
+/// Remove what is at `path` — a file, a symbolic link (itself, never what it points at) or a
+/// folder with everything in it; nothing there is not an error.
+pub(crate) fn remove_any(path: &Path) -> io::Result<()> {
+    let r = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     /// A file in the system's temporary folder and one in `/dev/shm` are on local filesystems
