@@ -11,8 +11,9 @@
 //! machine, tools/bench/gpu_table.sh); `MGMM_READ_PREAD`, which makes the readers copy every
 //! block with `pread`s, never out of the file's map (to compare the two: benches/staging.rs,
 //! tools/bench/roofline.sh); `MGMM_OUTPREP_THREADS=N`, the threads that populate the output's
-//! pages (to measure their competition with staging); `MGMM_TRACE=PATH`, which records a timeline of the run
-//! into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and `MGMM_TRACE` are read once into a
+//! pages (to measure their competition with staging); `MGMM_START_GROUP=N`, the output tiles
+//! a lane's first group computes k-chunk by k-chunk (to measure one group against another);
+//! `MGMM_TRACE=PATH`, which records a timeline of the run into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and `MGMM_TRACE` are read once into a
 //! [`Settings`] where a command starts.
 
 use std::path::PathBuf;
@@ -87,13 +88,28 @@ pub(crate) fn read_with_pread() -> bool {
 }
 
 /// `MGMM_OUTPREP_THREADS`: how many threads populate the output's pages, instead of the
-/// engine's choice (a quarter of `engine.threads`, 2 to 8): for measuring how that kernel work
+/// engine's choice (an eighth of `engine.threads`, 2 to 8): for measuring how that kernel work
 /// competes with staging's copies on the host's cores (tools/bench/roofline.sh's `NAME_opN`
 /// jobs). `None` when unset, empty or not a number from 1 to 64. Read once per process.
 pub(crate) fn outprep_threads() -> Option<usize> {
     static N: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *N.get_or_init(|| {
         std::env::var("MGMM_OUTPREP_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=64).contains(n))
+    })
+}
+
+/// `MGMM_START_GROUP`: how many output tiles a lane's first group computes k-chunk by
+/// k-chunk (its first row's tiles, or its first square of side ⌊√N⌋ in growing squares),
+/// instead of the layout's choice (`plan::layout::start_square`): for measuring one group
+/// against another (tools/bench/roofline.sh's `NAME_sgN` jobs). `None` when unset, empty or
+/// not a number from 1 to 64. Read once per process.
+pub(crate) fn start_group() -> Option<usize> {
+    static N: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("MGMM_START_GROUP")
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|n| (1..=64).contains(n))

@@ -85,8 +85,30 @@ pub(crate) fn emulation_scratch(tm: u64, tn: u64, tk: u64) -> u64 {
     16 * (tm + tnp) * kp + tm * tnp * 4 + 16 * tm * tn + (tm + tn) * (4 + 8 + 4) + 64
 }
 
-/// The most output tiles a lane's first group computes together ([`Layout::start_group`]).
+/// The most output tiles of one row a lane's first group computes together
+/// ([`Layout::start_group`]).
 const START_GROUP_MAX: u64 = 4;
+
+/// The side of the first square a lane computes as its start group in growing squares, by
+/// the host's element: 3 (nine tiles) for 8-byte elements, whose blocks take longer to stage
+/// than a GEMM takes, 2 (four tiles) otherwise ([`Layout::try_square_group`]).
+fn start_square(host_dt: DType) -> u64 {
+    if host_dt.size() >= 8 {
+        3
+    } else {
+        2
+    }
+}
+
+/// (the most tiles of a row in the start group, the side of its first square in growing
+/// squares): [`START_GROUP_MAX`] and [`start_square`] of `host_dt`; `MGMM_START_GROUP=N`
+/// makes them N tiles and ⌊√N⌋, to measure one group against another (tools/bench/roofline.sh).
+fn start_group_limits(host_dt: DType) -> (u64, u64) {
+    match crate::config::start_group() {
+        Some(n) => (n as u64, (n as f64).sqrt().floor() as u64),
+        None => (START_GROUP_MAX, start_square(host_dt)),
+    }
+}
 
 /// Row tiles chosen to deal rows evenly are a multiple of this (or all of `m`).
 const ROW_ALIGN: u64 = 128;
@@ -320,7 +342,7 @@ impl Layout {
         }
         if caps.memory == MemorySpace::Device && gn > 1 {
             // Accumulators for the start group, and one more for the tile after it.
-            let want = gn.min(START_GROUP_MAX) as usize + 1;
+            let want = gn.min(start_group_limits(self.host_dt).0) as usize + 1;
             if want > self.accs {
                 let old = self.accs;
                 self.accs = want;
@@ -333,6 +355,7 @@ impl Layout {
         }
         self.fill_slots(engine, caps, distinct);
         self.start_group = self.choose_start_group(gn, gk);
+        self.try_square_group(step, engine, caps, distinct);
         // Accumulators the group does not use go back to the tile cache.
         let need = if self.start_group > 1 {
             self.start_group + 1
@@ -383,8 +406,43 @@ impl Layout {
         }
         (self.accs - 1)
             .min(gn as usize)
-            .min(START_GROUP_MAX as usize)
+            .min(start_group_limits(self.host_dt).0 as usize)
             .max(1)
+    }
+
+    /// Where the lanes walk growing squares ([`Layout::squares_fit`]), make the start group
+    /// the lane's first square of side [`start_group_limits`]'s second figure when its
+    /// accumulators fit beside a tile cache that still holds every block (else leave the
+    /// group as [`Layout::choose_start_group`] chose it).
+    ///
+    /// Why: at the start the cache is empty and every GEMM needs new blocks; when staging
+    /// a block takes longer than a GEMM (fp64 from `.npy` on one H100: 27–34 ms a 512 MiB
+    /// block against a 21 ms 8192³ DGEMM), the GPU waits until the loads have run far enough
+    /// ahead. A group of `q²` tiles computed k-chunk by k-chunk needs `2q` blocks for `q²`
+    /// GEMMs per k-chunk: `tools/probes/load_order_model.py` gives 1.48 s against 1.62 s for
+    /// the 2×2 square at 34 ms a load (docs/decisions/0024-a-first-square-of-nine-for-fp64.md).
+    /// Where GEMMs outrun loads by far (tf32, bf16) or loads are quick (fp32), the tiles of a
+    /// larger group all end in its last k-chunk and hold back the first writebacks instead.
+    fn try_square_group(&mut self, step: &Step, engine: &Engine, caps: &Caps, distinct: usize) {
+        let (gm, gn, _) = self.grid(step);
+        let side = start_group_limits(self.host_dt).1;
+        let rows = gm.div_ceil(self.lanes.max(1) as u64);
+        let q = side.min(gn).min(rows);
+        let want = (q * q) as usize;
+        if caps.memory != MemorySpace::Device || want <= self.start_group {
+            return;
+        }
+        let before = self.clone();
+        self.accs = self.accs.max(want + 1);
+        self.recount(caps);
+        if self.fits(engine, caps) {
+            self.fill_slots(engine, caps, distinct);
+            if self.fits(engine, caps) && self.squares_fit(step, self.lanes) {
+                self.start_group = want;
+                return;
+            }
+        }
+        *self = before;
     }
 
     /// Whether `lanes` lanes may walk their output tiles in growing squares

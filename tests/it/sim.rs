@@ -304,6 +304,45 @@ fn the_start_group_keeps_the_bytes_and_the_predicted_reads() {
     assert!(same_output(d.path()));
 }
 
+/// In fp64, where the lane walks growing squares, its start group is its first 3×3 square
+/// (`Layout::try_square_group`: nine accumulators and one more), and the bytes are still the
+/// CPU's and one lane reads exactly what the plain order predicts; fp32 keeps the 2×2 square.
+#[test]
+fn fp64_starts_with_a_three_by_three_square_and_keeps_the_bytes() {
+    use mgmm_stream::plan::layout::Layout;
+    let d = tmp();
+    setup(d.path(), 300, 520, 190, 64, "64MiB");
+    let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
+    let l = Layout::new(
+        &plan.path,
+        &plan.steps[0],
+        &plan.engine,
+        sim(vec![50]).caps(),
+    )
+    .unwrap();
+    assert_eq!((l.start_group, l.accs), (4, 5), "fp32: {l:?}");
+    for name in ["plan.toml", "ref.toml"] {
+        let p = d.path().join(name);
+        let text = std::fs::read_to_string(&p).unwrap() + "precision = \"fp64\"\n";
+        std::fs::write(&p, text).unwrap();
+    }
+    for (name, rows, cols, seed) in [("A.mgt", 300, 190, 1), ("B.mgt", 190, 520, 2)] {
+        let p = d.path().join(name);
+        std::fs::remove_file(&p).unwrap();
+        gen(&p, rows, cols, DType::F64, (64, 64), Dist::Normal, seed);
+    }
+    std::fs::remove_file(d.path().join("C_ref.mgt")).unwrap();
+    run_ref(&d.path().join("ref.toml"));
+    let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
+    let backend = sim(vec![50]);
+    let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, backend.caps()).unwrap();
+    assert_eq!((l.start_group, l.accs), (9, 10), "fp64: {l:?}");
+    let r = run_on(d.path(), backend).unwrap();
+    assert!(same_output(d.path()));
+    let s = &r.steps[0];
+    assert_eq!(s.read_bytes, s.predicted_read_bytes);
+}
+
 /// The simulated devices copy input blocks straight from the files' pages, as the GPUs do, from
 /// ranges page-locked until each copy is done; they copy late, on their own thread as DMA does,
 /// and count a copy that finds its range no longer registered. With room for about twelve

@@ -367,4 +367,68 @@ pub(super) mod tests {
             .count() as u64;
         assert_eq!(loads, sched.gk * (5 + sched.gn));
     }
+
+    /// A start group of nine in growing squares (fp64's, `Layout::try_square_group`) is the
+    /// first 3×3 square in the squares' order, k-chunk by k-chunk; each k-chunk loads three A
+    /// and three B tiles, after it every tile runs alone, and every tile is computed once with
+    /// its k-chunks in order and every input tile loaded once.
+    #[test]
+    fn a_start_group_of_nine_is_the_first_three_by_three_square() {
+        let (sched, _, ops) = planner_ops(Some(9), true);
+        let (g, ends) = gemms_and_ends(&ops);
+        assert_eq!(g.len(), sched.tiles.len() * sched.gk as usize);
+        let cell = |q: u32| (sched.tiles[q as usize].ti, sched.tiles[q as usize].tj);
+        let square = [
+            (0, 0),
+            (0, 1),
+            (1, 0),
+            (1, 1),
+            (0, 2),
+            (1, 2),
+            (2, 0),
+            (2, 1),
+            (2, 2),
+        ];
+        for kk in 0..sched.gk as usize {
+            let chunk: Vec<((u64, u64), u64)> = g[9 * kk..9 * kk + 9]
+                .iter()
+                .map(|x| (cell(x.0), x.1))
+                .collect();
+            assert_eq!(chunk, square.map(|c| (c, kk as u64)));
+        }
+        let group_gemms = 9 * sched.gk as usize;
+        for w in g[group_gemms..].chunks(sched.gk as usize) {
+            assert!(w.iter().all(|x| x.0 == w[0].0), "{w:?}");
+            assert_eq!(w.iter().map(|x| x.1).collect::<Vec<_>>(), vec![0, 1, 2]);
+        }
+        let mut seen: Vec<u32> = ends.iter().map(|e| e.1).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..sched.tiles.len() as u32).collect::<Vec<_>>());
+        // The first k-chunk's loads: the three A and three B tiles of the square, nothing more.
+        let first_gemm = ops
+            .iter()
+            .position(|op| matches!(op, PlanOp::Gemm { .. }))
+            .unwrap();
+        let nine_gemms = ops
+            .iter()
+            .enumerate()
+            .filter(|(_, op)| matches!(op, PlanOp::Gemm { .. }))
+            .nth(8)
+            .unwrap()
+            .0;
+        let loads_in = |r: std::ops::Range<usize>| {
+            ops[r]
+                .iter()
+                .filter(|op| matches!(op, PlanOp::Load { .. }))
+                .count()
+        };
+        assert_eq!(
+            loads_in(0..first_gemm),
+            2,
+            "A(0,0) and B(0,0) before the first GEMM"
+        );
+        assert_eq!(loads_in(0..nine_gemms), 6);
+        let loads = loads_in(0..ops.len()) as u64;
+        assert_eq!(loads, sched.gk * (5 + sched.gn));
+    }
 }
