@@ -419,10 +419,11 @@ impl Layout {
     /// a block takes longer than a GEMM (fp64 from `.npy` on one H100: 27–34 ms a 512 MiB
     /// block against a 21 ms 8192³ DGEMM), the GPU waits until the loads have run far enough
     /// ahead. A group of `q²` tiles computed k-chunk by k-chunk needs `2q` blocks for `q²`
-    /// GEMMs per k-chunk: `tools/probes/load_order_model.py` gives 1.48 s against 1.62 s for
-    /// the 2×2 square at 34 ms a load (docs/decisions/0024-a-first-square-of-nine-for-fp64.md).
-    /// Where GEMMs outrun loads by far (tf32, bf16) or loads are quick (fp32), the tiles of a
-    /// larger group all end in its last k-chunk and hold back the first writebacks instead.
+    /// GEMMs per k-chunk. Measured at 32768² fp64 from `.npy` on one H100: 1.406–1.408 s
+    /// (0.96 × torch's in-core DGEMM) against 1.460–1.510 s with the 2×2 square
+    /// (docs/decisions/0024-a-first-square-of-nine-for-fp64.md). Where loads are quick against
+    /// a GEMM (fp32) or the GEMMs far quicker than the output's pages (tf32, bf16), nine were
+    /// slower: the group's tiles all end in its last k-chunk and hold the first writebacks back.
     fn try_square_group(&mut self, step: &Step, engine: &Engine, caps: &Caps, distinct: usize) {
         let (gm, gn, _) = self.grid(step);
         let side = start_group_limits(self.host_dt).1;
