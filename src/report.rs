@@ -115,9 +115,12 @@ pub struct StepReport {
     /// Input blocks staged by copy under `staging = "auto"` because their pages were not all
     /// in memory.
     pub direct_cold_blocks: u64,
-    /// Input blocks of row-major files (`.npy`, raw) staged by copy under `staging = "auto"`
-    /// on a GPU because they are at most half as wide as their file: page-locking would lock
-    /// the bands of whole rows they lie in (docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md).
+    /// Input blocks staged by copy under `staging = "auto"` on a GPU by its rule for the
+    /// precision: under fp64 every block (docs/decisions/0025-fp64-copies-every-block.md); under
+    /// fp32 and `fp64_emulated` those of row-major files (`.npy`, raw) at most half as wide as
+    /// their file, since page-locking would lock the bands of whole rows they lie in
+    /// (docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md). The name is kept from
+    /// when only the second rule existed.
     #[serde(default)]
     pub direct_narrow_blocks: u64,
     /// Input blocks staged by copy because the file range they lie in is larger than the
@@ -450,7 +453,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         direct_register_s: st.direct.as_ref().map_or(0.0, |d| d.register_s),
         direct_released_bytes: st.direct.as_ref().map_or(0, |d| d.released_bytes),
         direct_cold_blocks: st.direct.as_ref().map_or(0, |d| d.cold_blocks),
-        direct_narrow_blocks: st.direct.as_ref().map_or(0, |d| d.narrow_blocks),
+        direct_narrow_blocks: st.direct.as_ref().map_or(0, |d| d.copied_blocks),
         direct_oversize_blocks: st.direct.as_ref().map_or(0, |d| d.oversize_blocks),
         direct_full_blocks: st.direct.as_ref().map_or(0, |d| d.full_blocks),
         direct_budget_bytes: st.direct.as_ref().map_or(0, |d| d.budget),
@@ -566,8 +569,12 @@ fn direct_line(r: &StepReport) -> String {
         ));
     }
     if r.direct_narrow_blocks > 0 {
+        let why = match r.precision.as_str() {
+            "fp64" => "staged by copy: under fp64 the copies feed the GEMMs sooner than page-locking the files",
+            _ => "of row-major files staged by copy: locking the whole rows they lie in would take longer",
+        };
         parts.push(format!(
-            "{} of row-major files staged by copy: locking the whole rows they lie in would take longer (staging = \"direct\" locks them)",
+            "{} {why} (staging = \"direct\" locks them)",
             crate::progress::count(r.direct_narrow_blocks, "block", "blocks")
         ));
     }

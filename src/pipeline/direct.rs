@@ -61,8 +61,8 @@ use crate::store::{Block, MappedBlock, MatrixSource};
 pub(crate) struct DirectReads {
     pinner: Arc<dyn InputPinner>,
     mode: StagingMode,
-    /// The files whose every block is copied ([`narrow_files`]).
-    narrow: Vec<std::path::PathBuf>,
+    /// The files whose every block is copied ([`copied_files`]).
+    copied: Vec<std::path::PathBuf>,
     /// Registered bytes allowed at once (idle ranges are released above it).
     budget: u64,
     /// Bytes registered at once: whole consecutive storage tiles, about [`CHUNK`] bytes.
@@ -92,7 +92,7 @@ pub(crate) struct DirectReads {
 struct Counts {
     bytes: AtomicU64,
     cold_blocks: AtomicU64,
-    narrow_blocks: AtomicU64,
+    copied_blocks: AtomicU64,
     oversize_blocks: AtomicU64,
     full_blocks: AtomicU64,
     register_ns: AtomicU64,
@@ -109,7 +109,7 @@ pub(crate) struct DirectStats {
     pub(crate) cold_blocks: u64,
     /// Blocks of row-major files copied instead because they are at most half as wide as the
     /// file, whose bands of whole rows would be page-locked for them (`auto`, on a GPU).
-    pub(crate) narrow_blocks: u64,
+    pub(crate) copied_blocks: u64,
     /// Blocks copied instead because one range they lie in is larger than the budget (a large
     /// `.npy` or raw file is one range), and that budget.
     pub(crate) oversize_blocks: u64,
@@ -435,8 +435,8 @@ pub(crate) fn largest_range(chunk: u64, mb: &MappedBlock) -> u64 {
 /// unless a block is copied after all ([`super::pool::Pool::lazy`]): `staging` is not `copy`,
 /// the backend uploads from maps (`pinner`: [`Pinning`]), the step has no added matrix
 /// (`added`: staging always copies C0, once per output tile), each source maps its blocks at
-/// `host` in ranges the budget can hold, it is not one of the `narrow` files, whose blocks are
-/// all copied ([`narrow_sources`]) and its data looks in the page cache now (1024 pages sampled: a
+/// `host` in ranges the budget can hold, it is not one of the `copied` files, whose blocks are
+/// all copied ([`copied_sources`]) and its data looks in the page cache now (1024 pages sampled: a
 /// guess, and a wrong one only costs buffers made while the step runs). Arrays on a GPU
 /// ([`MatrixSource::device_block`]) go device to device whatever `staging` says (a lane on
 /// another GPU, or a CPU lane, reads them through a pool buffer made then).
@@ -444,7 +444,7 @@ pub(crate) fn expected(
     mode: StagingMode,
     pinner: Option<Pinning>,
     sources: &[(&dyn MatrixSource, Block)],
-    narrow: &[std::path::PathBuf],
+    copied: &[std::path::PathBuf],
     added: bool,
     host: DType,
 ) -> bool {
@@ -459,7 +459,7 @@ pub(crate) fn expected(
         let Some(p) = pinner else {
             return false;
         };
-        !narrow.iter().any(|n| n == f.path())
+        !copied.iter().any(|n| n == f.path())
             && f.mapped_block(&first, host).is_some_and(|mb| {
                 p.holds(&mb)
                     && (mode == StagingMode::Direct || mb.cached_sampled(mb.data.clone(), 1024))
@@ -468,12 +468,12 @@ pub(crate) fn expected(
 }
 
 /// How a backend's [`InputPinner`] registers, for [`expected`]: the budget and range size
-/// ([`limits`]), and whether `auto` copies the narrow files' blocks ([`copies_narrow`]).
+/// ([`limits`]), and which files' blocks `auto` copies ([`auto_copies`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Pinning {
     pub(crate) budget: u64,
     pub(crate) chunk: u64,
-    pub(crate) copies_narrow: bool,
+    pub(crate) copies: AutoCopies,
 }
 
 impl Pinning {
@@ -494,29 +494,51 @@ impl Pinning {
         Pinning {
             budget,
             chunk,
-            copies_narrow: copies_narrow(locks, p),
+            copies: auto_copies(locks, p),
         }
     }
 }
 
-/// Whether `staging = "auto"` copies the blocks of narrow files ([`narrow_files`]) for lanes
-/// computing in `p` through a pinner that locks pages (`locks`, a GPU): with the precisions
-/// whose GEMMs take longer than staging's copies of their blocks, fp32 and the f64 ones.
-/// 32768² from `.npy` on one H200, interleaved: fp32 1.434–1.435 s copied against 1.458–1.504 s
-/// locked, fp64 1.558–1.562 s against 1.818–2.118 s; but tf32 0.527–0.567 s locked against
-/// 0.649–0.668 s copied, the copies setting the pace (as with `.mgt` inputs, decision 0006), so
-/// tf32, bf16 and fp16 lanes lock the bands
-/// (docs/measurements/2026-12-06g-h200-3-npy-narrow-copies-twins.log).
-pub(crate) fn copies_narrow(locks: bool, p: crate::plan::Precision) -> bool {
-    use crate::plan::Precision;
-    locks
-        && matches!(
-            p,
-            Precision::Fp32 | Precision::Fp64 | Precision::Fp64Emulated(_)
-        )
+/// Which input files `staging = "auto"` copies every block of, instead of page-locking them, on
+/// a device that locks pages ([`copied_files`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AutoCopies {
+    /// None: every block goes straight from its file's pages where it can.
+    Nothing,
+    /// Files stored in bands of whole rows (`.npy`, raw) whose blocks are at most half as wide
+    /// as the file: locking a block would lock the bands it lies in, the file's whole width.
+    Narrow,
+    /// Every input file.
+    Every,
 }
 
-/// One way a step reads an input file, as [`narrow_files`] judges it: the file, whether it is
+/// What `staging = "auto"` copies ([`AutoCopies`]) for lanes computing in `p` through a pinner
+/// that locks pages (`locks`, a GPU; the CPU locks nothing: [`AutoCopies::Nothing`]).
+///
+/// * `fp64`: every file. Its blocks are twice fp32's bytes for a GEMM of the same time, and
+///   the driver page-locks a `.mgt`'s runs on one thread and checks them after: 32768² fp64
+///   from `.mgt` on one H100, interleaved, 1.571 / 1.389 s copied against 1.977 / 1.831 s
+///   locked (docs/decisions/0025-fp64-copies-every-block.md); its `.npy` blocks were copied
+///   already (below).
+/// * `fp32` and `fp64_emulated`: the narrow files of row-major storage. 32768² from `.npy` on
+///   one H200, interleaved: fp32 1.434–1.435 s copied against 1.458–1.504 s locked, fp64
+///   1.558–1.562 s against 1.818–2.118 s (then under this rule). A `.mgt` locks its storage
+///   tiles, the block's own: fp32 from `.mgt` ran level either way on one H100 (1.424 / 1.418
+///   s copied, 1.458 / 1.416 s locked).
+/// * tf32, bf16, fp16: nothing. Their GEMMs are short and staging's copies set the pace:
+///   tf32 0.527–0.567 s locked against 0.649–0.668 s copied, as with `.mgt` inputs (decision
+///   0006) (docs/measurements/2026-12-06g-h200-3-npy-narrow-copies-twins.log).
+pub(crate) fn auto_copies(locks: bool, p: crate::plan::Precision) -> AutoCopies {
+    use crate::plan::Precision;
+    match p {
+        _ if !locks => AutoCopies::Nothing,
+        Precision::Fp64 => AutoCopies::Every,
+        Precision::Fp32 | Precision::Fp64Emulated(_) => AutoCopies::Narrow,
+        _ => AutoCopies::Nothing,
+    }
+}
+
+/// One way a step reads an input file, as [`copied_files`] judges it: the file, whether it is
 /// stored in bands of whole rows (a `.npy` or raw file, [`MappedBlock::whole_rows`]), its
 /// stored columns, and the stored block its first output tile's first k-block reads — a whole
 /// tile's (the widest it reads), or the file's whole width where that is narrower.
@@ -528,34 +550,39 @@ pub(crate) struct Role<'a> {
     pub(crate) first: Block,
 }
 
-/// The files whose every block `auto` copies (with `copies`, [`copies_narrow`]), decided once
-/// for the step: those stored in bands of whole rows whose blocks are at most half as wide as
-/// the file in each way the step reads them (`roles`; a file read two ways, one of them wide,
-/// has its bands locked anyway, so it is locked). Locking a block of such a file locks the
-/// bands of whole rows it lies in — the file's whole width, four times the block at 32768² in
-/// 8192² tiles — on the driver's one thread, before its upload can start, where staging copies
-/// the block's own bytes on every thread: 32768² fp32 from `.npy` on one H100 took 1.441–1.443 s
-/// copied against 1.531–1.533 s locked, its first GEMM at 0.05 s against 0.11–0.13 s
+/// The files whose every block `auto` copies under `rule` ([`auto_copies`]), decided once for
+/// the step from the ways it reads them (`roles`). With [`AutoCopies::Narrow`], those stored in
+/// bands of whole rows whose blocks are at most half as wide as the file in each way the step
+/// reads them (a file read two ways, one of them wide, has its bands locked anyway, so it is
+/// locked). Locking a block of such a file locks the bands of whole rows it lies in — the
+/// file's whole width, four times the block at 32768² in 8192² tiles — on the driver's one
+/// thread, before its upload can start, where staging copies the block's own bytes on every
+/// thread: 32768² fp32 from `.npy` on one H100 took 1.441–1.443 s copied against 1.531–1.533 s
+/// locked, its first GEMM at 0.05 s against 0.11–0.13 s
 /// (docs/measurements/2026-12-06g-h100-2-roofline-npy-copy-verify-sweep.log,
 /// docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md). Decided per file, not per
 /// block: a narrower block at the matrix's edge of a file whose full blocks lock their bands
 /// would only be copied from bands already locked. A `.mgt` locks its storage tiles, the
-/// block's own.
-pub(crate) fn narrow_files(copies: bool, roles: &[Role<'_>]) -> Vec<std::path::PathBuf> {
+/// block's own. With [`AutoCopies::Every`], every file the step reads.
+pub(crate) fn copied_files(rule: AutoCopies, roles: &[Role<'_>]) -> Vec<std::path::PathBuf> {
     let narrow = |r: &Role<'_>| r.whole_rows && r.first.cols.saturating_mul(2) <= r.cols;
     let mut out: Vec<std::path::PathBuf> = Vec::new();
-    for r in roles.iter().filter(|_| copies) {
-        if !out.iter().any(|p| p == r.path) && roles.iter().filter(|o| o.path == r.path).all(narrow)
-        {
+    for r in roles {
+        let copied = match rule {
+            AutoCopies::Nothing => false,
+            AutoCopies::Narrow => roles.iter().filter(|o| o.path == r.path).all(narrow),
+            AutoCopies::Every => true,
+        };
+        if copied && !out.iter().any(|p| p == r.path) {
             out.push(r.path.to_path_buf());
         }
     }
     out
 }
 
-/// [`narrow_files`] of a step's open `sources` (each with its first block, read as `host`)
+/// [`copied_files`] of a step's open `sources` (each with its first block, read as `host`)
 /// under `mode`: none but under `auto` through `p`.
-pub(crate) fn narrow_sources(
+pub(crate) fn copied_sources(
     mode: StagingMode,
     p: Pinning,
     sources: &[(&dyn MatrixSource, Block)],
@@ -569,29 +596,33 @@ pub(crate) fn narrow_sources(
             first,
         })
         .collect();
-    narrow_files(mode == StagingMode::Auto && p.copies_narrow, &roles)
+    let rule = match mode {
+        StagingMode::Auto => p.copies,
+        _ => AutoCopies::Nothing,
+    };
+    copied_files(rule, &roles)
 }
 
 impl DirectReads {
     /// A registry for `sources` (A, B, C0), registering through `pinner` at most `budget`
     /// bytes at once in ranges of `chunk` ([`limits`]), never for the files in `narrow`
-    /// ([`narrow_sources`]: their blocks are copied); `None` for `copy`.
+    /// ([`copied_sources`]: their blocks are copied); `None` for `copy`.
     pub(crate) fn new(
         mode: StagingMode,
         pinner: Arc<dyn InputPinner>,
         sources: Vec<Arc<dyn MatrixSource>>,
         (budget, chunk): (u64, u64),
-        narrow: Vec<std::path::PathBuf>,
+        copied: Vec<std::path::PathBuf>,
     ) -> Option<DirectReads> {
         if mode == StagingMode::Copy {
             return None;
         }
-        Some(Self::with_budget(mode, pinner, sources, budget, chunk).copying(narrow))
+        Some(Self::with_budget(mode, pinner, sources, budget, chunk).copying(copied))
     }
 
-    /// The registry, the blocks of `narrow` files copied ([`narrow_files`]).
-    fn copying(mut self, narrow: Vec<std::path::PathBuf>) -> DirectReads {
-        self.narrow = narrow;
+    /// The registry, the blocks of the `copied` files copied ([`copied_files`]).
+    fn copying(mut self, copied: Vec<std::path::PathBuf>) -> DirectReads {
+        self.copied = copied;
         self
     }
 
@@ -605,7 +636,7 @@ impl DirectReads {
         DirectReads {
             pinner,
             mode,
-            narrow: Vec::new(),
+            copied: Vec::new(),
             budget,
             chunk,
             entries: Mutex::new(HashMap::new()),
@@ -634,8 +665,8 @@ impl DirectReads {
             return None;
         }
         let mb = f.mapped_block(block, host)?;
-        if self.narrow.iter().any(|p| p == f.path()) {
-            self.stats.narrow_blocks.fetch_add(1, Ordering::Relaxed);
+        if self.copied.iter().any(|p| p == f.path()) {
+            self.stats.copied_blocks.fetch_add(1, Ordering::Relaxed);
             return None;
         }
         let ranges = self.ranges(&mb);
@@ -922,7 +953,7 @@ impl DirectReads {
         DirectStats {
             bytes: c.bytes.load(Ordering::Relaxed),
             cold_blocks: c.cold_blocks.load(Ordering::Relaxed),
-            narrow_blocks: c.narrow_blocks.load(Ordering::Relaxed),
+            copied_blocks: c.copied_blocks.load(Ordering::Relaxed),
             oversize_blocks: c.oversize_blocks.load(Ordering::Relaxed),
             full_blocks: c.full_blocks.load(Ordering::Relaxed),
             budget: self.budget,
@@ -1175,7 +1206,7 @@ mod tests {
         const ON: Option<Pinning> = Some(Pinning {
             budget: 8 << 30,
             chunk: CHUNK,
-            copies_narrow: true,
+            copies: AutoCopies::Narrow,
         });
         // (A `.mgt`: no file of it is narrow.)
         let fx = fixture();
@@ -1214,23 +1245,30 @@ mod tests {
     }
 
     /// A file stored in whole rows whose blocks are at most half as wide as the file has every
-    /// block copied under `auto` on a device that locks pages, for fp32 and the f64 precisions
-    /// (locking would take the bands of whole rows), counted, and is not expected direct;
+    /// block copied under `auto` on a device that locks pages, for fp32 and `fp64_emulated`
+    /// (locking would take the bands of whole rows), counted, and is not expected direct; under
+    /// fp64 every file is copied, a `.mgt` and wide blocks too;
     /// decided once per file, from its first (widest) block, so an edge block of a file whose
     /// full blocks are wide is locked. With `direct`, on the CPU (nothing locked), with
     /// tf32/bf16, or with blocks as wide as the file, blocks go direct; a `.mgt`'s too; a file
     /// read both narrow and wide (`A @ A` with other tile edges) is locked.
     #[test]
-    fn narrow_files_have_their_blocks_copied_under_auto_on_a_gpu() {
+    fn auto_copies_narrow_files_and_under_fp64_every_file_on_a_gpu() {
         let dir = tempfile::tempdir().unwrap();
         let npy = file_named(dir.path(), "A.npy");
         use crate::plan::Precision;
-        assert!(copies_narrow(true, Precision::Fp32) && copies_narrow(true, Precision::Fp64));
-        assert!(
-            !copies_narrow(false, Precision::Fp32),
-            "the CPU locks nothing"
-        );
-        assert!(!copies_narrow(true, Precision::Tf32) && !copies_narrow(true, Precision::Bf16));
+        assert_eq!(auto_copies(true, Precision::Fp32), AutoCopies::Narrow);
+        assert_eq!(auto_copies(true, Precision::Fp64), AutoCopies::Every);
+        for p in [Precision::Fp32, Precision::Fp64] {
+            assert_eq!(
+                auto_copies(false, p),
+                AutoCopies::Nothing,
+                "the CPU locks nothing"
+            );
+        }
+        for p in [Precision::Tf32, Precision::Bf16] {
+            assert_eq!(auto_copies(true, p), AutoCopies::Nothing);
+        }
         let pin = |p| Some(Pinning::new((8 << 30, CHUNK), true, p));
         let (narrow, half, wide) = (
             block(0, 0, 64, 16),
@@ -1239,7 +1277,7 @@ mod tests {
         );
         // As `Engines::make` asks: the narrow files decided first, then the expectation.
         let judged = |m, p: Pinning, srcs: &[(&dyn MatrixSource, Block)]| {
-            let narrow = narrow_sources(m, p, srcs, DType::F32);
+            let narrow = copied_sources(m, p, srcs, DType::F32);
             expected(m, Some(p), srcs, &narrow, false, DType::F32)
         };
         let exp = |m, p, firsts: &[Block]| {
@@ -1250,8 +1288,11 @@ mod tests {
             judged(m, pin(p).unwrap(), &srcs)
         };
         assert!(!exp(StagingMode::Auto, Precision::Fp32, &[narrow]));
-        assert!(!exp(StagingMode::Auto, Precision::Fp64, &[half]));
+        assert!(!exp(StagingMode::Auto, Precision::Fp32, &[half]));
         assert!(exp(StagingMode::Auto, Precision::Fp32, &[wide]));
+        // fp64 copies every file, wide blocks and a `.mgt` too; `direct` still locks.
+        assert!(!exp(StagingMode::Auto, Precision::Fp64, &[wide]));
+        assert!(exp(StagingMode::Direct, Precision::Fp64, &[wide]));
         assert!(
             exp(StagingMode::Auto, Precision::Fp32, &[narrow, wide]),
             "read wide too"
@@ -1264,10 +1305,21 @@ mod tests {
         let mgt: &dyn MatrixSource = &*fx.f;
         let gpu = pin(Precision::Fp32).unwrap();
         assert!(judged(StagingMode::Auto, gpu, &[(mgt, narrow)]));
+        let gpu64 = pin(Precision::Fp64).unwrap();
+        assert!(!judged(StagingMode::Auto, gpu64, &[(mgt, narrow)]));
+        assert_eq!(
+            copied_sources(
+                StagingMode::Auto,
+                gpu64,
+                &[(mgt, narrow), (&*npy, wide)],
+                DType::F32
+            ),
+            vec![mgt.path().to_path_buf(), npy.path().to_path_buf()]
+        );
 
         let p = Pinning::new((8 << 30, CHUNK), true, Precision::Fp32);
         let reg = |mode, first| {
-            let narrow = narrow_sources(mode, p, &[(&*npy, first)], DType::F32);
+            let narrow = copied_sources(mode, p, &[(&*npy, first)], DType::F32);
             DirectReads::with_budget(mode, fx.rec.clone(), vec![npy.clone()], 8 << 30, CHUNK)
                 .copying(narrow)
         };
@@ -1276,19 +1328,19 @@ mod tests {
         let auto = reg(StagingMode::Auto, narrow);
         assert!(auto.prepare(&*npy, &narrow, DType::F32, token()).is_none());
         assert!(auto.prepare(&*npy, &wide, DType::F32, token()).is_none());
-        assert_eq!(auto.stats().narrow_blocks, 2);
+        assert_eq!(auto.stats().copied_blocks, 2);
         drop(auto);
         // Wide from its first block: a narrow (edge) block locks its bands.
         let auto = reg(StagingMode::Auto, wide);
         assert!(auto.prepare(&*npy, &narrow, DType::F32, token()).is_some());
-        assert_eq!(auto.stats().narrow_blocks, 0);
+        assert_eq!(auto.stats().copied_blocks, 0);
         // Its ranges released (the recorder refuses a second registration of one).
         drop(auto);
         let direct = reg(StagingMode::Direct, narrow);
         assert!(direct
             .prepare(&*npy, &narrow, DType::F32, token())
             .is_some());
-        assert_eq!(direct.stats().narrow_blocks, 0);
+        assert_eq!(direct.stats().copied_blocks, 0);
     }
 
     /// Whether the last page of `path` (tile data, not the header that opening reads) is in

@@ -174,9 +174,9 @@ pub(crate) struct Engines {
     out_in_place: Option<crate::seam::OutRect>,
     /// Seconds taken: both together, the lanes alone, the pools alone.
     pub(crate) times: [(&'static str, f64); 3],
-    /// The input files whose every block is copied ([`direct::narrow_files`]): decided once
+    /// The input files whose every block is copied ([`direct::copied_files`]): decided once
     /// here, for the lazy pool and for the staging stage alike.
-    narrow: Vec<std::path::PathBuf>,
+    copied: Vec<std::path::PathBuf>,
 }
 
 impl Engines {
@@ -206,14 +206,14 @@ impl Engines {
             direct::Pinning::new(limits, p.locks(), e.precision)
         });
         let firsts = [(&*sources.a, a), (&*sources.b, b)];
-        let narrow = pinning.map_or_else(Vec::new, |p| {
-            direct::narrow_sources(mode, p, &firsts, layout.host_dt)
+        let copied = pinning.map_or_else(Vec::new, |p| {
+            direct::copied_sources(mode, p, &firsts, layout.host_dt)
         });
         let lazy = direct::expected(
             mode,
             pinning,
             &firsts,
-            &narrow,
+            &copied,
             sources.c0.is_some(),
             layout.host_dt,
         )
@@ -261,7 +261,7 @@ impl Engines {
                 ("lanes", lanes_s),
                 ("pools", pools_s),
             ],
-            narrow,
+            copied,
         })
     }
 
@@ -401,7 +401,7 @@ impl<'a> Pipeline<'a> {
             staging_pools,
             out_pool,
             out_in_place,
-            narrow,
+            copied,
             ..
         } = engines;
         let nlanes = lanes.len();
@@ -416,7 +416,7 @@ impl<'a> Pipeline<'a> {
                     pinner,
                     srcs.into_iter().flatten().cloned().collect(),
                     limits,
-                    narrow,
+                    copied,
                 )
             }
             _ => None,

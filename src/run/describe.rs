@@ -513,9 +513,10 @@ fn describe_staging(
     let mut in_place: Vec<&crate::plan::Operand> = Vec::new();
     // Some input is copied because the budget is short of its ranges: `plan` names a budget.
     let mut oversize = false;
-    // `auto` on a GPU copies every block of a file stored in whole rows whose blocks are
-    // narrow (`pipeline::direct::narrow_files`): the rule `run` applies, judged from the files
-    // where they exist, else (an earlier step's output) from the name a `.npy` is written under.
+    // `auto` on a GPU copies every block of some files (`pipeline::direct::copied_files`):
+    // under fp64 all of them, under fp32 those stored in whole rows whose blocks are narrow —
+    // the rule `run` applies, judged from the files where they exist, else (an earlier step's
+    // output) from the name a `.npy` is written under.
     let (a0, b0) = crate::plan::schedule::Schedule::first_blocks(step, l);
     fn role<'o>(
         op: &'o crate::plan::Operand,
@@ -535,12 +536,13 @@ fn describe_staging(
             first,
         }
     }
-    let narrow = crate::pipeline::direct::narrow_files(
-        device
-            && mode == StagingMode::Auto
-            && crate::pipeline::direct::copies_narrow(true, e.precision),
-        &[role(&step.a, a0, l), role(&step.b, b0, l)],
-    );
+    use crate::pipeline::direct::AutoCopies;
+    let rule = match (device, mode) {
+        (true, StagingMode::Auto) => crate::pipeline::direct::auto_copies(true, e.precision),
+        _ => AutoCopies::Nothing,
+    };
+    let auto_copied =
+        crate::pipeline::direct::copied_files(rule, &[role(&step.a, a0, l), role(&step.b, b0, l)]);
     for (i, op) in ops.into_iter().enumerate() {
         let Some(op) = op else { continue };
         // A chain's intermediate held in memory, or the caller's array: no file to map.
@@ -554,8 +556,11 @@ fn describe_staging(
             Some("held in memory".to_string())
         } else if op.dtype != l.host_dt {
             Some(format!("{} stored, {} computed", op.dtype, l.host_dt))
-        } else if i < 2 && narrow.contains(&op.path) {
-            Some("stored in whole rows, its blocks at most half their width: locking the rows for each would take longer".to_string())
+        } else if i < 2 && auto_copied.contains(&op.path) {
+            Some(match rule {
+                AutoCopies::Every => "fp64 on a GPU: staging's copies feed the GEMMs sooner than page-locking the file".to_string(),
+                _ => "stored in whole rows, its blocks at most half their width: locking the rows for each would take longer".to_string(),
+            })
         } else {
             // What `run` finds as its blocks come (`direct_oversize_blocks`): the range a block
             // holds does not fit in what host_memory leaves beside the pools.

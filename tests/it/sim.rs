@@ -885,6 +885,65 @@ fn an_ended_tile_waits_for_room_while_later_gemms_go_on() {
     );
 }
 
+/// Under fp64, `staging = "auto"` on a device that page-locks copies every block, of a `.mgt`
+/// too (docs/decisions/0025-fp64-copies-every-block.md), and says so in the report and the
+/// summary; `direct` locks the files' tiles; both give the CPU's bytes.
+#[test]
+fn auto_copies_every_block_under_fp64_on_a_device() {
+    let d = tmp();
+    gen(
+        &d.path().join("A.mgt"),
+        200,
+        300,
+        DType::F64,
+        (64, 64),
+        Dist::Normal,
+        1,
+    );
+    gen(
+        &d.path().join("B.mgt"),
+        300,
+        260,
+        DType::F64,
+        (64, 64),
+        Dist::Normal,
+        2,
+    );
+    let plan = |backend: &str, out: &str, staging: &str| {
+        format!(
+            "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
+             [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
+             [engine]\nbackend = \"{backend}\"\ntile = 64\nhost_memory = \"64MiB\"\n\
+             durable = false\nthreads = 1\nstaging = \"{staging}\"\nprecision = \"fp64\"\n"
+        )
+    };
+    run_text(d.path(), &plan("cpu", "C_ref.mgt", "auto")).unwrap();
+    for staging in ["auto", "direct"] {
+        let p = d.path().join("plan.toml");
+        std::fs::write(&p, plan("sim", "C.mgt", staging)).unwrap();
+        let opts = RunOptions {
+            restart: true,
+            ..Default::default()
+        };
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let progress = Progress::log_into(Duration::from_secs(3600), lines.clone());
+        let r = run_plan_on(&Plan::load(&p).unwrap(), sim(vec![100]), &opts, &progress).unwrap();
+        let summary = lines.lock().unwrap().join("\n");
+        assert!(same_output(d.path()), "{staging}");
+        let s = &r.steps[0];
+        if staging == "auto" {
+            assert_eq!(s.direct_bytes, 0, "{s:?}");
+            assert_eq!(s.direct_registered_bytes, 0, "{s:?}");
+            assert!(s.direct_narrow_blocks > 0, "{s:?}");
+            assert!(summary.contains("under fp64 the copies"), "{summary}");
+        } else {
+            assert_eq!(s.direct_bytes, s.read_bytes, "{s:?}");
+            assert_eq!(s.direct_narrow_blocks, 0);
+            assert!(!summary.contains("under fp64"), "{summary}");
+        }
+    }
+}
+
 /// `staging = "auto"` on a device that page-locks copies the blocks of a `.npy` input at most
 /// half as wide as the file (locking would take the bands of whole rows they lie in:
 /// docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md) and says so in the report and
