@@ -13,7 +13,8 @@
 //! tools/bench/roofline.sh); `MGMM_OUTPREP_THREADS=N`, the threads that populate the output's
 //! pages (to measure their competition with staging); `MGMM_START_GROUP=N`, the output tiles
 //! a lane's first group computes k-chunk by k-chunk (to measure one group against another);
-//! `MGMM_TRACE=PATH`, which records a timeline of the run into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and `MGMM_TRACE` are read once into a
+//! `MGMM_WARMUP_INLINE=1`, the warm-up GEMM before the backend is handed over with every
+//! precision (to measure it against running beside the step's start); `MGMM_TRACE=PATH`, which records a timeline of the run into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and `MGMM_TRACE` are read once into a
 //! [`Settings`] where a command starts.
 
 use std::path::PathBuf;
@@ -113,6 +114,18 @@ pub(crate) fn start_group() -> Option<usize> {
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|n| (1..=64).contains(n))
+    })
+}
+
+/// `MGMM_WARMUP_INLINE`: the CUDA backend runs its warm-up GEMM (which loads cuBLAS's kernel)
+/// before it is handed over with every precision, as it does with fp32 and fp64, instead of on
+/// a thread of its own beside the step's start with tf32, bf16 and fp16 (`backend::cuda::early`):
+/// to measure one against the other (tools/bench/roofline.sh's `NAME_wi` jobs). Read once per
+/// process.
+pub(crate) fn warm_up_inline() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var_os("MGMM_WARMUP_INLINE").is_some_and(|v| !v.is_empty() && v != "0")
     })
 }
 

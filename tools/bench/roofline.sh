@@ -48,7 +48,8 @@ write_plan bf16_npy.toml A.npy B.npy C_bf16_npy.npy "${E[@]}" 'precision = "bf16
 # row-major file was measured so, BENCHMARKS). NAME_pread: the same plan run with
 # MGMM_READ_PREAD=1 (staging's copies by `pread`, none out of the files' maps). NAME_opN (N = 1,
 # 2, 4, 8): N threads populate the output's pages (MGMM_OUTPREP_THREADS=N). NAME_sgN (N = 1, 4,
-# 9): the first N output tiles computed k-chunk by k-chunk (MGMM_START_GROUP=N).
+# 9): the first N output tiles computed k-chunk by k-chunk (MGMM_START_GROUP=N). NAME_wi: the
+# warm-up GEMM before the backend is handed over, whatever the precision (MGMM_WARMUP_INLINE=1).
 for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 fp64_npy_k32 fp64_mgt tf32_mgt bf16_mgt tf32_npy bf16_npy; do
   for m in copy direct; do
     sed -e "s/C_$f\./C_${f}_$m./" -e "s/^\[engine\]$/[engine]\nstaging = \"$m\"/" "$f.toml" > "${f}_$m.toml"
@@ -58,6 +59,7 @@ for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 fp64_npy_k32 fp64_mgt tf32_mgt bf
   for t in 1 2 4 8; do sed -e "s/C_$f\./C_${f}_op$t./" "$f.toml" > "${f}_op$t.toml"; done
   # NAME_sgN: the same plan with a start group of N tiles (MGMM_START_GROUP).
   for t in 1 4 9; do sed -e "s/C_$f\./C_${f}_sg$t./" "$f.toml" > "${f}_sg$t.toml"; done
+  sed -e "s/C_$f\./C_${f}_wi./" "$f.toml" > "${f}_wi.toml"
 done
 
 log "driver start-up floor and torch in-core rates"
@@ -84,6 +86,7 @@ run1() { # NAME I: run NAME.toml once, process wall in NAME_I.time
   [[ $1 == *_pread ]] && tr=(env MGMM_READ_PREAD=1 "${tr[@]:1}")
   [[ $1 =~ _op([0-9]+)$ ]] && tr=(env "MGMM_OUTPREP_THREADS=${BASH_REMATCH[1]}" "${tr[@]:1}")
   [[ $1 =~ _sg([0-9]+)$ ]] && tr=(env "MGMM_START_GROUP=${BASH_REMATCH[1]}" "${tr[@]:1}")
+  [[ $1 == *_wi ]] && tr=(env MGMM_WARMUP_INLINE=1 "${tr[@]:1}")
   "${tr[@]}" "$MGMM" run "$1.toml" --quiet --report "$OUT/roof_$1_$2.json" 2>&1 | tail -2 | tee -a "$LOG"
   echo $(( ($(date +%s%N) - s) / 1000000 )) > "$1_$2.ms"
   [ "$2" = v ] || rm -rf "C_$1".*   # the disk holds the inputs and one output at a time

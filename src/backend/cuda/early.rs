@@ -64,7 +64,9 @@ impl Warming {
             let ctx = ctx.clone();
             move || ctx.bind_to_thread().is_ok() && warm_up_early(&ctx, ordinal, &w).is_ok()
         };
-        if matches!(w.precision, Precision::Fp32 | Precision::Fp64) {
+        if matches!(w.precision, Precision::Fp32 | Precision::Fp64)
+            || crate::config::warm_up_inline()
+        {
             let _ = me.ok.set(run());
             return me;
         }
