@@ -120,9 +120,13 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
 fn one_process(step: &Step, j: &crate::durable::journal::Peek, plan: &Path) -> String {
     let (out, plan) = (&step.output, plan.display());
     if !out.exists() {
+        // Nothing recorded survives the output, but checkpoints do (`run` resumes them where
+        // they match the step).
+        let partial = checkpointed(out, &Default::default());
         return format!(
-            "its journal records {} tile(s), but the output is gone: `mgmm-stream run {plan}` computes the step afresh",
-            j.done.len()
+            "its journal records {} tile(s), but the output is gone: `mgmm-stream run {plan}` computes the step {}{partial}",
+            j.done.len(),
+            if partial.is_empty() { "afresh" } else { "again, resuming the checkpointed tiles that still match it" }
         );
     }
     let progress = j.progress(step.m, step.n);
@@ -142,22 +146,26 @@ fn one_process(step: &Step, j: &crate::durable::journal::Peek, plan: &Path) -> S
             )
         })
         .unwrap_or_default();
-    // Checkpoints of tiles not yet recorded (a kill may leave those of recorded tiles behind),
-    // with how far each got.
-    let ckpts = crate::durable::checkpoint::peek(out, &j.tiles_done());
-    let partial = if ckpts.is_empty() {
-        String::new()
-    } else {
-        let (k, of) = ckpts
-            .iter()
-            .fold((0, 0), |(a, b), &(_, k, n)| (a + k, b + n));
-        format!(
-            "; {} unfinished tile(s) checkpointed in {} ({k} of their {of} k-chunks done)",
-            ckpts.len(),
-            crate::durable::checkpoint::partial_dir(out).display()
-        )
-    };
+    let partial = checkpointed(out, &j.tiles_done());
     format!("started in one process, not finished: {progress}; {who}{age}{partial}")
+}
+
+/// "; N unfinished tile(s) checkpointed in DIR (K of their KS k-chunks done)" for the
+/// checkpoints of `out`'s tiles not in `done` (a kill may leave those of recorded tiles
+/// behind); empty when there are none.
+fn checkpointed(out: &Path, done: &std::collections::BTreeSet<u32>) -> String {
+    let ckpts = crate::durable::checkpoint::peek(out, done);
+    if ckpts.is_empty() {
+        return String::new();
+    }
+    let (k, of) = ckpts
+        .iter()
+        .fold((0, 0), |(a, b), &(_, k, n)| (a + k, b + n));
+    format!(
+        "; {} unfinished tile(s) checkpointed in {} ({k} of their {of} k-chunks done)",
+        ckpts.len(),
+        crate::durable::checkpoint::partial_dir(out).display()
+    )
 }
 
 /// The split in use: the S of the newest shard file (journal, claim or done mark) in `dir`.

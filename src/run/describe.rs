@@ -370,15 +370,34 @@ fn describe_status(
         Ok(None) if step.output.exists() => {
             return line(format!("{out} exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it"));
         }
-        Ok(None) => return Ok(String::new()),
+        // Checkpoints left without their output and journal (both deleted) are still resumed
+        // from where they match the step (`durable::checkpoint`).
+        Ok(None) => {
+            let ckpts = crate::durable::checkpoint::peek(&step.output, &Default::default());
+            if ckpts.is_empty() {
+                return Ok(String::new());
+            }
+            return line(format!(
+                "no output or journal yet; {}: {}",
+                checkpointed(&ckpts),
+                resumes(&ckpts)
+            ));
+        }
         Err(e) => return line(format!("{e} (`run` refuses it too)")),
     };
     // Whatever plan wrote the journal, it has nothing to resume without its output
-    // (`journal::read_state`).
+    // (`journal::read_state`) but the partial tiles its checkpoints hold.
     if !step.output.exists() {
-        return line(format!(
-            "the journal is there but {out} is not: `run` starts the step afresh"
-        ));
+        let ckpts = crate::durable::checkpoint::peek(&step.output, &Default::default());
+        return line(if ckpts.is_empty() {
+            format!("the journal is there but {out} is not: `run` starts the step afresh")
+        } else {
+            format!(
+                "the journal is there but {out} is not: `run` starts the step again; {}: {}",
+                checkpointed(&ckpts),
+                resumes(&ckpts)
+            )
+        });
     }
     let Ok(ids) = crate::run::input_ids(step) else {
         return Ok(String::new());
@@ -427,10 +446,9 @@ fn describe_status(
         "complete: `run` skips this step (`run --restart` computes it again)".into()
     } else if done.is_empty() && !ckpts.is_empty() {
         format!(
-            "started, no output tile finished yet; {}: `run` resumes {} from {} (if they still match the step)",
+            "started, no output tile finished yet; {}: {}",
             checkpointed(&ckpts),
-            if ckpts.len() == 1 { "it" } else { "them" },
-            if ckpts.len() == 1 { "its checkpoint" } else { "their checkpoints" }
+            resumes(&ckpts)
         )
     } else if done.is_empty() {
         "started, no output tile recorded yet: `run` starts the step afresh".into()
@@ -467,6 +485,19 @@ fn odd_kind(p: &std::path::Path, other: &'static str) -> &'static str {
 }
 
 /// "2 partial tiles checkpointed (31 % of their K done)".
+/// What `run` does with the checkpointed partial tiles `c` ([`checkpointed`]).
+fn resumes(c: &[(u32, u32, u32)]) -> String {
+    format!(
+        "`run` resumes {} from {} (if they still match the step)",
+        if c.len() == 1 { "it" } else { "them" },
+        if c.len() == 1 {
+            "its checkpoint"
+        } else {
+            "their checkpoints"
+        }
+    )
+}
+
 fn checkpointed(c: &[(u32, u32, u32)]) -> String {
     let (done, all) = c.iter().fold((0u64, 0u64), |(d, a), &(_, kd, kc)| {
         (d + kd as u64, a + kc as u64)

@@ -248,6 +248,53 @@ fn single_long_tile_resumes(backend: &str) {
     );
 }
 
+/// A checkpoint outlives its output: with the output deleted (the journal kept, then the
+/// journal deleted too) `plan` says the step starts again and resumes the partial tile, and
+/// `run` does so, to the bytes of a clean run.
+fn checkpoint_without_its_output_is_resumed(backend: &str) {
+    let d = tmp();
+    let dir = d.path();
+    setup(dir, backend, 60, 50, false);
+    let saved = kill_after(dir, 13);
+    assert_eq!(saved.len(), 1);
+    std::fs::remove_file(dir.join("C.mgt")).unwrap();
+    // `status` says the same.
+    let st = std::process::Command::new(bin())
+        .args(["status", "plan.toml"])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    let st = one_line(&String::from_utf8_lossy(&st.stdout));
+    assert!(
+        st.contains("the output is gone")
+            && st.contains("computes the step again, resuming the checkpointed tiles")
+            && st.contains("1 unfinished tile(s) checkpointed in ./C.mgt.partial"),
+        "{st}"
+    );
+    for (gone, want) in [
+        (
+            "the output",
+            "C.mgt is not: `run` starts the step again; 1 partial tile checkpointed (",
+        ),
+        (
+            "the journal",
+            "no output or journal yet; 1 partial tile checkpointed (",
+        ),
+    ] {
+        if gone == "the journal" {
+            std::fs::remove_file(dir.join("C.mgt.journal")).unwrap();
+        }
+        let plan = Plan::load(&dir.join("plan.toml")).unwrap();
+        let said = one_line(&mgmm_stream::run::describe(&plan).unwrap());
+        assert!(
+            said.contains(want) && said.contains("`run` resumes it from its checkpoint"),
+            "{gone} deleted: {said}"
+        );
+    }
+    let (r, _) = resume(dir);
+    assert_eq!(gemms(&r), GK - saved[0].1, "{saved:?}");
+}
+
 /// A checkpoint whose data or header no longer matches its CRC is never trusted: it is deleted
 /// with a note and its tile computed from the start, to the same bytes.
 fn corrupt_checkpoint_is_ignored(backend: &str) {
@@ -354,6 +401,7 @@ per_backend! {
     unsaveable_checkpoint => super::unsaveable_checkpoint_is_a_note;
     kill_mid_tile => super::kill_mid_tile_then_resume_from_checkpoint;
     single_long_tile => super::single_long_tile_resumes;
+    checkpoint_without_output => super::checkpoint_without_its_output_is_resumed;
     corrupt_checkpoint => super::corrupt_checkpoint_is_ignored;
     changed_input_or_restart => super::changed_input_or_restart_discards_checkpoints;
 }
