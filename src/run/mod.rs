@@ -357,10 +357,24 @@ fn prepare(
     if let Some(n) = backend.note() {
         progress.note(&n);
     }
-    if let Some(w) = plan.engine.threads_note() {
+    // Warnings about how a step computes, for the steps this run may compute: a run that
+    // only finds every step complete computes nothing to warn about (a trial saw the
+    // `threads` warning on such a run).
+    let kind = backend.caps().kind;
+    let pending: Vec<bool> = (0..plan.steps.len())
+        .map(|i| !finished::step_complete(plan, &layouts, i, kind, opts).unwrap_or(false))
+        .collect();
+    if let Some(w) = plan
+        .engine
+        .threads_note()
+        .filter(|_| pending.contains(&true))
+    {
         progress.note(&w);
     }
-    for (s, l) in plan.steps.iter().zip(&layouts) {
+    for ((s, l), _) in (plan.steps.iter().zip(&layouts))
+        .zip(&pending)
+        .filter(|x| *x.1)
+    {
         if let Some(w) = l.small_tile_note(s, &plan.engine) {
             progress.note(&w);
         }
