@@ -939,7 +939,7 @@ fn chain_gap(step: &Step) -> Option<String> {
         return None;
     }
     let where_ = if gone.iter().all(|o| c.memory.contains(&o.path)) {
-        "which were held in host memory while the chain ran and are not kept"
+        "which were held in host memory while the chain ran (or, after a split run, kept in files until a plain `run` removed them) and are not kept"
     } else {
         "which `run` removed"
     };
