@@ -885,41 +885,42 @@ fn an_ended_tile_waits_for_room_while_later_gemms_go_on() {
     );
 }
 
-/// Under fp64, `staging = "auto"` on a device that page-locks copies every block, of a `.mgt`
-/// too (docs/decisions/0025-fp64-copies-every-block.md), and says so in the report and the
-/// summary; `direct` locks the files' tiles; both give the CPU's bytes.
-#[test]
-fn auto_copies_every_block_under_fp64_on_a_device() {
-    let d = tmp();
+/// A (200×300) and B (300×260) written as `A.EXT`, `B.EXT` in `dt`, their product computed on
+/// the CPU (`C_ref.mgt`), then on simulated devices (`lanes`) with `staging = "auto"` and
+/// `"direct"` under `precision` ([`staging_plan`]): each run's step report and the summary it
+/// printed, after checking its bytes are the CPU's.
+fn auto_and_direct(
+    dir: &Path,
+    ext: &str,
+    dt: DType,
+    precision: &str,
+    lanes: usize,
+) -> Vec<(&'static str, mgmm_stream::run::StepReport, String)> {
     gen(
-        &d.path().join("A.mgt"),
+        &dir.join(format!("A.{ext}")),
         200,
         300,
-        DType::F64,
+        dt,
         (64, 64),
         Dist::Normal,
         1,
     );
     gen(
-        &d.path().join("B.mgt"),
+        &dir.join(format!("B.{ext}")),
         300,
         260,
-        DType::F64,
+        dt,
         (64, 64),
         Dist::Normal,
         2,
     );
     let plan = |backend: &str, out: &str, staging: &str| {
-        format!(
-            "[matrices.A]\npath = \"A.mgt\"\n[matrices.B]\npath = \"B.mgt\"\n\
-             [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
-             [engine]\nbackend = \"{backend}\"\ntile = 64\nhost_memory = \"64MiB\"\n\
-             durable = false\nthreads = 1\nstaging = \"{staging}\"\nprecision = \"fp64\"\n"
-        )
+        staging_plan(ext, backend, out, staging, precision)
     };
-    run_text(d.path(), &plan("cpu", "C_ref.mgt", "auto")).unwrap();
+    run_text(dir, &plan("cpu", "C_ref.mgt", "auto")).unwrap();
+    let mut out = Vec::new();
     for staging in ["auto", "direct"] {
-        let p = d.path().join("plan.toml");
+        let p = dir.join("plan.toml");
         std::fs::write(&p, plan("sim", "C.mgt", staging)).unwrap();
         let opts = RunOptions {
             restart: true,
@@ -927,10 +928,37 @@ fn auto_copies_every_block_under_fp64_on_a_device() {
         };
         let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let progress = Progress::log_into(Duration::from_secs(3600), lines.clone());
-        let r = run_plan_on(&Plan::load(&p).unwrap(), sim(vec![100]), &opts, &progress).unwrap();
+        let r = run_plan_on(
+            &Plan::load(&p).unwrap(),
+            sim(vec![100; lanes]),
+            &opts,
+            &progress,
+        )
+        .unwrap();
         let summary = lines.lock().unwrap().join("\n");
-        assert!(same_output(d.path()), "{staging}");
-        let s = &r.steps[0];
+        assert!(same_output(dir), "{staging}");
+        out.push((staging, r.steps.into_iter().next().unwrap(), summary));
+    }
+    out
+}
+
+/// The plan of [`auto_and_direct`]: A.EXT @ B.EXT into `out` on `backend`, 64² tiles.
+fn staging_plan(ext: &str, backend: &str, out: &str, staging: &str, precision: &str) -> String {
+    format!(
+        "[matrices.A]\npath = \"A.{ext}\"\n[matrices.B]\npath = \"B.{ext}\"\n\
+         [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
+         [engine]\nbackend = \"{backend}\"\ntile = 64\nhost_memory = \"64MiB\"\n\
+         durable = false\nthreads = 1\nstaging = \"{staging}\"\nprecision = \"{precision}\"\n"
+    )
+}
+
+/// Under fp64, `staging = "auto"` on a device that page-locks copies every block, of a `.mgt`
+/// too (docs/decisions/0025-fp64-copies-every-block.md), and says so in the report and the
+/// summary; `direct` locks the files' tiles; both give the CPU's bytes.
+#[test]
+fn auto_copies_every_block_under_fp64_on_a_device() {
+    let d = tmp();
+    for (staging, s, summary) in auto_and_direct(d.path(), "mgt", DType::F64, "fp64", 1) {
         if staging == "auto" {
             assert_eq!(s.direct_bytes, 0, "{s:?}");
             assert_eq!(s.direct_registered_bytes, 0, "{s:?}");
@@ -951,52 +979,7 @@ fn auto_copies_every_block_under_fp64_on_a_device() {
 #[test]
 fn auto_copies_narrow_blocks_of_row_major_inputs_on_a_device() {
     let d = tmp();
-    gen(
-        &d.path().join("A.npy"),
-        200,
-        300,
-        DType::F32,
-        (64, 64),
-        Dist::Normal,
-        1,
-    );
-    gen(
-        &d.path().join("B.npy"),
-        300,
-        260,
-        DType::F32,
-        (64, 64),
-        Dist::Normal,
-        2,
-    );
-    let plan = |backend: &str, out: &str, staging: &str| {
-        format!(
-            "[matrices.A]\npath = \"A.npy\"\n[matrices.B]\npath = \"B.npy\"\n\
-             [[step]]\noutput = \"{out}\"\nexpr = \"A @ B\"\n\
-             [engine]\nbackend = \"{backend}\"\ntile = 64\nhost_memory = \"64MiB\"\n\
-             durable = false\nthreads = 1\nstaging = \"{staging}\"\n"
-        )
-    };
-    run_text(d.path(), &plan("cpu", "C_ref.mgt", "auto")).unwrap();
-    for staging in ["auto", "direct"] {
-        let p = d.path().join("plan.toml");
-        std::fs::write(&p, plan("sim", "C.mgt", staging)).unwrap();
-        let opts = RunOptions {
-            restart: true,
-            ..Default::default()
-        };
-        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let progress = Progress::log_into(Duration::from_secs(3600), lines.clone());
-        let r = run_plan_on(
-            &Plan::load(&p).unwrap(),
-            sim(vec![100, 100]),
-            &opts,
-            &progress,
-        )
-        .unwrap();
-        let summary = lines.lock().unwrap().join("\n");
-        assert!(same_output(d.path()), "{staging}");
-        let s = &r.steps[0];
+    for (staging, s, summary) in auto_and_direct(d.path(), "npy", DType::F32, "fp32", 2) {
         let staging_pool = s.pools.iter().find(|p| p.name == "staging").unwrap();
         if staging == "auto" {
             assert_eq!(s.direct_bytes, 0, "every block is narrow");
@@ -1012,6 +995,9 @@ fn auto_copies_narrow_blocks_of_row_major_inputs_on_a_device() {
             assert!(!summary.contains("of row-major files"), "{summary}");
         }
     }
+    let plan = |backend: &str, out: &str, staging: &str| {
+        staging_plan("npy", backend, out, staging, "fp32")
+    };
     // k-blocks 192 deep: A's (200×300) blocks are wider than half its rows, its edge blocks
     // (108) too narrow alone — the file is judged once, from its widest block, and locked
     // whole; B's (300×260) 64-wide blocks are copied, every one; the pool made up front.
