@@ -14,8 +14,9 @@
 //! pages (to measure their competition with staging); `MGMM_START_GROUP=N`, the output tiles
 //! a lane's first group computes k-chunk by k-chunk (to measure one group against another);
 //! `MGMM_WARMUP_INLINE=1`, the warm-up GEMM before the backend is handed over with every
-//! precision (to measure it against running beside the step's start); `MGMM_TRACE=PATH`, which records a timeline of the run into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and `MGMM_TRACE` are read once into a
-//! [`Settings`] where a command starts.
+//! precision (to measure it against running beside the step's start); `MGMM_TRACE=PATH`,
+//! which records a timeline of the run into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and
+//! `MGMM_TRACE` are read once into a [`Settings`] where a command starts.
 
 use std::path::PathBuf;
 
@@ -103,10 +104,11 @@ pub(crate) fn outprep_threads() -> Option<usize> {
 }
 
 /// `MGMM_START_GROUP`: how many output tiles a lane's first group computes k-chunk by
-/// k-chunk (its first row's tiles, or its first square of side ⌊√N⌋ in growing squares),
-/// instead of the layout's choice (`plan::layout::start_square`): for measuring one group
-/// against another (tools/bench/roofline.sh's `NAME_sgN` jobs). `None` when unset, empty or
-/// not a number from 1 to 64. Read once per process.
+/// k-chunk — at most N tiles of its first row (no more than the grid is wide), or in growing
+/// squares the first square of side ⌊√N⌋ where that is more — instead of the layout's choice
+/// (`plan::layout::start_square`): for
+/// measuring one group against another (tools/bench/roofline.sh's `NAME_sgN` jobs). `None`
+/// when unset, empty or not a number from 1 to 64. Read once per process.
 pub(crate) fn start_group() -> Option<usize> {
     static N: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *N.get_or_init(|| {

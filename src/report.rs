@@ -569,8 +569,10 @@ fn direct_line(r: &StepReport) -> String {
         ));
     }
     if r.direct_narrow_blocks > 0 {
-        let why = match r.precision.as_str() {
-            "fp64" => "staged by copy: under fp64 the copies feed the GEMMs sooner than page-locking the files",
+        use crate::pipeline::direct::{auto_copies, AutoCopies};
+        let rule = crate::seam::Precision::parse(&r.precision).map(|p| auto_copies(true, p));
+        let why = match rule {
+            Some(AutoCopies::Every) => "staged by copy: under fp64 the copies feed the GEMMs sooner than page-locking the files",
             _ => "of row-major files staged by copy: locking the whole rows they lie in would take longer",
         };
         parts.push(format!(

@@ -44,17 +44,20 @@ fn cpu_peak(p: Precision, threads: usize, depth: u64) -> f64 {
         }
         _ => f32_per_core,
     };
-    per_core * threads as f64
+    // Threads beyond the cores only wait for them (a trial saw 64 threads on 2 cores bound
+    // the step at 32 cores' rate).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    per_core * threads.min(cores) as f64
 }
 
 /// Where [`cpu_peak`]'s rate for `p` comes from, as `plan`'s lower bound says it.
 fn cpu_peak_source(p: Precision) -> &'static str {
     if p == Precision::Fp64 {
-        "faer's f64 rate per core: half its f32 rate with AVX-512, a quarter without, BENCHMARKS.md, times the threads"
+        "faer's f64 rate per core: half its f32 rate with AVX-512, a quarter without, BENCHMARKS.md, times the threads (at most the cores)"
     } else if p.is_f64() {
-        "faer's f64 rate per core over the N + 1 f64 GEMMs an emulated block takes, N as auto picks it for normal data as deep as this step's blocks, times the threads"
+        "faer's f64 rate per core over the N + 1 f64 GEMMs an emulated block takes, N as auto picks it for normal data as deep as this step's blocks, times the threads (at most the cores)"
     } else {
-        "faer's f32 rate per core with AVX-512, half without, BENCHMARKS.md, times the threads"
+        "faer's f32 rate per core with AVX-512, half without, BENCHMARKS.md, times the threads (at most the cores)"
     }
 }
 

@@ -14,7 +14,7 @@ use super::prepare::{is_finalized, read_manifest, Manifest};
 use super::{claim, recorded, shard_file, shard_files, shard_range, state_dir};
 use crate::durable::journal;
 use crate::error::Result;
-use crate::plan::{Plan, Step};
+use crate::plan::{Plan, Step, TileSpec};
 
 fn unix(t: SystemTime) -> f64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
@@ -63,12 +63,20 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
                     c.parts
                 )
             } else if let Ok(Some(j)) = crate::durable::journal::peek(out) {
-                one_process(step, &j, &plan.path)
+                one_process(step, &plan.engine, &j, &plan.path)
             } else if out.exists() {
                 // As `plan` says it (`run::describe`): it said "not started".
                 "the file exists but no journal says this plan wrote it: `run` refuses it; `run --restart` overwrites it".to_string()
             } else {
-                "not started (no journal, no manifest yet)".to_string()
+                // Checkpoints outlive their output and journal (`run` resumes those that match).
+                let partial = checkpointed(out, &Default::default());
+                match partial.is_empty() {
+                    true => "not started (no journal, no manifest yet)".to_string(),
+                    false => format!(
+                        "no output or journal yet{partial}: `mgmm-stream run {}` resumes them where they match the step",
+                        plan.path.display()
+                    ),
+                }
             };
             s += &format!("step {n}: {}: {state}\n", out.display());
             continue;
@@ -117,7 +125,12 @@ pub(crate) fn status_text(plan: &Plan, claim_timeout: Duration) -> Result<String
 /// process is at it now (the journal's lock), how long since the journal was last written, and
 /// the tiles whose partial sums are checkpointed. Said the same way whether it runs or not
 /// (a user's `status` showed one line for both).
-fn one_process(step: &Step, j: &crate::durable::journal::Peek, plan: &Path) -> String {
+fn one_process(
+    step: &Step,
+    engine: &crate::plan::Engine,
+    j: &crate::durable::journal::Peek,
+    plan: &Path,
+) -> String {
     let (out, plan) = (&step.output, plan.display());
     if !out.exists() {
         // Nothing recorded survives the output, but checkpoints do (`run` resumes them where
@@ -130,6 +143,17 @@ fn one_process(step: &Step, j: &crate::durable::journal::Peek, plan: &Path) -> S
         );
     }
     let progress = j.progress(step.m, step.n);
+    // `status` has no backend to lay the step out with (so no fingerprint to compare), but a
+    // compute tile the plan sets is known: another one than the journal's is refused by `run`.
+    if let (TileSpec::Fixed { m, n, k }, Some(was)) = (engine.tile, j.compute_tile()) {
+        let now = (m.min(step.m), n.min(step.n), k.min(step.k));
+        if now != was {
+            return format!(
+                "started in one process, not finished: {progress}; but its journal is from the compute tile {}×{}×{}, the plan's is {}×{}×{}: `mgmm-stream run {plan}` refuses it (`run --restart` starts the step over; the journal's tile resumes it)",
+                was.0, was.1, was.2, now.0, now.1, now.2
+            );
+        }
+    }
     let who = match crate::durable::journal::holder(out) {
         Some(h) => h,
         None => format!("no process is running it: `mgmm-stream run {plan}` resumes it"),

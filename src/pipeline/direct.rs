@@ -107,8 +107,9 @@ pub(crate) struct DirectStats {
     pub(crate) bytes: u64,
     /// Blocks copied instead because their pages were not all in memory (`auto`).
     pub(crate) cold_blocks: u64,
-    /// Blocks of row-major files copied instead because they are at most half as wide as the
-    /// file, whose bands of whole rows would be page-locked for them (`auto`, on a GPU).
+    /// Blocks copied instead by `auto`'s rule on a GPU ([`auto_copies`]): under fp64 every
+    /// block, under fp32 and `fp64_emulated` those of row-major files at most half as wide as
+    /// the file, whose bands of whole rows would be page-locked for them.
     pub(crate) copied_blocks: u64,
     /// Blocks copied instead because one range they lie in is larger than the budget (a large
     /// `.npy` or raw file is one range), and that budget.
@@ -477,6 +478,14 @@ pub(crate) struct Pinning {
 }
 
 impl Pinning {
+    /// What `staging = mode` copies by rule ([`auto_copies`]): only `auto` has one.
+    pub(crate) fn rule(&self, mode: StagingMode) -> AutoCopies {
+        match mode {
+            StagingMode::Auto => self.copies,
+            _ => AutoCopies::Nothing,
+        }
+    }
+
     /// Whether the budget holds each range `mb`'s block registers ([`block_ranges`]), as
     /// [`DirectReads::eligible`] judges it: if not, its blocks are copied
     /// (`direct_oversize_blocks`).
@@ -596,16 +605,12 @@ pub(crate) fn copied_sources(
             first,
         })
         .collect();
-    let rule = match mode {
-        StagingMode::Auto => p.copies,
-        _ => AutoCopies::Nothing,
-    };
-    copied_files(rule, &roles)
+    copied_files(p.rule(mode), &roles)
 }
 
 impl DirectReads {
     /// A registry for `sources` (A, B, C0), registering through `pinner` at most `budget`
-    /// bytes at once in ranges of `chunk` ([`limits`]), never for the files in `narrow`
+    /// bytes at once in ranges of `chunk` ([`limits`]), never for the files in `copied`
     /// ([`copied_sources`]: their blocks are copied); `None` for `copy`.
     pub(crate) fn new(
         mode: StagingMode,
@@ -1275,10 +1280,10 @@ mod tests {
             block(0, 32, 64, 32),
             block(0, 0, 16, 64),
         );
-        // As `Engines::make` asks: the narrow files decided first, then the expectation.
+        // As `Engines::make` asks: the copied files decided first, then the expectation.
         let judged = |m, p: Pinning, srcs: &[(&dyn MatrixSource, Block)]| {
-            let narrow = copied_sources(m, p, srcs, DType::F32);
-            expected(m, Some(p), srcs, &narrow, false, DType::F32)
+            let copied = copied_sources(m, p, srcs, DType::F32);
+            expected(m, Some(p), srcs, &copied, false, DType::F32)
         };
         let exp = |m, p, firsts: &[Block]| {
             let srcs: Vec<(&dyn MatrixSource, Block)> = firsts

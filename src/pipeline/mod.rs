@@ -836,6 +836,7 @@ impl<'p> LaneWiring<'p> {
             slots: l.slots,
             accs: l.accs,
             start_group: l.start_group,
+            row_group: l.row_group,
             alpha: step.alpha,
             beta: step.beta,
             has_c0: step.c0.is_some(),

@@ -40,9 +40,14 @@ pub struct Layout {
     pub slot_bytes: u64,
     /// Accumulators per lane.
     pub accs: usize,
-    /// Output tiles that each lane's first group computes k-chunk by k-chunk (1: none): of its
-    /// first row, or its first square in growing squares. See [`Layout::start_group`].
+    /// Output tiles that each lane's first group computes k-chunk by k-chunk (1: none): its
+    /// first square in growing squares (3×3 under fp64: [`Layout::try_square_group`]), or of its
+    /// first row. See [`Layout::choose_start_group`].
     pub start_group: usize,
+    /// The start group where the lane walks serpentine rows after all (the queue does not grow:
+    /// lanes with unequal bands left, a resumed step's last band): tiles of one row, at most
+    /// [`START_GROUP_MAX`]; ≤ `start_group`.
+    pub row_group: usize,
     /// Bytes of one accumulator.
     pub acc_bytes: u64,
     /// Device landing buffers for on-device conversion (bf16/fp16), per lane.
@@ -90,23 +95,25 @@ pub(crate) fn emulation_scratch(tm: u64, tn: u64, tk: u64) -> u64 {
 const START_GROUP_MAX: u64 = 4;
 
 /// The side of the first square a lane computes as its start group in growing squares, by
-/// the host's element: 3 (nine tiles) for 8-byte elements, whose blocks take longer to stage
-/// than a GEMM takes, 2 (four tiles) otherwise ([`Layout::try_square_group`]).
-fn start_square(host_dt: DType) -> u64 {
-    if host_dt.size() >= 8 {
-        3
-    } else {
-        2
+/// precision: 3 (nine tiles) for `fp64`, whose blocks take longer to stage than a GEMM takes;
+/// otherwise none beyond [`Layout::choose_start_group`]'s (the 2×2 square where the grid is 4
+/// or more wide). `fp64_emulated`'s GEMMs are slower: not measured, it keeps the default
+/// ([`Layout::try_square_group`]).
+fn start_square(p: Precision) -> u64 {
+    match p {
+        Precision::Fp64 => 3,
+        _ => 0,
     }
 }
 
-/// (the most tiles of a row in the start group, the side of its first square in growing
-/// squares): [`START_GROUP_MAX`] and [`start_square`] of `host_dt`; `MGMM_START_GROUP=N`
-/// makes them N tiles and ⌊√N⌋, to measure one group against another (tools/bench/roofline.sh).
-fn start_group_limits(host_dt: DType) -> (u64, u64) {
+/// (the most tiles in the start group, the side of the square [`Layout::try_square_group`]
+/// makes it in growing squares, 0: none): [`START_GROUP_MAX`] and [`start_square`] of `p`;
+/// `MGMM_START_GROUP=N` makes them N tiles (of a row, or the first N of the squares' order)
+/// and ⌊√N⌋, to measure one group against another (tools/bench/roofline.sh's `NAME_sgN`).
+fn start_group_limits(p: Precision) -> (u64, u64) {
     match crate::config::start_group() {
         Some(n) => (n as u64, (n as f64).sqrt().floor() as u64),
-        None => (START_GROUP_MAX, start_square(host_dt)),
+        None => (START_GROUP_MAX, start_square(p)),
     }
 }
 
@@ -268,6 +275,7 @@ impl Layout {
             slot_bytes: (tm * tk).max(tk * tn) * dev_dt.size() as u64,
             accs: 2,
             start_group: 1,
+            row_group: 1,
             acc_bytes,
             landing,
             landing_bytes,
@@ -342,7 +350,7 @@ impl Layout {
         }
         if caps.memory == MemorySpace::Device && gn > 1 {
             // Accumulators for the start group, and one more for the tile after it.
-            let want = gn.min(start_group_limits(self.host_dt).0) as usize + 1;
+            let want = gn.min(start_group_limits(engine.precision).0) as usize + 1;
             if want > self.accs {
                 let old = self.accs;
                 self.accs = want;
@@ -354,8 +362,9 @@ impl Layout {
             }
         }
         self.fill_slots(engine, caps, distinct);
-        self.start_group = self.choose_start_group(gn, gk);
-        self.try_square_group(step, engine, caps, distinct);
+        self.start_group = self.choose_start_group(gn, gk, engine.precision);
+        self.row_group = self.start_group;
+        self.try_square_group(step, engine, caps);
         // Accumulators the group does not use go back to the tile cache.
         let need = if self.start_group > 1 {
             self.start_group + 1
@@ -400,13 +409,13 @@ impl Layout {
     /// cache holds all of B and two A rows (`slots ≥ gk·(gn + 2)`): then no tile of the first
     /// rows is evicted, and the reads are exactly what
     /// [`crate::plan::schedule::input_loads`] predicts for the plain order.
-    pub(crate) fn choose_start_group(&self, gn: u64, gk: u64) -> usize {
+    pub(crate) fn choose_start_group(&self, gn: u64, gk: u64, p: Precision) -> usize {
         if self.device_bytes == 0 || (self.slots as u64) < gk * (gn + 2) {
             return 1;
         }
         (self.accs - 1)
             .min(gn as usize)
-            .min(start_group_limits(self.host_dt).0 as usize)
+            .min(start_group_limits(p).0 as usize)
             .max(1)
     }
 
@@ -424,24 +433,23 @@ impl Layout {
     /// (docs/decisions/0024-a-first-square-of-nine-for-fp64.md). Where loads are quick against
     /// a GEMM (fp32) or the GEMMs far quicker than the output's pages (tf32, bf16), nine were
     /// slower: the group's tiles all end in its last k-chunk and hold the first writebacks back.
-    fn try_square_group(&mut self, step: &Step, engine: &Engine, caps: &Caps, distinct: usize) {
+    fn try_square_group(&mut self, step: &Step, engine: &Engine, caps: &Caps) {
         let (gm, gn, _) = self.grid(step);
-        let side = start_group_limits(self.host_dt).1;
+        let side = start_group_limits(engine.precision).1;
         let rows = gm.div_ceil(self.lanes.max(1) as u64);
         let q = side.min(gn).min(rows);
         let want = (q * q) as usize;
-        if caps.memory != MemorySpace::Device || want <= self.start_group {
+        if caps.memory != MemorySpace::Device || q < 2 || want <= self.start_group {
             return;
         }
+        // More accumulators leave less room (the slots were already given all there was):
+        // the square only where every block still fits beside them.
         let before = self.clone();
         self.accs = self.accs.max(want + 1);
         self.recount(caps);
-        if self.fits(engine, caps) {
-            self.fill_slots(engine, caps, distinct);
-            if self.fits(engine, caps) && self.squares_fit(step, self.lanes) {
-                self.start_group = want;
-                return;
-            }
+        if self.fits(engine, caps) && self.squares_fit(step, self.lanes) {
+            self.start_group = want;
+            return;
         }
         *self = before;
     }

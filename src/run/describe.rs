@@ -373,30 +373,21 @@ fn describe_status(
         // Checkpoints left without their output and journal (both deleted) are still resumed
         // from where they match the step (`durable::checkpoint`).
         Ok(None) => {
-            let ckpts = crate::durable::checkpoint::peek(&step.output, &Default::default());
-            if ckpts.is_empty() {
-                return Ok(String::new());
+            return match resumed_without_output(&step.output) {
+                Some(c) => line(format!("no output or journal yet; {c}")),
+                None => Ok(String::new()),
             }
-            return line(format!(
-                "no output or journal yet; {}: {}",
-                checkpointed(&ckpts),
-                resumes(&ckpts)
-            ));
         }
         Err(e) => return line(format!("{e} (`run` refuses it too)")),
     };
     // Whatever plan wrote the journal, it has nothing to resume without its output
     // (`journal::read_state`) but the partial tiles its checkpoints hold.
     if !step.output.exists() {
-        let ckpts = crate::durable::checkpoint::peek(&step.output, &Default::default());
-        return line(if ckpts.is_empty() {
-            format!("the journal is there but {out} is not: `run` starts the step afresh")
-        } else {
-            format!(
-                "the journal is there but {out} is not: `run` starts the step again; {}: {}",
-                checkpointed(&ckpts),
-                resumes(&ckpts)
-            )
+        return line(match resumed_without_output(&step.output) {
+            Some(c) => {
+                format!("the journal is there but {out} is not: `run` starts the step again; {c}")
+            }
+            None => format!("the journal is there but {out} is not: `run` starts the step afresh"),
         });
     }
     let Ok(ids) = crate::run::input_ids(step) else {
@@ -484,7 +475,13 @@ fn odd_kind(p: &std::path::Path, other: &'static str) -> &'static str {
     }
 }
 
-/// "2 partial tiles checkpointed (31 % of their K done)".
+/// "N partial tiles checkpointed (…): `run` resumes them …" for the checkpoints an output that
+/// is gone left behind (`run` resumes those that match the step); `None` without any.
+fn resumed_without_output(output: &std::path::Path) -> Option<String> {
+    let c = crate::durable::checkpoint::peek(output, &Default::default());
+    (!c.is_empty()).then(|| format!("{}: {}", checkpointed(&c), resumes(&c)))
+}
+
 /// What `run` does with the checkpointed partial tiles `c` ([`checkpointed`]).
 fn resumes(c: &[(u32, u32, u32)]) -> String {
     format!(
@@ -498,14 +495,17 @@ fn resumes(c: &[(u32, u32, u32)]) -> String {
     )
 }
 
+/// "2 partial tiles checkpointed (31 % of their K done)", "1 partial tile checkpointed (31 % of
+/// its K done)".
 fn checkpointed(c: &[(u32, u32, u32)]) -> String {
     let (done, all) = c.iter().fold((0u64, 0u64), |(d, a), &(_, kd, kc)| {
         (d + kd as u64, a + kc as u64)
     });
     format!(
-        "{} checkpointed ({:.0} % of their K done)",
+        "{} checkpointed ({:.0} % of {} K done)",
         count(c.len() as u64, "partial tile", "partial tiles"),
-        100.0 * done as f64 / all.max(1) as f64
+        100.0 * done as f64 / all.max(1) as f64,
+        if c.len() == 1 { "its" } else { "their" }
     )
 }
 
@@ -568,10 +568,7 @@ fn describe_staging(
         }
     }
     use crate::pipeline::direct::AutoCopies;
-    let rule = match (device, mode) {
-        (true, StagingMode::Auto) => crate::pipeline::direct::auto_copies(true, e.precision),
-        _ => AutoCopies::Nothing,
-    };
+    let rule = pin.rule(mode);
     let auto_copied =
         crate::pipeline::direct::copied_files(rule, &[role(&step.a, a0, l), role(&step.b, b0, l)]);
     for (i, op) in ops.into_iter().enumerate() {

@@ -361,22 +361,22 @@ fn prepare(
     // only finds every step complete computes nothing to warn about (a trial saw the
     // `threads` warning on such a run).
     let kind = backend.caps().kind;
+    let done = |i| -> Result<bool> {
+        Ok(finished::step_complete(plan, &layouts, i, kind, opts)?
+            || finished::chain_done(plan, &layouts, i, kind, opts)?)
+    };
     let pending: Vec<bool> = (0..plan.steps.len())
-        .map(|i| !finished::step_complete(plan, &layouts, i, kind, opts).unwrap_or(false))
+        .map(|i| !done(i).unwrap_or(false))
         .collect();
-    if let Some(w) = plan
-        .engine
-        .threads_note()
-        .filter(|_| pending.contains(&true))
-    {
-        progress.note(&w);
+    if let Some(w) = (plan.engine.threads_note()).filter(|_| pending.contains(&true)) {
+        progress.note(&format!("warning: {w}"));
     }
     for ((s, l), _) in (plan.steps.iter().zip(&layouts))
         .zip(&pending)
         .filter(|x| *x.1)
     {
         if let Some(w) = l.small_tile_note(s, &plan.engine) {
-            progress.note(&w);
+            progress.note(&format!("warning: {w}"));
         }
     }
     progress.begin_plan(

@@ -257,14 +257,26 @@ fn checkpoint_without_its_output_is_resumed(backend: &str) {
     setup(dir, backend, 60, 50, false);
     let saved = kill_after(dir, 13);
     assert_eq!(saved.len(), 1);
+    let status = |set: &[&str]| {
+        let o = std::process::Command::new(bin())
+            .args(["status", "plan.toml"])
+            .args(set)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        one_line(&String::from_utf8_lossy(&o.stdout))
+    };
+    // Another compute tile than the journal's: `run` refuses the journal, and `status` says so
+    // (it said "resumes it").
+    let st = status(&["--set", "engine.tile=[80, 70, 50]"]);
+    assert!(
+        st.contains("its journal is from the compute tile 60×50×100, the plan's is 60×50×50")
+            && st.contains("refuses it"),
+        "{st}"
+    );
     std::fs::remove_file(dir.join("C.mgt")).unwrap();
     // `status` says the same.
-    let st = std::process::Command::new(bin())
-        .args(["status", "plan.toml"])
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    let st = one_line(&String::from_utf8_lossy(&st.stdout));
+    let st = status(&[]);
     assert!(
         st.contains("the output is gone")
             && st.contains("computes the step again, resuming the checkpointed tiles")
@@ -291,6 +303,13 @@ fn checkpoint_without_its_output_is_resumed(backend: &str) {
             "{gone} deleted: {said}"
         );
     }
+    let st = status(&[]);
+    assert!(
+        st.contains(
+            "no output or journal yet; 1 unfinished tile(s) checkpointed in ./C.mgt.partial"
+        ) && st.contains("resumes them where they match the step"),
+        "{st}"
+    );
     let (r, _) = resume(dir);
     assert_eq!(gemms(&r), GK - saved[0].1, "{saved:?}");
 }

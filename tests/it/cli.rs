@@ -1189,6 +1189,17 @@ fn a_tiny_tile_is_warned_about() {
         !again.contains("warning") && !again.contains("GEMM calls of 7×7×7"),
         "{again}"
     );
+    // Nor does a finished chain, whose intermediate step has no journal of its own.
+    std::fs::write(
+        dir.join("chain.toml"),
+        "[matrices.A]\npath = \"A.npy\"\n[[step]]\noutput = \"D.npy\"\nexpr = \"A @ A @ A\"\n\
+         [engine]\nbackend = \"cpu\"\ntile = 64\n",
+    )
+    .unwrap();
+    let first = words(ok(&mg(dir, &["run", "chain.toml", "--set", &many])));
+    assert!(first.contains("warning: engine.threads"), "{first}");
+    let again = words(ok(&mg(dir, &["run", "chain.toml", "--set", &many])));
+    assert!(!again.contains("warning"), "{again}");
 }
 
 /// A finished step with a set tile is skipped under a budget that tile no longer fits (it was

@@ -307,6 +307,7 @@ fn the_start_group_keeps_the_bytes_and_the_predicted_reads() {
 /// In fp64, where the lane walks growing squares, its start group is its first 3×3 square
 /// (`Layout::try_square_group`: nine accumulators and one more), and the bytes are still the
 /// CPU's and one lane reads exactly what the plain order predicts; fp32 keeps the 2×2 square.
+/// Where the lanes walk rows after all (unequal bands), the group is four tiles of a row.
 #[test]
 fn fp64_starts_with_a_three_by_three_square_and_keeps_the_bytes() {
     use mgmm_stream::plan::layout::Layout;
@@ -336,11 +337,24 @@ fn fp64_starts_with_a_three_by_three_square_and_keeps_the_bytes() {
     let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
     let backend = sim(vec![50]);
     let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, backend.caps()).unwrap();
-    assert_eq!((l.start_group, l.accs), (9, 10), "fp64: {l:?}");
+    assert_eq!(
+        (l.start_group, l.row_group, l.accs),
+        (9, 4, 10),
+        "fp64: {l:?}"
+    );
     let r = run_on(d.path(), backend).unwrap();
     assert!(same_output(d.path()));
     let s = &r.steps[0];
     assert_eq!(s.read_bytes, s.predicted_read_bytes);
+    // Two lanes: 3 and 2 bands of the 5, so the queue walks rows after all and each lane's
+    // group is the row group of four (nine tiles of a row were never measured).
+    std::fs::remove_file(d.path().join("C.mgt")).unwrap();
+    let _ = std::fs::remove_file(d.path().join("C.mgt.journal"));
+    let two = sim(vec![50, 50]);
+    let l = Layout::new(&plan.path, &plan.steps[0], &plan.engine, two.caps()).unwrap();
+    assert_eq!((l.start_group, l.row_group), (9, 4), "{l:?}");
+    run_on(d.path(), two).unwrap();
+    assert!(same_output(d.path()));
 }
 
 /// The simulated devices copy input blocks straight from the files' pages, as the GPUs do, from
@@ -964,6 +978,23 @@ fn auto_copies_every_block_under_fp64_on_a_device() {
             assert_eq!(s.direct_registered_bytes, 0, "{s:?}");
             assert!(s.direct_narrow_blocks > 0, "{s:?}");
             assert!(summary.contains("under fp64 the copies"), "{summary}");
+            let staging_pool = s.pools.iter().find(|p| p.name == "staging").unwrap();
+            assert!(!staging_pool.lazy, "{staging_pool:?}: made up front");
+            // `plan` gives the reason on each input's line.
+            std::fs::write(
+                d.path().join("plan.toml"),
+                staging_plan("mgt", "sim", "C.mgt", "auto", "fp64"),
+            )
+            .unwrap();
+            let plan = Plan::load(&d.path().join("plan.toml")).unwrap();
+            let said = mgmm_stream::run::describe(&plan).unwrap();
+            let said = said.split_whitespace().collect::<Vec<_>>().join(" ");
+            assert!(
+                said.matches("fp64 on a GPU: staging's copies feed the GEMMs sooner")
+                    .count()
+                    == 2,
+                "{said}"
+            );
         } else {
             assert_eq!(s.direct_bytes, s.read_bytes, "{s:?}");
             assert_eq!(s.direct_narrow_blocks, 0);

@@ -28,9 +28,11 @@ pub(crate) struct Planner<'a> {
     pub(crate) queue: &'a TileQueue,
     pub(crate) slots: usize,
     pub(crate) accs: usize,
-    /// Output tiles the lane's first group computes k-chunk by k-chunk
-    /// ([`crate::plan::layout::Layout::start_group`]; 1: none).
+    /// Output tiles the lane's first group computes k-chunk by k-chunk where the queue walks
+    /// growing squares ([`crate::plan::layout::Layout::start_group`]; 1: none), and where it
+    /// walks rows ([`crate::plan::layout::Layout::row_group`]).
     pub(crate) start_group: usize,
+    pub(crate) row_group: usize,
     pub(crate) alpha: f64,
     pub(crate) beta: f64,
     pub(crate) has_c0: bool,
@@ -100,22 +102,28 @@ impl Planner<'_> {
         });
     }
 
-    /// The lane's first output tiles, up to [`Layout::start_group`] of them, that start from
-    /// k-chunk 0: computed k-chunk by k-chunk across the group (see there). In serpentine order
-    /// they are tiles of the lane's first row; in growing squares ([`TileQueue`]) the next
-    /// tiles of its run, which on a fresh step with a group of four are its first square,
-    /// (0,0), (0,1), (1,0), (1,1), whose k-chunk `kk` needs two A and two B tiles for four
-    /// GEMMs.
+    /// The lane's first output tiles, up to [`Layout::start_group`] of them in growing squares
+    /// ([`TileQueue`]) and [`Layout::row_group`] in serpentine rows, that start from k-chunk 0:
+    /// computed k-chunk by k-chunk across the group (see there). In serpentine order they are
+    /// tiles of the lane's first row; in growing squares the next tiles of its run, which on a
+    /// fresh step are its first square: with four tiles (0,0), (0,1), (1,0), (1,1), whose
+    /// k-chunk `kk` needs two A and two B tiles for four GEMMs; with nine (fp64) the 3×3 one,
+    /// three and three for nine.
     ///
     /// [`Layout::start_group`]: crate::plan::layout::Layout::start_group
     fn first_group(&self, seq: u32) -> Vec<u32> {
         let mut group = vec![seq];
-        if self.start_group < 2 || self.k0(seq) > 0 {
+        let grows = self.queue.grows();
+        let size = if grows {
+            self.start_group
+        } else {
+            self.row_group
+        };
+        if size < 2 || self.k0(seq) > 0 {
             return group;
         }
         let ti = self.sched.tiles[seq as usize].ti;
-        let grows = self.queue.grows();
-        while group.len() < self.start_group {
+        while group.len() < size {
             let next = self.queue.pop_if(self.lane, |q| {
                 (grows || self.sched.tiles[q as usize].ti == ti) && self.k0(q) == 0
             });
@@ -141,6 +149,13 @@ impl Planner<'_> {
             } else {
                 vec![seq]
             };
+            // Every tile of a group holds an accumulator of its own until it ends.
+            debug_assert!(
+                group.len() < self.accs.max(2),
+                "{} tiles, {} accumulators",
+                group.len(),
+                self.accs
+            );
             let mut ops = Vec::new();
             let mut tiles = Vec::with_capacity(group.len());
             for &q in &group {
@@ -241,8 +256,9 @@ pub(super) mod tests {
             sched: &sched,
             queue: &queue,
             slots: l.slots,
-            accs: l.accs,
+            accs: l.accs.max(group.unwrap_or(0) + 1),
             start_group: group.unwrap_or(l.start_group),
+            row_group: group.unwrap_or(l.row_group),
             alpha: 1.0,
             beta: 0.0,
             has_c0: false,
@@ -375,6 +391,19 @@ pub(super) mod tests {
     #[test]
     fn a_start_group_of_nine_is_the_first_three_by_three_square() {
         let (sched, _, ops) = planner_ops(Some(9), true);
+        // Nine accumulators of their own, one per tile of the group.
+        let accs: Vec<usize> = ops
+            .iter()
+            .filter_map(|op| match op {
+                PlanOp::Begin { acc, .. } => Some(*acc),
+                _ => None,
+            })
+            .take(9)
+            .collect();
+        let mut distinct = accs.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), 9, "{accs:?}");
         let (g, ends) = gemms_and_ends(&ops);
         assert_eq!(g.len(), sched.tiles.len() * sched.gk as usize);
         let cell = |q: u32| (sched.tiles[q as usize].ti, sched.tiles[q as usize].tj);
