@@ -14,7 +14,9 @@
 //! pages (to measure their competition with staging); `MGMM_START_GROUP=N`, the output tiles
 //! a lane's first group computes k-chunk by k-chunk (to measure one group against another);
 //! `MGMM_WARMUP_INLINE=1`, the warm-up GEMM before the backend is handed over with every
-//! precision (to measure it against running beside the step's start); `MGMM_TRACE=PATH`,
+//! precision (to measure it against running beside the step's start); `MGMM_AUTO_COPIES=b`,
+//! B's blocks copied and A's page-locked under `staging = "auto"` on a GPU (to measure the
+//! two working at once); `MGMM_TRACE=PATH`,
 //! which records a timeline of the run into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and
 //! `MGMM_TRACE` are read once into a [`Settings`] where a command starts.
 
@@ -129,6 +131,15 @@ pub(crate) fn warm_up_inline() -> bool {
     *ON.get_or_init(|| {
         std::env::var_os("MGMM_WARMUP_INLINE").is_some_and(|v| !v.is_empty() && v != "0")
     })
+}
+
+/// `MGMM_AUTO_COPIES=b`: `staging = "auto"` on a GPU copies every block of B's file and
+/// page-locks A's, whatever the precision (`pipeline::direct::AutoCopies::B`): to measure
+/// staging's copies and the driver's page-locking working at once (tools/bench/roofline.sh's
+/// `NAME_cb` jobs). Read once per process.
+pub(crate) fn auto_copies_b() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MGMM_AUTO_COPIES").is_ok_and(|v| v == "b"))
 }
 
 /// `CUDA_VISIBLE_DEVICES`: the GPUs CUDA will let the process see, for the run's guess of

@@ -519,6 +519,9 @@ pub(crate) enum AutoCopies {
     Narrow,
     /// Every input file.
     Every,
+    /// B's file (the second of the roles), A's locked: staging's threads copy while the
+    /// driver's one thread page-locks. Only by `MGMM_AUTO_COPIES=b`, to measure it.
+    B,
 }
 
 /// What `staging = "auto"` copies ([`AutoCopies`]) for lanes computing in `p` through a pinner
@@ -541,6 +544,7 @@ pub(crate) fn auto_copies(locks: bool, p: crate::plan::Precision) -> AutoCopies 
     use crate::plan::Precision;
     match p {
         _ if !locks => AutoCopies::Nothing,
+        _ if crate::config::auto_copies_b() => AutoCopies::B,
         Precision::Fp64 => AutoCopies::Every,
         Precision::Fp32 | Precision::Fp64Emulated(_) => AutoCopies::Narrow,
         _ => AutoCopies::Nothing,
@@ -576,11 +580,12 @@ pub(crate) struct Role<'a> {
 pub(crate) fn copied_files(rule: AutoCopies, roles: &[Role<'_>]) -> Vec<std::path::PathBuf> {
     let narrow = |r: &Role<'_>| r.whole_rows && r.first.cols.saturating_mul(2) <= r.cols;
     let mut out: Vec<std::path::PathBuf> = Vec::new();
-    for r in roles {
+    for (i, r) in roles.iter().enumerate() {
         let copied = match rule {
             AutoCopies::Nothing => false,
             AutoCopies::Narrow => roles.iter().filter(|o| o.path == r.path).all(narrow),
             AutoCopies::Every => true,
+            AutoCopies::B => i == 1,
         };
         if copied && !out.iter().any(|p| p == r.path) {
             out.push(r.path.to_path_buf());
@@ -1262,6 +1267,25 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let npy = file_named(dir.path(), "A.npy");
         use crate::plan::Precision;
+        // The B rule (copy B's file, lock A's), for measuring only.
+        let roles = [
+            Role {
+                path: npy.path(),
+                whole_rows: true,
+                cols: 64,
+                first: block(0, 0, 64, 64),
+            },
+            Role {
+                path: std::path::Path::new("B.mgt"),
+                whole_rows: false,
+                cols: 64,
+                first: block(0, 0, 64, 64),
+            },
+        ];
+        assert_eq!(
+            copied_files(AutoCopies::B, &roles),
+            vec![std::path::PathBuf::from("B.mgt")]
+        );
         assert_eq!(auto_copies(true, Precision::Fp32), AutoCopies::Narrow);
         assert_eq!(auto_copies(true, Precision::Fp64), AutoCopies::Every);
         for p in [Precision::Fp32, Precision::Fp64] {
