@@ -108,8 +108,9 @@ fn start_square(p: Precision) -> u64 {
 
 /// (the most tiles in the start group, the side of the square [`Layout::try_square_group`]
 /// makes it in growing squares, 0: none): [`START_GROUP_MAX`] and [`start_square`] of `p`;
-/// `MGMM_START_GROUP=N` makes them N tiles (of a row, or the first N of the squares' order)
-/// and ⌊√N⌋, to measure one group against another (tools/bench/roofline.sh's `NAME_sgN`).
+/// `MGMM_START_GROUP=N` makes them N and ⌊√N⌋ (at most N tiles of a row, or in growing
+/// squares the square of side ⌊√N⌋ where that is more), to measure one group against another
+/// (tools/bench/roofline.sh's `NAME_sgN`).
 fn start_group_limits(p: Precision) -> (u64, u64) {
     match crate::config::start_group() {
         Some(n) => (n as u64, (n as f64).sqrt().floor() as u64),
