@@ -85,10 +85,8 @@ pub(crate) fn pinned_alloc() -> bool {
 /// every block with `pread`s and copy
 /// nothing out of a file's map (`store::blockio::ReadFrom`). Read once per process.
 pub(crate) fn read_with_pread() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var_os("MGMM_READ_PREAD").is_some_and(|v| !v.is_empty() && v != "0")
-    })
+    static ON: Once<bool> = Once::new();
+    flag(&ON, "MGMM_READ_PREAD")
 }
 
 /// `MGMM_OUTPREP_THREADS`: how many threads populate the output's pages, instead of the
@@ -96,13 +94,8 @@ pub(crate) fn read_with_pread() -> bool {
 /// competes with staging's copies on the host's cores (tools/bench/roofline.sh's `NAME_opN`
 /// jobs). `None` when unset, empty or not a number from 1 to 64. Read once per process.
 pub(crate) fn outprep_threads() -> Option<usize> {
-    static N: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("MGMM_OUTPREP_THREADS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|n| (1..=64).contains(n))
-    })
+    static N: Once<Option<usize>> = Once::new();
+    count(&N, "MGMM_OUTPREP_THREADS")
 }
 
 /// `MGMM_START_GROUP`: how many output tiles a lane's first group computes k-chunk by
@@ -112,13 +105,8 @@ pub(crate) fn outprep_threads() -> Option<usize> {
 /// measuring one group against another (tools/bench/roofline.sh's `NAME_sgN` jobs). `None`
 /// when unset, empty or not a number from 1 to 64. Read once per process.
 pub(crate) fn start_group() -> Option<usize> {
-    static N: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("MGMM_START_GROUP")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|n| (1..=64).contains(n))
-    })
+    static N: Once<Option<usize>> = Once::new();
+    count(&N, "MGMM_START_GROUP")
 }
 
 /// `MGMM_WARMUP_INLINE`: the CUDA backend runs its warm-up GEMM (which loads cuBLAS's kernel)
@@ -127,10 +115,8 @@ pub(crate) fn start_group() -> Option<usize> {
 /// to measure one against the other (tools/bench/roofline.sh's `NAME_wi` jobs). Read once per
 /// process.
 pub(crate) fn warm_up_inline() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var_os("MGMM_WARMUP_INLINE").is_some_and(|v| !v.is_empty() && v != "0")
-    })
+    static ON: Once<bool> = Once::new();
+    flag(&ON, "MGMM_WARMUP_INLINE")
 }
 
 /// `MGMM_AUTO_COPIES=b`: `staging = "auto"` on a GPU copies every block of B's file and
@@ -140,6 +126,24 @@ pub(crate) fn warm_up_inline() -> bool {
 pub(crate) fn auto_copies_b() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("MGMM_AUTO_COPIES").is_ok_and(|v| v == "b"))
+}
+
+type Once<T> = std::sync::OnceLock<T>;
+
+/// Whether the variable `name` is set to anything but empty or `0`, read once into `cell`.
+fn flag(cell: &'static Once<bool>, name: &str) -> bool {
+    *cell.get_or_init(|| std::env::var_os(name).is_some_and(|v| !v.is_empty() && v != "0"))
+}
+
+/// The variable `name` as a number from 1 to 64, read once into `cell`; `None` when unset,
+/// empty or anything else.
+fn count(cell: &'static Once<Option<usize>>, name: &str) -> Option<usize> {
+    *cell.get_or_init(|| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=64).contains(n))
+    })
 }
 
 /// `CUDA_VISIBLE_DEVICES`: the GPUs CUDA will let the process see, for the run's guess of

@@ -1127,6 +1127,29 @@ fn backend_cuda_without_a_gpu_names_the_setting_and_the_way_out() {
     );
 }
 
+/// An `n`×`n` A.npy and p.toml computing C.npy = A @ A on the CPU in tiles of `tile`.
+fn a_times_a(dir: &Path, n: u64, tile: u64) {
+    ok(&mg(
+        dir,
+        &[
+            "gen",
+            "A.npy",
+            "--rows",
+            &n.to_string(),
+            "--cols",
+            &n.to_string(),
+        ],
+    ));
+    std::fs::write(
+        dir.join("p.toml"),
+        format!(
+            "[matrices.A]\npath = \"A.npy\"\n[[step]]\noutput = \"C.npy\"\nexpr = \"A @ A\"\n\
+             [engine]\nbackend = \"cpu\"\ntile = {tile}\n"
+        ),
+    )
+    .unwrap();
+}
+
 /// A compute tile far too small for the matrix is run, but `plan` and `run` say what it costs
 /// and what to set (`tile = 7` was accepted without a word: a new user's trial); the small
 /// tiles of small matrices, as the tests use, draw no warning.
@@ -1134,16 +1157,7 @@ fn backend_cuda_without_a_gpu_names_the_setting_and_the_way_out() {
 fn a_tiny_tile_is_warned_about() {
     let d = tmp();
     let dir = d.path();
-    ok(&mg(
-        dir,
-        &["gen", "A.npy", "--rows", "300", "--cols", "300"],
-    ));
-    std::fs::write(
-        dir.join("p.toml"),
-        "[matrices.A]\npath = \"A.npy\"\n[[step]]\noutput = \"C.npy\"\nexpr = \"A @ A\"\n\
-         [engine]\nbackend = \"cpu\"\ntile = 7\n",
-    )
-    .unwrap();
+    a_times_a(dir, 300, 7);
     let want = "engine.tile makes 79507 GEMM calls of 7×7×7";
     let words = |s: String| s.split_whitespace().collect::<Vec<_>>().join(" ");
     let plan = words(ok(&mg(dir, &["plan", "p.toml"])));
@@ -1209,16 +1223,7 @@ fn a_tiny_tile_is_warned_about() {
 fn a_finished_step_with_a_set_tile_is_skipped_under_a_smaller_budget() {
     let d = tmp();
     let dir = d.path();
-    ok(&mg(
-        dir,
-        &["gen", "A.npy", "--rows", "600", "--cols", "600"],
-    ));
-    std::fs::write(
-        dir.join("p.toml"),
-        "[matrices.A]\npath = \"A.npy\"\n[[step]]\noutput = \"C.npy\"\nexpr = \"A @ A\"\n\
-         [engine]\nbackend = \"cpu\"\ntile = 256\n",
-    )
-    .unwrap();
+    a_times_a(dir, 600, 256);
     ok(&mg(dir, &["run", "p.toml", "-q"]));
     let small = "engine.host_memory=\"1MiB\"";
     let run = ok(&mg(dir, &["run", "p.toml", "--set", small]));
