@@ -485,12 +485,11 @@ fn resumed_without_output(output: &std::path::Path) -> Option<String> {
 /// What `run` does with the checkpointed partial tiles `c` ([`checkpointed`]).
 fn resumes(c: &[(u32, u32, u32)]) -> String {
     format!(
-        "`run` resumes {} from {} (if they still match the step)",
-        if c.len() == 1 { "it" } else { "them" },
+        "`run` resumes {}",
         if c.len() == 1 {
-            "its checkpoint"
+            "it from its checkpoint (if it still matches the step)"
         } else {
-            "their checkpoints"
+            "them from their checkpoints (if they still match the step)"
         }
     )
 }
