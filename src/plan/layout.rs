@@ -479,7 +479,45 @@ impl Layout {
     /// the arithmetic: an edge under 64 where the matrix is larger, over more than 10,000 GEMM
     /// calls (`tile = 7` was accepted without a word: a new user's trial). `None` otherwise,
     /// and for `tile = "auto"`, which never picks such a tile.
+    /// With a `.mgt` output whose storage tiles are mostly padding (each starts on a 4 KiB
+    /// page), the note says what the file will take on disk and which key sets its tile
+    /// (`tile = 7` made a 117 KiB output a 2.5 MiB file: a new user's trial).
     pub fn small_tile_note(&self, step: &Step, engine: &Engine) -> Option<String> {
+        let (calls, pad) = (self.calls_note(step, engine), self.padding_note(step));
+        match (calls, pad) {
+            (Some(c), Some(p)) => Some(format!("{c}; and {p}")),
+            (None, Some(p)) => Some(format!("{}: {p}", step.at())),
+            (c, None) => c,
+        }
+    }
+
+    /// The padding half of [`Self::small_tile_note`]: a `.mgt` output (in a file) whose storage
+    /// tiles take at least four times their values' bytes, and over 1 MiB in all.
+    fn padding_note(&self, step: &Step) -> Option<String> {
+        let mgt = step.output.extension().is_some_and(|e| e == "mgt");
+        let (rt, ct) = self.out_tile;
+        if !mgt || step.in_memory(&step.output) || rt == 0 || ct == 0 {
+            return None;
+        }
+        let (rt, ct) = (rt.min(step.m.max(1)), ct.min(step.n.max(1)));
+        let values = rt * ct * step.out_dtype.size() as u64;
+        let stride = crate::store::header::tile_stride(rt, ct, step.out_dtype);
+        let tiles = step.m.div_ceil(rt) * step.n.div_ceil(ct);
+        let on_disk = tiles.saturating_mul(stride);
+        (stride >= 4 * values && on_disk > 1 << 20).then(|| {
+            format!(
+                "each {rt}×{ct} storage tile of {} takes {} on disk for {} of values, so the file takes {} ({}× its values); set the step's `tile` (the output's storage tile, e.g. 1024) or a larger engine.tile",
+                step.output.display(),
+                fmt_bytes(stride),
+                fmt_bytes(values),
+                fmt_bytes(on_disk),
+                stride / values.max(1)
+            )
+        })
+    }
+
+    /// The GEMM-call half of [`Self::small_tile_note`].
+    fn calls_note(&self, step: &Step, engine: &Engine) -> Option<String> {
         let TileSpec::Fixed { .. } = engine.tile else {
             return None;
         };

@@ -72,6 +72,12 @@ pub(crate) fn round_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
+/// Bytes one `tile_rows`×`tile_cols` storage tile of `dtype` takes in a `.mgt` file: its
+/// values rounded up to [`ALIGN`], so that every tile starts on a page (direct I/O, maps).
+pub(crate) fn tile_stride(tile_rows: u64, tile_cols: u64, dtype: DType) -> u64 {
+    round_up(tile_rows * tile_cols * dtype.size() as u64, ALIGN)
+}
+
 impl Header {
     /// A fresh header with the canonical layout: data at 4096, stride = tile bytes rounded up
     /// to 4096. Checksum table (if any) directly after the data.
@@ -83,7 +89,7 @@ impl Header {
         tile_cols: u64,
         checksums: bool,
     ) -> Header {
-        let tile_stride = round_up(tile_rows * tile_cols * dtype.size() as u64, ALIGN);
+        let tile_stride = tile_stride(tile_rows, tile_cols, dtype);
         let mut h = Header {
             dtype,
             rows,

@@ -1214,6 +1214,30 @@ fn a_tiny_tile_is_warned_about() {
     assert!(first.contains("warning: engine.threads"), "{first}");
     let again = words(ok(&mg(dir, &["run", "chain.toml", "--set", &many])));
     assert!(!again.contains("warning"), "{again}");
+    // A `.mgt` output whose storage tiles are mostly padding (each starts on a 4 KiB page) is
+    // warned about with what the file will take (a new user's trial: `tile = 7` made a 117 KiB
+    // output 2.5 MiB), after the calls' warning or alone where only the step's `tile` is small.
+    let mgt = |tiles: &str| {
+        let toml = format!(
+            "[matrices.A]\npath = \"A.npy\"\n[[step]]\noutput = \"C.mgt\"\nexpr = \"A @ A\"\n{tiles}"
+        );
+        std::fs::write(dir.join("m.toml"), toml).unwrap();
+        words(ok(&mg(dir, &["plan", "m.toml"])))
+    };
+    let both = mgt("[engine]\nbackend = \"cpu\"\ntile = 7\n");
+    let pad = "each 7×7 storage tile of ./C.mgt takes 4.00 KiB on disk for 196 B of values, so the file takes 7.22 MiB (20× its values); set the step's `tile`";
+    assert!(
+        both.contains("7×7×7, far below") && both.contains(&format!("; and {pad}")),
+        "{both}"
+    );
+    let alone = mgt("tile = 7\n[engine]\nbackend = \"cpu\"\ntile = 64\n");
+    assert!(
+        alone.contains(&format!("warning: step 1 (line 5): {pad}")),
+        "{alone}"
+    );
+    assert!(!alone.contains("GEMM calls of"), "{alone}");
+    let fine = mgt("tile = 64\n[engine]\nbackend = \"cpu\"\ntile = 64\n");
+    assert!(!fine.contains("warning"), "{fine}");
 }
 
 /// A finished step with a set tile is skipped under a budget that tile no longer fits (it was

@@ -10,8 +10,10 @@
 # $OUT/roofline.log, reports (roof_NAME_i.json) in $OUT/roofline_reports.tgz, and the table at the end.
 # TRACE=1: round 1's runs write their timelines (MGMM_TRACE) to $OUT/trace_NAME.json, and
 # tools/trace_gaps.py's reading of each goes into the log. VERIFY=0: no verify of the fp32
-# product. NO_PROBE=1: no driver start-up probe. Only the inputs the jobs (and verify) read are
-# generated.
+# product. NO_PROBE=1: no driver start-up probe. PEERS="fp32 ...": torch's in-core rates for
+# these precisions only (default all four; at N = 65536 only fp32 fits an 80 GB card). KEEP=1:
+# the work folder W and its inputs are kept (another script may read them: ooc_disk_bound.sh
+# generates the same A.mgt and B.mgt). Only the inputs the jobs (and verify) read are generated.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
 log_to roofline.log
@@ -66,9 +68,9 @@ done
 
 log "driver start-up floor and torch in-core rates"
 [ -n "${NO_PROBE:-}" ] || python3 "$TOOLS/probes/cuda_startup_costs.py" 2>&1 | tee -a "$LOG"
-python3 - "$N" <<'PY' 2>&1 | tee -a "$LOG"
+python3 - "$N" "${PEERS:-fp32 fp64 tf32 bf16}" <<'PY' 2>&1 | tee -a "$LOG"
 import sys, time, torch
-n = int(sys.argv[1])
+n, want = int(sys.argv[1]), sys.argv[2].split()
 def rate(dt, tf32=False):
     torch.backends.cuda.matmul.allow_tf32 = tf32
     a = torch.randn(n, n, device="cuda", dtype=dt); b = torch.randn(n, n, device="cuda", dtype=dt)
@@ -79,7 +81,8 @@ def rate(dt, tf32=False):
     del a, b; torch.cuda.empty_cache(); return r
 for name, dt, tf in (("fp32", torch.float32, False), ("fp64", torch.float64, False),
                      ("tf32", torch.float32, True), ("bf16", torch.bfloat16, False)):
-    print(f"PEER {name} torch in-core {n}^2: {rate(dt, tf):.1f} TFLOP/s")
+    if name in want:
+        print(f"PEER {name} torch in-core {n}^2: {rate(dt, tf):.1f} TFLOP/s")
 PY
 
 run1() { # NAME I: run NAME.toml once, process wall in NAME_I.time
@@ -147,4 +150,4 @@ for i in (1, 2):
 PY
 # At most a few files come back from the GPU machine: the reports in one archive.
 (cd "$OUT" && tar czf roofline_reports.tgz roof_*.json && rm -f roof_*.json)
-cd / && rm -rf "$W"
+cd / && { [ -n "${KEEP:-}" ] || rm -rf "$W"; }

@@ -9,6 +9,15 @@ reps after one untimed call.
     python3 tools/probes/gemm_shape_rates.py [--dtype f32 f64] [--reps 5]
 
 GPU machine (torch), repository root. One line per dtype and shape: ms per GEMM and TFLOP/s.
+
+    python3 tools/probes/gemm_shape_rates.py --walk 32768 8192 [--streams 1 2 3]
+
+A step's GEMMs as the engine issues them, in core: the N×N product (N = 32768) walked as
+(N/T)² output tiles of T×T, each T×T×T k-chunk one GEMM accumulating into its tile, tile after
+tile, on 1, 2 or 3 CUDA streams (tile i on stream i mod S, so one tile's GEMMs stay in order
+while the next tile's may fill the SMs the last wave of the previous leaves idle), against one
+N³ GEMM. The question: is the tile GEMMs' shortfall against the one big call (≈ 3 % for fp32 at
+8192³) their tails, which a second stream would fill.
 """
 import argparse
 
@@ -46,12 +55,73 @@ def rate(m, n, k, dt, reps, accumulate):
     return ms, 2.0 * m * n * k / (ms * 1e-3) / 1e12
 
 
+def walk(n, t, dt, streams, reps, paired=False):
+    """(ms, TFLOP/s) of the tiled walk of an n³ product in t³ GEMMs on `streams` streams;
+    `paired`: `streams` tiles at a time, k-chunk by k-chunk (each tile's GEMMs on its stream),
+    so that every GEMM's tail may overlap another tile's GEMM, not only each tile's last."""
+    g = n // t
+    a = [torch.randn(t, t, device="cuda", dtype=dt) for _ in range(g)]  # A's k-blocks (reused)
+    b = [torch.randn(t, t, device="cuda", dtype=dt) for _ in range(g)]
+    accs = [torch.zeros(t, t, device="cuda", dtype=dt) for _ in range(streams * 2)]
+    ss = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(streams - 1)]
+
+    def once():
+        main = torch.cuda.current_stream()
+        for s in ss[1:]:
+            s.wait_stream(main)
+        order = []  # (tile, k-chunk) in issue order
+        if paired:
+            for t0 in range(0, g * g, streams):
+                for kk in range(g):
+                    order += [(tile, kk) for tile in range(t0, min(t0 + streams, g * g))]
+        else:
+            order = [(tile, kk) for tile in range(g * g) for kk in range(g)]
+        for tile, kk in order:
+            c = accs[tile % len(accs)]
+            with torch.cuda.stream(ss[tile % streams]):
+                if kk == 0:
+                    torch.mm(a[kk], b[kk], out=c)
+                else:
+                    c.addmm_(a[kk], b[kk])
+        for s in ss[1:]:
+            main.wait_stream(s)
+
+    once()
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    st.record()
+    for _ in range(reps):
+        once()
+    en.record()
+    en.synchronize()
+    ms = st.elapsed_time(en) / reps
+    del a, b, accs
+    torch.cuda.empty_cache()
+    return ms, 2.0 * n**3 / (ms * 1e-3) / 1e12
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", nargs="+", default=["f32", "f64"], choices=list(DT))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--walk", nargs=2, type=int, metavar=("N", "T"))
+    ap.add_argument("--streams", nargs="+", type=int, default=[1, 2])
     args = ap.parse_args()
     print("GPU", torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.walk:
+        n, t = args.walk
+        for name in args.dtype:
+            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+            ms, r = rate(n, n, n, DT[name], 2, False)
+            print(f"{name:4} one {n}³ GEMM: {ms:8.2f} ms {r:6.1f} TFLOP/s", flush=True)
+            for _ in range(2):  # twice, interleaved: the GPU's clocks drift
+                for s in args.streams:
+                    for paired in (False, True) if s > 1 else (False,):
+                        ms, r = walk(n, t, DT[name], s, 2, paired)
+                        how = f"{s} tiles at a time" if paired else "tile by tile"
+                        print(f"{name:4} walk {n}² in {t}³ GEMMs on {s} stream(s), {how}: "
+                              f"{ms:8.2f} ms {r:6.1f} TFLOP/s", flush=True)
+        return
     for name in args.dtype:
         torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
         for m, n, k in SHAPES:
