@@ -16,7 +16,8 @@
 //! `MGMM_WARMUP_INLINE=1`, the warm-up GEMM before the backend is handed over with every
 //! precision (to measure it against running beside the step's start); `MGMM_AUTO_COPIES=b`,
 //! B's blocks copied and A's page-locked under `staging = "auto"` on a GPU (to measure the
-//! two working at once); `MGMM_TRACE=PATH`,
+//! two working at once); `MGMM_GEMM_STREAMS=1|2`, the GEMM streams of a GPU lane (to measure
+//! one against two); `MGMM_TRACE=PATH`,
 //! which records a timeline of the run into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and
 //! `MGMM_TRACE` are read once into a [`Settings`] where a command starts.
 
@@ -126,6 +127,15 @@ pub(crate) fn warm_up_inline() -> bool {
 pub(crate) fn auto_copies_b() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("MGMM_AUTO_COPIES").is_ok_and(|v| v == "b"))
+}
+
+/// `MGMM_GEMM_STREAMS=N`: a CUDA lane issues its tiles' GEMMs on one stream, or (N ≥ 2) on
+/// two, tile by tile in turn, instead of the precision's choice
+/// (`backend::cuda::lane::gemm_streams`): to measure one against the other
+/// (tools/bench/roofline.sh's `NAME_gsN` jobs). `None` when unset. Read once per process.
+pub(crate) fn gemm_streams() -> Option<usize> {
+    static N: Once<Option<usize>> = Once::new();
+    count(&N, "MGMM_GEMM_STREAMS")
 }
 
 type Once<T> = std::sync::OnceLock<T>;

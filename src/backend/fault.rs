@@ -119,6 +119,9 @@ impl Lane for FaultyLane {
     fn upload(&mut self, src: &HostBuf, elems: usize, dst: Dst) -> Result<Ticket> {
         self.inner.upload(src, elems, dst)
     }
+    fn begin_tile(&mut self, acc: usize) {
+        self.inner.begin_tile(acc)
+    }
     fn gemm(&mut self, g: &GemmDesc, a: usize, b: usize, acc: usize) -> Result<()> {
         if self.gemms >= self.gemm_after {
             let name = self.inner.name();

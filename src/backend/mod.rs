@@ -257,6 +257,9 @@ pub trait Lane: Send {
     fn check_upload(&mut self, _spec: &DeviceCheckSpec) -> Option<Box<dyn check::DeviceCheck>> {
         None
     }
+    /// A tile starts on accumulator `acc`: its GEMMs follow (a lane with several GEMM streams
+    /// puts each tile on one of them).
+    fn begin_tile(&mut self, _acc: usize) {}
     /// Accumulate `op(A slot) · op(B slot)` into accumulator `acc` as `g` describes.
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()>;
     /// Copy the first `elems` elements of accumulator `acc` into `dst`.

@@ -52,7 +52,8 @@ write_plan bf16_npy.toml A.npy B.npy C_bf16_npy.npy "${E[@]}" 'precision = "bf16
 # 2, 4, 8): N threads populate the output's pages (MGMM_OUTPREP_THREADS=N). NAME_sgN (N = 1, 4,
 # 9): the first N output tiles computed k-chunk by k-chunk (MGMM_START_GROUP=N). NAME_wi: the
 # warm-up GEMM before the backend is handed over, whatever the precision (MGMM_WARMUP_INLINE=1).
-# NAME_cb: B's blocks copied, A's page-locked (MGMM_AUTO_COPIES=b).
+# NAME_cb: B's blocks copied, A's page-locked (MGMM_AUTO_COPIES=b). NAME_gsN (N = 1, 2): the
+# lane's GEMMs on N streams (MGMM_GEMM_STREAMS=N).
 for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 fp64_npy_k32 fp64_mgt tf32_mgt bf16_mgt tf32_npy bf16_npy; do
   for m in copy direct; do
     sed -e "s/C_$f\./C_${f}_$m./" -e "s/^\[engine\]$/[engine]\nstaging = \"$m\"/" "$f.toml" > "${f}_$m.toml"
@@ -64,6 +65,7 @@ for f in fp32_mgt fp32_npy fp64_npy fp64_npy32 fp64_npy_k32 fp64_mgt tf32_mgt bf
   for t in 1 4 9; do sed -e "s/C_$f\./C_${f}_sg$t./" "$f.toml" > "${f}_sg$t.toml"; done
   sed -e "s/C_$f\./C_${f}_wi./" "$f.toml" > "${f}_wi.toml"
   sed -e "s/C_$f\./C_${f}_cb./" "$f.toml" > "${f}_cb.toml"
+  for t in 1 2; do sed -e "s/C_$f\./C_${f}_gs$t./" "$f.toml" > "${f}_gs$t.toml"; done
 done
 
 log "driver start-up floor and torch in-core rates"
@@ -93,6 +95,7 @@ run1() { # NAME I: run NAME.toml once, process wall in NAME_I.time
   [[ $1 =~ _sg([0-9]+)$ ]] && tr=(env "MGMM_START_GROUP=${BASH_REMATCH[1]}" "${tr[@]:1}")
   [[ $1 == *_wi ]] && tr=(env MGMM_WARMUP_INLINE=1 "${tr[@]:1}")
   [[ $1 == *_cb ]] && tr=(env MGMM_AUTO_COPIES=b "${tr[@]:1}")
+  [[ $1 =~ _gs([0-9]+)$ ]] && tr=(env "MGMM_GEMM_STREAMS=${BASH_REMATCH[1]}" "${tr[@]:1}")
   "${tr[@]}" "$MGMM" run "$1.toml" --quiet --report "$OUT/roof_$1_$2.json" 2>&1 | tail -2 | tee -a "$LOG"
   echo $(( ($(date +%s%N) - s) / 1000000 )) > "$1_$2.ms"
   [ "$2" = v ] || rm -rf "C_$1".*   # the disk holds the inputs and one output at a time

@@ -407,6 +407,7 @@ impl DeviceLane<'_> {
             marks.resize(acc + 1, Instant::now());
         }
         marks[acc] = Instant::now();
+        self.lane.begin_tile(acc);
         if let Some((buf, elems)) = c0 {
             let tk = self.lane.upload(buf.buf(), elems, Dst::Acc(acc))?;
             p.ups.push((tk, Staged::Buf(buf)));

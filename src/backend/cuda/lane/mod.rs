@@ -1,6 +1,12 @@
-//! One GPU's lane ([`CudaLane`]): its context's three streams (H2D, GEMM, D2H), its cuBLAS
-//! handle, every device buffer allocated once at start, and the tickets (events) that tell the
-//! pipeline when an upload or download is done.
+//! One GPU's lane ([`CudaLane`]): its context's streams (H2D, GEMM, D2H, and for fp32 a second
+//! GEMM stream), its cuBLAS handles, every device buffer allocated once at start, and the
+//! tickets (events) that tell the pipeline when an upload or download is done.
+//!
+//! Two GEMM streams (fp32): tiles take the two in turn, each tile's GEMMs in order on its own,
+//! so that one tile's GEMM fills the SMs the last wave of the other's leaves idle. In core on
+//! one H100 (`tools/probes/gemm_shape_rates.py --walk 32768 8192`), 32768² as 8192³ GEMMs ran
+//! 1354–1364 ms on two streams against 1379–1393 ms on one (one 32768³ GEMM: 1345 ms); fp64 ran
+//! slower on two (1423–1425 against 1364–1366 ms), so it keeps one.
 
 mod start;
 
@@ -37,6 +43,19 @@ pub(crate) struct CudaLane {
     comp: Arc<CudaStream>,
     d2h: Arc<CudaStream>,
     blas: Option<CudaBlas>,
+    /// The second GEMM stream and its cuBLAS handle ([`gemm_streams`]), when the lane has one.
+    second: Option<(Arc<CudaStream>, CudaBlas)>,
+    /// Per accumulator, the GEMM stream (0: `comp`, 1: `second`) its tile runs on, set when
+    /// the tile begins ([`Lane::begin_tile`]); the next tile takes `next_stream`.
+    acc_stream: Vec<u8>,
+    next_stream: u8,
+    /// Per slot and GEMM stream, an event after the last GEMM on that stream that read the
+    /// slot: an upload into the slot waits for both (cudarc's own tracking keeps one reader,
+    /// the last, and a GEMM on the other stream may still be reading).
+    slot_reads: Vec<[Option<Arc<CudaEvent>>; 2]>,
+    /// The latest end among the GEMMs harvested so far, so that GEMMs overlapping on two
+    /// streams count their union as GEMM time, not the sum.
+    gemm_last_end: Option<CudaEvent>,
     /// The probe's warm-up GEMM of this lane's tile shape, waited for before the first GEMM.
     warming: Option<Arc<Warming>>,
     slots: Vec<CudaSlice<u8>>,
@@ -138,10 +157,47 @@ impl CudaLane {
             {
                 break;
             }
-            let ms = s.elapsed_ms(e).map_err(|x| self.err("event timing", x))? as f64;
+            let mut ms = s.elapsed_ms(e).map_err(|x| self.err("event timing", x))? as f64;
             self.trace("gemm", s, e);
+            let later = match &self.gemm_last_end {
+                // Two streams: the part of this GEMM before the latest end so far was counted.
+                Some(last) => {
+                    let overlap = s
+                        .elapsed_ms(last)
+                        .map_err(|x| self.err("event timing", x))?;
+                    ms -= (overlap as f64).clamp(0.0, ms);
+                    last.elapsed_ms(e)
+                        .map_err(|x| self.err("event timing", x))?
+                        >= 0.0
+                }
+                None => true,
+            };
             self.stats.gemm_s += ms * 1e-3;
-            self.gemm_events.pop_front();
+            let (_, e) = self
+                .gemm_events
+                .pop_front()
+                .expect("the front was just read");
+            if later {
+                self.gemm_last_end = Some(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// The GEMM stream of accumulator `acc`'s tile, and its cuBLAS handle.
+    fn stream_of(&self, acc: usize) -> (&Arc<CudaStream>, &CudaBlas) {
+        let blas =
+            || (self.blas.as_ref()).expect("the handle lives until release (no GEMM after it)");
+        match (&self.second, self.acc_stream.get(acc)) {
+            (Some((s, b)), Some(1)) => (s, b),
+            _ => (&self.comp, blas()),
+        }
+    }
+
+    /// Make the H2D stream wait for every GEMM that read `slot` before it is written again.
+    fn before_slot_write(&self, slot: usize) -> Result<()> {
+        for e in self.slot_reads.get(slot).into_iter().flatten().flatten() {
+            self.h2d.wait(e).map_err(|x| self.err("stream wait", x))?;
         }
         Ok(())
     }
@@ -150,8 +206,7 @@ impl CudaLane {
 impl CudaLane {
     /// Note the last op on `comp` that wrote accumulator `acc` (just queued).
     fn mark_acc(&mut self, acc: usize) -> Result<()> {
-        let e = self
-            .comp
+        let e = (self.stream_of(acc).0)
             .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
             .map_err(|e| self.err("event", e))?;
         if self.acc_done.len() <= acc {
@@ -169,7 +224,10 @@ impl CudaLane {
     fn after_acc(&self, acc: usize) -> Result<()> {
         match self.acc_done.get(acc).and_then(|e| e.as_ref()) {
             Some(e) => self.d2h.wait(e),
-            None => self.d2h.join(&self.comp),
+            None => (self.d2h.join(&self.comp)).and_then(|()| match &self.second {
+                Some((s, _)) => self.d2h.join(s),
+                None => Ok(()),
+            }),
         }
         .map_err(|e| self.err("stream wait", e))
     }
@@ -206,29 +264,28 @@ impl CudaLane {
         }
         let ordinal = self.ordinal;
         let bytes = elems * self.host_dt.size();
+        let (stream, handle) = {
+            let (s, b) = self.stream_of(acc);
+            (s.clone(), *b.handle())
+        };
         if beta == 0.0 {
             let mut view = self.accs[acc].slice_mut(..bytes);
-            return self
-                .comp
+            return stream
                 .memset_zeros(&mut view)
                 .map_err(|e| self.err("zero accumulator", e));
         }
         let (b32, b64) = (beta as f32, beta);
         let n = elems as i32;
-        let blas = self
-            .blas
-            .as_ref()
-            .expect("the handle lives until release (no GEMM after it)");
-        let (ptr_c, _gc) = self.accs[acc].device_ptr_mut(&self.comp);
+        let (ptr_c, _gc) = self.accs[acc].device_ptr_mut(&stream);
         // SAFETY: the accumulator belongs to this lane's context and holds at least `elems`
         // values of the host compute type (layout sizes it for tm·tn); beta points to a live
-        // local of that type; the handle's stream is `comp`, on which the guard records the
-        // access.
+        // local of that type; the handle's stream is the tile's GEMM stream, on which the guard
+        // records the access.
         let status = unsafe {
             if self.host_dt == DType::F64 {
-                blas_sys::cublasDscal_v2(*blas.handle(), n, &b64, ptr_c as *mut f64, 1)
+                blas_sys::cublasDscal_v2(handle, n, &b64, ptr_c as *mut f64, 1)
             } else {
-                blas_sys::cublasSscal_v2(*blas.handle(), n, &b32, ptr_c as *mut f32, 1)
+                blas_sys::cublasSscal_v2(handle, n, &b32, ptr_c as *mut f32, 1)
             }
         };
         // A device error (not a backend one), so that a failing GPU fails over like any other.
@@ -251,6 +308,9 @@ impl Lane for CudaLane {
     }
 
     fn upload(&mut self, src: &HostBuf, elems: usize, dst: Dst) -> Result<Ticket> {
+        if let Dst::Slot(s) = dst {
+            self.before_slot_write(s)?;
+        }
         let hbytes = elems * self.host_dt.size();
         let host = &src.bytes()[..hbytes];
         let start = self
@@ -392,6 +452,7 @@ impl Lane for CudaLane {
 
     fn upload_runs(&mut self, runs: &[HostRun], elems: usize, slot: usize) -> Result<Ticket> {
         use cudarc::driver::sys::{cuMemcpy2DAsync_v2, CUmemorytype, CUDA_MEMCPY2D};
+        self.before_slot_write(slot)?;
         let hbytes = elems * self.host_dt.size();
         let start = self
             .h2d
@@ -474,6 +535,16 @@ impl Lane for CudaLane {
         r
     }
 
+    fn begin_tile(&mut self, acc: usize) {
+        if self.second.is_some() {
+            if self.acc_stream.len() <= acc {
+                self.acc_stream.resize(acc + 1, 0);
+            }
+            self.acc_stream[acc] = self.next_stream;
+            self.next_stream ^= 1;
+        }
+    }
+
     fn gemm(&mut self, g: &GemmDesc, a_slot: usize, b_slot: usize, acc: usize) -> Result<()> {
         if let Some(w) = self.warming.take() {
             // Whether it loaded the kernel or failed, this GEMM may go now (after a failure it
@@ -490,54 +561,67 @@ impl Lane for CudaLane {
             return self.mark_acc(acc);
         }
         let (ordinal, lane) = (self.ordinal, self.lane);
+        let (stream, handle) = {
+            let (s, b) = self.stream_of(acc);
+            (s.clone(), *b.handle())
+        };
         let start;
         {
             let (acc_buf, rest) = (&mut self.accs[acc], &self.slots);
-            let (ptr_b, _gb) = rest[b_slot].device_ptr(&self.comp);
-            let (ptr_a, _ga) = rest[a_slot].device_ptr(&self.comp);
-            let (ptr_c, _gc) = acc_buf.device_ptr_mut(&self.comp);
+            let (ptr_b, _gb) = rest[b_slot].device_ptr(&stream);
+            let (ptr_a, _ga) = rest[a_slot].device_ptr(&stream);
+            let (ptr_c, _gc) = acc_buf.device_ptr_mut(&stream);
             // After the pointers: taking them makes the stream wait for the buffers' last use
             // on the other streams, above all the accumulator's download of its previous tile
             // (the uploads were waited for in `upload`). That wait is not GEMM time; it was
             // counted as such before, which showed staging-bound tf32 runs' GEMMs at half
             // cuBLAS's rate.
-            start = self
-                .comp
+            start = stream
                 .record_event(timing())
                 .map_err(|e| Error::device(lane, format!("cuda:{ordinal}"), "event", e))?;
-            let blas = self
-                .blas
-                .as_ref()
-                .expect("the handle lives until release (no GEMM after it)");
             // fp64_emulated: int8 GEMMs where the accuracy contract holds, else (NaN/Inf, no
             // affordable count of moduli) the DGEMM below, counted either way.
             let native = match self.emulator.as_mut() {
                 None => true,
                 Some(em) => {
                     // SAFETY: as for the GEMM below (the same buffers and stream).
-                    let r = unsafe { em.gemm(&self.comp, *blas.handle(), g, ptr_a, ptr_b, ptr_c) }
-                        .map_err(|(what, e)| {
+                    let r = unsafe { em.gemm(&stream, handle, g, ptr_a, ptr_b, ptr_c) }.map_err(
+                        |(what, e)| {
                             Error::device(lane, format!("cuda:{ordinal}"), what, e.to_string())
-                        })?;
+                        },
+                    )?;
                     crate::backend::ozaki::record(&mut self.stats.emulation, r);
                     r.is_err()
                 }
             };
             // SAFETY: all three buffers belong to this lane's context and are at least as large
             // as the GEMM reads/writes (layout sizes slots for tm·tk and tk·tn elements and
-            // accumulators for tm·tn); the handle's stream is `comp`, on which the guards above
-            // record the accesses.
+            // accumulators for tm·tn); the handle's stream is `stream` (the tile's GEMM stream,
+            // `stream_of`), on which the guards above record the accesses.
             if native {
-                unsafe { gemm_ex(*blas.handle(), self.precision, g, ptr_a, ptr_b, ptr_c) }
-                    .map_err(|e| {
-                        Error::device(lane, format!("cuda:{ordinal}"), "cublasGemmEx", e)
-                    })?;
+                unsafe { gemm_ex(handle, self.precision, g, ptr_a, ptr_b, ptr_c) }.map_err(
+                    |e| Error::device(lane, format!("cuda:{ordinal}"), "cublasGemmEx", e),
+                )?;
             }
         }
-        let end = self
-            .comp
+        let end = stream
             .record_event(timing())
             .map_err(|e| self.err("event", e))?;
+        if self.second.is_some() {
+            // The slots' readers on this stream, for their next upload (`before_slot_write`).
+            let read = Arc::new(
+                stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .map_err(|e| self.err("event", e))?,
+            );
+            let k = usize::from(self.acc_stream.get(acc) == Some(&1));
+            for s in [a_slot, b_slot] {
+                if self.slot_reads.len() <= s {
+                    self.slot_reads.resize_with(s + 1, Default::default);
+                }
+                self.slot_reads[s][k] = Some(read.clone());
+            }
+        }
         self.gemm_events.push_back((start, end));
         self.mark_acc(acc)?;
         self.stats.gemms += 1;
@@ -651,6 +735,9 @@ impl Lane for CudaLane {
     fn stats(&mut self) -> DeviceStats {
         let _ = self.ctx.bind_to_thread();
         let _ = self.comp.synchronize();
+        if let Some((s, _)) = &self.second {
+            let _ = s.synchronize();
+        }
         let _ = self.harvest_gemms(true);
         self.stats.clone()
     }
@@ -658,10 +745,14 @@ impl Lane for CudaLane {
     fn release(&mut self) {
         let t = std::time::Instant::now();
         self.stats();
-        // The cuBLAS handle first, then every device buffer.
+        // The cuBLAS handles first, then every device buffer.
         if let Some(b) = self.blas.take() {
             let_go_of_blas(&self.ctx, b);
         }
+        if let Some((_, b)) = self.second.take() {
+            let_go_of_blas(&self.ctx, b);
+        }
+        self.slot_reads.clear();
         self.slots.clear();
         self.accs.clear();
         self.acc_done.clear();
@@ -721,6 +812,9 @@ impl CudaLane {
         self.comp
             .wait(&end)
             .map_err(|e| self.err("stream wait", e))?;
+        if let Some((s, _)) = &self.second {
+            s.wait(&end).map_err(|e| self.err("stream wait", e))?;
+        }
         Ok(self.ticket(start, end, Kind::H2d, hbytes as u64))
     }
 }
@@ -737,6 +831,11 @@ impl Drop for CudaLane {
         if let Some(b) = self.blas.take() {
             let_go_of_blas(&self.ctx, b);
         }
+        if let Some((_, b)) = self.second.take() {
+            let_go_of_blas(&self.ctx, b);
+        }
+        self.slot_reads.clear();
+        self.gemm_last_end = None;
         self.slots.clear();
         self.accs.clear();
         self.landing.clear();

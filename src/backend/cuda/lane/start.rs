@@ -103,6 +103,36 @@ fn device_buffers(
     Ok((slots, accs, landing))
 }
 
+/// How many GEMM streams a lane computing in `precision` uses: two for fp32, whose 8192³
+/// tile GEMMs leave SMs idle in their last wave (module doc of [`super`]), one otherwise —
+/// fp64 measured slower on two, tf32/bf16/fp16 are bound by the host, and fp64_emulated's
+/// scratch serves one GEMM at a time. `MGMM_GEMM_STREAMS` overrides it (not for
+/// fp64_emulated).
+pub(super) fn gemm_streams(precision: Precision) -> usize {
+    match (crate::config::gemm_streams(), precision) {
+        (_, Precision::Fp64Emulated(_)) => 1,
+        (Some(n), _) => n.min(2),
+        (None, Precision::Fp32) => 2,
+        (None, _) => 1,
+    }
+}
+
+/// A second GEMM stream and its cuBLAS handle (its kernels are the first handle's, loaded
+/// once per context).
+fn second_stream(who: &Who, ctx: &Arc<CudaContext>) -> Result<(Arc<CudaStream>, CudaBlas)> {
+    let t = std::time::Instant::now();
+    let s = ctx.new_stream().map_err(who.err("cannot create stream"))?;
+    let blas = CudaBlas::new(s.clone())
+        .map_err(|err| Error::device(who.lane, who.name.clone(), "cuBLAS handle", err))?;
+    crate::trace::span(
+        &who.track,
+        "second GEMM stream",
+        t,
+        std::time::Instant::now(),
+    );
+    Ok((s, blas))
+}
+
 /// The cuBLAS handle and the conversion and check kernels.
 type Libs = (CudaBlas, (Option<CudaFunction>, Option<CudaFunction>));
 
@@ -230,6 +260,10 @@ impl CudaLane {
         };
         ctx.bind_to_thread()
             .map_err(who.err("cannot use context"))?;
+        let second = match gemm_streams(precision) {
+            2 => Some(second_stream(&who, &ctx)?),
+            _ => None,
+        };
         let mut lane = CudaLane {
             ordinal,
             name: format!("cuda:{ordinal} {}", ctx.name().unwrap_or_default()),
@@ -238,6 +272,11 @@ impl CudaLane {
             comp,
             d2h,
             blas: Some(blas),
+            second,
+            acc_stream: Vec::new(),
+            next_stream: 0,
+            slot_reads: Vec::new(),
+            gemm_last_end: None,
             warming: None,
             slots,
             accs,
@@ -354,5 +393,29 @@ impl CudaLane {
         self.gemm_events.clear();
         self.stats = DeviceStats::default();
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::gemm_streams;
+    use crate::seam::Precision;
+
+    #[test]
+    fn fp32_takes_two_gemm_streams_and_the_others_one() {
+        if std::env::var_os("MGMM_GEMM_STREAMS").is_some() {
+            return; // the variable overrides the choice under test
+        }
+        assert_eq!(gemm_streams(Precision::Fp32), 2);
+        let emulated = Precision::Fp64Emulated(crate::plan::EmulationModuli::Auto);
+        for p in [
+            Precision::Fp64,
+            Precision::Tf32,
+            Precision::Bf16,
+            Precision::Fp16,
+            emulated,
+        ] {
+            assert_eq!(gemm_streams(p), 1, "{p:?}");
+        }
     }
 }
