@@ -123,6 +123,12 @@ pub struct StepReport {
     /// when only the second rule existed.
     #[serde(default)]
     pub direct_narrow_blocks: u64,
+    /// The rule `direct_narrow_blocks` were copied by: `"narrow"` (row-major files' narrow
+    /// blocks, fp32 and `fp64_emulated`), `"every"` (fp64), `"overflow"` (every file, where
+    /// the files the narrow rule would lock are larger together than `direct_budget_bytes`:
+    /// docs/decisions/0026-copy-inputs-larger-than-the-lock-budget.md); empty when none applied.
+    #[serde(default)]
+    pub direct_copy_rule: String,
     /// Input blocks staged by copy because the file range they lie in is larger than the
     /// page-locking budget (`direct_budget_bytes`); a `.npy` or raw file is one range.
     pub direct_oversize_blocks: u64,
@@ -454,6 +460,9 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         direct_released_bytes: st.direct.as_ref().map_or(0, |d| d.released_bytes),
         direct_cold_blocks: st.direct.as_ref().map_or(0, |d| d.cold_blocks),
         direct_narrow_blocks: st.direct.as_ref().map_or(0, |d| d.copied_blocks),
+        direct_copy_rule: (st.direct.as_ref())
+            .map_or("", |d| d.copy_rule.name())
+            .to_string(),
         direct_oversize_blocks: st.direct.as_ref().map_or(0, |d| d.oversize_blocks),
         direct_full_blocks: st.direct.as_ref().map_or(0, |d| d.full_blocks),
         direct_budget_bytes: st.direct.as_ref().map_or(0, |d| d.budget),
@@ -569,11 +578,11 @@ fn direct_line(r: &StepReport) -> String {
         ));
     }
     if r.direct_narrow_blocks > 0 {
-        use crate::pipeline::direct::{auto_copies, AutoCopies};
-        let rule = crate::seam::Precision::parse(&r.precision).map(|p| auto_copies(true, p));
-        let why = match rule {
-            Some(AutoCopies::Every) => "staged by copy: under fp64 the copies feed the GEMMs sooner than page-locking the files",
-            _ => "of row-major files staged by copy: locking the whole rows they lie in would take longer",
+        let why = match r.direct_copy_rule.as_str() {
+            "every" => "staged by copy: under fp64 the copies feed the GEMMs sooner than page-locking the files".to_string(),
+            "overflow" => format!("staged by copy: the input files together are larger than the {} that may be page-locked, and locking them would release and lock ranges again all through the step", fmt_bytes(r.direct_budget_bytes)),
+            "b" => "of B's file staged by copy (MGMM_AUTO_COPIES=b)".to_string(),
+            _ => "of row-major files staged by copy: locking the whole rows they lie in would take longer".to_string(),
         };
         parts.push(format!(
             "{} {why} (staging = \"direct\" locks them)",

@@ -61,7 +61,9 @@ use crate::store::{Block, MappedBlock, MatrixSource};
 pub(crate) struct DirectReads {
     pinner: Arc<dyn InputPinner>,
     mode: StagingMode,
-    /// The files whose every block is copied ([`copied_files`]).
+    /// The rule `auto` copies by ([`Pinning::rule_for`]), and the files whose every block it
+    /// copies ([`copied_files`]).
+    rule: AutoCopies,
     copied: Vec<std::path::PathBuf>,
     /// Registered bytes allowed at once (idle ranges are released above it).
     budget: u64,
@@ -117,6 +119,8 @@ pub(crate) struct DirectStats {
     /// Blocks copied instead because the ranges in use left no room for theirs in the budget.
     pub(crate) full_blocks: u64,
     pub(crate) budget: u64,
+    /// The rule `auto` copied `copied_blocks` by.
+    pub(crate) copy_rule: AutoCopies,
     /// The most bytes page-locked at once.
     pub(crate) peak_locked: u64,
     /// Bytes registered, and the seconds that took (all threads together).
@@ -486,6 +490,34 @@ impl Pinning {
         }
     }
 
+    /// What `staging = mode` copies for a step reading its files as `roles`: [`Self::rule`],
+    /// except that where it would lock files larger together than the budget, every file is
+    /// copied ([`AutoCopies::Overflow`]). 65536² fp32 from `.mgt` (32 GiB of inputs) on one
+    /// H100 with `host_memory = "16GiB"`: 12.16–12.21 s locking (18.2 GiB of ranges released
+    /// and locked again, the GPU 88 % busy) against 10.72 s copying (99 %), and 10.92 s
+    /// locking with `"32GiB"` (docs/decisions/0026-copy-inputs-larger-than-the-lock-budget.md).
+    /// Measured for fp32; fp64 copies every file already, and tf32/bf16/fp16 (whose copies set
+    /// the pace in core) keep their rule.
+    pub(crate) fn rule_for(&self, mode: StagingMode, roles: &[Role<'_>]) -> AutoCopies {
+        let rule = self.rule(mode);
+        if rule != AutoCopies::Narrow {
+            return rule;
+        }
+        let locked = copied_files(rule, roles);
+        let mut seen: Vec<&std::path::Path> = Vec::new();
+        let mut bytes = 0u64;
+        for r in roles {
+            if !locked.iter().any(|p| p == r.path) && !seen.contains(&r.path) {
+                seen.push(r.path);
+                bytes = bytes.saturating_add(r.bytes);
+            }
+        }
+        match bytes > self.budget {
+            true => AutoCopies::Overflow,
+            false => rule,
+        }
+    }
+
     /// Whether the budget holds each range `mb`'s block registers ([`block_ranges`]), as
     /// [`DirectReads::eligible`] judges it: if not, its blocks are copied
     /// (`direct_oversize_blocks`).
@@ -510,9 +542,10 @@ impl Pinning {
 
 /// Which input files `staging = "auto"` copies every block of, instead of page-locking them, on
 /// a device that locks pages ([`copied_files`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum AutoCopies {
     /// None: every block goes straight from its file's pages where it can.
+    #[default]
     Nothing,
     /// Files stored in bands of whole rows (`.npy`, raw) whose blocks are at most half as wide
     /// as the file: locking a block would lock the bands it lies in, the file's whole width.
@@ -522,6 +555,32 @@ pub(crate) enum AutoCopies {
     /// B's file (the second of the roles), A's locked: staging's threads copy while the
     /// driver's one thread page-locks. Only by `MGMM_AUTO_COPIES=b`, to measure it.
     B,
+    /// Every input file, where [`AutoCopies::Narrow`] would lock files larger together than
+    /// what may be page-locked at once ([`Pinning::rule_for`]).
+    Overflow,
+}
+
+impl AutoCopies {
+    /// The rule's name in the report (`direct_copy_rule`); empty for [`AutoCopies::Nothing`].
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            AutoCopies::Nothing => "",
+            AutoCopies::Narrow => "narrow",
+            AutoCopies::Every => "every",
+            AutoCopies::B => "b",
+            AutoCopies::Overflow => "overflow",
+        }
+    }
+
+    /// Why the rule copies a file's blocks, as `plan` and the run's summary say it.
+    pub(crate) fn why(self) -> &'static str {
+        match self {
+            AutoCopies::Every => "fp64 on a GPU: staging's copies feed the GEMMs sooner than page-locking the file",
+            AutoCopies::Overflow => "the input files together are larger than what host_memory leaves beside the pools to keep page-locked: locking them would release and lock ranges again on the driver's one thread all through the step, where staging copies on every thread",
+            AutoCopies::B => "MGMM_AUTO_COPIES=b: B's file copied, A's locked",
+            AutoCopies::Narrow | AutoCopies::Nothing => "stored in whole rows, its blocks at most half their width: locking the rows for each would take longer",
+        }
+    }
 }
 
 /// What `staging = "auto"` copies ([`AutoCopies`]) for lanes computing in `p` through a pinner
@@ -561,13 +620,15 @@ pub(crate) struct Role<'a> {
     pub(crate) whole_rows: bool,
     pub(crate) cols: u64,
     pub(crate) first: Block,
+    /// The file's bytes of values: what locking all of it would take.
+    pub(crate) bytes: u64,
 }
 
 /// The files whose every block `auto` copies under `rule` ([`auto_copies`]), decided once for
 /// the step from the ways it reads them (`roles`). With [`AutoCopies::Narrow`], those stored in
 /// bands of whole rows whose blocks are at most half as wide as the file in each way the step
 /// reads them (a file read two ways, one of them wide, has its bands locked anyway, so it is
-/// locked). Locking a block of such a file locks the bands of whole rows it lies in — the
+/// locked). With [`AutoCopies::Every`] and [`AutoCopies::Overflow`], every file the step reads. Locking a block of such a file locks the bands of whole rows it lies in — the
 /// file's whole width, four times the block at 32768² in 8192² tiles — on the driver's one
 /// thread, before its upload can start, where staging copies the block's own bytes on every
 /// thread: 32768² fp32 from `.npy` on one H100 took 1.441–1.443 s copied against 1.531–1.533 s
@@ -576,7 +637,7 @@ pub(crate) struct Role<'a> {
 /// docs/decisions/0023-copy-narrow-blocks-of-row-major-files.md). Decided per file, not per
 /// block: a narrower block at the matrix's edge of a file whose full blocks lock their bands
 /// would only be copied from bands already locked. A `.mgt` locks its storage tiles, the
-/// block's own. With [`AutoCopies::Every`], every file the step reads.
+/// block's own.
 pub(crate) fn copied_files(rule: AutoCopies, roles: &[Role<'_>]) -> Vec<std::path::PathBuf> {
     let narrow = |r: &Role<'_>| r.whole_rows && r.first.cols.saturating_mul(2) <= r.cols;
     let mut out: Vec<std::path::PathBuf> = Vec::new();
@@ -584,7 +645,7 @@ pub(crate) fn copied_files(rule: AutoCopies, roles: &[Role<'_>]) -> Vec<std::pat
         let copied = match rule {
             AutoCopies::Nothing => false,
             AutoCopies::Narrow => roles.iter().filter(|o| o.path == r.path).all(narrow),
-            AutoCopies::Every => true,
+            AutoCopies::Every | AutoCopies::Overflow => true,
             AutoCopies::B => i == 1,
         };
         if copied && !out.iter().any(|p| p == r.path) {
@@ -594,23 +655,28 @@ pub(crate) fn copied_files(rule: AutoCopies, roles: &[Role<'_>]) -> Vec<std::pat
     out
 }
 
-/// [`copied_files`] of a step's open `sources` (each with its first block, read as `host`)
-/// under `mode`: none but under `auto` through `p`.
+/// The rule `auto` applies ([`Pinning::rule_for`]) and the files it copies ([`copied_files`]),
+/// for a step's open `sources` (each with its first block, read as `host`) under `mode`: none
+/// but under `auto` through `p`.
 pub(crate) fn copied_sources(
     mode: StagingMode,
     p: Pinning,
     sources: &[(&dyn MatrixSource, Block)],
     host: DType,
-) -> Vec<std::path::PathBuf> {
+) -> (AutoCopies, Vec<std::path::PathBuf>) {
     let roles: Vec<Role<'_>> = (sources.iter())
         .map(|&(f, first)| Role {
             path: f.path(),
             whole_rows: f.mapped_block(&first, host).is_some_and(|mb| mb.whole_rows),
             cols: f.shape().1,
             first,
+            bytes: (f.shape().0)
+                .saturating_mul(f.shape().1)
+                .saturating_mul(f.dtype().size() as u64),
         })
         .collect();
-    copied_files(p.rule(mode), &roles)
+    let rule = p.rule_for(mode, &roles);
+    (rule, copied_files(rule, &roles))
 }
 
 impl DirectReads {
@@ -622,7 +688,7 @@ impl DirectReads {
         pinner: Arc<dyn InputPinner>,
         sources: Vec<Arc<dyn MatrixSource>>,
         (budget, chunk): (u64, u64),
-        copied: Vec<std::path::PathBuf>,
+        copied: (AutoCopies, Vec<std::path::PathBuf>),
     ) -> Option<DirectReads> {
         if mode == StagingMode::Copy {
             return None;
@@ -630,8 +696,9 @@ impl DirectReads {
         Some(Self::with_budget(mode, pinner, sources, budget, chunk).copying(copied))
     }
 
-    /// The registry, the blocks of the `copied` files copied ([`copied_files`]).
-    fn copying(mut self, copied: Vec<std::path::PathBuf>) -> DirectReads {
+    /// The registry, the blocks of the `copied` files copied by its rule ([`copied_sources`]).
+    fn copying(mut self, (rule, copied): (AutoCopies, Vec<std::path::PathBuf>)) -> DirectReads {
+        self.rule = rule;
         self.copied = copied;
         self
     }
@@ -646,6 +713,7 @@ impl DirectReads {
         DirectReads {
             pinner,
             mode,
+            rule: AutoCopies::Nothing,
             copied: Vec::new(),
             budget,
             chunk,
@@ -967,6 +1035,7 @@ impl DirectReads {
             oversize_blocks: c.oversize_blocks.load(Ordering::Relaxed),
             full_blocks: c.full_blocks.load(Ordering::Relaxed),
             budget: self.budget,
+            copy_rule: self.rule,
             peak_locked: self.peak.load(Ordering::Relaxed),
             registered_bytes: c.registered_bytes.load(Ordering::Relaxed),
             register_s: c.register_ns.load(Ordering::Relaxed) as f64 * 1e-9,
@@ -1274,18 +1343,61 @@ mod tests {
                 whole_rows: true,
                 cols: 64,
                 first: block(0, 0, 64, 64),
+                bytes: 64 * 64 * 4,
             },
             Role {
                 path: std::path::Path::new("B.mgt"),
                 whole_rows: false,
                 cols: 64,
                 first: block(0, 0, 64, 64),
+                bytes: 64 * 64 * 4,
             },
         ];
         assert_eq!(
             copied_files(AutoCopies::B, &roles),
             vec![std::path::PathBuf::from("B.mgt")]
         );
+        // Files that would be locked, larger together than the budget: every file is copied
+        // under fp32 (decision 0026); within it, or under another rule, as before. The file
+        // the narrow rule copies anyway does not count, nor a file read twice.
+        let gib = 1u64 << 30;
+        let big = |path: &'static str, whole_rows: bool, first: Block| Role {
+            path: std::path::Path::new(path),
+            whole_rows,
+            cols: 65536,
+            first,
+            bytes: 16 * gib,
+        };
+        let tile = block(0, 0, 8192, 8192);
+        let mgts = [big("A.mgt", false, tile), big("B.mgt", false, tile)];
+        let fp32 = |budget| Pinning::new((budget, CHUNK), true, Precision::Fp32);
+        assert_eq!(
+            fp32(12 * gib).rule_for(StagingMode::Auto, &mgts),
+            AutoCopies::Overflow
+        );
+        assert_eq!(copied_files(AutoCopies::Overflow, &mgts).len(), 2);
+        assert_eq!(
+            fp32(32 * gib).rule_for(StagingMode::Auto, &mgts),
+            AutoCopies::Narrow
+        );
+        assert_eq!(
+            fp32(12 * gib).rule_for(StagingMode::Direct, &mgts),
+            AutoCopies::Nothing
+        );
+        let tf32 = Pinning::new((12 * gib, CHUNK), true, Precision::Tf32);
+        assert_eq!(tf32.rule_for(StagingMode::Auto, &mgts), AutoCopies::Nothing);
+        let narrow_npy = [big("A.npy", true, tile), big("B.mgt", false, tile)];
+        assert_eq!(
+            fp32(20 * gib).rule_for(StagingMode::Auto, &narrow_npy),
+            AutoCopies::Narrow
+        );
+        let twice = [big("A.mgt", false, tile), big("A.mgt", false, tile)];
+        assert_eq!(
+            fp32(20 * gib).rule_for(StagingMode::Auto, &twice),
+            AutoCopies::Narrow
+        );
+        let cpu = Pinning::new((12 * gib, CHUNK), false, Precision::Fp32);
+        assert_eq!(cpu.rule_for(StagingMode::Auto, &mgts), AutoCopies::Nothing);
         assert_eq!(auto_copies(true, Precision::Fp32), AutoCopies::Narrow);
         assert_eq!(auto_copies(true, Precision::Fp64), AutoCopies::Every);
         for p in [Precision::Fp32, Precision::Fp64] {
@@ -1307,7 +1419,7 @@ mod tests {
         // As `Engines::make` asks: the copied files decided first, then the expectation.
         let judged = |m, p: Pinning, srcs: &[(&dyn MatrixSource, Block)]| {
             let copied = copied_sources(m, p, srcs, DType::F32);
-            expected(m, Some(p), srcs, &copied, false, DType::F32)
+            expected(m, Some(p), srcs, &copied.1, false, DType::F32)
         };
         let exp = |m, p, firsts: &[Block]| {
             let srcs: Vec<(&dyn MatrixSource, Block)> = firsts
@@ -1343,7 +1455,10 @@ mod tests {
                 &[(mgt, narrow), (&*npy, wide)],
                 DType::F32
             ),
-            vec![mgt.path().to_path_buf(), npy.path().to_path_buf()]
+            (
+                AutoCopies::Every,
+                vec![mgt.path().to_path_buf(), npy.path().to_path_buf()]
+            )
         );
 
         let p = Pinning::new((8 << 30, CHUNK), true, Precision::Fp32);

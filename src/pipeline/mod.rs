@@ -174,9 +174,10 @@ pub(crate) struct Engines {
     out_in_place: Option<crate::seam::OutRect>,
     /// Seconds taken: both together, the lanes alone, the pools alone.
     pub(crate) times: [(&'static str, f64); 3],
-    /// The input files whose every block is copied ([`direct::copied_files`]): decided once
-    /// here, for the lazy pool and for the staging stage alike.
-    copied: Vec<std::path::PathBuf>,
+    /// The rule `auto` copies by and the input files whose every block it copies
+    /// ([`direct::copied_sources`]): decided once here, for the lazy pool and for the staging
+    /// stage alike.
+    copied: (direct::AutoCopies, Vec<std::path::PathBuf>),
 }
 
 impl Engines {
@@ -206,14 +207,14 @@ impl Engines {
             direct::Pinning::new(limits, p.locks(), e.precision)
         });
         let firsts = [(&*sources.a, a), (&*sources.b, b)];
-        let copied = pinning.map_or_else(Vec::new, |p| {
+        let copied = pinning.map_or_else(Default::default, |p| {
             direct::copied_sources(mode, p, &firsts, layout.host_dt)
         });
         let lazy = direct::expected(
             mode,
             pinning,
             &firsts,
-            &copied,
+            &copied.1,
             sources.c0.is_some(),
             layout.host_dt,
         )

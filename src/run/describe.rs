@@ -554,6 +554,9 @@ fn describe_staging(
         l: &Layout,
     ) -> crate::pipeline::direct::Role<'o> {
         let opened = op.open().ok();
+        let (r, c, d) = (opened.as_ref()).map_or((op.rows, op.cols, op.dtype), |f| {
+            (f.shape().0, f.shape().1, f.dtype())
+        });
         crate::pipeline::direct::Role {
             path: &op.path,
             whole_rows: match &opened {
@@ -562,14 +565,14 @@ fn describe_staging(
                     .is_some_and(|mb| mb.whole_rows),
                 None => op.raw.is_some() || op.path.extension().is_some_and(|x| x == "npy"),
             },
-            cols: opened.map_or(op.cols, |f| f.shape().1),
+            cols: c,
             first,
+            bytes: r.saturating_mul(c).saturating_mul(d.size() as u64),
         }
     }
-    use crate::pipeline::direct::AutoCopies;
-    let rule = pin.rule(mode);
-    let auto_copied =
-        crate::pipeline::direct::copied_files(rule, &[role(&step.a, a0, l), role(&step.b, b0, l)]);
+    let roles = [role(&step.a, a0, l), role(&step.b, b0, l)];
+    let rule = pin.rule_for(mode, &roles);
+    let auto_copied = crate::pipeline::direct::copied_files(rule, &roles);
     for (i, op) in ops.into_iter().enumerate() {
         let Some(op) = op else { continue };
         // A chain's intermediate held in memory, or the caller's array: no file to map.
@@ -584,10 +587,7 @@ fn describe_staging(
         } else if op.dtype != l.host_dt {
             Some(format!("{} stored, {} computed", op.dtype, l.host_dt))
         } else if i < 2 && auto_copied.contains(&op.path) {
-            Some(match rule {
-                AutoCopies::Every => "fp64 on a GPU: staging's copies feed the GEMMs sooner than page-locking the file".to_string(),
-                _ => "stored in whole rows, its blocks at most half their width: locking the rows for each would take longer".to_string(),
-            })
+            Some(rule.why().to_string())
         } else {
             // What `run` finds as its blocks come (`direct_oversize_blocks`): the range a block
             // holds does not fit in what host_memory leaves beside the pools.

@@ -190,7 +190,7 @@ fn staging_lazy(e: &Engine, step: &Step, l: &Layout, inputs: [&dyn MatrixSource;
         mode,
         Some(pinning),
         &firsts,
-        &direct::copied_sources(mode, pinning, &firsts, l.host_dt),
+        &direct::copied_sources(mode, pinning, &firsts, l.host_dt).1,
         step.c0.is_some(),
         l.host_dt,
     );
