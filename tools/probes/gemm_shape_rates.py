@@ -36,11 +36,9 @@ SHAPES = [  # (m, n, k): the engine's tile shapes and the one-GEMM reference
 DT = {"f32": torch.float32, "f64": torch.float64, "tf32": torch.float32, "bf16": torch.bfloat16}
 
 
-def rate(m, n, k, dt, reps, accumulate):
-    a = torch.randn(m, k, device="cuda", dtype=dt)
-    b = torch.randn(k, n, device="cuda", dtype=dt)
-    c = torch.zeros(m, n, device="cuda", dtype=dt)
-    f = (lambda: c.addmm_(a, b)) if accumulate else (lambda: torch.mm(a, b, out=c))
+def timed(f, reps, flop):
+    """(ms per call, TFLOP/s) of `f` (`flop` per call), by CUDA events over `reps` calls after
+    one untimed call."""
     f()
     torch.cuda.synchronize()
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -50,9 +48,18 @@ def rate(m, n, k, dt, reps, accumulate):
     e.record()
     e.synchronize()
     ms = s.elapsed_time(e) / reps
+    return ms, flop / (ms * 1e-3) / 1e12
+
+
+def rate(m, n, k, dt, reps, accumulate):
+    a = torch.randn(m, k, device="cuda", dtype=dt)
+    b = torch.randn(k, n, device="cuda", dtype=dt)
+    c = torch.zeros(m, n, device="cuda", dtype=dt)
+    f = (lambda: c.addmm_(a, b)) if accumulate else (lambda: torch.mm(a, b, out=c))
+    r = timed(f, reps, 2.0 * m * n * k)
     del a, b, c
     torch.cuda.empty_cache()
-    return ms, 2.0 * m * n * k / (ms * 1e-3) / 1e12
+    return r
 
 
 def walk(n, t, dt, streams, reps, paired=False):
@@ -86,18 +93,10 @@ def walk(n, t, dt, streams, reps, paired=False):
         for s in ss[1:]:
             main.wait_stream(s)
 
-    once()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    st.record()
-    for _ in range(reps):
-        once()
-    en.record()
-    en.synchronize()
-    ms = st.elapsed_time(en) / reps
+    r = timed(once, reps, 2.0 * n**3)
     del a, b, accs
     torch.cuda.empty_cache()
-    return ms, 2.0 * n**3 / (ms * 1e-3) / 1e12
+    return r
 
 
 def main():
