@@ -461,6 +461,7 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
         direct_cold_blocks: st.direct.as_ref().map_or(0, |d| d.cold_blocks),
         direct_narrow_blocks: st.direct.as_ref().map_or(0, |d| d.copied_blocks),
         direct_copy_rule: (st.direct.as_ref())
+            .filter(|d| d.copied_blocks > 0)
             .map_or("", |d| d.copy_rule.name())
             .to_string(),
         direct_oversize_blocks: st.direct.as_ref().map_or(0, |d| d.oversize_blocks),

@@ -507,7 +507,7 @@ impl Pinning {
         let mut seen: Vec<&std::path::Path> = Vec::new();
         let mut bytes = 0u64;
         for r in roles {
-            if !locked.iter().any(|p| p == r.path) && !seen.contains(&r.path) {
+            if r.lockable && !locked.iter().any(|p| p == r.path) && !seen.contains(&r.path) {
                 seen.push(r.path);
                 bytes = bytes.saturating_add(r.bytes);
             }
@@ -620,8 +620,25 @@ pub(crate) struct Role<'a> {
     pub(crate) whole_rows: bool,
     pub(crate) cols: u64,
     pub(crate) first: Block,
-    /// The file's bytes of values: what locking all of it would take.
+    /// Whether the run would page-lock the file's pages for its blocks at all (a map of the
+    /// lanes' dtype, not an array already on a GPU), and the bytes locking all of it would
+    /// take (a `.mgt`'s padded tiles and tables: the file's length).
+    pub(crate) lockable: bool,
     pub(crate) bytes: u64,
+}
+
+impl Role<'_> {
+    /// The bytes locking all of `f` would take: the file's length, or for a source that is no
+    /// file (an array) its values.
+    pub(crate) fn bytes_of(f: &dyn MatrixSource) -> u64 {
+        let values = (f.shape().0)
+            .saturating_mul(f.shape().1)
+            .saturating_mul(f.dtype().size() as u64);
+        match f.is_file() {
+            true => std::fs::metadata(f.path()).map_or(values, |m| m.len()),
+            false => values,
+        }
+    }
 }
 
 /// The files whose every block `auto` copies under `rule` ([`auto_copies`]), decided once for
@@ -670,9 +687,9 @@ pub(crate) fn copied_sources(
             whole_rows: f.mapped_block(&first, host).is_some_and(|mb| mb.whole_rows),
             cols: f.shape().1,
             first,
-            bytes: (f.shape().0)
-                .saturating_mul(f.shape().1)
-                .saturating_mul(f.dtype().size() as u64),
+            lockable: f.mapped_block(&first, host).is_some()
+                && f.device_block(&first, host).is_none(),
+            bytes: Role::bytes_of(f),
         })
         .collect();
     let rule = p.rule_for(mode, &roles);
@@ -1343,6 +1360,7 @@ mod tests {
                 whole_rows: true,
                 cols: 64,
                 first: block(0, 0, 64, 64),
+                lockable: true,
                 bytes: 64 * 64 * 4,
             },
             Role {
@@ -1350,6 +1368,7 @@ mod tests {
                 whole_rows: false,
                 cols: 64,
                 first: block(0, 0, 64, 64),
+                lockable: true,
                 bytes: 64 * 64 * 4,
             },
         ];
@@ -1366,6 +1385,7 @@ mod tests {
             whole_rows,
             cols: 65536,
             first,
+            lockable: true,
             bytes: 16 * gib,
         };
         let tile = block(0, 0, 8192, 8192);
@@ -1376,8 +1396,20 @@ mod tests {
             AutoCopies::Overflow
         );
         assert_eq!(copied_files(AutoCopies::Overflow, &mgts).len(), 2);
+        // Each file fits alone, not both together.
+        assert_eq!(
+            fp32(20 * gib).rule_for(StagingMode::Auto, &mgts),
+            AutoCopies::Overflow
+        );
         assert_eq!(
             fp32(32 * gib).rule_for(StagingMode::Auto, &mgts),
+            AutoCopies::Narrow
+        );
+        // A file the run would not lock (another dtype, an array on a GPU) does not count.
+        let mut other = mgts.clone();
+        other[0].lockable = false;
+        assert_eq!(
+            fp32(20 * gib).rule_for(StagingMode::Auto, &other),
             AutoCopies::Narrow
         );
         assert_eq!(

@@ -481,7 +481,7 @@ impl Layout {
     /// and for `tile = "auto"`, which never picks such a tile.
     /// With a `.mgt` output whose storage tiles are mostly padding (each starts on a 4 KiB
     /// page), the note says what the file will take on disk and which key sets its tile
-    /// (`tile = 7` made a 117 KiB output a 2.5 MiB file: a new user's trial).
+    /// (`tile = 7` made a 117 KiB output a 2.5 MiB file, 21× its values: a new user's trial).
     pub fn small_tile_note(&self, step: &Step, engine: &Engine) -> Option<String> {
         let (calls, pad) = (self.calls_note(step, engine), self.padding_note(step));
         match (calls, pad) {
@@ -511,7 +511,7 @@ impl Layout {
                 fmt_bytes(stride),
                 fmt_bytes(values),
                 fmt_bytes(on_disk),
-                stride / values.max(1)
+                (stride as f64 / values.max(1) as f64).round()
             )
         })
     }

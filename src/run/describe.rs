@@ -567,7 +567,14 @@ fn describe_staging(
             },
             cols: c,
             first,
-            bytes: r.saturating_mul(c).saturating_mul(d.size() as u64),
+            lockable: opened.as_ref().is_some_and(|f| {
+                f.mapped_block(&first, l.host_dt).is_some()
+                    && f.device_block(&first, l.host_dt).is_none()
+            }),
+            bytes: match &opened {
+                Some(f) => crate::pipeline::direct::Role::bytes_of(f.as_ref()),
+                None => r.saturating_mul(c).saturating_mul(d.size() as u64),
+            },
         }
     }
     let roles = [role(&step.a, a0, l), role(&step.b, b0, l)];

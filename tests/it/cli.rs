@@ -1225,7 +1225,7 @@ fn a_tiny_tile_is_warned_about() {
         words(ok(&mg(dir, &["plan", "m.toml"])))
     };
     let both = mgt("[engine]\nbackend = \"cpu\"\ntile = 7\n");
-    let pad = "each 7×7 storage tile of ./C.mgt takes 4.00 KiB on disk for 196 B of values, so the file takes 7.22 MiB (20× its values); set the step's `tile`";
+    let pad = "each 7×7 storage tile of ./C.mgt takes 4.00 KiB on disk for 196 B of values, so the file takes 7.22 MiB (21× its values); set the step's `tile`";
     assert!(
         both.contains("7×7×7, far below") && both.contains(&format!("; and {pad}")),
         "{both}"

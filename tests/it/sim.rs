@@ -1106,9 +1106,10 @@ fn auto_copies_inputs_larger_than_the_lock_budget() {
         staging_plan("mgt", backend, out, staging, "fp32").replace("64MiB", host)
     };
     run_text(dir, &plan("cpu", "C_ref.mgt", "auto", "64MiB")).unwrap();
-    // A and B are 960 000 and 1 248 000 bytes: 1 MiB leaves less than either beside the pools.
+    // A.mgt and B.mgt take 1.2 and 1.5 MB (padded 64×64 tiles): 2 MiB leaves room beside the
+    // pools for either alone, not for both.
     for (staging, host, overflow) in [
-        ("auto", "1MiB", true),
+        ("auto", "2MiB", true),
         ("auto", "64MiB", false),
         ("direct", "4MiB", false),
     ] {

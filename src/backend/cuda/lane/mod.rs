@@ -53,8 +53,13 @@ pub(crate) struct CudaLane {
     /// slot: an upload into the slot waits for both (cudarc's own tracking keeps one reader,
     /// the last, and a GEMM on the other stream may still be reading).
     slot_reads: Vec<[Option<Arc<CudaEvent>>; 2]>,
-    /// The latest end among the GEMMs harvested so far, so that GEMMs overlapping on two
-    /// streams count their union as GEMM time, not the sum.
+    /// With two GEMM streams: the first GEMM's start event, and every harvested GEMM's span
+    /// (ms from it), so that the final GEMM time is the union of overlapping GEMMs, not their
+    /// sum ([`Self::gemm_union_s`]); until then `stats.gemm_s` counts each GEMM's part after
+    /// the latest end harvested before it (`gemm_last_end`: a live figure, low where a GEMM
+    /// issued later ran earlier).
+    gemm_base: Option<CudaEvent>,
+    gemm_spans: Vec<(f64, f64)>,
     gemm_last_end: Option<CudaEvent>,
     /// The probe's warm-up GEMM of this lane's tile shape, waited for before the first GEMM.
     warming: Option<Arc<Warming>>,
@@ -159,6 +164,13 @@ impl CudaLane {
             }
             let mut ms = s.elapsed_ms(e).map_err(|x| self.err("event timing", x))? as f64;
             self.trace("gemm", s, e);
+            if self.second.is_some() {
+                let at = match &self.gemm_base {
+                    Some(b) => b.elapsed_ms(s).map_err(|x| self.err("event timing", x))? as f64,
+                    None => 0.0,
+                };
+                self.gemm_spans.push((at, at + ms));
+            }
             let later = match &self.gemm_last_end {
                 // Two streams: the part of this GEMM before the latest end so far was counted.
                 Some(last) => {
@@ -173,15 +185,32 @@ impl CudaLane {
                 None => true,
             };
             self.stats.gemm_s += ms * 1e-3;
-            let (_, e) = self
+            let (s, e) = self
                 .gemm_events
                 .pop_front()
                 .expect("the front was just read");
             if later {
                 self.gemm_last_end = Some(e);
             }
+            if self.second.is_some() && self.gemm_base.is_none() {
+                self.gemm_base = Some(s);
+            }
         }
         Ok(())
+    }
+
+    /// The union of the harvested GEMMs' spans, in seconds (two GEMM streams).
+    fn gemm_union_s(&mut self) -> f64 {
+        let spans = &mut self.gemm_spans;
+        spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (mut total, mut end) = (0.0, f64::NEG_INFINITY);
+        for &(a, b) in spans.iter() {
+            if b > end {
+                total += b - a.max(end);
+                end = b;
+            }
+        }
+        total * 1e-3
     }
 
     /// The GEMM stream of accumulator `acc`'s tile, and its cuBLAS handle.
@@ -739,6 +768,9 @@ impl Lane for CudaLane {
             let _ = s.synchronize();
         }
         let _ = self.harvest_gemms(true);
+        if !self.gemm_spans.is_empty() {
+            self.stats.gemm_s = self.gemm_union_s();
+        }
         self.stats.clone()
     }
 

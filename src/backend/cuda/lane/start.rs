@@ -261,7 +261,13 @@ impl CudaLane {
         ctx.bind_to_thread()
             .map_err(who.err("cannot use context"))?;
         let second = match gemm_streams(precision) {
-            2 => Some(second_stream(&who, &ctx)?),
+            2 => match second_stream(&who, &ctx) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    let_go_of_blas(&ctx, blas);
+                    return Err(e);
+                }
+            },
             _ => None,
         };
         let mut lane = CudaLane {
@@ -276,6 +282,8 @@ impl CudaLane {
             acc_stream: Vec::new(),
             next_stream: 0,
             slot_reads: Vec::new(),
+            gemm_base: None,
+            gemm_spans: Vec::new(),
             gemm_last_end: None,
             warming: None,
             slots,
