@@ -109,6 +109,12 @@ impl GenArgs {
             fmt_bytes(bytes),
             bytes as f64 / s / 1e6
         );
+        let mgt = out.extension().is_none_or(|e| e != "npy");
+        if let Some(p) = h.mostly_padding(&out.display().to_string()).filter(|_| mgt) {
+            progress.note(&format!(
+                "warning: {p}; give --tile 64 or more (the default is 1024)"
+            ));
+        }
         Ok(())
     }
 }

@@ -500,20 +500,15 @@ impl Layout {
             return None;
         }
         let (rt, ct) = (rt.min(step.m.max(1)), ct.min(step.n.max(1)));
-        let values = rt * ct * step.out_dtype.size() as u64;
-        let stride = crate::store::header::tile_stride(rt, ct, step.out_dtype);
-        let tiles = step.m.div_ceil(rt) * step.n.div_ceil(ct);
-        let on_disk = tiles.saturating_mul(stride);
-        (stride >= 4 * values && on_disk > 1 << 20).then(|| {
-            format!(
-                "each {rt}×{ct} storage tile of {} takes {} on disk for {} of values, so the file takes {} ({}× its values); set the step's `tile` (the output's storage tile, e.g. 1024) or a larger engine.tile",
-                step.output.display(),
-                fmt_bytes(stride),
-                fmt_bytes(values),
-                fmt_bytes(on_disk),
-                (stride as f64 / values.max(1) as f64).round()
-            )
-        })
+        let header =
+            crate::store::header::Header::new(step.out_dtype, step.m, step.n, rt, ct, true);
+        let what = match step.out_tile {
+            // The step sets it: only a larger one helps (engine.tile does not change it).
+            Some(_) => format!("raise the step's `tile` (the output's storage tile, now {rt}), e.g. to 1024"),
+            None => "set the step's `tile` (the output's storage tile, e.g. 1024) or a larger engine.tile".to_string(),
+        };
+        let said = header.mostly_padding(&step.output.display().to_string())?;
+        Some(format!("{said}; {what}"))
     }
 
     /// The GEMM-call half of [`Self::small_tile_note`].

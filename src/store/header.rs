@@ -79,6 +79,27 @@ pub(crate) fn tile_stride(tile_rows: u64, tile_cols: u64, dtype: DType) -> u64 {
 }
 
 impl Header {
+    /// Where a file of this layout is mostly padding — each storage tile at least four times
+    /// its values' bytes (every tile starts on a page) and the file over 1 MiB — what it takes,
+    /// as `plan`, `run` and `gen` say it: "each 7×7 storage tile takes 4.00 KiB on disk for 196 B
+    /// of values, so the file takes 7.23 MiB (21× its values)" (`tile = 7`: a new user's trial).
+    pub(crate) fn mostly_padding(&self, name: &str) -> Option<String> {
+        let values = self.tile_rows * self.tile_cols * self.dtype.size() as u64;
+        let all = self.rows * self.cols * self.dtype.size() as u64;
+        let len = self.file_len();
+        (self.tile_stride >= 4 * values && len > 1 << 20).then(|| {
+            format!(
+                "each {}×{} storage tile of {name} takes {} on disk for {} of values, so the file takes {} ({}× its values)",
+                self.tile_rows,
+                self.tile_cols,
+                crate::units::fmt_bytes(self.tile_stride),
+                crate::units::fmt_bytes(values),
+                crate::units::fmt_bytes(len),
+                (len as f64 / all.max(1) as f64).round()
+            )
+        })
+    }
+
     /// A fresh header with the canonical layout: data at 4096, stride = tile bytes rounded up
     /// to 4096. Checksum table (if any) directly after the data.
     pub(crate) fn new(

@@ -1225,19 +1225,35 @@ fn a_tiny_tile_is_warned_about() {
         words(ok(&mg(dir, &["plan", "m.toml"])))
     };
     let both = mgt("[engine]\nbackend = \"cpu\"\ntile = 7\n");
-    let pad = "each 7×7 storage tile of ./C.mgt takes 4.00 KiB on disk for 196 B of values, so the file takes 7.22 MiB (21× its values); set the step's `tile`";
+    let pad = "each 7×7 storage tile of ./C.mgt takes 4.00 KiB on disk for 196 B of values, so the file takes 7.23 MiB (21× its values);";
+    let set =
+        "set the step's `tile` (the output's storage tile, e.g. 1024) or a larger engine.tile";
+    let raise = "raise the step's `tile` (the output's storage tile, now 7), e.g. to 1024";
     assert!(
-        both.contains("7×7×7, far below") && both.contains(&format!("; and {pad}")),
+        both.contains("7×7×7, far below") && both.contains(&format!("; and {pad} {set}")),
         "{both}"
     );
     let alone = mgt("tile = 7\n[engine]\nbackend = \"cpu\"\ntile = 64\n");
     assert!(
-        alone.contains(&format!("warning: step 1 (line 5): {pad}")),
+        alone.contains(&format!("warning: step 1 (line 5): {pad} {raise}")),
         "{alone}"
     );
     assert!(!alone.contains("GEMM calls of"), "{alone}");
     let fine = mgt("tile = 64\n[engine]\nbackend = \"cpu\"\ntile = 64\n");
     assert!(!fine.contains("warning"), "{fine}");
+    // `gen` says so too, for the `.mgt` it writes (a trial: `gen --tile 7` was silent).
+    let g = |tile: &str| {
+        let o = mg(
+            dir,
+            &[
+                "gen", "G.mgt", "--rows", "300", "--cols", "300", "--tile", tile, "--force",
+            ],
+        );
+        words(String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let g7 = g("7");
+    assert!(g7.contains("warning: each 7×7 storage tile of G.mgt takes 4.00 KiB on disk for 196 B of values, so the file takes 7.23 MiB (21× its values); give --tile 64 or more"), "{g7}");
+    assert!(!g("64").contains("warning"));
 }
 
 /// A finished step with a set tile is skipped under a budget that tile no longer fits (it was
