@@ -496,8 +496,9 @@ impl Pinning {
     /// H100 with `host_memory = "16GiB"`: 12.16–12.21 s locking (18.2 GiB of ranges released
     /// and locked again, the GPU 88 % busy) against 10.72 s copying (99 %), and 10.92 s
     /// locking with `"32GiB"` (docs/decisions/0026-copy-inputs-larger-than-the-lock-budget.md).
-    /// Measured for fp32; fp64 copies every file already, and tf32/bf16/fp16 (whose copies set
-    /// the pace in core) keep their rule.
+    /// Measured for fp32 (`fp64_emulated`, on the same rule, follows unmeasured); fp64 copies
+    /// every file already, and tf32/bf16/fp16 (whose copies set the pace in core) keep theirs.
+    /// Only files the run would lock count ([`Role::lockable`]), each once, by its length.
     pub(crate) fn rule_for(&self, mode: StagingMode, roles: &[Role<'_>]) -> AutoCopies {
         let rule = self.rule(mode);
         if rule != AutoCopies::Narrow {
@@ -645,7 +646,8 @@ impl Role<'_> {
 /// the step from the ways it reads them (`roles`). With [`AutoCopies::Narrow`], those stored in
 /// bands of whole rows whose blocks are at most half as wide as the file in each way the step
 /// reads them (a file read two ways, one of them wide, has its bands locked anyway, so it is
-/// locked). With [`AutoCopies::Every`] and [`AutoCopies::Overflow`], every file the step reads. Locking a block of such a file locks the bands of whole rows it lies in — the
+/// locked). With [`AutoCopies::Every`] and [`AutoCopies::Overflow`], every file the step
+/// reads. Locking a block of such a file locks the bands of whole rows it lies in — the
 /// file's whole width, four times the block at 32768² in 8192² tiles — on the driver's one
 /// thread, before its upload can start, where staging copies the block's own bytes on every
 /// thread: 32768² fp32 from `.npy` on one H100 took 1.441–1.443 s copied against 1.531–1.533 s
