@@ -375,9 +375,14 @@ fn resolve_tile(e: &RawEngine, from: &EngineSource) -> Result<TileSpec> {
     };
     if let TileSpec::Fixed { m, n, k } = tile {
         if [m, n, k].iter().any(|&t| t == 0 || t > 1 << 16) {
+            // As written: one edge (`tile = 0`, a trial saw it echoed as [0, 0, 0]) or three.
+            let written = match v.get_ref() {
+                RawTile::Square(t) => format!("{t}"),
+                _ => format!("[{m}, {n}, {k}]"),
+            };
             return Err(from.err(
                 "tile",
-                format!("{at}: [{m}, {n}, {k}]: each must be between 1 and 65536"),
+                format!("{at}: {written} is not a tile: each edge must be between 1 and 65536 (or leave engine.tile out for \"auto\")"),
             ));
         }
     }

@@ -1037,6 +1037,8 @@ mod tests {
             (step("accumulate = \"Q\"\n"), "unknown matrix `Q` in accumulate"),
             (step("name = \"B\"\n"), "step 1 (line 12): name = \"B\""),
             (step("[engine]\nprecision = \"fp64\"\n"), "engine.precision (line 13) = \"fp64\""),
+            (step("[engine]\ntile = 0\n"), "engine.tile (line 13): 0 is not a tile: each edge must be between 1 and 65536"),
+            (step("[engine]\ntile = [8, 0, 8]\n"), "engine.tile (line 13): [8, 0, 8] is not a tile"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ @ B\"\n"), "step 1 (line 11): expr = \"A @ @ B\": column 5"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ Z\"\n"), "unknown matrix `Z` (column 5)"),
             (format!("{MATS}[[step]]\noutput = \"X.mgt\"\nexpr = \"A @ Y\"\n[[step]]\noutput = \"Y.mgt\"\nexpr = \"A @ B\"\nname = \"Y\"\n"), "is the output of step 2 (name = \"Y\"), which has not run yet; steps run in plan order: move step 2 before this one"),
