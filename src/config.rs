@@ -125,7 +125,7 @@ pub(crate) fn warm_up_inline() -> bool {
 /// staging's copies and the driver's page-locking working at once (tools/bench/roofline.sh's
 /// `NAME_cb` jobs). Read once per process.
 pub(crate) fn auto_copies_b() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    static ON: Once<bool> = Once::new();
     *ON.get_or_init(|| std::env::var("MGMM_AUTO_COPIES").is_ok_and(|v| v == "b"))
 }
 

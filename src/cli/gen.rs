@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use super::{check_tile, interrupted, refuse_existing};
+use super::{check_tile, interrupted, padding_note, refuse_existing};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::progress::Progress;
@@ -110,10 +110,8 @@ impl GenArgs {
             bytes as f64 / s / 1e6
         );
         let mgt = out.extension().is_none_or(|e| e != "npy");
-        if let Some(p) = h.mostly_padding(&out.display().to_string()).filter(|_| mgt) {
-            progress.note(&format!(
-                "warning: {p}; give --tile 64 or more (the default is 1024)"
-            ));
+        if let Some(n) = padding_note(&h, out).filter(|_| mgt) {
+            progress.note(&format!("warning: {n}"));
         }
         Ok(())
     }

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use clap::Args;
 
-use super::{check_tile, interrupted, refuse_existing, refuse_same};
+use super::{check_tile, interrupted, padding_note, refuse_existing, refuse_same};
 use crate::error::Result;
 use crate::store::npy;
 use crate::units::fmt_bytes;
@@ -52,25 +52,10 @@ fn import(input: &Path, output: &Path, tile: u64, force: bool) -> Result<()> {
         h.dtype,
         fmt_bytes(h.file_len()),
         t.elapsed().as_secs_f64(),
-        padding_note(&h).unwrap_or_default()
+        padding_note(&h, output)
+            .map(|n| format!("\n  note: {n}"))
+            .unwrap_or_default()
     );
     outln!("{}", crate::progress::wrap(&said));
     Ok(())
-}
-
-/// A note when the tiles' padding makes the file much larger than its values: edge tiles are
-/// stored whole, so a 1500×1200 f32 array in 1024² tiles took 16.00 MiB for 6.87 MiB of values,
-/// unsaid (new-user trial). `None` under 1.5×.
-fn padding_note(h: &crate::store::Header) -> Option<String> {
-    let values = h.rows * h.cols * h.dtype.size() as u64;
-    // The tiles' bytes, not the file's: a small file is mostly its 4 KiB header.
-    let stored = h.data_end() - h.data_offset;
-    (stored > values + values / 2).then(|| {
-        format!(
-            "\n  note: {} of it holds the values: edge tiles are stored whole ({}×{}); a --tile that divides the shape, or one larger than it, pads less",
-            fmt_bytes(values),
-            h.tile_rows,
-            h.tile_cols
-        )
-    })
 }

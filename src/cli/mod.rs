@@ -143,6 +143,19 @@ fn check_tile(tile: u64) -> Result<()> {
     Ok(())
 }
 
+/// What `gen` and `import` say of a `.mgt` they wrote as `h` when its tiles' padding makes it
+/// much larger than its values ([`crate::store::header::Header::padding_cost`]), with the `--tile`
+/// that helps.
+fn padding_note(h: &crate::store::Header, name: &std::path::Path) -> Option<String> {
+    use crate::store::header::Padding;
+    Some(match h.padding_cost(&name.display().to_string())? {
+        Padding::Pages(p) => format!("{p}; give --tile 64 or more (the default is 1024)"),
+        Padding::Edges(p) => {
+            format!("{p}; a --tile that divides the shape, or one larger than it, pads less")
+        }
+    })
+}
+
 /// The error for a job stopped by Ctrl-C, SIGTERM or SIGHUP, or `e` itself.
 fn interrupted(e: Error, what: &str) -> Error {
     if interrupt::requested() && matches!(e, Error::Cancelled | Error::Usage(_)) {

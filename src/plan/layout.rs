@@ -491,8 +491,9 @@ impl Layout {
         }
     }
 
-    /// The padding half of [`Self::small_tile_note`]: a `.mgt` output (in a file) whose storage
-    /// tiles take at least four times their values' bytes, and over 1 MiB in all.
+    /// The padding half of [`Self::small_tile_note`]: a `.mgt` output (in a file) over 1 MiB
+    /// much larger than its values ([`crate::store::header::Header::padding_cost`]), and what
+    /// to set.
     fn padding_note(&self, step: &Step) -> Option<String> {
         let mgt = step.output.extension().is_some_and(|e| e == "mgt");
         let (rt, ct) = self.out_tile;
@@ -502,13 +503,24 @@ impl Layout {
         let (rt, ct) = (rt.min(step.m.max(1)), ct.min(step.n.max(1)));
         let header =
             crate::store::header::Header::new(step.out_dtype, step.m, step.n, rt, ct, true);
-        let what = match step.out_tile {
+        use crate::store::header::Padding;
+        // A run warns about sizable waste only (`gen` and `import` note any: their --tile was
+        // the user's choice just now); small test-sized outputs pad their edges harmlessly.
+        if header.file_len() <= 1 << 20 {
+            return None;
+        }
+        let pad = header.padding_cost(&step.output.display().to_string())?;
+        let set = "the step's `tile` (the output's storage tile";
+        Some(match (pad, step.out_tile) {
             // The step sets it: only a larger one helps (engine.tile does not change it).
-            Some(_) => format!("raise the step's `tile` (the output's storage tile, now {rt}), e.g. to 1024"),
-            None => "set the step's `tile` (the output's storage tile, e.g. 1024) or a larger engine.tile".to_string(),
-        };
-        let said = header.mostly_padding(&step.output.display().to_string())?;
-        Some(format!("{said}; {what}"))
+            (Padding::Pages(p), Some(_)) => format!("{p}; raise {set}, now {rt}), e.g. to 1024"),
+            (Padding::Pages(p), None) => {
+                format!("{p}; set {set}, e.g. 1024) or a larger engine.tile")
+            }
+            (Padding::Edges(p), _) => {
+                format!("{p}; {set}) dividing the shape, or larger than it, pads less")
+            }
+        })
     }
 
     /// The GEMM-call half of [`Self::small_tile_note`].

@@ -72,31 +72,48 @@ pub(crate) fn round_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
-/// Bytes one `tile_rows`×`tile_cols` storage tile of `dtype` takes in a `.mgt` file: its
-/// values rounded up to [`ALIGN`], so that every tile starts on a page (direct I/O, maps).
-pub(crate) fn tile_stride(tile_rows: u64, tile_cols: u64, dtype: DType) -> u64 {
-    round_up(tile_rows * tile_cols * dtype.size() as u64, ALIGN)
+/// Why a `.mgt` of some layout is much larger than its values ([`Header::padding_cost`]); each holds
+/// the sentence that says so, the callers add what to set (a `--tile`, a step's `tile`).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Padding {
+    /// Each storage tile at least four times its values' bytes (every tile starts on a 4 KiB
+    /// page) and the file over 1 MiB: a larger tile helps.
+    Pages(String),
+    /// The tiles more than 1.5× the values because edge tiles are stored whole: a tile that
+    /// divides the shape, or one larger than it, helps.
+    Edges(String),
 }
 
 impl Header {
-    /// Where a file of this layout is mostly padding — each storage tile at least four times
-    /// its values' bytes (every tile starts on a page) and the file over 1 MiB — what it takes,
-    /// as `plan`, `run` and `gen` say it: "each 7×7 storage tile takes 4.00 KiB on disk for 196 B
-    /// of values, so the file takes 7.23 MiB (21× its values)" (`tile = 7`: a new user's trial).
-    pub(crate) fn mostly_padding(&self, name: &str) -> Option<String> {
-        let values = self.tile_rows * self.tile_cols * self.dtype.size() as u64;
-        let all = self.rows * self.cols * self.dtype.size() as u64;
-        let len = self.file_len();
-        (self.tile_stride >= 4 * values && len > 1 << 20).then(|| {
-            format!(
+    /// Where a file of this layout is much larger than its values, why, as `plan`, `run`,
+    /// `gen` and `import` say it (`tile = 7` made a 117 KiB output a 7.23 MiB file, and a
+    /// 1500×1200 f32 array in 1024² tiles took 16.00 MiB for 6.87 MiB: new users' trials).
+    pub(crate) fn padding_cost(&self, name: &str) -> Option<Padding> {
+        let size = self.dtype.size() as u64;
+        let values = self.rows * self.cols * size;
+        let tile = self.tile_rows * self.tile_cols * size;
+        let (len, stored) = (self.file_len(), self.data_end() - self.data_offset);
+        let b = crate::units::fmt_bytes;
+        if self.tile_stride >= 4 * tile && len > 1 << 20 {
+            return Some(Padding::Pages(format!(
                 "each {}×{} storage tile of {name} takes {} on disk for {} of values, so the file takes {} ({}× its values)",
                 self.tile_rows,
                 self.tile_cols,
-                crate::units::fmt_bytes(self.tile_stride),
-                crate::units::fmt_bytes(values),
-                crate::units::fmt_bytes(len),
-                (len as f64 / all.max(1) as f64).round()
-            )
+                b(self.tile_stride),
+                b(tile),
+                b(len),
+                (len as f64 / values.max(1) as f64).round()
+            )));
+        }
+        // The tiles' bytes, not the file's: a small file is mostly its 4 KiB header.
+        (stored > values + values / 2).then(|| {
+            Padding::Edges(format!(
+                "{} of {name}'s {} hold its values: edge tiles are stored whole ({}×{})",
+                b(values),
+                b(len),
+                self.tile_rows,
+                self.tile_cols
+            ))
         })
     }
 
@@ -110,7 +127,7 @@ impl Header {
         tile_cols: u64,
         checksums: bool,
     ) -> Header {
-        let tile_stride = tile_stride(tile_rows, tile_cols, dtype);
+        let tile_stride = round_up(tile_rows * tile_cols * dtype.size() as u64, ALIGN);
         let mut h = Header {
             dtype,
             rows,

@@ -218,14 +218,21 @@ fn kill_mid_tile_then_resume_from_checkpoint(backend: &str) {
     assert!(r.unwrap().steps.is_empty());
 }
 
+/// A 60×50 output of one tile of 20 k-chunks, its run stopped by a device fault after 13 GEMMs:
+/// the folder and its one checkpoint.
+fn one_long_tile_killed(backend: &str) -> (tempfile::TempDir, Vec<(PathBuf, u64)>) {
+    let d = tmp();
+    setup(d.path(), backend, 60, 50, false);
+    let saved = kill_after(d.path(), 13);
+    assert_eq!(saved.len(), 1);
+    (d, saved)
+}
+
 /// One output tile of 20 k-chunks: the journal records nothing before the kill (the case the
 /// checkpoints exist for), and the resumed run computes only the k-chunks after the saved one.
 fn single_long_tile_resumes(backend: &str) {
-    let d = tmp();
+    let (d, saved) = one_long_tile_killed(backend);
     let dir = d.path();
-    setup(dir, backend, 60, 50, false);
-    let saved = kill_after(dir, 13);
-    assert_eq!(saved.len(), 1);
     // `plan` tells what `run` will do: resume the tile from its checkpoint, not start afresh.
     let plan = Plan::load(&dir.join("plan.toml")).unwrap();
     let said = mgmm_stream::run::describe(&plan).unwrap();
@@ -252,11 +259,8 @@ fn single_long_tile_resumes(backend: &str) {
 /// journal deleted too) `plan` says the step starts again and resumes the partial tile, and
 /// `run` does so, to the bytes of a clean run.
 fn checkpoint_without_its_output_is_resumed(backend: &str) {
-    let d = tmp();
+    let (d, saved) = one_long_tile_killed(backend);
     let dir = d.path();
-    setup(dir, backend, 60, 50, false);
-    let saved = kill_after(dir, 13);
-    assert_eq!(saved.len(), 1);
     let status = |set: &[&str]| {
         let o = std::process::Command::new(bin())
             .args(["status", "plan.toml"])

@@ -201,7 +201,7 @@ fn import_export_round_trip_v1_v2_f32_f64() {
     ));
     let said = said.split_whitespace().collect::<Vec<_>>().join(" ");
     assert!(
-        said.contains("note: 3.68 KiB of it holds the values: edge tiles are stored whole (23×32); a --tile that divides the shape, or one larger than it, pads less"),
+        said.contains("note: 3.68 KiB of big.mgt's 12.01 KiB hold its values: edge tiles are stored whole (23×32); a --tile that divides the shape, or one larger than it, pads less"),
         "{said}"
     );
     let said = ok(&mg(
@@ -1241,6 +1241,9 @@ fn a_tiny_tile_is_warned_about() {
     assert!(!alone.contains("GEMM calls of"), "{alone}");
     let fine = mgt("tile = 64\n[engine]\nbackend = \"cpu\"\ntile = 64\n");
     assert!(!fine.contains("warning"), "{fine}");
+    // Whole edge tiles: 300² in 256² tiles stores 512² (over 1 MiB for 352 KiB of values).
+    let edges = mgt("tile = 256\n[engine]\nbackend = \"cpu\"\ntile = 64\n");
+    assert!(edges.contains("warning: step 1 (line 5): 351.56 KiB of ./C.mgt's 1.00 MiB hold its values: edge tiles are stored whole (256×256); the step's `tile` (the output's storage tile) dividing the shape"), "{edges}");
     // `gen` says so too, for the `.mgt` it writes (a trial: `gen --tile 7` was silent).
     let g = |tile: &str| {
         let o = mg(
