@@ -579,12 +579,8 @@ fn direct_line(r: &StepReport) -> String {
         ));
     }
     if r.direct_narrow_blocks > 0 {
-        let why = match r.direct_copy_rule.as_str() {
-            "every" => "staged by copy: under fp64 the copies feed the GEMMs sooner than page-locking the files".to_string(),
-            "overflow" => format!("staged by copy: the input files together are larger than the {} that may be page-locked, and locking them would release and lock ranges again all through the step", fmt_bytes(r.direct_budget_bytes)),
-            "b" => "of B's file staged by copy (MGMM_AUTO_COPIES=b)".to_string(),
-            _ => "of row-major files staged by copy: locking the whole rows they lie in would take longer".to_string(),
-        };
+        use crate::pipeline::direct::AutoCopies;
+        let why = AutoCopies::from_name(&r.direct_copy_rule).staged(r.direct_budget_bytes);
         parts.push(format!(
             "{} {why} (staging = \"direct\" locks them)",
             crate::progress::count(r.direct_narrow_blocks, "block", "blocks")

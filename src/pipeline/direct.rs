@@ -573,7 +573,27 @@ impl AutoCopies {
         }
     }
 
-    /// Why the rule copies a file's blocks, as `plan` and the run's summary say it.
+    /// The rule a report's `direct_copy_rule` names ([`Self::name`]); `Narrow` for an older
+    /// report, which had no such field and only that rule.
+    pub(crate) fn from_name(name: &str) -> AutoCopies {
+        [AutoCopies::Every, AutoCopies::B, AutoCopies::Overflow]
+            .into_iter()
+            .find(|r| r.name() == name)
+            .unwrap_or(AutoCopies::Narrow)
+    }
+
+    /// How the run's summary says why blocks were copied by the rule, after their count
+    /// (`budget`: what might be page-locked).
+    pub(crate) fn staged(self, budget: u64) -> String {
+        match self {
+            AutoCopies::Every => "staged by copy: under fp64 the copies feed the GEMMs sooner than page-locking the files".to_string(),
+            AutoCopies::Overflow => format!("staged by copy: the input files together are larger than the {} that may be page-locked, and locking them would release and lock ranges again all through the step", crate::units::fmt_bytes(budget)),
+            AutoCopies::B => "of B's file staged by copy (MGMM_AUTO_COPIES=b)".to_string(),
+            AutoCopies::Narrow | AutoCopies::Nothing => "of row-major files staged by copy: locking the whole rows they lie in would take longer".to_string(),
+        }
+    }
+
+    /// Why the rule copies a file's blocks, as `plan` says it on the file's line.
     pub(crate) fn why(self) -> &'static str {
         match self {
             AutoCopies::Every => "fp64 on a GPU: staging's copies feed the GEMMs sooner than page-locking the file",
@@ -1416,6 +1436,19 @@ mod tests {
         assert_eq!(auto(20, &narrow_npy), AutoCopies::Narrow);
         let twice = [big("A.mgt", false, tile), big("A.mgt", false, tile)];
         assert_eq!(auto(20, &twice), AutoCopies::Narrow);
+        // The report names the rule and the summary reads it back (an older report: narrow).
+        for r in [
+            AutoCopies::Narrow,
+            AutoCopies::Every,
+            AutoCopies::B,
+            AutoCopies::Overflow,
+        ] {
+            assert_eq!(AutoCopies::from_name(r.name()), r);
+        }
+        assert_eq!(AutoCopies::from_name(""), AutoCopies::Narrow);
+        assert!(AutoCopies::Overflow
+            .staged(12 * gib)
+            .contains("larger than the 12.00 GiB"));
         let cpu = Pinning::new((12 * gib, CHUNK), false, Precision::Fp32);
         assert_eq!(cpu.rule_for(StagingMode::Auto, &mgts), AutoCopies::Nothing);
         assert_eq!(auto_copies(true, Precision::Fp32), AutoCopies::Narrow);
