@@ -111,7 +111,7 @@ impl GenArgs {
         );
         let mgt = out.extension().is_none_or(|e| e != "npy");
         if let Some(n) = padding_note(&h, out).filter(|_| mgt) {
-            progress.note(&format!("warning: {n}"));
+            progress.note(&format!("note: {n}"));
         }
         Ok(())
     }

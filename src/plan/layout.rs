@@ -517,9 +517,12 @@ impl Layout {
             (Padding::Pages(p), None) => {
                 format!("{p}; set {set}, e.g. 1024) or a larger engine.tile")
             }
-            (Padding::Edges(p), _) => {
+            // Said only for a tile the step sets: the compute tile's edges are the layout's
+            // choice (8192² tiles of a 10000² output store 16384²), not a mistake to warn of.
+            (Padding::Edges(p), Some(_)) => {
                 format!("{p}; {set}) dividing the shape, or larger than it, pads less")
             }
+            (Padding::Edges(_), None) => return None,
         })
     }
 
