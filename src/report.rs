@@ -211,6 +211,34 @@ pub struct StepReport {
     /// What `precision = "fp64_emulated"` did, all lanes together; `None` under the other
     /// precisions.
     pub emulation: Option<EmulationReport>,
+    /// Partial accumulators of long tiles this run saved (`engine.checkpoint_every`,
+    /// docs/RESILIENCE.md): how many, their bytes, and the seconds the writeback threads spent
+    /// writing and syncing them (all threads together).
+    #[serde(default)]
+    pub checkpoints_saved: u64,
+    /// Bytes of those checkpoints (headers and accumulators).
+    #[serde(default)]
+    pub checkpoint_bytes: u64,
+    /// Seconds writeback spent saving them.
+    #[serde(default)]
+    pub checkpoint_s: f64,
+    /// `engine.checkpoint_every` in seconds; `None`: `"off"`.
+    #[serde(default)]
+    pub checkpoint_every_s: Option<f64>,
+}
+
+impl StepReport {
+    /// Add what the step's checkpoints cost (`saved`, taken every `every`).
+    pub(crate) fn with_checkpoints(
+        &mut self,
+        saved: crate::durable::checkpoint::Saved,
+        every: Option<std::time::Duration>,
+    ) {
+        self.checkpoints_saved = saved.count;
+        self.checkpoint_bytes = saved.bytes;
+        self.checkpoint_s = saved.secs;
+        self.checkpoint_every_s = every.map(|d| d.as_secs_f64());
+    }
 }
 
 /// What the fp64 emulation did in a step (`emulation.fallback_tiles` and the rest).
@@ -492,6 +520,10 @@ pub(crate) fn step_report(cx: &StepContext<'_>, st: RunStats) -> StepReport {
             .map(|d| (d.background + d.limit) / 2),
         setup_s: Vec::new(),
         backend_reused: false,
+        checkpoints_saved: 0,
+        checkpoint_bytes: 0,
+        checkpoint_s: 0.0,
+        checkpoint_every_s: None,
     }
 }
 
@@ -688,6 +720,7 @@ pub(crate) fn format_summary(r: &StepReport) -> String {
     s += &pools_line(r);
     s += &device_lines(r);
     s += &emulation_line(r);
+    s += &checkpoints_line(r);
     s += &busy_line(r);
     s += &format!("  bottleneck: {}", r.bottleneck);
     if let Some(note) = nonfinite_input_note(r) {
@@ -913,6 +946,52 @@ fn pools_line(r: &StepReport) -> String {
     format!("  host pools: {}\n", pools.join(", "))
 }
 
+/// The `checkpoints:` line, when the step saved any: how many, their size and writeback's
+/// time for them, at which `checkpoint_every`; where writing them bound the step, that they did
+/// (a trial's `checkpoint_every = "0s"` run named writeback its bottleneck, 98 % busy, and
+/// said nothing of the 240 checkpoints behind it).
+fn checkpoints_line(r: &StepReport) -> String {
+    let paced = r.bottleneck.starts_with("writeback") && r.checkpoint_s >= 0.25 * r.wall_s;
+    let every = r.checkpoint_every_s;
+    checkpoints_text(
+        r.checkpoints_saved,
+        r.checkpoint_bytes,
+        r.checkpoint_s,
+        every,
+        paced,
+    )
+}
+
+/// [`checkpoints_line`] of `saved` checkpoints of `bytes` in `secs`, taken every `every`
+/// seconds (`None`: off), which set the step's pace or not.
+fn checkpoints_text(saved: u64, bytes: u64, secs: f64, every: Option<f64>, paced: bool) -> String {
+    if saved == 0 {
+        return String::new();
+    }
+    // The interval as a plan writes it ("5min", "30s", "250ms", "1.5h").
+    let plan = |s: f64| match s {
+        0.0 => "0s".to_string(),
+        s if s < 1.0 => format!("{}ms", (s * 1e3 * 1e3).round() / 1e3),
+        s if s % 3600.0 == 0.0 => format!("{}h", s / 3600.0),
+        s if s % 60.0 == 0.0 => format!("{}min", s / 60.0),
+        s => format!("{}s", (s * 1e3).round() / 1e3),
+    };
+    let every = match every {
+        Some(0.0) => "after every k-chunk (engine.checkpoint_every = \"0s\")".into(),
+        Some(s) => format!("engine.checkpoint_every = \"{}\"", plan(s)),
+        None => "as the run stopped (engine.checkpoint_every = \"off\")".into(),
+    };
+    format!(
+        "  checkpoints: {} saved ({}) in {secs:.2} s of writeback, {every}{}\n",
+        crate::units::count(saved, "partial tile", "partial tiles"),
+        fmt_bytes(bytes),
+        match paced {
+            true => "; saving them set the pace: a longer engine.checkpoint_every saves less often (a kill loses at most about that much of a tile's work; \"5min\" by default)",
+            false => "",
+        }
+    )
+}
+
 /// The `busy:` line: each stage's share of the step, largest first.
 fn busy_line(r: &StepReport) -> String {
     // Largest first; the long tail under 1% (many of them with several lanes) is counted, not
@@ -986,6 +1065,29 @@ mod tests {
                 && t.contains("1 block outside the accuracy bound at the forced count"),
             "{t}"
         );
+    }
+
+    /// The summary's checkpoints line: none without checkpoints; the interval as the plan says
+    /// it; that they set the pace only when they did.
+    #[test]
+    fn the_checkpoints_line_says_how_many_and_whether_they_set_the_pace() {
+        assert_eq!(checkpoints_text(0, 0, 0.0, Some(300.0), false), "");
+        let t = checkpoints_text(240, 15 << 28, 6.41, Some(0.0), true);
+        assert!(
+            t.starts_with("  checkpoints: 240 partial tiles saved (3.75 GiB) in 6.41 s of writeback, after every k-chunk (engine.checkpoint_every = \"0s\"); saving them set the pace: a longer engine.checkpoint_every")
+                && t.ends_with("\n"),
+            "{t}"
+        );
+        let t = checkpoints_text(1, 4096, 0.01, Some(300.0), false);
+        assert_eq!(
+            t,
+            "  checkpoints: 1 partial tile saved (4.00 KiB) in 0.01 s of writeback, engine.checkpoint_every = \"5min\"\n"
+        );
+        assert!(checkpoints_text(2, 8, 0.0, Some(0.25), false).contains("= \"250ms\""));
+        assert!(checkpoints_text(2, 8, 0.0, Some(5400.0), false).contains("= \"90min\""));
+        assert!(checkpoints_text(2, 8, 0.0, Some(7200.0), false).contains("= \"2h\""));
+        assert!(checkpoints_text(2, 8, 0.0, Some(2.5), false).contains("= \"2.5s\""));
+        assert!(checkpoints_text(2, 8, 0.0, None, false).contains("as the run stopped"));
     }
 
     #[test]

@@ -25,6 +25,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -120,6 +121,19 @@ pub(crate) struct Checkpoints {
     failed: Mutex<Option<String>>,
     /// Set with `failed`, and never cleared: read on every GEMM without a lock.
     off: std::sync::atomic::AtomicBool,
+    /// What this run saved: checkpoints, their bytes and nanoseconds (writeback's time).
+    saved: [AtomicU64; 3],
+}
+
+/// What a run's checkpoints cost ([`Checkpoints::saved`]), for the step's report.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Saved {
+    /// Checkpoints written.
+    pub(crate) count: u64,
+    /// Their bytes (headers and accumulators).
+    pub(crate) bytes: u64,
+    /// Seconds spent writing and syncing them (on the writeback threads).
+    pub(crate) secs: f64,
 }
 
 impl Checkpoints {
@@ -144,6 +158,7 @@ impl Checkpoints {
             present: Mutex::new(BTreeSet::new()),
             failed: Mutex::new(None),
             off: std::sync::atomic::AtomicBool::new(false),
+            saved: Default::default(),
         }
     }
 
@@ -178,6 +193,16 @@ impl Checkpoints {
     /// Why checkpoints were given up in this run, once.
     pub(crate) fn take_failure(&self) -> Option<String> {
         self.failed.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// The checkpoints this run saved so far, and what they cost.
+    pub(crate) fn saved(&self) -> Saved {
+        let [count, bytes, nanos] = self.saved.each_ref().map(|a| a.load(Ordering::Relaxed));
+        Saved {
+            count,
+            bytes,
+            secs: nanos as f64 * 1e-9,
+        }
     }
 
     /// Whether a tile last saved (or started) at `mark` is due for a checkpoint.
@@ -372,6 +397,7 @@ impl Checkpoints {
     /// Save `data` (the accumulator of `tile` after `k_done` k-chunks) as the tile's
     /// checkpoint: temporary file, fsync, rename over the previous one, fsync the directory.
     pub(crate) fn save(&self, tile: &OutTile, k_done: u32, data: &[u8]) -> Result<()> {
+        let t = Instant::now();
         let n = self.data_len(tile) as usize;
         let data = &data[..n];
         let b = &tile.block;
@@ -405,6 +431,10 @@ impl Checkpoints {
             .map_err(|e| Error::io(&path, "cannot write the tile's checkpoint", e))?;
         tmp.commit()?;
         self.present.lock().unwrap().insert(tile.seq);
+        let took = t.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        for (a, v) in self.saved.iter().zip([1, (line.len() + n) as u64, took]) {
+            a.fetch_add(v, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -520,6 +550,7 @@ mod tests {
             present: Mutex::new(BTreeSet::new()),
             failed: Mutex::new(None),
             off: std::sync::atomic::AtomicBool::new(false),
+            saved: Default::default(),
         }
     }
 

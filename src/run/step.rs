@@ -156,6 +156,9 @@ impl StepRun<'_> {
         crate::trace::span("start-up", &format!("step {n}: finish"), tf, Instant::now());
         let cx = StepContext::of(step, layout, backend, e);
         let mut rep = report::step_report(&cx, stats);
+        if let Some(c) = self.target.checkpoints() {
+            rep.with_checkpoints(c.saved(), e.checkpoint_every);
+        }
         rep.setup_s = std::iter::once(("resume".into(), resume_s))
             .chain(engine_times.iter().map(|&(k, v)| (k.into(), v)))
             .chain([("build".into(), build_s), ("drop".into(), drop_s)])
