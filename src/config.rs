@@ -17,9 +17,7 @@
 //! precision (to measure it against running beside the step's start); `MGMM_AUTO_COPIES=b`,
 //! B's blocks copied and A's page-locked under `staging = "auto"` on a GPU (to measure the
 //! two working at once); `MGMM_GEMM_STREAMS=1|2`, the GEMM streams of a GPU lane (to measure
-//! one against two); `MGMM_VERIFY_OUTPUT_FIRST=1`, `verify`'s pass over the output beside the
-//! one over op(B) rather than the dense pass (to measure one order against the other);
-//! `MGMM_TRACE=PATH`,
+//! one against two); `MGMM_TRACE=PATH`,
 //! which records a timeline of the run into PATH ([`crate::trace`]). `MGMM_VERIFY_TIMES` and
 //! `MGMM_TRACE` are read once into a [`Settings`] where a command starts.
 
@@ -90,15 +88,6 @@ pub(crate) fn pinned_alloc() -> bool {
 pub(crate) fn read_with_pread() -> bool {
     static ON: Once<bool> = Once::new();
     flag(&ON, "MGMM_READ_PREAD")
-}
-
-/// `MGMM_VERIFY_OUTPUT_FIRST=1`: with its products on a GPU, `verify` folds the output beside
-/// the pass over op(B) (while the GPU opens) instead of beside the dense pass over op(A), which
-/// then has the host's cores to itself (to measure one order against the other:
-/// tools/bench/verify_vs_product.sh's `ORDERS`). Read once per process.
-pub(crate) fn verify_output_first() -> bool {
-    static ON: Once<bool> = Once::new();
-    flag(&ON, "MGMM_VERIFY_OUTPUT_FIRST")
 }
 
 /// `MGMM_OUTPREP_THREADS`: how many threads populate the output's pages, instead of the

@@ -52,9 +52,6 @@ pub(crate) struct Device {
     staging: Mutex<Option<Staging>>,
     /// Devices that computed a pass, and why a device stopped being used.
     used: Mutex<(Vec<String>, Option<String>)>,
-    /// Fold the output beside the pass over op(B) rather than beside the dense pass on the
-    /// device (`MGMM_VERIFY_OUTPUT_FIRST`, [`crate::config::verify_output_first`]).
-    pub(crate) output_first: bool,
 }
 
 impl Device {
@@ -64,15 +61,13 @@ impl Device {
             slot: Mutex::new(Slot::Cpu),
             staging: Mutex::new(None),
             used: Mutex::new((Vec::new(), None)),
-            output_first: false,
         }
     }
 
     /// The device `engine.backend` names, opening in the background: nothing for `cpu`, nor
     /// for f64 precisions, whose checks sum f64 data in double-double on the CPU.
     pub(crate) fn open(engine: &Engine) -> Device {
-        let mut d = Device::cpu();
-        d.output_first = crate::config::verify_output_first();
+        let d = Device::cpu();
         if engine.backend != crate::plan::BackendKind::Cpu && !engine.precision.is_f64() {
             let engine = engine.clone();
             let (tx, rx) = std::sync::mpsc::channel();

@@ -229,7 +229,22 @@ impl Side<'_> {
     fn run(&self, groups: &Groups, rounds: usize, seed: u64, stream: u64) -> Result<Outcome> {
         let (m, n) = self.c.shape();
         let mut x = signs(n, rounds, seed, stream);
-        let scatters = |x: &[Vec<f64>]| {
+        // A device for the dense pass gets ready meanwhile (its buffers, its kernels loaded).
+        let (zb, ()) = rayon::join(
+            || self.scatter_b(groups, &mut x),
+            || {
+                if self.alpha != 0.0 {
+                    pass::prepare(&self.a, rounds, groups.count(), self.exact, self.dev)
+                }
+            },
+        );
+        let zb = zb?;
+        let x = &x;
+        let dense = || match &zb {
+            Some(z) => pass::dense(&self.a, z, self.exact, self.dev).map(Some),
+            None => Ok(None),
+        };
+        let scatters = || {
             let cs = pass::scatter(&self.c, groups, x, self.exact);
             let c0s = match (&self.c0, self.beta != 0.0) {
                 (Some(op), true) => pass::scatter(op, groups, x, self.exact).map(Some),
@@ -237,42 +252,14 @@ impl Side<'_> {
             };
             (cs, c0s)
         };
-        // Whether the dense pass can run on a device (not yet known to be open).
-        let device_dense = self.alpha != 0.0 && !self.exact && self.a.file.dtype() != DType::F64;
-        // `MGMM_VERIFY_OUTPUT_FIRST`: the output (and C0) folded beside the pass over op(B),
-        // against the X drawn — folded again below if that pass drops columns from X.
-        let first = (device_dense && self.dev.output_first)
-            .then(|| x.clone())
-            .filter(|_| self.dev.may_have_device());
-        // A device for the dense pass gets ready meanwhile (its buffers, its kernels loaded).
-        let ((zb, ()), early) = rayon::join(
-            || {
-                rayon::join(
-                    || self.scatter_b(groups, &mut x),
-                    || {
-                        if self.alpha != 0.0 {
-                            pass::prepare(&self.a, rounds, groups.count(), self.exact, self.dev)
-                        }
-                    },
-                )
-            },
-            || first.as_deref().map(scatters),
-        );
-        let zb = zb?;
-        let x = &x;
-        let early = early.filter(|_| first.as_ref() == Some(x));
-        let dense = || match &zb {
-            Some(z) => pass::dense(&self.a, z, self.exact, self.dev).map(Some),
-            None => Ok(None),
-        };
         // With the products on a device, the host folds the output (and C0) against the same
         // X meanwhile (the passes are independent once X is fixed); on the CPU alone, one
         // after the other (at once they only compete for the same cores: 8 % slower on two).
-        let on_device = zb.is_some() && device_dense && self.dev.present();
-        let (ab, (cs, c0s)) = match (early, on_device) {
-            (Some(done), _) => (dense(), done),
-            (None, true) => rayon::join(dense, || scatters(x)),
-            (None, false) => (dense(), scatters(x)),
+        let on_device =
+            zb.is_some() && !self.exact && self.a.file.dtype() != DType::F64 && self.dev.present();
+        let (ab, (cs, c0s)) = match on_device {
+            true => rayon::join(dense, scatters),
+            false => (dense(), scatters()),
         };
         let (ab, cs, c0s) = (ab?, cs?, c0s?);
         let g = groups.count();
@@ -503,15 +490,6 @@ impl Verifier {
             times,
             dev: Device::open(engine),
         }
-    }
-
-    /// The output (and C0) folded beside the pass over op(B), while the device opens, rather
-    /// than beside the dense pass on the device (`on`; `MGMM_VERIFY_OUTPUT_FIRST=1` sets it for
-    /// the command line): the same sums either way, for measuring one order against the
-    /// other (tools/bench/verify_vs_product.sh's `ORDERS`).
-    pub fn output_first(mut self, on: bool) -> Verifier {
-        self.dev.output_first = on;
-        self
     }
 
     /// A verifier whose dense passes run on `dev` (tests).

@@ -7,9 +7,6 @@
 # each (`SWEEP` passes and their rates: how the host's passes scale with threads).
 # AB="NAME=BINARY ...": then `verify` (products on the GPU) by each binary in turn, REPEAT (2)
 # rounds interleaved, one line each with its passes' times (an A/B of builds on the same files).
-# ORDERS=N: then N rounds of `verify` (products on the GPU) with the output folded beside the dense
-# pass over A (the default) and beside the pass over B (MGMM_VERIFY_OUTPUT_FIRST=1), interleaved,
-# one line each with its process time and passes.
 # Log: $OUT/verify_vs_product.log.
 set -uo pipefail
 . "$(dirname "$0")/../lib.sh"
@@ -41,12 +38,6 @@ for r in $(seq "${REPEAT:-2}"); do
   for nb in ${AB:-}; do
     s=$(date +%s%N); rates=$(MGMM_VERIFY_TIMES=1 "${nb#*=}" verify v.toml 2>&1 | grep -E '^verify: (scatter|dense)' | sed -E 's/^verify: ([a-z]+) [^ ]+ .*: ([0-9.]+ s, [0-9.]+ GB\/s)$/\1 \2/' | paste -sd';')
     echo "AB ${nb%%=*} round $r: process $(( ($(date +%s%N) - s) / 1000000 )) ms; $rates" | tee -a "$LOG"
-  done
-done
-for r in $(seq "${ORDERS:-0}"); do
-  for o in 0 1; do
-    s=$(date +%s%N); rates=$(MGMM_VERIFY_OUTPUT_FIRST=$o MGMM_VERIFY_TIMES=1 "$MGMM" verify v.toml 2>&1 | grep -E '^verify: (scatter|dense)' | sed -E 's/^verify: ([a-z]+) [^ ]+ .*: ([0-9.]+ s, [0-9.]+ GB\/s)$/\1 \2/' | paste -sd';')
-    echo "ORDER output_first=$o round $r: process $(( ($(date +%s%N) - s) / 1000000 )) ms; $rates" | tee -a "$LOG"
   done
 done
 # Where a GPU verify's time goes (issue 35: its dense pass over A bounds it): the passes, the band
