@@ -951,20 +951,28 @@ fn pools_line(r: &StepReport) -> String {
 /// (a trial's `checkpoint_every = "0s"` run named writeback its bottleneck, 98 % busy, and
 /// said nothing of the 240 checkpoints behind it).
 fn checkpoints_line(r: &StepReport) -> String {
-    let paced = r.bottleneck.starts_with("writeback") && r.checkpoint_s >= 0.25 * r.wall_s;
+    // Their time is the writeback threads' together; the bottleneck is one of them.
+    let threads = (r.busy_shares.iter())
+        .filter(|(n, _)| n.starts_with("writeback"))
+        .count()
+        .max(1);
+    let paced =
+        r.bottleneck.starts_with("writeback") && r.checkpoint_s / threads as f64 >= 0.25 * r.wall_s;
     let every = r.checkpoint_every_s;
-    checkpoints_text(
-        r.checkpoints_saved,
-        r.checkpoint_bytes,
-        r.checkpoint_s,
-        every,
-        paced,
-    )
+    let (n, bytes, secs) = (r.checkpoints_saved, r.checkpoint_bytes, r.checkpoint_s);
+    checkpoints_text(n, bytes, (secs, threads), every, paced)
 }
 
-/// [`checkpoints_line`] of `saved` checkpoints of `bytes` in `secs`, taken every `every`
-/// seconds (`None`: off), which set the step's pace or not.
-fn checkpoints_text(saved: u64, bytes: u64, secs: f64, every: Option<f64>, paced: bool) -> String {
+/// [`checkpoints_line`] of `saved` checkpoints of `bytes` in `secs` of `threads` writeback
+/// threads together, taken every `every` seconds (`None`: off), which set the step's pace or
+/// not.
+fn checkpoints_text(
+    saved: u64,
+    bytes: u64,
+    (secs, threads): (f64, usize),
+    every: Option<f64>,
+    paced: bool,
+) -> String {
     if saved == 0 {
         return String::new();
     }
@@ -979,11 +987,15 @@ fn checkpoints_text(saved: u64, bytes: u64, secs: f64, every: Option<f64>, paced
     let every = match every {
         Some(0.0) => "after every k-chunk (engine.checkpoint_every = \"0s\")".into(),
         Some(s) => format!("engine.checkpoint_every = \"{}\"", plan(s)),
-        None => "as the run stopped (engine.checkpoint_every = \"off\")".into(),
+        None => "engine.checkpoint_every = \"off\"".into(),
+    };
+    let together = match threads {
+        1 => String::new(),
+        n => format!(" (its {n} threads together)"),
     };
     format!(
-        "  checkpoints: {} saved ({}) in {secs:.2} s of writeback, {every}{}\n",
-        crate::units::count(saved, "partial tile", "partial tiles"),
+        "  checkpoints: {} of partial tiles saved ({}) in {secs:.2} s of writeback{together}, {every}{}\n",
+        crate::units::count(saved, "checkpoint", "checkpoints"),
         fmt_bytes(bytes),
         match paced {
             true => "; saving them set the pace: a longer engine.checkpoint_every saves less often (a kill loses at most about that much of a tile's work; \"5min\" by default)",
@@ -1071,23 +1083,23 @@ mod tests {
     /// it; that they set the pace only when they did.
     #[test]
     fn the_checkpoints_line_says_how_many_and_whether_they_set_the_pace() {
-        assert_eq!(checkpoints_text(0, 0, 0.0, Some(300.0), false), "");
-        let t = checkpoints_text(240, 15 << 28, 6.41, Some(0.0), true);
+        assert_eq!(checkpoints_text(0, 0, (0.0, 1), Some(300.0), false), "");
+        let t = checkpoints_text(240, 15 << 28, (6.41, 2), Some(0.0), true);
         assert!(
-            t.starts_with("  checkpoints: 240 partial tiles saved (3.75 GiB) in 6.41 s of writeback, after every k-chunk (engine.checkpoint_every = \"0s\"); saving them set the pace: a longer engine.checkpoint_every")
+            t.starts_with("  checkpoints: 240 checkpoints of partial tiles saved (3.75 GiB) in 6.41 s of writeback (its 2 threads together), after every k-chunk (engine.checkpoint_every = \"0s\"); saving them set the pace: a longer engine.checkpoint_every")
                 && t.ends_with("\n"),
             "{t}"
         );
-        let t = checkpoints_text(1, 4096, 0.01, Some(300.0), false);
+        let t = checkpoints_text(1, 4096, (0.01, 1), Some(300.0), false);
         assert_eq!(
             t,
-            "  checkpoints: 1 partial tile saved (4.00 KiB) in 0.01 s of writeback, engine.checkpoint_every = \"5min\"\n"
+            "  checkpoints: 1 checkpoint of partial tiles saved (4.00 KiB) in 0.01 s of writeback, engine.checkpoint_every = \"5min\"\n"
         );
-        assert!(checkpoints_text(2, 8, 0.0, Some(0.25), false).contains("= \"250ms\""));
-        assert!(checkpoints_text(2, 8, 0.0, Some(5400.0), false).contains("= \"90min\""));
-        assert!(checkpoints_text(2, 8, 0.0, Some(7200.0), false).contains("= \"2h\""));
-        assert!(checkpoints_text(2, 8, 0.0, Some(2.5), false).contains("= \"2.5s\""));
-        assert!(checkpoints_text(2, 8, 0.0, None, false).contains("as the run stopped"));
+        let every = |s| checkpoints_text(2, 8, (0.0, 1), Some(s), false);
+        assert!(every(0.25).contains("= \"250ms\""));
+        assert!(every(5400.0).contains("= \"90min\""));
+        assert!(every(7200.0).contains("= \"2h\""));
+        assert!(every(2.5).contains("= \"2.5s\""));
     }
 
     #[test]

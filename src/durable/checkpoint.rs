@@ -121,19 +121,34 @@ pub(crate) struct Checkpoints {
     failed: Mutex<Option<String>>,
     /// Set with `failed`, and never cleared: read on every GEMM without a lock.
     off: std::sync::atomic::AtomicBool,
-    /// What this run saved: checkpoints, their bytes and nanoseconds (writeback's time).
-    saved: [AtomicU64; 3],
+    /// What this run saved so far ([`Checkpoints::saved`]).
+    saves: AtomicU64,
+    saved_bytes: AtomicU64,
+    save_nanos: AtomicU64,
 }
 
-/// What a run's checkpoints cost ([`Checkpoints::saved`]), for the step's report.
+/// What a run's checkpoints cost ([`Checkpoints::saved`]), for the step's report: the saves
+/// that succeeded (one that fails turns checkpoints off, and the run says why).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct Saved {
-    /// Checkpoints written.
+    /// Checkpoints written (a tile saved five times counts five).
     pub(crate) count: u64,
     /// Their bytes (headers and accumulators).
     pub(crate) bytes: u64,
-    /// Seconds spent writing and syncing them (on the writeback threads).
+    /// Seconds spent writing and syncing them, the writeback threads together.
     pub(crate) secs: f64,
+}
+
+impl Saved {
+    /// What was saved since `before` was read (one attempt of a step: a device failover
+    /// makes another, with the same checkpoints).
+    pub(crate) fn since(self, before: Saved) -> Saved {
+        Saved {
+            count: self.count - before.count,
+            bytes: self.bytes - before.bytes,
+            secs: self.secs - before.secs,
+        }
+    }
 }
 
 impl Checkpoints {
@@ -158,7 +173,9 @@ impl Checkpoints {
             present: Mutex::new(BTreeSet::new()),
             failed: Mutex::new(None),
             off: std::sync::atomic::AtomicBool::new(false),
-            saved: Default::default(),
+            saves: AtomicU64::new(0),
+            saved_bytes: AtomicU64::new(0),
+            save_nanos: AtomicU64::new(0),
         }
     }
 
@@ -197,11 +214,10 @@ impl Checkpoints {
 
     /// The checkpoints this run saved so far, and what they cost.
     pub(crate) fn saved(&self) -> Saved {
-        let [count, bytes, nanos] = self.saved.each_ref().map(|a| a.load(Ordering::Relaxed));
         Saved {
-            count,
-            bytes,
-            secs: nanos as f64 * 1e-9,
+            count: self.saves.load(Ordering::Relaxed),
+            bytes: self.saved_bytes.load(Ordering::Relaxed),
+            secs: self.save_nanos.load(Ordering::Relaxed) as f64 * 1e-9,
         }
     }
 
@@ -432,9 +448,9 @@ impl Checkpoints {
         tmp.commit()?;
         self.present.lock().unwrap().insert(tile.seq);
         let took = t.elapsed().as_nanos().min(u64::MAX as u128) as u64;
-        for (a, v) in self.saved.iter().zip([1, (line.len() + n) as u64, took]) {
-            a.fetch_add(v, Ordering::Relaxed);
-        }
+        self.saves.fetch_add(1, Ordering::Relaxed);
+        (self.saved_bytes).fetch_add((line.len() + n) as u64, Ordering::Relaxed);
+        self.save_nanos.fetch_add(took, Ordering::Relaxed);
         Ok(())
     }
 
@@ -550,7 +566,9 @@ mod tests {
             present: Mutex::new(BTreeSet::new()),
             failed: Mutex::new(None),
             off: std::sync::atomic::AtomicBool::new(false),
-            saved: Default::default(),
+            saves: AtomicU64::new(0),
+            saved_bytes: AtomicU64::new(0),
+            save_nanos: AtomicU64::new(0),
         }
     }
 

@@ -114,6 +114,8 @@ impl StepRun<'_> {
             cancel: self.cancel,
             ..RunConfig::from_engine(e)
         };
+        // This attempt's checkpoints, not an earlier one's (a failover keeps the same store).
+        let saved_before = self.target.checkpoints().map(|c| c.saved());
         let tb = Instant::now();
         let pipe = Pipeline::build_with(
             step,
@@ -156,8 +158,8 @@ impl StepRun<'_> {
         crate::trace::span("start-up", &format!("step {n}: finish"), tf, Instant::now());
         let cx = StepContext::of(step, layout, backend, e);
         let mut rep = report::step_report(&cx, stats);
-        if let Some(c) = self.target.checkpoints() {
-            rep.with_checkpoints(c.saved(), e.checkpoint_every);
+        if let (Some(c), Some(before)) = (self.target.checkpoints(), saved_before) {
+            rep.with_checkpoints(c.saved().since(before), e.checkpoint_every);
         }
         rep.setup_s = std::iter::once(("resume".into(), resume_s))
             .chain(engine_times.iter().map(|&(k, v)| (k.into(), v)))

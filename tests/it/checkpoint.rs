@@ -464,11 +464,22 @@ fn failover_resumes_the_failed_lanes_tile() {
     let progress = Progress::log_into(Duration::from_secs(3600), lines.clone());
     let r = mgmm_stream::run::run_plan_on(&plan, backend, &RunOptions::default(), &progress);
     let notes = lines.lock().unwrap().clone();
-    r.unwrap();
+    let r = r.unwrap();
     assert!(notes.iter().any(|n| n.contains("failed")), "{notes:?}");
     assert!(
-        notes.iter().any(|n| n.contains("partial tile")),
+        notes
+            .iter()
+            .any(|n| n.contains("partial tile") && n.contains("from checkpoint")),
         "{notes:?}"
+    );
+    // The report's checkpoints are the last attempt's, as its GEMMs are (the store outlives
+    // the failover): at most one per GEMM of that attempt.
+    let s = &r.steps[0];
+    assert!(
+        (1..gemms(&r)).contains(&s.checkpoints_saved),
+        "{} checkpoints, {} GEMMs",
+        s.checkpoints_saved,
+        gemms(&r)
     );
     // The CPU reference of setup() computes each tile as every simulated lane does.
     assert!(same_output(dir));
