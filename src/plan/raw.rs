@@ -161,8 +161,21 @@ pub(crate) fn parse(src: &str) -> Result<RawPlan, String> {
                 format!(" at line {line}, column {col} (`{text}`)")
             })
             .unwrap_or_default();
-        format!("invalid plan{at}: {}", plain(e.message().trim()))
+        let key = e.span().and_then(|sp| key_before(src, sp.start));
+        format!("invalid plan{at}: {}", plain_for(e.message().trim(), key))
     })
+}
+
+/// The key whose value starts at byte `at` of `src` (`rows` in `generate = { rows = -1 }`),
+/// if the text before it on its line ends with one and an `=`.
+fn key_before(src: &str, at: usize) -> Option<&str> {
+    let at = at.min(src.len());
+    let line = &src[src[..at].rfind('\n').map_or(0, |i| i + 1)..at];
+    let head = line.trim_end().strip_suffix('=')?.trim_end();
+    let from = head
+        .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .map_or(0, |i| i + 1);
+    Some(&head[from..]).filter(|k| !k.is_empty())
 }
 
 /// serde's message for a value of none of an untagged enum's shapes names the Rust type; say
@@ -170,6 +183,18 @@ pub(crate) fn parse(src: &str) -> Result<RawPlan, String> {
 /// the Rust types in "expected usize" are said in words (`threads = -1` answered "invalid
 /// value: integer `-1`, expected usize").
 pub(crate) fn plain(msg: &str) -> String {
+    plain_for(msg, None)
+}
+
+/// [`plain`] for the value of `key`, where the plan's text names it: a whole number is asked
+/// for from 1 unless the key takes 0 (`threads`, `offset`, `seed`), so that `rows = -1` is not
+/// answered "0 or more" only for `rows = 0` to be refused next (a new-user trial).
+fn plain_for(msg: &str, key: Option<&str>) -> String {
+    let from_zero = key.is_none_or(|k| matches!(k, "threads" | "offset" | "seed"));
+    let whole = match from_zero {
+        true => "a whole number, 0 or more",
+        false => "a whole number, 1 or more",
+    };
     if msg.contains("untagged enum RawTile") {
         return "tile takes \"auto\", one edge (tile = 4096) or three (tile = [4096, 4096, 2048]), positive integers".into();
     }
@@ -182,15 +207,15 @@ pub(crate) fn plain(msg: &str) -> String {
     if msg.starts_with("invalid type: integer") && msg.ends_with("expected a string") {
         return format!("{msg}; sizes are strings with a unit (\"64GiB\", \"512MiB\")");
     }
-    const WORDS: [(&str, &str); 6] = [
-        ("usize", "a whole number, 0 or more"),
-        ("u64", "a whole number, 0 or more"),
-        ("u32", "a whole number, 0 or more"),
+    let words: [(&str, &str); 6] = [
+        ("usize", whole),
+        ("u64", whole),
+        ("u32", whole),
         ("i64", "a whole number"),
         ("f64", "a number"),
         ("a boolean", "true or false"),
     ];
-    for (rust, words) in WORDS {
+    for (rust, words) in words {
         if let Some(head) = msg.strip_suffix(&format!("expected {rust}")) {
             let head = (head.strip_prefix("invalid value: "))
                 .or_else(|| head.strip_prefix("invalid type: "))

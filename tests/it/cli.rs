@@ -1040,6 +1040,20 @@ fn a_bad_engine_value_is_answered_in_words() {
         &["line 9", "threads = -1", "a whole number, 0 or more"],
     );
     assert!(!e.contains("usize"), "{e}");
+    // A key that takes no 0 asks for 1 or more (`rows = -1` was answered "0 or more", and
+    // `rows = 0` then refused: a trial), inline tables included; one that takes 0 says so.
+    let bad = text.replace("rows = 40", "rows = -1");
+    std::fs::write(dir.join("r.toml"), &bad).unwrap();
+    let e = fails(
+        &mg(dir, &["plan", "r.toml"]),
+        &["line 3", "rows = -1", "a whole number, 1 or more"],
+    );
+    assert!(!e.contains("0 or more"), "{e}");
+    std::fs::write(dir.join("s.toml"), text.replace("seed = 1", "seed = -1")).unwrap();
+    fails(
+        &mg(dir, &["plan", "s.toml"]),
+        &["seed = -1", "a whole number, 0 or more"],
+    );
 }
 
 /// A step that no plan file's line holds (the Python package's `plan(a, b)` of a `matmul`, a
