@@ -986,7 +986,7 @@ fn checkpoints_text(
     };
     let every = match every {
         Some(0.0) => "after every k-chunk (engine.checkpoint_every = \"0s\")".into(),
-        Some(s) => format!("engine.checkpoint_every = \"{}\"", plan(s)),
+        Some(s) => format!("every {} (engine.checkpoint_every)", plan(s)),
         None => "engine.checkpoint_every = \"off\"".into(),
     };
     let together = match threads {
@@ -994,8 +994,7 @@ fn checkpoints_text(
         n => format!(" (its {n} threads together)"),
     };
     format!(
-        "  checkpoints: {} of partial tiles saved ({}) in {secs:.2} s of writeback{together}, {every}{}\n",
-        crate::units::count(saved, "checkpoint", "checkpoints"),
+        "  checkpoints: {saved} saved ({} of partial tiles) in {secs:.2} s of writeback{together}, {every}{}\n",
         fmt_bytes(bytes),
         match paced {
             true => "; saving them set the pace: a longer engine.checkpoint_every saves less often (a kill loses at most about that much of a tile's work; \"5min\" by default)",
@@ -1086,20 +1085,20 @@ mod tests {
         assert_eq!(checkpoints_text(0, 0, (0.0, 1), Some(300.0), false), "");
         let t = checkpoints_text(240, 15 << 28, (6.41, 2), Some(0.0), true);
         assert!(
-            t.starts_with("  checkpoints: 240 checkpoints of partial tiles saved (3.75 GiB) in 6.41 s of writeback (its 2 threads together), after every k-chunk (engine.checkpoint_every = \"0s\"); saving them set the pace: a longer engine.checkpoint_every")
+            t.starts_with("  checkpoints: 240 saved (3.75 GiB of partial tiles) in 6.41 s of writeback (its 2 threads together), after every k-chunk (engine.checkpoint_every = \"0s\"); saving them set the pace: a longer engine.checkpoint_every")
                 && t.ends_with("\n"),
             "{t}"
         );
         let t = checkpoints_text(1, 4096, (0.01, 1), Some(300.0), false);
         assert_eq!(
             t,
-            "  checkpoints: 1 checkpoint of partial tiles saved (4.00 KiB) in 0.01 s of writeback, engine.checkpoint_every = \"5min\"\n"
+            "  checkpoints: 1 saved (4.00 KiB of partial tiles) in 0.01 s of writeback, every 5min (engine.checkpoint_every)\n"
         );
         let every = |s| checkpoints_text(2, 8, (0.0, 1), Some(s), false);
-        assert!(every(0.25).contains("= \"250ms\""));
-        assert!(every(5400.0).contains("= \"90min\""));
-        assert!(every(7200.0).contains("= \"2h\""));
-        assert!(every(2.5).contains("= \"2.5s\""));
+        assert!(every(0.25).contains("every 250ms ("));
+        assert!(every(5400.0).contains("every 90min ("));
+        assert!(every(7200.0).contains("every 2h ("));
+        assert!(every(2.5).contains("every 2.5s ("));
     }
 
     #[test]

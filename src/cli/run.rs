@@ -143,12 +143,13 @@ impl RunArgs {
             None => run::run_plan(&p, &opts, &progress),
         };
         crate::trace::write_at_end();
-        let rep = rep.map_err(|e| {
-            interrupted(
-                e,
-                "run the same command again to resume (finished tiles are kept)",
-            )
-        })?;
+        // `--restart` again would discard what the stopped run kept (a trial lost a
+        // checkpointed tile so, told to "run the same command again").
+        let again = match restart {
+            false => "run the same command again to resume (finished tiles are kept)",
+            true => "run the same command again without --restart to resume (finished tiles and checkpoints are kept; --restart would discard them)",
+        };
+        let rep = rep.map_err(|e| interrupted(e, again))?;
         progress.result(&format!(
             "done in {} (process {})",
             fmt_duration(Some(rep.wall_s)),

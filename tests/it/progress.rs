@@ -158,11 +158,28 @@ fn slow_plan(dir: &Path) {
 
 #[test]
 fn ctrl_c_stops_cleanly_and_says_how_to_resume() {
+    ctrl_c_then_resume(&[], "interrupted; run the same command again to resume");
+}
+
+/// A run given `--restart` and stopped says to run again *without* it: the same command would
+/// discard what was kept (a trial did so, and lost a checkpointed tile without a word).
+#[test]
+fn ctrl_c_of_a_restart_says_to_resume_without_it() {
+    ctrl_c_then_resume(
+        &["--restart"],
+        "interrupted; run the same command again without --restart to resume",
+    );
+}
+
+/// Run the slow plan with `extra` arguments, press Ctrl-C once it is under way: exit 130, the
+/// last line contains `want`; then a plain `run` resumes it to a checked output.
+fn ctrl_c_then_resume(extra: &[&str], want: &str) {
     let d = tmp();
     let dir = d.path();
     slow_plan(dir);
     let mut child = Command::new(bin())
         .args(["run", "p.toml", "--log-every", "0.2"])
+        .args(extra)
         .current_dir(dir)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -191,10 +208,7 @@ fn ctrl_c_stops_cleanly_and_says_how_to_resume() {
     assert_eq!(status.code(), Some(130), "{all}");
     assert!(!all.contains("panicked"), "{all}");
     let last = all.trim_end().lines().last().unwrap();
-    assert!(
-        last.contains("interrupted; run the same command again to resume"),
-        "last line: {last}\n{all}"
-    );
+    assert!(last.contains(want), "last line: {last}\n{all}");
     assert!(
         all.contains("(interrupted)"),
         "the bar ends with a line: {all}"
