@@ -159,7 +159,8 @@ impl StepRun<'_> {
         let cx = StepContext::of(step, layout, backend, e);
         let mut rep = report::step_report(&cx, stats);
         if let (Some(c), Some(before)) = (self.target.checkpoints(), saved_before) {
-            rep.with_checkpoints(c.saved().since(before), e.checkpoint_every);
+            let resumed = c.resumed().len();
+            rep.with_checkpoints(c.saved().since(before), e.checkpoint_every, resumed);
         }
         rep.setup_s = std::iter::once(("resume".into(), resume_s))
             .chain(engine_times.iter().map(|&(k, v)| (k.into(), v)))

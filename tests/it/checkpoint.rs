@@ -198,6 +198,7 @@ fn kill_mid_tile_then_resume_from_checkpoint(backend: &str) {
     assert!(st.contains("tiles done") && st.contains(&want), "{st}");
     let (r, notes) = resume(dir);
     let computed = r.steps[0].tiles_computed;
+    assert_eq!(r.steps[0].checkpoint_resumed_tiles, saved.len() as u64);
     // Exactly the k-chunks neither recorded nor checkpointed, and fewer than without
     // checkpoints (every unrecorded tile from its start).
     assert_eq!(gemms(&r), computed * GK - k_saved, "{saved:?}");
@@ -253,6 +254,7 @@ fn single_long_tile_resumes(backend: &str) {
     // And what its own checkpoints cost: with "0s" one after each k-chunk but the last (the
     // tile is then written), each the 60×50 f32 accumulator and a header line.
     let s = &r.steps[0];
+    assert_eq!(s.checkpoint_resumed_tiles, 1);
     assert_eq!(s.checkpoint_every_s, Some(0.0));
     assert_eq!(s.checkpoints_saved, gemms(&r) - 1, "{saved:?}");
     assert!(
