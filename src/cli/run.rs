@@ -145,9 +145,12 @@ impl RunArgs {
         crate::trace::write_at_end();
         // `--restart` again would discard what the stopped run kept (a trial lost a
         // checkpointed tile so, told to "run the same command again").
-        let again = match restart {
-            false => "run the same command again to resume (finished tiles are kept)",
-            true => "run the same command again without --restart to resume (finished tiles and checkpoints are kept; --restart would discard them)",
+        // Without checkpoints the tiles in flight are lost (a trial read "finished tiles are
+        // kept" as all the work kept, with 0 tiles finished and 61 % of one done).
+        let again = match (restart, p.engine.checkpoint_every.is_some()) {
+            (false, true) => "run the same command again to resume (finished tiles are kept, and the tiles in flight from their checkpoints)",
+            (false, false) => "run the same command again to resume (finished tiles are kept; with engine.checkpoint_every = \"off\" the tiles in flight start again)",
+            (true, _) => "run the same command again without --restart to resume (finished tiles and checkpoints are kept; --restart would discard them)",
         };
         let rep = rep.map_err(|e| interrupted(e, again))?;
         progress.result(&format!(

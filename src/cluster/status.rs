@@ -137,8 +137,8 @@ fn one_process(
         // they match the step).
         let partial = checkpointed(out, &Default::default());
         return format!(
-            "its journal records {} tile(s), but the output is gone: `mgmm-stream run {plan}` computes the step {}{partial}",
-            j.done.len(),
+            "its journal records {}, but the output is gone: `mgmm-stream run {plan}` computes the step {}{partial}",
+            crate::units::count(j.done.len() as u64, "tile", "tiles"),
             if partial.is_empty() { "afresh" } else { "again, resuming the checkpointed tiles that still match it" }
         );
     }
@@ -174,7 +174,8 @@ fn one_process(
     format!("started in one process, not finished: {progress}; {who}{age}{partial}")
 }
 
-/// "; N unfinished tile(s) checkpointed in DIR (K of their KS k-chunks done)" for the
+/// "; N unfinished tiles checkpointed in DIR (K of their KS k-chunks done)" ("1 unfinished
+/// tile … of its …") for the
 /// checkpoints of `out`'s tiles not in `done` (a kill may leave those of recorded tiles
 /// behind); empty when there are none.
 fn checkpointed(out: &Path, done: &std::collections::BTreeSet<u32>) -> String {
@@ -185,10 +186,12 @@ fn checkpointed(out: &Path, done: &std::collections::BTreeSet<u32>) -> String {
     let (k, of) = ckpts
         .iter()
         .fold((0, 0), |(a, b), &(_, k, n)| (a + k, b + n));
+    let n = ckpts.len() as u64;
     format!(
-        "; {} unfinished tile(s) checkpointed in {} ({k} of their {of} k-chunks done)",
-        ckpts.len(),
-        crate::durable::checkpoint::partial_dir(out).display()
+        "; {} checkpointed in {} ({k} of {} {of} k-chunks done)",
+        crate::units::count(n, "unfinished tile", "unfinished tiles"),
+        crate::durable::checkpoint::partial_dir(out).display(),
+        if n == 1 { "its" } else { "their" }
     )
 }
 

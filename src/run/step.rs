@@ -238,9 +238,12 @@ impl StepRun<'_> {
         }
         let done: u64 = resumed.keys().map(|&s| ckpt.k_before(s)).sum();
         let of = resumed.len() as u64 * self.step.k.max(1);
-        let tiles = if resumed.len() == 1 { "tile" } else { "tiles" };
+        let (tiles, their) = match resumed.len() {
+            1 => ("tile", "its"),
+            _ => ("tiles", "their"),
+        };
         progress.note(&format!(
-            "{p}resuming {} partial {tiles} from checkpoints ({:.0} % of their K done)",
+            "{p}resuming {} partial {tiles} from checkpoints ({:.0} % of {their} K done)",
             resumed.len(),
             100.0 * done as f64 / of as f64
         ));

@@ -171,6 +171,16 @@ fn ctrl_c_of_a_restart_says_to_resume_without_it() {
     );
 }
 
+/// Without checkpoints the stop says the tiles in flight start again (a trial took "finished
+/// tiles are kept" for all the work, with 0 tiles finished and 61 % of one done).
+#[test]
+fn ctrl_c_without_checkpoints_says_the_tiles_in_flight_start_again() {
+    ctrl_c_then_resume(
+        &["--set", "engine.checkpoint_every=off"],
+        "checkpoint_every = \"off\" the tiles in flight start again",
+    );
+}
+
 /// Run the slow plan with `extra` arguments, press Ctrl-C once it is under way: exit 130, the
 /// last line contains `want`; then a plain `run` resumes it to a checked output.
 fn ctrl_c_then_resume(extra: &[&str], want: &str) {
