@@ -211,18 +211,18 @@ pub struct StepReport {
     /// What `precision = "fp64_emulated"` did, all lanes together; `None` under the other
     /// precisions.
     pub emulation: Option<EmulationReport>,
-    /// Partial accumulators of long tiles this run saved (`engine.checkpoint_every`,
-    /// docs/RESILIENCE.md): how many, their bytes, and the seconds the writeback threads spent
-    /// writing and syncing them (all threads together).
+    /// Checkpoints of partial tiles this run saved (`engine.checkpoint_every`,
+    /// docs/RESILIENCE.md; each save counts, the last attempt's after a device failover).
     #[serde(default)]
     pub checkpoints_saved: u64,
     /// Bytes of those checkpoints (headers and accumulators).
     #[serde(default)]
     pub checkpoint_bytes: u64,
-    /// Seconds writeback spent saving them.
+    /// Seconds writeback spent writing and syncing them (all its threads together).
     #[serde(default)]
     pub checkpoint_s: f64,
-    /// `engine.checkpoint_every` in seconds; `None`: `"off"`.
+    /// `engine.checkpoint_every` in seconds; `None`: `"off"`, or an output that keeps no
+    /// checkpoints (a chain's intermediate in memory, a Python result array).
     #[serde(default)]
     pub checkpoint_every_s: Option<f64>,
     /// Output tiles this run continued from a checkpoint an earlier run saved (their first
@@ -1007,13 +1007,14 @@ fn checkpoints_text(
         1 => String::new(),
         n => format!(" (its {n} threads together)"),
     };
+    let default = plan(crate::plan::engine::DEFAULT_CHECKPOINT_EVERY.as_secs_f64());
+    let paced = match paced {
+        true => format!("; saving them set the pace: a longer engine.checkpoint_every saves less often (a kill loses at most about that much of a tile's work; \"{default}\" by default)"),
+        false => String::new(),
+    };
     format!(
-        "  checkpoints: {saved} saved ({} of partial tiles) in {secs:.2} s of writeback{together}, {every}{}\n",
+        "  checkpoints: {saved} saved ({} of partial tiles) in {secs:.2} s of writeback{together}, {every}{paced}\n",
         fmt_bytes(bytes),
-        match paced {
-            true => "; saving them set the pace: a longer engine.checkpoint_every saves less often (a kill loses at most about that much of a tile's work; \"5min\" by default)",
-            false => "",
-        }
     )
 }
 
@@ -1100,7 +1101,7 @@ mod tests {
         let t = checkpoints_text(240, 15 << 28, (6.41, 2), Some(0.0), true);
         assert!(
             t.starts_with("  checkpoints: 240 saved (3.75 GiB of partial tiles) in 6.41 s of writeback (its 2 threads together), after every k-chunk (engine.checkpoint_every = \"0s\"); saving them set the pace: a longer engine.checkpoint_every")
-                && t.ends_with("\n"),
+                && t.ends_with("; \"5min\" by default)\n"),
             "{t}"
         );
         let t = checkpoints_text(1, 4096, (0.01, 1), Some(300.0), false);

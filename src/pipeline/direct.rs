@@ -704,14 +704,16 @@ pub(crate) fn copied_sources(
     host: DType,
 ) -> (AutoCopies, Vec<std::path::PathBuf>) {
     let roles: Vec<Role<'_>> = (sources.iter())
-        .map(|&(f, first)| Role {
-            path: f.path(),
-            whole_rows: f.mapped_block(&first, host).is_some_and(|mb| mb.whole_rows),
-            cols: f.shape().1,
-            first,
-            lockable: f.mapped_block(&first, host).is_some()
-                && f.device_block(&first, host).is_none(),
-            bytes: Role::bytes_of(f),
+        .map(|&(f, first)| {
+            let mapped = f.mapped_block(&first, host);
+            Role {
+                path: f.path(),
+                whole_rows: mapped.as_ref().is_some_and(|mb| mb.whole_rows),
+                cols: f.shape().1,
+                first,
+                lockable: mapped.is_some() && f.device_block(&first, host).is_none(),
+                bytes: Role::bytes_of(f),
+            }
         })
         .collect();
     let rule = p.rule_for(mode, &roles);
